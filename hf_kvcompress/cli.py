@@ -1,0 +1,39 @@
+"""The `hf-kvcompress` command: one sub-command per module in `hf_kvcompress.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each module defines `add_parser(subparsers)`, which registers its sub-command and sets `func(args) -> int`.
+COMMANDS = ("budget", "generate", "eval", "lm_eval", "study", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-kvcompress", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"hf_kvcompress.commands.{name}")
+        except ModuleNotFoundError as error:
+            if error.name == f"hf_kvcompress.commands.{name}":
+                continue  # that sub-command is not part of this build
+            raise
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a sub-command; user errors print one line, not a traceback."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"hf-kvcompress {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

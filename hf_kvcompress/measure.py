@@ -1,0 +1,42 @@
+"""What a cache object really holds in memory, as opposed to what a formula says it should."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _tensors(obj, seen: set[int]):
+    """Yield every tensor reachable from `obj` through attributes, dicts, lists and tuples."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value, seen)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+        for value in vars(obj).values():
+            yield from _tensors(value, seen)
+
+
+def measured_kv_bytes(cache) -> int:
+    """Bytes of tensor storage a cache owns, each storage counted once.
+
+    Counting whole storages (not tensor views) is the point: a cache that keeps a small slice of a large buffer
+    still pins the large buffer, and this number shows it.
+    """
+    layers = getattr(cache, "layers", None)
+    roots = layers if layers is not None else [cache]
+    storages: dict[tuple, int] = {}
+    seen: set[int] = set()
+    for root in roots:
+        for tensor in _tensors(root, seen):
+            if tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+            storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
