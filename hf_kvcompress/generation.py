@@ -1,0 +1,142 @@
+"""Run a model with a given cache: chunked prefill, greedy or sampled decoding, and timings.
+
+Separating prefill from decoding is what lets an evaluation compress a document before the question arrives,
+which is how a served cache sees its prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .hf.compat import cache_kwargs
+from .measure import measured_kv_bytes
+
+
+@dataclass
+class GenerationResult:
+    """Tokens generated and what producing them cost."""
+
+    sequences: torch.Tensor  # [B, prompt + new]
+    new_tokens: torch.Tensor  # [B, new]
+    prefill_tokens: int
+    prefill_seconds: float
+    decode_tokens: int
+    decode_seconds: float
+    kv_bytes: int
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("inf")
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("inf")
+
+
+@torch.inference_mode()
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache, chunk_size: int | None = None):
+    """Feed `input_ids` into `cache` (after what it already holds), in chunks of `chunk_size` tokens.
+
+    `attention_mask` covers everything the cache has seen plus `input_ids`, as in generate(). Returns the logits
+    of the last position.
+    """
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
+    past = cache.get_seq_length()
+    total = past + input_ids.shape[1]
+    if attention_mask is None:
+        attention_mask = torch.ones(input_ids.shape[0], total, dtype=torch.long, device=input_ids.device)
+    if attention_mask.shape[1] != total:
+        raise ValueError(
+            f"attention_mask must cover the cached tokens plus input_ids ({total} positions), got {attention_mask.shape[1]}"
+        )
+    # Positions count real tokens only and padding sits at position 1, exactly as generate() lays them out, so a
+    # cache sees the same positions whichever of the two fed it (the caches read padding from them).
+    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    step = chunk_size or input_ids.shape[1]
+    logits = None
+    for start in range(0, input_ids.shape[1], step):
+        end = min(start + step, input_ids.shape[1])
+        out = model(
+            input_ids=input_ids[:, start:end],
+            attention_mask=attention_mask[:, : past + end],
+            position_ids=position_ids[:, past + start : past + end],
+            use_cache=True,
+            logits_to_keep=1,
+            **cache_kwargs(cache),
+        )
+        logits = out.logits[:, -1, :]
+    return logits
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache,
+    max_new_tokens: int = 32,
+    streamer=None,
+    prefill_chunk_size: int | None = None,
+    **generate_kwargs,
+) -> GenerationResult:
+    """generate() with `cache`, timing prefill and decoding separately.
+
+    The prompt (whatever part of it the cache has not seen yet) is prefilled first, then generate() continues from
+    the cache, which slices off what the cache already holds.
+    """
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive number of tokens, got {max_new_tokens}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    device = input_ids.device
+    seen = cache.get_seq_length()
+    new_prompt = input_ids.shape[1] - seen
+    if new_prompt < 1:
+        raise ValueError(f"input_ids must extend what the cache already holds ({seen} tokens)")
+    _sync(device)
+    start = time.perf_counter()
+    if new_prompt > 1:  # leave the last prompt token to generate(), which needs one input
+        prefill(model, input_ids[:, seen:-1], attention_mask[:, :-1], cache, chunk_size=prefill_chunk_size)
+    _sync(device)
+    prefill_seconds = time.perf_counter() - start
+    generate_kwargs.setdefault("do_sample", False)
+    if not generate_kwargs["do_sample"]:
+        generate_kwargs.setdefault("temperature", None)
+        generate_kwargs.setdefault("top_p", None)
+        generate_kwargs.setdefault("top_k", None)
+    pad_id = getattr(model.generation_config, "pad_token_id", None)
+    if pad_id is None:
+        pad_id = getattr(model.generation_config, "eos_token_id", None)
+        if isinstance(pad_id, list):
+            pad_id = pad_id[0]
+    start = time.perf_counter()
+    sequences = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        streamer=streamer,
+        pad_token_id=pad_id,
+        **cache_kwargs(cache),
+        **generate_kwargs,
+    )
+    _sync(device)
+    decode_seconds = time.perf_counter() - start
+    new_tokens = sequences[:, input_ids.shape[1] :]
+    return GenerationResult(
+        sequences=sequences,
+        new_tokens=new_tokens,
+        prefill_tokens=new_prompt * input_ids.shape[0],
+        prefill_seconds=prefill_seconds,
+        decode_tokens=new_tokens.shape[1] * input_ids.shape[0],
+        decode_seconds=decode_seconds,
+        kv_bytes=measured_kv_bytes(cache),
+    )
