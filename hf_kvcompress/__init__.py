@@ -1,0 +1,49 @@
+"""hf-kvcompress: smaller KV caches for transformers models, and measurements of what they cost in quality."""
+
+from .caches.compressed import CompressedCache
+from .caches.presets import Fp8Cache, HeavyHitterCache, QuantizedCache, SinkWindowCache
+from .codecs.fp8 import Fp8Codec
+from .codecs.identity import IdentityCodec
+from .codecs.intn import IntNCodec
+from .hf.attention import use_kvcompress_attention
+from .measure import measured_kv_bytes
+from .policies.heavy_hitter import HeavyHitterPolicy
+from .policies.keep_all import KeepAllPolicy
+from .policies.sink_window import SinkWindowPolicy
+from .registry import make_cache, parse_spec
+
+
+def __getattr__(name):
+    # Model loading and the budget calculator import lazily: they pull in heavier modules.
+    if name in ("load_model", "load_config"):
+        from . import models
+
+        return getattr(models, name)
+    if name == "budget":
+        import importlib
+
+        return importlib.import_module(".budget", __name__)
+    if name == "kv_bytes":
+        from .budget import kv_bytes
+
+        return kv_bytes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "CompressedCache",
+    "Fp8Cache",
+    "Fp8Codec",
+    "HeavyHitterCache",
+    "HeavyHitterPolicy",
+    "IdentityCodec",
+    "IntNCodec",
+    "KeepAllPolicy",
+    "QuantizedCache",
+    "SinkWindowCache",
+    "SinkWindowPolicy",
+    "make_cache",
+    "measured_kv_bytes",
+    "parse_spec",
+    "use_kvcompress_attention",
+]

@@ -1,0 +1,282 @@
+"""One decoder layer's compressed cache: a policy (which tokens stay) x a codec (how they are stored)."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..codecs.base import Codec, Encoded, cat_encoded, gather_encoded, select_batch
+from ..policies.base import Policy, select_kept
+
+# The key under which a layer asks the attention function for statistics (see hf/attention.py).
+OBSERVER_KEY = "kvcompress_observer"
+
+ENABLE_ATTENTION_HINT = (
+    "call `hf_kvcompress.use_kvcompress_attention(model)` once before generating (it registers the "
+    "'kvcompress_sdpa' attention function with transformers and switches the model to it)"
+)
+
+
+def _attention_kwargs(args, kwargs) -> dict | None:
+    """The dict of attention kwargs transformers hands to `update` (it is later unpacked into attention)."""
+    if isinstance(kwargs.get("kwargs"), dict):
+        return kwargs["kwargs"]
+    if args and isinstance(args[0], dict):
+        return args[0]
+    return None
+
+
+class CompressedLayer(CacheLayerMixin):
+    """Stores a layer's kept tokens as [encoded store | full-precision tail].
+
+    New tokens join the tail; the policy evicts down to its budget (right away, or after attention when it
+    scores by attention); tail tokens beyond the codec's residual are encoded a block at a time and never
+    re-encoded. Slots stay in token order with each row's padding first, so `get_mask_sizes` lets transformers'
+    own masks line up with what is kept, and the standard attention functions work unchanged.
+    """
+
+    is_compileable = False
+
+    def __init__(self, policy: Policy, codec: Codec, is_sliding: bool = False):
+        super().__init__()
+        self.policy = policy
+        self.codec = codec
+        self.is_sliding = is_sliding
+        self._clear()
+
+    def _clear(self) -> None:
+        self.keys = self.values = None  # unused: kept for code that inspects transformers layers
+        self.is_initialized = False
+        self.seen = 0  # tokens this layer has been given, evicted ones included
+        self.encoded_keys: Encoded | None = None
+        self.encoded_values: Encoded | None = None
+        self.n_encoded = 0
+        self.tail_keys: torch.Tensor | None = None  # [B, H_kv, t, D]
+        self.tail_values: torch.Tensor | None = None
+        self.pads: torch.Tensor | None = None  # [B] padding slots kept at the front of each row
+        self.real_seen: torch.Tensor | None = None  # [B] real (non-padding) tokens seen per row
+        self.accumulated: torch.Tensor | None = None  # [B, H_kv, T] attention received, for scoring policies
+        self.awaiting_attention = False
+
+    # -- transformers' layer contract -------------------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.batch_size, self.kv_heads, _, self.head_dim = key_states.shape
+        self.value_dim = value_states.shape[-1]
+        self.codec.check_head_dim(self.head_dim)
+        self.codec.check_head_dim(self.value_dim)
+        self.pads = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        self.real_seen = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def _check_shape(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        if (heads, dim, value_states.shape[-1]) != (self.kv_heads, self.head_dim, self.value_dim):
+            raise ValueError(
+                f"this cache layer holds {self.kv_heads} KV heads x {self.head_dim} dims, got {heads} x {dim}: "
+                "a cache object serves one model; call cache.reset() or create a new cache"
+            )
+        if batch != self.batch_size:
+            raise ValueError(
+                f"this cache holds a batch of {self.batch_size} rows, got {batch}: call cache.reset() first"
+            )
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append the new states; return everything attention may see this step (kept before + new)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        else:
+            self._check_shape(key_states, value_states)
+        if self.awaiting_attention:
+            raise RuntimeError(f"{type(self.policy).__name__} scores tokens by attention: {ENABLE_ATTENTION_HINT}")
+        attn_kwargs = _attention_kwargs(args, kwargs)
+        new = key_states.shape[-2]
+        self._count_padding(attn_kwargs, new)
+        self.seen += new
+
+        self.tail_keys = key_states if self.tail_keys is None else torch.cat([self.tail_keys, key_states], dim=-2)
+        self.tail_values = (
+            value_states if self.tail_values is None else torch.cat([self.tail_values, value_states], dim=-2)
+        )
+        full_keys, full_values = self._full("key"), self._full("value")
+
+        if self.policy.needs_attention:
+            self._grow_accumulated(new)
+            if attn_kwargs is None:
+                raise RuntimeError(
+                    f"{type(self.policy).__name__} needs the attention kwargs that transformers passes to cache "
+                    "layers; this model does not pass them"
+                )
+            attn_kwargs[OBSERVER_KEY] = self.observe
+            self.awaiting_attention = True
+        else:
+            self._compress()
+        return full_keys, full_values
+
+    def observe(self, attention: torch.Tensor) -> None:
+        """Receive [B, H_kv, kv] attention summed over this step's queries, then evict and encode."""
+        self.accumulated = self.accumulated + attention.to(self.accumulated.dtype)
+        self.awaiting_attention = False
+        self._compress()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        stored = self.stored_tokens
+        return stored + query_length, self.seen - stored
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1 if self.policy.budget is None else self.policy.budget
+
+    @property
+    def stored_tokens(self) -> int:
+        tail = 0 if self.tail_keys is None else self.tail_keys.shape[-2]
+        return self.n_encoded + tail
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.seen == self.stored_tokens
+
+    def reset(self) -> None:
+        self._clear()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        indices = torch.as_tensor(indices, device=self.device)
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().flatten()
+        self.encoded_keys = select_batch(self.encoded_keys, indices)
+        self.encoded_values = select_batch(self.encoded_values, indices)
+        for name in ("tail_keys", "tail_values", "pads", "real_seen", "accumulated"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, indices))
+        self.batch_size = indices.numel()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if not self.is_initialized:
+            return
+        index = torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats)
+        self.batch_select_indices(index)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest tokens, as speculative decoding does; only possible while nothing was evicted."""
+        if not self.is_initialized:
+            return
+        keep = tokens_to_remove if tokens_to_remove >= 0 else self.seen + tokens_to_remove
+        if keep >= self.seen:
+            return
+        if not self.is_croppable:
+            raise ValueError(
+                f"cannot crop this cache: {type(self.policy).__name__} has already evicted tokens, so the cropped "
+                "state cannot be rebuilt"
+            )
+        if keep < self.n_encoded and self.codec.token_block("key") > 1:
+            raise ValueError(
+                f"cannot crop to {keep} tokens: {self.n_encoded} tokens are already encoded in groups of "
+                f"{self.codec.token_block('key')}; crop only within the last {self.seen - self.n_encoded} tokens"
+            )
+        if keep < self.n_encoded:
+            index = torch.arange(keep, device=self.device).expand(self.batch_size, self.kv_heads, keep)
+            self.encoded_keys = gather_encoded(self.encoded_keys, index)
+            self.encoded_values = gather_encoded(self.encoded_values, index)
+            self.n_encoded = keep
+        tail_keep = keep - self.n_encoded
+        self.tail_keys = self.tail_keys[:, :, :tail_keep].contiguous()
+        self.tail_values = self.tail_values[:, :, :tail_keep].contiguous()
+        if self.accumulated is not None:
+            self.accumulated = self.accumulated[..., :keep].contiguous()
+        self.seen = keep
+        self.pads = self.pads.clamp(max=keep)
+        self.real_seen = keep - self.pads
+
+    # -- internals -------------------------------------------------------------------------------------------------
+
+    def _full(self, kind: str) -> torch.Tensor:
+        """What attention sees: the decoded store followed by the full-precision tail."""
+        encoded = self.encoded_keys if kind == "key" else self.encoded_values
+        tail = self.tail_keys if kind == "key" else self.tail_values
+        if encoded is None:
+            return tail
+        return torch.cat([self.codec.decode(encoded, kind, self.dtype), tail], dim=-2)
+
+    def _count_padding(self, attn_kwargs: dict | None, new: int) -> None:
+        """Count left padding from generate()'s position ids: padding sits at position 1, a row's first real token at 0."""
+        position_ids = None if attn_kwargs is None else attn_kwargs.get("position_ids")
+        if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != new:
+            self.real_seen += new
+            return
+        positions = position_ids.to(self.device)
+        if positions.shape[0] == 1 and self.batch_size > 1:
+            positions = positions.expand(self.batch_size, -1)
+        started = (self.real_seen > 0)[:, None] | (positions == 0).long().cumsum(-1).bool()  # [B, new]
+        real = started.sum(-1)
+        if bool((real < new).any()) and self.stored_tokens != self.seen:
+            raise ValueError("left padding can only come before any token has been evicted")
+        self.pads += new - real
+        self.real_seen += real
+
+    def _grow_accumulated(self, new: int) -> None:
+        zeros = torch.zeros(self.batch_size, self.kv_heads, new, device=self.device, dtype=torch.float32)
+        self.accumulated = zeros if self.accumulated is None else torch.cat([self.accumulated, zeros], dim=-1)
+
+    def _compress(self) -> None:
+        if self.policy.budget is not None and self.stored_tokens > self.policy.budget:
+            self._evict()
+        self._encode_tail()
+
+    def _evict(self) -> None:
+        length = self.stored_tokens
+        budget = self.policy.budget
+        scores = self.policy.score(self.accumulated, length)
+        kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length)  # [B, H_kv, budget]
+        evicted = length - budget
+        if self.accumulated is not None:
+            self.accumulated = torch.gather(self.accumulated, 2, kept)
+        self.pads = (self.pads - evicted).clamp(min=0)
+        n_enc = self.n_encoded
+        if self.encoded_keys is None:
+            self.tail_keys = _gather_states(self.tail_keys, kept)
+            self.tail_values = _gather_states(self.tail_values, kept)
+            return
+        # Rows and heads keep different numbers of tail tokens: the `in_tail` newest kept slots stay at full
+        # precision everywhere; kept tail tokens older than those are encoded now, for the first and only time.
+        in_tail = int((kept >= n_enc).sum(-1).min())
+        to_store, to_tail = kept[..., : budget - in_tail], kept[..., budget - in_tail :] - n_enc
+        store_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys, "key"))
+        store_values = cat_encoded(self.encoded_values, self.codec.encode(self.tail_values, "value"))
+        self.encoded_keys = gather_encoded(store_keys, to_store)
+        self.encoded_values = gather_encoded(store_values, to_store)
+        self.n_encoded = budget - in_tail
+        self.tail_keys = _gather_states(self.tail_keys, to_tail)
+        self.tail_values = _gather_states(self.tail_values, to_tail)
+
+    def _encode_tail(self) -> None:
+        """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time."""
+        if self.codec.lossless and self.encoded_keys is None:
+            return  # full precision: the tail is the store
+        residual = getattr(self.codec, "residual_length", 0)
+        block = max(self.codec.token_block("key"), self.codec.token_block("value"))
+        excess = self.tail_keys.shape[-2] - residual
+        n = (excess // block) * block
+        if n <= 0:
+            return
+        self.encoded_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys[:, :, :n], "key"))
+        self.encoded_values = cat_encoded(self.encoded_values, self.codec.encode(self.tail_values[:, :, :n], "value"))
+        self.n_encoded += n
+        self.tail_keys = self.tail_keys[:, :, n:].contiguous()
+        self.tail_values = self.tail_values[:, :, n:].contiguous()
+
+
+def _gather_states(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """states[b, h, index[b, h, k], :] as a fresh tensor (so the evicted rows' memory is freed)."""
+    if states.shape[1] == 1 and index.shape[1] > 1:
+        states = states.expand(-1, index.shape[1], -1, -1)
+    return torch.gather(states, 2, index[..., None].expand(*index.shape, states.shape[-1])).contiguous()

@@ -1,0 +1,41 @@
+"""The named caches users ask for: each one policy x one codec, nothing more."""
+
+from __future__ import annotations
+
+from ..codecs.base import Codec
+from ..codecs.fp8 import Fp8Codec
+from ..codecs.intn import IntNCodec
+from ..policies.heavy_hitter import HeavyHitterPolicy
+from ..policies.sink_window import SinkWindowPolicy
+from .compressed import CompressedCache
+
+
+class QuantizedCache(CompressedCache):
+    """Every token kept, stored as KIVI-style int8/int4/int2 (keys per channel, values per token)."""
+
+    def __init__(self, bits: int = 4, group_size: int = 32, residual_length: int = 128, config=None):
+        super().__init__(codec=IntNCodec(bits=bits, group_size=group_size, residual_length=residual_length), config=config)
+
+
+class Fp8Cache(CompressedCache):
+    """Every token kept, stored as float8_e4m3fn with a scale per token and head."""
+
+    def __init__(self, config=None):
+        super().__init__(codec=Fp8Codec(), config=config)
+
+
+class SinkWindowCache(CompressedCache):
+    """StreamingLLM: the first `sink_tokens` and the last `window` tokens; memory bounded for ever."""
+
+    def __init__(self, sink_tokens: int = 4, window: int = 1024, codec: Codec | None = None, config=None):
+        super().__init__(SinkWindowPolicy(sink_tokens=sink_tokens, window=window), codec, config)
+
+
+class HeavyHitterCache(CompressedCache):
+    """H2O: the `recent` newest tokens plus the most-attended ones, `budget` tokens per KV head in all.
+
+    Needs attention statistics: call `hf_kvcompress.use_kvcompress_attention(model)` once.
+    """
+
+    def __init__(self, budget: int = 512, recent: int = 64, sink_tokens: int = 0, codec: Codec | None = None, config=None):
+        super().__init__(HeavyHitterPolicy(budget=budget, recent=recent, sink_tokens=sink_tokens), codec, config)

@@ -1,0 +1,80 @@
+"""A codec decides how each kept token's key and value are stored; a policy decides which tokens are kept."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+Kind = Literal["key", "value"]
+# An encoded block: named tensors whose axis 2 runs over tokens (or over groups of `token_block` tokens).
+Encoded = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Codec(ABC):
+    """Stores [B, H_kv, T, D] key or value states in fewer bytes.
+
+    `residual_length` recent tokens stay at full precision before they are encoded (KIVI's residual). A codec
+    whose `token_block(kind)` is 1 encodes each token on its own, so an eviction policy can drop single tokens from
+    the encoded store without decoding and re-encoding anything.
+    """
+
+    residual_length: ClassVar[int] = 0
+    lossless: ClassVar[bool] = False
+
+    def token_block(self, kind: Kind) -> int:
+        """How many tokens are encoded together along the token axis."""
+        return 1
+
+    @abstractmethod
+    def encode(self, states: torch.Tensor, kind: Kind) -> Encoded: ...
+
+    @abstractmethod
+    def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor: ...
+
+    @abstractmethod
+    def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
+        """Bytes one encoded token takes per KV head, scales included: the promise `measured_kv_bytes` checks."""
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ValueError if this codec cannot store vectors of `head_dim` values."""
+
+    def spec(self) -> str:
+        """The registry spec string that rebuilds this codec."""
+        from ..registry import codec_spec
+
+        return codec_spec(self)
+
+
+def cat_encoded(first: Encoded | None, second: Encoded) -> Encoded:
+    """Append `second` after `first` along the token axis."""
+    if first is None:
+        return second
+    return {name: torch.cat([first[name], second[name]], dim=2) for name in first}
+
+
+def gather_encoded(encoded: Encoded, index: torch.Tensor) -> Encoded:
+    """Keep the tokens `index` [B, H, K] of a token-wise (`token_block` 1) encoding, per batch row and head."""
+    out = {}
+    for name, tensor in encoded.items():
+        shape = list(index.shape) + list(tensor.shape[3:])
+        idx = index.view(*index.shape, *([1] * (tensor.dim() - 3))).expand(shape)
+        src = tensor.expand(tensor.shape[0], index.shape[1], *tensor.shape[2:]) if tensor.shape[1] == 1 else tensor
+        out[name] = torch.gather(src, 2, idx).contiguous()
+    return out
+
+
+def select_batch(encoded: Encoded | None, index: torch.Tensor) -> Encoded | None:
+    """Rows `index` of the batch (beam search, batch selection)."""
+    if encoded is None:
+        return None
+    return {name: tensor.index_select(0, index.to(tensor.device)) for name, tensor in encoded.items()}
+
+
+def resolve_for_policy(codec: Codec, evicts: bool) -> Codec:
+    """The codec as it will run beside a policy that does (or does not) evict tokens."""
+    resolve = getattr(codec, "for_policy", None)
+    return resolve(evicts) if resolve is not None else codec

@@ -1,0 +1,17 @@
+"""`python -m hf_kvcompress.eval ...`: the eval command, for `accelerate launch -m hf_kvcompress.eval ...`."""
+
+import argparse
+import sys
+
+from ..commands.eval import __doc__ as _doc
+from ..commands.eval import add_arguments, run
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hf_kvcompress.eval", description=_doc)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

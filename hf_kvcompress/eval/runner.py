@@ -1,0 +1,458 @@
+"""Run the evaluation samples through a model with each cache method, document first and question after.
+
+For every batch a fresh cache receives the document part (in chunks when the method's memory is bounded, so it
+compresses as it goes), its memory is measured, and only then is the question appended and the answer decoded
+from the compressed cache. Results are appended to `results.jsonl` batch by batch, so an interrupted run resumes
+where it stopped; under `accelerate launch` the batches are shared between processes and gathered into the
+same file a single process would write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from ..generation import generate, prefill
+from ..measure import measured_kv_bytes
+from .prompts import encode, protocol_name, uses_chat
+from .scoring import score_all
+
+BASELINE = "dynamic"
+RESULTS = "results.jsonl"
+# What differs between two runs of the same samples (timings, clock, process layout), left out when comparing.
+VOLATILE_FIELDS = ("prefill_seconds", "decode_seconds", "finished_at")
+
+
+# ------------------------------------------------------------------------------------------------ cache glue
+
+
+def make_cache(spec: str, config):
+    """A fresh cache for `spec` from the registry (imported here, so this module loads without it)."""
+    from .. import registry
+
+    return registry.make_cache(spec, config)
+
+
+def _bounds_memory(spec: str) -> bool:
+    from .. import registry
+
+    return registry.bounds_memory(spec)
+
+
+def _needs_attention(spec: str) -> bool:
+    from .. import registry
+
+    check = getattr(registry, "needs_attention", None)
+    return bool(check(spec)) if check is not None else False
+
+
+def describe(spec: str) -> str:
+    from .. import registry
+
+    describer = getattr(registry, "describe", None)
+    return describer(spec) if describer is not None else spec
+
+
+def _tokens_stored(cache) -> float:
+    """Tokens a cache holds per layer (mean over layers), padding included."""
+    counts = []
+    for layer in getattr(cache, "layers", []):
+        stored = getattr(layer, "stored_tokens", None)
+        if stored is None:
+            keys = getattr(layer, "keys", None)
+            stored = keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() >= 2 else None
+        if stored is not None:
+            counts.append(int(stored))
+    return sum(counts) / len(counts) if counts else float("nan")
+
+
+class _Attention:
+    """Switch the model to the attention function that reports attention scores while a method needs it."""
+
+    def __init__(self, model, spec: str):
+        self.model, self.needed = model, _needs_attention(spec)
+        self.previous = getattr(model.config, "_attn_implementation", None)
+
+    def __enter__(self):
+        if self.needed:
+            from ..hf.attention import use_kvcompress_attention
+
+            use_kvcompress_attention(self.model)
+        return self
+
+    def __exit__(self, *exc):
+        if self.needed and self.previous is not None:
+            self.model.set_attn_implementation(self.previous)
+
+
+# ------------------------------------------------------------------------------------------------ one batch
+
+
+@dataclass
+class BatchOutput:
+    """What one batch produced: a prediction per row and what the cache cost (for the whole batch)."""
+
+    new_tokens: list[list[int]]
+    kv_bytes_document: int
+    kv_bytes_peak: int
+    tokens_stored: float  # per layer, after the document
+    prefill_seconds: float  # document and question
+    decode_seconds: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def run_batch(
+    model,
+    spec: str,
+    rows: Sequence[tuple[list[int], list[int]]],
+    max_new_tokens: int,
+    *,
+    pad_token_id: int,
+    chunk_size: int | None = 512,
+) -> BatchOutput:
+    """The protocol for a batch of (document_ids, question_ids): prefill and compress the document, then answer.
+
+    Rows are left-padded; all rows must have question parts of the same length (padding between document and
+    question would reach a cache after it has evicted). `chunk_size` applies to methods with bounded memory;
+    the others prefill the document at once.
+    """
+    question_lengths = {len(q) for _, q in rows}
+    if len(question_lengths) != 1:
+        raise ValueError(f"a batch needs questions of one length, got {sorted(question_lengths)}")
+    device = model.device
+    width = max(len(d) for d, _ in rows)
+    documents = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (document_ids, _) in enumerate(rows):
+        documents[i, width - len(document_ids) :] = torch.tensor(document_ids)
+        mask[i, width - len(document_ids) :] = 1
+    questions = torch.tensor([q for _, q in rows], dtype=torch.long)
+    full_ids = torch.cat([documents, questions], dim=1).to(device)
+    full_mask = torch.cat([mask, torch.ones_like(questions)], dim=1).to(device)
+
+    cache = make_cache(spec, model.config)
+    step = chunk_size if chunk_size and _bounds_memory(spec) else width
+    peak = 0
+    with _Attention(model, spec):
+        _sync(device)
+        start = time.perf_counter()
+        for begin in range(0, width, step):
+            end = min(begin + step, width)
+            prefill(model, full_ids[:, begin:end], full_mask[:, :end], cache)
+            peak = max(peak, measured_kv_bytes(cache))
+        _sync(device)
+        document_seconds = time.perf_counter() - start
+        kv_document = measured_kv_bytes(cache)
+        stored = _tokens_stored(cache)
+        result = generate(model, full_ids, full_mask, cache, max_new_tokens=max_new_tokens, prefill_chunk_size=step)
+    peak = max(peak, result.kv_bytes)
+    eos = _eos_ids(model)
+    new_tokens = []
+    for row in result.new_tokens.tolist():
+        cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+        new_tokens.append(row[:cut])
+    return BatchOutput(
+        new_tokens=new_tokens,
+        kv_bytes_document=kv_document,
+        kv_bytes_peak=peak,
+        tokens_stored=stored,
+        prefill_seconds=document_seconds + result.prefill_seconds,
+        decode_seconds=result.decode_seconds,
+    )
+
+
+def _eos_ids(model) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+
+# ------------------------------------------------------------------------------------------------ planning
+
+
+@dataclass
+class WorkItem:
+    """One batch: a method and the indices (into the samples) of the rows it runs."""
+
+    method: str
+    rows: list[int]
+
+
+def plan_batches(
+    methods: Sequence[str],
+    encoded: Sequence[tuple[list[int], list[int]]],
+    sample_ids: Sequence[str],
+    batch_size: int,
+    chunk_size: int | None,
+    done: set[tuple[str, str]] = frozenset(),
+) -> list[WorkItem]:
+    """The batches of a run, the same whatever the number of processes.
+
+    Rows of a batch share their question length, and their document lengths differ by less than one prefill
+    chunk, so all padding reaches a cache in its first chunk, before anything is evicted. Every method runs the
+    same batches, so their costs compare; pairs already in `done` are left out.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    spread = chunk_size or 512
+    order = sorted(range(len(encoded)), key=lambda i: (len(encoded[i][1]), -len(encoded[i][0]), i))
+    batches: list[list[int]] = []
+    for i in order:
+        last = batches[-1] if batches else None
+        if (
+            last is not None
+            and len(last) < batch_size
+            and len(encoded[last[0]][1]) == len(encoded[i][1])
+            and len(encoded[last[0]][0]) - len(encoded[i][0]) < spread
+        ):
+            last.append(i)
+        else:
+            batches.append([i])
+    items = []
+    for method in methods:
+        for batch in batches:
+            rows = [i for i in batch if (method, sample_ids[i]) not in done]
+            if rows:
+                items.append(WorkItem(method, rows))
+    return items
+
+
+# ------------------------------------------------------------------------------------------------ results files
+
+
+def read_results(out_dir: str | os.PathLike) -> list[dict]:
+    """Every record in out_dir/results.jsonl and in unmerged per-process files (results.rank*.jsonl)."""
+    out = Path(out_dir)
+    records = []
+    for path in [out / RESULTS, *sorted(out.glob("results.rank*.jsonl"))]:
+        if not path.exists():
+            continue
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                line = line.strip()
+                if line:
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        continue  # a line cut short by an interrupted write: that sample runs again
+    return records
+
+
+def _append(path: Path, records: list[dict]) -> None:
+    with open(path, "a", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def export_samples(samples, out_dir: str | os.PathLike) -> list[Path]:
+    """Write the samples to out_dir/data/<task>.jsonl, the files the lm-eval tasks read (metadata data_dir)."""
+    folder = Path(out_dir) / "data"
+    folder.mkdir(parents=True, exist_ok=True)
+    by_task: dict[str, list[dict]] = {}
+    for row in samples:
+        by_task.setdefault(row["task"].split(":")[0].split("@")[0], []).append(dict(row))
+    paths = []
+    for task, rows in by_task.items():
+        path = folder / f"{task}.jsonl"
+        tmp = path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w", encoding="utf-8") as handle:
+            for row in rows:
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+def _state():
+    """accelerate's PartialState when launched with several processes, else None (no distributed set-up)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import PartialState
+
+    return PartialState()
+
+
+def run_eval(
+    model,
+    tokenizer,
+    methods: Sequence[str],
+    tasks: Sequence[str] = ("needle",),
+    lengths: Sequence[int] = (1000, 2000, 3000),
+    depths: Sequence[float] = (0, 25, 50, 75, 100),
+    out_dir: str | os.PathLike | None = None,
+    *,
+    samples=None,
+    samples_per_cell: int = 1,
+    seed: int = 0,
+    documents: str | None = None,
+    query_aware: bool = False,
+    prompt_format: str = "auto",
+    batch_size: int = 1,
+    chunk_size: int | None = 512,
+    limit: int | None = None,
+    model_name: str | None = None,
+    progress: bool = True,
+    write_reports: bool = True,
+) -> list[dict]:
+    """Evaluate `methods` (cache specs) on the tasks' samples; returns one record per (method, sample).
+
+    The uncompressed baseline `dynamic` is added in front when missing: every summary compares with it. With
+    `out_dir`, records are appended to out_dir/results.jsonl as batches finish, (method, sample_id) pairs
+    already there are skipped, and summary.md, summary.csv and the plots are written at the end (by the main
+    process). `samples` (a Dataset from `build_samples`) replaces tasks/lengths/depths/seed/documents/limit.
+    Under `accelerate launch`, batches are split between processes and every process returns all records.
+    """
+    from .tasks import build_samples
+
+    methods = list(dict.fromkeys([BASELINE, *methods]))
+    state = _state()
+    is_main = state is None or state.is_main_process
+    if samples is None:
+        samples = build_samples(
+            tokenizer, tasks, lengths, depths, samples_per_cell=samples_per_cell, seed=seed,
+            documents=documents, prompt_format=prompt_format, limit=limit,
+        )  # fmt: skip
+    rows = [dict(row) for row in samples]
+    sample_ids = [row["sample_id"] for row in rows]
+    if len(set(sample_ids)) != len(sample_ids):
+        raise ValueError("sample ids must be unique")
+    encoded = [encode(tokenizer, row, query_aware=query_aware, prompt_format=prompt_format) for row in rows]
+    protocol = protocol_name(query_aware)
+    chat = uses_chat(tokenizer, prompt_format)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _first(model.generation_config.eos_token_id)
+
+    out = Path(out_dir) if out_dir is not None else None
+    previous: list[dict] = []
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        previous = read_results(out)
+        if is_main:
+            export_samples(samples, out)
+    done = {(r["method"], r["sample_id"]) for r in previous if r.get("protocol") == protocol}
+    plan = plan_batches(methods, encoded, sample_ids, batch_size, chunk_size, done)
+    mine = plan
+    if state is not None:
+        with state.split_between_processes(plan) as share:
+            mine = list(share)
+    shard = None
+    if out is not None:
+        shard = out / (RESULTS if state is None else f"results.rank{state.process_index}.jsonl")
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(len(item.rows) for item in mine), desc="eval", unit="sample",
+                   disable=not is_main and state is not None, dynamic_ncols=True)  # fmt: skip
+    new_records: list[dict] = []
+    for item in mine:
+        batch = [encoded[i] for i in item.rows]
+        max_new = max(rows[i]["max_new_tokens"] for i in item.rows)
+        output = run_batch(model, item.method, batch, max_new, pad_token_id=pad_id, chunk_size=chunk_size)
+        predictions = [tokenizer.decode(t, skip_special_tokens=True) for t in output.new_tokens]
+        scores = score_all(predictions, [rows[i]["references"] for i in item.rows])
+        share = len(item.rows)
+        records = []
+        for k, i in enumerate(item.rows):
+            row = rows[i]
+            document_ids, question_ids = encoded[i]
+            primary = scores[row["metric"]][k]
+            records.append({
+                "method": item.method,
+                "sample_id": row["sample_id"],
+                "task": row["task"],
+                "length": row["length"],
+                "depth": row["depth"],
+                "index": row["index"],
+                "seed": row["seed"],
+                "metric": row["metric"],
+                "score": primary,
+                "correct": primary >= 100.0,
+                **{name: values[k] for name, values in scores.items()},
+                "prediction": predictions[k],
+                "references": list(row["references"]),
+                "protocol": protocol,
+                "prompt_format": "chat" if chat else "plain",
+                "document_tokens": len(document_ids),
+                "question_tokens": len(question_ids),
+                "prompt_tokens": len(document_ids) + len(question_ids),
+                "new_tokens": len(output.new_tokens[k]),
+                "tokens_kept": min(output.tokens_stored, len(document_ids)),
+                # The cache serves the whole batch; each row is charged an equal share of it.
+                "kv_bytes_document": output.kv_bytes_document / share,
+                "kv_bytes_peak": output.kv_bytes_peak / share,
+                "prefill_seconds": output.prefill_seconds / share,
+                "decode_seconds": output.decode_seconds / share,
+                "batch_rows": share,
+                "chunk_size": chunk_size if _bounds_memory(item.method) else None,
+                "model": model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__,
+                "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            })  # fmt: skip
+        if shard is not None:
+            _append(shard, records)
+        new_records.extend(records)
+        if bar is not None:
+            bar.update(len(records))
+    if bar is not None:
+        bar.close()
+
+    if state is not None:
+        from accelerate.utils import gather_object
+
+        state.wait_for_everyone()
+        gathered = gather_object(new_records)
+        if is_main and out is not None:
+            _merge_shards(out)
+        state.wait_for_everyone()
+        new_records = gathered
+
+    wanted = {(m, s) for m in methods for s in sample_ids}
+    by_key = {(r["method"], r["sample_id"]): r for r in previous if r.get("protocol") == protocol}
+    by_key.update({(r["method"], r["sample_id"]): r for r in new_records})
+    records = [by_key[(m, s)] for m in methods for s in sample_ids if (m, s) in by_key and (m, s) in wanted]
+    if out is not None and write_reports and is_main:
+        from .report import write_reports as _write
+
+        _write(records, out)
+    return records
+
+
+def _merge_shards(out: Path) -> None:
+    """Append the per-process files to results.jsonl in rank order and delete them.
+
+    Each process ran a contiguous slice of the plan in order, so rank order is the order one process would have
+    written; records an interrupted earlier run left in a process's file come first in it and are kept too.
+    """
+    shards = sorted(out.glob("results.rank*.jsonl"), key=lambda p: int(p.name.split(".")[1].removeprefix("rank")))
+    with open(out / RESULTS, "a", encoding="utf-8") as target:
+        for shard in shards:
+            with open(shard, encoding="utf-8") as handle:
+                for line in handle:
+                    if line.strip():
+                        target.write(line if line.endswith("\n") else line + "\n")
+        target.flush()
+        os.fsync(target.fileno())
+    for shard in shards:
+        shard.unlink()
+
+
+def _first(value):
+    return value[0] if isinstance(value, (list, tuple)) else value

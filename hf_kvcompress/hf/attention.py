@@ -1,0 +1,74 @@
+"""An attention function that also reports how much attention each cached token received.
+
+Policies such as H2O rank tokens by attention, which SDPA never returns. This function runs SDPA for the output
+and, only when a cache layer asks for it, recomputes softmax(QK^T) in blocks of queries to sum it per key, so the
+full prefill attention matrix is never materialised at once.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..caches.layer import OBSERVER_KEY
+
+ATTENTION_NAME = "kvcompress_sdpa"
+QUERY_BLOCK = 256
+
+
+def attention_received(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, softcap=None
+) -> torch.Tensor:
+    """Attention each key received, summed over queries and over the query heads of its KV group: [B, H_kv, kv]."""
+    batch, q_heads, q_len, _ = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = q_heads // kv_heads
+    keys = key.float().repeat_interleave(groups, dim=1)
+    total = torch.zeros(batch, q_heads, kv_len, dtype=torch.float32, device=query.device)
+    for start in range(0, q_len, QUERY_BLOCK):
+        end = min(start + QUERY_BLOCK, q_len)
+        logits = torch.matmul(query[:, :, start:end].float(), keys.transpose(-1, -2)) * scaling
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if attention_mask is None:  # SDPA's implicit causal mask, queries aligned to the end of the keys
+            q_pos = torch.arange(start, end, device=query.device)[:, None] + (kv_len - q_len)
+            allowed = torch.arange(kv_len, device=query.device)[None, :] <= q_pos
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        else:
+            block = attention_mask[:, :, start:end, :kv_len]
+            if block.dtype == torch.bool:
+                logits = logits.masked_fill(~block, float("-inf"))
+            else:
+                logits = logits + block.float()
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # fully masked (padding) queries give no attention
+        total += probs.sum(dim=2)
+    return total.view(batch, kv_heads, groups, kv_len).sum(dim=2)
+
+
+def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA, plus attention statistics for the cache layer that registered an observer in `kwargs`."""
+    observer = kwargs.pop(OBSERVER_KEY, None)
+    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if observer is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        mask = attention_mask
+        if mask is not None and mask.dim() == 4 and mask.shape[1] not in (1, query.shape[1]):
+            mask = mask[:, :1]
+        observer(attention_received(query, key, mask, scale, kwargs.get("softcap")))
+    return output, None
+
+
+def register() -> str:
+    """Make 'kvcompress_sdpa' known to transformers (attention function and its SDPA-style mask); idempotent."""
+    AttentionInterface.register(ATTENTION_NAME, kvcompress_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME
+
+
+def use_kvcompress_attention(model):
+    """Switch `model` to the attention function that feeds attention-scored policies (H2O); returns the model."""
+    register()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model

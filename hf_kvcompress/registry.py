@@ -1,0 +1,171 @@
+"""Every policy and codec by name, and the spec strings that combine them: `NAME[:k=v,...][+CODEC[:k=v,...]]`.
+
+The CLI, the evaluation suite, lm-eval and the study all build caches from these strings, so a method added here
+is available everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+from .codecs.base import Codec
+from .codecs.fp8 import Fp8Codec
+from .codecs.identity import IdentityCodec
+from .codecs.intn import IntNCodec
+from .policies.base import Policy
+from .policies.heavy_hitter import HeavyHitterPolicy
+from .policies.keep_all import KeepAllPolicy
+from .policies.sink_window import SinkWindowPolicy
+
+POLICIES: dict[str, type[Policy]] = {
+    "dynamic": KeepAllPolicy,
+    "sink_window": SinkWindowPolicy,
+    "h2o": HeavyHitterPolicy,
+}
+POLICY_ALIASES = {"keep_all": "dynamic", "full": "dynamic", "streaming_llm": "sink_window", "heavy_hitter": "h2o"}
+
+CODECS: dict[str, object] = {
+    "identity": IdentityCodec,
+    "fp8": Fp8Codec,
+    "int8": partial(IntNCodec, bits=8),
+    "int4": partial(IntNCodec, bits=4),
+    "int2": partial(IntNCodec, bits=2),
+}
+
+# The plans a study compares: every family and the combinations the lesson stacks. `{budget}` is filled in from the
+# context length, so new policies and codecs join the study by adding a line here.
+STUDY_PLANS: tuple[str, ...] = (
+    "dynamic",
+    "int8",
+    "int4",
+    "int2",
+    "fp8",
+    "sink_window:sink_tokens=4,window={window}",
+    "h2o:budget={budget},recent={recent}",
+    "sink_window:sink_tokens=4,window={window}+int4",
+    "h2o:budget={budget},recent={recent}+int8",
+)
+
+
+def _parse_value(text: str):
+    lowered = text.lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _parse_part(part: str) -> tuple[str, dict]:
+    name, _, args = part.partition(":")
+    kwargs = {}
+    for item in filter(None, (a.strip() for a in args.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"spec arguments must be key=value, got {item!r} in {part!r}")
+        kwargs[key.strip()] = _parse_value(value.strip())
+    return name.strip().lower(), kwargs
+
+
+def _build(factory, kwargs: dict, what: str, name: str):
+    cls = factory.func if isinstance(factory, partial) else factory
+    allowed = sorted(f.name for f in dataclasses.fields(cls) if f.init)
+    if isinstance(factory, partial):
+        allowed = [a for a in allowed if a not in factory.keywords]
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown {what} argument(s) {unknown} for {name!r}; allowed: {allowed or 'none'}")
+    return factory(**kwargs)
+
+
+def parse_spec(spec: str) -> tuple[Policy, Codec]:
+    """`"h2o:budget=256,recent=64+int4"` -> (HeavyHitterPolicy(256, 64), IntNCodec(bits=4))."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"cache spec must be a non-empty string like 'int4' or 'sink_window:window=256', got {spec!r}")
+    parts = spec.split("+")
+    if len(parts) > 2:
+        raise ValueError(f"a cache spec combines at most one policy and one codec (POLICY+CODEC), got {spec!r}")
+    name, kwargs = _parse_part(parts[0])
+    name = POLICY_ALIASES.get(name, name)
+    codec = None
+    if name in POLICIES:
+        policy = _build(POLICIES[name], kwargs, "policy", name)
+    elif name in CODECS and len(parts) == 1:
+        policy, codec = KeepAllPolicy(), _build(CODECS[name], kwargs, "codec", name)
+    else:
+        names = sorted(POLICIES) + sorted(POLICY_ALIASES) + sorted(CODECS)
+        raise ValueError(f"unknown cache spec name {name!r}; allowed: {names}")
+    if len(parts) == 2:
+        codec_name, codec_kwargs = _parse_part(parts[1])
+        if codec_name not in CODECS:
+            raise ValueError(f"unknown codec {codec_name!r} in {spec!r}; allowed: {sorted(CODECS)}")
+        codec = _build(CODECS[codec_name], codec_kwargs, "codec", codec_name)
+    return policy, codec if codec is not None else IdentityCodec()
+
+
+def make_cache(spec: str, config=None):
+    """A fresh cache for `spec`; pass the model's config so hybrid sliding-window models are handled."""
+    from .caches.compressed import CompressedCache
+
+    policy, codec = parse_spec(spec)
+    return CompressedCache(policy, codec, config=config)
+
+
+def needs_attention(spec: str) -> bool:
+    """Whether the spec's policy scores tokens by attention (the model must use `use_kvcompress_attention`)."""
+    return parse_spec(spec)[0].needs_attention
+
+
+def bounds_memory(spec: str) -> bool:
+    """Whether the spec's memory stops growing (an eviction budget): such methods should prefill in chunks."""
+    return parse_spec(spec)[0].budget is not None
+
+
+def _non_default_args(obj, skip=()) -> str:
+    items = []
+    for f in dataclasses.fields(obj):
+        if f.name in skip or not f.init:
+            continue
+        value = getattr(obj, f.name)
+        if value != f.default:
+            items.append(f"{f.name}={value}")
+    return ",".join(items)
+
+
+def policy_spec(policy: Policy) -> str:
+    name = next(n for n, cls in POLICIES.items() if type(policy) is cls)
+    args = _non_default_args(policy)
+    return f"{name}:{args}" if args else name
+
+
+def codec_spec(codec: Codec) -> str:
+    if isinstance(codec, IntNCodec):
+        args = _non_default_args(codec, skip=("bits", "key_axis"))
+        name = f"int{codec.bits}"
+    else:
+        name = next(n for n, f in CODECS.items() if type(codec) is f)
+        args = _non_default_args(codec)
+    return f"{name}:{args}" if args else name
+
+
+def cache_spec(policy: Policy, codec: Codec) -> str:
+    base = policy_spec(policy)
+    if isinstance(codec, IdentityCodec):
+        return base
+    if isinstance(policy, KeepAllPolicy):
+        return codec_spec(codec)
+    return f"{base}+{codec_spec(codec)}"
+
+
+def study_specs(context_tokens: int) -> list[str]:
+    """The study's plans for prompts of `context_tokens`: eviction keeps about a quarter of the context."""
+    budget = max(64, context_tokens // 4)
+    recent = max(16, budget // 4)
+    window = budget - 4
+    return [p.format(budget=budget, recent=recent, window=window) for p in STUDY_PLANS]
