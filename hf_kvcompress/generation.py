@@ -104,10 +104,14 @@ def generate(
         raise ValueError(f"input_ids must extend what the cache already holds ({seen} tokens)")
     _sync(device)
     start = time.perf_counter()
-    if new_prompt > 1:  # leave the last prompt token to generate(), which needs one input
+    # Beam search expands the batch inside generate(), so the prompt must be prefilled there (untimed apart).
+    separate_prefill = generate_kwargs.get("num_beams", 1) == 1
+    if not separate_prefill and prefill_chunk_size is not None:
+        generate_kwargs["prefill_chunk_size"] = prefill_chunk_size
+    if separate_prefill and new_prompt > 1:  # leave the last prompt token to generate(), which needs one input
         prefill(model, input_ids[:, seen:-1], attention_mask[:, :-1], cache, chunk_size=prefill_chunk_size)
     _sync(device)
-    prefill_seconds = time.perf_counter() - start
+    prefill_seconds = time.perf_counter() - start if separate_prefill else float("nan")
     generate_kwargs.setdefault("do_sample", False)
     if not generate_kwargs["do_sample"]:
         generate_kwargs.setdefault("temperature", None)

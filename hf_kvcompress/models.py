@@ -390,16 +390,23 @@ def _is_complete(path: Path, sha256: str) -> bool:
     )
 
 
+def _target_dir(source: _GgufSource, sha: str) -> Path:
+    return cache_dir() / "models" / f"{source.stem}-{sha[:16]}"
+
+
 def _ensure_converted(source: _GgufSource) -> Path:
     sha = source.sha256()
-    models = cache_dir() / "models"
-    target = models / f"{source.stem}-{sha[:16]}"
+    target = _target_dir(source, sha)
     if _is_complete(target, sha):
         return target
+    models = target.parent
     models.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(models)
     staging = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=models))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
         with tempfile.TemporaryDirectory(prefix=".tmp-src-", dir=models) as scratch:
             gguf = source.materialize(Path(scratch))
             _convert_gguf(gguf, staging)

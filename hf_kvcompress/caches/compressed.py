@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache
 from ..codecs.base import Codec, resolve_for_policy
 from ..codecs.identity import IdentityCodec
 from ..hf.compat import text_config
+from ..hf.rope import rope_inv_freq
 from ..policies.base import Policy
 from ..policies.keep_all import KeepAllPolicy
 from ..policies.sink_window import SinkWindowPolicy
@@ -28,14 +29,26 @@ class CompressedCache(Cache):
             sliding layers keep transformers' window (the codec still applies) and the policy, whose budget is per
             full-attention layer, applies to the full-attention layers only. Without it every layer is treated as
             full attention.
+        rerotate: StreamingLLM's re-rotation: after each eviction, kept keys are re-rotated so their distance to
+            the next query is their distance in the cache, which keeps streams longer than the trained context in
+            range. Positions stay absolute (no re-rotation) by default. Needs `config` (RoPE parameters and
+            scaling are read from it) and full-precision keys.
     """
 
-    def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None):
+    def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False):
         self.policy = policy if policy is not None else KeepAllPolicy()
-        self.codec = resolve_for_policy(codec if codec is not None else IdentityCodec(), self.policy.evicts)
+        requested_codec = codec if codec is not None else IdentityCodec()
+        self.codec = resolve_for_policy(requested_codec, self.policy.evicts)
         self.config = config
+        self.rerotate = rerotate
+        inv_freq = None
+        if rerotate:
+            if config is None:
+                raise ValueError("rerotate=True needs config=model.config (RoPE parameters are read from it)")
+            inv_freq = rope_inv_freq(config, "full_attention")
+        full_layer = partial(CompressedLayer, self.policy, self.codec, inv_freq=inv_freq)
         if config is None:
-            super().__init__(layer_class_to_replicate=partial(CompressedLayer, self.policy, self.codec))
+            super().__init__(layer_class_to_replicate=full_layer)
             self.num_layers = None
             return
         decoder = text_config(config)
@@ -46,9 +59,9 @@ class CompressedCache(Cache):
                 window = decoder.sliding_window if layer_type == "sliding_attention" else decoder.attention_chunk_size
                 # transformers keeps window - 1 tokens between steps; so do we, stored with this cache's codec.
                 sliding = SinkWindowPolicy(sink_tokens=0, window=max(window - 1, 1))
-                layers.append(CompressedLayer(sliding, resolve_for_policy(self.codec, True), is_sliding=True))
+                layers.append(CompressedLayer(sliding, resolve_for_policy(requested_codec, True), is_sliding=True))
             else:
-                layers.append(CompressedLayer(self.policy, self.codec))
+                layers.append(full_layer())
         super().__init__(layers=layers)
         self.num_layers = len(layers)
 
@@ -66,6 +79,18 @@ class CompressedCache(Cache):
                     "by a model with a different layer count; call cache.reset() or create a new cache"
                 )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def promised_kv_bytes(self) -> int:
+        """What the method promises to hold now, computed from what each layer keeps (see `measured_kv_bytes`)."""
+        return sum(layer.promised_bytes() for layer in self.layers)
+
+    @property
+    def stored_tokens(self) -> int:
+        """Tokens per KV head held by the first full-attention layer."""
+        for layer in self.layers:
+            if not layer.is_sliding:
+                return layer.stored_tokens
+        return self.layers[0].stored_tokens if self.layers else 0
 
     @property
     def spec(self) -> str:

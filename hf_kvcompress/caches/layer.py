@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..codecs.base import Codec, Encoded, cat_encoded, gather_encoded, select_batch
+from ..ops.rerotate import rerotate
 from ..policies.base import Policy, select_kept
 
 # The key under which a layer asks the attention function for statistics (see hf/attention.py).
@@ -37,11 +38,16 @@ class CompressedLayer(CacheLayerMixin):
 
     is_compileable = False
 
-    def __init__(self, policy: Policy, codec: Codec, is_sliding: bool = False):
+    def __init__(self, policy: Policy, codec: Codec, is_sliding: bool = False, inv_freq: torch.Tensor | None = None):
+        """`inv_freq` (RoPE frequencies) turns on StreamingLLM's re-rotation: after each eviction, kept keys are
+        re-rotated so that their distances to the next query are their distances in the cache."""
         super().__init__()
         self.policy = policy
         self.codec = codec
         self.is_sliding = is_sliding
+        self.inv_freq = inv_freq
+        if inv_freq is not None and not (codec.lossless and policy.evicts):
+            raise ValueError("rerotate needs an evicting policy and full-precision keys (codec 'identity')")
         self._clear()
 
     def _clear(self) -> None:
@@ -56,6 +62,8 @@ class CompressedLayer(CacheLayerMixin):
         self.pads: torch.Tensor | None = None  # [B] padding slots kept at the front of each row
         self.real_seen: torch.Tensor | None = None  # [B] real (non-padding) tokens seen per row
         self.accumulated: torch.Tensor | None = None  # [B, H_kv, T] attention received, for scoring policies
+        self.positions: torch.Tensor | None = None  # [B, H_kv, T] position each kept key is rotated to (rerotate)
+        self.peak_tokens = 0  # most tokens held at once, the step's new ones included
         self.awaiting_attention = False
 
     # -- transformers' layer contract -------------------------------------------------------------------------
@@ -101,6 +109,9 @@ class CompressedLayer(CacheLayerMixin):
             value_states if self.tail_values is None else torch.cat([self.tail_values, value_states], dim=-2)
         )
         full_keys, full_values = self._full("key"), self._full("value")
+        self.peak_tokens = max(self.peak_tokens, full_keys.shape[-2])
+        if self.inv_freq is not None:
+            self._track_positions(attn_kwargs, new)
 
         if self.policy.needs_attention:
             self._grow_accumulated(new)
@@ -136,6 +147,25 @@ class CompressedLayer(CacheLayerMixin):
         tail = 0 if self.tail_keys is None else self.tail_keys.shape[-2]
         return self.n_encoded + tail
 
+    def promised_bytes(self) -> int:
+        """Bytes this layer should hold, from what it keeps: encoded tokens at the codec's rate, the tail at full
+        precision, plus its bookkeeping (padding counts, attention scores, positions). Tests compare this with
+        `measured_kv_bytes`, which reads the real storage."""
+        if not self.is_initialized:
+            return 0
+        rows = self.batch_size * self.kv_heads
+        encoded = self.n_encoded * (
+            self.codec.bytes_per_token(self.head_dim, "key", self.dtype)
+            + self.codec.bytes_per_token(self.value_dim, "value", self.dtype)
+        )
+        element = torch.empty((), dtype=self.dtype).element_size()
+        tail = (self.stored_tokens - self.n_encoded) * (self.head_dim + self.value_dim) * element
+        bookkeeping = 2 * self.batch_size * 8  # pads and real_seen, int64 per row
+        for extra in (self.accumulated, self.positions):
+            if extra is not None:
+                bookkeeping += extra.numel() * extra.element_size()
+        return int(rows * (encoded + tail) + bookkeeping)
+
     @property
     def is_croppable(self) -> bool:
         return self.seen == self.stored_tokens
@@ -154,7 +184,7 @@ class CompressedLayer(CacheLayerMixin):
             indices = indices.nonzero().flatten()
         self.encoded_keys = select_batch(self.encoded_keys, indices)
         self.encoded_values = select_batch(self.encoded_values, indices)
-        for name in ("tail_keys", "tail_values", "pads", "real_seen", "accumulated"):
+        for name in ("tail_keys", "tail_values", "pads", "real_seen", "accumulated", "positions"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, indices))
@@ -189,10 +219,10 @@ class CompressedLayer(CacheLayerMixin):
             self.encoded_values = gather_encoded(self.encoded_values, index)
             self.n_encoded = keep
         tail_keep = keep - self.n_encoded
-        self.tail_keys = self.tail_keys[:, :, :tail_keep].contiguous()
-        self.tail_values = self.tail_values[:, :, :tail_keep].contiguous()
+        self.tail_keys = _owned(self.tail_keys[:, :, :tail_keep])
+        self.tail_values = _owned(self.tail_values[:, :, :tail_keep])
         if self.accumulated is not None:
-            self.accumulated = self.accumulated[..., :keep].contiguous()
+            self.accumulated = _owned(self.accumulated[..., :keep])
         self.seen = keep
         self.pads = self.pads.clamp(max=keep)
         self.real_seen = keep - self.pads
@@ -223,6 +253,21 @@ class CompressedLayer(CacheLayerMixin):
         self.pads += new - real
         self.real_seen += real
 
+    def _track_positions(self, attn_kwargs: dict | None, new: int) -> None:
+        position_ids = None if attn_kwargs is None else attn_kwargs.get("position_ids")
+        if position_ids is None or position_ids.dim() != 2:
+            start = self.seen - new
+            position_ids = torch.arange(start, start + new, device=self.device)[None, :]
+        fresh = position_ids.to(self.device, torch.int32)[:, None, :].expand(self.batch_size, self.kv_heads, new)
+        self.positions = fresh if self.positions is None else torch.cat([self.positions, fresh], dim=-1)
+
+    def _rerotate_kept(self) -> None:
+        """Re-rotate kept keys so slot i sits len(kept) - i positions before the row's next query."""
+        kept = self.positions.shape[-1]
+        target = self.real_seen[:, None, None] - kept + torch.arange(kept, device=self.device)
+        self.tail_keys = rerotate(self.tail_keys, target - self.positions, self.inv_freq)
+        self.positions = target.to(torch.int32).expand_as(self.positions).contiguous()
+
     def _grow_accumulated(self, new: int) -> None:
         zeros = torch.zeros(self.batch_size, self.kv_heads, new, device=self.device, dtype=torch.float32)
         self.accumulated = zeros if self.accumulated is None else torch.cat([self.accumulated, zeros], dim=-1)
@@ -240,11 +285,15 @@ class CompressedLayer(CacheLayerMixin):
         evicted = length - budget
         if self.accumulated is not None:
             self.accumulated = torch.gather(self.accumulated, 2, kept)
+        if self.positions is not None:
+            self.positions = torch.gather(self.positions, 2, kept)
         self.pads = (self.pads - evicted).clamp(min=0)
         n_enc = self.n_encoded
         if self.encoded_keys is None:
             self.tail_keys = _gather_states(self.tail_keys, kept)
             self.tail_values = _gather_states(self.tail_values, kept)
+            if self.inv_freq is not None:
+                self._rerotate_kept()
             return
         # Rows and heads keep different numbers of tail tokens: the `in_tail` newest kept slots stay at full
         # precision everywhere; kept tail tokens older than those are encoded now, for the first and only time.
@@ -271,8 +320,15 @@ class CompressedLayer(CacheLayerMixin):
         self.encoded_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys[:, :, :n], "key"))
         self.encoded_values = cat_encoded(self.encoded_values, self.codec.encode(self.tail_values[:, :, :n], "value"))
         self.n_encoded += n
-        self.tail_keys = self.tail_keys[:, :, n:].contiguous()
-        self.tail_values = self.tail_values[:, :, n:].contiguous()
+        self.tail_keys = _owned(self.tail_keys[:, :, n:])
+        self.tail_values = _owned(self.tail_values[:, :, n:])
+
+
+def _owned(view: torch.Tensor) -> torch.Tensor:
+    """A tensor holding exactly `view`'s elements: a slice would pin its whole parent buffer in memory."""
+    if view.is_contiguous() and view.untyped_storage().nbytes() == view.numel() * view.element_size():
+        return view
+    return view.clone(memory_format=torch.contiguous_format)
 
 
 def _gather_states(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

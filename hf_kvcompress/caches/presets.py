@@ -27,8 +27,10 @@ class Fp8Cache(CompressedCache):
 class SinkWindowCache(CompressedCache):
     """StreamingLLM: the first `sink_tokens` and the last `window` tokens; memory bounded for ever."""
 
-    def __init__(self, sink_tokens: int = 4, window: int = 1024, codec: Codec | None = None, config=None):
-        super().__init__(SinkWindowPolicy(sink_tokens=sink_tokens, window=window), codec, config)
+    def __init__(
+        self, sink_tokens: int = 4, window: int = 1024, codec: Codec | None = None, config=None, rerotate: bool = False
+    ):
+        super().__init__(SinkWindowPolicy(sink_tokens=sink_tokens, window=window), codec, config, rerotate)
 
 
 class HeavyHitterCache(CompressedCache):

@@ -49,11 +49,23 @@ class Codec(ABC):
         return codec_spec(self)
 
 
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+
+
+def _index_op(tensor: torch.Tensor, op) -> torch.Tensor:
+    """Apply an indexing op; float8 tensors go through a uint8 view, since CPU kernels lack float8 gathers."""
+    if tensor.dtype in _FLOAT8:
+        return op(tensor.view(torch.uint8)).view(tensor.dtype)
+    return op(tensor)
+
+
 def cat_encoded(first: Encoded | None, second: Encoded) -> Encoded:
     """Append `second` after `first` along the token axis."""
     if first is None:
         return second
-    return {name: torch.cat([first[name], second[name]], dim=2) for name in first}
+    return {
+        name: _index_op(first[name], lambda t: torch.cat([t, second[name].view(t.dtype)], dim=2)) for name in first
+    }
 
 
 def gather_encoded(encoded: Encoded, index: torch.Tensor) -> Encoded:
@@ -63,7 +75,7 @@ def gather_encoded(encoded: Encoded, index: torch.Tensor) -> Encoded:
         shape = list(index.shape) + list(tensor.shape[3:])
         idx = index.view(*index.shape, *([1] * (tensor.dim() - 3))).expand(shape)
         src = tensor.expand(tensor.shape[0], index.shape[1], *tensor.shape[2:]) if tensor.shape[1] == 1 else tensor
-        out[name] = torch.gather(src, 2, idx).contiguous()
+        out[name] = _index_op(src, lambda t: torch.gather(t, 2, idx).contiguous())
     return out
 
 
@@ -71,7 +83,9 @@ def select_batch(encoded: Encoded | None, index: torch.Tensor) -> Encoded | None
     """Rows `index` of the batch (beam search, batch selection)."""
     if encoded is None:
         return None
-    return {name: tensor.index_select(0, index.to(tensor.device)) for name, tensor in encoded.items()}
+    return {
+        name: _index_op(tensor, lambda t: t.index_select(0, index.to(t.device))) for name, tensor in encoded.items()
+    }
 
 
 def resolve_for_policy(codec: Codec, evicts: bool) -> Codec:

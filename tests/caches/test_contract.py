@@ -1,0 +1,156 @@
+"""Every policy x codec against the cache contract, on tiny random models of several families.
+
+Greedy tokens of random models are fragile (near-ties), so quantized codecs are compared with themselves
+(padded batch vs. rows alone) and eviction with large budgets is compared with DynamicCache.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress.generation import generate
+
+from .tiny_models import CONFIGS, tiny_model
+
+EVICTING = ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3", "h2o:budget=8,recent=2,sink_tokens=1+int8"]
+ALL_SPECS = ["dynamic", "int8", "int4:residual_length=0,group_size=8", "int2:residual_length=4,group_size=8", "fp8",
+             *EVICTING, "sink_window:sink_tokens=2,window=6+int4:residual_length=2,group_size=16"]
+LARGE_BUDGET = ["sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10"]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request):
+    return use_kvcompress_attention(tiny_model(request.param))
+
+
+def _prompts(seed=0, lengths=(5, 13, 9)):
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(3, 128, (n,), generator=g) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    return rows, ids, mask
+
+
+def _greedy(model, ids, mask, cache, new=8, **kwargs):
+    return generate(model, ids, mask, cache, max_new_tokens=new, **kwargs).new_tokens
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_padded_batch_matches_rows_alone(model, spec):
+    # Per-channel (KIVI) key groups span group_size token slots shared by the whole batch, so a row equals itself
+    # alone only when its padding is a whole number of groups; token-wise codecs have no such condition.
+    channel_keys = spec.startswith("int") and "residual_length=0" in spec or spec.startswith("int2")
+    rows, ids, mask = _prompts(lengths=(5, 13, 13) if channel_keys else (5, 13, 9))
+    batched = _greedy(model, ids, mask, make_cache(spec, model.config))
+    for i, row in enumerate(rows):
+        alone = _greedy(model, row[None], torch.ones(1, len(row), dtype=torch.long), make_cache(spec, model.config))
+        assert torch.equal(batched[i], alone[0]), f"row {i} differs with {spec}"
+
+
+@pytest.mark.parametrize("spec", LARGE_BUDGET)
+def test_large_budget_equals_dynamic_cache(model, spec):
+    _, ids, mask = _prompts(1)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=model.config)).logits
+        out = model(input_ids=ids, attention_mask=mask, cache=make_cache(spec, model.config)).logits
+    assert torch.equal(ref, out)
+    expected = _greedy(model, ids, mask, DynamicCache(config=model.config), new=10)
+    assert torch.equal(_greedy(model, ids, mask, make_cache(spec, model.config), new=10), expected)
+
+
+@pytest.mark.parametrize("spec", EVICTING)
+def test_seq_length_counts_seen_tokens_and_generate_continues(model, spec):
+    cache = make_cache(spec, model.config)
+    _, ids, mask = _prompts(2, lengths=(12,))
+    first = generate(model, ids, mask, cache, max_new_tokens=5)
+    assert cache.get_seq_length() == ids.shape[1] + 5 - 1  # the last generated token is not fed back
+    kv_length, kv_offset = cache.get_mask_sizes(1, len(cache.layers) - 1)
+    layer = cache.layers[-1]
+    assert kv_length == layer.stored_tokens + 1 and kv_offset == cache.get_seq_length() - layer.stored_tokens
+    before = cache.get_seq_length()
+    more = torch.randint(3, 128, (1, 4))
+    ids2 = torch.cat([first.sequences, more], dim=1)
+    generate(model, ids2, torch.ones_like(ids2), cache, max_new_tokens=3)
+    # Only the unseen tokens were processed: the last token of the first answer, the 4 new ones, then 2 decoded.
+    assert cache.get_seq_length() == before + 1 + 4 + 2
+
+
+@pytest.mark.parametrize("spec", ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3+fp8"])
+def test_memory_is_bounded_and_measured_bytes_match_the_promise(model, spec):
+    cache = make_cache(spec, model.config)
+    _, ids, mask = _prompts(3, lengths=(40,))
+    generate(model, ids, mask, cache, max_new_tokens=6, prefill_chunk_size=5)
+    budget = cache.policy.budget
+    for layer in cache.layers:
+        if not layer.is_sliding:
+            assert layer.stored_tokens == budget
+            assert layer.peak_tokens <= budget + 5
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+@pytest.mark.parametrize("spec", ["dynamic", "int4:residual_length=4,group_size=8", "sink_window:sink_tokens=2,window=6"])
+def test_reset_and_reuse_give_the_same_answer(model, spec):
+    cache = make_cache(spec, model.config)
+    _, ids, mask = _prompts(4, lengths=(9, 11))
+    first = _greedy(model, ids, mask, cache)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    assert torch.equal(_greedy(model, ids, mask, cache), first)
+
+
+def test_beam_search_and_sampling_match_dynamic_cache_with_large_budget(model):
+    _, ids, mask = _prompts(5, lengths=(7, 10))
+    spec = LARGE_BUDGET[0]
+    for kwargs in ({"num_beams": 2}, {"do_sample": True, "top_k": 5}):
+        torch.manual_seed(0)
+        ref = _greedy(model, ids, mask, DynamicCache(config=model.config), **kwargs)
+        torch.manual_seed(0)
+        out = _greedy(model, ids, mask, make_cache(spec, model.config), **kwargs)
+        assert torch.equal(ref, out), kwargs
+
+
+def test_beam_search_runs_with_eviction(model):
+    _, ids, mask = _prompts(6, lengths=(12,))
+    out = _greedy(model, ids, mask, make_cache(EVICTING[0], model.config), num_beams=3)
+    assert out.shape == (1, 8)
+
+
+def test_crop_works_until_something_is_evicted():
+    model = tiny_model("llama")
+    _, ids, _ = _prompts(7, lengths=(10,))
+    cache = make_cache("int8:residual_length=4", model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    cache.crop(-3)
+    assert cache.get_seq_length() == 7
+    evicting = make_cache("sink_window:sink_tokens=1,window=4", model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=evicting)
+    with pytest.raises(ValueError, match="evicted"):
+        evicting.crop(-2)
+
+
+def test_cache_reused_on_a_different_model_is_refused():
+    cache = make_cache("int8")
+    _, ids, _ = _prompts(8, lengths=(6,))
+    with torch.no_grad():
+        tiny_model("llama")(input_ids=ids, cache=cache)
+        with pytest.raises(ValueError, match="KV heads"):
+            tiny_model("mistral")(input_ids=ids, cache=cache)
+    # A cache built from a 3-layer config refuses a deeper model.
+    cache = make_cache("int8", tiny_model("gemma3").config)
+    with pytest.raises(ValueError, match="3 layers"):
+        cache.update(torch.zeros(1, 1, 1, 32), torch.zeros(1, 1, 1, 32), 5)
+
+
+def test_heavy_hitter_without_statistics_says_how_to_enable_them():
+    model = tiny_model("llama")  # plain SDPA, not the statistics-gathering attention
+    cache = make_cache("h2o:budget=8,recent=2", model.config)
+    _, ids, mask = _prompts(9, lengths=(6,))
+    with pytest.raises(RuntimeError, match="use_kvcompress_attention"):
+        generate(model, ids, mask, cache, max_new_tokens=3)

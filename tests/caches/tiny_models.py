@@ -1,0 +1,29 @@
+"""Tiny random-weight models of several families, built from configs (no downloads)."""
+
+import torch
+import transformers
+
+COMMON = dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=2),
+    "llama_mha": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=4),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, num_key_value_heads=2),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, num_key_value_heads=1, sliding_window=None),
+    "phi3": lambda: transformers.Phi3Config(**COMMON, num_key_value_heads=2, pad_token_id=0),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 3}, num_key_value_heads=1, head_dim=32, sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=128, n_embd=128, n_layer=2, n_head=4, n_positions=256),
+}
+
+
+def tiny_model(name: str):
+    torch.manual_seed(0)
+    config = CONFIGS[name]()
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None  # random weights: compare full-length outputs
+    return model

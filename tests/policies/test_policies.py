@@ -1,0 +1,59 @@
+"""Policies on pure tensors: what is kept, padding handling, and parameter checks."""
+
+import pytest
+import torch
+
+from hf_kvcompress.policies.base import select_kept
+from hf_kvcompress.policies.heavy_hitter import HeavyHitterPolicy
+from hf_kvcompress.policies.sink_window import SinkWindowPolicy
+
+
+def test_sink_window_keeps_sinks_and_recent():
+    policy = SinkWindowPolicy(sink_tokens=2, window=4)
+    kept = select_kept(policy, None, torch.tensor([0]), heads=1, length=10)
+    assert kept.tolist() == [[[0, 1, 6, 7, 8, 9]]]
+
+
+def test_lesson_practice_sinks_three():
+    # The lesson's practice: sinks=3 protects "A17" and pays with the oldest recent token.
+    tokens = ["<s>", "Order", "A17", "is", "late", "and", "the", "box", "was", "wet"]
+    kept = select_kept(SinkWindowPolicy(sink_tokens=3, window=3), None, torch.tensor([0]), heads=1, length=10)
+    assert [tokens[i] for i in kept[0, 0]] == ["<s>", "Order", "A17", "box", "was", "wet"]
+
+
+def test_padding_is_evicted_first_and_never_a_sink():
+    policy = SinkWindowPolicy(sink_tokens=2, window=3)
+    # Row 0 has 3 padding slots, row 1 none: sinks of row 0 are its first real tokens (slots 3 and 4).
+    kept = select_kept(policy, None, torch.tensor([3, 0]), heads=1, length=10)
+    assert kept[0, 0].tolist() == [3, 4, 7, 8, 9]
+    assert kept[1, 0].tolist() == [0, 1, 7, 8, 9]
+
+
+def test_short_padded_row_keeps_padding_at_the_front():
+    # Only 3 real tokens for a budget of 5: two padding slots survive, first, so the padding mask still lines up.
+    kept = select_kept(SinkWindowPolicy(sink_tokens=1, window=4), None, torch.tensor([7]), heads=1, length=10)
+    assert kept[0, 0].tolist()[-3:] == [7, 8, 9]
+    assert all(i < 7 for i in kept[0, 0].tolist()[:2])
+
+
+def test_heavy_hitters_are_kept_per_head():
+    policy = HeavyHitterPolicy(budget=3, recent=1)
+    scores = torch.tensor([[[5.0, 0.0, 1.0, 0.0, 0.0, 9.0], [0.0, 7.0, 0.0, 6.0, 0.0, 0.0]]])
+    kept = select_kept(policy, scores, torch.tensor([0]), heads=2, length=6)
+    assert kept[0, 0].tolist() == [0, 2, 5]
+    assert kept[0, 1].tolist() == [1, 3, 5]
+
+
+@pytest.mark.parametrize(
+    "factory,name",
+    [
+        (lambda: SinkWindowPolicy(window=0), "window"),
+        (lambda: SinkWindowPolicy(sink_tokens=-1), "sink_tokens"),
+        (lambda: HeavyHitterPolicy(budget=10, recent=16), "budget"),
+        (lambda: HeavyHitterPolicy(budget=0, recent=0), "budget"),
+        (lambda: HeavyHitterPolicy(recent=-1), "recent"),
+    ],
+)
+def test_bad_parameters_name_themselves(factory, name):
+    with pytest.raises(ValueError, match=name):
+        factory()
