@@ -1,0 +1,65 @@
+"""`hf-kvcompress generate`: answer one prompt with any cache, streaming, then print speed and KV bytes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="answer a prompt with a (compressed) KV cache")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", type=Path, help="a file holding the prompt text")
+    parser.add_argument("--model", default=None, help="alias, Hub id or local path (default: the embedded SmolLM2)")
+    parser.add_argument("--cache", default="dynamic", help="cache spec, e.g. int4, sink_window:window=256, h2o:budget=256+int4")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prefill-chunk-size", type=int, default=None, help="prefill in chunks of this many tokens")
+    parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as plain text")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.set_defaults(func=run)
+
+
+def render_prompt(tokenizer, text: str, chat: bool = True) -> str:
+    """The prompt as the model expects it: through its chat template when it has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return text
+
+
+def run(args) -> int:
+    from transformers import TextStreamer
+
+    from ..generation import generate
+    from ..hf.attention import use_kvcompress_attention
+    from ..models import load_model
+    from ..registry import bounds_memory, make_cache, needs_attention
+
+    if args.max_new_tokens <= 0:
+        raise ValueError(f"--max-new-tokens must be a positive number of tokens, got {args.max_new_tokens}")
+    text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    if not text.strip():
+        raise ValueError("the prompt is empty: give --prompt TEXT or --prompt-file PATH with some text")
+    cache_probe = make_cache(args.cache)  # validate the spec before loading a model
+    del cache_probe
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    if needs_attention(args.cache):
+        use_kvcompress_attention(model)
+    cache = make_cache(args.cache, model.config)
+    rendered = render_prompt(tokenizer, text, chat=not args.no_chat_template)
+    inputs = tokenizer(rendered, return_tensors="pt", add_special_tokens=not getattr(tokenizer, "chat_template", None))
+    inputs = inputs.to(model.device)
+    chunk = args.prefill_chunk_size or (512 if bounds_memory(args.cache) else None)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    result = generate(
+        model, inputs.input_ids, inputs.attention_mask, cache,
+        max_new_tokens=args.max_new_tokens, streamer=streamer, prefill_chunk_size=chunk,
+    )
+    print(
+        f"\n[cache {cache.spec}] prefill {result.prefill_tokens} tokens at {result.prefill_tokens_per_second:.1f} tok/s; "
+        f"decode {result.decode_tokens} tokens at {result.decode_tokens_per_second:.1f} tok/s; "
+        f"KV cache holds {result.kv_bytes:,} bytes ({cache.stored_tokens} of {cache.get_seq_length()} tokens kept per layer)",
+        file=sys.stdout,
+    )
+    return 0
