@@ -50,9 +50,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=3000)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--specs", default=",".join(SPECS))
+    parser.add_argument("--specs", default=";".join(SPECS), help="cache specs separated by ;")
     args = parser.parse_args()
-    specs = args.specs.split(",")
+    specs = args.specs.split(";")
     model, tokenizer = load_model(args.model)
     use_kvcompress_attention(model)
     ids = tokenizer(TEXT * (args.prompt_tokens // 40 + 1), return_tensors="pt").input_ids[:, : args.prompt_tokens]

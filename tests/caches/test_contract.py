@@ -8,7 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress import (
+    CompressedCache, IntNCodec, SinkWindowPolicy, make_cache, measured_kv_bytes, use_kvcompress_attention,
+)
 from hf_kvcompress.generation import generate
 
 from .tiny_models import CONFIGS, tiny_model
@@ -154,3 +156,34 @@ def test_heavy_hitter_without_statistics_says_how_to_enable_them():
     _, ids, mask = _prompts(9, lengths=(6,))
     with pytest.raises(RuntimeError, match="use_kvcompress_attention"):
         generate(model, ids, mask, cache, max_new_tokens=3)
+
+
+def test_generate_with_chunked_prefill_never_holds_more_than_sinks_window_and_one_chunk():
+    from hf_kvcompress import SinkWindowCache
+
+    model = tiny_model("llama")
+    cache = SinkWindowCache(sink_tokens=2, window=8, config=model.config)
+    ids = torch.randint(3, 128, (1, 60))
+    model.generate(input_ids=ids, cache=cache, prefill_chunk_size=7, max_new_tokens=5, do_sample=False)
+    assert cache.get_seq_length() == 64
+    for layer in cache.layers:
+        assert layer.stored_tokens == 10 and layer.peak_tokens <= 10 + 7
+
+
+def test_rerotate_keeps_exact_output_before_eviction_and_compresses_positions_after():
+    from hf_kvcompress import SinkWindowCache
+
+    model = tiny_model("llama")
+    _, ids, mask = _prompts(10, lengths=(9, 14))
+    big = SinkWindowCache(sink_tokens=2, window=100, config=model.config, rerotate=True)
+    assert torch.equal(_greedy(model, ids, mask, big), _greedy(model, ids, mask, DynamicCache(config=model.config)))
+    small = SinkWindowCache(sink_tokens=2, window=6, config=model.config, rerotate=True)
+    _greedy(model, ids, mask, small)
+    layer = small.layers[0]
+    # Each row's kept keys now sit at the positions just before its next query: real_seen - 8 ... real_seen - 1.
+    expected = layer.real_seen[:, None] - 8 + torch.arange(8)
+    assert torch.equal(layer.positions[:, 0].long(), expected)
+    with pytest.raises(ValueError, match="config"):
+        SinkWindowCache(rerotate=True)
+    with pytest.raises(ValueError, match="full-precision"):
+        CompressedCache(SinkWindowPolicy(), IntNCodec(bits=4), model.config, rerotate=True)
