@@ -1,4 +1,4 @@
-"""`hf-kvcompress demo`: the main job of `make demo`: the quality-versus-memory study on the embedded model."""
+"""`hf-kvcompress demo`: the main job of `make demo`: the lesson's budget table, then the measured study."""
 
 from __future__ import annotations
 
@@ -7,22 +7,21 @@ import argparse
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="what `make demo` runs: the budget table, then the study")
-    parser.add_argument("--quick", action="store_true", help="budget table and one answer only")
+    parser.add_argument("--out", default="results/study", help="where the study writes its report and plots")
     parser.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from . import budget, generate
+def _run(module, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hf-kvcompress")
+    module.add_parser(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
 
-    budget_parser = argparse.ArgumentParser()
-    sub = budget_parser.add_subparsers()
-    budget.add_parser(sub)
-    budget.run(budget_parser.parse_args(["budget"]))
-    print()
-    question = "In one sentence: why does a KV cache grow with the length of the conversation?"
-    for spec in ("dynamic", "int4"):
-        print(f"--- {question} (cache {spec})")
-        generate_parser = argparse.ArgumentParser()
-        generate.add_parser(generate_parser.add_subparsers())
-        generate.run(generate_parser.parse_args(["generate", "--prompt", question, "--cache", spec, "--max-new-tokens", "60"]))
-    return 0
+
+def run(args) -> int:
+    from . import budget, study
+
+    print("=" * 100 + "\nThe lesson's KV budget, computed (hf-kvcompress budget)\n" + "=" * 100)
+    _run(budget, ["budget"])
+    print("\n" + "=" * 100 + "\nThe same plans, measured on a real model (hf-kvcompress study)\n" + "=" * 100)
+    return _run(study, ["study", "--out", args.out])
