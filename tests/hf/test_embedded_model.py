@@ -141,3 +141,16 @@ def test_the_lessons_point_on_the_real_model(embedded):
     assert answers["sink_window:sink_tokens=4,window=256"][2] == 260
     assert "68142" not in answers["sink_window:sink_tokens=4,window=256"][0]
     print(f"\nH2O at a 260-token budget answered {answers['h2o:budget=260,recent=64'][0]!r}")
+
+
+@pytest.mark.parametrize("spec", ["int4", "int2:residual_length=32", "fp8", "sink_window:window=64+int8"])
+def test_studys_analytic_bytes_equal_a_real_caches_promise(embedded, spec):
+    from hf_kvcompress.study import promised_bytes
+
+    model, tokenizer = embedded
+    ids = tokenizer(PROSE * 3, return_tensors="pt").input_ids[:, :240]
+    cache = make_cache(spec, model.config)
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(cache))
+    bookkeeping = model.config.num_hidden_layers * 2 * 8
+    assert promised_bytes(spec, model.config, 240, 4) == cache.promised_kv_bytes() - bookkeeping
