@@ -127,6 +127,43 @@ NOTEBOOKS = {
         ("md", "Same bytes, different information: the eviction caches hold a fixed number of rows whatever the "
                "document length, but the order number left the cache long before the question arrived."),
     ],
+    "tradeoffs": [
+        ("md", "# Quality versus memory, measured\n\n"
+               "The study of `make demo` (`hf-kvcompress study`) through its Python API: every plan of the registry "
+               "on long-context recall with the question after the document, the lesson's table with measured "
+               "bytes beside the formula's, accuracy by depth band, and the plots. Results are read back from "
+               "`results/study` when `make demo` already produced them (the runner resumes), else computed here."),
+        ("code", SMALL + "\nfrom pathlib import Path\nfrom IPython.display import Image, display\n"
+                 "from hf_kvcompress import load_model, study\n"
+                 "from hf_kvcompress.eval.report import summarize\n"
+                 "from hf_kvcompress.eval.runner import run_eval\n"
+                 "name = 'smollm2-135m' if SMALL else 'gemma-3-270m'\n"
+                 "lengths, depths = ([300], [10, 50, 90]) if SMALL else ([1000, 2000], [10, 50, 90])\n"
+                 "tasks = ['needle'] if SMALL else ['needle', 'kv_retrieval']\n"
+                 "plans = ['int4', 'sink_window:sink_tokens=4,window=60'] if SMALL else study.study_plans(lengths)\n"
+                 "out = Path('../results/study' if not SMALL else os.environ.get('KVC_NOTEBOOK_OUT', '/tmp/kvc-notebook')) / name\n"
+                 "model, tokenizer = load_model(name)\n"
+                 "records = run_eval(model, tokenizer, plans, tasks=tasks, lengths=lengths, depths=depths, out_dir=out,\n"
+                 "                   model_name=name, progress=False)\n"
+                 "print(len(records), 'runs; plans:', plans)"),
+        ("code", "summary = summarize(records)\n"
+                 "usable = {t for t in summary['tasks'] if t not in summary['too_hard']} or set(summary['tasks'])\n"
+                 "print('too hard for this model (uncompressed < 50):', summary['too_hard'] or 'none')\n"
+                 "GIB = 2**30\n"
+                 "results = study.analyse(records, model.config, 4, study.model_weight_bytes(model), 80 * GIB, 32000,\n"
+                 "                        usable_tasks=usable)\n"
+                 "tokens = sum(r['document_tokens'] for r in records if r['method'] == 'dynamic') / sum(\n"
+                 "    r['method'] == 'dynamic' for r in records)\n"
+                 "print(study.format_table(results, tokens))\n"
+                 "print()\nprint(study.format_users(results, 10, 80 * GIB, study.model_weight_bytes(model), 32000))\n"
+                 "print()\nprint(study.recommendation_text(study.recommend(results, 10), results))"),
+        ("md", "## Quality against memory\n\nEach point is a plan: mean score on the tasks the uncompressed cache "
+               "passes, against the peak KV bytes measured per sample."),
+        ("code", "display(Image(filename=str(out / 'quality_vs_memory.png')))"),
+        ("md", "## Where each plan fails: depth x length heatmaps\n\nEviction loses the start and the middle of the "
+               "document; quantization loses little everywhere."),
+        ("code", "for path in sorted(out.glob('heatmap_*.png')):\n    display(Image(filename=str(path)))"),
+    ],
 }
 
 

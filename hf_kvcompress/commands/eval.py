@@ -1,4 +1,9 @@
-"""`hf-kvcompress eval`: long-context tasks x cache methods, document first, question after compression."""
+"""`hf-kvcompress eval`: long-context tasks x cache methods, document first, question after compression.
+
+Results append to OUT/results.jsonl (a rerun skips finished method/sample pairs); OUT/summary.md, summary.csv,
+heatmap_<method>.png and quality_vs_memory.png are rewritten at the end. Shard over processes with
+`accelerate launch -m hf_kvcompress.eval ARGS` (same arguments).
+"""
 
 from __future__ import annotations
 
@@ -34,17 +39,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depths", type=_floats, default=[0, 25, 50, 75, 100], help="depths in percent of the document (default 0,25,50,75,100)")
     parser.add_argument("--samples", type=int, default=1, help="samples per (task, length, depth) cell (default 1)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many samples per task (quick runs)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sample generation seed (default 0); decoding is greedy")
     parser.add_argument("--documents", default=None, help="a folder of .txt, .md, .jsonl files for user_needle and user_recall")
     parser.add_argument("--query-aware", action="store_true", help="also put the question before the document, inside the compressed prompt")
     parser.add_argument("--prompt-format", choices=("auto", "chat", "plain"), default="auto",
                         help="chat: the tokenizer's chat template; plain: 'document, question, answer' (auto: chat if the tokenizer has one)")  # fmt: skip
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="samples per forward pass, left-padded; rows share a task and question length (default 1)")  # fmt: skip
     parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk for methods with bounded memory (default 512)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu (per process under accelerate)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--out", required=True, help="output folder: results.jsonl, summary.md/.csv, plots, data/")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def add_parser(subparsers) -> None:
@@ -52,6 +58,7 @@ def add_parser(subparsers) -> None:
         "eval",
         help="long-context tasks (needle grid, multi-needle, kv retrieval, document QA, your documents) per cache",
         description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
     parser.set_defaults(func=run)

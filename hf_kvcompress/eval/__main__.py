@@ -8,7 +8,9 @@ from ..commands.eval import add_arguments, run
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hf_kvcompress.eval", description=_doc)
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_kvcompress.eval", description=_doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

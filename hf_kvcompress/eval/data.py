@@ -130,7 +130,7 @@ def squad_questions() -> tuple[tuple[dict, ...], tuple[str, ...], tuple[int, ...
 
 @lru_cache(maxsize=None)
 def hotpotqa_questions() -> tuple[tuple[dict, ...], tuple[str, ...]]:
-    """HotpotQA questions (their gold paragraphs) and all distinct paragraphs ("title\\ntext")."""
+    """HotpotQA questions (with their supporting paragraphs) and all distinct paragraphs ("title\\ntext")."""
     with open(source_path("hotpotqa"), encoding="utf-8") as handle:
         data = json.load(handle)
     paragraphs = sorted({f"{title}\n{''.join(sentences)}" for item in data for title, sentences in item["context"]})
@@ -139,7 +139,12 @@ def hotpotqa_questions() -> tuple[tuple[dict, ...], tuple[str, ...]]:
         {
             "question": item["question"],
             "answers": [item["answer"]],
-            "paragraphs": [index[f"{title}\n{''.join(sentences)}"] for title, sentences in item["context"]],
+            # The paragraphs the annotators marked as supporting the answer (two, for a two-hop question).
+            "paragraphs": [
+                index[f"{title}\n{''.join(sentences)}"]
+                for title, sentences in item["context"]
+                if title in {fact[0] for fact in item["supporting_facts"]}
+            ],
         }
         for item in data
     )

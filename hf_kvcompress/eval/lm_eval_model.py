@@ -3,7 +3,8 @@
     hf-kvcompress lm-eval --model hf-kvcompress --model_args pretrained=,cache=int4 \\
         --tasks kvc_needle --include_path eval_tasks
 
-`--model_args`: `pretrained` (alias, folder or .gguf; empty = the embedded SmolLM2-135M-Instruct), `cache` (a
+`--model_args`: `pretrained` (alias, folder or .gguf; empty = the embedded SmolLM2-135M-Instruct; from Python,
+also a loaded model with `tokenizer=`), `cache` (a
 registry spec, default `dynamic`), `query_aware` (false), `prompt_format` (auto/chat/plain), `chunk_size` (512),
 `dtype`. The protocol is the suite's: for the kvc_* tasks the document is prefilled (and compressed) first and
 the question appended afterwards, with the same tokens `hf-kvcompress eval` uses (rendered from the sample's
@@ -24,7 +25,7 @@ from lm_eval.models.huggingface import HFLM
 from ..generation import prefill
 from ..hf.compat import cache_kwargs
 from .prompts import encode, protocol_name
-from .runner import _bounds_memory, make_cache, run_batch
+from .runner import _bounds_memory, _first, make_cache, run_batch
 
 MODEL_NAME = "hf-kvcompress"
 _SAMPLE_FIELDS = ("instruction", "document", "question", "references")
@@ -39,7 +40,7 @@ class KVCompressLM(HFLM):
 
     def __init__(
         self,
-        pretrained: str | None = None,
+        pretrained=None,
         cache: str = "dynamic",
         query_aware: bool | str = False,
         prompt_format: str = "auto",
@@ -55,14 +56,17 @@ class KVCompressLM(HFLM):
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             device = None  # lm-eval's CLI defaults to cuda:0 even on machines without one
         dtype = None if dtype in (None, "auto") else dtype
-        model, tokenizer = load_model(pretrained or None, device=device, dtype=dtype)
-        kwargs.pop("tokenizer", None)
+        if pretrained is None or isinstance(pretrained, str):
+            model, tokenizer = load_model(pretrained or None, device=device, dtype=dtype)
+            kwargs.pop("tokenizer", None)
+        else:  # a loaded model (Python API): pass its tokenizer too
+            model, tokenizer = pretrained, kwargs.pop("tokenizer")
         super().__init__(pretrained=model, tokenizer=tokenizer, **kwargs)
         self.cache_spec = cache
         self.query_aware = _flag(query_aware)
         self.prompt_format = prompt_format
         self.chunk_size = int(chunk_size) if chunk_size not in (None, "", "none", "None") else None
-        self.protocol = protocol_name(self.query_aware)
+        self.protocol = protocol_name(self.query_aware)  # document_first or query_aware, as the runner records
 
     def _rows(self, request: Instance) -> tuple[list[int], list[int], int | None]:
         """(document_ids, question_ids, max_new_tokens of the sample or None) for one request."""
@@ -78,8 +82,6 @@ class KVCompressLM(HFLM):
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         from tqdm.auto import tqdm
-
-        from .runner import _first
 
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:

@@ -94,6 +94,17 @@ def _mib(value) -> str:
     return _f(value / MiB if value is not None else None, 2)
 
 
+def _describe(spec: str) -> str | None:
+    """The registry's one-line description of a method, when the registry offers one."""
+    try:
+        from .. import registry
+
+        describer = getattr(registry, "describe", None)
+        return describer(spec) if describer is not None else None
+    except Exception:  # a description is a courtesy; a spec the registry no longer parses still gets its table
+        return None
+
+
 def markdown(summary: dict, records: list[dict]) -> str:
     """The summary as markdown: the ranking, then one table per task (with scores by context length)."""
     models = sorted({str(r.get("model")) for r in records})
@@ -105,9 +116,11 @@ def markdown(summary: dict, records: list[dict]) -> str:
         "query_aware: the question is also inside the compressed prompt). "
         f"{len(records)} results. Scores 0-100. KV bytes are measured storage per sample.",
         "",
-        f"## Ranking (tasks where `{BASELINE}` scores >= {TOO_HARD_BELOW:.0f})",
-        "",
     ]
+    described = [(m, _describe(m)) for m in summary["methods"]]
+    if any(text for _, text in described):
+        lines += [f"- `{m}`: {text}" for m, text in described if text] + [""]
+    lines += [f"## Ranking (tasks where `{BASELINE}` scores >= {TOO_HARD_BELOW:.0f})", ""]
     if summary["ranking"]:
         lines += ["| rank | method | score | dynamic | delta | KV peak (MiB) | memory vs dynamic | tasks |",
                   "|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -161,12 +174,14 @@ def plot_heatmaps(records: list[dict], out_dir: str | os.PathLike) -> list[Path]
     import matplotlib.pyplot as plt
 
     paths = []
+    too_hard = summarize(records)["too_hard"]
     methods = list(dict.fromkeys(r["method"] for r in records))
     tasks = list(dict.fromkeys(r["task"] for r in records))
     for method in methods:
         mine = [r for r in records if r["method"] == method]
-        fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
-        for ax, task in zip(axes[0], tasks):
+        fig, axes = plt.subplots(1, len(tasks), figsize=(4.6 * len(tasks) + 1, 3.8), squeeze=False,
+                                 constrained_layout=True)  # fmt: skip
+        for ax, task in zip(axes[0], tasks, strict=True):
             cells: dict[tuple[float, int], list[float]] = defaultdict(list)
             for r in mine:
                 if r["task"] == task:
@@ -179,15 +194,16 @@ def plot_heatmaps(records: list[dict], out_dir: str | os.PathLike) -> list[Path]
             ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel("depth (%)")
-            ax.set_title(task, fontsize=9)
+            hard = " (too hard for this model)" if task in too_hard else ""
+            ax.set_title(task + hard, fontsize=9)
             for y, row in enumerate(grid):
                 for x, value in enumerate(row):
                     if not math.isnan(value):
                         ax.text(x, y, f"{value:.0f}", ha="center", va="center", fontsize=8)
         fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="score")
-        fig.suptitle(f"{method}", fontsize=10)
+        fig.suptitle(method, fontsize=10)
         path = Path(out_dir) / f"heatmap_{slug(method)}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
+        fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
     return paths

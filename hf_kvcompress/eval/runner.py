@@ -53,13 +53,6 @@ def _needs_attention(spec: str) -> bool:
     return bool(check(spec)) if check is not None else False
 
 
-def describe(spec: str) -> str:
-    from .. import registry
-
-    describer = getattr(registry, "describe", None)
-    return describer(spec) if describer is not None else spec
-
-
 def _tokens_stored(cache) -> float:
     """Tokens a cache holds per layer (mean over layers), padding included."""
     counts = []
@@ -97,7 +90,7 @@ class _Attention:
 
 @dataclass
 class BatchOutput:
-    """What one batch produced: a prediction per row and what the cache cost (for the whole batch)."""
+    """What one batch produced: each row's new tokens (cut at EOS) and what the cache cost (whole batch)."""
 
     new_tokens: list[list[int]]
     kv_bytes_document: int
@@ -143,8 +136,8 @@ def run_batch(
     full_mask = torch.cat([mask, torch.ones_like(questions)], dim=1).to(device)
 
     cache = make_cache(spec, model.config)
-    step = chunk_size if chunk_size and _bounds_memory(spec) else width
-    peak = 0
+    step = chunk_size if chunk_size and _bounds_memory(spec) else max(width, 1)
+    peak = 0  # the largest storage measured after any prefill chunk or after decoding
     with _Attention(model, spec):
         _sync(device)
         start = time.perf_counter()
@@ -198,23 +191,27 @@ def plan_batches(
     batch_size: int,
     chunk_size: int | None,
     done: set[tuple[str, str]] = frozenset(),
+    groups: Sequence[str] | None = None,
 ) -> list[WorkItem]:
     """The batches of a run, the same whatever the number of processes.
 
-    Rows of a batch share their question length, and their document lengths differ by less than one prefill
-    chunk, so all padding reaches a cache in its first chunk, before anything is evicted. Every method runs the
-    same batches, so their costs compare; pairs already in `done` are left out.
+    Rows of a batch share their group (the task: one answer length) and their question length, and their
+    document lengths differ by less than one prefill chunk, so all padding reaches a cache in its first chunk,
+    before anything is evicted. Every method runs the same batches, so their costs compare; pairs already in
+    `done` are left out.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     spread = chunk_size or 512
-    order = sorted(range(len(encoded)), key=lambda i: (len(encoded[i][1]), -len(encoded[i][0]), i))
+    group = list(groups) if groups is not None else [""] * len(encoded)
+    order = sorted(range(len(encoded)), key=lambda i: (group[i], len(encoded[i][1]), -len(encoded[i][0]), i))
     batches: list[list[int]] = []
     for i in order:
         last = batches[-1] if batches else None
         if (
             last is not None
             and len(last) < batch_size
+            and group[last[0]] == group[i]
             and len(encoded[last[0]][1]) == len(encoded[i][1])
             and len(encoded[last[0]][0]) - len(encoded[i][0]) < spread
         ):
@@ -251,8 +248,20 @@ def read_results(out_dir: str | os.PathLike) -> list[dict]:
     return records
 
 
+def _ends_cleanly(path: Path) -> bool:
+    """Whether `path` is empty or ends with a newline (not with a line an interrupted write cut short)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return True
+    with open(path, "rb") as handle:
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) == b"\n"
+
+
 def _append(path: Path, records: list[dict]) -> None:
+    clean = _ends_cleanly(path)
     with open(path, "a", encoding="utf-8") as handle:
+        if not clean:
+            handle.write("\n")  # close the cut line, which readers skip, so the new records stay whole
         for record in records:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
         handle.flush()
@@ -311,10 +320,12 @@ def run_eval(
     model_name: str | None = None,
     progress: bool = True,
     write_reports: bool = True,
+    baseline: bool = True,
 ) -> list[dict]:
     """Evaluate `methods` (cache specs) on the tasks' samples; returns one record per (method, sample).
 
-    The uncompressed baseline `dynamic` is added in front when missing: every summary compares with it. With
+    The uncompressed baseline `dynamic` is added in front when missing (`baseline=False` leaves it out; the
+    summaries then have no baseline column values and flag nothing as too hard). With
     `out_dir`, records are appended to out_dir/results.jsonl as batches finish, (method, sample_id) pairs
     already there are skipped, and summary.md, summary.csv and the plots are written at the end (by the main
     process). `samples` (a Dataset from `build_samples`) replaces tasks/lengths/depths/seed/documents/limit.
@@ -322,7 +333,9 @@ def run_eval(
     """
     from .tasks import build_samples
 
-    methods = list(dict.fromkeys([BASELINE, *methods]))
+    methods = list(dict.fromkeys([BASELINE, *methods] if baseline else methods))
+    if not methods:
+        raise ValueError("no methods to evaluate")
     state = _state()
     is_main = state is None or state.is_main_process
     if samples is None:
@@ -343,11 +356,23 @@ def run_eval(
     previous: list[dict] = []
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+        if state is None:
+            _merge_shards(out)  # what an interrupted multi-process run left behind
         previous = read_results(out)
         if is_main:
             export_samples(samples, out)
-    done = {(r["method"], r["sample_id"]) for r in previous if r.get("protocol") == protocol}
-    plan = plan_batches(methods, encoded, sample_ids, batch_size, chunk_size, done)
+    if state is not None:
+        state.wait_for_everyone()  # every process plans from the same finished pairs before any writes more
+    name = model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+    prompt_kind = "chat" if chat else "plain"
+
+    def same_setting(record: dict) -> bool:  # a record from another model, protocol or prompt is not reused
+        return (record.get("protocol"), record.get("prompt_format"), record.get("model")) == (protocol, prompt_kind, name)
+
+    previous = [r for r in previous if same_setting(r)]
+    done = {(r["method"], r["sample_id"]) for r in previous}
+    groups = [f"{row['task']}|{row['max_new_tokens']}" for row in rows]
+    plan = plan_batches(methods, encoded, sample_ids, batch_size, chunk_size, done, groups)
     mine = plan
     if state is not None:
         with state.split_between_processes(plan) as share:
@@ -390,7 +415,7 @@ def run_eval(
                 "prediction": predictions[k],
                 "references": list(row["references"]),
                 "protocol": protocol,
-                "prompt_format": "chat" if chat else "plain",
+                "prompt_format": prompt_kind,
                 "document_tokens": len(document_ids),
                 "question_tokens": len(question_ids),
                 "prompt_tokens": len(document_ids) + len(question_ids),
@@ -403,7 +428,7 @@ def run_eval(
                 "decode_seconds": output.decode_seconds / share,
                 "batch_rows": share,
                 "chunk_size": chunk_size if _bounds_memory(item.method) else None,
-                "model": model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__,
+                "model": name,
                 "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             })  # fmt: skip
         if shard is not None:
@@ -425,7 +450,7 @@ def run_eval(
         new_records = gathered
 
     wanted = {(m, s) for m in methods for s in sample_ids}
-    by_key = {(r["method"], r["sample_id"]): r for r in previous if r.get("protocol") == protocol}
+    by_key = {(r["method"], r["sample_id"]): r for r in previous}
     by_key.update({(r["method"], r["sample_id"]): r for r in new_records})
     records = [by_key[(m, s)] for m in methods for s in sample_ids if (m, s) in by_key and (m, s) in wanted]
     if out is not None and write_reports and is_main:
@@ -442,7 +467,12 @@ def _merge_shards(out: Path) -> None:
     written; records an interrupted earlier run left in a process's file come first in it and are kept too.
     """
     shards = sorted(out.glob("results.rank*.jsonl"), key=lambda p: int(p.name.split(".")[1].removeprefix("rank")))
+    if not shards:
+        return
+    clean = _ends_cleanly(out / RESULTS)
     with open(out / RESULTS, "a", encoding="utf-8") as target:
+        if not clean:
+            target.write("\n")
         for shard in shards:
             with open(shard, encoding="utf-8") as handle:
                 for line in handle:

@@ -226,14 +226,12 @@ class MultiNeedleTask(Task):
                 at = depth if (k, v) == (0, 0) else rng.uniform(0, 100)
                 needles.append((at, template.format(key=key, value=value)))
         asked = keys[0]
+        instruction = ("Some special magic numbers are hidden within the following text. Make sure to memorize "
+                       "them. I will quiz you about the numbers afterwards.")  # fmt: skip
         if one:
-            instruction = ("Some special magic numbers are hidden within the following text. Make sure to memorize "
-                           "them. I will quiz you about the numbers afterwards.")  # fmt: skip
             question = f"What is the special magic number for {asked} mentioned in the provided text?"
             prefix = f"The special magic number for {asked} mentioned in the provided text is"
         else:
-            instruction = ("Some special magic numbers are hidden within the following text. Make sure to memorize "
-                           "them. I will quiz you about the numbers afterwards.")  # fmt: skip
             question = f"What are all the special magic numbers for {asked} mentioned in the provided text?"
             prefix = f"The special magic numbers for {asked} mentioned in the provided text are"
 
@@ -261,7 +259,7 @@ class KVRetrievalTask(Task):
             body = ",\n ".join(f'"{k}": "{v}"' for k, v in pairs[:n])
             return {"instruction": "Extract the value corresponding to the specified key in the JSON object below.",
                     "document": "JSON data:\n{" + body + "}", "question": f'Key: "{asked[0]}"',
-                    "answer_prefix": "Corresponding value:", "references": [asked[1]], "max_new_tokens": 32}  # fmt: skip
+                    "answer_prefix": "Corresponding value:", "references": [asked[1]], "max_new_tokens": 48}  # fmt: skip
 
         return fit(make, measure, length, hi=most)
 
@@ -276,8 +274,8 @@ class DocQATask(Task):
     """Real questions over real paragraphs: the gold paragraph(s) at `depth` among distractors (RULER qa_1/qa_2).
 
     `source`: `squad` (SQuAD v2, one gold paragraph; distractors come from other articles) or `hotpotqa`
-    (the question's ten paragraphs, kept together, among other questions' paragraphs). Scored with
-    string_match_part: any of the reference answers.
+    (the two supporting paragraphs of a two-hop question, kept together, among other questions' paragraphs).
+    Scored with string_match_part: any of the reference answers.
     """
 
     name: ClassVar[str] = "doc_qa"
@@ -298,21 +296,35 @@ class DocQATask(Task):
             questions, paragraphs = data.hotpotqa_questions()
             item = rng.choice(questions)
             gold = list(item["paragraphs"])
-            pool = rng.sample(range(len(paragraphs)), min(len(paragraphs), 20 * length // 50 + 50))
-            pool = [i for i in pool if i not in set(gold)]
-        most = min(len(pool), length // 40 + 1)
-        distractors = rng.sample(pool, most)
+            pool = [i for i in rng.sample(range(len(paragraphs)), length // 20 + 80) if i not in set(gold)]
+        candidates = rng.sample(pool, min(len(pool), length // 20 + 40))
 
-        def make(n: int) -> dict:
-            docs = list(distractors[:n])
-            at = round(depth / 100 * n)
+        def make(distractors: list[int]) -> dict:
+            docs = list(distractors)
+            at = round(depth / 100 * len(docs))
             docs[at:at] = gold
             text = "\n\n".join(f"Document {i + 1}:\n{paragraphs[d]}" for i, d in enumerate(docs))
             return {"instruction": _QA_INSTRUCTION, "document": text,
                     "question": f"{_QA_INSTRUCTION}\n\nQuestion: {item['question']}", "answer_prefix": "Answer:",
                     "references": list(item["answers"]), "max_new_tokens": 32}  # fmt: skip
 
-        return fit(make, measure, length, hi=most)
+        # Paragraphs differ in length, so fill greedily: add each candidate that still fits, and stop when
+        # the prompt is within a short paragraph of the length or 20 candidates in a row did not fit.
+        chosen: list[int] = []
+        sample = make(chosen)
+        tokens = measure(sample)
+        misses = 0
+        for candidate in candidates:
+            if length - tokens < 40 or misses >= 20:
+                break
+            trial = make(chosen + [candidate])
+            trial_tokens = measure(trial)
+            if trial_tokens <= length:
+                chosen.append(candidate)
+                sample, tokens, misses = trial, trial_tokens, 0
+            else:
+                misses += 1
+        return {**sample, "n_tokens": tokens}
 
 
 @dataclass(frozen=True)

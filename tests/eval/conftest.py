@@ -1,0 +1,16 @@
+"""Fixtures of the evaluation tests: short contexts (~300-600 tokens) on the embedded model from tests/conftest.py."""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tokenizer(embedded):
+    return embedded[1]
+
+
+@pytest.fixture(scope="session")
+def small_samples(tokenizer):
+    """Four needle samples of ~300 tokens: depths 0 and 100, two lengths."""
+    from hf_kvcompress.eval import build_samples
+
+    return build_samples(tokenizer, ["needle"], [300, 360], [0, 100], seed=0)

@@ -1,0 +1,72 @@
+"""The lm-eval path: model `hf-kvcompress` and the kvc_* tasks report what the runner reports on the same samples."""
+
+import json
+
+import pytest
+from hf_kvcompress.eval import build_samples, run_eval
+from hf_kvcompress.eval.scoring import metrics_dir
+
+WINDOW = "sink_window:sink_tokens=4,window=64"
+
+
+def test_lm_eval_and_the_runner_agree_on_the_same_samples(embedded, tmp_path):
+    from hf_kvcompress.eval.lm_eval_model import KVCompressLM, register
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    model, tokenizer = embedded
+    samples = build_samples(tokenizer, ["needle"], [300], [0, 100])
+    mine = run_eval(model, tokenizer, [WINDOW], samples=samples, out_dir=tmp_path, chunk_size=128, progress=False,
+                    baseline=False)  # fmt: skip
+    assert [r["method"] for r in mine] == [WINDOW, WINDOW]
+
+    register()
+    lm = KVCompressLM(pretrained=model, tokenizer=tokenizer, cache=WINDOW, chunk_size=128)
+    manager = TaskManager(include_path=str(metrics_dir().parent), metadata={"data_dir": str(tmp_path)})
+    out = simple_evaluate(model=lm, tasks=["kvc_needle"], task_manager=manager, log_samples=True)
+    score = out["results"]["kvc_needle"]["score,none"]
+    assert score == pytest.approx(sum(r["score"] for r in mine) / len(mine))
+    predictions = {s["doc"]["sample_id"]: s["filtered_resps"][0] for s in out["samples"]["kvc_needle"]}
+    assert predictions == {r["sample_id"]: r["prediction"] for r in mine}
+
+
+def test_lm_eval_command_runs_the_registered_model(tmp_path, capsys):
+    from hf_kvcompress.cli import main
+
+    code = main([
+        "lm-eval", "--model", "hf-kvcompress", "--model_args", "pretrained=,cache=int4", "--tasks", "kvc_needle",
+        "--metadata", json.dumps({"lengths": [300], "depths": [50]}), "--limit", "1", "--device", "cpu",
+        "--output_path", str(tmp_path / "lm"),
+    ])  # fmt: skip
+    assert code == 0
+    written = list((tmp_path / "lm").rglob("results_*.json"))
+    assert written, capsys.readouterr().out[-2000:]
+    result = json.loads(written[0].read_text())["results"]["kvc_needle"]
+    assert 0 <= result["score,none"] <= 100
+
+
+def test_bad_cache_spec_fails_before_the_model_loads():
+    from hf_kvcompress.eval.lm_eval_model import KVCompressLM
+
+    with pytest.raises(ValueError):
+        KVCompressLM(pretrained="", cache="no_such_method")
+
+
+def test_loglikelihood_scores_the_continuation_from_the_cache(embedded):
+    import torch
+    from lm_eval.api.instance import Instance
+
+    from hf_kvcompress.eval.lm_eval_model import KVCompressLM
+
+    model, tokenizer = embedded
+    lm = KVCompressLM(pretrained=model, tokenizer=tokenizer, cache="dynamic")
+    context, continuation = "The capital of France is", " Paris, a city on the Seine."
+    request = Instance("loglikelihood", {}, (context, continuation), 0)
+    [(logprob, greedy)] = lm.loglikelihood([request], disable_tqdm=True)
+    context_ids, continuation_ids = lm._encode_pair(context, continuation)
+    ids = torch.tensor([context_ids + continuation_ids])
+    with torch.inference_mode():
+        logits = model(ids).logits[0, len(context_ids) - 1 : -1].float().log_softmax(-1)
+    expected = logits.gather(-1, torch.tensor(continuation_ids)[:, None]).sum().item()
+    assert logprob == pytest.approx(expected, abs=1e-3)
+    assert greedy == bool((logits.argmax(-1) == torch.tensor(continuation_ids)).all())

@@ -1,0 +1,23 @@
+"""Every notebook runs top to bottom (at reduced sizes), so none can rot."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_the_three_notebooks_are_there():
+    assert {p.stem for p in NOTEBOOKS} == {"kv_budget", "eviction_practice", "tradeoffs"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes(path, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVC_NOTEBOOK_SMALL", "1")
+    monkeypatch.setenv("KVC_NOTEBOOK_OUT", str(tmp_path))
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors
