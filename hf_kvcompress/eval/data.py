@@ -33,13 +33,10 @@ USER_DOCUMENT_SUFFIXES = (".txt", ".md", ".jsonl")
 
 
 def cache_dir() -> Path:
-    """Per-user cache: `$HF_KVCOMPRESS_CACHE`, else `$XDG_CACHE_HOME/hf-kvcompress`, else ~/.cache/hf-kvcompress."""
-    explicit = os.environ.get("HF_KVCOMPRESS_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "hf-kvcompress"
+    """The package's per-user cache root (the same one the converted models live in)."""
+    from ..models import cache_dir as models_cache_dir
+
+    return models_cache_dir()
 
 
 def _sha256(path: Path) -> str:
