@@ -24,7 +24,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model", default=None,
                         help="model to study (default: the first embedded model whose uncompressed needle score "
                              "reaches 70; each embedded model's baseline is reported)")
-    parser.add_argument("--lengths", default="1000,2000", help="document lengths in the model's tokens")
+    parser.add_argument("--lengths", default="1000", help="document lengths in the model's tokens (comma-separated)")
     parser.add_argument("--depths", default="10,50,90", help="needle depths in percent of the document")
     parser.add_argument("--tasks", default="needle,kv_retrieval", help="evaluation tasks")
     parser.add_argument("--plans", default=None, help="cache specs separated by ';' (default: the registry's study plans)")
