@@ -132,7 +132,9 @@ NOTEBOOKS = {
                "The study of `make demo` (`hf-kvcompress study`) through its Python API: every plan of the registry "
                "on long-context recall with the question after the document, the lesson's table with measured "
                "bytes beside the formula's, accuracy by depth band, and the plots. Results are read back from "
-               "`results/study` when `make demo` already produced them (the runner resumes), else computed here."),
+               "`results/study` when `make demo` already produced them (the runner resumes), else computed here. "
+               "The committed outputs were executed at the tests' reduced size (`KVC_NOTEBOOK_SMALL=1`: SmolLM2, "
+               "300-token documents, two plans); run it with the variable unset for the full study."),
         ("code", SMALL + "\nfrom pathlib import Path\nfrom IPython.display import Image, display\n"
                  "from hf_kvcompress import load_model, study\n"
                  "from hf_kvcompress.eval.report import summarize\n"
