@@ -26,7 +26,7 @@ def add_parser(subparsers) -> None:
                              "reaches 70; each embedded model's baseline is reported)")
     parser.add_argument("--lengths", default="1000", help="document lengths in the model's tokens (comma-separated)")
     parser.add_argument("--depths", default="10,50,90", help="needle depths in percent of the document")
-    parser.add_argument("--tasks", default="needle,kv_retrieval", help="evaluation tasks")
+    parser.add_argument("--tasks", default="needle,multi_needle", help="evaluation tasks (see hf-kvcompress eval)")
     parser.add_argument("--plans", default=None, help="cache specs separated by ';' (default: the registry's study plans)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="GPU memory for the users-per-GPU table")
     parser.add_argument("--context", type=int, default=32000, help="tokens per user for the users-per-GPU table")
