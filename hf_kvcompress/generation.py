@@ -72,7 +72,8 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     return logits
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so wall-clock timings measure it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -102,7 +103,7 @@ def generate(
     new_prompt = input_ids.shape[1] - seen
     if new_prompt < 1:
         raise ValueError(f"input_ids must extend what the cache already holds ({seen} tokens)")
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     # Beam search expands the batch inside generate(), so the prompt must be prefilled there (untimed apart).
     separate_prefill = generate_kwargs.get("num_beams", 1) == 1
@@ -110,7 +111,7 @@ def generate(
         generate_kwargs["prefill_chunk_size"] = prefill_chunk_size
     if separate_prefill and new_prompt > 1:  # leave the last prompt token to generate(), which needs one input
         prefill(model, input_ids[:, seen:-1], attention_mask[:, :-1], cache, chunk_size=prefill_chunk_size)
-    _sync(device)
+    sync(device)
     prefill_seconds = time.perf_counter() - start if separate_prefill else float("nan")
     generate_kwargs.setdefault("do_sample", False)
     if not generate_kwargs["do_sample"]:
@@ -132,7 +133,7 @@ def generate(
         **cache_kwargs(cache),
         **generate_kwargs,
     )
-    _sync(device)
+    sync(device)
     decode_seconds = time.perf_counter() - start
     new_tokens = sequences[:, input_ids.shape[1] :]
     return GenerationResult(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..generation import generate, prefill
+from ..generation import generate, prefill, sync
 from ..measure import measured_kv_bytes
 from .prompts import encode, protocol_name, uses_chat
 from .scoring import score_all
@@ -100,11 +100,6 @@ class BatchOutput:
     decode_seconds: float
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def run_batch(
     model,
@@ -139,13 +134,13 @@ def run_batch(
     step = chunk_size if chunk_size and _bounds_memory(spec) else max(width, 1)
     peak = 0  # the largest storage measured after any prefill chunk or after decoding
     with _Attention(model, spec):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         for begin in range(0, width, step):
             end = min(begin + step, width)
             prefill(model, full_ids[:, begin:end], full_mask[:, :end], cache)
             peak = max(peak, measured_kv_bytes(cache))
-        _sync(device)
+        sync(device)
         document_seconds = time.perf_counter() - start
         kv_document = measured_kv_bytes(cache)
         stored = _tokens_stored(cache)
