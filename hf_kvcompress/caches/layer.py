@@ -197,12 +197,17 @@ class CompressedLayer(CacheLayerMixin):
         self.batch_select_indices(index)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the newest tokens, as speculative decoding does; only possible while nothing was evicted."""
-        if not self.is_initialized:
+        """Remove the `-tokens_to_remove` newest tokens (transformers >= 5.24: 0 or negative; generate() calls
+        `crop(0)` when every draft token was accepted). Only possible while nothing was evicted."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"tokens_to_remove must be 0 or negative (minus the number of newest tokens to drop), got {tokens_to_remove}"
+            )
+        if not self.is_initialized or tokens_to_remove == 0:
             return
-        keep = tokens_to_remove if tokens_to_remove >= 0 else self.seen + tokens_to_remove
-        if keep >= self.seen:
-            return
+        keep = self.seen + tokens_to_remove
+        if keep < 0:
+            raise ValueError(f"tokens_to_remove={tokens_to_remove} would drop more than the {self.seen} tokens seen")
         if not self.is_croppable:
             raise ValueError(
                 f"cannot crop this cache: {type(self.policy).__name__} has already evicted tokens, so the cropped "
@@ -223,6 +228,8 @@ class CompressedLayer(CacheLayerMixin):
         self.tail_values = _owned(self.tail_values[:, :, :tail_keep])
         if self.accumulated is not None:
             self.accumulated = _owned(self.accumulated[..., :keep])
+        if self.positions is not None:
+            self.positions = _owned(self.positions[..., :keep])
         self.seen = keep
         self.pads = self.pads.clamp(max=keep)
         self.real_seen = keep - self.pads

@@ -1,0 +1,103 @@
+"""crop() as transformers 5.24 calls it: the number of newest tokens to remove, 0 or negative.
+
+generate() calls `crop(0)` whenever every draft token of prompt-lookup or assisted decoding is accepted, so a
+cache that reads 0 as "keep 0 tokens" answers garbage in silence.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvcompress import SinkWindowCache, make_cache, use_kvcompress_attention
+
+from .tiny_models import tiny_model
+
+LOSSLESS = ["dynamic", "sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10"]
+LOSSY = ["int8", "int4:residual_length=16,group_size=8", "fp8", "h2o:budget=1000,recent=10+int8"]
+
+
+def _filled(spec, tokens=12, model_name="llama"):
+    model = tiny_model(model_name)
+    cache = make_cache(spec, model.config)
+    ids = torch.randint(3, 128, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    return model, cache, ids
+
+
+@pytest.mark.parametrize("spec", ["dynamic", "int8", "int4:residual_length=4,group_size=4", "fp8"])
+def test_crop_zero_removes_nothing(spec):
+    _, cache, _ = _filled(spec)
+    before = [layer.stored_tokens for layer in cache.layers]
+    cache.crop(0)
+    assert cache.get_seq_length() == 12
+    assert [layer.stored_tokens for layer in cache.layers] == before
+
+
+@pytest.mark.parametrize("spec", ["dynamic", "fp8"])
+def test_crop_removes_the_newest_tokens_and_matches_a_shorter_prefill(spec):
+    model, cache, ids = _filled(spec)
+    cache.crop(-3)
+    assert cache.get_seq_length() == 9
+    shorter = make_cache(spec, model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :9], cache=shorter)
+        nxt = ids[:, 9:10]
+        a = model(input_ids=nxt, cache=cache).logits
+        b = model(input_ids=nxt, cache=shorter).logits
+    assert torch.allclose(a, b, atol=1e-5)  # prefills of 12 and 9 tokens round differently in the last bits
+
+
+def test_crop_refuses_positive_counts_and_removing_more_than_seen():
+    _, cache, _ = _filled("dynamic")
+    with pytest.raises(ValueError, match="tokens_to_remove"):
+        cache.crop(5)
+    with pytest.raises(ValueError, match="tokens_to_remove"):
+        cache.crop(-13)
+    assert cache.get_seq_length() == 12
+
+
+def test_crop_trims_rerotation_positions():
+    model = tiny_model("llama")
+    cache = SinkWindowCache(sink_tokens=2, window=100, config=model.config, rerotate=True)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    cache.crop(-4)
+    for layer in cache.layers:
+        assert layer.positions.shape[-1] == layer.stored_tokens == 8
+        assert layer.positions[0, 0].tolist() == list(range(8))
+
+
+def _lookup_prompt(n=24):
+    # A repetitive prompt, so prompt-lookup finds long matches and generate() calls crop(0) and crop(-k).
+    g = torch.Generator().manual_seed(2)
+    motif = torch.randint(3, 128, (6,), generator=g)
+    return motif.repeat(n // 6)[None]
+
+
+def _run(model, cache, ids, **kwargs):
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=20,
+                          do_sample=False, **kwargs)[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("spec", LOSSLESS)
+@pytest.mark.parametrize("mode", ["prompt_lookup", "assisted"])
+def test_speculative_decoding_matches_dynamic_cache(spec, mode):
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = _lookup_prompt()
+    ref = _run(model, DynamicCache(config=model.config), ids)
+    kwargs = {"prompt_lookup_num_tokens": 10} if mode == "prompt_lookup" else {"assistant_model": model}
+    assert torch.equal(_run(model, make_cache(spec, model.config), ids, **kwargs), ref)
+
+
+@pytest.mark.parametrize("spec", LOSSY)
+def test_lossy_codecs_survive_prompt_lookup(spec):
+    # Lossy codecs see draft tokens at full precision for one step, so tokens may differ from plain decoding; what
+    # must hold is that crop(0) keeps the cache and the answer has the same length as plain decoding's.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = _lookup_prompt()
+    cache = make_cache(spec, model.config)
+    out = _run(model, cache, ids, prompt_lookup_num_tokens=10)
+    assert out.shape == (1, 20)
+    assert cache.get_seq_length() == ids.shape[1] + 19
