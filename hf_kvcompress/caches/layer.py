@@ -104,9 +104,10 @@ class CompressedLayer(CacheLayerMixin):
         self._count_padding(attn_kwargs, new)
         self.seen += new
 
-        self.tail_keys = key_states if self.tail_keys is None else torch.cat([self.tail_keys, key_states], dim=-2)
+        # The model's states may be views of a fused QKV buffer (GPT-2, Phi-3): keep copies, not the buffer.
+        self.tail_keys = _owned(key_states) if self.tail_keys is None else torch.cat([self.tail_keys, key_states], dim=-2)
         self.tail_values = (
-            value_states if self.tail_values is None else torch.cat([self.tail_values, value_states], dim=-2)
+            _owned(value_states) if self.tail_values is None else torch.cat([self.tail_values, value_states], dim=-2)
         )
         full_keys, full_values = self._full("key"), self._full("value")
         self.peak_tokens = max(self.peak_tokens, full_keys.shape[-2])

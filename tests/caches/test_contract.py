@@ -187,3 +187,13 @@ def test_rerotate_keeps_exact_output_before_eviction_and_compresses_positions_af
         SinkWindowCache(rerotate=True)
     with pytest.raises(ValueError, match="full-precision"):
         CompressedCache(SinkWindowPolicy(), IntNCodec(bits=4), model.config, rerotate=True)
+
+
+@pytest.mark.parametrize("spec", ["dynamic", "fp8", "int8", "sink_window:sink_tokens=2,window=100"])
+def test_prefill_stores_owned_tensors_not_views_of_a_fused_projection(model, spec):
+    # GPT-2 and Phi-3 compute K and V as slices of one fused QKV output; keeping those views pins the whole buffer.
+    cache = make_cache(spec, model.config)
+    ids = torch.randint(3, 128, (2, 64), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
