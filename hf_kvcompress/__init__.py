@@ -1,6 +1,7 @@
 """hf-kvcompress: smaller KV caches for transformers models, and measurements of what they cost in quality."""
 
 from .caches.compressed import CompressedCache
+from .caches.persist import load_cache, save_cache
 from .caches.presets import Fp8Cache, HeavyHitterCache, QuantizedCache, SinkWindowCache
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
@@ -42,6 +43,8 @@ __all__ = [
     "QuantizedCache",
     "SinkWindowCache",
     "SinkWindowPolicy",
+    "save_cache",
+    "load_cache",
     "make_cache",
     "measured_kv_bytes",
     "parse_spec",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .caches.persist import check_model
 from .hf.compat import cache_kwargs
 from .measure import measured_kv_bytes
 
@@ -45,6 +46,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     """
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
+    check_model(cache, model)
     past = cache.get_seq_length()
     total = past + input_ids.shape[1]
     if attention_mask is None:
@@ -53,8 +55,8 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
         raise ValueError(
             f"attention_mask must cover the cached tokens plus input_ids ({total} positions), got {attention_mask.shape[1]}"
         )
-    # Positions count real tokens only and padding sits at position 1, exactly as generate() lays them out, so a
-    # cache sees the same positions whichever of the two fed it (the caches read padding from them).
+    # Positions count real tokens only; padding sits at position 1 (generate() in transformers 5.24 puts it at 0:
+    # the caches read padding from either layout).
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
     step = chunk_size or input_ids.shape[1]
     logits = None
@@ -96,6 +98,7 @@ def generate(
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive number of tokens, got {max_new_tokens}")
+    check_model(cache, model)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     device = input_ids.device

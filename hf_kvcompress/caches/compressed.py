@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import torch
@@ -19,6 +20,14 @@ from .layer import CompressedLayer
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
 
+def _sliding_layer_codec(codec: Codec) -> Codec:
+    """Sliding layers always evict, and per-channel key groups cannot lose single tokens: an explicit
+    key_axis='channel' applies to the full-attention layers, and the sliding layers store keys per token."""
+    if getattr(codec, "key_axis", None) == "channel":
+        codec = dataclasses.replace(codec, key_axis="token")
+    return resolve_for_policy(codec, True)
+
+
 class CompressedCache(Cache):
     """Drop-in for `DynamicCache`: pass it to `model.generate(..., cache=...)`.
 
@@ -26,7 +35,8 @@ class CompressedCache(Cache):
         policy: which tokens stay (default: all).
         codec: how kept tokens are stored (default: full precision).
         config: the model's config. Needed for models that mix sliding-window and full-attention layers: their
-            sliding layers keep transformers' window (the codec still applies) and the policy, whose budget is per
+            sliding layers keep transformers' window (the codec still applies, with keys per token: an explicit
+            `key_axis='channel'` holds for the full-attention layers) and the policy, whose budget is per
             full-attention layer, applies to the full-attention layers only. Without it every layer is treated as
             full attention.
         rerotate: StreamingLLM's re-rotation: after each eviction, kept keys are re-rotated so their distance to
@@ -59,7 +69,7 @@ class CompressedCache(Cache):
                 window = decoder.sliding_window if layer_type == "sliding_attention" else decoder.attention_chunk_size
                 # transformers keeps window - 1 tokens between steps; so do we, stored with this cache's codec.
                 sliding = SinkWindowPolicy(sink_tokens=0, window=max(window - 1, 1))
-                layers.append(CompressedLayer(sliding, resolve_for_policy(requested_codec, True), is_sliding=True))
+                layers.append(CompressedLayer(sliding, _sliding_layer_codec(requested_codec), is_sliding=True))
             else:
                 layers.append(full_layer())
         super().__init__(layers=layers)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -11,6 +13,12 @@ from ..policies.base import Policy, select_kept
 
 # The key under which a layer asks the attention function for statistics (see hf/attention.py).
 OBSERVER_KEY = "kvcompress_observer"
+
+PADDING_SPLITS_GROUPS = (
+    "per-channel key groups of {group} tokens span left padding in this batch: a row whose padding is not a "
+    "multiple of {group} is quantized in other groups than when run alone, so its answer can differ slightly from "
+    "the row alone; use key_axis='token' (exact row equivalence) or batch rows of equal length"
+)
 
 ENABLE_ATTENTION_HINT = (
     "call `hf_kvcompress.use_kvcompress_attention(model)` once before generating (it registers the "
@@ -61,6 +69,7 @@ class CompressedLayer(CacheLayerMixin):
         self.tail_values: torch.Tensor | None = None
         self.pads: torch.Tensor | None = None  # [B] padding slots kept at the front of each row
         self.real_seen: torch.Tensor | None = None  # [B] real (non-padding) tokens seen per row
+        self.padding_unknown = False  # a batch fed without per-row position ids: its padding cannot be counted
         self.accumulated: torch.Tensor | None = None  # [B, H_kv, T] attention received, for scoring policies
         self.positions: torch.Tensor | None = None  # [B, H_kv, T] position each kept key is rotated to (rerotate)
         self.peak_tokens = 0  # most tokens held at once, the step's new ones included
@@ -235,6 +244,40 @@ class CompressedLayer(CacheLayerMixin):
         self.pads = self.pads.clamp(max=keep)
         self.real_seen = keep - self.pads
 
+    # -- saving and loading (see caches/persist.py) ----------------------------------------------------------------
+
+    STATE_TENSORS = ("tail_keys", "tail_values", "pads", "real_seen", "accumulated", "positions")
+    STATE_SCALARS = ("seen", "n_encoded", "peak_tokens", "batch_size", "kv_heads", "head_dim", "value_dim")
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """This layer's tensors by name, and the numbers that describe them, for `save_cache`."""
+        if self.awaiting_attention:
+            raise RuntimeError("cannot save a cache layer in the middle of a step (it awaits attention statistics)")
+        tensors = {name: getattr(self, name) for name in self.STATE_TENSORS if getattr(self, name) is not None}
+        for kind, encoded in (("key", self.encoded_keys), ("value", self.encoded_values)):
+            for name, tensor in (encoded or {}).items():
+                tensors[f"encoded_{kind}.{name}"] = tensor
+        meta = {name: getattr(self, name) for name in self.STATE_SCALARS}
+        meta.update(dtype=str(self.dtype).removeprefix("torch."), padding_unknown=self.padding_unknown)
+        return tensors, meta
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict, device: torch.device) -> None:
+        """Restore what `export_state` returned, on `device`."""
+        self._clear()
+        for name in self.STATE_SCALARS:
+            setattr(self, name, int(meta[name]))
+        self.dtype = getattr(torch, meta["dtype"])
+        self.padding_unknown = bool(meta["padding_unknown"])
+        self.device = torch.device(device)
+        for name in self.STATE_TENSORS:
+            if name in tensors:
+                setattr(self, name, tensors[name].to(self.device, copy=True))
+        for kind in ("key", "value"):
+            prefix = f"encoded_{kind}."
+            encoded = {k[len(prefix):]: t.to(self.device, copy=True) for k, t in tensors.items() if k.startswith(prefix)}
+            setattr(self, f"encoded_{kind}s", encoded or None)
+        self.is_initialized = True
+
     # -- internals -------------------------------------------------------------------------------------------------
 
     def _full(self, kind: str) -> torch.Tensor:
@@ -246,18 +289,33 @@ class CompressedLayer(CacheLayerMixin):
         return torch.cat([self.codec.decode(encoded, kind, self.dtype), tail], dim=-2)
 
     def _count_padding(self, attn_kwargs: dict | None, new: int) -> None:
-        """Count left padding from generate()'s position ids: padding sits at position 1, a row's first real token at 0."""
+        """Count each row's left padding from its position ids: real tokens count up from 0, padding comes first.
+
+        Padding sits at position 0 in transformers 5.24's generate() and at 1 in our prefill. With 0, a chunk that
+        ends in padding looks like padding + a row's first token, so a row's only token stays provisional until the
+        next chunk shows whether it starts again at 0 (it was padding) or goes on at 1.
+        """
         position_ids = None if attn_kwargs is None else attn_kwargs.get("position_ids")
         if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != new:
+            position_ids = None
+        if position_ids is None or (position_ids.shape[0] == 1 and self.batch_size > 1):
+            # No per-row positions (a forward without position_ids): padding, if any, cannot be told apart.
+            if self.seen == 0 and self.batch_size > 1:
+                self.padding_unknown = True
             self.real_seen += new
             return
-        positions = position_ids.to(self.device)
-        if positions.shape[0] == 1 and self.batch_size > 1:
-            positions = positions.expand(self.batch_size, -1)
-        started = (self.real_seen > 0)[:, None] | (positions == 0).long().cumsum(-1).bool()  # [B, new]
-        real = started.sum(-1)
-        if bool((real < new).any()) and self.stored_tokens != self.seen:
-            raise ValueError("left padding can only come before any token has been evicted")
+        positions = position_ids.to(self.device).long()
+        was_padding = (self.real_seen == 1) & (positions[:, 0] == 0)
+        self.pads += was_padding.long()
+        self.real_seen -= was_padding.long()
+        started = self.real_seen > 0
+        # The run at the chunk's end that counts up by one: the row's real tokens, unless it does not start at 0.
+        counts_up = (positions[:, 1:] - positions[:, :-1]) == 1  # [B, new - 1]
+        run = counts_up.flip(-1).long().cumprod(-1).sum(-1) + 1
+        run_start = positions.gather(1, (new - run)[:, None]).squeeze(1)
+        offset_row = (run == new) & (new > 1)  # positions that count up without padding, from any offset
+        fresh = torch.where(run_start == 0, run, torch.where(offset_row, run, torch.zeros_like(run)))
+        real = torch.where(started, torch.full_like(run, new), fresh)
         self.pads += new - real
         self.real_seen += real
 
@@ -286,6 +344,13 @@ class CompressedLayer(CacheLayerMixin):
         self._encode_tail()
 
     def _evict(self) -> None:
+        if self.padding_unknown and (self.policy.sink_tokens > 0 or self.policy.needs_attention):
+            raise ValueError(
+                f"this batch of {self.batch_size} rows was fed without per-row position_ids, so the cache cannot tell "
+                "left padding from tokens and eviction would keep padding as attention sinks: pass "
+                "position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0) with the attention_mask, or use generate() "
+                "or hf_kvcompress.generation.prefill"
+            )
         length = self.stored_tokens
         budget = self.policy.budget
         scores = self.policy.score(self.accumulated, length)
@@ -325,6 +390,8 @@ class CompressedLayer(CacheLayerMixin):
         n = (excess // block) * block
         if n <= 0:
             return
+        if self.codec.token_block("key") > 1 and bool((self.pads % self.codec.token_block("key") != 0).any()):
+            warnings.warn(PADDING_SPLITS_GROUPS.format(group=self.codec.token_block("key")), stacklevel=2)
         self.encoded_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys[:, :, :n], "key"))
         self.encoded_values = cat_encoded(self.encoded_values, self.codec.encode(self.tail_values[:, :, :n], "value"))
         self.n_encoded += n

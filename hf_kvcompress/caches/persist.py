@@ -1,0 +1,112 @@
+"""Saved caches (prompt caching): compress a long document once, load it later to ask it many questions.
+
+One safetensors file holds every layer's tensors exactly as the cache stores them (encoded bytes included), and its
+metadata the spec, the model's name and config, and each layer's shapes, so a loaded cache holds the very same
+bytes and gives the very same answers, and refuses another model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..hf.compat import text_config
+from .compressed import CompressedCache
+
+FORMAT = "hf-kvcompress-cache/1"
+
+
+def model_name(config) -> str:
+    """A model's name as a saved cache records it: the last part of its Hub id or local path."""
+    name = str(getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "") or "")
+    return Path(name.rstrip("/")).name or "unknown"
+
+
+def _architecture(config) -> dict:
+    decoder = text_config(config)
+    keys = ("model_type", "num_hidden_layers", "num_key_value_heads", "num_attention_heads", "hidden_size",
+            "head_dim", "vocab_size", "sliding_window", "layer_types")
+    return {k: getattr(decoder, k, None) for k in keys}
+
+
+def save_cache(cache: CompressedCache, path: str | os.PathLike) -> None:
+    """Write `cache` (built with `config=model.config`) to a safetensors file."""
+    if not isinstance(cache, CompressedCache):
+        raise ValueError(f"cache must be an hf_kvcompress CompressedCache, got {type(cache).__name__}")
+    if cache.config is None:
+        raise ValueError("save_cache needs a cache built with config=model.config (make_cache(spec, model.config))")
+    tensors, layers = {}, []
+    for i, layer in enumerate(cache.layers):
+        if not layer.is_initialized:
+            layers.append(None)
+            continue
+        layer_tensors, meta = layer.export_state()
+        meta["shapes"] = {name: list(t.shape) for name, t in layer_tensors.items()}
+        layers.append(meta)
+        tensors.update({f"layers.{i}.{name}": t.contiguous() for name, t in layer_tensors.items()})
+    if not tensors:
+        raise ValueError("the cache is empty: prefill it before saving")
+    metadata = {
+        "format": FORMAT,
+        "spec": cache.spec,
+        "rerotate": json.dumps(cache.rerotate),
+        "model_name": model_name(cache.config),
+        "architecture": json.dumps(_architecture(cache.config)),
+        "config": cache.config.to_json_string(use_diff=False),
+        "layers": json.dumps(layers),
+        "device": str(next(layer.device for layer in cache.layers if layer.is_initialized)),
+    }
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_cache(path: str | os.PathLike, device: str | torch.device | None = None, model=None) -> CompressedCache:
+    """A cache holding what `save_cache` wrote, on `device` (default: where it was saved; "cpu", "cuda:0", ...).
+
+    Pass `model` to have its name and architecture checked against the saved ones now; `generate` in this package
+    checks them in any case before using the cache.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from ..registry import parse_spec
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a cache saved by hf_kvcompress.save_cache (format {metadata.get('format')!r})")
+    config_dict = json.loads(metadata["config"])
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    config._name_or_path = metadata["model_name"]
+    policy, codec = parse_spec(metadata["spec"])
+    cache = CompressedCache(policy, codec, config=config, rerotate=json.loads(metadata["rerotate"]))
+    cache.model_name = metadata["model_name"]
+    cache.architecture = json.loads(metadata["architecture"])
+    if model is not None:
+        check_model(cache, model)
+    tensors = load_file(str(path), device="cpu")
+    layers = json.loads(metadata["layers"])
+    if len(layers) != len(cache.layers):
+        raise ValueError(f"{path} holds {len(layers)} layers, its spec and config build {len(cache.layers)}")
+    for i, (layer, meta) in enumerate(zip(cache.layers, layers)):
+        if meta is None:
+            continue
+        prefix = f"layers.{i}."
+        layer_tensors = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+        layer.import_state(layer_tensors, meta, torch.device(device if device is not None else metadata["device"]))
+    return cache
+
+
+def check_model(cache, model) -> None:
+    """Raise ValueError if a loaded cache is about to serve another model than the one it was saved from."""
+    saved = getattr(cache, "model_name", None)
+    if saved is None:
+        return
+    name = model_name(model.config)
+    if name != saved:
+        raise ValueError(f"this cache was saved from model {saved!r}; it cannot serve {name!r}")
+    if _architecture(model.config) != cache.architecture:
+        raise ValueError(f"this cache was saved from a model with {cache.architecture}, not {_architecture(model.config)}")

@@ -1,0 +1,100 @@
+"""Saved caches: the same bytes and the same answers after loading, and a clear error for another model."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_kvcompress import SinkWindowCache, load_cache, make_cache, measured_kv_bytes, save_cache, use_kvcompress_attention
+from hf_kvcompress.generation import generate, prefill
+
+from .tiny_models import tiny_model
+
+SPECS = ["dynamic", "int4:residual_length=4,group_size=8", "fp8", "int2:group_size=16,residual_length=0",
+         "sink_window:sink_tokens=2,window=6+int8:residual_length=2", "h2o:budget=8,recent=3"]
+
+
+def _state(cache):
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        tensors, meta = layer.export_state()
+        out.update({f"{i}.{k}": t for k, t in tensors.items()})
+        out.update({f"{i}.{k}": v for k, v in meta.items()})
+    return out
+
+
+def _same(a, b):
+    sa, sb = _state(a), _state(b)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        x, y = sa[key], sb[key]
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), key
+        else:
+            assert x == y, key
+
+
+def _document(batch=2, length=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0  # a padded row travels too
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_loaded_cache_holds_the_same_bytes_and_answers_the_same(tmp_path, name, spec):
+    model = use_kvcompress_attention(tiny_model(name))
+    ids, mask = _document()
+    cache = make_cache(spec, model.config)
+    prefill(model, ids, mask, cache, chunk_size=11)
+    save_cache(cache, tmp_path / "doc.safetensors")
+    loaded = load_cache(tmp_path / "doc.safetensors")
+    _same(cache, loaded)
+    assert measured_kv_bytes(loaded) == measured_kv_bytes(cache) == loaded.promised_kv_bytes()
+    assert loaded.spec == cache.spec
+    for seed in (1, 2):  # two questions about the same document, each from a fresh copy
+        question = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(seed))
+        full = torch.cat([ids, question], dim=1)
+        full_mask = torch.cat([mask, torch.ones_like(question)], dim=1)
+        a = generate(model, full, full_mask, copy.deepcopy(cache), max_new_tokens=6).new_tokens
+        b = generate(model, full, full_mask, load_cache(tmp_path / "doc.safetensors"), max_new_tokens=6).new_tokens
+        assert torch.equal(a, b)
+
+
+def test_rerotating_cache_round_trips(tmp_path):
+    model = tiny_model("llama")
+    cache = SinkWindowCache(sink_tokens=2, window=6, config=model.config, rerotate=True)
+    ids, mask = _document(seed=3)
+    prefill(model, ids, mask, cache)
+    save_cache(cache, tmp_path / "c.safetensors")
+    loaded = load_cache(tmp_path / "c.safetensors", device="cpu")
+    _same(cache, loaded)
+    assert loaded.rerotate and loaded.layers[0].inv_freq is not None
+
+
+def test_another_model_is_refused(tmp_path):
+    model = tiny_model("llama")
+    cache = make_cache("int8", model.config)
+    ids, mask = _document(seed=4)
+    prefill(model, ids, mask, cache)
+    save_cache(cache, tmp_path / "c.safetensors")
+    other = tiny_model("qwen2")
+    with pytest.raises(ValueError, match="saved from"):
+        load_cache(tmp_path / "c.safetensors", model=other)
+    loaded = load_cache(tmp_path / "c.safetensors")
+    full = torch.cat([ids, ids[:, :3]], dim=1)
+    with pytest.raises(ValueError, match="saved from"):
+        generate(other, full, None, loaded, max_new_tokens=2)
+    generate(model, full, None, loaded, max_new_tokens=2)  # the model it came from is accepted
+
+
+def test_save_refuses_what_it_cannot_restore(tmp_path):
+    with pytest.raises(ValueError, match="config"):
+        save_cache(make_cache("int8"), tmp_path / "x.safetensors")
+    with pytest.raises(ValueError, match="empty"):
+        save_cache(make_cache("int8", tiny_model("llama").config), tmp_path / "x.safetensors")
+    (tmp_path / "y.safetensors").write_bytes(b"not a cache")
+    with pytest.raises(Exception):
+        load_cache(tmp_path / "y.safetensors")
