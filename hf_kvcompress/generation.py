@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .caches.persist import check_model
-from .hf.compat import cache_kwargs
+from .hf.compat import cache_kwargs, text_config
 from .measure import measured_kv_bytes
 
 
@@ -74,6 +74,17 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     return logits
 
 
+def _check_absolute_positions(config, total: int) -> None:
+    """Models with learned absolute positions (GPT-2) have no position beyond their table; RoPE models run on."""
+    decoder = text_config(config)
+    limit = getattr(decoder, "max_position_embeddings", None)
+    if getattr(decoder, "rope_parameters", None) is None and limit is not None and total > limit:
+        raise ValueError(
+            f"prompt + max_new_tokens = {total} tokens exceeds this model's {limit} learned positions; "
+            "no cache can extend them: shorten the prompt or max_new_tokens"
+        )
+
+
 def sync(device: torch.device) -> None:
     """Wait for queued GPU work, so wall-clock timings measure it."""
     if device.type == "cuda":
@@ -104,8 +115,11 @@ def generate(
     device = input_ids.device
     seen = cache.get_seq_length()
     new_prompt = input_ids.shape[1] - seen
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty: a prompt needs at least one token (e.g. the BOS token)")
     if new_prompt < 1:
         raise ValueError(f"input_ids must extend what the cache already holds ({seen} tokens)")
+    _check_absolute_positions(model.config, input_ids.shape[1] + max_new_tokens)
     sync(device)
     start = time.perf_counter()
     # Beam search expands the batch inside generate(), so the prompt must be prefilled there (untimed apart).

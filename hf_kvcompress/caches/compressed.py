@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from functools import partial
 
 import torch
@@ -76,6 +77,7 @@ class CompressedCache(Cache):
         self.num_layers = len(layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._claim_for_this_thread(layer_idx)
         if self.num_layers is not None and layer_idx >= self.num_layers:
             raise ValueError(
                 f"this cache was built for a model with {self.num_layers} layers, got layer index {layer_idx}: "
@@ -89,6 +91,23 @@ class CompressedCache(Cache):
                     "by a model with a different layer count; call cache.reset() or create a new cache"
                 )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _claim_for_this_thread(self, layer_idx: int) -> None:
+        """Refuse a second thread while one thread's forward pass is between this cache's first and last layer:
+        interleaved steps would mix two sequences in one cache without any error."""
+        me = threading.get_ident()
+        owner = getattr(self, "_owner", None)
+        if owner is not None and owner != me:
+            raise RuntimeError(
+                "this cache is in use by another thread's forward pass: a cache holds one conversation; give each "
+                "thread its own cache (make_cache(spec, model.config))"
+            )
+        last = (self.num_layers or len(self.layers)) - 1
+        self._owner = None if layer_idx >= last else me
+
+    def reset(self) -> None:
+        self._owner = None
+        super().reset()
 
     def promised_kv_bytes(self) -> int:
         """What the method promises to hold now, computed from what each layer keeps (see `measured_kv_bytes`)."""

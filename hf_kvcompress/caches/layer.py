@@ -95,6 +95,11 @@ class CompressedLayer(CacheLayerMixin):
                 f"this cache layer holds {self.kv_heads} KV heads x {self.head_dim} dims, got {heads} x {dim}: "
                 "a cache object serves one model; call cache.reset() or create a new cache"
             )
+        if key_states.device != self.device:
+            raise ValueError(
+                f"this cache holds its tensors on {self.device}, got states on {key_states.device}: save it with "
+                "save_cache and load it with load_cache(path, device=...) to move it"
+            )
         if batch != self.batch_size:
             raise ValueError(
                 f"this cache holds a batch of {self.batch_size} rows, got {batch}: call cache.reset() first"
@@ -106,6 +111,11 @@ class CompressedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         else:
             self._check_shape(key_states, value_states)
+        if not bool(key_states.isfinite().all() & value_states.isfinite().all()):
+            raise ValueError(
+                "the model produced NaN or inf keys/values (fp16 overflow?); the cache refuses to store them, and its "
+                "earlier layers already hold this step: call cache.reset() before reusing it"
+            )
         if self.awaiting_attention:
             raise RuntimeError(f"{type(self.policy).__name__} scores tokens by attention: {ENABLE_ATTENTION_HINT}")
         attn_kwargs = _attention_kwargs(args, kwargs)
