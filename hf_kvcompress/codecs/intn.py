@@ -31,7 +31,8 @@ class IntNCodec(Codec):
     quantized per channel with groups of `group_size` tokens (KIVI) when `key_axis="channel"`; such a group can only
     be encoded once it is full and cannot lose single tokens, so evicting policies need `key_axis="token"`.
     `residual_length` recent tokens stay at full precision; older ones are encoded once, a group at a time, and
-    never re-quantized.
+    never re-quantized. Per-channel groups run over token slots shared by a batch, so a left-padded row equals the
+    row alone only when its padding is a whole number of groups (the cache warns otherwise).
 
     Args:
         bits: 2, 4 or 8 bits per value.
