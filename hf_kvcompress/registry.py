@@ -30,6 +30,7 @@ CODECS: dict[str, object] = {
     "fp8": Fp8Codec,
     "int8": partial(IntNCodec, bits=8),
     "int4": partial(IntNCodec, bits=4),
+    "int3": partial(IntNCodec, bits=3),
     "int2": partial(IntNCodec, bits=2),
 }
 
