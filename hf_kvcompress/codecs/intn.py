@@ -85,6 +85,8 @@ class IntNCodec(Codec):
             raise ValueError(f"residual_length must be an integer >= 0, got {self.residual_length!r}")
         if self.key_axis is not None and self.key_axis not in KEY_AXES:
             raise ValueError(f"key_axis must be one of {KEY_AXES} or None, got {self.key_axis!r}")
+        if self.rotate is None:  # specs parse "rotate=none" to None
+            object.__setattr__(self, "rotate", "none")
         if self.rotate not in ROTATIONS:
             raise ValueError(f"rotate must be one of {ROTATIONS}, got {self.rotate!r}")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
