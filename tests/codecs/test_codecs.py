@@ -200,3 +200,11 @@ def test_each_layer_rotates_with_its_own_signs():
         out = layered.decode(layered.encode(x, "value"), "value", torch.float32)
         assert (out - x).norm() / x.norm() < 0.15
     assert IntNCodec(rotate="none").for_layer(3).layer == 0  # nothing to seed without a rotation
+
+
+def test_fp8_sink_tokens_are_checked_and_reach_the_spec():
+    from hf_kvcompress import parse_spec
+
+    with pytest.raises(ValueError, match="sink_tokens"):
+        Fp8Codec(sink_tokens=-2)
+    assert parse_spec("fp8:sink_tokens=4")[1] == Fp8Codec(sink_tokens=4)
