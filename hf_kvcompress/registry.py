@@ -128,14 +128,16 @@ def bounds_memory(spec: str) -> bool:
     return parse_spec(spec)[0].budget is not None
 
 
-def _non_default_args(obj, skip=()) -> str:
+def _non_default_args(obj, skip=(), defaults=None) -> str:
+    """`k=v,...` for the fields that differ from their defaults (`defaults` overrides the dataclass's own)."""
     items = []
     for f in dataclasses.fields(obj):
         if f.name in skip or not f.init:
             continue
         value = getattr(obj, f.name)
-        if value != f.default:
-            items.append(f"{f.name}={value}")
+        default = (defaults or {}).get(f.name, f.default)
+        if value != default:
+            items.append(f"{f.name}={'none' if value is None else value}")
     return ",".join(items)
 
 
@@ -147,8 +149,8 @@ def policy_spec(policy: Policy) -> str:
 
 def codec_spec(codec: Codec) -> str:
     if isinstance(codec, IntNCodec):
-        args = _non_default_args(codec, skip=("bits", "key_axis"))
         name = f"int{codec.bits}"
+        args = _non_default_args(codec, skip=("bits", "key_axis"), defaults=CODECS[name].keywords)
     else:
         name = next(n for n, f in CODECS.items() if type(codec) is f)
         args = _non_default_args(codec)

@@ -208,3 +208,26 @@ def test_fp8_sink_tokens_are_checked_and_reach_the_spec():
     with pytest.raises(ValueError, match="sink_tokens"):
         Fp8Codec(sink_tokens=-2)
     assert parse_spec("fp8:sink_tokens=4")[1] == Fp8Codec(sink_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["int8", "int4", "int3", "int2", "int4:rotate=none", "int2:sink_tokens=0", "int4:rotate=none,sink_tokens=0",
+     "int3:rotate=hadamard,sink_tokens=8,group_size=16", "h2o:budget=64,recent=16+int4:rotate=none",
+     "fp8:sink_tokens=4"],
+)
+def test_specs_rebuild_the_same_cache(spec):
+    from hf_kvcompress import make_cache, parse_spec
+
+    cache = make_cache(spec)
+    assert parse_spec(cache.spec) == parse_spec(spec)
+    assert make_cache(cache.spec).codec == cache.codec
+
+
+def test_quantized_cache_uses_the_plain_names_configuration():
+    from hf_kvcompress import QuantizedCache, parse_spec
+
+    for bits in (2, 3, 4, 8):
+        assert QuantizedCache(bits=bits).codec == parse_spec(f"int{bits}")[1].for_policy(False)
+    with pytest.raises(ValueError, match="bits"):
+        QuantizedCache(bits=5)
