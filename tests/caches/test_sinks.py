@@ -51,7 +51,7 @@ def test_without_sinks_the_first_tokens_are_quantized():
     model = tiny_model("llama")
     ids, mask = _padded_prompts()
     reference = DynamicCache(config=model.config)
-    cache = make_cache("int2:residual_length=0,group_size=8,key_axis=token", model.config)
+    cache = make_cache("int2:residual_length=0,group_size=8,key_axis=token,sink_tokens=0", model.config)
     _forward(model, ids, mask, reference)
     _forward(model, ids, mask, cache)
     assert cache.layers[1].sink_slots is None
@@ -84,10 +84,18 @@ def test_a_sink_evicted_by_the_policy_is_forgotten():
     assert cache.layers[0].sink_slots[0, 0].tolist() == [0, -1, -1]
 
 
+def test_plain_low_bit_names_keep_four_sinks():
+    from hf_kvcompress import parse_spec
+
+    for name in ("int4", "int3", "int2"):
+        assert parse_spec(name)[1].sink_tokens == 4 and parse_spec(name)[1].rotate == "hadamard"
+    assert parse_spec("int8")[1].sink_tokens == 0
+
+
 def test_sink_bytes_are_counted_and_generation_matches_the_promise():
     model = tiny_model("llama")
     ids, mask = _padded_prompts()
-    plain = make_cache("int4:residual_length=4,group_size=8", model.config)
+    plain = make_cache("int4:residual_length=4,group_size=8,sink_tokens=0", model.config)
     sinks = make_cache("int4:residual_length=4,group_size=8,sink_tokens=4", model.config)
     generate(model, ids, mask, plain, max_new_tokens=9)
     generate(model, ids, mask, sinks, max_new_tokens=9)
