@@ -25,12 +25,16 @@ POLICIES: dict[str, type[Policy]] = {
 }
 POLICY_ALIASES = {"keep_all": "dynamic", "full": "dynamic", "streaming_llm": "sink_window", "heavy_hitter": "h2o"}
 
+# The plain names int4/int3/int2 are the best configuration measured at their width (README, "Quantization
+# options"): Hadamard rotation + 4 full-precision sinks + per-channel keys. `rotate=none,sink_tokens=0` is plain KIVI.
+BEST_LOW_BIT = {"rotate": "hadamard", "sink_tokens": 4}
 CODECS: dict[str, object] = {
     "identity": IdentityCodec,
     "fp8": Fp8Codec,
     "int8": partial(IntNCodec, bits=8),
-    "int4": partial(IntNCodec, bits=4),
-    "int2": partial(IntNCodec, bits=2),
+    "int4": partial(IntNCodec, bits=4, **BEST_LOW_BIT),
+    "int3": partial(IntNCodec, bits=3, **BEST_LOW_BIT),
+    "int2": partial(IntNCodec, bits=2, **BEST_LOW_BIT),
 }
 
 # The plans a study compares: every family and the combinations the lesson stacks. `{budget}` is filled in from the
@@ -76,8 +80,8 @@ def _parse_part(part: str) -> tuple[str, dict]:
 def _build(factory, kwargs: dict, what: str, name: str):
     cls = factory.func if isinstance(factory, partial) else factory
     allowed = sorted(f.name for f in dataclasses.fields(cls) if f.init)
-    if isinstance(factory, partial):
-        allowed = [a for a in allowed if a not in factory.keywords]
+    if isinstance(factory, partial):  # the name fixes `bits`; its other keywords are defaults a spec may change
+        allowed = [a for a in allowed if a != "bits"]
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise ValueError(f"unknown {what} argument(s) {unknown} for {name!r}; allowed: {allowed or 'none'}")
@@ -127,14 +131,16 @@ def bounds_memory(spec: str) -> bool:
     return parse_spec(spec)[0].budget is not None
 
 
-def _non_default_args(obj, skip=()) -> str:
+def _non_default_args(obj, skip=(), defaults=None) -> str:
+    """`k=v,...` for the fields that differ from their defaults (`defaults` overrides the dataclass's own)."""
     items = []
     for f in dataclasses.fields(obj):
         if f.name in skip or not f.init:
             continue
         value = getattr(obj, f.name)
-        if value != f.default:
-            items.append(f"{f.name}={value}")
+        default = (defaults or {}).get(f.name, f.default)
+        if value != default:
+            items.append(f"{f.name}={'none' if value is None else value}")
     return ",".join(items)
 
 
@@ -146,8 +152,8 @@ def policy_spec(policy: Policy) -> str:
 
 def codec_spec(codec: Codec) -> str:
     if isinstance(codec, IntNCodec):
-        args = _non_default_args(codec, skip=("bits", "key_axis"))
         name = f"int{codec.bits}"
+        args = _non_default_args(codec, skip=("bits", "key_axis"), defaults=CODECS[name].keywords)
     else:
         name = next(n for n, f in CODECS.items() if type(codec) is f)
         args = _non_default_args(codec)

@@ -82,6 +82,9 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
         per_encoded = layer_codec.bytes_per_token(shape.head_dim, "key", dtype) + layer_codec.bytes_per_token(
             shape.head_dim, "value", dtype)
         total += shape.kv_heads * (encoded * per_encoded + (kept - encoded) * 2 * shape.head_dim * model_bytes)
+        if layer_codec.sink_tokens and (encoded > 0 or kept < tokens):
+            # full-precision sinks, copied at the first encoding or eviction: keys, values and an int64 slot each
+            total += shape.kv_heads * layer_codec.sink_tokens * (2 * shape.head_dim * model_bytes + 8)
     return total
 
 

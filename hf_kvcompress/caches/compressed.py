@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from functools import partial
 
 import torch
 from transformers.cache_utils import Cache
@@ -57,22 +56,24 @@ class CompressedCache(Cache):
             if config is None:
                 raise ValueError("rerotate=True needs config=model.config (RoPE parameters are read from it)")
             inv_freq = rope_inv_freq(config, "full_attention")
-        full_layer = partial(CompressedLayer, self.policy, self.codec, inv_freq=inv_freq)
         if config is None:
-            super().__init__(layer_class_to_replicate=full_layer)
+            super().__init__(layer_class_to_replicate=_LayerFactory(self.policy, self.codec, inv_freq))
             self.num_layers = None
             return
         decoder = text_config(config)
+        head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
+        self.codec.check_head_dim(head_dim)  # refuse a codec that cannot store this model now, not mid-generation
         layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
         layers = []
-        for layer_type in layer_types:
+        for i, layer_type in enumerate(layer_types):
             if layer_type in SLIDING_LAYER_TYPES:
                 window = decoder.sliding_window if layer_type == "sliding_attention" else decoder.attention_chunk_size
                 # transformers keeps window - 1 tokens between steps; so do we, stored with this cache's codec.
                 sliding = SinkWindowPolicy(sink_tokens=0, window=max(window - 1, 1))
-                layers.append(CompressedLayer(sliding, _sliding_layer_codec(requested_codec), is_sliding=True))
+                codec = _sliding_layer_codec(requested_codec).for_layer(i)
+                layers.append(CompressedLayer(sliding, codec, is_sliding=True))
             else:
-                layers.append(full_layer())
+                layers.append(CompressedLayer(self.policy, self.codec.for_layer(i), inv_freq=inv_freq))
         super().__init__(layers=layers)
         self.num_layers = len(layers)
 
@@ -130,3 +131,17 @@ class CompressedCache(Cache):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r}, layers={len(self.layers)})"
+
+
+class _LayerFactory:
+    """Builds the layers of a cache made without a config, numbering them so per-layer codecs (rotation seeds)
+    match those of a cache built from the config."""
+
+    def __init__(self, policy: Policy, codec: Codec, inv_freq: torch.Tensor | None):
+        self.policy, self.codec, self.inv_freq = policy, codec, inv_freq
+        self.built = 0
+
+    def __call__(self) -> CompressedLayer:
+        layer = CompressedLayer(self.policy, self.codec.for_layer(self.built), inv_freq=self.inv_freq)
+        self.built += 1
+        return layer

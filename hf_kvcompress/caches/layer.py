@@ -73,6 +73,11 @@ class CompressedLayer(CacheLayerMixin):
         self.accumulated: torch.Tensor | None = None  # [B, H_kv, T] attention received, for scoring policies
         self.positions: torch.Tensor | None = None  # [B, H_kv, T] position each kept key is rotated to (rerotate)
         self.peak_tokens = 0  # most tokens held at once, the step's new ones included
+        # The codec's `sink_tokens` first real tokens of each row, kept exactly: slot [B, H_kv, S] (-1: none) and
+        # states [B, H_kv, S, D]; they overwrite their decoded slots (see `_capture_sinks`).
+        self.sink_slots: torch.Tensor | None = None
+        self.sink_keys: torch.Tensor | None = None
+        self.sink_values: torch.Tensor | None = None
         self.awaiting_attention = False
 
     # -- transformers' layer contract -------------------------------------------------------------------------
@@ -181,7 +186,7 @@ class CompressedLayer(CacheLayerMixin):
         element = torch.empty((), dtype=self.dtype).element_size()
         tail = (self.stored_tokens - self.n_encoded) * (self.head_dim + self.value_dim) * element
         bookkeeping = 2 * self.batch_size * 8  # pads and real_seen, int64 per row
-        for extra in (self.accumulated, self.positions):
+        for extra in (self.accumulated, self.positions, self.sink_slots, self.sink_keys, self.sink_values):
             if extra is not None:
                 bookkeeping += extra.numel() * extra.element_size()
         return int(rows * (encoded + tail) + bookkeeping)
@@ -204,7 +209,7 @@ class CompressedLayer(CacheLayerMixin):
             indices = indices.nonzero().flatten()
         self.encoded_keys = select_batch(self.encoded_keys, indices)
         self.encoded_values = select_batch(self.encoded_values, indices)
-        for name in ("tail_keys", "tail_values", "pads", "real_seen", "accumulated", "positions"):
+        for name in self.STATE_TENSORS:
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, indices))
@@ -250,13 +255,17 @@ class CompressedLayer(CacheLayerMixin):
             self.accumulated = _owned(self.accumulated[..., :keep])
         if self.positions is not None:
             self.positions = _owned(self.positions[..., :keep])
+        if self.sink_slots is not None:
+            self.sink_slots = self.sink_slots.masked_fill(self.sink_slots >= keep, -1)
         self.seen = keep
         self.pads = self.pads.clamp(max=keep)
         self.real_seen = keep - self.pads
 
     # -- saving and loading (see caches/persist.py) ----------------------------------------------------------------
 
-    STATE_TENSORS = ("tail_keys", "tail_values", "pads", "real_seen", "accumulated", "positions")
+    STATE_TENSORS = (
+        "tail_keys", "tail_values", "pads", "real_seen", "accumulated", "positions", "sink_slots", "sink_keys", "sink_values"
+    )
     STATE_SCALARS = ("seen", "n_encoded", "peak_tokens", "batch_size", "kv_heads", "head_dim", "value_dim")
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -296,7 +305,39 @@ class CompressedLayer(CacheLayerMixin):
         tail = self.tail_keys if kind == "key" else self.tail_values
         if encoded is None:
             return tail
-        return torch.cat([self.codec.decode(encoded, kind, self.dtype), tail], dim=-2)
+        decoded = self.codec.decode(encoded, kind, self.dtype)
+        if self.sink_slots is not None:
+            decoded = self._restore_sinks(decoded, self.sink_keys if kind == "key" else self.sink_values)
+        return torch.cat([decoded, tail], dim=-2)
+
+    def _capture_sinks(self) -> None:
+        """Copy each row's first `codec.sink_tokens` real tokens before anything is encoded or evicted, while the
+        tail still holds every token in order; real tokens not seen by then (a row still all padding) are not kept."""
+        sinks = self.codec.sink_tokens
+        if sinks == 0 or self.sink_slots is not None or self.stored_tokens != self.seen:
+            return
+        offset = torch.arange(sinks, device=self.device)
+        slots = torch.where(offset < self.real_seen[:, None], self.pads[:, None] + offset, -1)  # [B, S]
+        slots = slots[:, None, :].expand(self.batch_size, self.kv_heads, sinks).contiguous()
+        self.sink_slots = slots
+        self.sink_keys = _gather_states(self.tail_keys, slots.clamp(min=0))
+        self.sink_values = _gather_states(self.tail_values, slots.clamp(min=0))
+
+    def _restore_sinks(self, decoded: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+        """`decoded` [B, H, n, D] with the sink slots it holds replaced by their exact states."""
+        n = decoded.shape[-2]
+        slots = torch.where((self.sink_slots >= 0) & (self.sink_slots < n), self.sink_slots, n)  # n: a spare slot
+        spare = decoded.new_zeros(*decoded.shape[:2], 1, decoded.shape[-1])
+        padded = torch.cat([decoded.expand(*slots.shape[:2], n, -1), spare.expand(*slots.shape[:2], 1, -1)], dim=-2)
+        padded = padded.scatter(2, slots[..., None].expand(*slots.shape, decoded.shape[-1]), exact.to(decoded.dtype))
+        return padded[:, :, :n]
+
+    def _follow_sinks(self, kept: torch.Tensor) -> None:
+        """After eviction keeps slots `kept` [B, H, K] (ascending), a sink's new slot is its rank in `kept`."""
+        if self.sink_slots is None:
+            return
+        match = kept[..., None, :] == self.sink_slots[..., :, None]  # [B, H, S, K]
+        self.sink_slots = torch.where(match.any(-1), match.long().argmax(-1), -1)
 
     def _count_padding(self, attn_kwargs: dict | None, new: int) -> None:
         """Count each row's left padding from its position ids: real tokens count up from 0, padding comes first.
@@ -365,6 +406,9 @@ class CompressedLayer(CacheLayerMixin):
         budget = self.policy.budget
         scores = self.policy.score(self.accumulated, length)
         kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length)  # [B, H_kv, budget]
+        if self.encoded_keys is None:
+            self._capture_sinks()
+        self._follow_sinks(kept)
         evicted = length - budget
         if self.accumulated is not None:
             self.accumulated = torch.gather(self.accumulated, 2, kept)
@@ -402,6 +446,8 @@ class CompressedLayer(CacheLayerMixin):
             return
         if self.codec.token_block("key") > 1 and bool((self.pads % self.codec.token_block("key") != 0).any()):
             warnings.warn(PADDING_SPLITS_GROUPS.format(group=self.codec.token_block("key")), stacklevel=2)
+        if self.encoded_keys is None:
+            self._capture_sinks()
         self.encoded_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys[:, :, :n], "key"))
         self.encoded_values = cat_encoded(self.encoded_values, self.codec.encode(self.tail_values[:, :, :n], "value"))
         self.n_encoded += n

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 from ..codecs.base import Codec
 from ..codecs.fp8 import Fp8Codec
-from ..codecs.intn import IntNCodec
+from ..ops.bitpack import PACKABLE_BITS
 from ..policies.heavy_hitter import HeavyHitterPolicy
 from ..policies.sink_window import SinkWindowPolicy
 from .compressed import CompressedCache
 
 
 class QuantizedCache(CompressedCache):
-    """Every token kept, stored as KIVI-style int8/int4/int2 (keys per channel, values per token)."""
+    """Every token kept, stored as KIVI-style int8/int4/int3/int2 (keys per channel, values per token), with the
+    options the registry's plain name `int{bits}` carries (rotation, full-precision sinks)."""
 
     def __init__(self, bits: int = 4, group_size: int = 32, residual_length: int = 128, config=None):
-        super().__init__(codec=IntNCodec(bits=bits, group_size=group_size, residual_length=residual_length), config=config)
+        from ..registry import CODECS
+
+        if f"int{bits}" not in CODECS:
+            raise ValueError(f"bits must be one of {PACKABLE_BITS}, got {bits!r}")
+        codec = CODECS[f"int{bits}"](group_size=group_size, residual_length=residual_length)
+        super().__init__(codec=codec, config=config)
 
 
 class Fp8Cache(CompressedCache):

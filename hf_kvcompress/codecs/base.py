@@ -23,6 +23,7 @@ class Codec(ABC):
     """
 
     residual_length: ClassVar[int] = 0
+    sink_tokens: ClassVar[int] = 0  # first real tokens of each row the layer keeps at full precision
     lossless: ClassVar[bool] = False
 
     def token_block(self, kind: Kind) -> int:
@@ -38,6 +39,10 @@ class Codec(ABC):
     @abstractmethod
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
         """Bytes one encoded token takes per KV head, scales included: the promise `measured_kv_bytes` checks."""
+
+    def for_layer(self, layer_idx: int) -> "Codec":
+        """The codec as it runs in decoder layer `layer_idx`; codecs with per-layer state override this."""
+        return self
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError if this codec cannot store vectors of `head_dim` values."""

@@ -17,7 +17,16 @@ class Fp8Codec(Codec):
 
     The scale maps each head vector's largest magnitude to E4M3's range, so outlier tokens do not saturate and
     every token is encoded on its own (evicting policies can drop tokens without re-encoding).
+
+    Args:
+        sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps at full precision.
     """
+
+    sink_tokens: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
 
     def encode(self, states: torch.Tensor, kind: Kind) -> Encoded:
         amax = states.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8)

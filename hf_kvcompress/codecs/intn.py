@@ -2,30 +2,52 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from ..ops.bitpack import PACKABLE_BITS, pack, unpack
+from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
+from ..ops.hadamard import rotate as hadamard_rotate
+from ..ops.hadamard import unrotate as hadamard_unrotate
 from .base import Codec, Encoded, Kind
 
 KEY_AXES = ("channel", "token")
+ROTATIONS = ("none", "hadamard")
+_TINY = torch.finfo(torch.bfloat16).tiny
+
+
+def _bf16_directed(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """float32 -> bfloat16 rounded towards +inf (`up`) or -inf, exactly: bf16 is the top half of a float32."""
+    bits = x.float().contiguous().view(torch.int32)
+    chopped = bits & -65536  # drop the low 16 bits: rounds towards zero
+    inexact = (bits & 0xFFFF) != 0
+    # Towards zero is the wanted direction for positive values rounding down and negative values rounding up;
+    # otherwise step one bf16 ulp away from zero.
+    away = inexact & ((bits < 0) != up)
+    return (chopped + away.to(torch.int32) * 65536).view(torch.float32).to(torch.bfloat16)
 
 
 def _quantize(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Min/max asymmetric quantization over `reduce_dim`; scale and zero point kept in fp16."""
+    """Min/max asymmetric quantization over `reduce_dim`; scale and zero point stored in bfloat16.
+
+    bfloat16 has float32's range, so a value of 7e4 or 1e-5 neither overflows nor vanishes (fp16 did both). The zero
+    point is rounded down and the scale up, so the stored grid still covers [min, max]: nothing is clamped and every
+    value decodes within half a (stored) step.
+    """
     levels = (1 << bits) - 1
-    lo = x.amin(dim=reduce_dim, keepdim=True).to(torch.float16)
-    hi = x.amax(dim=reduce_dim, keepdim=True).to(torch.float16)
-    scale = ((hi.float() - lo.float()) / levels).clamp(min=1e-8).to(torch.float16)
-    codes = ((x.float() - lo.float()) / scale.float()).round().clamp(0, levels)
+    x = x.float()
+    lo = _bf16_directed(x.amin(dim=reduce_dim, keepdim=True), up=False)
+    hi = x.amax(dim=reduce_dim, keepdim=True)
+    scale = _bf16_directed(((hi - lo.float()) / levels).clamp(min=_TINY), up=True)
+    codes = ((x - lo.float()) / scale.float()).round().clamp(0, levels)
     return codes, scale, lo
 
 
 @dataclass(frozen=True)
 class IntNCodec(Codec):
-    """int8 / int4 / int2 with a scale and zero point per group of `group_size` values.
+    """int8 / int4 / int3 / int2 with a scale and zero point per group of `group_size` values.
 
     Values are quantized per token (groups along the channels). Keys, whose outliers sit in fixed channels, are
     quantized per channel with groups of `group_size` tokens (KIVI) when `key_axis="channel"`; such a group can only
@@ -35,16 +57,25 @@ class IntNCodec(Codec):
     row alone only when its padding is a whole number of groups (the cache warns otherwise).
 
     Args:
-        bits: 2, 4 or 8 bits per value.
-        group_size: values sharing one fp16 scale and zero point.
+        bits: 2, 3, 4 or 8 bits per value (3 bits pack 8 values into 3 bytes).
+        group_size: values sharing one bfloat16 scale and zero point; must divide head_dim.
         residual_length: recent tokens kept at full precision.
         key_axis: "channel" (KIVI) or "token"; None picks "channel" without eviction and "token" with it.
+        rotate: "hadamard" multiplies each head vector by a Hadamard matrix with random signs before quantizing
+            (QuaRot, arXiv:2404.00456) and undoes it after decoding; signs are fixed per decoder layer and per
+            keys/values. "none" quantizes the raw vectors.
+        sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps at full precision
+            (attention sinks, IntactKV arXiv:2403.01241).
     """
 
     bits: int = 4
     group_size: int = 32
     residual_length: int = 128
     key_axis: Literal["channel", "token"] | None = field(default=None)
+    rotate: Literal["none", "hadamard"] = "none"
+    sink_tokens: int = 0
+    # The decoder layer this copy serves (see `for_layer`): it seeds the rotation's signs.
+    layer: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self):
         if self.bits not in PACKABLE_BITS:
@@ -55,6 +86,12 @@ class IntNCodec(Codec):
             raise ValueError(f"residual_length must be an integer >= 0, got {self.residual_length!r}")
         if self.key_axis is not None and self.key_axis not in KEY_AXES:
             raise ValueError(f"key_axis must be one of {KEY_AXES} or None, got {self.key_axis!r}")
+        if self.rotate is None:  # specs parse "rotate=none" to None
+            object.__setattr__(self, "rotate", "none")
+        if self.rotate not in ROTATIONS:
+            raise ValueError(f"rotate must be one of {ROTATIONS}, got {self.rotate!r}")
+        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
 
     def for_policy(self, evicts: bool) -> "IntNCodec":
         """Settle `key_axis`: per-channel key groups cannot lose single tokens, so eviction needs per-token keys."""
@@ -69,6 +106,16 @@ class IntNCodec(Codec):
             )
         return self
 
+    def for_layer(self, layer_idx: int) -> "IntNCodec":
+        if self.rotate == "none":
+            return self
+        layered = copy.copy(self)
+        object.__setattr__(layered, "layer", layer_idx)
+        return layered
+
+    def _seed(self, kind: Kind) -> int:
+        return 2 * self.layer + (kind == "value")
+
     def _per_channel(self, kind: Kind) -> bool:
         return kind == "key" and self.key_axis == "channel"
 
@@ -76,16 +123,17 @@ class IntNCodec(Codec):
         return self.group_size if self._per_channel(kind) else 1
 
     def check_head_dim(self, head_dim: int) -> None:
-        per_byte = 8 // self.bits
-        if head_dim % per_byte:
-            raise ValueError(f"head_dim {head_dim} cannot be packed at {self.bits} bits")
-        if head_dim % self.group_size and self.key_axis != "channel":
-            raise ValueError(
-                f"group_size must divide head_dim ({head_dim}) for per-token groups, got {self.group_size}"
-            )
+        unit = values_per_unit(self.bits)
+        if head_dim % unit:
+            raise ValueError(f"head_dim {head_dim} cannot be packed at {self.bits} bits: it must be a multiple of {unit}")
+        # Values are always grouped along head_dim (keys too, unless key_axis="channel"), so the group must divide it.
+        if head_dim % self.group_size:
+            raise ValueError(f"group_size must divide head_dim ({head_dim}), got {self.group_size}")
 
     def encode(self, states: torch.Tensor, kind: Kind) -> Encoded:
         b, h, t, d = states.shape
+        if self.rotate == "hadamard":
+            states = hadamard_rotate(states, self._seed(kind))
         if self._per_channel(kind):
             g = self.group_size
             if t % g:
@@ -110,8 +158,11 @@ class IntNCodec(Codec):
             out = codes.reshape(b, h, t // g, g, d).float() * scale[:, :, :, None, :] + zero[:, :, :, None, :]
         else:
             out = codes.reshape(b, h, t, d // self.group_size, self.group_size).float() * scale[..., None] + zero[..., None]
-        return out.reshape(b, h, t, d).to(dtype)
+        out = out.reshape(b, h, t, d)
+        if self.rotate == "hadamard":
+            out = hadamard_unrotate(out, self._seed(kind))
+        return out.to(dtype)
 
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
-        # packed codes + fp16 scale and zero per group: (bits + 32 / group_size) / 8 bytes per value.
+        # packed codes + bf16 scale and zero per group: (bits + 32 / group_size) / 8 bytes per value.
         return head_dim * self.bits / 8 + head_dim * 4 / self.group_size

@@ -57,7 +57,9 @@ def test_int4_holds_five_sixteenths_of_fp16_for_its_quantized_part(embedded):
     fp16_quantized = kv_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 2, 160)
     fp32_residual = kv_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, 140)
     bookkeeping = cfg.num_hidden_layers * 2 * 8
-    assert measured_kv_bytes(cache) == fp16_quantized * (4 + 32 / 32) / 16 + fp32_residual + bookkeeping
+    # int4's 4 full-precision sinks: fp32 key and value plus an int64 slot, per layer and KV head
+    sinks = cfg.num_hidden_layers * cfg.num_key_value_heads * 4 * (2 * cfg.head_dim * 4 + 8)
+    assert measured_kv_bytes(cache) == fp16_quantized * (4 + 32 / 32) / 16 + fp32_residual + bookkeeping + sinks
 
 
 def test_int8_gives_dynamic_cache_greedy_tokens(embedded):
@@ -143,7 +145,8 @@ def test_the_lessons_point_on_the_real_model(embedded):
     print(f"\nH2O at a 260-token budget answered {answers['h2o:budget=260,recent=64'][0]!r}")
 
 
-@pytest.mark.parametrize("spec", ["int4", "int2:residual_length=32", "fp8", "sink_window:window=64+int8"])
+@pytest.mark.parametrize("spec", ["int4", "int2:residual_length=32", "fp8", "sink_window:window=64+int8",
+                                  "int3:sink_tokens=4,rotate=hadamard", "sink_window:window=64+int4:sink_tokens=8"])
 def test_studys_analytic_bytes_equal_a_real_caches_promise(embedded, spec):
     from hf_kvcompress.study import promised_bytes
 

@@ -1,0 +1,110 @@
+"""How much each integer-codec option disturbs attention on real keys, values and queries (a fast proxy for the suite).
+
+    python benchmarks/quant_attention_error.py [--model smollm2-135m] [--length 2000] [--depths 0,50]
+
+One needle prompt per depth (the suite's own samples, question after the document) runs once through the model with
+an uncompressed cache while an attention function records every full-attention layer's queries, keys and values.
+Each codec configuration then stores the keys and values as the cache would (the first `sink_tokens` tokens exact,
+the newest `residual_length` tokens exact, the rest encoded and decoded), and the question's queries attend over
+them. Printed: the relative error of the attention output, mean over layers and prompts, and the attention mass on
+the needle's tokens as a share of the uncompressed mass (1.00 = unchanged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hf_kvcompress import load_model
+from hf_kvcompress.codecs.intn import IntNCodec
+from hf_kvcompress.eval.prompts import encode
+from hf_kvcompress.eval.tasks import build_samples
+
+CONFIGS = [
+    f"bits={b},rotate={r},key_axis={a},sink_tokens={s}"
+    for b in (4, 3, 2) for r in ("none", "hadamard") for a in ("channel", "token") for s in (0, 4)
+]
+
+
+def _record(store: dict, question: int):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        store[module.layer_idx] = (query[:, :, -question:].float(), key.float(), value.float(), kwargs.get("scaling"))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+def _store(states, codec: IntNCodec, kind: str):
+    """The states as the cache holds them after prefill: exact sinks and residual, the middle encoded."""
+    t = states.shape[2]
+    encoded = max(0, (t - codec.residual_length) // codec.group_size * codec.group_size)
+    if encoded == 0:
+        return states
+    out = states.clone()
+    out[:, :, :encoded] = codec.decode(codec.encode(states[:, :, :encoded], kind), kind, states.dtype)
+    out[:, :, : codec.sink_tokens] = states[:, :, : codec.sink_tokens]
+    return out
+
+
+def _attend(query, key, value, scaling):
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    logits = query @ key.transpose(-1, -2) * scaling
+    q_len, kv_len = query.shape[2], key.shape[2]
+    allowed = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return probs @ value, probs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=2000)
+    parser.add_argument("--depths", default="0,50")
+    args = parser.parse_args()
+    model, tokenizer = load_model(args.model, dtype=torch.float32)
+    decoder = model.config.get_text_config(decoder=True)
+    layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
+    full_layers = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    depths = [float(d) for d in args.depths.split(",")]
+    samples = build_samples(tokenizer, ["needle"], [args.length], depths)
+    totals = {c: [0.0, 0.0] for c in CONFIGS}
+    for sample in samples:
+        document, question = encode(tokenizer, sample)
+        ids = torch.tensor([document + question])
+        needle_ids = tokenizer(" " + sample["references"][0], add_special_tokens=False)["input_ids"]
+        needle = next(i for i in range(len(document)) if document[i : i + len(needle_ids)] == needle_ids)
+        needle_slots = slice(needle, needle + len(needle_ids))
+        store: dict = {}
+        AttentionInterface.register("record_sdpa", _record(store, len(question)))
+        AttentionMaskInterface.register("record_sdpa", sdpa_mask)
+        model.set_attn_implementation("record_sdpa")
+        with torch.no_grad():
+            model(input_ids=ids)
+        for config in CONFIGS:
+            kwargs = {k: (v if not v.isdigit() else int(v)) for k, v in (p.split("=") for p in config.split(","))}
+            codec = IntNCodec(**kwargs)
+            errors, mass = [], []
+            for i in full_layers:
+                query, key, value, scaling = store[i]
+                scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+                layered = codec.for_layer(i)
+                ref, ref_probs = _attend(query, key, value, scaling)
+                out, probs = _attend(query, _store(key, layered, "key"), _store(value, layered, "value"), scaling)
+                errors.append(((out - ref).norm() / ref.norm()).item())
+                mass.append((probs[..., needle_slots].sum() / ref_probs[..., needle_slots].sum()).item())
+            totals[config][0] += sum(errors) / len(errors) / len(samples)
+            totals[config][1] += sum(mass) / len(mass) / len(samples)
+    print(f"{args.model}, needle at {args.length} tokens, depths {args.depths}; {len(full_layers)} full-attention layers")
+    print(f"{'codec':50s} {'attn out rel. err':>18s} {'needle mass':>12s}")
+    for config, (error, mass) in totals.items():
+        print(f"{config:50s} {error:18.4f} {mass:12.3f}")
+
+
+if __name__ == "__main__":
+    main()

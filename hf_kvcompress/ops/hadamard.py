@@ -1,0 +1,62 @@
+"""Randomized Walsh-Hadamard rotation along the last axis: spreads outlier channels before quantization.
+
+QuaRot (arXiv:2404.00456) and SpinQuant rotate keys and values by an orthogonal matrix so that a few large channels
+no longer set every group's range; a Hadamard matrix with random signs is orthogonal, costs O(D log D) and needs no
+calibration. For a head_dim that is not a power of two the rotation is block-diagonal: Hadamard blocks over the
+largest powers of two that add up to D (96 = 64 + 32), so it stays orthogonal and exactly invertible.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+
+def power_of_two_blocks(dim: int) -> tuple[int, ...]:
+    """`dim` as a sum of decreasing powers of two (its binary digits): 96 -> (64, 32)."""
+    if not isinstance(dim, int) or dim <= 0:
+        raise ValueError(f"dim must be a positive integer, got {dim!r}")
+    return tuple(1 << b for b in reversed(range(dim.bit_length())) if dim >> b & 1)
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal fast Walsh-Hadamard transform along the last axis (a power of two); its own inverse."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"the last axis must be a power of two, got {n}")
+    lead = x.shape[:-1]
+    h = 1
+    while h < n:
+        pairs = x.reshape(*lead, n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2).reshape(*lead, n)
+        h *= 2
+    return x / math.sqrt(n)
+
+
+@lru_cache(maxsize=256)
+def random_signs(dim: int, seed: int) -> torch.Tensor:
+    """Fixed +-1 signs of length `dim` drawn from `seed` (CPU, float32): the same seed gives the same rotation."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (dim,), generator=generator).float() * 2 - 1
+
+
+def _blockwise(x: torch.Tensor) -> torch.Tensor:
+    blocks = power_of_two_blocks(x.shape[-1])
+    if len(blocks) == 1:
+        return fwht(x)
+    return torch.cat([fwht(part) for part in torch.split(x, blocks, dim=-1)], dim=-1)
+
+
+def rotate(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """x @ (diag(signs) H): flip signs, then the (block-diagonal) Hadamard transform; computed in float32."""
+    signs = random_signs(x.shape[-1], seed).to(x.device)
+    return _blockwise(x.float() * signs)
+
+
+def unrotate(y: torch.Tensor, seed: int) -> torch.Tensor:
+    """Inverse of `rotate` (H is symmetric and orthonormal, so H^-1 = H); float32."""
+    signs = random_signs(y.shape[-1], seed).to(y.device)
+    return _blockwise(y.float()) * signs

@@ -1,0 +1,56 @@
+"""The randomized Hadamard rotation is orthogonal, exactly invertible and seeded, for any head_dim."""
+
+import math
+
+import pytest
+import torch
+
+from hf_kvcompress.ops.hadamard import fwht, power_of_two_blocks, random_signs, rotate, unrotate
+
+
+def _sylvester(n):
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64, 256])
+def test_fwht_equals_the_hadamard_matrix(n):
+    x = torch.randn(3, 5, n, dtype=torch.float64)
+    assert torch.allclose(fwht(x), x @ _sylvester(n).double(), atol=1e-12)
+
+
+@pytest.mark.parametrize("dim", [64, 256, 96, 80, 72, 33])
+def test_rotation_is_orthogonal_and_inverted_exactly(dim):
+    matrix = rotate(torch.eye(dim), seed=3)  # row i = e_i rotated, so this is the rotation matrix
+    assert torch.allclose(matrix @ matrix.T, torch.eye(dim), atol=1e-5)
+    x = torch.randn(2, 3, 7, dim)
+    y = rotate(x, seed=3)
+    assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
+    assert torch.allclose(unrotate(y, seed=3), x, atol=1e-5)
+
+
+def test_signs_are_fixed_by_the_seed_and_differ_between_seeds():
+    assert torch.equal(random_signs(64, 1), random_signs(64, 1))
+    assert not torch.equal(random_signs(64, 1), random_signs(64, 2))
+    x = torch.randn(4, 64)
+    assert not torch.allclose(rotate(x, 1), rotate(x, 2))
+
+
+def test_rotation_spreads_an_outlier_channel():
+    x = torch.randn(100, 64) * 0.1
+    x[:, 5] = 50.0
+    y = rotate(x, seed=0)
+    # The outlier's energy is shared by every channel: the largest magnitude drops by about sqrt(64).
+    assert y.abs().max() < x.abs().max() / 4
+
+
+def test_non_power_of_two_dims_are_block_diagonal_over_powers_of_two():
+    assert power_of_two_blocks(96) == (64, 32)
+    assert power_of_two_blocks(80) == (64, 16)
+    assert power_of_two_blocks(128) == (128,)
+    with pytest.raises(ValueError, match="power of two"):
+        fwht(torch.randn(2, 96))
+    with pytest.raises(ValueError, match="dim"):
+        power_of_two_blocks(0)
