@@ -16,12 +16,22 @@ from .codecs.intn import IntNCodec
 from .policies.base import Policy
 from .policies.heavy_hitter import HeavyHitterPolicy
 from .policies.keep_all import KeepAllPolicy
+from .policies.keydiff import KeyDiffPolicy
+from .policies.kvzip import KVzipPolicy
+from .policies.random import RandomPolicy
 from .policies.sink_window import SinkWindowPolicy
+from .policies.snapkv import SnapKVPolicy
+from .policies.tova import TOVAPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     "dynamic": KeepAllPolicy,
     "sink_window": SinkWindowPolicy,
     "h2o": HeavyHitterPolicy,
+    "snapkv": SnapKVPolicy,
+    "tova": TOVAPolicy,
+    "keydiff": KeyDiffPolicy,
+    "random": RandomPolicy,
+    "kvzip": KVzipPolicy,
 }
 POLICY_ALIASES = {"keep_all": "dynamic", "full": "dynamic", "streaming_llm": "sink_window", "heavy_hitter": "h2o"}
 
@@ -119,7 +129,8 @@ def make_cache(spec: str, config=None):
 
 def needs_attention(spec: str) -> bool:
     """Whether the spec's policy scores tokens by attention (the model must use `use_kvcompress_attention`)."""
-    return parse_spec(spec)[0].needs_attention
+    policy = parse_spec(spec)[0]
+    return policy.needs_attention or policy.scores_by_reconstruction
 
 
 def bounds_memory(spec: str) -> bool:
@@ -128,12 +139,20 @@ def bounds_memory(spec: str) -> bool:
 
 
 def _non_default_args(obj, skip=()) -> str:
+    # Defaults filled in by __post_init__ (budget=512 when neither budget nor ratio is given) count as defaults.
+    try:
+        reference = type(obj)()
+    except (TypeError, ValueError):
+        reference = None
     items = []
     for f in dataclasses.fields(obj):
         if f.name in skip or not f.init:
             continue
         value = getattr(obj, f.name)
-        if value != f.default:
+        default = getattr(reference, f.name) if reference is not None else f.default
+        if value is None and f.default is None:
+            continue
+        if value != default:
             items.append(f"{f.name}={value}")
     return ",".join(items)
 

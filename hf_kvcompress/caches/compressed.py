@@ -80,6 +80,24 @@ class CompressedCache(Cache):
                 )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    # -- the reconstruction pass (KVzip), driven by generation.prefill: the cache cannot call the model itself --
+
+    def begin_reconstruction(self) -> None:
+        """From now on, layers attend over what they keep plus the new tokens, keep nothing new, and (when the
+        policy scores by reconstruction) record the most attention each kept slot receives."""
+        for layer in self.layers:
+            layer.begin_reconstruction()
+
+    def reconstruction_queries(self, query_mask: torch.Tensor) -> None:
+        """The queries of the next reconstruction step that count, [B, q] bool (padding inside a chunk does not)."""
+        for layer in self.layers:
+            layer.reconstruction_queries = query_mask.bool()
+
+    def end_reconstruction(self) -> None:
+        """Evict the lowest-scored slots down to the budget; later tokens are stored again."""
+        for layer in self.layers:
+            layer.end_reconstruction()
+
     def promised_kv_bytes(self) -> int:
         """What the method promises to hold now, computed from what each layer keeps (see `measured_kv_bytes`)."""
         return sum(layer.promised_bytes() for layer in self.layers)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -16,6 +19,16 @@ ENABLE_ATTENTION_HINT = (
     "call `hf_kvcompress.use_kvcompress_attention(model)` once before generating (it registers the "
     "'kvcompress_sdpa' attention function with transformers and switches the model to it)"
 )
+
+
+@dataclass
+class AttentionRequest:
+    """What a layer asks the attention function for: statistics over some queries, reduced per key."""
+
+    deliver: Callable[[torch.Tensor], None]  # receives [B, H_kv, kv]
+    newest_queries: int | None = None  # None: every query of the step
+    reduction: str = "sum"  # "sum" or "max" over queries and over the query heads of a KV group
+    query_mask: torch.Tensor | None = None  # [B, q] bool: queries that count (reconstruction padding does not)
 
 
 def _attention_kwargs(args, kwargs) -> dict | None:
@@ -65,6 +78,8 @@ class CompressedLayer(CacheLayerMixin):
         self.positions: torch.Tensor | None = None  # [B, H_kv, T] position each kept key is rotated to (rerotate)
         self.peak_tokens = 0  # most tokens held at once, the step's new ones included
         self.awaiting_attention = False
+        self.reconstruction_queries: torch.Tensor | None = None  # [B, q] while a reconstruction pass runs
+        self.scored = False  # a reconstruction pass has scored the kept slots (KVzip)
 
     # -- transformers' layer contract -------------------------------------------------------------------------
 
@@ -100,7 +115,15 @@ class CompressedLayer(CacheLayerMixin):
         if self.awaiting_attention:
             raise RuntimeError(f"{type(self.policy).__name__} scores tokens by attention: {ENABLE_ATTENTION_HINT}")
         attn_kwargs = _attention_kwargs(args, kwargs)
+        if self.reconstruction_queries is not None:
+            return self._reconstruction_step(key_states, value_states, attn_kwargs)
         new = key_states.shape[-2]
+        if self.policy.scores_by_reconstruction and not self.scored and new == 1 and self._over_budget():
+            raise RuntimeError(
+                f"{type(self.policy).__name__} compresses a prompt after reading it again: prefill it with "
+                "hf_kvcompress.prefill(model, input_ids, attention_mask, cache, repeat_prompt_ids=...) (or "
+                "hf_kvcompress.generation.generate), not with model.generate alone"
+            )
         self._count_padding(attn_kwargs, new)
         self.seen += new
 
@@ -110,27 +133,66 @@ class CompressedLayer(CacheLayerMixin):
         )
         full_keys, full_values = self._full("key"), self._full("value")
         self.peak_tokens = max(self.peak_tokens, full_keys.shape[-2])
-        if self.inv_freq is not None:
+        if self.inv_freq is not None or self.policy.needs_positions:
             self._track_positions(attn_kwargs, new)
 
         if self.policy.needs_attention:
             self._grow_accumulated(new)
-            if attn_kwargs is None:
-                raise RuntimeError(
-                    f"{type(self.policy).__name__} needs the attention kwargs that transformers passes to cache "
-                    "layers; this model does not pass them"
-                )
-            attn_kwargs[OBSERVER_KEY] = self.observe
-            self.awaiting_attention = True
+            self._request_attention(attn_kwargs, AttentionRequest(
+                self.observe, self.policy.observed_queries, self.policy.attention_reduction
+            ))
         else:
+            if self.scored:  # tokens after a reconstruction pass rank above the context, newest first
+                self._grow_accumulated(new, fill_from=2.0 + self.seen)
             self._compress()
         return full_keys, full_values
 
+    def _request_attention(self, attn_kwargs: dict | None, request: AttentionRequest) -> None:
+        if attn_kwargs is None:
+            raise RuntimeError(
+                f"{type(self.policy).__name__} needs the attention kwargs that transformers passes to cache "
+                "layers; this model does not pass them"
+            )
+        attn_kwargs[OBSERVER_KEY] = request
+        self.awaiting_attention = True
+
     def observe(self, attention: torch.Tensor) -> None:
-        """Receive [B, H_kv, kv] attention summed over this step's queries, then evict and encode."""
-        self.accumulated = self.accumulated + attention.to(self.accumulated.dtype)
+        """Receive [B, H_kv, kv] attention statistics for this step's queries, then evict and encode."""
+        self.accumulated = self.policy.observe(self.accumulated, attention.to(self.accumulated.dtype))
         self.awaiting_attention = False
         self._compress()
+
+    # -- reconstruction (KVzip): the model reads the context again; its queries score the kept slots ------------
+
+    def begin_reconstruction(self) -> None:
+        if self.is_initialized and self.policy.scores_by_reconstruction:
+            self.accumulated = torch.zeros(
+                self.batch_size, self.kv_heads, self.stored_tokens, device=self.device, dtype=torch.float32
+            )
+
+    def _reconstruction_step(self, key_states, value_states, attn_kwargs):
+        """Attend over kept + reconstruction tokens, keep nothing new, and take the max attention per kept slot."""
+        self._check_shape(key_states, value_states)
+        full_keys = torch.cat([self._full("key"), key_states], dim=-2)
+        full_values = torch.cat([self._full("value"), value_states], dim=-2)
+        self.peak_tokens = max(self.peak_tokens, full_keys.shape[-2])
+        if self.policy.scores_by_reconstruction:
+            self._request_attention(attn_kwargs, AttentionRequest(
+                self._observe_reconstruction, None, "max", self.reconstruction_queries
+            ))
+        return full_keys, full_values
+
+    def _observe_reconstruction(self, attention: torch.Tensor) -> None:
+        stored = self.accumulated.shape[-1]
+        self.accumulated = torch.maximum(self.accumulated, attention[..., :stored].to(torch.float32))
+        self.awaiting_attention = False
+
+    def end_reconstruction(self) -> None:
+        """Evict the lowest-scored slots down to the budget."""
+        self.reconstruction_queries = None
+        if self.is_initialized and self.policy.scores_by_reconstruction:
+            self.scored = True
+            self._compress()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         stored = self.stored_tokens
@@ -140,7 +202,7 @@ class CompressedLayer(CacheLayerMixin):
         return self.seen
 
     def get_max_length(self) -> int:
-        return -1 if self.policy.budget is None else self.policy.budget
+        return -1 if self.policy.budget is None else self.policy.budget  # a ratio does not bound the length
 
     @property
     def stored_tokens(self) -> int:
@@ -268,26 +330,39 @@ class CompressedLayer(CacheLayerMixin):
         self.tail_keys = rerotate(self.tail_keys, target - self.positions, self.inv_freq)
         self.positions = target.to(torch.int32).expand_as(self.positions).contiguous()
 
-    def _grow_accumulated(self, new: int) -> None:
-        zeros = torch.zeros(self.batch_size, self.kv_heads, new, device=self.device, dtype=torch.float32)
-        self.accumulated = zeros if self.accumulated is None else torch.cat([self.accumulated, zeros], dim=-1)
+    def _grow_accumulated(self, new: int, fill_from: float | None = None) -> None:
+        fresh = torch.zeros(self.batch_size, self.kv_heads, new, device=self.device, dtype=torch.float32)
+        if fill_from is not None:
+            fresh += fill_from + torch.arange(new, device=self.device, dtype=torch.float32)
+        self.accumulated = fresh if self.accumulated is None else torch.cat([self.accumulated, fresh], dim=-1)
+
+    def _keep_per_row(self) -> torch.Tensor | None:
+        """Real tokens each row keeps now, [B]; None when the policy keeps everything (or waits for its scores)."""
+        if not self.policy.evicts or (self.policy.scores_by_reconstruction and not self.scored):
+            return None
+        return self.policy.kept_per_row(self.real_seen)
+
+    def _over_budget(self) -> bool:
+        keep = self.policy.kept_per_row(self.real_seen) if self.policy.evicts else None
+        return keep is not None and self.stored_tokens > int(keep.max())
 
     def _compress(self) -> None:
-        if self.policy.budget is not None and self.stored_tokens > self.policy.budget:
-            self._evict()
+        keep = self._keep_per_row()
+        if keep is not None and self.stored_tokens > int(keep.max()):
+            self._evict(keep)
         self._encode_tail()
 
-    def _evict(self) -> None:
+    def _evict(self, keep: torch.Tensor) -> None:
         length = self.stored_tokens
-        budget = self.policy.budget
-        scores = self.policy.score(self.accumulated, length)
-        kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length)  # [B, H_kv, budget]
-        evicted = length - budget
+        keys = self._full("key") if self.policy.needs_keys else None
+        scores = self.policy.score(self.accumulated, length, keys=keys, positions=self.positions, pads=self.pads)
+        kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length, keep)  # [B, H_kv, budget]
+        budget = kept.shape[-1]
         if self.accumulated is not None:
             self.accumulated = torch.gather(self.accumulated, 2, kept)
         if self.positions is not None:
             self.positions = torch.gather(self.positions, 2, kept)
-        self.pads = (self.pads - evicted).clamp(min=0)
+        self.pads = budget - torch.minimum(keep, length - self.pads)
         n_enc = self.n_encoded
         if self.encoded_keys is None:
             self.tail_keys = _gather_states(self.tail_keys, kept)

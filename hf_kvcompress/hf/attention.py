@@ -19,9 +19,28 @@ QUERY_BLOCK = 256
 
 
 def attention_received(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, softcap=None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap=None,
+    newest_queries: int | None = None,
+    reduction: str = "sum",
+    query_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention each key received, summed over queries and over the query heads of its KV group: [B, H_kv, kv]."""
+    """Attention each key received from the step's queries (the `newest_queries` last ones, or all), reduced by
+    `reduction` ("sum" or "max") over queries and over the query heads of its KV group: [B, H_kv, kv].
+
+    `query_mask` [B, q] leaves queries out (padding inside a reconstruction chunk)."""
+    if reduction not in ("sum", "max"):
+        raise ValueError(f"reduction must be 'sum' or 'max', got {reduction!r}")
+    full_q = query.shape[2]
+    if newest_queries is not None and newest_queries < full_q:
+        query = query[:, :, full_q - newest_queries :]
+        if attention_mask is not None and attention_mask.shape[2] == full_q:
+            attention_mask = attention_mask[:, :, full_q - newest_queries :]
+        if query_mask is not None:
+            query_mask = query_mask[:, full_q - newest_queries :]
     batch, q_heads, q_len, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = q_heads // kv_heads
@@ -43,20 +62,29 @@ def attention_received(
             else:
                 logits = logits + block.float()
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # fully masked (padding) queries give no attention
-        total += probs.sum(dim=2)
-    return total.view(batch, kv_heads, groups, kv_len).sum(dim=2)
+        if query_mask is not None:
+            probs = probs * query_mask[:, None, start:end, None].to(probs.dtype)
+        if reduction == "sum":
+            total += probs.sum(dim=2)
+        else:
+            total = torch.maximum(total, probs.amax(dim=2))
+    grouped = total.view(batch, kv_heads, groups, kv_len)
+    return grouped.sum(dim=2) if reduction == "sum" else grouped.amax(dim=2)
 
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """SDPA, plus attention statistics for the cache layer that registered an observer in `kwargs`."""
-    observer = kwargs.pop(OBSERVER_KEY, None)
+    request = kwargs.pop(OBSERVER_KEY, None)
     output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if observer is not None:
+    if request is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         mask = attention_mask
         if mask is not None and mask.dim() == 4 and mask.shape[1] not in (1, query.shape[1]):
             mask = mask[:, :1]
-        observer(attention_received(query, key, mask, scale, kwargs.get("softcap")))
+        request.deliver(attention_received(
+            query, key, mask, scale, kwargs.get("softcap"), request.newest_queries, request.reduction,
+            request.query_mask,
+        ))
     return output, None
 
 
