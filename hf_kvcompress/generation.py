@@ -39,15 +39,18 @@ class GenerationResult:
 REPEAT_INSTRUCTION = "Repeat the previous context exactly."
 
 
-def repeat_prompt_ids(tokenizer) -> list[int]:
-    """KVzip's reconstruction prompt for `tokenizer`: the instruction as a user turn of the chat template (then the
-    assistant's turn begins) when the tokenizer has one, else as plain text after a blank line."""
-    if getattr(tokenizer, "chat_template", None):
+def repeat_prompt_ids(tokenizer, chat: bool | None = None) -> list[int]:
+    """KVzip's reconstruction prompt: the instruction after the context, then (with the chat template; `chat=None`:
+    when the tokenizer has one) the end of the user's turn and the start of the assistant's, as KVzip's templates do.
+    """
+    suffix = "\n"
+    if chat or (chat is None and getattr(tokenizer, "chat_template", None)):
+        marker = "\x00"
         rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": REPEAT_INSTRUCTION}], add_generation_prompt=True, tokenize=False
+            [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
         )
-        return tokenizer(rendered, add_special_tokens=False).input_ids
-    return tokenizer("\n\n" + REPEAT_INSTRUCTION + "\n", add_special_tokens=False).input_ids
+        suffix = rendered.split(marker, 1)[1]
+    return tokenizer("\n\n" + REPEAT_INSTRUCTION + suffix, add_special_tokens=False).input_ids
 
 
 @torch.inference_mode()

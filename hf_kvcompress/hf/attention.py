@@ -41,14 +41,16 @@ def attention_received(
             attention_mask = attention_mask[:, :, full_q - newest_queries :]
         if query_mask is not None:
             query_mask = query_mask[:, full_q - newest_queries :]
-    batch, q_heads, q_len, _ = query.shape
+    batch, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = q_heads // kv_heads
-    keys = key.float().repeat_interleave(groups, dim=1)
-    total = torch.zeros(batch, q_heads, kv_len, dtype=torch.float32, device=query.device)
+    # Query heads h = k * groups + g share KV head k: group them instead of repeating the keys.
+    queries = query.float().view(batch, kv_heads, groups, q_len, dim)
+    keys_t = key.float().transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, D, kv]
+    total = torch.zeros(batch, kv_heads, kv_len, dtype=torch.float32, device=query.device)
     for start in range(0, q_len, QUERY_BLOCK):
         end = min(start + QUERY_BLOCK, q_len)
-        logits = torch.matmul(query[:, :, start:end].float(), keys.transpose(-1, -2)) * scaling
+        logits = torch.matmul(queries[:, :, :, start:end], keys_t) * scaling  # [B, H_kv, g, n, kv]
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if attention_mask is None:  # SDPA's implicit causal mask, queries aligned to the end of the keys
@@ -56,20 +58,19 @@ def attention_received(
             allowed = torch.arange(kv_len, device=query.device)[None, :] <= q_pos
             logits = logits.masked_fill(~allowed, float("-inf"))
         else:
-            block = attention_mask[:, :, start:end, :kv_len]
+            block = attention_mask[:, :, start:end, :kv_len][:, :, None]  # [B, 1, 1, n, kv]
             if block.dtype == torch.bool:
                 logits = logits.masked_fill(~block, float("-inf"))
             else:
                 logits = logits + block.float()
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # fully masked (padding) queries give no attention
         if query_mask is not None:
-            probs = probs * query_mask[:, None, start:end, None].to(probs.dtype)
+            probs = probs * query_mask[:, None, None, start:end, None].to(probs.dtype)
         if reduction == "sum":
-            total += probs.sum(dim=2)
+            total += probs.sum(dim=(2, 3))
         else:
-            total = torch.maximum(total, probs.amax(dim=2))
-    grouped = total.view(batch, kv_heads, groups, kv_len)
-    return grouped.sum(dim=2) if reduction == "sum" else grouped.amax(dim=2)
+            total = torch.maximum(total, probs.amax(dim=(2, 3)))
+    return total
 
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
