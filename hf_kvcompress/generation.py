@@ -114,6 +114,8 @@ def prefill(
             **cache_kwargs(cache),
         )
         logits = out.logits[:, -1, :]
+        for layer in getattr(cache, "layers", []):
+            getattr(layer, "check_mask_used", lambda: None)()
         if on_chunk is not None:
             on_chunk()
     if reconstruct:

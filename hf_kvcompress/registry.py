@@ -53,6 +53,7 @@ STUDY_PLANS: tuple[str, ...] = (
     "fp8",
     "sink_window:sink_tokens=4,window={window}",
     "h2o:budget={budget},recent={recent}",
+    "kvzip:budget={budget}",
     "sink_window:sink_tokens=4,window={window}+int4",
     "h2o:budget={budget},recent={recent}+int8",
 )

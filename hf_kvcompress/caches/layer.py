@@ -14,6 +14,8 @@ from ..policies.base import Policy, select_kept
 
 # The key under which a layer asks the attention function for statistics (see hf/attention.py).
 OBSERVER_KEY = "kvcompress_observer"
+# The key under which a layer whose length differs from the other layers' hands attention its own mask.
+MASK_KEY = "kvcompress_mask"
 
 ENABLE_ATTENTION_HINT = (
     "call `hf_kvcompress.use_kvcompress_attention(model)` once before generating (it registers the "
@@ -29,6 +31,14 @@ class AttentionRequest:
     newest_queries: int | None = None  # None: every query of the step
     reduction: str = "sum"  # "sum" or "max" over queries and over the query heads of a KV group
     query_mask: torch.Tensor | None = None  # [B, q] bool: queries that count (reconstruction padding does not)
+
+
+@dataclass
+class OwnMask:
+    """A layer's own attention mask, for when transformers' shared mask does not fit what the layer keeps."""
+
+    mask: torch.Tensor  # [B, 1, q, kv] bool
+    used: bool = False  # set by the attention function (hf/attention.py): any other one ignores the mask
 
 
 def _attention_kwargs(args, kwargs) -> dict | None:
@@ -80,6 +90,8 @@ class CompressedLayer(CacheLayerMixin):
         self.awaiting_attention = False
         self.reconstruction_queries: torch.Tensor | None = None  # [B, q] while a reconstruction pass runs
         self.scored = False  # a reconstruction pass has scored the kept slots (KVzip)
+        self.budget_shift: torch.Tensor | None = None  # [B] tokens this layer keeps beyond the uniform budget
+        self.own_mask: OwnMask | None = None  # the mask handed to attention at the last step, if any
 
     # -- transformers' layer contract -------------------------------------------------------------------------
 
@@ -114,6 +126,7 @@ class CompressedLayer(CacheLayerMixin):
             self._check_shape(key_states, value_states)
         if self.awaiting_attention:
             raise RuntimeError(f"{type(self.policy).__name__} scores tokens by attention: {ENABLE_ATTENTION_HINT}")
+        self.check_mask_used()
         attn_kwargs = _attention_kwargs(args, kwargs)
         if self.reconstruction_queries is not None:
             return self._reconstruction_step(key_states, value_states, attn_kwargs)
@@ -136,6 +149,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.inv_freq is not None or self.policy.needs_positions:
             self._track_positions(attn_kwargs, new)
 
+        if self.budget_shift is not None or self._shared_mask_misplaces_padding(full_keys.shape[-2]):
+            self._own_mask(attn_kwargs, new, full_keys.shape[-2])
         if self.policy.needs_attention:
             self._grow_accumulated(new)
             self._request_attention(attn_kwargs, AttentionRequest(
@@ -146,6 +161,35 @@ class CompressedLayer(CacheLayerMixin):
                 self._grow_accumulated(new, fill_from=2.0 + self.seen)
             self._compress()
         return full_keys, full_values
+
+    def _shared_mask_misplaces_padding(self, length: int) -> bool:
+        """Whether transformers' mask, built from the 2-D padding mask and one offset for the whole batch, masks
+        other slots than the padding this layer keeps. It fits while each padded row keeps all its real tokens (a
+        fixed budget); a ratio makes a padded row keep a share of them and some padding, which it cannot express."""
+        offset = self.seen - length  # tokens seen minus slots attention sees, the same for every row
+        expected = (self.seen - self.real_seen - offset).clamp(min=0, max=length)
+        return bool((expected != self.pads).any())
+
+    def _own_mask(self, attn_kwargs: dict | None, new: int, length: int) -> None:
+        """Give attention this layer's [B, 1, new, length] mask (its padding first, causal over the new tokens):
+        transformers' one mask cannot fit when layers keep different numbers of tokens or rows different shares."""
+        if attn_kwargs is None:
+            raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
+        slot = torch.arange(length, device=self.device)
+        query_slot = length - new + torch.arange(new, device=self.device)
+        allowed = (slot[None, :] <= query_slot[:, None])[None] & (slot[None, :] >= self.pads[:, None])[:, None, :]
+        self.own_mask = OwnMask(allowed[:, None])
+        attn_kwargs[MASK_KEY] = self.own_mask
+
+    def check_mask_used(self) -> None:
+        """Refuse to go on when the last step's own mask was ignored (the model does not use our attention)."""
+        if self.own_mask is not None and not self.own_mask.used:
+            self.own_mask = None
+            raise RuntimeError(
+                f"{type(self.policy).__name__} with a ratio in a padded batch (or per-layer budgets) keeps what "
+                f"transformers' shared attention mask cannot describe: {ENABLE_ATTENTION_HINT}"
+            )
+        self.own_mask = None
 
     def _request_attention(self, attn_kwargs: dict | None, request: AttentionRequest) -> None:
         if attn_kwargs is None:
@@ -223,7 +267,7 @@ class CompressedLayer(CacheLayerMixin):
         element = torch.empty((), dtype=self.dtype).element_size()
         tail = (self.stored_tokens - self.n_encoded) * (self.head_dim + self.value_dim) * element
         bookkeeping = 2 * self.batch_size * 8  # pads and real_seen, int64 per row
-        for extra in (self.accumulated, self.positions):
+        for extra in (self.accumulated, self.positions, self.budget_shift):
             if extra is not None:
                 bookkeeping += extra.numel() * extra.element_size()
         return int(rows * (encoded + tail) + bookkeeping)
@@ -246,7 +290,7 @@ class CompressedLayer(CacheLayerMixin):
             indices = indices.nonzero().flatten()
         self.encoded_keys = select_batch(self.encoded_keys, indices)
         self.encoded_values = select_batch(self.encoded_values, indices)
-        for name in ("tail_keys", "tail_values", "pads", "real_seen", "accumulated", "positions"):
+        for name in ("tail_keys", "tail_values", "pads", "real_seen", "accumulated", "positions", "budget_shift"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, indices))
@@ -340,7 +384,8 @@ class CompressedLayer(CacheLayerMixin):
         """Real tokens each row keeps now, [B]; None when the policy keeps everything (or waits for its scores)."""
         if not self.policy.evicts or (self.policy.scores_by_reconstruction and not self.scored):
             return None
-        return self.policy.kept_per_row(self.real_seen)
+        keep = self.policy.kept_per_row(self.real_seen)
+        return keep if self.budget_shift is None else (keep + self.budget_shift).clamp(min=1)
 
     def _over_budget(self) -> bool:
         keep = self.policy.kept_per_row(self.real_seen) if self.policy.evicts else None

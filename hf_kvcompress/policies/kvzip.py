@@ -25,15 +25,20 @@ class KVzipPolicy(Policy):
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
         ratio: share of the tokens seen that is kept, instead of `budget`.
         sink_tokens: first tokens always kept (0 in KVzip).
+        layer_budgets: rank the pairs of all full-attention layers together (KVzip, Sec. 3.3) so that layers whose
+            pairs score higher keep more of them, under the same total; off: every layer keeps the same number.
     """
 
     budget: int | None = None
     ratio: float | None = None
     sink_tokens: int = 0
+    layer_budgets: bool = False
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):
         check_count("sink_tokens", self.sink_tokens)
+        if not isinstance(self.layer_budgets, bool):
+            raise ValueError(f"layer_budgets must be true or false, got {self.layer_budgets!r}")
         check_budget_or_ratio(self, 512, self.sink_tokens)
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:

@@ -115,3 +115,23 @@ def test_random_keeps_the_positions_its_hash_ranks_highest_and_the_seed_changes_
         draw = ((positions * 1_000_003 + heads * 7_919 + seed * 104_729) * 2_654_435_761) % 16_777_213
         assert torch.equal(kept[seed], draw.topk(5, dim=-1).indices.sort(-1).values)
     assert not torch.equal(kept[0], kept[1])
+
+
+def test_kvzip_layer_budgets_follow_one_ranking_across_layers():
+    from hf_kvcompress import measured_kv_bytes
+
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(12))
+    scored = make_cache("kvzip:ratio=1.0", model.config)  # keeps everything: the scores stay readable
+    prefill(model, ids, None, scored, repeat_prompt_ids=[5, 6, 7])
+    scores = [layer.accumulated for layer in scored.layers]  # [1, H_kv, 40] each
+    heads = scores[0].shape[1]
+    wanted = 10 * heads * len(scores)  # a quarter of 40 tokens, for every head of every layer
+    threshold = torch.cat([s.flatten() for s in scores]).sort(descending=True).values[wanted - 1]
+    expected = [round(int((s >= threshold).sum()) / heads) for s in scores]
+
+    cache = make_cache("kvzip:ratio=0.25,layer_budgets=true", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
+    assert [layer.stored_tokens for layer in cache.layers] == expected
+    assert expected[0] != expected[1]  # the layers really differ on this prompt
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
