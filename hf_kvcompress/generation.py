@@ -130,7 +130,8 @@ def _score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids
     """KVzip's scoring pass (arXiv:2505.23416, Sec. 3.2): each row repeats its own real tokens, chunk by chunk.
 
     Rows of a padded batch are split at the same offsets from their first real token as they would be alone; a
-    chunk shorter than the batch's longest is left-padded and its padding queries are left out of the scores.
+    chunk shorter than the batch's longest is padded on the right (so its tokens sit right after the cache, as
+    alone, which sliding-window masks count in slots), and its padding queries are left out of the scores.
     """
     if chunk <= 0 or overlap < 0:
         raise ValueError(f"reconstruction_chunk must be > 0 and reconstruction_overlap >= 0, got {chunk}, {overlap}")
@@ -151,8 +152,8 @@ def _score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids
             real = torch.zeros((len(rows), width), dtype=torch.long, device=device)
             for i, piece in enumerate(pieces):
                 if len(piece):
-                    ids[i, width - len(piece) :] = piece
-                    real[i, width - len(piece) :] = 1
+                    ids[i, : len(piece)] = piece
+                    real[i, : len(piece)] = 1
             positions = (real_seen[:, None] + real.cumsum(-1) - 1).masked_fill(real == 0, 1)
             cache.reconstruction_queries(real.bool())
             model(

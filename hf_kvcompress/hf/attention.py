@@ -45,27 +45,29 @@ def attention_received(
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = q_heads // kv_heads
     # Query heads h = k * groups + g share KV head k: group them instead of repeating the keys.
-    queries = query.float().view(batch, kv_heads, groups, q_len, dim)
+    queries = (query.float() * scaling).view(batch, kv_heads, groups, q_len, dim)
     keys_t = key.float().transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, D, kv]
     total = torch.zeros(batch, kv_heads, kv_len, dtype=torch.float32, device=query.device)
     for start in range(0, q_len, QUERY_BLOCK):
         end = min(start + QUERY_BLOCK, q_len)
-        logits = torch.matmul(queries[:, :, :, start:end], keys_t) * scaling  # [B, H_kv, g, n, kv]
+        logits = torch.matmul(queries[:, :, :, start:end], keys_t)  # [B, H_kv, g, n, kv]
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if attention_mask is None:  # SDPA's implicit causal mask, queries aligned to the end of the keys
             q_pos = torch.arange(start, end, device=query.device)[:, None] + (kv_len - q_len)
             allowed = torch.arange(kv_len, device=query.device)[None, :] <= q_pos
-            logits = logits.masked_fill(~allowed, float("-inf"))
+            logits.masked_fill_(~allowed, float("-inf"))
         else:
             block = attention_mask[:, :, start:end, :kv_len][:, :, None]  # [B, 1, 1, n, kv]
             if block.dtype == torch.bool:
-                logits = logits.masked_fill(~block, float("-inf"))
+                logits.masked_fill_(~block, float("-inf"))
             else:
-                logits = logits + block.float()
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # fully masked (padding) queries give no attention
+                logits.add_(block.float())
+        probs = torch.softmax(logits, dim=-1)
+        if attention_mask is not None:
+            probs.nan_to_num_(0.0)  # fully masked (padding) queries give no attention
         if query_mask is not None:
-            probs = probs * query_mask[:, None, None, start:end, None].to(probs.dtype)
+            probs.mul_(query_mask[:, None, None, start:end, None].to(probs.dtype))
         if reduction == "sum":
             total += probs.sum(dim=(2, 3))
         else:
@@ -79,7 +81,7 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     own_mask = kwargs.pop(MASK_KEY, None)
     if own_mask is not None:  # the layer keeps what the shared mask cannot describe (see caches/layer.py)
         own_mask.used = True
-        attention_mask = own_mask.mask
+        attention_mask, own_mask.mask = own_mask.mask, None  # the cache does not keep it: its bytes are exact
     output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if request is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -18,7 +18,7 @@ from .tiny_models import CONFIGS, tiny_model
 EVICTING = ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3", "h2o:budget=8,recent=2,sink_tokens=1+int8",
             "kvzip:budget=8+int8"]
 SCORED = ["h2o:ratio=0.5,recent=2", "snapkv:budget=8,window=3,recent=2", "tova:ratio=0.5", "keydiff:budget=8+fp8",
-          "random:ratio=0.5", "kvzip:ratio=0.5"]
+          "random:ratio=0.5", "kvzip:ratio=0.5", "kvzip:ratio=0.5,layer_budgets=true"]
 ALL_SPECS = ["dynamic", "int8", "int4:residual_length=0,group_size=8", "int2:residual_length=4,group_size=8", "fp8",
              *EVICTING, *SCORED, "sink_window:sink_tokens=2,window=6+int4:residual_length=2,group_size=16"]
 LARGE_BUDGET = ["sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10", "snapkv:budget=1000", "tova:ratio=1.0",
@@ -230,3 +230,12 @@ def test_kvzip_compresses_once_and_answers_several_questions():
         prefill(model, document[:, :3], None, cache, repeat_prompt_ids=REPEAT)
     with pytest.raises(RuntimeError, match="hf_kvcompress.prefill"):  # model.generate alone never compresses
         model.generate(input_ids=document, cache=make_cache("kvzip:budget=8", model.config), max_new_tokens=2)
+
+
+def test_ratio_in_a_padded_batch_without_our_attention_is_refused():
+    # A padded row that keeps a share of its tokens and some padding needs the layer's own mask, which only the
+    # package's attention function reads; plain SDPA would silently attend with transformers' misplaced mask.
+    model = tiny_model("llama")
+    _, ids, mask = _prompts(13, lengths=(5, 13))
+    with pytest.raises(RuntimeError, match="use_kvcompress_attention"):
+        generate(model, ids, mask, make_cache("keydiff:ratio=0.5", model.config), max_new_tokens=3)
