@@ -6,11 +6,17 @@ from .caches.presets import Fp8Cache, HeavyHitterCache, QuantizedCache, SinkWind
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
 from .codecs.intn import IntNCodec
+from .generation import prefill, repeat_prompt_ids
 from .hf.attention import use_kvcompress_attention
 from .measure import measured_kv_bytes
 from .policies.heavy_hitter import HeavyHitterPolicy
 from .policies.keep_all import KeepAllPolicy
+from .policies.keydiff import KeyDiffPolicy
+from .policies.kvzip import KVzipPolicy
+from .policies.random import RandomPolicy
 from .policies.sink_window import SinkWindowPolicy
+from .policies.snapkv import SnapKVPolicy
+from .policies.tova import TOVAPolicy
 from .registry import make_cache, parse_spec
 
 
@@ -40,6 +46,13 @@ __all__ = [
     "IdentityCodec",
     "IntNCodec",
     "KeepAllPolicy",
+    "KeyDiffPolicy",
+    "KVzipPolicy",
+    "RandomPolicy",
+    "SnapKVPolicy",
+    "TOVAPolicy",
+    "prefill",
+    "repeat_prompt_ids",
     "QuantizedCache",
     "SinkWindowCache",
     "SinkWindowPolicy",

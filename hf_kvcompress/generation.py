@@ -37,17 +37,62 @@ class GenerationResult:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("inf")
 
 
+REPEAT_INSTRUCTION = "Repeat the previous context exactly."
+
+
+def repeat_prompt_ids(tokenizer, chat: bool | None = None) -> list[int]:
+    """KVzip's reconstruction prompt: the instruction after the context, then (with the chat template; `chat=None`:
+    when the tokenizer has one) the end of the user's turn and the start of the assistant's, as KVzip's templates do.
+    """
+    suffix = "\n"
+    if chat or (chat is None and getattr(tokenizer, "chat_template", None)):
+        marker = "\x00"
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
+        )
+        suffix = rendered.split(marker, 1)[1]
+    return tokenizer("\n\n" + REPEAT_INSTRUCTION + suffix, add_special_tokens=False).input_ids
+
+
 @torch.inference_mode()
-def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache, chunk_size: int | None = None):
+def prefill(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache,
+    chunk_size: int | None = None,
+    *,
+    compress: bool = True,
+    repeat_prompt_ids: list[int] | None = None,
+    reconstruction_chunk: int = 2048,
+    reconstruction_overlap: int = 8,
+    on_chunk=None,
+):
     """Feed `input_ids` into `cache` (after what it already holds), in chunks of `chunk_size` tokens.
 
     `attention_mask` covers everything the cache has seen plus `input_ids`, as in generate(). Returns the logits
-    of the last position.
+    of the last position. When the cache's policy scores by reconstruction (KVzip) and `compress` is true, the
+    model then reads `repeat_prompt_ids` and `input_ids` again (in chunks of `reconstruction_chunk` tokens, each
+    after the previous chunk's last `reconstruction_overlap` tokens) against the cache, which scores and evicts:
+    about one more prefill of the context, whose tokens are not kept. `on_chunk()` runs after every forward pass
+    (to measure memory). Every other policy compresses while the tokens arrive.
     """
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
     check_model(cache, model)
+    policy = getattr(cache, "policy", None)
+    reconstruct = compress and getattr(policy, "scores_by_reconstruction", False)
     past = cache.get_seq_length()
+    if reconstruct and past > 0:
+        raise ValueError(
+            f"{type(policy).__name__} scores a context prefilled in one call, but this cache already holds {past} "
+            "tokens; prefill the whole context at once, or pass compress=False to append tokens unscored"
+        )
+    if reconstruct and not repeat_prompt_ids:
+        raise ValueError(
+            f"{type(policy).__name__} needs repeat_prompt_ids (its reconstruction prompt): pass "
+            "repeat_prompt_ids=hf_kvcompress.generation.repeat_prompt_ids(tokenizer)"
+        )
     total = past + input_ids.shape[1]
     if attention_mask is None:
         attention_mask = torch.ones(input_ids.shape[0], total, dtype=torch.long, device=input_ids.device)
@@ -71,6 +116,15 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             **cache_kwargs(cache),
         )
         logits = out.logits[:, -1, :]
+        for layer in getattr(cache, "layers", []):
+            getattr(layer, "check_mask_used", lambda: None)()
+        if on_chunk is not None:
+            on_chunk()
+    if reconstruct:
+        _score_by_reconstruction(
+            model, input_ids, attention_mask, cache, repeat_prompt_ids, reconstruction_chunk, reconstruction_overlap,
+            on_chunk,
+        )
     return logits
 
 
@@ -83,6 +137,50 @@ def _check_absolute_positions(config, total: int) -> None:
             f"prompt + max_new_tokens = {total} tokens exceeds this model's {limit} learned positions; "
             "no cache can extend them: shorten the prompt or max_new_tokens"
         )
+
+
+def _score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids, chunk, overlap, on_chunk) -> None:
+    """KVzip's scoring pass (arXiv:2505.23416, Sec. 3.2): each row repeats its own real tokens, chunk by chunk.
+
+    Rows of a padded batch are split at the same offsets from their first real token as they would be alone; a
+    chunk shorter than the batch's longest is padded on the right (so its tokens sit right after the cache, as
+    alone, which sliding-window masks count in slots), and its padding queries are left out of the scores.
+    """
+    if chunk <= 0 or overlap < 0:
+        raise ValueError(f"reconstruction_chunk must be > 0 and reconstruction_overlap >= 0, got {chunk}, {overlap}")
+    device = input_ids.device
+    rows = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask[:, -input_ids.shape[1] :])]
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    real_seen = attention_mask.long().sum(-1)  # [B] real tokens in the cache: positions continue from there
+    pad_id = 0
+    cache.begin_reconstruction()
+    try:
+        for start in range(0, max(len(r) for r in rows), chunk):
+            pieces = []
+            for row in rows:
+                piece = row[start : start + chunk]
+                pieces.append(torch.cat([prompt, row[max(start - overlap, 0) : start], piece]) if len(piece) else piece)
+            width = max(len(p) for p in pieces)
+            ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+            real = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+            for i, piece in enumerate(pieces):
+                if len(piece):
+                    ids[i, : len(piece)] = piece
+                    real[i, : len(piece)] = 1
+            positions = (real_seen[:, None] + real.cumsum(-1) - 1).masked_fill(real == 0, 1)
+            cache.reconstruction_queries(real.bool())
+            model(
+                input_ids=ids,
+                attention_mask=torch.cat([attention_mask, real], dim=1),
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **cache_kwargs(cache),
+            )
+            if on_chunk is not None:
+                on_chunk()
+    finally:
+        cache.end_reconstruction()
 
 
 def sync(device: torch.device) -> None:
@@ -100,12 +198,13 @@ def generate(
     max_new_tokens: int = 32,
     streamer=None,
     prefill_chunk_size: int | None = None,
+    repeat_prompt_ids: list[int] | None = None,
     **generate_kwargs,
 ) -> GenerationResult:
     """generate() with `cache`, timing prefill and decoding separately.
 
     The prompt (whatever part of it the cache has not seen yet) is prefilled first, then generate() continues from
-    the cache, which slices off what the cache already holds.
+    the cache, which slices off what the cache already holds. `repeat_prompt_ids`: see `prefill` (KVzip).
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive number of tokens, got {max_new_tokens}")
@@ -127,7 +226,12 @@ def generate(
     if not separate_prefill and prefill_chunk_size is not None:
         generate_kwargs["prefill_chunk_size"] = prefill_chunk_size
     if separate_prefill and new_prompt > 1:  # leave the last prompt token to generate(), which needs one input
-        prefill(model, input_ids[:, seen:-1], attention_mask[:, :-1], cache, chunk_size=prefill_chunk_size)
+        # A fresh prompt is compressed as a context (KVzip reads it again); tokens added to a cache that already
+        # holds a compressed document (a question) are appended as they are.
+        prefill(
+            model, input_ids[:, seen:-1], attention_mask[:, :-1], cache, chunk_size=prefill_chunk_size,
+            compress=seen == 0, repeat_prompt_ids=repeat_prompt_ids,
+        )
     sync(device)
     prefill_seconds = time.perf_counter() - start if separate_prefill else float("nan")
     generate_kwargs.setdefault("do_sample", False)

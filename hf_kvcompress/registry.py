@@ -16,12 +16,22 @@ from .codecs.intn import IntNCodec
 from .policies.base import Policy
 from .policies.heavy_hitter import HeavyHitterPolicy
 from .policies.keep_all import KeepAllPolicy
+from .policies.keydiff import KeyDiffPolicy
+from .policies.kvzip import KVzipPolicy
+from .policies.random import RandomPolicy
 from .policies.sink_window import SinkWindowPolicy
+from .policies.snapkv import SnapKVPolicy
+from .policies.tova import TOVAPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     "dynamic": KeepAllPolicy,
     "sink_window": SinkWindowPolicy,
     "h2o": HeavyHitterPolicy,
+    "snapkv": SnapKVPolicy,
+    "tova": TOVAPolicy,
+    "keydiff": KeyDiffPolicy,
+    "random": RandomPolicy,
+    "kvzip": KVzipPolicy,
 }
 POLICY_ALIASES = {"keep_all": "dynamic", "full": "dynamic", "streaming_llm": "sink_window", "heavy_hitter": "h2o"}
 
@@ -47,6 +57,7 @@ STUDY_PLANS: tuple[str, ...] = (
     "fp8",
     "sink_window:sink_tokens=4,window={window}",
     "h2o:budget={budget},recent={recent}",
+    "kvzip:budget={budget}",
     "sink_window:sink_tokens=4,window={window}+int4",
     "h2o:budget={budget},recent={recent}+int8",
 )
@@ -123,7 +134,8 @@ def make_cache(spec: str, config=None):
 
 def needs_attention(spec: str) -> bool:
     """Whether the spec's policy scores tokens by attention (the model must use `use_kvcompress_attention`)."""
-    return parse_spec(spec)[0].needs_attention
+    policy = parse_spec(spec)[0]
+    return policy.needs_attention or policy.scores_by_reconstruction
 
 
 def bounds_memory(spec: str) -> bool:
@@ -132,13 +144,21 @@ def bounds_memory(spec: str) -> bool:
 
 
 def _non_default_args(obj, skip=(), defaults=None) -> str:
-    """`k=v,...` for the fields that differ from their defaults (`defaults` overrides the dataclass's own)."""
+    """`k=v,...` for the fields that differ from their defaults. `defaults` overrides the dataclass's own; defaults
+    filled in by __post_init__ (budget=512 when neither budget nor ratio is given) count as defaults."""
+    defaults = defaults or {}
+    try:
+        reference = type(obj)()
+    except (TypeError, ValueError):
+        reference = None
     items = []
     for f in dataclasses.fields(obj):
         if f.name in skip or not f.init:
             continue
         value = getattr(obj, f.name)
-        default = (defaults or {}).get(f.name, f.default)
+        default = defaults.get(f.name, getattr(reference, f.name) if reference is not None else f.default)
+        if value is None and f.default is None and f.name not in defaults:
+            continue
         if value != default:
             items.append(f"{f.name}={'none' if value is None else value}")
     return ",".join(items)

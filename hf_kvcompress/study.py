@@ -170,7 +170,7 @@ def format_users(results: list[PlanResult], min_quality: float, gpu_memory: floa
 def recommendation_text(best: PlanResult, results: list[PlanResult]) -> str:
     base = next(r for r in results if r.spec == "dynamic")
     policy, codec = parse_spec(best.spec)
-    family = "eviction" if policy.budget is not None else ("quantization" if not codec.lossless else "no compression")
+    family = "eviction" if policy.evicts else ("quantization" if not codec.lossless else "no compression")
     return (
         f"Recommended: {best.spec} ({family}): {best.users} users instead of {base.users}, "
         f"{best.factor:.1f}x less KV memory than the uncompressed cache, score {best.score:.0f} vs {base.score:.0f} "

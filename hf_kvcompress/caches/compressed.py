@@ -27,6 +27,22 @@ def _sliding_layer_codec(codec: Codec) -> Codec:
         codec = dataclasses.replace(codec, key_axis="token")
     return resolve_for_policy(codec, True)
 
+def layer_budget_shifts(policy: Policy, layers: list) -> list[torch.Tensor]:
+    """One ranking of every (layer, KV head, slot) score per row: each layer keeps its share of the row's top
+    `layers x heads x uniform budget` pairs, as whole tokens per head (KVzip Sec. 3.3, Ada-KV). Returns each layer's
+    budget minus the uniform one, [B] per layer; padding never counts."""
+    uniform = policy.kept_per_row(layers[0].real_seen)  # [B]
+    heads = layers[0].kv_heads
+    scores = []
+    for layer in layers:
+        slot = torch.arange(layer.stored_tokens, device=layer.device)
+        padding = (slot[None, :] < layer.pads[:, None])[:, None, :]
+        scores.append(layer.accumulated.masked_fill(padding, float("-inf")).flatten(1))  # [B, H * T]
+    ranked = torch.cat(scores, dim=1).sort(dim=1, descending=True).values
+    wanted = (uniform * heads * len(layers)).clamp(max=ranked.shape[1]) - 1
+    threshold = ranked.gather(1, wanted[:, None])  # [B, 1]: the row's lowest kept score
+    return [torch.round((s >= threshold).sum(dim=1) / heads).long() - uniform for s in scores]
+
 
 class CompressedCache(Cache):
     """Drop-in for `DynamicCache`: pass it to `model.generate(..., cache=...)`.
@@ -109,6 +125,28 @@ class CompressedCache(Cache):
     def reset(self) -> None:
         self._owner = None
         super().reset()
+
+    # -- the reconstruction pass (KVzip), driven by generation.prefill: the cache cannot call the model itself --
+
+    def begin_reconstruction(self) -> None:
+        """From now on, layers attend over what they keep plus the new tokens, keep nothing new, and (when the
+        policy scores by reconstruction) record the most attention each kept slot receives."""
+        for layer in self.layers:
+            layer.begin_reconstruction()
+
+    def reconstruction_queries(self, query_mask: torch.Tensor) -> None:
+        """The queries of the next reconstruction step that count, [B, q] bool (padding inside a chunk does not)."""
+        for layer in self.layers:
+            layer.reconstruction_queries = query_mask.bool()
+
+    def end_reconstruction(self) -> None:
+        """Evict the lowest-scored slots down to the budget; later tokens are stored again."""
+        scored = [layer for layer in self.layers if layer.policy.scores_by_reconstruction and layer.is_initialized]
+        if getattr(self.policy, "layer_budgets", False) and len(scored) > 1:
+            for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored)):
+                layer.budget_shift = shift
+        for layer in self.layers:
+            layer.end_reconstruction()
 
     def promised_kv_bytes(self) -> int:
         """What the method promises to hold now, computed from what each layer keeps (see `measured_kv_bytes`)."""

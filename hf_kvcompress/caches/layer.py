@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -13,6 +15,8 @@ from ..policies.base import Policy, select_kept
 
 # The key under which a layer asks the attention function for statistics (see hf/attention.py).
 OBSERVER_KEY = "kvcompress_observer"
+# The key under which a layer whose length differs from the other layers' hands attention its own mask.
+MASK_KEY = "kvcompress_mask"
 
 PADDING_SPLITS_GROUPS = (
     "per-channel key groups of {group} tokens span left padding in this batch: a row whose padding is not a "
@@ -24,6 +28,24 @@ ENABLE_ATTENTION_HINT = (
     "call `hf_kvcompress.use_kvcompress_attention(model)` once before generating (it registers the "
     "'kvcompress_sdpa' attention function with transformers and switches the model to it)"
 )
+
+
+@dataclass
+class AttentionRequest:
+    """What a layer asks the attention function for: statistics over some queries, reduced per key."""
+
+    deliver: Callable[[torch.Tensor], None]  # receives [B, H_kv, kv]
+    newest_queries: int | None = None  # None: every query of the step
+    reduction: str = "sum"  # "sum" or "max" over queries and over the query heads of a KV group
+    query_mask: torch.Tensor | None = None  # [B, q] bool: queries that count (reconstruction padding does not)
+
+
+@dataclass
+class OwnMask:
+    """A layer's own attention mask, for when transformers' shared mask does not fit what the layer keeps."""
+
+    mask: torch.Tensor  # [B, 1, q, kv] bool
+    used: bool = False  # set by the attention function (hf/attention.py): any other one ignores the mask
 
 
 def _attention_kwargs(args, kwargs) -> dict | None:
@@ -79,6 +101,10 @@ class CompressedLayer(CacheLayerMixin):
         self.sink_keys: torch.Tensor | None = None
         self.sink_values: torch.Tensor | None = None
         self.awaiting_attention = False
+        self.reconstruction_queries: torch.Tensor | None = None  # [B, q] while a reconstruction pass runs
+        self.scored = False  # a reconstruction pass has scored the kept slots (KVzip)
+        self.budget_shift: torch.Tensor | None = None  # [B] tokens this layer keeps beyond the uniform budget
+        self.own_mask: OwnMask | None = None  # the mask handed to attention at the last step, if any
 
     # -- transformers' layer contract -------------------------------------------------------------------------
 
@@ -123,8 +149,17 @@ class CompressedLayer(CacheLayerMixin):
             )
         if self.awaiting_attention:
             raise RuntimeError(f"{type(self.policy).__name__} scores tokens by attention: {ENABLE_ATTENTION_HINT}")
+        self.check_mask_used()
         attn_kwargs = _attention_kwargs(args, kwargs)
+        if self.reconstruction_queries is not None:
+            return self._reconstruction_step(key_states, value_states, attn_kwargs)
         new = key_states.shape[-2]
+        if self.policy.scores_by_reconstruction and not self.scored and new == 1 and self._over_budget():
+            raise RuntimeError(
+                f"{type(self.policy).__name__} compresses a prompt after reading it again: prefill it with "
+                "hf_kvcompress.prefill(model, input_ids, attention_mask, cache, repeat_prompt_ids=...) (or "
+                "hf_kvcompress.generation.generate), not with model.generate alone"
+            )
         self._count_padding(attn_kwargs, new)
         self.seen += new
 
@@ -135,27 +170,97 @@ class CompressedLayer(CacheLayerMixin):
         )
         full_keys, full_values = self._full("key"), self._full("value")
         self.peak_tokens = max(self.peak_tokens, full_keys.shape[-2])
-        if self.inv_freq is not None:
+        if self.inv_freq is not None or self.policy.needs_positions:
             self._track_positions(attn_kwargs, new)
 
+        if self.budget_shift is not None or self._shared_mask_misplaces_padding(full_keys.shape[-2]):
+            self._own_mask(attn_kwargs, new, full_keys.shape[-2])
         if self.policy.needs_attention:
             self._grow_accumulated(new)
-            if attn_kwargs is None:
-                raise RuntimeError(
-                    f"{type(self.policy).__name__} needs the attention kwargs that transformers passes to cache "
-                    "layers; this model does not pass them"
-                )
-            attn_kwargs[OBSERVER_KEY] = self.observe
-            self.awaiting_attention = True
+            self._request_attention(attn_kwargs, AttentionRequest(
+                self.observe, self.policy.observed_queries, self.policy.attention_reduction
+            ))
         else:
+            if self.scored:  # tokens after a reconstruction pass rank above the context, newest first
+                self._grow_accumulated(new, fill_from=2.0 + self.seen)
             self._compress()
         return full_keys, full_values
 
+    def _shared_mask_misplaces_padding(self, length: int) -> bool:
+        """Whether transformers' mask, built from the 2-D padding mask and one offset for the whole batch, masks
+        other slots than the padding this layer keeps. It fits while each padded row keeps all its real tokens (a
+        fixed budget); a ratio makes a padded row keep a share of them and some padding, which it cannot express."""
+        offset = self.seen - length  # tokens seen minus slots attention sees, the same for every row
+        expected = (self.seen - self.real_seen - offset).clamp(min=0, max=length)
+        return bool((expected != self.pads).any())
+
+    def _own_mask(self, attn_kwargs: dict | None, new: int, length: int) -> None:
+        """Give attention this layer's [B, 1, new, length] mask (its padding first, causal over the new tokens):
+        transformers' one mask cannot fit when layers keep different numbers of tokens or rows different shares."""
+        if attn_kwargs is None:
+            raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
+        slot = torch.arange(length, device=self.device)
+        query_slot = length - new + torch.arange(new, device=self.device)
+        allowed = (slot[None, :] <= query_slot[:, None])[None] & (slot[None, :] >= self.pads[:, None])[:, None, :]
+        self.own_mask = OwnMask(allowed[:, None])
+        attn_kwargs[MASK_KEY] = self.own_mask
+
+    def check_mask_used(self) -> None:
+        """Refuse to go on when the last step's own mask was ignored (the model does not use our attention)."""
+        if self.own_mask is not None and not self.own_mask.used:
+            self.own_mask = None
+            raise RuntimeError(
+                f"{type(self.policy).__name__} with a ratio in a padded batch (or per-layer budgets) keeps what "
+                f"transformers' shared attention mask cannot describe: {ENABLE_ATTENTION_HINT}"
+            )
+        self.own_mask = None
+
+    def _request_attention(self, attn_kwargs: dict | None, request: AttentionRequest) -> None:
+        if attn_kwargs is None:
+            raise RuntimeError(
+                f"{type(self.policy).__name__} needs the attention kwargs that transformers passes to cache "
+                "layers; this model does not pass them"
+            )
+        attn_kwargs[OBSERVER_KEY] = request
+        self.awaiting_attention = True
+
     def observe(self, attention: torch.Tensor) -> None:
-        """Receive [B, H_kv, kv] attention summed over this step's queries, then evict and encode."""
-        self.accumulated = self.accumulated + attention.to(self.accumulated.dtype)
+        """Receive [B, H_kv, kv] attention statistics for this step's queries, then evict and encode."""
+        self.accumulated = self.policy.observe(self.accumulated, attention.to(self.accumulated.dtype))
         self.awaiting_attention = False
         self._compress()
+
+    # -- reconstruction (KVzip): the model reads the context again; its queries score the kept slots ------------
+
+    def begin_reconstruction(self) -> None:
+        if self.is_initialized and self.policy.scores_by_reconstruction:
+            self.accumulated = torch.zeros(
+                self.batch_size, self.kv_heads, self.stored_tokens, device=self.device, dtype=torch.float32
+            )
+
+    def _reconstruction_step(self, key_states, value_states, attn_kwargs):
+        """Attend over kept + reconstruction tokens, keep nothing new, and take the max attention per kept slot."""
+        self._check_shape(key_states, value_states)
+        full_keys = torch.cat([self._full("key"), key_states], dim=-2)
+        full_values = torch.cat([self._full("value"), value_states], dim=-2)
+        self.peak_tokens = max(self.peak_tokens, full_keys.shape[-2])
+        if self.policy.scores_by_reconstruction:
+            self._request_attention(attn_kwargs, AttentionRequest(
+                self._observe_reconstruction, None, "max", self.reconstruction_queries
+            ))
+        return full_keys, full_values
+
+    def _observe_reconstruction(self, attention: torch.Tensor) -> None:
+        stored = self.accumulated.shape[-1]
+        self.accumulated = torch.maximum(self.accumulated, attention[..., :stored].to(torch.float32))
+        self.awaiting_attention = False
+
+    def end_reconstruction(self) -> None:
+        """Evict the lowest-scored slots down to the budget."""
+        self.reconstruction_queries = None
+        if self.is_initialized and self.policy.scores_by_reconstruction:
+            self.scored = True
+            self._compress()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         stored = self.stored_tokens
@@ -165,7 +270,7 @@ class CompressedLayer(CacheLayerMixin):
         return self.seen
 
     def get_max_length(self) -> int:
-        return -1 if self.policy.budget is None else self.policy.budget
+        return -1 if self.policy.budget is None else self.policy.budget  # a ratio does not bound the length
 
     @property
     def stored_tokens(self) -> int:
@@ -186,7 +291,7 @@ class CompressedLayer(CacheLayerMixin):
         element = torch.empty((), dtype=self.dtype).element_size()
         tail = (self.stored_tokens - self.n_encoded) * (self.head_dim + self.value_dim) * element
         bookkeeping = 2 * self.batch_size * 8  # pads and real_seen, int64 per row
-        for extra in (self.accumulated, self.positions, self.sink_slots, self.sink_keys, self.sink_values):
+        for extra in (self.accumulated, self.positions, self.budget_shift, self.sink_slots, self.sink_keys, self.sink_values):
             if extra is not None:
                 bookkeeping += extra.numel() * extra.element_size()
         return int(rows * (encoded + tail) + bookkeeping)
@@ -264,9 +369,10 @@ class CompressedLayer(CacheLayerMixin):
     # -- saving and loading (see caches/persist.py) ----------------------------------------------------------------
 
     STATE_TENSORS = (
-        "tail_keys", "tail_values", "pads", "real_seen", "accumulated", "positions", "sink_slots", "sink_keys", "sink_values"
+        "tail_keys", "tail_values", "pads", "real_seen", "accumulated", "positions", "budget_shift",
+        "sink_slots", "sink_keys", "sink_values",
     )
-    STATE_SCALARS = ("seen", "n_encoded", "peak_tokens", "batch_size", "kv_heads", "head_dim", "value_dim")
+    STATE_SCALARS = ("seen", "n_encoded", "peak_tokens", "batch_size", "kv_heads", "head_dim", "value_dim", "scored")
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """This layer's tensors by name, and the numbers that describe them, for `save_cache`."""
@@ -385,16 +491,30 @@ class CompressedLayer(CacheLayerMixin):
         self.tail_keys = rerotate(self.tail_keys, target - self.positions, self.inv_freq)
         self.positions = target.to(torch.int32).expand_as(self.positions).contiguous()
 
-    def _grow_accumulated(self, new: int) -> None:
-        zeros = torch.zeros(self.batch_size, self.kv_heads, new, device=self.device, dtype=torch.float32)
-        self.accumulated = zeros if self.accumulated is None else torch.cat([self.accumulated, zeros], dim=-1)
+    def _grow_accumulated(self, new: int, fill_from: float | None = None) -> None:
+        fresh = torch.zeros(self.batch_size, self.kv_heads, new, device=self.device, dtype=torch.float32)
+        if fill_from is not None:
+            fresh += fill_from + torch.arange(new, device=self.device, dtype=torch.float32)
+        self.accumulated = fresh if self.accumulated is None else torch.cat([self.accumulated, fresh], dim=-1)
+
+    def _keep_per_row(self) -> torch.Tensor | None:
+        """Real tokens each row keeps now, [B]; None when the policy keeps everything (or waits for its scores)."""
+        if not self.policy.evicts or (self.policy.scores_by_reconstruction and not self.scored):
+            return None
+        keep = self.policy.kept_per_row(self.real_seen)
+        return keep if self.budget_shift is None else (keep + self.budget_shift).clamp(min=1)
+
+    def _over_budget(self) -> bool:
+        keep = self.policy.kept_per_row(self.real_seen) if self.policy.evicts else None
+        return keep is not None and self.stored_tokens > int(keep.max())
 
     def _compress(self) -> None:
-        if self.policy.budget is not None and self.stored_tokens > self.policy.budget:
-            self._evict()
+        keep = self._keep_per_row()
+        if keep is not None and self.stored_tokens > int(keep.max()):
+            self._evict(keep)
         self._encode_tail()
 
-    def _evict(self) -> None:
+    def _evict(self, keep: torch.Tensor) -> None:
         if self.padding_unknown and (self.policy.sink_tokens > 0 or self.policy.needs_attention):
             raise ValueError(
                 f"this batch of {self.batch_size} rows was fed without per-row position_ids, so the cache cannot tell "
@@ -403,18 +523,18 @@ class CompressedLayer(CacheLayerMixin):
                 "or hf_kvcompress.generation.prefill"
             )
         length = self.stored_tokens
-        budget = self.policy.budget
-        scores = self.policy.score(self.accumulated, length)
-        kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length)  # [B, H_kv, budget]
+        keys = self._full("key") if self.policy.needs_keys else None
+        scores = self.policy.score(self.accumulated, length, keys=keys, positions=self.positions, pads=self.pads)
+        kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length, keep)  # [B, H_kv, budget]
+        budget = kept.shape[-1]
         if self.encoded_keys is None:
             self._capture_sinks()
         self._follow_sinks(kept)
-        evicted = length - budget
         if self.accumulated is not None:
             self.accumulated = torch.gather(self.accumulated, 2, kept)
         if self.positions is not None:
             self.positions = torch.gather(self.positions, 2, kept)
-        self.pads = (self.pads - evicted).clamp(min=0)
+        self.pads = budget - torch.minimum(keep, length - self.pads)
         n_enc = self.n_encoded
         if self.encoded_keys is None:
             self.tail_keys = _gather_states(self.tail_keys, kept)

@@ -31,7 +31,7 @@ def render_prompt(tokenizer, text: str, chat: bool = True) -> str:
 def run(args) -> int:
     from transformers import TextStreamer
 
-    from ..generation import generate
+    from ..generation import generate, repeat_prompt_ids
     from ..hf.attention import use_kvcompress_attention
     from ..models import load_model
     from ..registry import bounds_memory, make_cache, needs_attention
@@ -55,6 +55,7 @@ def run(args) -> int:
     result = generate(
         model, inputs.input_ids, inputs.attention_mask, cache,
         max_new_tokens=args.max_new_tokens, streamer=streamer, prefill_chunk_size=chunk,
+        repeat_prompt_ids=repeat_prompt_ids(tokenizer, chat=False if args.no_chat_template else None),
     )
     print(
         f"\n[cache {cache.spec}] prefill {result.prefill_tokens} tokens at {result.prefill_tokens_per_second:.1f} tok/s; "

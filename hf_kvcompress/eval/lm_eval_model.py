@@ -22,7 +22,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from ..generation import prefill
+from ..generation import prefill, repeat_prompt_ids
 from ..hf.compat import cache_kwargs
 from .prompts import encode, protocol_name
 from .runner import _bounds_memory, _first, make_cache, run_batch
@@ -92,7 +92,8 @@ class KVCompressLM(HFLM):
             document_ids, question_ids, sample_max = self._rows(request)
             max_new = sample_max or int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
             output = run_batch(self.model, self.cache_spec, [(document_ids, question_ids)], max_new,
-                               pad_token_id=pad_id, chunk_size=self.chunk_size)  # fmt: skip
+                               pad_token_id=pad_id, chunk_size=self.chunk_size,
+                               repeat_prompt_ids=repeat_prompt_ids(self.tokenizer))  # fmt: skip
             text = self.tokenizer.decode(output.new_tokens[0], skip_special_tokens=True)
             for stop in gen_kwargs.get("until") or []:
                 if stop and stop in text:
@@ -116,7 +117,8 @@ class KVCompressLM(HFLM):
             step = self.chunk_size if self.chunk_size and _bounds_memory(self.cache_spec) else None
             device = self.model.device
             ids = torch.tensor([context_ids], device=device)
-            last = prefill(self.model, ids, None, cache, chunk_size=step)  # [1, V]: predicts continuation[0]
+            last = prefill(self.model, ids, None, cache, chunk_size=step,  # [1, V]: predicts continuation[0]
+                           repeat_prompt_ids=repeat_prompt_ids(self.tokenizer))
             logits = [last]
             if len(continuation_ids) > 1:
                 rest = torch.tensor([continuation_ids[:-1]], device=device)

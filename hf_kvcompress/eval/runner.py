@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..generation import generate, prefill, sync
+from ..generation import generate, prefill, repeat_prompt_ids, sync
 from ..measure import measured_kv_bytes
 from .prompts import encode, protocol_name, uses_chat
 from .scoring import score_all
@@ -109,12 +109,14 @@ def run_batch(
     *,
     pad_token_id: int,
     chunk_size: int | None = 512,
+    repeat_prompt_ids: list[int] | None = None,
 ) -> BatchOutput:
     """The protocol for a batch of (document_ids, question_ids): prefill and compress the document, then answer.
 
     Rows are left-padded; all rows must have question parts of the same length (padding between document and
     question would reach a cache after it has evicted). `chunk_size` applies to methods with bounded memory;
-    the others prefill the document at once.
+    the others prefill the document at once. The document goes through `generation.prefill`, which also runs
+    KVzip's reconstruction pass (with `repeat_prompt_ids`) for the policies that score that way.
     """
     question_lengths = {len(q) for _, q in rows}
     if len(question_lengths) != 1:
@@ -136,10 +138,13 @@ def run_batch(
     with _Attention(model, spec):
         sync(device)
         start = time.perf_counter()
-        for begin in range(0, width, step):
-            end = min(begin + step, width)
-            prefill(model, full_ids[:, begin:end], full_mask[:, :end], cache)
+
+        def measure_peak():
+            nonlocal peak
             peak = max(peak, measured_kv_bytes(cache))
+
+        prefill(model, full_ids[:, :width], full_mask[:, :width], cache, chunk_size=step,
+                repeat_prompt_ids=repeat_prompt_ids, on_chunk=measure_peak)  # fmt: skip
         sync(device)
         document_seconds = time.perf_counter() - start
         kv_document = measured_kv_bytes(cache)
@@ -346,6 +351,7 @@ def run_eval(
     protocol = protocol_name(query_aware)
     chat = uses_chat(tokenizer, prompt_format)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _first(model.generation_config.eos_token_id)
+    repeat_ids = repeat_prompt_ids(tokenizer, chat=chat)
 
     out = Path(out_dir) if out_dir is not None else None
     previous: list[dict] = []
@@ -386,7 +392,8 @@ def run_eval(
     for item in mine:
         batch = [encoded[i] for i in item.rows]
         max_new = max(rows[i]["max_new_tokens"] for i in item.rows)
-        output = run_batch(model, item.method, batch, max_new, pad_token_id=pad_id, chunk_size=chunk_size)
+        output = run_batch(model, item.method, batch, max_new, pad_token_id=pad_id, chunk_size=chunk_size,
+                           repeat_prompt_ids=repeat_ids)  # fmt: skip
         predictions = [tokenizer.decode(t, skip_special_tokens=True) for t in output.new_tokens]
         scores = score_all(predictions, [rows[i]["references"] for i in item.rows])
         share = len(item.rows)

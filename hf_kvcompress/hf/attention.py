@@ -12,51 +12,86 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..caches.layer import OBSERVER_KEY
+from ..caches.layer import MASK_KEY, OBSERVER_KEY
 
 ATTENTION_NAME = "kvcompress_sdpa"
 QUERY_BLOCK = 256
 
 
 def attention_received(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, softcap=None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap=None,
+    newest_queries: int | None = None,
+    reduction: str = "sum",
+    query_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention each key received, summed over queries and over the query heads of its KV group: [B, H_kv, kv]."""
-    batch, q_heads, q_len, _ = query.shape
+    """Attention each key received from the step's queries (the `newest_queries` last ones, or all), reduced by
+    `reduction` ("sum" or "max") over queries and over the query heads of its KV group: [B, H_kv, kv].
+
+    `query_mask` [B, q] leaves queries out (padding inside a reconstruction chunk)."""
+    if reduction not in ("sum", "max"):
+        raise ValueError(f"reduction must be 'sum' or 'max', got {reduction!r}")
+    full_q = query.shape[2]
+    if newest_queries is not None and newest_queries < full_q:
+        query = query[:, :, full_q - newest_queries :]
+        if attention_mask is not None and attention_mask.shape[2] == full_q:
+            attention_mask = attention_mask[:, :, full_q - newest_queries :]
+        if query_mask is not None:
+            query_mask = query_mask[:, full_q - newest_queries :]
+    batch, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = q_heads // kv_heads
-    keys = key.float().repeat_interleave(groups, dim=1)
-    total = torch.zeros(batch, q_heads, kv_len, dtype=torch.float32, device=query.device)
+    # Query heads h = k * groups + g share KV head k: group them instead of repeating the keys.
+    queries = (query.float() * scaling).view(batch, kv_heads, groups, q_len, dim)
+    keys_t = key.float().transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, D, kv]
+    total = torch.zeros(batch, kv_heads, kv_len, dtype=torch.float32, device=query.device)
     for start in range(0, q_len, QUERY_BLOCK):
         end = min(start + QUERY_BLOCK, q_len)
-        logits = torch.matmul(query[:, :, start:end].float(), keys.transpose(-1, -2)) * scaling
+        logits = torch.matmul(queries[:, :, :, start:end], keys_t)  # [B, H_kv, g, n, kv]
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if attention_mask is None:  # SDPA's implicit causal mask, queries aligned to the end of the keys
             q_pos = torch.arange(start, end, device=query.device)[:, None] + (kv_len - q_len)
             allowed = torch.arange(kv_len, device=query.device)[None, :] <= q_pos
-            logits = logits.masked_fill(~allowed, float("-inf"))
+            logits.masked_fill_(~allowed, float("-inf"))
         else:
-            block = attention_mask[:, :, start:end, :kv_len]
+            block = attention_mask[:, :, start:end, :kv_len][:, :, None]  # [B, 1, 1, n, kv]
             if block.dtype == torch.bool:
-                logits = logits.masked_fill(~block, float("-inf"))
+                logits.masked_fill_(~block, float("-inf"))
             else:
-                logits = logits + block.float()
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # fully masked (padding) queries give no attention
-        total += probs.sum(dim=2)
-    return total.view(batch, kv_heads, groups, kv_len).sum(dim=2)
+                logits.add_(block.float())
+        probs = torch.softmax(logits, dim=-1)
+        if attention_mask is not None:
+            probs.nan_to_num_(0.0)  # fully masked (padding) queries give no attention
+        if query_mask is not None:
+            probs.mul_(query_mask[:, None, None, start:end, None].to(probs.dtype))
+        if reduction == "sum":
+            total += probs.sum(dim=(2, 3))
+        else:
+            total = torch.maximum(total, probs.amax(dim=(2, 3)))
+    return total
 
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """SDPA, plus attention statistics for the cache layer that registered an observer in `kwargs`."""
-    observer = kwargs.pop(OBSERVER_KEY, None)
+    request = kwargs.pop(OBSERVER_KEY, None)
+    own_mask = kwargs.pop(MASK_KEY, None)
+    if own_mask is not None:  # the layer keeps what the shared mask cannot describe (see caches/layer.py)
+        own_mask.used = True
+        attention_mask, own_mask.mask = own_mask.mask, None  # the cache does not keep it: its bytes are exact
     output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if observer is not None:
+    if request is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         mask = attention_mask
         if mask is not None and mask.dim() == 4 and mask.shape[1] not in (1, query.shape[1]):
             mask = mask[:, :1]
-        observer(attention_received(query, key, mask, scale, kwargs.get("softcap")))
+        request.deliver(attention_received(
+            query, key, mask, scale, kwargs.get("softcap"), request.newest_queries, request.reduction,
+            request.query_mask,
+        ))
     return output, None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -10,17 +11,27 @@ import torch
 
 @dataclass(frozen=True)
 class Policy:
-    """Which kept slots survive when a layer holds more than `budget` tokens per KV head.
+    """Which kept slots survive when a layer holds more than its budget of tokens per KV head.
 
-    Subclasses set `budget`, `sink_tokens` and `recent` and, if recency is not the criterion, `score()`.
-    The layer owns all state; the policy is a frozen description, so one instance serves every layer.
+    Subclasses set `budget` (tokens) or `ratio` (share of the tokens seen), `sink_tokens` and `recent` and, if
+    recency is not the criterion, `score()`. The layer owns all state; the policy is a frozen description, so one
+    instance serves every layer.
     """
 
     needs_attention: ClassVar[bool] = False  # True: the layer must receive attention statistics (see hf/attention.py)
+    attention_reduction: ClassVar[str] = "sum"  # how a step's queries are reduced per key: "sum" or "max"
+    needs_keys: ClassVar[bool] = False  # score() reads the kept keys
+    needs_positions: ClassVar[bool] = False  # score() reads each kept slot's position
+    scores_by_reconstruction: ClassVar[bool] = False  # KVzip: scored by generation.prefill's reconstruction pass
 
     @property
     def budget(self) -> int | None:
-        """Tokens kept per KV head after eviction; None keeps everything."""
+        """Tokens kept per KV head after eviction; None keeps everything (or follows `ratio`)."""
+        return None
+
+    @property
+    def ratio(self) -> float | None:
+        """Share of the tokens seen that is kept; None when `budget` is used."""
         return None
 
     @property
@@ -32,11 +43,39 @@ class Policy:
         return 0
 
     @property
-    def evicts(self) -> bool:
-        return self.budget is not None
+    def observed_queries(self) -> int | None:
+        """How many of a step's newest queries the attention statistics cover; None: all of them."""
+        return None
 
-    def score(self, accumulated: torch.Tensor | None, length: int) -> torch.Tensor | None:
-        """Per-slot importance [B, H_kv, T]; None means recency (newer is more important)."""
+    @property
+    def evicts(self) -> bool:
+        return self.budget is not None or self.ratio is not None
+
+    def kept_per_row(self, real_seen: torch.Tensor) -> torch.Tensor:
+        """Real tokens each row may keep, [B], from the real tokens it has seen (never fewer than sinks + recent)."""
+        if self.budget is not None:
+            return torch.full_like(real_seen, self.budget)
+        floor = torch.clamp(real_seen, max=self.sink_tokens + self.recent)
+        share = torch.ceil(real_seen.double() * self.ratio).long()
+        return torch.maximum(share, floor)
+
+    def observe(self, accumulated: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """Fold a step's attention statistics [B, H_kv, T] into the running ones (H2O: a running sum)."""
+        return accumulated + attention
+
+    def score(
+        self,
+        accumulated: torch.Tensor | None,
+        length: int,
+        keys: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        pads: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Per-slot importance [B, H_kv, T]; None means recency (newer is more important).
+
+        `accumulated`: the attention statistics of `observe` (or a reconstruction pass); `keys` [B, H_kv, T, D]
+        when `needs_keys`; `positions` [B, H_kv, T] when `needs_positions`; `pads` [B]: leading padding slots.
+        """
         return None
 
     def spec(self) -> str:
@@ -45,15 +84,49 @@ class Policy:
         return policy_spec(self)
 
 
-def select_kept(policy: Policy, scores: torch.Tensor | None, pads: torch.Tensor, heads: int, length: int) -> torch.Tensor:
-    """Slots to keep, [B, H_kv, budget], ascending, per row and head.
+def check_budget_or_ratio(policy, default_budget: int, floor: int) -> None:
+    """Validate a policy's `budget` / `ratio` fields: exactly one of them (`default_budget` when neither is given)."""
+    budget, ratio = policy.budget, policy.ratio
+    if budget is not None and ratio is not None:
+        raise ValueError(f"give either budget (tokens) or ratio (share of the tokens seen), not both: got {budget!r}, {ratio!r}")
+    if ratio is not None:
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1 or math.isnan(ratio):
+            raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
+        return
+    if budget is None:
+        object.__setattr__(policy, "budget", default_budget)
+        budget = default_budget
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0 or budget < floor:
+        raise ValueError(f"budget must be a positive integer >= recent + sink_tokens ({floor}), got {budget!r}")
 
-    Padding slots (the first `pads[b]` of row b) go first and are never protected, so a row keeps padding only
-    when it has fewer real tokens than the budget; its sinks are its first real tokens. Keeping the surviving
-    padding at the front is what keeps transformers' 2-D padding mask aligned with the kept slots.
+
+def check_count(name: str, value, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def select_kept(
+    policy: Policy,
+    scores: torch.Tensor | None,
+    pads: torch.Tensor,
+    heads: int,
+    length: int,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Slots to keep, [B, H_kv, K], ascending, per row and head.
+
+    Row b keeps its `keep[b]` best real slots (default: the policy's fixed budget) and fills the rest of the K
+    slots (K = the largest row's allowance) with padding. Padding slots (the first `pads[b]` of row b) go first and
+    are never protected, so a row keeps padding only when it keeps fewer real tokens than K; its sinks are its first
+    real tokens. Keeping the surviving padding at the front is what keeps transformers' 2-D padding mask aligned
+    with the kept slots.
     """
     batch = pads.shape[0]
     device = pads.device
+    if keep is None:
+        keep = torch.full((batch,), policy.budget, dtype=torch.long, device=device)
+    total = int(keep.max())
+    keep = torch.minimum(keep, length - pads)  # real slots kept per row
     slot = torch.arange(length, device=device)
     is_pad = slot[None, :] < pads[:, None]  # [B, T]
     if scores is None:
@@ -64,5 +137,10 @@ def select_kept(policy: Policy, scores: torch.Tensor | None, pads: torch.Tensor,
     protected = protected & ~is_pad
     priority = priority.masked_fill(protected[:, None, :], float("inf"))
     priority = priority.masked_fill(is_pad[:, None, :], float("-inf"))
-    kept = torch.topk(priority, policy.budget, dim=-1, sorted=False).indices
+    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
+    chosen = (rank < keep[:, None, None]) & ~is_pad[:, None, :]
+    # Chosen real slots first, then padding to fill each row up to `total` slots, never unchosen real slots.
+    level = chosen.to(torch.float32) * 2 + is_pad[:, None, :].to(torch.float32)
+    kept = torch.topk(level, total, dim=-1, sorted=False).indices
     return kept.sort(dim=-1).values

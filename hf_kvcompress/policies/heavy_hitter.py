@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Policy
+from .base import Policy, check_budget_or_ratio, check_count
 
 
 @dataclass(frozen=True)
@@ -18,26 +18,22 @@ class HeavyHitterPolicy(Policy):
     over the query heads that share a KV head, ranks them at every step of prefill and decoding.
 
     Args:
-        budget: tokens kept per KV head, recent and sinks included.
+        budget: tokens kept per KV head, recent and sinks included (512 when neither budget nor ratio is given).
+        ratio: share of the tokens seen that is kept, instead of `budget`.
         recent: newest tokens always kept.
         sink_tokens: first tokens always kept (0 in H2O; StreamingLLM's sinks can be added).
     """
 
-    budget: int = 512
+    budget: int | None = None
     recent: int = 64
     sink_tokens: int = 0
+    ratio: float | None = None
     needs_attention: ClassVar[bool] = True
 
     def __post_init__(self):
-        if not isinstance(self.recent, int) or self.recent < 0:
-            raise ValueError(f"recent must be an integer >= 0, got {self.recent!r}")
-        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
-        floor = self.recent + self.sink_tokens
-        if not isinstance(self.budget, int) or self.budget <= 0 or self.budget < floor:
-            raise ValueError(
-                f"budget must be a positive integer >= recent + sink_tokens ({floor}), got {self.budget!r}"
-            )
+        check_count("recent", self.recent)
+        check_count("sink_tokens", self.sink_tokens)
+        check_budget_or_ratio(self, 512, self.recent + self.sink_tokens)
 
-    def score(self, accumulated: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor | None:
         return accumulated

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Policy
+from .base import Policy, check_count
 
 
 @dataclass(frozen=True)
@@ -16,22 +16,34 @@ class SinkWindowPolicy(Policy):
 
     Args:
         sink_tokens: first tokens always kept (StreamingLLM uses 4).
-        window: most recent tokens kept.
+        window: most recent tokens kept (1024 when neither window nor ratio is given).
+        ratio: share of the tokens seen that is kept (sinks included, the rest the newest), instead of `window`.
     """
 
     sink_tokens: int = 4
-    window: int = 1024
+    window: int | None = None
+    ratio: float | None = None
 
     def __post_init__(self):
-        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
-        if not isinstance(self.window, int) or self.window <= 0:
-            raise ValueError(f"window must be a positive integer, got {self.window!r}")
+        check_count("sink_tokens", self.sink_tokens)
+        if self.window is not None and self.ratio is not None:
+            raise ValueError(
+                f"give either window (tokens) or ratio (share of the tokens seen), not both: got {self.window!r}, "
+                f"{self.ratio!r}"
+            )
+        if self.ratio is not None:
+            ratio = self.ratio
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+                raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
+            return
+        if self.window is None:
+            object.__setattr__(self, "window", 1024)
+        check_count("window", self.window, minimum=1)
 
     @property
-    def budget(self) -> int:
-        return self.sink_tokens + self.window
+    def budget(self) -> int | None:
+        return None if self.ratio is not None else self.sink_tokens + self.window
 
     @property
     def recent(self) -> int:
-        return self.window
+        return 0 if self.ratio is not None else self.window

@@ -11,17 +11,22 @@ from transformers import DynamicCache
 from hf_kvcompress import (
     CompressedCache, IntNCodec, SinkWindowPolicy, make_cache, measured_kv_bytes, use_kvcompress_attention,
 )
-from hf_kvcompress.generation import generate
+from hf_kvcompress.generation import generate, prefill
 
 from .tiny_models import CONFIGS, tiny_model
 
 EVICTING = ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3", "h2o:budget=8,recent=2,sink_tokens=1+int8",
-            "h2o:budget=8,recent=2,sink_tokens=1+int3:residual_length=2,group_size=8,rotate=hadamard,sink_tokens=2"]
+            "h2o:budget=8,recent=2,sink_tokens=1+int3:residual_length=2,group_size=8,rotate=hadamard,sink_tokens=2",
+            "kvzip:budget=8+int8"]
+SCORED = ["h2o:ratio=0.5,recent=2", "snapkv:budget=8,window=3,recent=2", "tova:ratio=0.5", "keydiff:budget=8+fp8",
+          "random:ratio=0.5", "kvzip:ratio=0.5", "kvzip:ratio=0.5,layer_budgets=true"]
 ALL_SPECS = ["dynamic", "int8", "int4:residual_length=0,group_size=8", "int2:residual_length=4,group_size=8", "fp8",
-             *EVICTING, "sink_window:sink_tokens=2,window=6+int4:residual_length=2,group_size=16",
+             *EVICTING, *SCORED, "sink_window:sink_tokens=2,window=6+int4:residual_length=2,group_size=16",
              "int3:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2",
              "int4:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2,key_axis=token"]
-LARGE_BUDGET = ["sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10"]
+LARGE_BUDGET = ["sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10", "snapkv:budget=1000", "tova:ratio=1.0",
+                "kvzip:ratio=1.0"]
+REPEAT = [5, 6, 7]  # KVzip's reconstruction prompt, as token ids of the tiny vocabulary
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -42,7 +47,7 @@ def _prompts(seed=0, lengths=(5, 13, 9)):
 
 
 def _greedy(model, ids, mask, cache, new=8, **kwargs):
-    return generate(model, ids, mask, cache, max_new_tokens=new, **kwargs).new_tokens
+    return generate(model, ids, mask, cache, max_new_tokens=new, repeat_prompt_ids=REPEAT, **kwargs).new_tokens
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
@@ -72,7 +77,7 @@ def test_large_budget_equals_dynamic_cache(model, spec):
 def test_seq_length_counts_seen_tokens_and_generate_continues(model, spec):
     cache = make_cache(spec, model.config)
     _, ids, mask = _prompts(2, lengths=(12,))
-    first = generate(model, ids, mask, cache, max_new_tokens=5)
+    first = generate(model, ids, mask, cache, max_new_tokens=5, repeat_prompt_ids=REPEAT)
     assert cache.get_seq_length() == ids.shape[1] + 5 - 1  # the last generated token is not fed back
     kv_length, kv_offset = cache.get_mask_sizes(1, len(cache.layers) - 1)
     layer = cache.layers[-1]
@@ -85,16 +90,19 @@ def test_seq_length_counts_seen_tokens_and_generate_continues(model, spec):
     assert cache.get_seq_length() == before + 1 + 4 + 2
 
 
-@pytest.mark.parametrize("spec", ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3+fp8", EVICTING[-1]])
+@pytest.mark.parametrize("spec", ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3+fp8", EVICTING[-2],
+                                  "snapkv:budget=8,window=4,recent=2+int4:residual_length=2,group_size=16",
+                                  "kvzip:budget=8+int4:residual_length=2,group_size=16"])
 def test_memory_is_bounded_and_measured_bytes_match_the_promise(model, spec):
     cache = make_cache(spec, model.config)
     _, ids, mask = _prompts(3, lengths=(40,))
-    generate(model, ids, mask, cache, max_new_tokens=6, prefill_chunk_size=5)
+    chunk = None if spec.startswith("kvzip") else 5  # KVzip holds the context until its reconstruction pass
+    generate(model, ids, mask, cache, max_new_tokens=6, prefill_chunk_size=chunk, repeat_prompt_ids=REPEAT)
     budget = cache.policy.budget
     for layer in cache.layers:
         if not layer.is_sliding:
             assert layer.stored_tokens == budget
-            assert layer.peak_tokens <= budget + 5
+            assert layer.peak_tokens <= (budget + 5 if chunk else 2 * 40 + len(REPEAT))
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
 
 
@@ -212,3 +220,47 @@ def test_explicit_channel_keys_on_a_hybrid_model_apply_to_its_full_attention_lay
     assert out.new_tokens.shape == (1, 4)
     with pytest.raises(ValueError, match="key_axis"):
         make_cache("sink_window:window=8+int4:key_axis=channel", model.config)
+
+
+@pytest.mark.parametrize("spec", ["h2o:ratio=0.25,recent=2", "kvzip:ratio=0.25", "sink_window:ratio=0.25+int8"])
+def test_ratio_keeps_its_share_after_prefill_and_while_decoding(spec):
+    model = use_kvcompress_attention(tiny_model("llama"))
+    _, ids, mask = _prompts(11, lengths=(40,))
+    cache = make_cache(spec, model.config)
+    prefill(model, ids, mask, cache, repeat_prompt_ids=REPEAT)
+    assert [layer.stored_tokens for layer in cache.layers] == [10, 10]  # a quarter of 40
+    generate(model, torch.cat([ids, ids[:, :9]], 1), None, cache, max_new_tokens=4)
+    assert cache.get_seq_length() == 52 and [layer.stored_tokens for layer in cache.layers] == [13, 13]
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def test_kvzip_compresses_once_and_answers_several_questions():
+    import copy
+
+    model = use_kvcompress_attention(tiny_model("llama"))
+    _, document, _ = _prompts(12, lengths=(30,))
+    cache = make_cache("kvzip:ratio=0.5", model.config)
+    prefill(model, document, None, cache, repeat_prompt_ids=REPEAT)
+    assert cache.get_seq_length() == 30 and cache.layers[0].stored_tokens == 15
+    answers = []
+    for question in ([9, 10, 11], [12, 13, 14]):
+        asked = copy.deepcopy(cache)
+        ids = torch.cat([document, torch.tensor([question])], dim=1)
+        answers.append(generate(model, ids, None, asked, max_new_tokens=4).new_tokens)
+        assert asked.get_seq_length() == 30 + 3 + 4 - 1
+    assert cache.get_seq_length() == 30  # the compressed document is untouched
+    with pytest.raises(ValueError, match="repeat_prompt_ids"):
+        prefill(model, document, None, make_cache("kvzip:ratio=0.5", model.config))
+    with pytest.raises(ValueError, match="already holds"):
+        prefill(model, document[:, :3], None, cache, repeat_prompt_ids=REPEAT)
+    with pytest.raises(RuntimeError, match="hf_kvcompress.prefill"):  # model.generate alone never compresses
+        model.generate(input_ids=document, cache=make_cache("kvzip:budget=8", model.config), max_new_tokens=2)
+
+
+def test_ratio_in_a_padded_batch_without_our_attention_is_refused():
+    # A padded row that keeps a share of its tokens and some padding needs the layer's own mask, which only the
+    # package's attention function reads; plain SDPA would silently attend with transformers' misplaced mask.
+    model = tiny_model("llama")
+    _, ids, mask = _prompts(13, lengths=(5, 13))
+    with pytest.raises(RuntimeError, match="use_kvcompress_attention"):
+        generate(model, ids, mask, make_cache("keydiff:ratio=0.5", model.config), max_new_tokens=3)

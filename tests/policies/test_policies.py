@@ -57,3 +57,49 @@ def test_heavy_hitters_are_kept_per_head():
 def test_bad_parameters_name_themselves(factory, name):
     with pytest.raises(ValueError, match=name):
         factory()
+
+
+# -- ratio: a share of the tokens seen instead of a fixed budget ----------------------------------------------------
+
+
+def test_ratio_keeps_a_share_of_each_rows_real_tokens_and_fills_with_padding():
+    from hf_kvcompress.policies.tova import TOVAPolicy
+
+    policy = TOVAPolicy(ratio=0.5)
+    # Row 0: 4 padding + 6 real tokens -> keeps 3 real; row 1: 10 real -> keeps 5. K = 5 slots per row.
+    real_seen = torch.tensor([6, 10])
+    keep = policy.kept_per_row(real_seen)
+    assert keep.tolist() == [3, 5]
+    scores = torch.arange(10, dtype=torch.float32).flip(0)[None, None, :].expand(2, 1, 10)  # older scores higher
+    kept = select_kept(policy, scores, torch.tensor([4, 0]), heads=1, length=10, keep=keep)
+    assert kept[1, 0].tolist() == [0, 1, 2, 3, 4]
+    assert kept[0, 0].tolist()[2:] == [4, 5, 6] and all(i < 4 for i in kept[0, 0].tolist()[:2])
+
+
+def test_ratio_never_keeps_fewer_than_sinks_and_recent():
+    policy = HeavyHitterPolicy(ratio=0.1, recent=4, sink_tokens=1)
+    assert policy.kept_per_row(torch.tensor([20, 3, 200])).tolist() == [5, 3, 20]
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "keydiff", "random", "kvzip"])
+def test_budget_and_ratio_exclude_each_other_by_spec(name):
+    from hf_kvcompress.registry import parse_spec
+
+    with pytest.raises(ValueError, match="either budget"):
+        parse_spec(f"{name}:budget=64,ratio=0.5")
+    for bad in ("0", "1.5", "-0.2", "nan"):
+        with pytest.raises(ValueError, match="ratio must be a number in"):
+            parse_spec(f"{name}:ratio={bad}")
+    policy, _ = parse_spec(f"{name}:ratio=0.25")
+    assert policy.ratio == 0.25 and policy.budget is None and policy.spec() == f"{name}:ratio=0.25"
+    assert parse_spec(name)[0].budget == 512 and parse_spec(name)[0].spec() == name
+
+
+def test_sink_window_by_ratio_keeps_sinks_and_the_newest():
+    policy = SinkWindowPolicy(sink_tokens=2, ratio=0.5)
+    assert policy.budget is None and policy.spec() == "sink_window:sink_tokens=2,ratio=0.5"
+    keep = policy.kept_per_row(torch.tensor([10]))
+    kept = select_kept(policy, None, torch.tensor([0]), heads=1, length=10, keep=keep)
+    assert kept.tolist() == [[[0, 1, 7, 8, 9]]]
+    with pytest.raises(ValueError, match="either window"):
+        SinkWindowPolicy(window=8, ratio=0.5)

@@ -1,0 +1,57 @@
+"""SnapKV: keep what the newest prompt tokens attend to, pooled over neighbours (arXiv:2404.14469)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from .base import Policy, check_budget_or_ratio, check_count
+
+
+@dataclass(frozen=True)
+class SnapKVPolicy(Policy):
+    """Score each slot by the attention it gets from an observation window of the newest queries, pooled.
+
+    The end of a prompt (where the question usually sits) already attends to what generation will need (SnapKV,
+    Sec. 3); pooling keeps the neighbours of a hit, so a needle survives whole. Each step's `window` newest queries
+    add to the running scores, so the rule holds at prefill and while decoding.
+
+    Args:
+        budget: tokens kept per KV head, the recent ones included (512 when neither budget nor ratio is given).
+        ratio: share of the tokens seen that is kept, instead of `budget`.
+        window: newest queries of a step whose attention counts (the observation window).
+        kernel: width of the max-pooling over neighbouring slots (odd; 1 turns pooling off).
+        recent: newest tokens always kept (SnapKV keeps its observation window).
+        sink_tokens: first tokens always kept.
+    """
+
+    budget: int | None = None
+    ratio: float | None = None
+    window: int = 32
+    kernel: int = 7
+    recent: int = 32
+    sink_tokens: int = 0
+    needs_attention: ClassVar[bool] = True
+
+    def __post_init__(self):
+        check_count("window", self.window, minimum=1)
+        check_count("kernel", self.kernel, minimum=1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be an odd integer >= 1, got {self.kernel!r}")
+        check_count("recent", self.recent)
+        check_count("sink_tokens", self.sink_tokens)
+        check_budget_or_ratio(self, 512, self.recent + self.sink_tokens)
+
+    @property
+    def observed_queries(self) -> int:
+        return self.window
+
+    def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
+        if self.kernel == 1:
+            return accumulated
+        batch, heads, slots = accumulated.shape
+        pooled = F.max_pool1d(accumulated.reshape(batch * heads, 1, slots), self.kernel, 1, self.kernel // 2)
+        return pooled.reshape(batch, heads, slots)

@@ -1,0 +1,137 @@
+"""Each scoring rule against a plain reference computation on a tiny model (eager attention's weights, raw keys)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from hf_kvcompress import make_cache, prefill, use_kvcompress_attention
+
+from .tiny_models import tiny_model
+
+IDS = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(11))
+
+
+def _eager_attentions(name, ids):
+    """Attention weights per layer, [B, H_q, q, kv], from transformers' eager attention."""
+    model = tiny_model(name)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        return model(input_ids=ids, output_attentions=True).attentions
+
+
+def _per_kv_head(weights, kv_heads, reduce):
+    batch, q_heads, q, kv = weights.shape
+    grouped = weights.view(batch, kv_heads, q_heads // kv_heads, q, kv)
+    return grouped.sum(dim=(2, 3)) if reduce == "sum" else grouped.amax(dim=(2, 3))
+
+
+def _full_layers(cache):
+    return [(i, layer) for i, layer in enumerate(cache.layers) if not layer.is_sliding]
+
+
+@pytest.mark.parametrize("spec,queries", [("h2o:ratio=1.0,recent=0", None), ("snapkv:ratio=1.0,window=3,kernel=1,recent=0", 3),
+                                          ("tova:ratio=1.0", 1)])
+def test_attention_scores_match_eager_weights(spec, queries):
+    model = use_kvcompress_attention(tiny_model("llama"))
+    cache = make_cache(spec, model.config)
+    with torch.no_grad():
+        model(input_ids=IDS, cache=cache)
+    reference = _eager_attentions("llama", IDS)
+    for i, layer in _full_layers(cache):
+        weights = reference[i] if queries is None else reference[i][:, :, -queries:]
+        expected = _per_kv_head(weights, layer.kv_heads, "sum")
+        torch.testing.assert_close(layer.accumulated, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_tova_forgets_older_steps_and_snapkv_pools_neighbours():
+    model = use_kvcompress_attention(tiny_model("llama"))
+    tova = make_cache("tova:ratio=1.0", model.config)
+    longer = torch.cat([IDS, torch.tensor([[7]])], dim=1)
+    with torch.no_grad():
+        model(input_ids=IDS, cache=tova)
+        model(input_ids=longer[:, -1:], cache=tova)
+    reference = _eager_attentions("llama", longer)
+    for i, layer in _full_layers(tova):
+        torch.testing.assert_close(layer.accumulated, _per_kv_head(reference[i][:, :, -1:], layer.kv_heads, "sum"),
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+    snap = make_cache("snapkv:ratio=1.0,window=3,kernel=3,recent=0", model.config)
+    with torch.no_grad():
+        model(input_ids=IDS, cache=snap)
+    layer = snap.layers[0]
+    raw = layer.accumulated
+    padded = F.pad(raw, (1, 1))
+    expected = torch.stack([padded[..., j : j + raw.shape[-1]] for j in range(3)]).amax(0)  # max of each slot's neighbours
+    torch.testing.assert_close(snap.policy.score(raw, raw.shape[-1]), expected)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_kvzip_scores_are_the_max_attention_of_the_repeated_context(name):
+    model = use_kvcompress_attention(tiny_model(name))
+    prompt, chunk, overlap = [5, 6, 7], 5, 2
+    cache = make_cache("kvzip:ratio=1.0", model.config)
+    prefill(model, IDS, None, cache, repeat_prompt_ids=prompt, reconstruction_chunk=chunk,
+            reconstruction_overlap=overlap)  # fmt: skip
+    context = IDS.shape[1]
+    assert cache.get_seq_length() == context and all(layer.stored_tokens <= context for layer in cache.layers)
+    # Reference: the context followed by each reconstruction chunk, in one plain eager pass each.
+    expected = None
+    for start in range(0, context, chunk):
+        piece = torch.cat([torch.tensor(prompt), IDS[0, max(start - overlap, 0) : start], IDS[0, start : start + chunk]])
+        attentions = _eager_attentions(name, torch.cat([IDS[0], piece])[None])
+        per_layer = [_per_kv_head(a[:, :, context:, :context], a.shape[1] // model.config.num_attention_heads
+                                  * model.config.num_key_value_heads, "max") for a in attentions]  # fmt: skip
+        expected = per_layer if expected is None else [torch.maximum(e, p) for e, p in zip(expected, per_layer)]
+    for i, layer in _full_layers(cache):
+        torch.testing.assert_close(layer.accumulated, expected[i], rtol=1e-4, atol=1e-5)
+
+
+def test_keydiff_keeps_the_keys_least_like_the_mean_direction():
+    model = tiny_model("llama")  # no attention statistics needed: plain SDPA
+    dynamic = DynamicCache(config=model.config)
+    cache = make_cache("keydiff:budget=6", model.config)
+    with torch.no_grad():
+        model(input_ids=IDS, cache=dynamic)
+        model(input_ids=IDS, cache=cache)
+    for i, layer in _full_layers(cache):
+        keys = dynamic.layers[i].keys  # [1, H_kv, 12, D]
+        unit = F.normalize(keys, dim=-1)
+        score = -(unit * F.normalize(unit.mean(dim=2, keepdim=True), dim=-1)).sum(-1)
+        kept = score.topk(6, dim=-1).indices.sort(-1).values
+        expected = torch.gather(keys, 2, kept[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        torch.testing.assert_close(layer.tail_keys, expected)
+
+
+def test_random_keeps_the_positions_its_hash_ranks_highest_and_the_seed_changes_them():
+    model = tiny_model("llama")
+    kept = {}
+    for seed in (0, 1):
+        cache = make_cache(f"random:budget=5,seed={seed}", model.config)
+        with torch.no_grad():
+            model(input_ids=IDS, cache=cache)
+        kept[seed] = cache.layers[0].positions[0].long()
+        heads = torch.arange(kept[seed].shape[0])[:, None]
+        positions = torch.arange(12)[None, :]
+        draw = ((positions * 1_000_003 + heads * 7_919 + seed * 104_729) * 2_654_435_761) % 16_777_213
+        assert torch.equal(kept[seed], draw.topk(5, dim=-1).indices.sort(-1).values)
+    assert not torch.equal(kept[0], kept[1])
+
+
+def test_kvzip_layer_budgets_follow_one_ranking_across_layers():
+    from hf_kvcompress import measured_kv_bytes
+
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(12))
+    scored = make_cache("kvzip:ratio=1.0", model.config)  # keeps everything: the scores stay readable
+    prefill(model, ids, None, scored, repeat_prompt_ids=[5, 6, 7])
+    scores = [layer.accumulated for layer in scored.layers]  # [1, H_kv, 40] each
+    heads = scores[0].shape[1]
+    wanted = 10 * heads * len(scores)  # a quarter of 40 tokens, for every head of every layer
+    threshold = torch.cat([s.flatten() for s in scores]).sort(descending=True).values[wanted - 1]
+    expected = [round(int((s >= threshold).sum()) / heads) for s in scores]
+
+    cache = make_cache("kvzip:ratio=0.25,layer_budgets=true", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
+    assert [layer.stored_tokens for layer in cache.layers] == expected
+    assert expected[0] != expected[1]  # the layers really differ on this prompt
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
