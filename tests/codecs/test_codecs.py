@@ -231,3 +231,16 @@ def test_quantized_cache_uses_the_plain_names_configuration():
         assert QuantizedCache(bits=bits).codec == parse_spec(f"int{bits}")[1].for_policy(False)
     with pytest.raises(ValueError, match="bits"):
         QuantizedCache(bits=5)
+
+
+def test_caches_give_each_layer_its_rotation_with_or_without_config():
+    from hf_kvcompress import make_cache
+    from tests.caches.tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    with_config = make_cache("int4", model.config)
+    assert [layer.codec.layer for layer in with_config.layers] == [0, 1]
+    without = make_cache("int4")
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 128, (1, 5)), cache=without)
+    assert [layer.codec.layer for layer in without.layers] == [0, 1]
