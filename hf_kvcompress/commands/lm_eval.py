@@ -54,18 +54,24 @@ def usage() -> str:
     return __doc__.replace("{tasks}", ", ".join(shipped_tasks()) or "none found")
 
 
-def run(args) -> int:
-    from ..eval.lm_eval_model import register
-
-    register()
-    argv = list(args.lm_eval_args)
+def lm_eval_argv(argv: list[str]) -> list[str]:
+    """The arguments for lm-eval: the user's, plus `--include_path` to the shipped tasks unless given or asking help."""
+    argv = list(argv)
     wants_help = not argv or argv[0] in ("-h", "--help")
-    if wants_help:
-        print(usage() + "\nlm-eval's own help follows.\n")
     if not wants_help and "--include_path" not in argv and not any(a.startswith("--include_path=") for a in argv):
         include = _default_include_path()
         if include is not None:
             argv += ["--include_path", include]
+    return argv
+
+
+def run(args) -> int:
+    from ..eval.lm_eval_model import register
+
+    register()
+    argv = lm_eval_argv(args.lm_eval_args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage() + "\nlm-eval's own help follows.\n")
     from lm_eval.__main__ import cli_evaluate
 
     saved = sys.argv
