@@ -52,6 +52,12 @@ def test_study_reports_formula_measured_bytes_bands_and_a_recommendation(tmp_pat
     assert set(rows) == {"dynamic", "int8", "sink_window:sink_tokens=4,window=32"}
     assert float(rows["dynamic"][1]) == float(rows["dynamic"][2])  # uncompressed: measured == formula
     assert (out / "smollm2-135m" / "quality_vs_memory.png").exists()
+    assert "Full-precision residual" in text and "int8: the 128 most recent of" in text
+    assert re.search(r"; 9 runs \(9 run now, 0 reused from results already in ", text)
+    # The same study again reuses every result, and says so (not "9 runs in 2 s").
+    assert main(["study", "--model", "smollm2-135m", "--lengths", "250", "--depths", "10,50,90", "--tasks", "needle",
+                 "--plans", "int8;sink_window:sink_tokens=4,window=32", "--out", str(out)]) == 0
+    assert "; 9 runs (0 run now, 9 reused from results already in " in (out / "study.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -101,9 +107,9 @@ def test_help_describes_every_option_and_shows_defaults():
     generate = _subparser("generate")
     assert generate.description
     assert [a.dest for a in generate._actions if not a.help] == []
-    study = _subparser("study").format_help()
+    study = " ".join(_subparser("study").format_help().split())
     assert "(default: 10,50,90)" in study and "(default: results/study)" in study
-    assert "(default: 512)" in _subparser("eval").format_help()
+    assert "(default 512)" in " ".join(_subparser("eval").format_help().split())
 
 
 def test_lm_eval_help_names_the_cache_argument_and_the_shipped_tasks(capsys):

@@ -119,8 +119,8 @@ def run(args) -> int:
         f"# Study: {name}",
         "",
         f"Tasks {', '.join(tasks)} at {args.lengths} tokens, depths {args.depths}; question after the document "
-        f"(protocol {', '.join(summary['protocols'])}); {len(records)} runs ({counts['to_run']} now, {counts['reused']} "
-        f"reused from an earlier run in {args.out}) in {time.perf_counter() - started:.0f} s.",
+        f"(protocol {', '.join(summary['protocols'])}); {len(records)} runs ({counts['to_run']} run now, "
+        f"{counts['reused']} reused from results already in {args.out}) in {time.perf_counter() - started:.0f} s.",
     ]
     if baselines:
         lines.append("Uncompressed needle score per embedded model: "

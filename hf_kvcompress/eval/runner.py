@@ -338,10 +338,10 @@ def check_context(config, lengths: Sequence[int], max_new_tokens: int = 0) -> No
         return
     too_long = [n for n in lengths if n + max_new_tokens > context]
     if too_long:
+        answer = f", and the prompt needs room for its {max_new_tokens} answer tokens" if max_new_tokens else ""
         raise ValueError(
             f"--lengths {','.join(map(str, too_long))}: the model's context is {context:,} tokens "
-            f"(max_position_embeddings), and a prompt needs room for up to {max_new_tokens} answer tokens; "
-            f"use lengths <= {context - max_new_tokens:,}"
+            f"(max_position_embeddings){answer}; use lengths <= {context - max_new_tokens:,}"
         )
 
 
