@@ -69,6 +69,7 @@ def add_parser(subparsers) -> None:
 
 def check_arguments(args) -> tuple[list[str], list[str]]:
     """(tasks, methods) with every spec parsed and every size checked: bad input fails before the model loads."""
+    from ..eval.data import read_user_documents
     from ..eval.runner import check_specs
     from ..eval.tasks import parse_task, split_specs
     from .checks import check_device
@@ -79,6 +80,8 @@ def check_arguments(args) -> tuple[list[str], list[str]]:
         tasks = split_specs(args.tasks)
     for task in tasks:
         parse_task(task, args.documents)
+    if args.documents is not None:
+        read_user_documents(args.documents)  # a missing folder or a binary file fails before the model loads
     methods = split_specs(args.methods)
     check_specs(methods)
     if not args.lengths or any(n < 1 for n in args.lengths):
