@@ -1,4 +1,4 @@
-"""`python -m hf_kvcompress.eval ...`: the eval command, for `accelerate launch -m hf_kvcompress.eval ...`."""
+"""`python -m hf_kvcompress.eval ...`: the eval command, for `accelerate launch --multi_gpu` and `torchrun`."""
 
 import argparse
 import sys
