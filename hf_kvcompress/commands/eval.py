@@ -11,6 +11,8 @@ cores) or `torchrun --nproc_per_node N -m hf_kvcompress.eval ARGS`; `accelerate 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 
@@ -103,6 +105,10 @@ def run(args) -> int:
     tasks, methods = check_arguments(args)
     check_context(load_config(args.model), args.lengths)  # before the weights load
     state = _state()
+    if state is None and os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":
+        print("note: `accelerate launch --cpu` starts a single process; to split the samples use "
+              "`accelerate launch --multi_gpu --num_processes N` (CPU processes without a GPU) or `torchrun`",
+              file=sys.stderr)  # fmt: skip
     device = args.device or (str(state.device) if state is not None else None)
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, device=device, dtype=args.dtype)
