@@ -480,54 +480,56 @@ def run_eval(
             bar = tqdm(total=sum(len(item.rows) for item in mine), desc=f"eval{where}{earlier}", unit=" samples",
                        dynamic_ncols=True)  # fmt: skip
     new_records: list[dict] = []
-    for item in mine:
-        batch = [encoded[i] for i in item.rows]
-        max_new = max(rows[i]["max_new_tokens"] for i in item.rows)
-        output = run_batch(model, item.method, batch, max_new, pad_token_id=pad_id, chunk_size=chunk_size)
-        predictions = [tokenizer.decode(t, skip_special_tokens=True) for t in output.new_tokens]
-        scores = score_all(predictions, [rows[i]["references"] for i in item.rows])
-        share = len(item.rows)
-        records = []
-        for k, i in enumerate(item.rows):
-            row = rows[i]
-            document_ids, question_ids = encoded[i]
-            primary = scores[row["metric"]][k]
-            records.append({
-                "method": item.method,
-                "sample_id": row["sample_id"],
-                "task": row["task"],
-                "length": row["length"],
-                "depth": row["depth"],
-                "index": row["index"],
-                "seed": row["seed"],
-                "metric": row["metric"],
-                "score": primary,
-                "correct": primary >= 100.0,
-                **{name: values[k] for name, values in scores.items()},
-                "prediction": predictions[k],
-                "references": list(row["references"]),
-                "document_tokens": len(document_ids),
-                "question_tokens": len(question_ids),
-                "prompt_tokens": len(document_ids) + len(question_ids),
-                "new_tokens": len(output.new_tokens[k]),
-                "tokens_kept": min(output.tokens_stored, len(document_ids)),
-                # The cache serves the whole batch; each row is charged an equal share of it.
-                "kv_bytes_document": output.kv_bytes_document / share,
-                "kv_bytes_peak": output.kv_bytes_peak / share,
-                "prefill_seconds": output.prefill_seconds / share,
-                "decode_seconds": output.decode_seconds / share,
-                "batch_rows": share,
-                **setting(item.method, i),
-                "process_index": process_index,
-                "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            })  # fmt: skip
-        if shard is not None:
-            _append(shard, records)
-        new_records.extend(records)
+    try:  # the bar closes before an error or Ctrl-C message is printed, not after it
+        for item in mine:
+            batch = [encoded[i] for i in item.rows]
+            max_new = max(rows[i]["max_new_tokens"] for i in item.rows)
+            output = run_batch(model, item.method, batch, max_new, pad_token_id=pad_id, chunk_size=chunk_size)
+            predictions = [tokenizer.decode(t, skip_special_tokens=True) for t in output.new_tokens]
+            scores = score_all(predictions, [rows[i]["references"] for i in item.rows])
+            share = len(item.rows)
+            records = []
+            for k, i in enumerate(item.rows):
+                row = rows[i]
+                document_ids, question_ids = encoded[i]
+                primary = scores[row["metric"]][k]
+                records.append({
+                    "method": item.method,
+                    "sample_id": row["sample_id"],
+                    "task": row["task"],
+                    "length": row["length"],
+                    "depth": row["depth"],
+                    "index": row["index"],
+                    "seed": row["seed"],
+                    "metric": row["metric"],
+                    "score": primary,
+                    "correct": primary >= 100.0,
+                    **{name: values[k] for name, values in scores.items()},
+                    "prediction": predictions[k],
+                    "references": list(row["references"]),
+                    "document_tokens": len(document_ids),
+                    "question_tokens": len(question_ids),
+                    "prompt_tokens": len(document_ids) + len(question_ids),
+                    "new_tokens": len(output.new_tokens[k]),
+                    "tokens_kept": min(output.tokens_stored, len(document_ids)),
+                    # The cache serves the whole batch; each row is charged an equal share of it.
+                    "kv_bytes_document": output.kv_bytes_document / share,
+                    "kv_bytes_peak": output.kv_bytes_peak / share,
+                    "prefill_seconds": output.prefill_seconds / share,
+                    "decode_seconds": output.decode_seconds / share,
+                    "batch_rows": share,
+                    **setting(item.method, i),
+                    "process_index": process_index,
+                    "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                })  # fmt: skip
+            if shard is not None:
+                _append(shard, records)
+            new_records.extend(records)
+            if bar is not None:
+                bar.update(len(records))
+    finally:
         if bar is not None:
-            bar.update(len(records))
-    if bar is not None:
-        bar.close()
+            bar.close()
 
     if state is not None:
         from accelerate.utils import gather_object
