@@ -1,6 +1,17 @@
-"""Checks the commands run before loading a model, so a wrong flag costs a line, not a traceback."""
+"""Shared by the commands: checks run before a model loads (a wrong flag costs a line), and the help's defaults."""
 
 from __future__ import annotations
+
+import argparse
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show each option's default, except None and False, whose meaning the help text itself says."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def check_device(device: str | None, flag: str = "--device") -> None:

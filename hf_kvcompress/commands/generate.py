@@ -2,33 +2,34 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 
 def add_parser(subparsers) -> None:
+    from .checks import DefaultsHelpFormatter
+
     parser = subparsers.add_parser(
         "generate",
         help="answer a prompt with a (compressed) KV cache",
         description="Answer one prompt with any cache spec, streaming the answer, then print prefill and decode "
         "speed, the bytes the KV cache holds and how many tokens it kept. The prompt goes through the model's chat "
         "template when it has one.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path, help="a file holding the prompt text")
-    parser.add_argument("--model", default=None, help="alias, Hub id or local path (None: the embedded SmolLM2)")
+    parser.add_argument("--model", default=None, help="alias, Hub id or local path (default: the embedded SmolLM2)")
     parser.add_argument("--cache", default="dynamic", help="cache spec, e.g. int4, sink_window:window=256, h2o:budget=256+int4")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (greedy)")
     parser.add_argument("--prefill-chunk-size", type=int, default=None,
-                        help="prefill in chunks of this many tokens (None: 512 for caches with bounded memory, "
+                        help="prefill in chunks of this many tokens (default: 512 for caches with bounded memory, "
                              "else the whole prompt at once)")  # fmt: skip
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as plain text")
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (None: cuda if available, else cpu)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None,
-                        help="float32, bfloat16 or float16 (None: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
+                        help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
     parser.set_defaults(func=run)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 import time
 from pathlib import Path
@@ -21,22 +20,24 @@ def _ints(text: str, name: str) -> list[int]:
 
 
 def add_parser(subparsers) -> None:
+    from .checks import DefaultsHelpFormatter
+
     parser = subparsers.add_parser(
         "study",
         help="quality versus memory of every plan on long-context recall",
         description=__doc__ + " Results are kept in --out; a rerun with the same settings reuses them.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--model", default=None,
-                        help="model to study (None: the first embedded model whose uncompressed needle score "
+                        help="model to study (default: the first embedded model whose uncompressed needle score "
                              "reaches 70; each embedded model's baseline is reported)")
     parser.add_argument("--lengths", default="1000", help="document lengths in the model's tokens (comma-separated)")
     parser.add_argument("--depths", default="10,50,90", help="needle depths in percent of the document (comma-separated)")
     parser.add_argument("--tasks", default="needle,multi_needle", help="evaluation tasks (see hf-kvcompress eval)")
-    parser.add_argument("--plans", default=None, help="cache specs separated by ';' (None: the registry's study plans, scaled to the shortest length)")
+    parser.add_argument("--plans", default=None, help="cache specs separated by ';' (default: the registry's study plans, scaled to the shortest length)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="GPU memory for the users-per-GPU table")
     parser.add_argument("--context", type=int, default=32000, help="tokens per user for the users-per-GPU table")
-    parser.add_argument("--weights", type=float, default=None, metavar="GIB", help="weights in GiB (None: the model's)")
+    parser.add_argument("--weights", type=float, default=None, metavar="GIB", help="weights in GiB (default: the model's)")
     parser.add_argument("--reserve", type=float, default=0.0, metavar="GIB",
                         help="GPU memory kept free for activations and the runtime, for the users-per-GPU table")
     parser.add_argument("--min-quality", type=float, default=10.0,
