@@ -27,12 +27,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run a sub-command; user errors print one line, not a traceback."""
     args = build_parser().parse_args(argv)
+    return run_command(args, f"hf-kvcompress {args.command}")
+
+
+def run_command(args, prog: str) -> int:
+    """`args.func(args)`, with bad input and Ctrl-C reported in one line each (exit codes 2 and 130)."""
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"hf-kvcompress {args.command}: error: {message}", file=sys.stderr)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        out = getattr(args, "out", None)
+        kept = f"; finished results are kept in {out}, and the same command resumes from them" if out else ""
+        print(f"\n{prog}: interrupted{kept}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -154,6 +154,32 @@ def format_table(results: list[PlanResult], tokens: float) -> str:
     return "\n".join(lines)
 
 
+def residual_note(spec: str, tokens: float) -> str | None:
+    """What an int codec's full-precision residual covers when `tokens` tokens are kept per layer, else None.
+
+    KIVI keeps the `residual_length` most recent tokens unquantized; when a plan keeps no more than that (short
+    prompts, or eviction to a small window) nothing is quantized and the plan costs what it would without it.
+    """
+    policy, codec = parse_spec(spec)
+    residual = getattr(codec, "residual_length", 0)
+    if not isinstance(codec, IntNCodec) or residual <= 0:
+        return None
+    kept = tokens if policy.budget is None else min(tokens, policy.budget)
+    name = f"int{codec.bits}"
+    if kept <= residual:
+        return (f"{spec}: keeps {kept:.0f} tokens per layer, all within {name}'s full-precision residual "
+                f"(residual_length={residual}): nothing is quantized, so it costs what it would without {name}")
+    return (f"{spec}: the {residual} most recent of {kept:.0f} kept tokens stay in full precision "
+            f"(residual_length={residual}); the saving approaches what {codec.bits} bits promise only on much longer prompts")
+
+
+def residual_notes(results: list[PlanResult], tokens: float) -> str:
+    """The notes of `residual_note` for the table's plans, one per line (empty if no plan quantizes to ints)."""
+    notes = [note for note in (residual_note(r.spec, tokens) for r in results) if note]
+    return "\n".join(["Full-precision residual (why int plans save less than their bits at this length):",
+                      *(f"  {n}" for n in notes)]) if notes else ""
+
+
 def format_users(results: list[PlanResult], min_quality: float, gpu_memory: float, weights: float, context: int) -> str:
     lines = [f"Users per GPU ({gpu_memory / GIB:g} GiB GPU, {weights / GIB:.2f} GiB weights, {context:,} tokens per "
              f"user), plans within {min_quality:g} points of the baseline:"]

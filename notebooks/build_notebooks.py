@@ -16,7 +16,11 @@ from nbclient import NotebookClient
 
 HERE = Path(__file__).parent
 
-SMALL = 'import os\nSMALL = os.environ.get("KVC_NOTEBOOK_SMALL") == "1"  # the tests run reduced sizes'
+SMALL = ('import os\nimport warnings\n'
+         'warnings.filterwarnings("ignore", message="IProgress not found")  # no ipywidgets: tqdm prints text bars\n'
+         'from transformers.utils import logging as hf_logging\n'
+         'hf_logging.disable_progress_bar()  # no "Loading weights" bars in the outputs\n'
+         'SMALL = os.environ.get("KVC_NOTEBOOK_SMALL") == "1"  # the tests run reduced sizes')
 
 NOTEBOOKS = {
     "kv_budget": [
@@ -54,6 +58,15 @@ NOTEBOOKS = {
                  "      f'{measured_kv_bytes(reference):,}')\n"
                  "for spec, measured, ratio in rows:\n"
                  "    print(f'{spec:32s} {measured:12,d} bytes  {ratio:6.3f} x formula')"),
+        ("code", "import matplotlib.pyplot as plt\n"
+                 "fig, ax = plt.subplots(figsize=(7, 3.2))\n"
+                 "ax.barh([s for s, _, _ in rows], [m / 2**20 for _, m, _ in rows], color='tab:blue')\n"
+                 "ax.axvline(formula / 2**20, color='tab:red', linestyle='--', label='formula, uncompressed fp32')\n"
+                 "ax.invert_yaxis()\n"
+                 "ax.set_xlabel(f'MiB held after {tokens} tokens (measured)')\n"
+                 "ax.legend(loc='lower right')\n"
+                 "ax.set_title('KV cache bytes per cache spec, SmolLM2-135M')\n"
+                 "plt.tight_layout()\nplt.show()"),
         ("md", "The int codecs keep the newest 128 tokens at full precision (KIVI's residual), so at short "
                "lengths their ratio is above the asymptotic (bits + 32/group_size) / 32 of fp32; eviction caps the "
                "token count itself. Quality is another matter: see `tradeoffs.ipynb`."),
@@ -131,8 +144,9 @@ NOTEBOOKS = {
         ("md", "# Quality versus memory, measured\n\n"
                "The study of `make demo` (`hf-kvcompress study`) through its Python API: every plan of the registry "
                "on long-context recall with the question after the document, the lesson's table with measured "
-               "bytes beside the formula's, accuracy by depth band, and the plots. Results are read back from "
-               "`results/study` when `make demo` already produced them (the runner resumes), else computed here. "
+               "bytes beside the formula's, accuracy by depth band, and the plots. It writes its own results to "
+               "`results/tradeoffs` and reuses them on a rerun; `make demo`'s results (other model, tasks and "
+               "lengths) are not reused, since the runner reuses only results made with the same settings. "
                "The committed outputs were executed at the tests' reduced size (`KVC_NOTEBOOK_SMALL=1`: SmolLM2, "
                "300-token documents, two plans); run it with the variable unset for the full study."),
         ("code", SMALL + "\nfrom pathlib import Path\nfrom IPython.display import Image, display\n"
@@ -143,7 +157,7 @@ NOTEBOOKS = {
                  "lengths, depths = ([300], [10, 50, 90]) if SMALL else ([1000, 2000], [10, 50, 90])\n"
                  "tasks = ['needle'] if SMALL else ['needle', 'kv_retrieval']\n"
                  "plans = ['int4', 'sink_window:sink_tokens=4,window=60'] if SMALL else study.study_plans(lengths)\n"
-                 "out = Path('../results/study' if not SMALL else os.environ.get('KVC_NOTEBOOK_OUT', '/tmp/kvc-notebook')) / name\n"
+                 "out = Path('../results/tradeoffs' if not SMALL else os.environ.get('KVC_NOTEBOOK_OUT', '/tmp/kvc-notebook')) / name\n"
                  "model, tokenizer = load_model(name)\n"
                  "records = run_eval(model, tokenizer, plans, tasks=tasks, lengths=lengths, depths=depths, out_dir=out,\n"
                  "                   model_name=name, progress=False)\n"
@@ -159,6 +173,7 @@ NOTEBOOKS = {
                  "print(study.format_table(results, tokens))\n"
                  "print()\nprint(study.format_users(results, 10, 80 * GIB, study.model_weight_bytes(model), 32000))\n"
                  "print()\nprint(study.recommendation_text(study.recommend(results, 10), results))"),
+        ("code", "notes = study.residual_notes(results, tokens)\nprint(notes or 'no int plan here')"),
         ("md", "## Quality against memory\n\nEach point is a plan: mean score on the tasks the uncompressed cache "
                "passes, against the peak KV bytes measured per sample."),
         ("code", "display(Image(filename=str(out / 'quality_vs_memory.png')))"),

@@ -1,10 +1,13 @@
 """The command line: generate with any cache, the study at a tiny size, and one-line errors for bad input."""
 
+import argparse
 import re
+from pathlib import Path
 
 import pytest
+import torch
 
-from hf_kvcompress.cli import main
+from hf_kvcompress.cli import build_parser, main, run_command
 
 
 def test_generate_streams_an_answer_and_reports_speed_and_bytes(capsys):
@@ -13,6 +16,9 @@ def test_generate_streams_an_answer_and_reports_speed_and_bytes(capsys):
     assert "Paris" in out
     assert re.search(r"\[cache int4\] prefill \d+ tokens at [\d.]+ tok/s; decode \d+ tokens at [\d.]+ tok/s; "
                      r"KV cache holds [\d,]+ bytes", out)
+    # A short prompt lies entirely within int4's full-precision residual: the summary says so.
+    assert re.search(r"\[cache int4\] int4: keeps \d+ tokens per layer, all within int4's full-precision residual "
+                     r"\(residual_length=128\): nothing is quantized", out)
 
 
 @pytest.mark.parametrize(
@@ -46,3 +52,79 @@ def test_study_reports_formula_measured_bytes_bands_and_a_recommendation(tmp_pat
     assert set(rows) == {"dynamic", "int8", "sink_window:sink_tokens=4,window=32"}
     assert float(rows["dynamic"][1]) == float(rows["dynamic"][2])  # uncompressed: measured == formula
     assert (out / "smollm2-135m" / "quality_vs_memory.png").exists()
+    assert "Full-precision residual" in text and "int8: the 128 most recent of" in text
+    assert re.search(r"; 9 runs \(9 run now, 0 reused from results already in ", text)
+    # The same study again reuses every result, and says so (not "9 runs in 2 s").
+    assert main(["study", "--model", "smollm2-135m", "--lengths", "250", "--depths", "10,50,90", "--tasks", "needle",
+                 "--plans", "int8;sink_window:sink_tokens=4,window=32", "--out", str(out)]) == 0
+    assert "; 9 runs (0 run now, 9 reused from results already in " in (out / "study.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["eval", "--methods", "int3"], "unknown cache spec name 'int3'"),
+        (["eval", "--tasks", "needle:kind=color"], "kind must be one of"),
+        (["eval", "--samples", "0"], "--samples must be at least 1"),
+        (["eval", "--lengths", "9000"], "--lengths 9000: the model's context is 8,192 tokens"),
+        (["study", "--plans", "dynamic;int3"], "unknown cache spec name 'int3'"),
+    ],
+)
+def test_eval_and_study_check_their_input_before_any_work(capsys, tmp_path, argv, message):
+    out = tmp_path / "out"
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()  # nothing ran, nothing was written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a torch without CUDA")
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_cuda_device_without_cuda_is_one_line(capsys, tmp_path, command):
+    extra = ["--out", str(tmp_path)] if command == "eval" else ["--prompt", "hi"]
+    assert main([command, "--device", "cuda", *extra]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: this torch" in err and "has no CUDA" in err and len(err.strip().splitlines()) == 1
+
+
+def test_ctrl_c_is_a_short_message_that_says_results_are_kept(capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    args = argparse.Namespace(func=interrupted, out="results/eval")
+    assert run_command(args, "hf-kvcompress eval") == 130
+    err = capsys.readouterr().err.strip()
+    assert err == ("hf-kvcompress eval: interrupted; finished results are kept in results/eval, and the same command "
+                   "resumes from them")
+
+
+def _subparser(name):
+    parser = build_parser()
+    return next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+
+
+def test_help_describes_every_option_and_shows_defaults():
+    generate = _subparser("generate")
+    assert generate.description
+    assert [a.dest for a in generate._actions if not a.help] == []
+    study = " ".join(_subparser("study").format_help().split())
+    assert "(default: 10,50,90)" in study and "(default: results/study)" in study
+    assert "(default 512)" in " ".join(_subparser("eval").format_help().split())
+
+
+def test_lm_eval_help_names_the_cache_argument_and_the_shipped_tasks(capsys):
+    assert main(["lm-eval", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "cache=SPEC" in out and "kvc_needle" in out and "kvc_multi_needle" in out
+    assert "lm-eval's own help follows" in out and "--model_args" in out
+
+
+def test_lm_eval_run_and_ls_find_the_shipped_tasks_without_include_path():
+    from hf_kvcompress.commands.lm_eval import _default_include_path, lm_eval_argv
+
+    include = _default_include_path()
+    assert include is not None and (Path(include) / "kvc_needle" / "kvc_needle.yaml").exists()
+    assert lm_eval_argv(["ls", "tasks"]) == ["ls", "tasks", "--include_path", include]
+    assert lm_eval_argv(["--model", "hf-kvcompress", "--tasks", "kvc_needle"])[-2:] == ["--include_path", include]
+    assert lm_eval_argv(["ls", "tasks", "--include_path", "mine"]) == ["ls", "tasks", "--include_path", "mine"]
+    assert lm_eval_argv(["--help"]) == ["--help"]

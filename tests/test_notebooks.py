@@ -21,3 +21,22 @@ def test_notebook_executes(path, monkeypatch, tmp_path):
     NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
+
+
+def _outputs(path):
+    notebook = nbformat.read(path, as_version=4)
+    return [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_committed_outputs_hold_no_warnings_bars_or_machine_paths(path):
+    outputs = _outputs(path)
+    assert outputs, "the committed notebook was not executed"
+    assert [o.get("text", "")[:80] for o in outputs if o.get("name") == "stderr"] == []
+    texts = [o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for o in outputs]
+    for marker in ("/work/", "/home/", "/root/", "/tmp/", "site-packages", "Warning"):
+        assert not [t for t in texts if marker in t], marker
+
+
+def test_kv_budget_draws_the_measured_bytes():
+    assert any("image/png" in o.get("data", {}) for o in _outputs(NOTEBOOKS[[p.stem for p in NOTEBOOKS].index("kv_budget")]))

@@ -1,13 +1,18 @@
 """`hf-kvcompress eval`: long-context tasks x cache methods, document first, question after compression.
 
 Results append to OUT/results.jsonl (a rerun skips finished method/sample pairs); OUT/summary.md, summary.csv,
-heatmap_<method>.png and quality_vs_memory.png are rewritten at the end. Shard over processes with
-`accelerate launch -m hf_kvcompress.eval ARGS` (same arguments).
+heatmap_<method>.png and quality_vs_memory.png are rewritten at the end. A result is reused only when every
+setting that changes it matches (model, dtype, device kind, cache spec, protocol, prompt format, chunk size,
+batch size, max new tokens, the sample's tokens, package version). Split the samples over processes with
+`accelerate launch --multi_gpu --num_processes N -m hf_kvcompress.eval ARGS` (on GPUs or, without one, on CPU
+cores) or `torchrun --nproc_per_node N -m hf_kvcompress.eval ARGS`; `accelerate launch --cpu` starts one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 
@@ -49,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk for methods with bounded memory (default 512)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu (per process under accelerate)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
-    parser.add_argument("--out", required=True, help="output folder: results.jsonl, summary.md/.csv, plots, data/")
+    parser.add_argument("--out", required=True, help="output folder: results.jsonl, summary.md/.csv, plots, data/ (required)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -64,26 +69,58 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from ..eval.runner import _state, run_eval
-    from ..eval.tasks import split_specs
-    from ..models import load_model
+def check_arguments(args) -> tuple[list[str], list[str]]:
+    """(tasks, methods) with every spec parsed and every size checked: bad input fails before the model loads."""
+    from ..eval.data import read_user_documents
+    from ..eval.runner import check_specs
+    from ..eval.tasks import parse_task, split_specs
+    from .checks import check_device
 
     if args.tasks is None:
         tasks = ["needle"] + (["user_needle", "user_recall"] if args.documents else [])
     else:
         tasks = split_specs(args.tasks)
+    for task in tasks:
+        parse_task(task, args.documents)
+    if args.documents is not None:
+        read_user_documents(args.documents)  # a missing folder or a binary file fails before the model loads
     methods = split_specs(args.methods)
+    check_specs(methods)
+    if not args.lengths or any(n < 1 for n in args.lengths):
+        raise ValueError(f"--lengths takes positive numbers of tokens, got {args.lengths}")
+    if not args.depths or any(not 0 <= d <= 100 for d in args.depths):
+        raise ValueError(f"--depths are percents of the document, 0 to 100, got {args.depths}")
+    for flag, value in (("--samples", args.samples), ("--limit", args.limit), ("--batch-size", args.batch_size),
+                        ("--chunk-size", args.chunk_size)):  # fmt: skip
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    check_device(args.device)
+    return tasks, methods
+
+
+def run(args) -> int:
+    from ..eval.runner import _state, check_context, run_eval
+    from ..models import load_config, load_model
+
+    tasks, methods = check_arguments(args)
+    check_context(load_config(args.model), args.lengths)  # before the weights load
     state = _state()
+    if state is None and os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":
+        print("note: `accelerate launch --cpu` starts a single process; to split the samples use "
+              "`accelerate launch --multi_gpu --num_processes N` (CPU processes without a GPU) or `torchrun`",
+              file=sys.stderr)  # fmt: skip
     device = args.device or (str(state.device) if state is not None else None)
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, device=device, dtype=args.dtype)
+    counts: dict = {}
     records = run_eval(
         model, tokenizer, methods, tasks, args.lengths, args.depths, args.out,
         samples_per_cell=args.samples, seed=args.seed, documents=args.documents, query_aware=args.query_aware,
         prompt_format=args.prompt_format, batch_size=args.batch_size, chunk_size=args.chunk_size, limit=args.limit,
-        model_name=args.model or "smollm2-135m", progress=not args.no_progress,
+        model_name=args.model or "smollm2-135m", progress=not args.no_progress, counts=counts,
     )  # fmt: skip
     if state is None or state.is_main_process:
-        print(f"{len(records)} results in {time.perf_counter() - start:.0f} s; see {args.out}/summary.md")
+        processes = f" over {state.num_processes} processes" if state is not None else ""
+        print(f"{len(records)} results ({counts['to_run']} evaluated now{processes}, {counts['reused']} reused from "
+              f"earlier runs with the same settings) in {time.perf_counter() - start:.0f} s; see {args.out}/summary.md")
     return 0

@@ -7,17 +7,29 @@ from pathlib import Path
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("generate", help="answer a prompt with a (compressed) KV cache")
+    from .checks import DefaultsHelpFormatter
+
+    parser = subparsers.add_parser(
+        "generate",
+        help="answer a prompt with a (compressed) KV cache",
+        description="Answer one prompt with any cache spec, streaming the answer, then print prefill and decode "
+        "speed, the bytes the KV cache holds and how many tokens it kept. The prompt goes through the model's chat "
+        "template when it has one.",
+        formatter_class=DefaultsHelpFormatter,
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path, help="a file holding the prompt text")
     parser.add_argument("--model", default=None, help="alias, Hub id or local path (default: the embedded SmolLM2)")
     parser.add_argument("--cache", default="dynamic", help="cache spec, e.g. int4, sink_window:window=256, h2o:budget=256+int4")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--prefill-chunk-size", type=int, default=None, help="prefill in chunks of this many tokens")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (greedy)")
+    parser.add_argument("--prefill-chunk-size", type=int, default=None,
+                        help="prefill in chunks of this many tokens (default: 512 for caches with bounded memory, "
+                             "else the whole prompt at once)")  # fmt: skip
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as plain text")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default=None,
+                        help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -35,6 +47,8 @@ def run(args) -> int:
     from ..hf.attention import use_kvcompress_attention
     from ..models import load_model
     from ..registry import bounds_memory, make_cache, needs_attention
+    from ..study import residual_note
+    from .checks import check_device
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be a positive number of tokens, got {args.max_new_tokens}")
@@ -43,6 +57,7 @@ def run(args) -> int:
         raise ValueError("the prompt is empty: give --prompt TEXT or --prompt-file PATH with some text")
     cache_probe = make_cache(args.cache)  # validate the spec before loading a model
     del cache_probe
+    check_device(args.device)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     if needs_attention(args.cache):
         use_kvcompress_attention(model)
@@ -63,4 +78,7 @@ def run(args) -> int:
         f"KV cache holds {result.kv_bytes:,} bytes ({cache.stored_tokens} of {cache.get_seq_length()} tokens kept per layer)",
         file=sys.stdout,
     )
+    note = residual_note(args.cache, cache.stored_tokens)
+    if note is not None:
+        print(f"[cache {cache.spec}] {note}", file=sys.stdout)
     return 0

@@ -3,9 +3,14 @@
     hf-kvcompress lm-eval --model hf-kvcompress --model_args pretrained=,cache=int4 \\
         --tasks kvc_needle --include_path eval_tasks --metadata '{"lengths": [1000], "depths": [0, 50, 100]}'
 
-Every argument goes to lm-eval unchanged (`hf-kvcompress lm-eval --help` shows lm-eval's help). lm-eval's CLI
-discovers no plugins, so this command registers the model first. `--include_path` defaults to the eval_tasks
-folder shipped with hf-kvcompress when it is not given.
+Every argument goes to lm-eval unchanged; `--help` prints this text, then lm-eval's help. lm-eval's CLI discovers
+no plugins, so this command registers the model first. `--include_path` defaults to the eval_tasks folder shipped
+with hf-kvcompress when it is not given, for `run` and `ls` alike (`hf-kvcompress lm-eval ls tasks` lists kvc_*).
+
+Model `hf-kvcompress`, `--model_args`: `pretrained=` (alias, folder or .gguf; empty: the embedded SmolLM2-135M),
+`cache=SPEC` (any cache spec, e.g. cache=int4 or cache=sink_window:window=256; default dynamic; quote specs that
+hold commas), `query_aware`, `prompt_format` (auto/chat/plain), `chunk_size` (512), `dtype`.
+Tasks shipped: {tasks} (the suite's tasks; the document is compressed before the question).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ def add_parser(subparsers) -> None:
         "lm-eval",
         aliases=["lm_eval"],
         help="lm-eval's CLI with the hf-kvcompress model registered (all arguments go to lm-eval)",
-        description=__doc__,
+        description=__doc__.split("\n\n")[0],
         prefix_chars="+",
         add_help=False,
     )
@@ -37,16 +42,36 @@ def _default_include_path() -> str | None:
         return None
 
 
+def shipped_tasks() -> list[str]:
+    """The kvc_* task folders in the eval_tasks shipped with hf-kvcompress."""
+    from pathlib import Path
+
+    include = _default_include_path()
+    return sorted(p.name for p in Path(include).glob("kvc_*") if p.is_dir()) if include else []
+
+
+def usage() -> str:
+    return __doc__.replace("{tasks}", ", ".join(shipped_tasks()) or "none found")
+
+
+def lm_eval_argv(argv: list[str]) -> list[str]:
+    """The arguments for lm-eval: the user's, plus `--include_path` to the shipped tasks unless given or asking help."""
+    argv = list(argv)
+    wants_help = not argv or argv[0] in ("-h", "--help")
+    if not wants_help and "--include_path" not in argv and not any(a.startswith("--include_path=") for a in argv):
+        include = _default_include_path()
+        if include is not None:
+            argv += ["--include_path", include]
+    return argv
+
+
 def run(args) -> int:
     from ..eval.lm_eval_model import register
 
     register()
-    argv = list(args.lm_eval_args)
-    wants_run = bool(argv) and not any(a in ("-h", "--help") for a in argv[:1]) and argv[0] not in ("ls", "validate")
-    if wants_run and "--include_path" not in argv and not any(a.startswith("--include_path=") for a in argv):
-        include = _default_include_path()
-        if include is not None:
-            argv += ["--include_path", include]
+    argv = lm_eval_argv(args.lm_eval_args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage() + "\nlm-eval's own help follows.\n")
     from lm_eval.__main__ import cli_evaluate
 
     saved = sys.argv

@@ -1,4 +1,4 @@
-"""`python -m hf_kvcompress.eval ...`: the eval command, for `accelerate launch -m hf_kvcompress.eval ...`."""
+"""`python -m hf_kvcompress.eval ...`: the eval command, for `accelerate launch --multi_gpu` and `torchrun`."""
 
 import argparse
 import sys
@@ -12,7 +12,11 @@ def main(argv=None) -> int:
         prog="python -m hf_kvcompress.eval", description=_doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from ..cli import run_command
+
+    args = parser.parse_args(argv)
+    args.func = run
+    return run_command(args, "hf_kvcompress.eval")
 
 
 if __name__ == "__main__":

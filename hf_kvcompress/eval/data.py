@@ -160,22 +160,39 @@ def read_user_documents(directory: str | os.PathLike) -> list[tuple[str, str]]:
     documents = []
     for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in USER_DOCUMENT_SUFFIXES):
         name = str(path.relative_to(root))
+        content = _text_of(path)
         if path.suffix.lower() == ".jsonl":
-            with open(path, encoding="utf-8") as handle:
-                for number, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
+            for number, line in enumerate(content.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
                     row = json.loads(line)
-                    text = next((row[key] for key in ("text", "content", "document") if key in row), None)
-                    if not isinstance(text, str):
-                        raise ValueError(f"{path}:{number}: a line needs a string field text, content or document")
-                    documents.append((f"{name}:{number}", text))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"--documents: {path}:{number} is not a JSON line ({error.msg})") from None
+                text = next((row[key] for key in ("text", "content", "document") if key in row), None)
+                if not isinstance(text, str):
+                    raise ValueError(f"{path}:{number}: a line needs a string field text, content or document")
+                documents.append((f"{name}:{number}", text))
         else:
-            documents.append((name, path.read_text(encoding="utf-8", errors="replace")))
+            documents.append((name, content))
     documents = [(name, text) for name, text in documents if text.strip()]
     if not documents:
         raise FileNotFoundError(f"--documents: no non-empty {', '.join(USER_DOCUMENT_SUFFIXES)} files in {root}")
     return documents
+
+
+def _text_of(path: Path) -> str:
+    """A document's text; a binary file (NUL bytes, or not UTF-8) is refused, not used as a haystack of noise."""
+    raw = path.read_bytes()
+    try:
+        if b"\x00" in raw:
+            raise UnicodeDecodeError("utf-8", raw, raw.index(b"\x00"), raw.index(b"\x00") + 1, "NUL byte")
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"--documents: {path} is not UTF-8 text (byte {error.start}: {error.reason}); give text files only "
+            f"({', '.join(USER_DOCUMENT_SUFFIXES)})"
+        ) from None
 
 
 def user_document_words(directory: str | os.PathLike) -> tuple[str, ...]:

@@ -3,14 +3,17 @@
 For every batch a fresh cache receives the document part (in chunks when the method's memory is bounded, so it
 compresses as it goes), its memory is measured, and only then is the question appended and the answer decoded
 from the compressed cache. Results are appended to `results.jsonl` batch by batch, so an interrupted run resumes
-where it stopped; under `accelerate launch` the batches are shared between processes and gathered into the
-same file a single process would write.
+where it stopped, reusing only records made with the same settings (`SETTING_FIELDS`); under
+`accelerate launch --multi_gpu` or `torchrun` the batches are split between processes and gathered into the same
+file a single process would write, each record naming its `process_index`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +30,11 @@ from .scoring import score_all
 BASELINE = "dynamic"
 RESULTS = "results.jsonl"
 # What differs between two runs of the same samples (timings, clock, process layout), left out when comparing.
-VOLATILE_FIELDS = ("prefill_seconds", "decode_seconds", "finished_at")
+VOLATILE_FIELDS = ("prefill_seconds", "decode_seconds", "finished_at", "process_index")
+# Everything besides (method, sample_id) that changes a result: a record is reused only when all of them match.
+# `input_digest` hashes the sample's token ids and references, so task parameters, documents and tokenizer count.
+SETTING_FIELDS = ("model", "dtype", "device", "protocol", "prompt_format", "chunk_size", "batch_size",
+                  "max_new_tokens", "version", "input_digest")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ cache glue
@@ -291,12 +298,64 @@ def export_samples(samples, out_dir: str | os.PathLike) -> list[Path]:
 
 
 def _state():
-    """accelerate's PartialState when launched with several processes, else None (no distributed set-up)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    """accelerate's PartialState when launched with several processes, else None (no distributed set-up).
+
+    `accelerate launch --multi_gpu` and `torchrun` start the processes and set WORLD_SIZE; without a GPU the
+    processes join over gloo on the CPU (`cpu=True`), which accelerate does not choose by itself under torchrun.
+    `accelerate launch --cpu` always starts a single process.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
         return None
     from accelerate import PartialState
 
-    return PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())
+    if state.num_processes != world:
+        raise RuntimeError(f"WORLD_SIZE is {world} but accelerate set up {state.num_processes} process(es)")
+    return state
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hf-kvcompress")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def input_digest(document_ids: Sequence[int], question_ids: Sequence[int], references: Sequence[str]) -> str:
+    """A short hash of what a sample feeds the model and scores against."""
+    text = json.dumps([list(document_ids), list(question_ids), list(references)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def resume_key(record: dict) -> tuple:
+    """What must match for a stored record to stand for a pair of this run: the pair and every setting."""
+    return (record.get("method"), record.get("sample_id"), *(record.get(f) for f in SETTING_FIELDS))
+
+
+def check_context(config, lengths: Sequence[int], max_new_tokens: int = 0) -> None:
+    """Lengths (plus the answer) must fit the model's context (`config`'s), or positions past it give garbage."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(config, "max_position_embeddings", None)
+    if context is None:
+        return
+    too_long = [n for n in lengths if n + max_new_tokens > context]
+    if too_long:
+        answer = f", and the prompt needs room for its {max_new_tokens} answer tokens" if max_new_tokens else ""
+        raise ValueError(
+            f"--lengths {','.join(map(str, too_long))}: the model's context is {context:,} tokens "
+            f"(max_position_embeddings){answer}; use lengths <= {context - max_new_tokens:,}"
+        )
+
+
+def check_specs(methods: Sequence[str]) -> None:
+    """Parse every cache spec before any work, so a typo fails at once with the registry's message."""
+    from .. import registry
+
+    for spec in methods:
+        registry.parse_spec(spec)
 
 
 def run_eval(
@@ -321,6 +380,7 @@ def run_eval(
     progress: bool = True,
     write_reports: bool = True,
     baseline: bool = True,
+    counts: dict | None = None,
 ) -> list[dict]:
     """Evaluate `methods` (cache specs) on the tasks' samples; returns one record per (method, sample).
 
@@ -329,13 +389,24 @@ def run_eval(
     `out_dir`, records are appended to out_dir/results.jsonl as batches finish, (method, sample_id) pairs
     already there are skipped, and summary.md, summary.csv and the plots are written at the end (by the main
     process). `samples` (a Dataset from `build_samples`) replaces tasks/lengths/depths/seed/documents/limit.
-    Under `accelerate launch`, batches are split between processes and every process returns all records.
+    Under `accelerate launch --multi_gpu` or `torchrun`, batches are split between processes and every process
+    returns all records. Specs, sizes and the model's context are checked before any work; `counts`, when
+    given, receives how many pairs were reused from out_dir and how many this run evaluates.
     """
     from .tasks import build_samples
 
     methods = list(dict.fromkeys([BASELINE, *methods] if baseline else methods))
     if not methods:
         raise ValueError("no methods to evaluate")
+    check_specs(methods)
+    if samples_per_cell < 1:
+        raise ValueError(f"--samples must be at least 1 sample per (task, length, depth) cell, got {samples_per_cell}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be at least 1 sample per task, got {limit}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"--chunk-size must be a positive number of tokens, got {chunk_size}")
+    if samples is None:
+        check_context(model.config, lengths)
     state = _state()
     is_main = state is None or state.is_main_process
     if samples is None:
@@ -344,6 +415,10 @@ def run_eval(
             documents=documents, prompt_format=prompt_format, limit=limit,
         )  # fmt: skip
     rows = [dict(row) for row in samples]
+    if not rows:
+        raise ValueError("no samples to evaluate (check --tasks, --lengths, --depths, --limit)")
+    for row in rows:
+        check_context(model.config, [max(row["length"], row.get("n_tokens", 0))], row["max_new_tokens"])
     sample_ids = [row["sample_id"] for row in rows]
     if len(set(sample_ids)) != len(sample_ids):
         raise ValueError("sample ids must be unique")
@@ -365,12 +440,25 @@ def run_eval(
     if state is not None:
         state.wait_for_everyone()  # every process plans from the same finished pairs before any writes more
     name = model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__
-    prompt_kind = "chat" if chat else "plain"
+    common = {
+        "protocol": protocol,
+        "prompt_format": "chat" if chat else "plain",
+        "batch_size": batch_size,
+        "model": name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "device": model.device.type,
+        "version": package_version(),
+    }
 
-    def same_setting(record: dict) -> bool:  # a record from another model, protocol or prompt is not reused
-        return (record.get("protocol"), record.get("prompt_format"), record.get("model")) == (protocol, prompt_kind, name)
+    digests = [input_digest(*encoded[i], row["references"]) for i, row in enumerate(rows)]
 
-    previous = [r for r in previous if same_setting(r)]
+    def setting(method: str, i: int) -> dict:  # the values of SETTING_FIELDS for one (method, sample)
+        return {**common, "chunk_size": chunk_size if _bounds_memory(method) else None,
+                "max_new_tokens": rows[i]["max_new_tokens"], "input_digest": digests[i]}  # fmt: skip
+
+    wanted = {resume_key({"method": m, "sample_id": sample_ids[i], **setting(m, i)}): (m, sample_ids[i])
+              for m in methods for i in range(len(rows))}  # fmt: skip
+    previous = [r for r in previous if resume_key(r) in wanted]
     done = {(r["method"], r["sample_id"]) for r in previous}
     groups = [f"{row['task']}|{row['max_new_tokens']}" for row in rows]
     plan = plan_batches(methods, encoded, sample_ids, batch_size, chunk_size, done, groups)
@@ -378,68 +466,77 @@ def run_eval(
     if state is not None:
         with state.split_between_processes(plan) as share:
             mine = list(share)
+    process_index = state.process_index if state is not None else 0
     shard = None
     if out is not None:
-        shard = out / (RESULTS if state is None else f"results.rank{state.process_index}.jsonl")
+        shard = out / (RESULTS if state is None else f"results.rank{process_index}.jsonl")
+    if counts is not None:
+        counts.update(reused=len(done), to_run=sum(len(item.rows) for item in plan))
 
     bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    if progress and is_main:
+        if not plan:
+            print(f"eval: all {len(done)} results are already in {out / RESULTS} (same settings); nothing to run",
+                  file=sys.stderr)  # fmt: skip
+        else:
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=sum(len(item.rows) for item in mine), desc="eval", unit="sample",
-                   disable=not is_main and state is not None, dynamic_ncols=True)  # fmt: skip
+            where = f" [process 0 of {state.num_processes}: its share]" if state is not None else ""
+            earlier = f", {len(done)} done before" if done else ""
+            bar = tqdm(total=sum(len(item.rows) for item in mine), desc=f"eval{where}{earlier}", unit=" samples",
+                       dynamic_ncols=True)  # fmt: skip
     new_records: list[dict] = []
-    for item in mine:
-        batch = [encoded[i] for i in item.rows]
-        max_new = max(rows[i]["max_new_tokens"] for i in item.rows)
-        output = run_batch(model, item.method, batch, max_new, pad_token_id=pad_id, chunk_size=chunk_size,
-                           repeat_prompt_ids=repeat_ids)  # fmt: skip
-        predictions = [tokenizer.decode(t, skip_special_tokens=True) for t in output.new_tokens]
-        scores = score_all(predictions, [rows[i]["references"] for i in item.rows])
-        share = len(item.rows)
-        records = []
-        for k, i in enumerate(item.rows):
-            row = rows[i]
-            document_ids, question_ids = encoded[i]
-            primary = scores[row["metric"]][k]
-            records.append({
-                "method": item.method,
-                "sample_id": row["sample_id"],
-                "task": row["task"],
-                "length": row["length"],
-                "depth": row["depth"],
-                "index": row["index"],
-                "seed": row["seed"],
-                "metric": row["metric"],
-                "score": primary,
-                "correct": primary >= 100.0,
-                **{name: values[k] for name, values in scores.items()},
-                "prediction": predictions[k],
-                "references": list(row["references"]),
-                "protocol": protocol,
-                "prompt_format": prompt_kind,
-                "document_tokens": len(document_ids),
-                "question_tokens": len(question_ids),
-                "prompt_tokens": len(document_ids) + len(question_ids),
-                "new_tokens": len(output.new_tokens[k]),
-                "tokens_kept": min(output.tokens_stored, len(document_ids)),
-                # The cache serves the whole batch; each row is charged an equal share of it.
-                "kv_bytes_document": output.kv_bytes_document / share,
-                "kv_bytes_peak": output.kv_bytes_peak / share,
-                "prefill_seconds": output.prefill_seconds / share,
-                "decode_seconds": output.decode_seconds / share,
-                "batch_rows": share,
-                "chunk_size": chunk_size if _bounds_memory(item.method) else None,
-                "model": name,
-                "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            })  # fmt: skip
-        if shard is not None:
-            _append(shard, records)
-        new_records.extend(records)
+    try:  # the bar closes before an error or Ctrl-C message is printed, not after it
+        for item in mine:
+            batch = [encoded[i] for i in item.rows]
+            max_new = max(rows[i]["max_new_tokens"] for i in item.rows)
+            output = run_batch(model, item.method, batch, max_new, pad_token_id=pad_id, chunk_size=chunk_size,
+                               repeat_prompt_ids=repeat_ids)  # fmt: skip
+            predictions = [tokenizer.decode(t, skip_special_tokens=True) for t in output.new_tokens]
+            scores = score_all(predictions, [rows[i]["references"] for i in item.rows])
+            share = len(item.rows)
+            records = []
+            for k, i in enumerate(item.rows):
+                row = rows[i]
+                document_ids, question_ids = encoded[i]
+                primary = scores[row["metric"]][k]
+                records.append({
+                    "method": item.method,
+                    "sample_id": row["sample_id"],
+                    "task": row["task"],
+                    "length": row["length"],
+                    "depth": row["depth"],
+                    "index": row["index"],
+                    "seed": row["seed"],
+                    "metric": row["metric"],
+                    "score": primary,
+                    "correct": primary >= 100.0,
+                    **{name: values[k] for name, values in scores.items()},
+                    "prediction": predictions[k],
+                    "references": list(row["references"]),
+                    "document_tokens": len(document_ids),
+                    "question_tokens": len(question_ids),
+                    "prompt_tokens": len(document_ids) + len(question_ids),
+                    "new_tokens": len(output.new_tokens[k]),
+                    "tokens_kept": min(output.tokens_stored, len(document_ids)),
+                    # The cache serves the whole batch; each row is charged an equal share of it.
+                    "kv_bytes_document": output.kv_bytes_document / share,
+                    "kv_bytes_peak": output.kv_bytes_peak / share,
+                    "prefill_seconds": output.prefill_seconds / share,
+                    "decode_seconds": output.decode_seconds / share,
+                    "batch_rows": share,
+                    **setting(item.method, i),
+                    "process_index": process_index,
+                    "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                })  # fmt: skip
+            if shard is not None:
+                _append(shard, records)
+            new_records.extend(records)
+            if bar is not None:
+                bar.update(len(records))
+    finally:
         if bar is not None:
-            bar.update(len(records))
-    if bar is not None:
-        bar.close()
+            bar.close()
 
     if state is not None:
         from accelerate.utils import gather_object
@@ -451,10 +548,9 @@ def run_eval(
         state.wait_for_everyone()
         new_records = gathered
 
-    wanted = {(m, s) for m in methods for s in sample_ids}
     by_key = {(r["method"], r["sample_id"]): r for r in previous}
     by_key.update({(r["method"], r["sample_id"]): r for r in new_records})
-    records = [by_key[(m, s)] for m in methods for s in sample_ids if (m, s) in by_key and (m, s) in wanted]
+    records = [by_key[(m, s)] for m in methods for s in sample_ids if (m, s) in by_key]
     if out is not None and write_reports and is_main:
         from .report import write_reports as _write
 

@@ -445,6 +445,12 @@ def build_samples(
                     if not 0 <= depth <= 100:
                         raise ValueError(f"depths are percents of the document, 0 to 100; got {depth}")
                     sample = task.build(sample_rng(seed, task, length, depth, index), length, depth, measure)
+                    if sample["n_tokens"] > length:  # the scaffolding alone is longer: the length would be a lie
+                        raise ValueError(
+                            f"--lengths {length} is too short for task {task.spec}: its instruction, question, "
+                            f"needed facts and prompt format already take {sample['n_tokens']} tokens; use lengths "
+                            f"of at least {sample['n_tokens']} (a few hundred leave room for a document)"
+                        )
                     depth_label = int(depth) if float(depth).is_integer() else depth
                     rows.append({
                         "sample_id": f"{task.sample_prefix}/L{length}/d{depth_label}/i{index}/s{seed}",
