@@ -7,7 +7,7 @@ from functools import partial
 import torch
 from transformers.cache_utils import Cache
 
-from ..codecs.base import Codec, resolve_for_policy
+from ..codecs.base import Codec, resolve_for_model, resolve_for_policy
 from ..codecs.identity import IdentityCodec
 from ..hf.compat import text_config
 from ..hf.rope import rope_inv_freq
@@ -37,7 +37,7 @@ class CompressedCache(Cache):
 
     def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False):
         self.policy = policy if policy is not None else KeepAllPolicy()
-        requested_codec = codec if codec is not None else IdentityCodec()
+        requested_codec = resolve_for_model(codec if codec is not None else IdentityCodec(), config)
         self.codec = resolve_for_policy(requested_codec, self.policy.evicts)
         self.config = config
         self.rerotate = rerotate
@@ -46,7 +46,7 @@ class CompressedCache(Cache):
             if config is None:
                 raise ValueError("rerotate=True needs config=model.config (RoPE parameters are read from it)")
             inv_freq = rope_inv_freq(config, "full_attention")
-        full_layer = partial(CompressedLayer, self.policy, self.codec, inv_freq=inv_freq)
+        full_layer = partial(CompressedLayer, self.policy, codec=self.codec, inv_freq=inv_freq)
         if config is None:
             super().__init__(layer_class_to_replicate=full_layer)
             self.num_layers = None
@@ -54,14 +54,15 @@ class CompressedCache(Cache):
         decoder = text_config(config)
         layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
         layers = []
-        for layer_type in layer_types:
+        for layer_idx, layer_type in enumerate(layer_types):
             if layer_type in SLIDING_LAYER_TYPES:
                 window = decoder.sliding_window if layer_type == "sliding_attention" else decoder.attention_chunk_size
                 # transformers keeps window - 1 tokens between steps; so do we, stored with this cache's codec.
                 sliding = SinkWindowPolicy(sink_tokens=0, window=max(window - 1, 1))
-                layers.append(CompressedLayer(sliding, resolve_for_policy(requested_codec, True), is_sliding=True))
+                sliding_codec = resolve_for_policy(requested_codec, True).for_layer(layer_idx)
+                layers.append(CompressedLayer(sliding, sliding_codec, is_sliding=True))
             else:
-                layers.append(full_layer())
+                layers.append(full_layer(codec=self.codec.for_layer(layer_idx)))
         super().__init__(layers=layers)
         self.num_layers = len(layers)
 

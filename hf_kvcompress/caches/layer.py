@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..codecs.base import Codec, Encoded, cat_encoded, gather_encoded, select_batch
+from ..codecs.base import Codec, Encoded, agree_within_groups, cat_encoded, gather_encoded, select_batch
 from ..ops.rerotate import rerotate
 from ..policies.base import Policy, select_kept
 
@@ -280,7 +280,7 @@ class CompressedLayer(CacheLayerMixin):
     def _evict(self) -> None:
         length = self.stored_tokens
         budget = self.policy.budget
-        scores = self.policy.score(self.accumulated, length)
+        scores = agree_within_groups(self.policy.score(self.accumulated, length), self.codec.heads_per_store)
         kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length)  # [B, H_kv, budget]
         evicted = length - budget
         if self.accumulated is not None:
