@@ -13,6 +13,7 @@ from .codecs.base import Codec
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
 from .codecs.intn import IntNCodec
+from .codecs.lowrank import LowRankCodec
 from .codecs.reducing import ReducingCodec
 from .codecs.shared_heads import SharedHeadsCodec
 from .policies.base import Policy
@@ -34,6 +35,7 @@ CODECS: dict[str, object] = {
     "int4": partial(IntNCodec, bits=4),
     "int2": partial(IntNCodec, bits=2),
     "shared_heads": SharedHeadsCodec,
+    "lowrank": LowRankCodec,
 }
 
 # The plans a study compares: every family and the combinations the lesson stacks. `{budget}` is filled in from the
