@@ -44,12 +44,15 @@ STUDY_PLANS: tuple[str, ...] = (
     "dynamic",
     "int8",
     "int4",
-    "int2",
     "fp8",
     "sink_window:sink_tokens=4,window={window}",
     "h2o:budget={budget},recent={recent}",
+    "shared_heads",
+    "lowrank:rank={half_dim}",
+    "lowrank",
+    "shared_heads+int8",
     "sink_window:sink_tokens=4,window={window}+int4",
-    "h2o:budget={budget},recent={recent}+int8",
+    "lowrank:rank={half_dim}+int8",
 )
 
 
@@ -197,9 +200,10 @@ def cache_spec(policy: Policy, codec: Codec) -> str:
     return f"{base}+{codec_spec(codec)}"
 
 
-def study_specs(context_tokens: int) -> list[str]:
-    """The study's plans for prompts of `context_tokens`: eviction keeps about a quarter of the context."""
+def study_specs(context_tokens: int, head_dim: int = 64) -> list[str]:
+    """The study's plans for prompts of `context_tokens`: eviction keeps about a quarter of the context; low rank
+    keeps half the dimensions (and the lesson's quarter, `lowrank`'s default)."""
     budget = max(64, context_tokens // 4)
     recent = max(16, budget // 4)
     window = budget - 4
-    return [p.format(budget=budget, recent=recent, window=window) for p in STUDY_PLANS]
+    return [p.format(budget=budget, recent=recent, window=window, half_dim=head_dim // 2) for p in STUDY_PLANS]
