@@ -114,7 +114,15 @@ def run(args) -> int:
         plans = requested or study.study_plans(lengths, model.config)
         plans, refused = _usable_plans(list(dict.fromkeys(["dynamic", *plans])), model.config)
         samples = build_samples(tokenizer, tasks, lengths, depths, samples_per_cell=per_cell, seed=0)
-        records = run_plans(model, tokenizer, plans, samples, batch_size=args.batch_size, model_name=name)
+        done = [0]
+
+        def progress(rows: int, total: int = len(samples), name: str = name) -> None:
+            done[0] += rows
+            print(f"  {name}: {done[0]}/{total} samples x {len(plans)} plans, {time.perf_counter() - started:.0f} s",
+                  flush=True)
+
+        records = run_plans(model, tokenizer, plans, samples, batch_size=args.batch_size, model_name=name,
+                            progress=progress)
         baselines[name] = _baseline(records)
         print(f"{name}: uncompressed needle score {baselines[name]:.1f} over {len(samples)} samples")
         runs[name] = (model, records, refused)
