@@ -55,3 +55,21 @@ def test_formula_counts_sharing_and_low_rank():
     assert study.formula_bytes("lowrank:rank=16", config, 1000, 4) == pytest.approx(full / 4)
     assert study.formula_bytes("shared_heads+int8", config, 1000, 4) == pytest.approx(full / 3 / 4)
     assert study.family("sink_window:window=64+shared_heads+int8") == "eviction + sharing + quantization"
+
+
+@pytest.mark.parametrize("spec", ["shared_heads", "shared_heads+int8", "lowrank", "lowrank:rank=32+int4",
+                                  "sink_window:window=64+shared_heads+int8"])
+def test_analytic_bytes_of_sharing_and_low_rank_equal_a_real_caches_promise(embedded, spec):
+    import torch
+
+    from hf_kvcompress import make_cache, measured_kv_bytes
+    from hf_kvcompress.study import promised_bytes
+
+    model, _ = embedded
+    ids = torch.randint(10, 1000, (1, 240), generator=torch.Generator().manual_seed(0))
+    cache = make_cache(spec, model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    bookkeeping = model.config.num_hidden_layers * 2 * 8
+    assert promised_bytes(spec, model.config, 240, 4) == pytest.approx(cache.promised_kv_bytes() - bookkeeping)
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()

@@ -22,7 +22,7 @@ def _ints(text: str, name: str) -> list[int]:
 
 PRESETS = {
     # make demo on 2 CPU cores: >= 30 scored samples per plan, documents of 2,000 tokens and more.
-    "demo": dict(lengths="2000,2600", depths="10,30,50,70,90", tasks="needle", samples_per_cell=3),
+    "demo": dict(lengths="2000,2400", depths="10,30,50,70,90", tasks="needle", samples_per_cell=3),
     # a GPU and a long-context model: the same grid at 4k-32k.
     "full": dict(lengths="4000,8000,16000,32000", depths="0,10,25,50,75,90,100", tasks="needle,multi_needle",
                  samples_per_cell=3),
