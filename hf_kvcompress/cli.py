@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Each module defines `add_parser(subparsers)`, which registers its sub-command and sets `func(args) -> int`.
-COMMANDS = ("budget", "generate", "eval", "lm_eval", "study", "demo")
+COMMANDS = ("budget", "generate", "eval", "lm_eval", "study", "demo", "calibrate")
 
 
 def build_parser() -> argparse.ArgumentParser:

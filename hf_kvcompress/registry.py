@@ -13,6 +13,9 @@ from .codecs.base import Codec
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
 from .codecs.intn import IntNCodec
+from .codecs.lowrank import LowRankCodec
+from .codecs.reducing import ReducingCodec
+from .codecs.shared_heads import SharedHeadsCodec
 from .policies.base import Policy
 from .policies.heavy_hitter import HeavyHitterPolicy
 from .policies.keep_all import KeepAllPolicy
@@ -45,10 +48,14 @@ CODECS: dict[str, object] = {
     "int4": partial(IntNCodec, bits=4, **BEST_LOW_BIT),
     "int3": partial(IntNCodec, bits=3, **BEST_LOW_BIT),
     "int2": partial(IntNCodec, bits=2, **BEST_LOW_BIT),
+    "shared_heads": SharedHeadsCodec,
+    "lowrank": LowRankCodec,
 }
 
 # The plans a study compares: every family and the combinations the lesson stacks. `{budget}` is filled in from the
-# context length, so new policies and codecs join the study by adding a line here.
+# context length, so new policies and codecs join the study by adding a line here. Plans that score by attention
+# (h2o) cannot reuse the study's shared prefill and double its time, so the default leaves them to `--plans`; KVzip,
+# the eviction that keeps answers, runs its own prefill and reconstruction pass.
 STUDY_PLANS: tuple[str, ...] = (
     "dynamic",
     "int8",
@@ -56,10 +63,14 @@ STUDY_PLANS: tuple[str, ...] = (
     "int2",
     "fp8",
     "sink_window:sink_tokens=4,window={window}",
-    "h2o:budget={budget},recent={recent}",
     "kvzip:budget={budget}",
+    "shared_heads",
+    "lowrank:rank={half_dim}",
+    "lowrank",
+    "shared_heads+int8",
     "sink_window:sink_tokens=4,window={window}+int4",
-    "h2o:budget={budget},recent={recent}+int8",
+    "kvzip:budget={budget}+int4",
+    "lowrank:rank={half_dim}+int8",
 )
 
 
@@ -99,29 +110,53 @@ def _build(factory, kwargs: dict, what: str, name: str):
     return factory(**kwargs)
 
 
+def _reducing(name: str) -> bool:
+    factory = CODECS[name]
+    return issubclass(factory.func if isinstance(factory, partial) else factory, ReducingCodec)
+
+
+def _build_codecs(parts: list[str], spec: str) -> Codec:
+    """`shared_heads+int8` -> SharedHeadsCodec(storage=IntNCodec(8)): reducing codecs hand their output to the next."""
+    built = []
+    for part in parts:
+        codec_name, codec_kwargs = _parse_part(part)
+        if codec_name not in CODECS:
+            raise ValueError(f"unknown codec {codec_name!r} in {spec!r}; allowed: {sorted(CODECS)}")
+        built.append((codec_name, codec_kwargs))
+    stackable = sorted(n for n in CODECS if _reducing(n))
+    for codec_name, _ in built[:-1]:
+        if not _reducing(codec_name):
+            raise ValueError(
+                f"only {stackable} can be followed by another codec, got {codec_name!r} first in {spec!r}"
+            )
+    codec = _build(CODECS[built[-1][0]], built[-1][1], "codec", built[-1][0])
+    for codec_name, codec_kwargs in reversed(built[:-1]):
+        if "storage" in codec_kwargs:
+            raise ValueError(f"give {codec_name}'s storage as the next codec ({codec_name}+int8), not storage=")
+        codec = _build(CODECS[codec_name], {**codec_kwargs, "storage": codec}, "codec", codec_name)
+    return codec
+
+
 def parse_spec(spec: str) -> tuple[Policy, Codec]:
-    """`"h2o:budget=256,recent=64+int4"` -> (HeavyHitterPolicy(256, 64), IntNCodec(bits=4))."""
+    """`"h2o:budget=256,recent=64+int4"` -> (HeavyHitterPolicy(256, 64), IntNCodec(bits=4)).
+
+    Codecs that reduce the states (shared_heads) may be followed by the codec that stores their output:
+    `shared_heads+int8`, `h2o:budget=256+shared_heads+int4`.
+    """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"cache spec must be a non-empty string like 'int4' or 'sink_window:window=256', got {spec!r}")
     parts = spec.split("+")
-    if len(parts) > 2:
-        raise ValueError(f"a cache spec combines at most one policy and one codec (POLICY+CODEC), got {spec!r}")
     name, kwargs = _parse_part(parts[0])
     name = POLICY_ALIASES.get(name, name)
-    codec = None
     if name in POLICIES:
         policy = _build(POLICIES[name], kwargs, "policy", name)
-    elif name in CODECS and len(parts) == 1:
-        policy, codec = KeepAllPolicy(), _build(CODECS[name], kwargs, "codec", name)
+        codec_parts = parts[1:]
+    elif name in CODECS:
+        policy, codec_parts = KeepAllPolicy(), parts
     else:
         names = sorted(POLICIES) + sorted(POLICY_ALIASES) + sorted(CODECS)
         raise ValueError(f"unknown cache spec name {name!r}; allowed: {names}")
-    if len(parts) == 2:
-        codec_name, codec_kwargs = _parse_part(parts[1])
-        if codec_name not in CODECS:
-            raise ValueError(f"unknown codec {codec_name!r} in {spec!r}; allowed: {sorted(CODECS)}")
-        codec = _build(CODECS[codec_name], codec_kwargs, "codec", codec_name)
-    return policy, codec if codec is not None else IdentityCodec()
+    return policy, _build_codecs(codec_parts, spec) if codec_parts else IdentityCodec()
 
 
 def make_cache(spec: str, config=None):
@@ -130,6 +165,13 @@ def make_cache(spec: str, config=None):
 
     policy, codec = parse_spec(spec)
     return CompressedCache(policy, codec, config=config)
+
+
+def needs_own_prefill(spec: str) -> bool:
+    """Whether the spec's policy must see the prefill itself (attention scores, or KVzip's reconstruction pass), so a
+    cache cannot be filled by replaying another cache's states."""
+    policy = parse_spec(spec)[0]
+    return policy.needs_attention or policy.scores_by_reconstruction
 
 
 def needs_attention(spec: str) -> bool:
@@ -171,6 +213,11 @@ def policy_spec(policy: Policy) -> str:
 
 
 def codec_spec(codec: Codec) -> str:
+    if isinstance(codec, ReducingCodec):
+        name = next(n for n, f in CODECS.items() if type(codec) is f)
+        args = _non_default_args(codec, skip=("storage",))
+        head = f"{name}:{args}" if args else name
+        return head if isinstance(codec.storage, IdentityCodec) else f"{head}+{codec_spec(codec.storage)}"
     if isinstance(codec, IntNCodec):
         name = f"int{codec.bits}"
         args = _non_default_args(codec, skip=("bits", "key_axis"), defaults=CODECS[name].keywords)
@@ -189,9 +236,10 @@ def cache_spec(policy: Policy, codec: Codec) -> str:
     return f"{base}+{codec_spec(codec)}"
 
 
-def study_specs(context_tokens: int) -> list[str]:
-    """The study's plans for prompts of `context_tokens`: eviction keeps about a quarter of the context."""
+def study_specs(context_tokens: int, head_dim: int = 64) -> list[str]:
+    """The study's plans for prompts of `context_tokens`: eviction keeps about a quarter of the context; low rank
+    keeps half the dimensions (and the lesson's quarter, `lowrank`'s default)."""
     budget = max(64, context_tokens // 4)
     recent = max(16, budget // 4)
     window = budget - 4
-    return [p.format(budget=budget, recent=recent, window=window) for p in STUDY_PLANS]
+    return [p.format(budget=budget, recent=recent, window=window, half_dim=head_dim // 2) for p in STUDY_PLANS]

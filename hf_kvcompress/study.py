@@ -15,6 +15,9 @@ from .budget import GIB, kv_shape_from_config, model_weight_bytes
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
 from .codecs.intn import IntNCodec
+from .codecs.lowrank import LowRankCodec
+from .codecs.reducing import ReducingCodec
+from .codecs.shared_heads import SharedHeadsCodec
 from .registry import parse_spec, study_specs
 
 # Depth bands of the lesson's warning: questions about the start and the middle are where eviction fails.
@@ -24,15 +27,31 @@ EMBEDDED_MODELS = ("smollm2-135m", "gemma-3-270m")
 BASELINE_RULE = 70.0
 
 
-def bytes_per_value(spec: str, model_bytes: float) -> float:
-    """The lesson's `bytes` factor for a plan: the codec's value width, scales and residual not counted."""
+def bytes_per_value(spec: str, model_bytes: float, config=None) -> float:
+    """The lesson's `bytes` factor for a plan: the codec's value width, scales and residual not counted.
+
+    Sharing and low rank shrink other factors of the formula (kv_heads, head_dim); they are folded in here as a
+    fraction of the full width, so the formula stays `2 x layers x kv_heads x head_dim x bytes x tokens`.
+    """
     codec = parse_spec(spec)[1]
+    fraction = 1.0
+    while isinstance(codec, ReducingCodec):
+        if isinstance(codec, SharedHeadsCodec):
+            if codec.heads_per_group is None and config is None:
+                raise ValueError(f"{spec!r}: sharing all KV heads needs the model's config for the formula")
+            fraction /= codec.heads_per_group or kv_shape_from_config(config).kv_heads
+        elif isinstance(codec, LowRankCodec):
+            head_dim = kv_shape_from_config(config).head_dim if config is not None else None
+            if codec.rank is None and head_dim is None:
+                raise ValueError(f"{spec!r}: lowrank's default rank needs the model's config for the formula")
+            fraction *= (codec.rank or head_dim // 4) / head_dim if head_dim else 1.0
+        codec = codec.storage
     if isinstance(codec, IdentityCodec):
-        return model_bytes
+        return model_bytes * fraction
     if isinstance(codec, Fp8Codec):
-        return 1.0
+        return 1.0 * fraction
     if isinstance(codec, IntNCodec):
-        return codec.bits / 8
+        return codec.bits / 8 * fraction
     raise ValueError(f"no lesson formula for codec {type(codec).__name__} in {spec!r}")
 
 
@@ -43,7 +62,7 @@ def formula_bytes(spec: str, config, tokens: float, model_bytes: float) -> float
     """
     shape = kv_shape_from_config(config)
     budget = parse_spec(spec)[0].budget
-    per_token = 2 * shape.kv_heads * shape.head_dim * bytes_per_value(spec, model_bytes)
+    per_token = 2 * shape.kv_heads * shape.head_dim * bytes_per_value(spec, model_bytes, config)
     windows = shape.windows or (None,) * shape.layers
     total = 0.0
     for window in windows:
@@ -61,7 +80,10 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     it (codec rates, scales, the full-precision residual), without running the model; tested against measured."""
     import torch
 
+    from .codecs.base import resolve_for_model
+
     policy, codec = parse_spec(spec)
+    codec = resolve_for_model(codec, config) if hasattr(codec, "for_model") else codec
     shape = kv_shape_from_config(config)
     dtype = {4: torch.float32, 2: torch.bfloat16}.get(int(model_bytes), torch.float32)
     windows = shape.windows or (None,) * shape.layers
@@ -88,6 +110,35 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     return total
 
 
+Z95 = 1.959964  # two-sided 95% normal quantile
+
+
+def wilson(successes: int, n: int) -> tuple[float, float]:
+    """95% Wilson interval of a proportion, in percent; (nan, nan) without samples."""
+    if n == 0:
+        return float("nan"), float("nan")
+    p = successes / n
+    centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
+    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
+    return 100 * max(0.0, centre - half), 100 * min(1.0, centre + half)
+
+
+def bootstrap_mean(values: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of a mean (scores can be partial, so not a proportion)."""
+    import torch
+
+    if not values:
+        return float("nan"), float("nan")
+    x = torch.tensor(values, dtype=torch.float64)
+    if bool((x == x[0]).all()):
+        if x[0] in (0.0, 100.0):  # all right or all wrong: the bootstrap says nothing, Wilson does
+            return wilson(int(x[0] == 100.0) * len(values), len(values))
+        return float(x[0]), float(x[0])
+    g = torch.Generator().manual_seed(seed)
+    means = x[torch.randint(len(values), (draws, len(values)), generator=g)].mean(1)
+    return float(means.quantile(0.025)), float(means.quantile(0.975))
+
+
 @dataclass
 class PlanResult:
     spec: str
@@ -99,6 +150,12 @@ class PlanResult:
     delta: float  # score - dynamic's score
     bytes_per_user: float  # at --context, as the method's cache would hold it (`promised_bytes`)
     users: int
+    n: int = 0  # scored samples
+    band_ci: dict[str, tuple[float, float]] | None = None  # 95% intervals of the band scores ("all" included)
+    band_n: dict[str, int] | None = None
+    retention: float = float("nan")  # % of the samples the baseline answers that this plan still answers
+    retention_ci: tuple[float, float] = (float("nan"), float("nan"))
+    scores: dict[str, float] | None = None  # sample_id -> score, for paired comparisons
 
 
 def depth_bands(records: list[dict]) -> dict[str, float]:
@@ -107,6 +164,22 @@ def depth_bands(records: list[dict]) -> dict[str, float]:
         scores = [r["score"] for r in records if low <= r["depth"] < high]
         out[name] = sum(scores) / len(scores) if scores else float("nan")
     return out
+
+
+def band_intervals(records: list[dict]) -> tuple[dict[str, tuple[float, float]], dict[str, int]]:
+    cis, counts = {}, {}
+    for name, low, high in (*BANDS, ("all", -1, 1000)):
+        scores = [r["score"] for r in records if low <= r["depth"] < high]
+        cis[name], counts[name] = bootstrap_mean(scores), len(scores)
+    return cis, counts
+
+
+def retention(rows: list[dict], base_rows: list[dict]) -> tuple[float, tuple[float, float], int]:
+    """Share (%) of the samples the uncompressed cache answers correctly that this plan answers too."""
+    answered = {r["sample_id"] for r in base_rows if r["correct"]}
+    kept = sum(1 for r in rows if r["sample_id"] in answered and r["correct"])
+    n = sum(1 for r in rows if r["sample_id"] in answered)
+    return (100 * kept / n if n else float("nan")), wilson(kept, n), n
 
 
 def analyse(records: list[dict], config, model_bytes: float, weights_bytes: float, gpu_memory: float,
@@ -128,9 +201,25 @@ def analyse(records: list[dict], config, model_bytes: float, weights_bytes: floa
         score = sum(r["score"] for r in rows) / len(rows)
         per_user = promised_bytes(method, config, context, model_bytes)
         users = max(0, math.floor(free / per_user)) if per_user > 0 else 0
+        cis, counts = band_intervals(rows)
+        kept, kept_ci, _ = retention(rows, base)
         results.append(PlanResult(method, formula, measured, base_bytes / measured, depth_bands(rows), score,
-                                  score - base_score, per_user, users))
+                                  score - base_score, per_user, users, len(rows), cis, counts, kept, kept_ci,
+                                  {f"{r['task']}/{r['sample_id']}": r["score"] for r in rows}))
     return results
+
+
+def paired_difference(a: PlanResult, b: PlanResult) -> tuple[float, float, float]:
+    """Mean score difference a - b over the samples both ran, with its 95% bootstrap interval."""
+    common = [k for k in a.scores if k in b.scores]
+    diffs = [a.scores[k] - b.scores[k] for k in common]
+    if not diffs:
+        return float("nan"), float("nan"), float("nan")
+    mean = sum(diffs) / len(diffs)
+    if all(d == diffs[0] for d in diffs):
+        return mean, mean, mean
+    lo, hi = bootstrap_mean(diffs, seed=1)
+    return mean, lo, hi
 
 
 def recommend(results: list[PlanResult], min_quality: float) -> PlanResult:
@@ -139,17 +228,30 @@ def recommend(results: list[PlanResult], min_quality: float) -> PlanResult:
     return max(eligible, key=lambda r: (r.users, r.score, -r.measured_bytes))
 
 
+def _ci(value: float, ci: tuple[float, float] | None) -> str:
+    if math.isnan(value):
+        return f"{'-':>13s}"
+    if ci is None or math.isnan(ci[0]):
+        return f"{value:5.0f}        "
+    return f"{value:5.0f} [{ci[0]:3.0f}-{ci[1]:3.0f}]"
+
+
 def format_table(results: list[PlanResult], tokens: float) -> str:
+    n = results[0].band_n or {} if results else {}
+    bands = [(name, n.get(name, 0)) for name, _, _ in BANDS]
     lines = [
-        f"{'plan':44s} {'formula':>10s} {'measured':>10s} {'x smaller':>9s} {'start':>6s} {'middle':>6s} "
-        f"{'end':>6s} {'all':>6s}",
-        f"{'':44s} {'(MiB, ' + format(tokens, '.0f') + ' tok)':>21s}",
+        f"{'plan':46s} {'formula':>8s} {'measured':>8s} {'x less':>6s} "
+        + " ".join(f"{name + ' (' + str(k) + ')':>13s}" for name, k in bands)
+        + f" {'all (' + str(results[0].n if results else 0) + ')':>13s} {'retention':>13s}",
+        f"{'':46s} {'MiB at ' + format(tokens, '.0f') + ' tok':>17s} {'':6s}  score, 95% interval "
+        "(bootstrap; Wilson when all agree)",
     ]
     for r in results:
-        b = r.bands
+        ci = r.band_ci or {}
+        cells = " ".join(_ci(r.bands[name], ci.get(name)) for name, _, _ in BANDS)
         lines.append(
-            f"{r.spec:44s} {r.formula_bytes / 2**20:10.2f} {r.measured_bytes / 2**20:10.2f} {r.factor:9.1f} "
-            f"{b['start']:6.0f} {b['middle']:6.0f} {b['end']:6.0f} {r.score:6.1f}"
+            f"{r.spec:46s} {r.formula_bytes / 2**20:8.2f} {r.measured_bytes / 2**20:8.2f} {r.factor:6.1f} {cells} "
+            f"{_ci(r.score, ci.get('all'))} {_ci(r.retention, r.retention_ci)}"
         )
     return "\n".join(lines)
 
@@ -185,7 +287,7 @@ def format_users(results: list[PlanResult], min_quality: float, gpu_memory: floa
              f"user), plans within {min_quality:g} points of the baseline:"]
     for r in sorted(results, key=lambda r: -r.users):
         if r.delta >= -min_quality:
-            lines.append(f"  {r.spec:44s} {r.bytes_per_user / GIB:8.3f} GiB per user -> {r.users:6d} users "
+            lines.append(f"  {r.spec:46s} {r.bytes_per_user / GIB:8.3f} GiB per user -> {r.users:6d} users "
                          f"(score {r.score:.0f}, {r.delta:+.0f})")
     dropped = [r.spec for r in results if r.delta < -min_quality]
     if dropped:
@@ -193,20 +295,51 @@ def format_users(results: list[PlanResult], min_quality: float, gpu_memory: floa
     return "\n".join(lines)
 
 
+def family(spec: str) -> str:
+    policy, codec = parse_spec(spec)
+    parts = []
+    if policy.budget is not None:
+        parts.append("eviction")
+    while isinstance(codec, ReducingCodec):
+        parts.append("sharing" if isinstance(codec, SharedHeadsCodec) else "low rank")
+        codec = codec.storage
+    if not codec.lossless:
+        parts.append("quantization")
+    return " + ".join(parts) if parts else "no compression"
+
+
 def recommendation_text(best: PlanResult, results: list[PlanResult]) -> str:
     base = next(r for r in results if r.spec == "dynamic")
-    policy, codec = parse_spec(best.spec)
-    family = "eviction" if policy.evicts else ("quantization" if not codec.lossless else "no compression")
-    return (
-        f"Recommended: {best.spec} ({family}): {best.users} users instead of {base.users}, "
+    text = (
+        f"Recommended: {best.spec} ({family(best.spec)}): {best.users} users instead of {base.users}, "
         f"{best.factor:.1f}x less KV memory than the uncompressed cache, score {best.score:.0f} vs {base.score:.0f} "
-        f"(start {best.bands['start']:.0f} / middle {best.bands['middle']:.0f} / end {best.bands['end']:.0f})."
+        f"(start {best.bands['start']:.0f} / middle {best.bands['middle']:.0f} / end {best.bands['end']:.0f}), "
+        f"retention {best.retention:.0f}%."
     )
+    if best is not base:
+        diff, lo, hi = paired_difference(best, base)
+        verdict = ("cannot be told apart from the uncompressed cache on these samples" if lo <= 0 <= hi
+                   else "measurably worse than the uncompressed cache" if hi < 0 else "measurably better")
+        text += f"\nAgainst the uncompressed cache: {diff:+.1f} points [{lo:+.1f}, {hi:+.1f}]: {verdict}."
+    ties = []
+    for other in results:
+        if other is best:
+            continue
+        diff, lo, hi = paired_difference(other, best)
+        if lo <= 0 <= hi:
+            ties.append(f"{other.spec} ({diff:+.1f} [{lo:+.0f}, {hi:+.0f}])")
+    if ties:
+        text += ("\nCannot be told apart from it on quality (95% interval of the paired difference includes 0): "
+                 + "; ".join(ties) + ". Among those, memory decides.")
+    else:
+        text += "\nEvery other plan's quality differs from it measurably."
+    return text
 
 
-def study_plans(lengths: list[int]) -> list[str]:
+def study_plans(lengths: list[int], config=None) -> list[str]:
     """The registry's plans scaled to the shortest context, so eviction really drops part of every document."""
-    return study_specs(min(lengths))
+    head_dim = kv_shape_from_config(config).head_dim if config is not None else 64
+    return study_specs(min(lengths), head_dim)
 
 
 def report_path(out_dir: str | Path) -> Path:
@@ -215,3 +348,34 @@ def report_path(out_dir: str | Path) -> Path:
 
 __all__ = ["analyse", "recommend", "format_table", "format_users", "recommendation_text", "study_plans",
            "formula_bytes", "model_weight_bytes", "BASELINE_RULE", "EMBEDDED_MODELS"]
+
+
+def plot_study(results: list[PlanResult], out_dir: str | Path) -> Path:
+    """Score (with its 95% interval) against measured bytes; points are numbered and named in a key beside the
+    axes, so no two labels can overlap however close the points sit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, key) = plt.subplots(1, 2, figsize=(11, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    for i, r in enumerate(results, 1):
+        lo, hi = (r.band_ci or {}).get("all", (r.score, r.score))
+        color = "tab:red" if r.spec == "dynamic" else f"C{i % 10}"
+        x = r.measured_bytes / 2**20
+        ax.errorbar(x, r.score, yerr=[[max(0, r.score - lo)], [max(0, hi - r.score)]], fmt="o", color=color,
+                    capsize=3, ms=5)
+        ax.annotate(str(i), (x, r.score), fontsize=7, xytext=(4, 3), textcoords="offset points", color=color)
+        key.text(0, 1 - i / (len(results) + 1), f"{i:2d}  {r.spec}  ({family(r.spec)})", fontsize=7, color=color,
+                 family="monospace", transform=key.transAxes)
+    key.axis("off")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV cache after the document (MiB per sample, measured, log scale)")
+    ax.set_ylabel("score (0-100), 95% interval")
+    ax.set_ylim(-5, 105)
+    ax.grid(alpha=0.3)
+    ax.set_title("Quality vs memory, every plan", fontsize=9)
+    path = Path(out_dir) / "quality_vs_memory.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -42,7 +42,7 @@ def test_user_errors_are_one_line_without_traceback(capsys, argv, message):
 def test_study_reports_formula_measured_bytes_bands_and_a_recommendation(tmp_path, capsys):
     out = tmp_path / "study"
     code = main(["study", "--model", "smollm2-135m", "--lengths", "250", "--depths", "10,50,90", "--tasks", "needle",
-                 "--plans", "int8;sink_window:sink_tokens=4,window=32", "--out", str(out)])
+                 "--plans", "int8;sink_window:sink_tokens=4,window=32", "--samples-per-cell", "1", "--out", str(out)])
     assert code == 0
     text = (out / "study.md").read_text()
     assert capsys.readouterr().out.strip().endswith(text.strip().splitlines()[-1])

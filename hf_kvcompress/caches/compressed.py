@@ -8,7 +8,7 @@ import threading
 import torch
 from transformers.cache_utils import Cache
 
-from ..codecs.base import Codec, resolve_for_policy
+from ..codecs.base import Codec, resolve_for_model, resolve_for_policy
 from ..codecs.identity import IdentityCodec
 from ..hf.compat import text_config
 from ..hf.rope import rope_inv_freq
@@ -63,7 +63,7 @@ class CompressedCache(Cache):
 
     def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False):
         self.policy = policy if policy is not None else KeepAllPolicy()
-        requested_codec = codec if codec is not None else IdentityCodec()
+        requested_codec = resolve_for_model(codec if codec is not None else IdentityCodec(), config)
         self.codec = resolve_for_policy(requested_codec, self.policy.evicts)
         self.config = config
         self.rerotate = rerotate

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..codecs.base import Codec, Encoded, cat_encoded, gather_encoded, select_batch
+from ..codecs.base import Codec, Encoded, agree_within_groups, cat_encoded, gather_encoded, select_batch
 from ..ops.rerotate import rerotate
 from ..policies.base import Policy, select_kept
 
@@ -525,6 +525,7 @@ class CompressedLayer(CacheLayerMixin):
         length = self.stored_tokens
         keys = self._full("key") if self.policy.needs_keys else None
         scores = self.policy.score(self.accumulated, length, keys=keys, positions=self.positions, pads=self.pads)
+        scores = agree_within_groups(scores, self.codec.heads_per_store)
         kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length, keep)  # [B, H_kv, budget]
         budget = kept.shape[-1]
         if self.encoded_keys is None:

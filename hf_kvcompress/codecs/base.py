@@ -25,6 +25,7 @@ class Codec(ABC):
     residual_length: ClassVar[int] = 0
     sink_tokens: ClassVar[int] = 0  # first real tokens of each row the layer keeps at full precision
     lossless: ClassVar[bool] = False
+    heads_per_store: ClassVar[int] = 1  # KV heads sharing one stored head (shared_heads); eviction agrees per group
 
     def token_block(self, kind: Kind) -> int:
         """How many tokens are encoded together along the token axis."""
@@ -46,6 +47,10 @@ class Codec(ABC):
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError if this codec cannot store vectors of `head_dim` values."""
+
+    def for_layer(self, layer_idx: int) -> "Codec":
+        """The codec as it runs in decoder layer `layer_idx`; codecs with per-layer state override this."""
+        return self
 
     def spec(self) -> str:
         """The registry spec string that rebuilds this codec."""
@@ -77,10 +82,13 @@ def gather_encoded(encoded: Encoded, index: torch.Tensor) -> Encoded:
     """Keep the tokens `index` [B, H, K] of a token-wise (`token_block` 1) encoding, per batch row and head."""
     out = {}
     for name, tensor in encoded.items():
-        shape = list(index.shape) + list(tensor.shape[3:])
-        idx = index.view(*index.shape, *([1] * (tensor.dim() - 3))).expand(shape)
-        src = tensor.expand(tensor.shape[0], index.shape[1], *tensor.shape[2:]) if tensor.shape[1] == 1 else tensor
-        out[name] = _index_op(src, lambda t: torch.gather(t, 2, idx).contiguous())
+        heads = index
+        if tensor.shape[1] != index.shape[1]:
+            # Stored per group of heads (shared_heads): the layer makes each group agree on one selection.
+            heads = index[:, :: index.shape[1] // tensor.shape[1]]
+        shape = list(heads.shape) + list(tensor.shape[3:])
+        idx = heads.view(*heads.shape, *([1] * (tensor.dim() - 3))).expand(shape)
+        out[name] = _index_op(tensor, lambda t: torch.gather(t, 2, idx).contiguous())
     return out
 
 
@@ -97,3 +105,26 @@ def resolve_for_policy(codec: Codec, evicts: bool) -> Codec:
     """The codec as it will run beside a policy that does (or does not) evict tokens."""
     resolve = getattr(codec, "for_policy", None)
     return resolve(evicts) if resolve is not None else codec
+
+
+def resolve_for_model(codec: Codec, config) -> Codec:
+    """The codec bound to the model it serves: codecs that read the model's shape or calibration define
+    `for_model(config)`, and they need the config (transformers builds layers without one lazily)."""
+    resolve = getattr(codec, "for_model", None)
+    if resolve is None:
+        return codec
+    if config is None:
+        raise ValueError(
+            f"codec {type(codec).__name__} needs the model's config: pass config=model.config to CompressedCache, "
+            "or build the cache with make_cache(spec, model.config)"
+        )
+    return resolve(config)
+
+
+def agree_within_groups(scores: torch.Tensor | None, group: int) -> torch.Tensor | None:
+    """Average per-head eviction scores [B, H_kv, T] over groups of `group` heads that share one store, so every
+    head of a group keeps the same tokens."""
+    if scores is None or group == 1 or scores.shape[1] == 1:
+        return scores
+    b, h, t = scores.shape
+    return scores.reshape(b, h // group, group, t).mean(2, keepdim=True).expand(b, h // group, group, t).reshape(b, h, t)

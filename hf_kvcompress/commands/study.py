@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import time
 from pathlib import Path
 
@@ -19,6 +20,15 @@ def _ints(text: str, name: str) -> list[int]:
     return values
 
 
+PRESETS = {
+    # make demo on 2 CPU cores: >= 30 scored samples per plan, documents of 2,000 tokens and more.
+    "demo": dict(lengths="2000,2400", depths="10,30,50,70,90", tasks="needle", samples_per_cell=3),
+    # a GPU and a long-context model: the same grid at 4k-32k.
+    "full": dict(lengths="4000,8000,16000,32000", depths="0,10,25,50,75,90,100", tasks="needle,multi_needle",
+                 samples_per_cell=3),
+}
+
+
 def add_parser(subparsers) -> None:
     from .checks import DefaultsHelpFormatter
 
@@ -31,79 +41,112 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model", default=None,
                         help="model to study (default: the first embedded model whose uncompressed needle score "
                              "reaches 70; each embedded model's baseline is reported)")
-    parser.add_argument("--lengths", default="1000", help="document lengths in the model's tokens (comma-separated)")
-    parser.add_argument("--depths", default="10,50,90", help="needle depths in percent of the document (comma-separated)")
-    parser.add_argument("--tasks", default="needle,multi_needle", help="evaluation tasks (see hf-kvcompress eval)")
-    parser.add_argument("--plans", default=None, help="cache specs separated by ';' (default: the registry's study plans, scaled to the shortest length)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="demo",
+                        help="lengths, depths, tasks and samples: 'demo' (2 CPU cores, ~10 min) or 'full' (GPU, 4k-32k)")
+    parser.add_argument("--lengths", default=None, help="document lengths in the model's tokens (comma-separated)")
+    parser.add_argument("--depths", default=None, help="needle depths in percent of the document")
+    parser.add_argument("--tasks", default=None, help="evaluation tasks (see hf-kvcompress eval)")
+    parser.add_argument("--plans", default=None, help="cache specs separated by ';' (default: the registry's study plans)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="GPU memory for the users-per-GPU table")
     parser.add_argument("--context", type=int, default=32000, help="tokens per user for the users-per-GPU table")
     parser.add_argument("--weights", type=float, default=None, metavar="GIB", help="weights in GiB (default: the model's)")
     parser.add_argument("--reserve", type=float, default=0.0, metavar="GIB",
                         help="GPU memory kept free for activations and the runtime, for the users-per-GPU table")
     parser.add_argument("--min-quality", type=float, default=10.0,
-                        help="largest loss in score points a plan may have to count as usable")
-    parser.add_argument("--batch-size", type=int, default=1, help="samples per forward pass (see hf-kvcompress eval)")
-    parser.add_argument("--samples-per-cell", type=int, default=1, help="samples per (task, length, depth) cell")
+                        help="largest loss in score points a plan may have to count as usable (default 10)")
+    parser.add_argument("--batch-size", type=int, default=3, help="samples per batch (one shared prefill each)")
+    parser.add_argument("--samples-per-cell", type=int, default=None)
     parser.add_argument("--out", default="results/study", help="output directory")
     parser.set_defaults(func=run)
 
 
 def _baseline(records: list[dict], task: str = "needle") -> float:
     scores = [r["score"] for r in records if r["method"] == "dynamic" and r["task"] == task]
+    if not scores:
+        scores = [r["score"] for r in records if r["method"] == "dynamic"]
     return sum(scores) / len(scores) if scores else float("nan")
+
+
+def _usable_plans(plans: list[str], config) -> tuple[list[str], dict[str, str]]:
+    """The plans this model can run, and why each other one is refused (e.g. sharing on a one-KV-head model)."""
+    from ..registry import make_cache
+
+    usable, refused = [], {}
+    for plan in plans:
+        try:
+            make_cache(plan, config)
+        except (ValueError, FileNotFoundError) as error:
+            refused[plan] = str(error)
+        else:
+            usable.append(plan)
+    return usable, refused
 
 
 def run(args) -> int:
     from .. import study
-    from ..eval.report import summarize
-    from ..eval.runner import check_specs, run_eval
-    from ..eval.tasks import parse_task
+    from ..eval.report import plot_heatmaps, summarize
+    from ..eval.runner import check_specs
+    from ..eval.tasks import build_samples, parse_task
     from ..models import load_model
+    from ..shared_prefill import run_plans
 
-    lengths = _ints(args.lengths, "lengths")
+    preset = PRESETS[args.preset]
+    lengths = _ints(args.lengths or preset["lengths"], "lengths")
+    depths_text = args.depths or preset["depths"]
     try:
-        depths = [float(v) for v in args.depths.split(",") if v.strip()]
+        depths = [float(v) for v in depths_text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"--depths takes comma-separated percentages, got {args.depths!r}") from None
+        raise ValueError(f"--depths takes comma-separated percentages, got {depths_text!r}") from None
     if any(not 0 <= d <= 100 for d in depths):
-        raise ValueError(f"--depths are percentages between 0 and 100, got {args.depths!r}")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        raise ValueError(f"--depths are percentages between 0 and 100, got {depths_text!r}")
+    tasks = [t.strip() for t in (args.tasks or preset["tasks"]).split(",") if t.strip()]
     if args.min_quality < 0:
         raise ValueError(f"--min-quality must be >= 0 score points, got {args.min_quality}")
-    plans = [p.strip() for p in args.plans.split(";") if p.strip()] if args.plans else study.study_plans(lengths)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    per_cell = args.samples_per_cell or preset["samples_per_cell"]
+    if per_cell < 1:
+        raise ValueError(f"--samples-per-cell must be >= 1, got {per_cell}")
+    requested = [p.strip() for p in args.plans.split(";") if p.strip()] if args.plans else None
     for task in tasks:
         parse_task(task)
-    check_specs(plans)  # a typo fails now, not after the baseline has run
-    for flag, value in (("--batch-size", args.batch_size), ("--samples-per-cell", args.samples_per_cell)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if requested:
+        check_specs(requested)  # a typo fails now, before any model loads
     out = Path(args.out)
     started = time.perf_counter()
-    common = dict(tasks=tasks, lengths=lengths, depths=depths, batch_size=args.batch_size,
-                  samples_per_cell=args.samples_per_cell)
+    cpu_started = time.process_time()
 
+    # The rule: study the first embedded model whose uncompressed needle score reaches BASELINE_RULE (else the
+    # best one); compression losses are invisible when the uncompressed model already fails. Every plan runs in
+    # the same pass as the baseline (one shared prefill per sample), so the rule costs nothing when the first passes.
+    candidates = [args.model] if args.model else list(study.EMBEDDED_MODELS)
     baselines: dict[str, float] = {}
-    chosen = args.model
-    if chosen is None:
-        # The rule: study the first embedded model whose uncompressed needle score reaches BASELINE_RULE (else the
-        # best one); compression losses are invisible when the uncompressed model already fails.
-        for name in study.EMBEDDED_MODELS:
-            model, tokenizer = load_model(name)
-            records = run_eval(model, tokenizer, ["dynamic"], out_dir=out / name, model_name=name,
-                               **{**common, "tasks": ["needle"]})
-            baselines[name] = _baseline(records)
-            print(f"baseline: {name} uncompressed needle score {baselines[name]:.1f}")
-            del model
-            gc.collect()
-            if baselines[name] >= study.BASELINE_RULE:
-                chosen = name
-                break
-        if chosen is None:
-            chosen = max(baselines, key=baselines.get)
-    model, tokenizer = load_model(chosen)
-    name = chosen
-    counts: dict = {}
-    records = run_eval(model, tokenizer, plans, out_dir=out / Path(name).name, model_name=name, counts=counts, **common)
+    runs = {}
+    for name in candidates:
+        model, tokenizer = load_model(name)
+        plans = requested or study.study_plans(lengths, model.config)
+        plans, refused = _usable_plans(list(dict.fromkeys(["dynamic", *plans])), model.config)
+        samples = build_samples(tokenizer, tasks, lengths, depths, samples_per_cell=per_cell, seed=0)
+        done = [0]
+
+        def progress(rows: int, total: int = len(samples), name: str = name) -> None:
+            done[0] += rows
+            print(f"  {name}: {done[0]}/{total} samples x {len(plans)} plans, {time.perf_counter() - started:.0f} s",
+                  flush=True)
+
+        records = run_plans(model, tokenizer, plans, samples, batch_size=args.batch_size, model_name=name,
+                            progress=progress)
+        baselines[name] = _baseline(records)
+        print(f"{name}: uncompressed needle score {baselines[name]:.1f} over {len(samples)} samples")
+        runs[name] = (model, records, refused)
+        if baselines[name] >= study.BASELINE_RULE or args.model:
+            break
+        del model
+        gc.collect()
+    name = max(runs, key=lambda n: (baselines[n] >= study.BASELINE_RULE, baselines[n])) if not args.model else args.model
+    if len(runs) > 1 and baselines[name] < study.BASELINE_RULE:
+        name = max(baselines, key=baselines.get)
+    model, records, refused = runs[name]
     summary = summarize(records)
     usable = {t for t in summary["tasks"] if t not in summary["too_hard"]}
     if not usable:
@@ -116,24 +159,37 @@ def run(args) -> int:
     best = study.recommend(results, args.min_quality)
     tokens = sum(r["document_tokens"] for r in records if r["method"] == "dynamic") / max(
         1, sum(r["method"] == "dynamic" for r in records))
+    plots = out / Path(name).name
+    plots.mkdir(parents=True, exist_ok=True)
+    plot_heatmaps(records, plots)
+    study.plot_study(results, plots)
+    with open(plots / "records.jsonl", "w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    n = len(records) // max(1, len(results))
     lines = [
         f"# Study: {name}",
         "",
-        f"Tasks {', '.join(tasks)} at {args.lengths} tokens, depths {args.depths}; question after the document "
-        f"(protocol {', '.join(summary['protocols'])}); {len(records)} runs ({counts['to_run']} run now, "
-        f"{counts['reused']} reused from results already in {args.out}) in {time.perf_counter() - started:.0f} s.",
+        f"Tasks {', '.join(tasks)} at {','.join(map(str, lengths))} tokens, depths {depths_text}, {per_cell} samples "
+        f"per cell: {n} scored samples per plan; question after the document (protocol "
+        f"{', '.join(summary['protocols'])}); {len(records)} runs in {time.perf_counter() - started:.0f} s "
+        f"({time.process_time() - cpu_started:.0f} s of CPU time).",
     ]
-    if baselines:
+    if not args.model:
         lines.append("Uncompressed needle score per embedded model: "
                      + ", ".join(f"{k} {v:.1f}" for k, v in baselines.items())
                      + f" (studied: the first reaching {study.BASELINE_RULE:g}, else the best).")
     if summary["too_hard"]:
         lines.append("Too hard for this model (uncompressed < 50, not ranked): "
                      + ", ".join(f"{t} {s:.0f}" for t, s in summary["too_hard"].items()))
+    for plan, why in refused.items():
+        lines.append(f"Refused for this model: {plan}: {why}")
     notes = study.residual_notes(results, tokens)
     lines += ["", "```", study.format_table(results, tokens), *(["", notes] if notes else []), "", study.format_users(
         results, args.min_quality, args.gpu_memory * GIB, weights, args.context), "", study.recommendation_text(best, results),
-        "```", "", f"Plots: {out / Path(name).name}/quality_vs_memory.png and heatmap_<method>.png"]
+        "```", "", "Retention: share of the samples the uncompressed cache answers that the plan still answers. "
+        "Formula: the lesson's 2 x layers x kv_heads x head_dim x bytes x tokens; measured: what the cache held.",
+        f"Plots: {plots}/quality_vs_memory.png and heatmap_<plan>.png"]
     text = "\n".join(lines)
     out.mkdir(parents=True, exist_ok=True)
     study.report_path(out).write_text(text + "\n", encoding="utf-8")

@@ -1,0 +1,162 @@
+"""PCA bases of a model's keys and values, per layer and KV head, fitted on calibration text (for `lowrank`).
+
+Keys are fitted as the cache receives them, after RoPE: `hf-kvcompress calibrate` also reports the variance that
+pre-RoPE keys would keep at the same rank, the measurement behind that choice (see README).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+BASES_FILE = "lowrank_bases.safetensors"
+PACKAGED_DIR = Path(__file__).parent / "calibrations"
+FORMAT = "hf-kvcompress-lowrank-1"
+
+
+def model_identity(config) -> str:
+    """The name bases are tied to: a Hub id as given, a local directory (the embedded models') by its own name."""
+    name = str(getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "") or "")
+    if not name:
+        raise ValueError("this model's config has no name_or_path, so calibrated bases cannot be tied to it")
+    return Path(name).name if os.path.isdir(name) or os.path.isabs(name) else name
+
+
+def calibration_text(words: int = 4000) -> str:
+    """HotpotQA paragraphs (Wikipedia): not the essays the needle tasks hide their needles in."""
+    from .eval.data import hotpotqa_questions
+
+    _, paragraphs = hotpotqa_questions()
+    picked, count = [], 0
+    for paragraph in reversed(paragraphs):
+        picked.append(paragraph)
+        count += len(paragraph.split())
+        if count >= words:
+            break
+    return "\n\n".join(picked)
+
+
+def pca(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """states [H, N, D] -> (mean [H, D], basis [H, D, D] columns by falling variance, variances [H, D])."""
+    x = states.double()
+    mean = x.mean(1)
+    centered = x - mean[:, None]
+    cov = centered.transpose(1, 2) @ centered / x.shape[1]
+    variances, vectors = torch.linalg.eigh(cov)
+    return mean.float(), vectors.flip(-1).float(), variances.flip(-1).clamp(min=0).float()
+
+
+def explained(variances: torch.Tensor, rank: int) -> float:
+    """Share of the total variance the first `rank` components keep, over all heads of a layer."""
+    return float(variances[..., :rank].sum() / variances.sum())
+
+
+@torch.inference_mode()
+def layer_states(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) [H, T, D] of every layer for one sequence, keys post-RoPE as a cache receives them."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()  # no config: every layer keeps every token, sliding ones included
+    model(input_ids=input_ids, cache=cache, use_cache=True)
+    return [(layer.keys[0].float(), layer.values[0].float()) for layer in cache.layers]
+
+
+def unrotated(keys: torch.Tensor, config, layer_idx: int) -> torch.Tensor:
+    """Keys [H, T, D] with RoPE undone (position t rotated back by t): what pre-RoPE keys look like."""
+    from .hf.compat import text_config
+    from .hf.rope import rope_inv_freq
+    from .ops.rerotate import rerotate
+
+    decoder = text_config(config)
+    layer_types = getattr(decoder, "layer_types", None)
+    inv_freq = rope_inv_freq(config, layer_types[layer_idx] if layer_types else None)
+    positions = torch.arange(keys.shape[1], dtype=torch.float32).expand(keys.shape[0], -1)
+    return rerotate(keys[None], -positions[None], inv_freq)[0]
+
+
+def calibration_ids(tokenizer, tokens: int = 2048) -> torch.Tensor:
+    """[1, tokens] ids of the calibration text."""
+    return tokenizer(calibration_text(words=tokens), return_tensors="pt").input_ids[:, :tokens]
+
+
+def calibrate(model, input_ids: torch.Tensor, max_rank: int | None = None,
+              text: str = "HotpotQA paragraphs (RULER data, CC BY-SA 4.0)") -> tuple[dict, dict, list[dict]]:
+    """Fit the bases on `input_ids` [1, T]; returns (tensors, metadata, report rows per layer)."""
+    states = layer_states(model, input_ids.to(model.device))
+    kv_heads, _, head_dim = states[0][0].shape
+    value_dim = states[0][1].shape[-1]
+    max_rank = max_rank or head_dim // 2
+    if not 1 <= max_rank <= min(head_dim, value_dim):
+        raise ValueError(f"max_rank must be between 1 and head_dim ({head_dim}), got {max_rank}")
+    tensors, report = {}, []
+    for i, (keys, values) in enumerate(states):
+        row = {"layer": i}
+        for kind, x in (("key", keys), ("value", values)):
+            mean, basis, variances = pca(x)
+            tensors[f"layers.{i}.{kind}_mean"] = mean.contiguous()
+            tensors[f"layers.{i}.{kind}_basis"] = basis[..., :max_rank].contiguous()
+            tensors[f"layers.{i}.{kind}_variance"] = variances.contiguous()
+            row[kind] = {r: explained(variances, r) for r in (head_dim // 8, head_dim // 4, head_dim // 2)}
+        row["key_pre_rope"] = {r: explained(pca(unrotated(keys, model.config, i))[2], r)
+                               for r in (head_dim // 8, head_dim // 4, head_dim // 2)}
+        report.append(row)
+    metadata = {"format": FORMAT, "model": model_identity(model.config), "layers": str(len(states)),
+                "kv_heads": str(kv_heads), "head_dim": str(head_dim), "value_dim": str(value_dim),
+                "max_rank": str(max_rank), "keys": "post_rope", "tokens": str(input_ids.shape[1]),
+                "text": text}
+    return tensors, metadata, report
+
+
+def save_bases(tensors: dict, metadata: dict, out_dir: str | os.PathLike) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(out_dir) / BASES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.half() if k.endswith("_basis") or k.endswith("_mean") else v for k, v in tensors.items()},
+              str(path), metadata=metadata)
+    return path
+
+
+def packaged_bases(config) -> Path | None:
+    """The bases shipped with the package for this model, if any."""
+    path = PACKAGED_DIR / f"{model_identity(config)}.safetensors"
+    return path if path.exists() else None
+
+
+def load_bases(source: str | os.PathLike | None, config) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read bases for `config`'s model from `source` (a file or a directory holding one; None: the packaged ones),
+    refusing bases fitted on another model or shape."""
+    from safetensors import safe_open
+
+    from .hf.compat import text_config
+
+    if source is None:
+        path = packaged_bases(config)
+        if path is None:
+            raise ValueError(
+                f"no packaged low-rank bases for {model_identity(config)!r}: run `hf-kvcompress calibrate --model M "
+                "--out DIR` and pass lowrank:bases=DIR"
+            )
+    else:
+        path = Path(source)
+        if path.is_dir():
+            path = path / BASES_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"bases={str(source)!r}: no {BASES_FILE} there (write it with hf-kvcompress calibrate)")
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an hf-kvcompress low-rank bases file")
+    decoder = text_config(config)
+    expected = {"model": model_identity(config), "layers": str(decoder.num_hidden_layers),
+                "kv_heads": str(getattr(decoder, "num_key_value_heads", None) or decoder.num_attention_heads)}
+    for key, value in expected.items():
+        if metadata.get(key) != value:
+            raise ValueError(
+                f"the bases in {path} were fitted for {key}={metadata.get(key)!r}, this model has {key}={value!r}: "
+                "calibrate this model (hf-kvcompress calibrate --model M --out DIR)"
+            )
+    return tensors, metadata

@@ -1,0 +1,39 @@
+"""`hf-kvcompress calibrate`: fit the low-rank codec's PCA bases on calibration text and report what they keep."""
+
+from __future__ import annotations
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "calibrate", help="fit per-layer, per-head PCA bases of keys and values for the lowrank codec")
+    parser.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--out", required=True, help="directory for lowrank_bases.safetensors")
+    parser.add_argument("--tokens", type=int, default=2048, help="calibration tokens (default: %(default)s)")
+    parser.add_argument("--max-rank", type=int, default=None,
+                        help="components kept per head (default: head_dim // 2); lowrank's rank may not exceed it")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..calibration import calibrate, calibration_ids, save_bases
+    from ..models import load_model
+
+    if args.tokens < 16:
+        raise ValueError(f"--tokens must be at least 16, got {args.tokens}")
+    model, tokenizer = load_model(args.model)
+    tensors, metadata, report = calibrate(model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank)
+    path = save_bases(tensors, metadata, args.out)
+    ranks = list(report[0]["key"])
+    print(f"Bases for {metadata['model']} ({metadata['layers']} layers x {metadata['kv_heads']} KV heads x "
+          f"head_dim {metadata['head_dim']}, {metadata['max_rank']} components kept) from {metadata['tokens']} "
+          f"tokens of {metadata['text']}: {path}")
+    print("Share of variance kept at rank " + "/".join(map(str, ranks)) + " (keys post-RoPE as cached; pre-RoPE "
+          "for comparison; values):")
+    print(f"{'layer':>5s}  {'keys (post-RoPE)':>20s}  {'keys (pre-RoPE)':>20s}  {'values':>20s}")
+    for row in report:
+        cells = ["/".join(f"{row[k][r]:.2f}" for r in ranks) for k in ("key", "key_pre_rope", "value")]
+        print(f"{row['layer']:5d}  {cells[0]:>20s}  {cells[1]:>20s}  {cells[2]:>20s}")
+    mean = {k: sum(row[k][ranks[1]] for row in report) / len(report) for k in ("key", "key_pre_rope", "value")}
+    print(f"mean at rank {ranks[1]}: keys post-RoPE {mean['key']:.3f}, pre-RoPE {mean['key_pre_rope']:.3f}, "
+          f"values {mean['value']:.3f}")
+    return 0

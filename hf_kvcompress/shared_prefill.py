@@ -1,0 +1,112 @@
+"""Run many cache plans on the same samples with one document prefill per sample instead of one per plan.
+
+A cache whose policy does not score by attention, given the whole document in one chunk, receives exactly the
+key and value states a DynamicCache receives (attention over the document uses the states as they arrive, before
+any encoding or eviction). So the document is prefilled once into a DynamicCache, and each plan's cache is built
+by handing it those states layer by layer; only the question and the answer run per plan. Plans that score by
+attention (H2O, SnapKV) or by reconstruction (KVzip) need the prefill itself and are prefilled for real. `tests/test_shared_prefill.py` checks the
+answers equal those of a real one-chunk prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+
+import torch
+from transformers import DynamicCache
+
+from .eval.prompts import encode, protocol_name, uses_chat
+from .eval.runner import _eos_ids, _first, _tokens_stored, plan_batches, run_batch
+from .eval.scoring import score_all
+from .generation import generate, prefill
+from .measure import measured_kv_bytes
+from .generation import repeat_prompt_ids
+from .registry import make_cache, needs_own_prefill
+
+
+def _padded(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: int):
+    width = max(len(d) for d, _ in rows)
+    documents = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (document_ids, _) in enumerate(rows):
+        documents[i, width - len(document_ids):] = torch.tensor(document_ids)
+        mask[i, width - len(document_ids):] = 1
+    questions = torch.tensor([q for _, q in rows], dtype=torch.long)
+    return torch.cat([documents, questions], 1), torch.cat([mask, torch.ones_like(questions)], 1), width
+
+
+@torch.inference_mode()
+def document_states(model, full_ids: torch.Tensor, full_mask: torch.Tensor, width: int) -> DynamicCache:
+    """The document (first `width` tokens) prefilled once into a DynamicCache that keeps every layer's states."""
+    reference = DynamicCache()  # no config: sliding layers keep everything too; each plan's cache windows them
+    prefill(model, full_ids[:, :width].to(model.device), full_mask[:, :width].to(model.device), reference)
+    return reference
+
+
+def replay(spec: str, model, reference: DynamicCache, document_mask: torch.Tensor):
+    """A fresh cache for `spec` holding what a one-chunk prefill of the document would have left in it."""
+    cache = make_cache(spec, model.config)
+    positions = (document_mask.long().cumsum(-1) - 1).masked_fill(document_mask == 0, 1).to(model.device)
+    for i, layer in enumerate(reference.layers):
+        cache.update(layer.keys, layer.values, i, kwargs={"position_ids": positions})
+    return cache
+
+
+@torch.inference_mode()
+def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: int = 1, model_name: str,
+              prompt_format: str = "auto", progress=None) -> list[dict]:
+    """One record per (plan, sample), in the eval runner's record format, with one document prefill per batch."""
+    rows = [dict(r) for r in samples]
+    encoded = [encode(tokenizer, r, query_aware=False, prompt_format=prompt_format) for r in rows]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _first(model.generation_config.eos_token_id)
+    groups = [f"{r['task']}|{r['max_new_tokens']}" for r in rows]
+    batches = plan_batches(["all"], encoded, [r["sample_id"] for r in rows], batch_size, None, groups=groups)
+    eos = _eos_ids(model)
+    prompt_kind = "chat" if uses_chat(tokenizer, prompt_format) else "plain"
+    repeat_ids = repeat_prompt_ids(tokenizer, chat=prompt_kind == "chat")
+    records = []
+    for item in batches:
+        batch = [encoded[i] for i in item.rows]
+        max_new = max(rows[i]["max_new_tokens"] for i in item.rows)
+        full_ids, full_mask, width = _padded(batch, pad_id)
+        start = time.perf_counter()
+        reference = document_states(model, full_ids, full_mask, width)
+        shared_seconds = time.perf_counter() - start
+        for plan in plans:
+            if needs_own_prefill(plan):
+                out = run_batch(model, plan, batch, max_new, pad_token_id=pad_id, chunk_size=None,
+                                repeat_prompt_ids=repeat_ids)
+                new_tokens, kv_document, stored = out.new_tokens, out.kv_bytes_document, out.tokens_stored
+                prefill_seconds = out.prefill_seconds
+            else:
+                cache = replay(plan, model, reference, full_mask[:, :width])
+                kv_document, stored = measured_kv_bytes(cache), _tokens_stored(cache)
+                result = generate(model, full_ids.to(model.device), full_mask.to(model.device), cache,
+                                  max_new_tokens=max_new)
+                new_tokens = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))]
+                              for row in result.new_tokens.tolist()]
+                prefill_seconds = shared_seconds + result.prefill_seconds
+            predictions = [tokenizer.decode(t, skip_special_tokens=True) for t in new_tokens]
+            scores = score_all(predictions, [rows[i]["references"] for i in item.rows])
+            share = len(item.rows)
+            for k, i in enumerate(item.rows):
+                row = rows[i]
+                primary = scores[row["metric"]][k]
+                records.append({
+                    "method": plan, "sample_id": row["sample_id"], "task": row["task"], "length": row["length"],
+                    "depth": row["depth"], "index": row["index"], "seed": row["seed"], "metric": row["metric"],
+                    "score": primary, "correct": primary >= 100.0, "prediction": predictions[k],
+                    "references": list(row["references"]), "protocol": protocol_name(False),
+                    "prompt_format": prompt_kind, "document_tokens": len(encoded[i][0]),
+                    "question_tokens": len(encoded[i][1]), "new_tokens": len(new_tokens[k]),
+                    "tokens_kept": min(stored, len(encoded[i][0])),
+                    "kv_bytes_document": kv_document / share, "kv_bytes_peak": kv_document / share,
+                    "prefill_seconds": prefill_seconds / share, "decode_seconds": 0.0, "batch_rows": share,
+                    "chunk_size": None, "model": model_name,
+                    "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                })
+        if progress is not None:
+            progress(len(item.rows))
+    return records
