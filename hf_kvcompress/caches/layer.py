@@ -138,15 +138,15 @@ class CompressedLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append the new states; return everything attention may see this step (kept before + new)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        else:
-            self._check_shape(key_states, value_states)
         if not bool(key_states.isfinite().all() & value_states.isfinite().all()):
             raise ValueError(
                 "the model produced NaN or inf keys/values (fp16 overflow?); the cache refuses to store them, and its "
                 "earlier layers already hold this step: call cache.reset() before reusing it"
             )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        else:
+            self._check_shape(key_states, value_states)
         if self.awaiting_attention:
             raise RuntimeError(f"{type(self.policy).__name__} scores tokens by attention: {ENABLE_ATTENTION_HINT}")
         self.check_mask_used()
@@ -401,6 +401,7 @@ class CompressedLayer(CacheLayerMixin):
             prefix = f"encoded_{kind}."
             encoded = {k[len(prefix):]: t.to(self.device, copy=True) for k, t in tensors.items() if k.startswith(prefix)}
             setattr(self, f"encoded_{kind}s", encoded or None)
+        self.device = self.pads.device  # "cuda" resolves to "cuda:0", as the model's states will say
         self.is_initialized = True
 
     # -- internals -------------------------------------------------------------------------------------------------

@@ -137,3 +137,11 @@ def test_one_cache_used_from_two_threads_is_refused():
     thread.start()
     thread.join()
     assert len(errors) == 1
+
+
+def test_non_finite_first_step_leaves_the_layer_empty():
+    cache = make_cache("int8")
+    keys = torch.full((1, 2, 4, 32), float("nan"))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        cache.update(keys, keys, 0)
+    assert cache.get_seq_length() == 0 and not cache.layers[0].is_initialized
