@@ -18,23 +18,12 @@ import torch
 from transformers import DynamicCache
 
 from .eval.prompts import encode, protocol_name, uses_chat
-from .eval.runner import _eos_ids, _first, _tokens_stored, plan_batches, run_batch
+from .eval.runner import _eos_ids, _first, _tokens_stored, left_pad, plan_batches, run_batch
 from .eval.scoring import score_all
 from .generation import generate, prefill
 from .measure import measured_kv_bytes
 from .generation import repeat_prompt_ids
 from .registry import make_cache, needs_own_prefill
-
-
-def _padded(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: int):
-    width = max(len(d) for d, _ in rows)
-    documents = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (document_ids, _) in enumerate(rows):
-        documents[i, width - len(document_ids):] = torch.tensor(document_ids)
-        mask[i, width - len(document_ids):] = 1
-    questions = torch.tensor([q for _, q in rows], dtype=torch.long)
-    return torch.cat([documents, questions], 1), torch.cat([mask, torch.ones_like(questions)], 1), width
 
 
 @torch.inference_mode()
@@ -70,7 +59,7 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
     for item in batches:
         batch = [encoded[i] for i in item.rows]
         max_new = max(rows[i]["max_new_tokens"] for i in item.rows)
-        full_ids, full_mask, width = _padded(batch, pad_id)
+        full_ids, full_mask, width = left_pad(batch, pad_id)
         start = time.perf_counter()
         reference = document_states(model, full_ids, full_mask, width)
         shared_seconds = time.perf_counter() - start

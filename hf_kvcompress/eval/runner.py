@@ -107,6 +107,23 @@ class BatchOutput:
     decode_seconds: float
 
 
+def left_pad(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: int):
+    """(document_ids, question_ids) rows as one left-padded batch: ids and mask [B, width + question], and width,
+    the padded document length. Questions must have one length: padding between document and question would reach
+    a cache after it has evicted."""
+    question_lengths = {len(q) for _, q in rows}
+    if len(question_lengths) != 1:
+        raise ValueError(f"a batch needs questions of one length, got {sorted(question_lengths)}")
+    width = max(len(d) for d, _ in rows)
+    documents = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (document_ids, _) in enumerate(rows):
+        documents[i, width - len(document_ids) :] = torch.tensor(document_ids)
+        mask[i, width - len(document_ids) :] = 1
+    questions = torch.tensor([q for _, q in rows], dtype=torch.long)
+    return torch.cat([documents, questions], dim=1), torch.cat([mask, torch.ones_like(questions)], dim=1), width
+
+
 @torch.inference_mode()
 def run_batch(
     model,
@@ -125,19 +142,9 @@ def run_batch(
     the others prefill the document at once. The document goes through `generation.prefill`, which also runs
     KVzip's reconstruction pass (with `repeat_prompt_ids`) for the policies that score that way.
     """
-    question_lengths = {len(q) for _, q in rows}
-    if len(question_lengths) != 1:
-        raise ValueError(f"a batch needs questions of one length, got {sorted(question_lengths)}")
     device = model.device
-    width = max(len(d) for d, _ in rows)
-    documents = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (document_ids, _) in enumerate(rows):
-        documents[i, width - len(document_ids) :] = torch.tensor(document_ids)
-        mask[i, width - len(document_ids) :] = 1
-    questions = torch.tensor([q for _, q in rows], dtype=torch.long)
-    full_ids = torch.cat([documents, questions], dim=1).to(device)
-    full_mask = torch.cat([mask, torch.ones_like(questions)], dim=1).to(device)
+    full_ids, full_mask, width = left_pad(rows, pad_token_id)
+    full_ids, full_mask = full_ids.to(device), full_mask.to(device)
 
     cache = make_cache(spec, model.config)
     step = chunk_size if chunk_size and _bounds_memory(spec) else max(width, 1)
