@@ -138,15 +138,15 @@ class CompressedLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append the new states; return everything attention may see this step (kept before + new)."""
-        if not bool(key_states.isfinite().all() & value_states.isfinite().all()):
+        if self.is_initialized:
+            self._check_shape(key_states, value_states)  # device, heads and batch first: the check below reads values
+        if key_states.element_size() > 1 and not bool(key_states.isfinite().all() & value_states.isfinite().all()):
             raise ValueError(
                 "the model produced NaN or inf keys/values (fp16 overflow?); the cache refuses to store them, and its "
                 "earlier layers already hold this step: call cache.reset() before reusing it"
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        else:
-            self._check_shape(key_states, value_states)
         if self.awaiting_attention:
             raise RuntimeError(f"{type(self.policy).__name__} scores tokens by attention: {ENABLE_ATTENTION_HINT}")
         self.check_mask_used()

@@ -35,7 +35,8 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "study",
         help="quality versus memory of every plan on long-context recall",
-        description=__doc__ + " Results are kept in --out; a rerun with the same settings reuses them.",
+        description=__doc__ + " Each document is prefilled once and every plan that can reuse that prefill does; "
+        "the report, records and plots are written to --out (a rerun computes them again).",
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--model", default=None,

@@ -142,8 +142,8 @@ def run_batch(
     the others prefill the document at once. The document goes through `generation.prefill`, which also runs
     KVzip's reconstruction pass (with `repeat_prompt_ids`) for the policies that score that way.
     """
-    device = model.device
     full_ids, full_mask, width = left_pad(rows, pad_token_id)
+    device = model.device
     full_ids, full_mask = full_ids.to(device), full_mask.to(device)
 
     cache = make_cache(spec, model.config)

@@ -36,8 +36,8 @@ def test_counts_below_one_are_refused(embedded, kwargs, message):
 def test_a_bad_spec_fails_before_the_baseline_runs(embedded, tmp_path, monkeypatch):
     model, tokenizer = embedded
     monkeypatch.setattr(runner, "run_batch", lambda *a, **k: pytest.fail("evaluated before checking the specs"))
-    with pytest.raises(ValueError, match="int3"):
-        runner.run_eval(model, tokenizer, ["int3"], ["needle"], [300], [50], tmp_path, progress=False)
+    with pytest.raises(ValueError, match="int5"):
+        runner.run_eval(model, tokenizer, ["int5"], ["needle"], [300], [50], tmp_path, progress=False)
     assert not (tmp_path / "results.jsonl").exists()
 
 

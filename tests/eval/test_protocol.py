@@ -11,9 +11,9 @@ def _spy(monkeypatch):
     log = {"document": [], "at_question": None}
     real_prefill, real_generate = runner.prefill, runner.generate
 
-    def prefill(model, input_ids, attention_mask, cache, chunk_size=None):
+    def prefill(model, input_ids, attention_mask, cache, chunk_size=None, **kwargs):
         log["document"].extend(input_ids[0].tolist())
-        return real_prefill(model, input_ids, attention_mask, cache, chunk_size=chunk_size)
+        return real_prefill(model, input_ids, attention_mask, cache, chunk_size=chunk_size, **kwargs)
 
     def generate(model, input_ids, attention_mask, cache, **kwargs):
         seen = cache.get_seq_length()
