@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from hf_kvcompress.eval.runner import run_batch
-from hf_kvcompress.shared_prefill import _padded, document_states, replay
+from hf_kvcompress.eval.runner import left_pad
+from hf_kvcompress.shared_prefill import document_states, replay
 from hf_kvcompress.generation import generate
 from hf_kvcompress.measure import measured_kv_bytes
 
@@ -21,7 +22,7 @@ def test_replayed_caches_answer_as_a_real_prefill(family):
     g = torch.Generator().manual_seed(0)
     rows = [(torch.randint(3, 128, (n,), generator=g).tolist(), torch.randint(3, 128, (4,), generator=g).tolist())
             for n in (20, 17)]
-    full_ids, full_mask, width = _padded(rows, 0)
+    full_ids, full_mask, width = left_pad(rows, 0)
     reference = document_states(model, full_ids, full_mask, width)
     for plan in PLANS:
         if family == "gemma3" and "shared_heads" in plan:
