@@ -14,3 +14,18 @@ def small_samples(tokenizer):
     from hf_kvcompress.eval import build_samples
 
     return build_samples(tokenizer, ["needle"], [300, 360], [0, 100], seed=0)
+
+
+def count_batches(monkeypatch) -> list:
+    """Record the (method, rows) of every batch `runner.run_batch` evaluates from now on (the batches still run)."""
+    from hf_kvcompress.eval import runner
+
+    calls = []
+    real = runner.run_batch
+
+    def count(model, spec, rows, *args, **kwargs):
+        calls.append((spec, len(rows)))
+        return real(model, spec, rows, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_batch", count)
+    return calls

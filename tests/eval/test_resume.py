@@ -6,21 +6,15 @@ import pytest
 
 from hf_kvcompress.eval import runner
 
+from .conftest import count_batches
+
 WINDOW = "sink_window:sink_tokens=4,window=64"
 
 
 @pytest.fixture
 def counted(monkeypatch):
     """The (method, rows) of every batch run_batch evaluates from now on."""
-    calls = []
-    real = runner.run_batch
-
-    def count(model, spec, rows, *args, **kwargs):
-        calls.append((spec, len(rows)))
-        return real(model, spec, rows, *args, **kwargs)
-
-    monkeypatch.setattr(runner, "run_batch", count)
-    return calls
+    return count_batches(monkeypatch)
 
 
 def test_every_setting_is_recorded_and_a_changed_one_reruns_its_pairs(embedded, small_samples, tmp_path, counted):

@@ -6,6 +6,8 @@ import pytest
 from hf_kvcompress.eval import runner, summarize
 from hf_kvcompress.eval.report import markdown
 
+from .conftest import count_batches
+
 WINDOW = "sink_window:sink_tokens=4,window=64"
 
 
@@ -44,14 +46,7 @@ def test_run_writes_records_and_reports_then_resumes(embedded, small_samples, tm
     # An interrupted run (last record lost, a line cut short) resumes with exactly the missing pair.
     (out / "results.jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])
     monkeypatch.undo()
-    calls = []
-    real = runner.run_batch
-
-    def count(model, spec, rows, *args, **kwargs):
-        calls.append((spec, len(rows)))
-        return real(model, spec, rows, *args, **kwargs)
-
-    monkeypatch.setattr(runner, "run_batch", count)
+    calls = count_batches(monkeypatch)
     resumed = runner.run_eval(model, tokenizer, [WINDOW], samples=samples, out_dir=out, progress=False, chunk_size=128)
     assert calls == [(WINDOW, 1)]
     volatile = set(runner.VOLATILE_FIELDS)
