@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .caches.layer import END_ALIGNED_CHUNKS
 from .caches.persist import check_model
 from .hf.compat import cache_kwargs, text_config
 from .measure import measured_kv_bytes
@@ -103,23 +104,31 @@ def prefill(
     # Positions count real tokens only; padding sits at position 1 (generate() in transformers 5.24 puts it at 0:
     # the caches read padding from either layout).
     position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-    step = chunk_size or input_ids.shape[1]
+    # Chunks are counted back from the prompt's end (the first one takes the remainder): left padding then shifts
+    # no row's chunk boundaries, so a cache that evicts between chunks treats a padded row as it treats the row
+    # alone. (generate(prefill_chunk_size=...) counts from the start; the caches warn when that splits rows.)
+    length = input_ids.shape[1]
+    step = chunk_size or max(length, 1)
+    bounds = [0, *range(length % step or step, length + 1, step)]
     logits = None
-    for start in range(0, input_ids.shape[1], step):
-        end = min(start + step, input_ids.shape[1])
-        out = model(
-            input_ids=input_ids[:, start:end],
-            attention_mask=attention_mask[:, : past + end],
-            position_ids=position_ids[:, past + start : past + end],
-            use_cache=True,
-            logits_to_keep=1,
-            **cache_kwargs(cache),
-        )
-        logits = out.logits[:, -1, :]
-        for layer in getattr(cache, "layers", []):
-            getattr(layer, "check_mask_used", lambda: None)()
-        if on_chunk is not None:
-            on_chunk()
+    marker = END_ALIGNED_CHUNKS.set(True)
+    try:
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            out = model(
+                input_ids=input_ids[:, start:end],
+                attention_mask=attention_mask[:, : past + end],
+                position_ids=position_ids[:, past + start : past + end],
+                use_cache=True,
+                logits_to_keep=1,
+                **cache_kwargs(cache),
+            )
+            logits = out.logits[:, -1, :]
+            for layer in getattr(cache, "layers", []):
+                getattr(layer, "check_mask_used", lambda: None)()
+            if on_chunk is not None:
+                on_chunk()
+    finally:
+        END_ALIGNED_CHUNKS.reset(marker)
     if reconstruct:
         _score_by_reconstruction(
             model, input_ids, attention_mask, cache, repeat_prompt_ids, reconstruction_chunk, reconstruction_overlap,

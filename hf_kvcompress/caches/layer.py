@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +18,17 @@ from ..policies.base import Policy, select_kept
 OBSERVER_KEY = "kvcompress_observer"
 # The key under which a layer whose length differs from the other layers' hands attention its own mask.
 MASK_KEY = "kvcompress_mask"
+
+# Set by generation.prefill while it feeds a prompt in chunks aligned to the prompt's end (see there).
+END_ALIGNED_CHUNKS: ContextVar[bool] = ContextVar("END_ALIGNED_CHUNKS", default=False)
+
+CHUNKS_SPLIT_PADDED_ROWS = (
+    "this left-padded batch was prefilled in chunks counted from its start (generate(prefill_chunk_size=...)) and "
+    "the cache evicted between chunks: each padded row's chunks start at another token than they would for the row "
+    "alone, so its eviction points, and possibly its answer, differ from the row alone. Prefill with "
+    "hf_kvcompress.prefill(model, input_ids, attention_mask, cache, chunk_size=...) (chunks aligned to the prompt's "
+    "end: padded rows equal rows alone) or without prefill_chunk_size"
+)
 
 PADDING_SPLITS_GROUPS = (
     "per-channel key groups of {group} tokens span left padding in this batch: a row whose padding is not a "
@@ -105,6 +117,8 @@ class CompressedLayer(CacheLayerMixin):
         self.scored = False  # a reconstruction pass has scored the kept slots (KVzip)
         self.budget_shift: torch.Tensor | None = None  # [B] tokens this layer keeps beyond the uniform budget
         self.own_mask: OwnMask | None = None  # the mask handed to attention at the last step, if any
+        self.step_tokens = 0  # tokens of the step being stored
+        self.evicted_mid_prompt = False  # evicted after a multi-token step that more prompt chunks may follow
 
     # -- transformers' layer contract -------------------------------------------------------------------------
 
@@ -161,6 +175,7 @@ class CompressedLayer(CacheLayerMixin):
                 "hf_kvcompress.generation.generate), not with model.generate alone"
             )
         self._count_padding(attn_kwargs, new)
+        self._check_chunk_alignment(new)
         self.seen += new
 
         # The model's states may be views of a fused QKV buffer (GPT-2, Phi-3): keep copies, not the buffer.
@@ -185,6 +200,19 @@ class CompressedLayer(CacheLayerMixin):
                 self._grow_accumulated(new, fill_from=2.0 + self.seen)
             self._compress()
         return full_keys, full_values
+
+    def _check_chunk_alignment(self, new: int) -> None:
+        """Warn when a padded batch's prompt chunks, counted from its start, split rows unlike the rows alone."""
+        self.step_tokens = new
+        if new == 1:
+            self.evicted_mid_prompt = False
+            return
+        if not self.evicted_mid_prompt or END_ALIGNED_CHUNKS.get() or self.batch_size == 1:
+            return
+        padding = self.seen - self.real_seen
+        if bool((padding != padding[0]).any()):
+            warnings.warn(CHUNKS_SPLIT_PADDED_ROWS, UserWarning, stacklevel=3)
+        self.evicted_mid_prompt = False
 
     def _shared_mask_misplaces_padding(self, length: int) -> bool:
         """Whether transformers' mask, built from the 2-D padding mask and one offset for the whole batch, masks
@@ -523,6 +551,7 @@ class CompressedLayer(CacheLayerMixin):
                 "position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0) with the attention_mask, or use generate() "
                 "or hf_kvcompress.generation.prefill"
             )
+        self.evicted_mid_prompt = self.step_tokens > 1
         length = self.stored_tokens
         keys = self._full("key") if self.policy.needs_keys else None
         scores = self.policy.score(self.accumulated, length, keys=keys, positions=self.positions, pads=self.pads)
