@@ -12,7 +12,7 @@ from functools import partial
 from .codecs.base import Codec
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
-from .codecs.intn import IntNCodec
+from .codecs.intn import PLAIN_NAME_DEFAULTS, IntNCodec
 from .codecs.lowrank import LowRankCodec
 from .codecs.reducing import ReducingCodec
 from .codecs.shared_heads import SharedHeadsCodec
@@ -38,16 +38,13 @@ POLICIES: dict[str, type[Policy]] = {
 }
 POLICY_ALIASES = {"keep_all": "dynamic", "full": "dynamic", "streaming_llm": "sink_window", "heavy_hitter": "h2o"}
 
-# The plain names int4/int3/int2 are the best configuration measured at their width (README, "Quantization
-# options"): Hadamard rotation + 4 full-precision sinks + per-channel keys. `rotate=none,sink_tokens=0` is plain KIVI.
-BEST_LOW_BIT = {"rotate": "hadamard", "sink_tokens": 4}
 CODECS: dict[str, object] = {
     "identity": IdentityCodec,
     "fp8": Fp8Codec,
     "int8": partial(IntNCodec, bits=8),
-    "int4": partial(IntNCodec, bits=4, **BEST_LOW_BIT),
-    "int3": partial(IntNCodec, bits=3, **BEST_LOW_BIT),
-    "int2": partial(IntNCodec, bits=2, **BEST_LOW_BIT),
+    "int4": partial(IntNCodec, bits=4, **PLAIN_NAME_DEFAULTS[4]),
+    "int3": partial(IntNCodec, bits=3, **PLAIN_NAME_DEFAULTS[3]),
+    "int2": partial(IntNCodec, bits=2, **PLAIN_NAME_DEFAULTS[2]),
     "shared_heads": SharedHeadsCodec,
     "lowrank": LowRankCodec,
 }
@@ -185,46 +182,12 @@ def bounds_memory(spec: str) -> bool:
     return parse_spec(spec)[0].budget is not None
 
 
-def _non_default_args(obj, skip=(), defaults=None) -> str:
-    """`k=v,...` for the fields that differ from their defaults. `defaults` overrides the dataclass's own; defaults
-    filled in by __post_init__ (budget=512 when neither budget nor ratio is given) count as defaults."""
-    defaults = defaults or {}
-    try:
-        reference = type(obj)()
-    except (TypeError, ValueError):
-        reference = None
-    items = []
-    for f in dataclasses.fields(obj):
-        if f.name in skip or not f.init:
-            continue
-        value = getattr(obj, f.name)
-        default = defaults.get(f.name, getattr(reference, f.name) if reference is not None else f.default)
-        if value is None and f.default is None and f.name not in defaults:
-            continue
-        if value != default:
-            items.append(f"{f.name}={'none' if value is None else value}")
-    return ",".join(items)
-
-
 def policy_spec(policy: Policy) -> str:
-    name = next(n for n, cls in POLICIES.items() if type(policy) is cls)
-    args = _non_default_args(policy)
-    return f"{name}:{args}" if args else name
+    return policy.spec()
 
 
 def codec_spec(codec: Codec) -> str:
-    if isinstance(codec, ReducingCodec):
-        name = next(n for n, f in CODECS.items() if type(codec) is f)
-        args = _non_default_args(codec, skip=("storage",))
-        head = f"{name}:{args}" if args else name
-        return head if isinstance(codec.storage, IdentityCodec) else f"{head}+{codec_spec(codec.storage)}"
-    if isinstance(codec, IntNCodec):
-        name = f"int{codec.bits}"
-        args = _non_default_args(codec, skip=("bits", "key_axis"), defaults=CODECS[name].keywords)
-    else:
-        name = next(n for n, f in CODECS.items() if type(codec) is f)
-        args = _non_default_args(codec)
-    return f"{name}:{args}" if args else name
+    return codec.spec()
 
 
 def cache_spec(policy: Policy, codec: Codec) -> str:

@@ -8,6 +8,8 @@ from typing import ClassVar, Literal
 
 import torch
 
+from ..spec_text import changed_fields, join_spec
+
 Kind = Literal["key", "value"]
 # An encoded block: named tensors whose axis 2 runs over tokens (or over groups of `token_block` tokens).
 Encoded = dict[str, torch.Tensor]
@@ -22,6 +24,7 @@ class Codec(ABC):
     the encoded store without decoding and re-encoding anything.
     """
 
+    name: ClassVar[str] = ""  # the registry's name for the codec (`fp8`), the head of its spec string
     residual_length: ClassVar[int] = 0
     sink_tokens: ClassVar[int] = 0  # first real tokens of each row the layer keeps at full precision
     lossless: ClassVar[bool] = False
@@ -48,15 +51,9 @@ class Codec(ABC):
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError if this codec cannot store vectors of `head_dim` values."""
 
-    def for_layer(self, layer_idx: int) -> "Codec":
-        """The codec as it runs in decoder layer `layer_idx`; codecs with per-layer state override this."""
-        return self
-
     def spec(self) -> str:
-        """The registry spec string that rebuilds this codec."""
-        from ..registry import codec_spec
-
-        return codec_spec(self)
+        """The spec string that rebuilds this codec (its name and the fields that differ from the defaults)."""
+        return join_spec(self.name, changed_fields(self))
 
 
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -21,6 +22,8 @@ class Fp8Codec(Codec):
     Args:
         sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps at full precision.
     """
+
+    name: ClassVar[str] = "fp8"
 
     sink_tokens: int = 0
 

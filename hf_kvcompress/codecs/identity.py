@@ -14,6 +14,8 @@ from .base import Codec, Encoded, Kind
 class IdentityCodec(Codec):
     """Keeps keys and values in the model's own dtype."""
 
+    name: ClassVar[str] = "identity"
+
     lossless: ClassVar[bool] = True
 
     def encode(self, states: torch.Tensor, kind: Kind) -> Encoded:

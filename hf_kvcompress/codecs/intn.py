@@ -11,11 +11,16 @@ import torch
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
 from ..ops.hadamard import rotate as hadamard_rotate
 from ..ops.hadamard import unrotate as hadamard_unrotate
+from ..spec_text import changed_fields, join_spec
 from .base import Codec, Encoded, Kind
 
 KEY_AXES = ("channel", "token")
 ROTATIONS = ("none", "hadamard")
 _TINY = torch.finfo(torch.bfloat16).tiny
+# What the plain names int4/int3/int2 mean: the best configuration measured at that width (README, "Quantization
+# options"): Hadamard rotation + 4 full-precision sinks + per-channel keys. `rotate=none,sink_tokens=0` is plain KIVI.
+BEST_LOW_BIT = {"rotate": "hadamard", "sink_tokens": 4}
+PLAIN_NAME_DEFAULTS = {2: BEST_LOW_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
 
 
 def _bf16_directed(x: torch.Tensor, up: bool) -> torch.Tensor:
@@ -92,6 +97,11 @@ class IntNCodec(Codec):
             raise ValueError(f"rotate must be one of {ROTATIONS}, got {self.rotate!r}")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
+
+    def spec(self) -> str:
+        """`int{bits}` and the fields that differ from what that plain name means (see PLAIN_NAME_DEFAULTS)."""
+        defaults = PLAIN_NAME_DEFAULTS.get(self.bits, {})
+        return join_spec(f"int{self.bits}", changed_fields(self, skip=("bits", "key_axis"), defaults=defaults))
 
     def for_policy(self, evicts: bool) -> "IntNCodec":
         """Settle `key_axis`: per-channel key groups cannot lose single tokens, so eviction needs per-token keys."""

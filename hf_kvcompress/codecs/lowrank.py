@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
@@ -37,6 +38,8 @@ class LowRankCodec(ReducingCodec):
         bases: a directory (or file) written by `hf-kvcompress calibrate`; None: the bases shipped for the model.
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
+
+    name: ClassVar[str] = "lowrank"
 
     rank: int | None = None
     bases: str | None = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..spec_text import changed_fields, join_spec
 from .base import Codec, Encoded, Kind, resolve_for_policy
 from .identity import IdentityCodec
 
@@ -49,6 +50,11 @@ class ReducingCodec(Codec):
 
     def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         return self.expand(self.storage.decode(encoded, kind, dtype), kind, dtype)
+
+    def spec(self) -> str:
+        """`name[:args]`, then `+storage` when the reduced states are stored by another codec (`shared_heads+int8`)."""
+        head = join_spec(self.name, changed_fields(self, skip=("storage",)))
+        return head if isinstance(self.storage, IdentityCodec) else f"{head}+{self.storage.spec()}"
 
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
         dims, heads_per_stored = self.stored_fraction(head_dim)

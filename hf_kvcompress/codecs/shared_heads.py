@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -30,6 +31,8 @@ class SharedHeadsCodec(ReducingCodec):
             Must divide the model's KV-head count; a model with a single KV head has nothing left to share.
         storage: how the shared heads are stored (full precision by default; `shared_heads+int8` quantizes them).
     """
+
+    name: ClassVar[str] = "shared_heads"
 
     heads_per_group: int | None = None
 

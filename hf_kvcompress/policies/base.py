@@ -8,6 +8,8 @@ from typing import ClassVar
 
 import torch
 
+from ..spec_text import changed_fields, join_spec
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -18,6 +20,7 @@ class Policy:
     instance serves every layer.
     """
 
+    name: ClassVar[str] = ""  # the registry's name for the policy (`h2o`), the head of its spec string
     needs_attention: ClassVar[bool] = False  # True: the layer must receive attention statistics (see hf/attention.py)
     attention_reduction: ClassVar[str] = "sum"  # how a step's queries are reduced per key: "sum" or "max"
     needs_keys: ClassVar[bool] = False  # score() reads the kept keys
@@ -79,9 +82,8 @@ class Policy:
         return None
 
     def spec(self) -> str:
-        from ..registry import policy_spec
-
-        return policy_spec(self)
+        """The spec string that rebuilds this policy (its name and the fields that differ from the defaults)."""
+        return join_spec(self.name, changed_fields(self))
 
 
 def check_budget_or_ratio(policy, default_budget: int, floor: int) -> None:

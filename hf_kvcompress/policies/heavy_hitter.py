@@ -24,6 +24,8 @@ class HeavyHitterPolicy(Policy):
         sink_tokens: first tokens always kept (0 in H2O; StreamingLLM's sinks can be added).
     """
 
+    name: ClassVar[str] = "h2o"
+
     budget: int | None = None
     recent: int = 64
     sink_tokens: int = 0

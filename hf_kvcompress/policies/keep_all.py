@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import Policy
 
@@ -10,3 +11,5 @@ from .base import Policy
 @dataclass(frozen=True)
 class KeepAllPolicy(Policy):
     """Never evicts."""
+
+    name: ClassVar[str] = "dynamic"

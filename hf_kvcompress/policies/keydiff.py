@@ -24,6 +24,8 @@ class KeyDiffPolicy(Policy):
         sink_tokens: first tokens always kept.
     """
 
+    name: ClassVar[str] = "keydiff"
+
     budget: int | None = None
     ratio: float | None = None
     recent: int = 0

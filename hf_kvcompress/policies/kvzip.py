@@ -29,6 +29,8 @@ class KVzipPolicy(Policy):
             pairs score higher keep more of them, under the same total; off: every layer keeps the same number.
     """
 
+    name: ClassVar[str] = "kvzip"
+
     budget: int | None = None
     ratio: float | None = None
     sink_tokens: int = 0

@@ -25,6 +25,8 @@ class RandomPolicy(Policy):
         sink_tokens: first tokens always kept.
     """
 
+    name: ClassVar[str] = "random"
+
     budget: int | None = None
     ratio: float | None = None
     seed: int = 0

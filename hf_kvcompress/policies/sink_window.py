@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import Policy, check_count
 
@@ -19,6 +20,8 @@ class SinkWindowPolicy(Policy):
         window: most recent tokens kept (1024 when neither window nor ratio is given).
         ratio: share of the tokens seen that is kept (sinks included, the rest the newest), instead of `window`.
     """
+
+    name: ClassVar[str] = "sink_window"
 
     sink_tokens: int = 4
     window: int | None = None

@@ -28,6 +28,8 @@ class SnapKVPolicy(Policy):
         sink_tokens: first tokens always kept.
     """
 
+    name: ClassVar[str] = "snapkv"
+
     budget: int | None = None
     ratio: float | None = None
     window: int = 32

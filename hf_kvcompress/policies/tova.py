@@ -24,6 +24,8 @@ class TOVAPolicy(Policy):
         sink_tokens: first tokens always kept (0 in TOVA).
     """
 
+    name: ClassVar[str] = "tova"
+
     budget: int | None = None
     ratio: float | None = None
     recent: int = 0

@@ -103,3 +103,30 @@ def test_sink_window_by_ratio_keeps_sinks_and_the_newest():
     assert kept.tolist() == [[[0, 1, 7, 8, 9]]]
     with pytest.raises(ValueError, match="either window"):
         SinkWindowPolicy(window=8, ratio=0.5)
+
+
+def test_spec_strings_need_no_registry_and_name_what_the_registry_builds():
+    """Policies and codecs write their own spec strings (no import of the registry, which imports them); each name
+    is the registry's, so every spec string parses back to an equal object."""
+    import ast
+    from pathlib import Path
+
+    from hf_kvcompress.registry import CODECS, POLICIES, cache_spec, parse_spec
+
+    package = Path(__file__).resolve().parents[2] / "hf_kvcompress"
+    for folder in ("policies", "codecs"):
+        for source in (package / folder).glob("*.py"):
+            for node in ast.walk(ast.parse(source.read_text())):
+                if isinstance(node, ast.ImportFrom):
+                    assert "registry" not in (node.module or ""), f"{source.name} imports the registry"
+    for name, cls in POLICIES.items():
+        assert cls.name == name
+    for spec in ("h2o:budget=300,sink_tokens=4", "snapkv:ratio=0.25", "sink_window:window=64", "kvzip:ratio=0.5",
+                 "dynamic", "fp8", "int4", "int2:rotate=none,sink_tokens=0", "int8:group_size=16",
+                 "shared_heads+int8", "lowrank:rank=32+int4", "kvzip:ratio=0.25+int4"):
+        policy, codec = parse_spec(spec)
+        rebuilt = parse_spec(cache_spec(policy, codec))
+        assert rebuilt == (policy, codec), (spec, cache_spec(policy, codec))
+    assert {n for n, f in CODECS.items() if not n.startswith("int")} == {
+        getattr(f, "name") for n, f in CODECS.items() if not n.startswith("int")
+    }
