@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -23,6 +24,7 @@ class Fp8Codec(Codec):
     """
 
     sink_tokens: int = 0
+    attends_encoded: ClassVar[bool] = True
 
     def __post_init__(self):
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
