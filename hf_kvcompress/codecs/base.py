@@ -29,6 +29,8 @@ class Codec(ABC):
     sink_tokens: ClassVar[int] = 0  # first real tokens of each row the layer keeps at full precision
     lossless: ClassVar[bool] = False
     heads_per_store: ClassVar[int] = 1  # KV heads sharing one stored head (shared_heads); eviction agrees per group
+    # Attention may read the store a block of tokens at a time through `decode_in_basis` (caches/store_attention.py)
+    attends_encoded: ClassVar[bool] = False
 
     def token_block(self, kind: Kind) -> int:
         """How many tokens are encoded together along the token axis."""
@@ -47,6 +49,19 @@ class Codec(ABC):
     def for_layer(self, layer_idx: int) -> "Codec":
         """The codec as it runs in decoder layer `layer_idx`; codecs with per-layer state override this."""
         return self
+
+    def decode_in_basis(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
+        """Decode into the basis the states are stored in (`to_basis` of the states): attention can rotate one
+        query and one output instead of every stored token (q . k = to_basis(q) . to_basis(k) for a rotation)."""
+        return self.decode(encoded, kind, dtype)
+
+    def to_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
+        """x [..., D] in the storage basis of `kind` (the identity unless the codec rotates)."""
+        return x
+
+    def from_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
+        """Inverse of `to_basis`."""
+        return x
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError if this codec cannot store vectors of `head_dim` values."""

@@ -26,6 +26,7 @@ class Fp8Codec(Codec):
     name: ClassVar[str] = "fp8"
 
     sink_tokens: int = 0
+    attends_encoded: ClassVar[bool] = True
 
     def __post_init__(self):
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -159,7 +159,18 @@ class IntNCodec(Codec):
         codes, scale, zero = _quantize(grouped, self.bits, reduce_dim=4)
         return {"codes": pack(codes.reshape(b, h, t, d), self.bits), "scale": scale[..., 0], "zero": zero[..., 0]}
 
+    attends_encoded: ClassVar[bool] = True
+
     def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
+        return self.from_basis(self.decode_in_basis(encoded, kind, torch.float32), kind).to(dtype)
+
+    def to_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
+        return hadamard_rotate(x, self._seed(kind)) if self.rotate == "hadamard" else x
+
+    def from_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
+        return hadamard_unrotate(x, self._seed(kind)) if self.rotate == "hadamard" else x
+
+    def decode_in_basis(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         codes = unpack(encoded["codes"], self.bits)
         b, h, t, d = codes.shape
         scale, zero = encoded["scale"].float(), encoded["zero"].float()
@@ -168,10 +179,7 @@ class IntNCodec(Codec):
             out = codes.reshape(b, h, t // g, g, d).float() * scale[:, :, :, None, :] + zero[:, :, :, None, :]
         else:
             out = codes.reshape(b, h, t, d // self.group_size, self.group_size).float() * scale[..., None] + zero[..., None]
-        out = out.reshape(b, h, t, d)
-        if self.rotate == "hadamard":
-            out = hadamard_unrotate(out, self._seed(kind))
-        return out.to(dtype)
+        return out.reshape(b, h, t, d).to(dtype)
 
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
         # packed codes + bf16 scale and zero per group: (bits + 32 / group_size) / 8 bytes per value.

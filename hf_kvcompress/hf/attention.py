@@ -12,7 +12,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..caches.layer import MASK_KEY, OBSERVER_KEY
+from ..caches.layer import MASK_KEY, OBSERVER_KEY, STORE_KEY
 
 ATTENTION_NAME = "kvcompress_sdpa"
 QUERY_BLOCK = 256
@@ -79,9 +79,15 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     """SDPA, plus attention statistics for the cache layer that registered an observer in `kwargs`."""
     request = kwargs.pop(OBSERVER_KEY, None)
     own_mask = kwargs.pop(MASK_KEY, None)
+    store = kwargs.pop(STORE_KEY, None)
     if own_mask is not None:  # the layer keeps what the shared mask cannot describe (see caches/layer.py)
         own_mask.used = True
         attention_mask, own_mask.mask = own_mask.mask, None  # the cache does not keep it: its bytes are exact
+    if store is not None and kwargs.get("softcap") is None and request is None:
+        store.used = True
+        if store.fused:  # read the encoded store a block at a time (caches/store_attention.py)
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return store.layer.attend(query, attention_mask, scale), None
     output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if request is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5

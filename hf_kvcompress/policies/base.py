@@ -114,6 +114,7 @@ def select_kept(
     heads: int,
     length: int,
     keep: torch.Tensor | None = None,
+    most: int | None = None,
 ) -> torch.Tensor:
     """Slots to keep, [B, H_kv, K], ascending, per row and head.
 
@@ -121,15 +122,30 @@ def select_kept(
     slots (K = the largest row's allowance) with padding. Padding slots (the first `pads[b]` of row b) go first and
     are never protected, so a row keeps padding only when it keeps fewer real tokens than K; its sinks are its first
     real tokens. Keeping the surviving padding at the front is what keeps transformers' 2-D padding mask aligned
-    with the kept slots.
+    with the kept slots. `most` is `keep.max()` when the caller knows it (saves a host read of a device value).
     """
     batch = pads.shape[0]
     device = pads.device
     if keep is None:
         keep = torch.full((batch,), policy.budget, dtype=torch.long, device=device)
-    total = int(keep.max())
+    total = int(keep.max()) if most is None else most
     keep = torch.minimum(keep, length - pads)  # real slots kept per row
     slot = torch.arange(length, device=device)
+    is_pad = slot[None, :] < pads[:, None]  # [B, T]
+    priority = _priority(policy, scores, pads, heads, length)
+    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
+    chosen = (rank < keep[:, None, None]) & ~is_pad[:, None, :]
+    # Chosen real slots first, then padding to fill each row up to `total` slots, never unchosen real slots.
+    level = chosen.to(torch.float32) * 2 + is_pad[:, None, :].to(torch.float32)
+    kept = torch.topk(level, total, dim=-1, sorted=False).indices
+    return kept.sort(dim=-1).values
+
+
+def _priority(policy: Policy, scores: torch.Tensor | None, pads: torch.Tensor, heads: int, length: int) -> torch.Tensor:
+    """[B, H_kv, T] float32: the score (recency: the slot), +inf for protected real slots, -inf for padding."""
+    batch = pads.shape[0]
+    slot = torch.arange(length, device=pads.device)
     is_pad = slot[None, :] < pads[:, None]  # [B, T]
     if scores is None:
         priority = slot.to(torch.float32)[None, None, :].expand(batch, heads, length)
@@ -138,11 +154,16 @@ def select_kept(
     protected = (slot[None, :] < pads[:, None] + policy.sink_tokens) | (slot[None, :] >= length - policy.recent)
     protected = protected & ~is_pad
     priority = priority.masked_fill(protected[:, None, :], float("inf"))
-    priority = priority.masked_fill(is_pad[:, None, :], float("-inf"))
-    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
-    chosen = (rank < keep[:, None, None]) & ~is_pad[:, None, :]
-    # Chosen real slots first, then padding to fill each row up to `total` slots, never unchosen real slots.
-    level = chosen.to(torch.float32) * 2 + is_pad[:, None, :].to(torch.float32)
-    kept = torch.topk(level, total, dim=-1, sorted=False).indices
-    return kept.sort(dim=-1).values
+    return priority.masked_fill(is_pad[:, None, :], float("-inf"))
+
+
+def drop_one(policy: Policy, scores: torch.Tensor | None, pads: torch.Tensor, heads: int, length: int) -> torch.Tensor:
+    """`select_kept` for the commonest eviction, one slot over a fixed budget (a decode step): [B, H_kv, T - 1].
+
+    Each row and head drops its lowest-priority slot (a padding slot while it has one, else the newest of the
+    lowest-scored real slots, as select_kept's stable sort does), found by one argmin instead of a sort and a top-k.
+    """
+    priority = _priority(policy, scores, pads, heads, length)
+    drop = (length - 1) - priority.flip(-1).argmin(-1)  # argmin returns the first minimum: flipped, the newest
+    slot = torch.arange(length - 1, device=pads.device)
+    return slot + (slot >= drop[..., None]).long()

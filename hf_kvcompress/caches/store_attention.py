@@ -1,0 +1,187 @@
+"""Decode attention that reads a layer's encoded store a block at a time, with an online softmax.
+
+Decoding the whole store and concatenating it with the tail at every step touches every stored byte several times
+in float32 and, for rotated codecs, applies the inverse rotation to every stored token. Here each block of
+`STORE_BLOCK` tokens is decoded in the codec's storage basis only (the query is rotated once instead, and the
+output once at the end), its logits folded into a running max and sum (flash-decoding, Dao et al. 2023), and
+dropped: the transient memory is one block, not the whole cache in float32. The exact attention sinks and the
+full-precision tail are two more segments of the same softmax. `CompressedLayer._full` + SDPA is the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codecs.base import Encoded
+from ..ops import triton_decode
+
+STORE_BLOCK = 1024  # tokens decoded at a time (rounded up to a whole number of the codec's token blocks)
+BACKENDS = ("auto", "torch", "triton")
+
+
+def slice_encoded(encoded: Encoded, start: int, end: int, tokens: int) -> Encoded:
+    """Tokens [start, end) of an encoding of `tokens` tokens; tensors stored per group of g tokens are cut at
+    start // g and end // g (the caller keeps both on group boundaries)."""
+    out = {}
+    for name, tensor in encoded.items():
+        per_entry = tokens // tensor.shape[2]
+        out[name] = tensor[:, :, start // per_entry : end // per_entry]
+    return out
+
+
+class _OnlineSoftmax:
+    """Running max, sum and two outputs (storage basis and plain) over segments of keys, for [B, H_kv, n, *]."""
+
+    def __init__(self):
+        self.max = self.total = self.stored = self.plain = None
+
+    def add(self, logits: torch.Tensor, values: torch.Tensor, stored_basis: bool) -> None:
+        """logits [B, H_kv, n, k] (masked entries -inf), values [B, H_kv, k, Dv] in float32."""
+        block_max = logits.amax(-1, keepdim=True)
+        safe = self._rescale(block_max)
+        probs = torch.exp(logits - safe)
+        self._accumulate(probs.sum(-1, keepdim=True), torch.matmul(probs, values), stored_basis)
+
+    def add_partial(self, block_max: torch.Tensor, total: torch.Tensor, acc: torch.Tensor, stored_basis: bool) -> None:
+        """A segment already reduced elsewhere (the Triton kernel): its max and sum [B, H_kv, n, 1] and its
+        output [B, H_kv, n, Dv], both relative to `block_max`."""
+        safe = self._rescale(block_max)
+        block_safe = block_max.masked_fill(block_max == float("-inf"), 0.0)
+        weight = torch.exp(block_safe - safe).masked_fill(block_max == float("-inf"), 0.0)
+        self._accumulate(total * weight, acc * weight, stored_basis)
+
+    def _rescale(self, block_max: torch.Tensor) -> torch.Tensor:
+        """Raise the running max to cover `block_max`, rescaling what is accumulated; returns the max to subtract."""
+        new_max = block_max if self.max is None else torch.maximum(self.max, block_max)
+        safe = new_max.masked_fill(new_max == float("-inf"), 0.0)  # a row masked so far: exp(-inf - 0) = 0
+        if self.max is not None:
+            rescale = torch.exp(self.max - safe)
+            self.total = self.total * rescale
+            self.stored = None if self.stored is None else self.stored * rescale
+            self.plain = None if self.plain is None else self.plain * rescale
+        self.max = new_max
+        return safe
+
+    def _accumulate(self, total: torch.Tensor, part: torch.Tensor, stored_basis: bool) -> None:
+        self.total = total if self.total is None else self.total + total
+        if stored_basis:
+            self.stored = part if self.stored is None else self.stored + part
+        else:
+            self.plain = part if self.plain is None else self.plain + part
+
+
+def _bias(mask: torch.Tensor | None, groups: int, columns: slice | torch.Tensor) -> torch.Tensor | None:
+    """The attention mask's `columns` as an additive float32 bias [B, 1 or H_kv, groups * q, k]."""
+    if mask is None:
+        return None
+    if isinstance(columns, slice):
+        part = mask[..., columns]
+    else:  # per-head columns [B, H_kv, S] (the sinks' slots)
+        b, h, s = columns.shape
+        part = mask.expand(b, h, *mask.shape[2:]).gather(3, columns[:, :, None, :].expand(b, h, mask.shape[2], s))
+    if part.dtype == torch.bool:
+        part = torch.zeros(part.shape, dtype=torch.float32, device=part.device).masked_fill_(~part, float("-inf"))
+    else:
+        part = part.float()
+    b, h, q, k = part.shape
+    return part[:, :, None].expand(b, h, groups, q, k).reshape(b, h, groups * q, k)
+
+
+def _sink_hidden(layer, start: int, end: int) -> torch.Tensor:
+    """[B, H_kv, end - start] bool: the slots of [start, end) that hold a sink (attended exactly elsewhere)."""
+    inside = (layer.sink_slots >= start) & (layer.sink_slots < end)
+    hidden = torch.zeros(*layer.sink_slots.shape[:2], end - start + 1, dtype=torch.bool, device=layer.sink_slots.device)
+    hidden.scatter_(2, torch.where(inside, layer.sink_slots - start, end - start), True)
+    return hidden[:, :, : end - start]
+
+
+def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _OnlineSoftmax) -> None:
+    """The store segment in PyTorch, `STORE_BLOCK` tokens at a time (the reference for the kernel)."""
+    codec, n_enc = layer.codec, layer.n_encoded
+    unit = max(codec.token_block("key"), codec.token_block("value"))
+    block = -(-STORE_BLOCK // unit) * unit
+    for start in range(0, n_enc, block):
+        end = min(start + block, n_enc)
+        keys = codec.decode_in_basis(slice_encoded(layer.encoded_keys, start, end, n_enc), "key", torch.float32)
+        values = codec.decode_in_basis(slice_encoded(layer.encoded_values, start, end, n_enc), "value", torch.float32)
+        logits = torch.matmul(stored_q, keys.transpose(-1, -2))
+        bias = _bias(attention_mask, groups, slice(start, end))
+        if bias is not None:
+            logits = logits + bias
+        if layer.sink_slots is not None:  # sinks are attended exactly below, not in their decoded form
+            logits = logits.masked_fill(_sink_hidden(layer, start, end)[:, :, None], float("-inf"))
+        softmax.add(logits, values, stored_basis=True)
+
+
+def _store_by_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -> None:
+    """The store segment through the Triton kernel (one query per row: the bias is shared by the groups)."""
+    n_enc = layer.n_encoded
+    bias = None
+    if attention_mask is not None:
+        bias = _bias(attention_mask, 1, slice(0, n_enc))[:, :, 0]  # [B, 1, n_enc]
+        bias = bias.expand(stored_q.shape[0], layer.kv_heads, n_enc)
+    if layer.sink_slots is not None:
+        hidden = _sink_hidden(layer, 0, n_enc)
+        bias = (torch.zeros(hidden.shape, device=hidden.device) if bias is None else bias).masked_fill(hidden, float("-inf"))
+    block_max, total, acc = triton_decode.decode_attention_partials(
+        stored_q, layer.encoded_keys, layer.encoded_values, layer.value_dim, bias
+    )
+    softmax.add_partial(block_max, total, acc, stored_basis=True)
+
+
+def use_kernel(layer, query: torch.Tensor, backend: str) -> bool:
+    """`backend` "auto": the Triton kernel on CUDA when it reads this store; "triton" / "torch": forced."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch" or query.shape[2] != 1:
+        return False
+    fits = triton_decode.supports(layer.encoded_keys, layer.encoded_values, layer.n_encoded, layer.head_dim, layer.value_dim)
+    if backend == "triton":
+        if not fits:
+            raise ValueError("backend='triton' needs triton installed and a packed int2/int4/int8 store with power-of-two dims")
+        return True
+    return fits and query.is_cuda
+
+
+def attend_store(
+    layer, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, backend: str = "auto"
+) -> torch.Tensor:
+    """Attention of `query` [B, H_q, q, D] over what `layer` holds (store, sinks, tail): [B, q, H_q, Dv], as
+    transformers' attention functions return it. `attention_mask`: [B, 1, q, kv] bool or additive, or None.
+    `backend`: how the store is read ("auto": the Triton kernel on CUDA where it applies, else PyTorch)."""
+    codec = layer.codec
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads = layer.kv_heads
+    groups = q_heads // kv_heads
+    n_enc = layer.n_encoded
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] not in (1, kv_heads):
+        attention_mask = attention_mask[:, :1]  # one mask for every head
+    # Query heads h = k * groups + g share KV head k: [B, H_kv, groups * q, D].
+    plain_q = (query.float() * scaling).reshape(batch, kv_heads, groups * q_len, dim)
+    stored_q = codec.to_basis(plain_q, "key")
+    softmax = _OnlineSoftmax()
+    if n_enc and use_kernel(layer, query, backend):
+        _store_by_kernel(layer, stored_q, attention_mask, softmax)
+    else:
+        _store_by_blocks(layer, stored_q, attention_mask, groups, softmax)
+    if layer.sink_slots is not None:
+        slots = layer.sink_slots
+        logits = torch.matmul(plain_q, layer.sink_keys.float().transpose(-1, -2))
+        bias = _bias(attention_mask, groups, slots.clamp(min=0))
+        if bias is not None:
+            logits = logits + bias
+        absent = (slots < 0) | (slots >= n_enc)  # no sink, or one still in the tail (attended there)
+        logits = logits.masked_fill(absent[:, :, None, :], float("-inf"))
+        softmax.add(logits, layer.sink_values.float(), stored_basis=False)
+    if layer.tail_keys is not None and layer.tail_keys.shape[-2] > 0:
+        logits = torch.matmul(plain_q, layer.tail_keys.float().transpose(-1, -2))
+        bias = _bias(attention_mask, groups, slice(n_enc, n_enc + layer.tail_keys.shape[-2]))
+        if bias is not None:
+            logits = logits + bias
+        softmax.add(logits, layer.tail_values.float(), stored_basis=False)
+    out = softmax.plain if softmax.plain is not None else 0
+    if softmax.stored is not None:
+        out = out + codec.from_basis(softmax.stored, "value")
+    out = out / softmax.total.clamp(min=torch.finfo(torch.float32).tiny)  # a fully masked row gives 0, not NaN
+    out = out.reshape(batch, kv_heads, groups, q_len, -1).reshape(batch, q_heads, q_len, -1)
+    return out.transpose(1, 2).contiguous().to(query.dtype)

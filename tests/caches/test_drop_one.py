@@ -1,0 +1,29 @@
+"""The decode-step eviction (`drop_one`: one argmin) keeps what the general `select_kept` (a sort) keeps."""
+
+import pytest
+import torch
+
+from hf_kvcompress.policies.base import drop_one, select_kept
+from hf_kvcompress.policies.heavy_hitter import HeavyHitterPolicy
+from hf_kvcompress.policies.sink_window import SinkWindowPolicy
+
+POLICIES = [
+    SinkWindowPolicy(sink_tokens=2, window=10), SinkWindowPolicy(sink_tokens=0, window=12),
+    HeavyHitterPolicy(budget=12, recent=3, sink_tokens=2), HeavyHitterPolicy(budget=12, recent=0),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=repr)
+@pytest.mark.parametrize("seed", range(5))
+def test_drop_one_keeps_what_select_kept_keeps(policy, seed):
+    g = torch.Generator().manual_seed(seed)
+    batch, heads, length = 4, 3, policy.budget + 1
+    pads = torch.tensor([0, 1, 3, 0])
+    # Integer scores make ties, which both must break alike (the newest of the lowest goes).
+    scores = None if isinstance(policy, SinkWindowPolicy) else torch.randint(0, 4, (batch, heads, length), generator=g).float()
+    reference = select_kept(policy, scores, pads, heads, length)
+    fast = drop_one(policy, scores, pads, heads, length)
+    assert fast.shape == reference.shape == (batch, heads, policy.budget)
+    assert (fast.diff(dim=-1) > 0).all()
+    real = lambda kept: [[sorted(s for s in kept[b, h].tolist() if s >= pads[b]) for h in range(heads)] for b in range(batch)]
+    assert real(fast) == real(reference)  # the same real slots; padding is masked whichever padding slot stays

@@ -1,0 +1,75 @@
+"""The Triton decode-attention kernel equals the PyTorch reference, run by Triton's interpreter on CPU."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors: Triton's interpreter (read when triton is imported)
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[triton]')")
+
+from hf_kvcompress import make_cache  # noqa: E402
+from hf_kvcompress.caches.store_attention import attend_store  # noqa: E402
+from hf_kvcompress.codecs.intn import IntNCodec  # noqa: E402
+from hf_kvcompress.hf.attention import kvcompress_attention  # noqa: E402
+from hf_kvcompress.ops import triton_decode  # noqa: E402
+
+
+@pytest.mark.parametrize("bits,key_axis", [(4, "channel"), (4, "token"), (2, "channel"), (2, "token"), (8, "token")])
+def test_partials_equal_softmax_over_decoded_states(bits, key_axis):
+    g = torch.Generator().manual_seed(bits)
+    codec = IntNCodec(bits=bits, group_size=16, key_axis=key_axis, rotate="none")
+    batch, heads, tokens, dim, rows = 2, 2, 96, 32, 3
+    keys, values = torch.randn(batch, heads, tokens, dim, generator=g), torch.randn(batch, heads, tokens, dim, generator=g)
+    enc_k, enc_v = codec.encode(keys, "key"), codec.encode(values, "value")
+    query = torch.randn(batch, heads, rows, dim, generator=g) * 0.3
+    bias = torch.zeros(batch, heads, tokens)
+    bias[0, :, :40] = float("-inf")  # row 0's first split (32 tokens) sees nothing: it must weigh nothing
+    bias[1, 1, 50] = float("-inf")
+    logits = query @ codec.decode(enc_k, "key", torch.float32).transpose(-1, -2) + bias[:, :, None]
+    best = logits.amax(-1, keepdim=True)
+    probs = torch.exp(logits - best)
+    got_max, got_sum, got_acc = triton_decode.decode_attention_partials(
+        query, enc_k, enc_v, dim, bias, block_t=16, tokens_per_split=32
+    )
+    torch.testing.assert_close(got_max, best)
+    torch.testing.assert_close(got_sum, probs.sum(-1, keepdim=True))
+    torch.testing.assert_close(got_acc, probs @ codec.decode(enc_v, "value", torch.float32), atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_stores_are_declined():
+    fp8 = {"values": torch.zeros(1, 1, 4, 32, dtype=torch.uint8), "scale": torch.zeros(1, 1, 4, 1)}
+    assert not triton_decode.supports(fp8, fp8, 4, 32, 32)
+    int3 = IntNCodec(bits=3, group_size=8).encode(torch.randn(1, 1, 8, 32), "value")
+    assert not triton_decode.supports(int3, int3, 8, 32, 32)
+
+
+@pytest.mark.parametrize("spec", ["int4:residual_length=8,group_size=8", "sink_window:sink_tokens=2,window=40+int2:residual_length=4,group_size=16"])
+def test_attention_through_the_kernel_equals_the_pytorch_path(spec):
+    """A whole layer: Hadamard-rotated store, exact sinks, a left-padded row, the tail; backend 'triton' vs 'torch'."""
+    g = torch.Generator().manual_seed(0)
+    kv_heads, groups, dim, tokens = 2, 3, 32, 70
+    cache = make_cache(spec)
+    module = type("M", (), {"layer_idx": 0, "num_key_value_groups": groups, "is_causal": True})()
+    positions = torch.stack([torch.cat([torch.ones(3, dtype=torch.long), torch.arange(1, tokens - 2)]), torch.arange(tokens)])
+    pads = torch.tensor([3, 0])
+    states = torch.randn(2, kv_heads, tokens, dim, generator=g)
+    k, v = cache.update(states, states.flip(-1), 0, kwargs := {"position_ids": positions})
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None] & (torch.arange(tokens) >= pads[:, None, None, None])
+    kvcompress_attention(module, torch.randn(2, kv_heads * groups, tokens, dim, generator=g), k, v, causal, scaling=0.2, **kwargs)
+    layer = cache.layers[0]
+    for step in range(3):  # the first decode step only confirms our attention function; then fused steps
+        kwargs = {"position_ids": positions[:, -1:] + 1 + step}
+        new = torch.randn(2, kv_heads, 1, dim, generator=g)
+        k, v = cache.update(new, -new, 0, kwargs)
+        query = torch.randn(2, kv_heads * groups, 1, dim, generator=g)
+        mask = (torch.arange(k.shape[-2]) >= layer.pads[:, None])[:, None, None, :]
+        if layer.store_request.fused:
+            assert layer.n_encoded > 0 and layer.sink_slots is not None
+            reference = attend_store(layer, query, mask, 0.2, backend="torch")
+            torch.testing.assert_close(attend_store(layer, query, mask, 0.2, backend="triton"), reference, atol=1e-5, rtol=1e-5)
+        kvcompress_attention(module, query, k, v, mask, scaling=0.2, **kwargs)
+    assert layer.store_confirmed
