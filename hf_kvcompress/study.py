@@ -399,3 +399,22 @@ def write_results(results: list[PlanResult], lesson: list, path: str | Path, **a
     path = Path(path)
     path.write_text(json.dumps(data, indent=1, allow_nan=True) + "\n", encoding="utf-8")
     return path
+
+
+def read_results(path: str | Path) -> tuple[dict, list[PlanResult], list]:
+    """What `write_results` wrote: (what was studied, the PlanResults, the lesson's rows as LessonRows)."""
+    import json
+
+    from .lesson_table import LessonRow
+
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    results = []
+    for row in data.pop("plans"):
+        row.pop("family")
+        row["band_ci"] = {k: tuple(v) for k, v in (row["band_ci"] or {}).items()}
+        row["retention_ci"] = tuple(row["retention_ci"])
+        results.append(PlanResult(**row))
+    by_spec = {r.spec: r for r in results}
+    lesson = [LessonRow(row["lesson"], row["lesson_factor"], by_spec.get(row["plan"]), row["formula_factor"])
+              for row in data.pop("lesson")]
+    return data, results, lesson

@@ -44,3 +44,16 @@ def test_a_family_the_study_did_not_run_is_said_so():
     assert [row.result is not None for row in rows] == [True, False, False, False, False, False]
     text = format_lesson_table(rows, results[0])
     assert text.count("(no plan of this family in the study)") == 5
+
+
+def test_the_table_read_back_from_study_json_prints_as_written(tmp_path):
+    config = load_config()
+    records = [r for i, p in enumerate(PLANS) for r in _records(p, [100] * (30 - 2 * i) + [0] * (2 * i))]
+    results = study.analyse(records, config, 4, 0.5 * 2**30, 80 * 2**30, 32000)
+    rows = lesson_rows(results, config, 2000, 4)
+    path = study.write_results(results, rows, tmp_path / "study.json", model="smollm2-135m", tokens=2000)
+    about, again, rows_again = study.read_results(path)
+    assert about == {"model": "smollm2-135m", "tokens": 2000}
+    assert [r.spec for r in again] == PLANS
+    base = next(r for r in results if r.spec == "dynamic")
+    assert format_lesson_table(rows_again, again[0]) == format_lesson_table(rows, base)
