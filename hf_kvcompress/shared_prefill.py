@@ -45,9 +45,18 @@ def replay(spec: str, model, reference: DynamicCache, document_mask: torch.Tenso
 
 @torch.inference_mode()
 def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: int = 1, model_name: str,
-              prompt_format: str = "auto", progress=None) -> list[dict]:
-    """One record per (plan, sample), in the eval runner's record format, with one document prefill per batch."""
+              prompt_format: str = "auto", max_new_tokens: int | None = None, progress=None) -> list[dict]:
+    """One record per (plan, sample), in the eval runner's record format, with one document prefill per batch.
+
+    `max_new_tokens` caps every sample's answer (the tasks allow 16 tokens for a needle's 7 digits; every decoded
+    token is a step of every plan). `progress(n)` is called with the samples done after each batch.
+    """
+    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
+        raise ValueError(f"max_new_tokens must be a whole number >= 1 or None (the task's own), got {max_new_tokens!r}")
     rows = [dict(r) for r in samples]
+    if max_new_tokens is not None:
+        for row in rows:
+            row["max_new_tokens"] = min(row["max_new_tokens"], max_new_tokens)
     encoded = [encode(tokenizer, r, query_aware=False, prompt_format=prompt_format) for r in rows]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _first(model.generation_config.eos_token_id)
     groups = [f"{r['task']}|{r['max_new_tokens']}" for r in rows]
@@ -56,6 +65,7 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
     prompt_kind = "chat" if uses_chat(tokenizer, prompt_format) else "plain"
     repeat_ids = repeat_prompt_ids(tokenizer, chat=prompt_kind == "chat")
     records = []
+    done = 0
     for item in batches:
         batch = [encoded[i] for i in item.rows]
         max_new = max(rows[i]["max_new_tokens"] for i in item.rows)
@@ -96,6 +106,7 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
                     "chunk_size": None, "model": model_name,
                     "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 })
+        done += len(item.rows)
         if progress is not None:
-            progress(len(item.rows))
+            progress(done)
     return records

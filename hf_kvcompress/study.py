@@ -18,7 +18,7 @@ from .codecs.intn import IntNCodec
 from .codecs.lowrank import LowRankCodec
 from .codecs.reducing import ReducingCodec
 from .codecs.shared_heads import SharedHeadsCodec
-from .registry import parse_spec, study_specs
+from .registry import STUDY_PLANS, parse_spec, study_specs
 
 # Depth bands of the lesson's warning: questions about the start and the middle are where eviction fails.
 BANDS = (("start", 0, 33.4), ("middle", 33.4, 66.7), ("end", 66.7, 100.1))
@@ -336,10 +336,11 @@ def recommendation_text(best: PlanResult, results: list[PlanResult]) -> str:
     return text
 
 
-def study_plans(lengths: list[int], config=None) -> list[str]:
-    """The registry's plans scaled to the shortest context, so eviction really drops part of every document."""
+def study_plans(lengths: list[int], config=None, plans: tuple[str, ...] = STUDY_PLANS) -> list[str]:
+    """`plans` (the registry's STUDY_PLANS by default) scaled to the shortest context, so eviction really drops
+    part of every document."""
     head_dim = kv_shape_from_config(config).head_dim if config is not None else 64
-    return study_specs(min(lengths), head_dim)
+    return study_specs(min(lengths), head_dim, plans)
 
 
 def report_path(out_dir: str | Path) -> Path:
@@ -379,3 +380,41 @@ def plot_study(results: list[PlanResult], out_dir: str | Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def write_results(results: list[PlanResult], lesson: list, path: str | Path, **about) -> Path:
+    """The study's numbers as JSON (every plan, then the lesson's rows by plan), for notebooks and other reports."""
+    import dataclasses
+    import json
+
+    def plan(r: PlanResult) -> dict:
+        row = dataclasses.asdict(r)
+        row.pop("scores")
+        row["family"] = family(r.spec)
+        return row
+
+    data = {**about, "plans": [plan(r) for r in results],
+            "lesson": [{"lesson": row.lesson, "lesson_factor": row.lesson_factor, "formula_factor": row.formula_factor,
+                        "plan": row.result.spec if row.result is not None else None} for row in lesson]}
+    path = Path(path)
+    path.write_text(json.dumps(data, indent=1, allow_nan=True) + "\n", encoding="utf-8")
+    return path
+
+
+def read_results(path: str | Path) -> tuple[dict, list[PlanResult], list]:
+    """What `write_results` wrote: (what was studied, the PlanResults, the lesson's rows as LessonRows)."""
+    import json
+
+    from .lesson_table import LessonRow
+
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    results = []
+    for row in data.pop("plans"):
+        row.pop("family")
+        row["band_ci"] = {k: tuple(v) for k, v in (row["band_ci"] or {}).items()}
+        row["retention_ci"] = tuple(row["retention_ci"])
+        results.append(PlanResult(**row))
+    by_spec = {r.spec: r for r in results}
+    lesson = [LessonRow(row["lesson"], row["lesson_factor"], by_spec.get(row["plan"]), row["formula_factor"])
+              for row in data.pop("lesson")]
+    return data, results, lesson

@@ -69,7 +69,47 @@ NOTEBOOKS = {
                  "plt.tight_layout()\nplt.show()"),
         ("md", "The int codecs keep the newest 128 tokens at full precision (KIVI's residual), so at short "
                "lengths their ratio is above the asymptotic (bits + 32/group_size) / 32 of fp32; eviction caps the "
-               "token count itself. Quality is another matter: see `tradeoffs.ipynb`."),
+               "token count itself."),
+        ("md", "## The lesson's table with the column it could not show: quality\n\n"
+               "`make demo` (`hf-kvcompress study`) runs each of the lesson's rows on SmolLM2 with 30 needle "
+               "samples of 2,000-2,300 tokens (question after the document) and writes its numbers to "
+               "`results/study/smollm2-135m/study.json`. This cell reads that file; run `make demo` first. (The "
+               "tests run a 3-sample study at 300 tokens instead, `KVC_NOTEBOOK_SMALL=1`.) 'formula' and "
+               "'measured' are how many times less KV memory than the uncompressed cache on this model; SmolLM2 "
+               "has 3 KV heads, so head sharing here is all three into one (MQA) and low rank keeps 16 of 64 dims."),
+        ("code", "import contextlib, io, json\nfrom pathlib import Path\nfrom hf_kvcompress import study\n"
+                 "from hf_kvcompress.cli import main\nfrom hf_kvcompress.lesson_table import format_lesson_table\n"
+                 "if SMALL:  # the tests: the lesson's rows on 3 short samples, written where the tests say\n"
+                 "    out = Path(os.environ.get('KVC_NOTEBOOK_OUT', '/tmp/kvc-notebook')) / 'lesson-study'\n"
+                 "    with contextlib.redirect_stdout(io.StringIO()):\n"
+                 "        main(['study', '--model', 'smollm2-135m', '--lengths', '300', '--depths', '10,50,90',\n"
+                 "              '--samples-per-cell', '1', '--workers', '1', '--out', str(out), '--plans',\n"
+                 "              'int8;int4;sink_window:sink_tokens=4,window=60;shared_heads;lowrank;shared_heads+int8'])\n"
+                 "else:\n    out = Path('../results/study')\n"
+                 "path = out / 'smollm2-135m' / 'study.json'\n"
+                 "if not path.exists():\n"
+                 "    raise FileNotFoundError('run `make demo` first: it writes results/study/smollm2-135m/study.json')\n"
+                 "about, results, lesson = study.read_results(path)\n"
+                 "baseline = next(r for r in results if r.spec == 'dynamic')\n"
+                 "print(f\"{about['model']}, {baseline.n} samples per plan, documents of {about['tokens']:.0f} tokens on average\")\n"
+                 "print(format_lesson_table(lesson, baseline))"),
+        ("code", "import matplotlib.pyplot as plt\n"
+                 "rows = [('baseline', baseline)] + [(row.lesson, row.result) for row in lesson if row.result]\n"
+                 "fig, ax = plt.subplots(figsize=(7, 3.4))\n"
+                 "for i, (name, r) in enumerate(rows):\n"
+                 "    lo, hi = r.band_ci['all']\n"
+                 "    ax.errorbar(r.score, i, xerr=[[r.score - lo], [hi - r.score]], fmt='o', capsize=3,\n"
+                 "                color='tab:red' if name == 'baseline' else 'tab:blue')\n"
+                 "    ax.text(101, i, f'{r.factor:.1f}x less', va='center', fontsize=8)\n"
+                 "ax.set_yticks(range(len(rows)), [name for name, _ in rows])\n"
+                 "ax.invert_yaxis()\nax.set_xlim(-5, 118)\n"
+                 "ax.set_xlabel('needle score (0-100), 95% interval; right: measured KV saving')\n"
+                 "ax.set_title(\"The lesson's rows, measured on SmolLM2-135M\", fontsize=10)\n"
+                 "plt.tight_layout()\nplt.show()"),
+        ("md", "Same memory arithmetic, very different quality: the plans that keep every token at fewer bits "
+               "keep the answers; sharing heads and low rank applied to a model trained without them lose them, "
+               "as the lesson warns (they are normally trained in); eviction to a quarter keeps only the needles "
+               "that happen to sit in its window. `tradeoffs.ipynb` shows every plan of the study."),
     ],
     "eviction_practice": [
         ("md", "# The lesson's practice exercise, with the package's real policies\n\n"
@@ -142,44 +182,33 @@ NOTEBOOKS = {
     ],
     "tradeoffs": [
         ("md", "# Quality versus memory, measured\n\n"
-               "The study of `make demo` (`hf-kvcompress study`) through its Python API: every plan of the registry "
-               "on long-context recall with the question after the document, the lesson's table with measured "
-               "bytes beside the formula's, accuracy by depth band, and the plots. It writes its own results to "
-               "`results/tradeoffs` and reuses them on a rerun; `make demo`'s results (other model, tasks and "
-               "lengths) are not reused, since the runner reuses only results made with the same settings. "
-               "The committed outputs were executed at the tests' reduced size (`KVC_NOTEBOOK_SMALL=1`: SmolLM2, "
-               "300-token documents, two plans); run it with the variable unset for the full study."),
-        ("code", SMALL + "\nfrom pathlib import Path\nfrom IPython.display import Image, display\n"
-                 "from hf_kvcompress import load_model, study\n"
-                 "from hf_kvcompress.eval.report import summarize\n"
-                 "from hf_kvcompress.eval.runner import run_eval\n"
-                 "name = 'smollm2-135m' if SMALL else 'gemma-3-270m'\n"
-                 "lengths, depths = ([300], [10, 50, 90]) if SMALL else ([1000, 2000], [10, 50, 90])\n"
-                 "tasks = ['needle'] if SMALL else ['needle', 'kv_retrieval']\n"
-                 "plans = ['int4', 'sink_window:sink_tokens=4,window=60'] if SMALL else study.study_plans(lengths)\n"
-                 "out = Path('../results/tradeoffs' if not SMALL else os.environ.get('KVC_NOTEBOOK_OUT', '/tmp/kvc-notebook')) / name\n"
-                 "model, tokenizer = load_model(name)\n"
-                 "records = run_eval(model, tokenizer, plans, tasks=tasks, lengths=lengths, depths=depths, out_dir=out,\n"
-                 "                   model_name=name, progress=False)\n"
-                 "print(len(records), 'runs; plans:', plans)"),
-        ("code", "summary = summarize(records)\n"
-                 "usable = {t for t in summary['tasks'] if t not in summary['too_hard']} or set(summary['tasks'])\n"
-                 "print('too hard for this model (uncompressed < 50):', summary['too_hard'] or 'none')\n"
-                 "GIB = 2**30\n"
-                 "results = study.analyse(records, model.config, 4, study.model_weight_bytes(model), 80 * GIB, 32000,\n"
-                 "                        usable_tasks=usable)\n"
-                 "tokens = sum(r['document_tokens'] for r in records if r['method'] == 'dynamic') / sum(\n"
-                 "    r['method'] == 'dynamic' for r in records)\n"
-                 "print(study.format_table(results, tokens))\n"
-                 "print()\nprint(study.format_users(results, 10, 80 * GIB, study.model_weight_bytes(model), 32000))\n"
-                 "print()\nprint(study.recommendation_text(study.recommend(results, 10), results))"),
-        ("code", "notes = study.residual_notes(results, tokens)\nprint(notes or 'no int plan here')"),
-        ("md", "## Quality against memory\n\nEach point is a plan: mean score on the tasks the uncompressed cache "
-               "passes, against the peak KV bytes measured per sample."),
-        ("code", "display(Image(filename=str(out / 'quality_vs_memory.png')))"),
-        ("md", "## Where each plan fails: depth x length heatmaps\n\nEviction loses the start and the middle of the "
-               "document; quantization loses little everywhere."),
-        ("code", "for path in sorted(out.glob('heatmap_*.png')):\n    display(Image(filename=str(path)))"),
+               "The study of `make demo` (`hf-kvcompress study`): every family of the lesson (quantization, "
+               "eviction, sharing, low rank) and the stacks it names, on needle recall with the question after "
+               "the document, each document prefilled once and every plan's cache built from that prefill. The "
+               "lesson's table with the formula's bytes beside the measured ones, the score by depth band with "
+               "95% intervals, the retention, users per GPU and a recommendation that says which plans cannot be "
+               "told apart. Without `KVC_NOTEBOOK_SMALL=1` it shows `make demo`'s results "
+               "(`results/study`), running the study first if they are missing (about 8 minutes on 2 cores); "
+               "the tests run 3 samples at 300 tokens."),
+        ("code", SMALL + "\nimport contextlib, io\nfrom pathlib import Path\nfrom IPython.display import Image, display\n"
+                 "from hf_kvcompress.cli import main\n"
+                 "name = 'smollm2-135m'\n"
+                 "if SMALL:\n"
+                 "    out = Path(os.environ.get('KVC_NOTEBOOK_OUT', '/tmp/kvc-notebook')) / 'study'\n"
+                 "    argv = ['--lengths', '300', '--depths', '10,50,90', '--samples-per-cell', '1', '--workers', '1',\n"
+                 "            '--plans', 'int4;sink_window:sink_tokens=4,window=60']\n"
+                 "else:\n    out, argv = Path('../results/study'), []\n"
+                 "if SMALL or not (out / name / 'study.json').exists():\n"
+                 "    with contextlib.redirect_stdout(io.StringIO()):\n"
+                 "        main(['study', '--model', name, '--out', str(out), *argv])\n"
+                 "print((out / 'study.md').read_text().split('Plots:')[0])"),
+        ("md", "## Quality against memory\n\nEach point is a plan, numbered and named in the key beside the axes "
+               "(no two labels can overlap): mean score with its 95% interval against the KV bytes measured "
+               "after the document."),
+        ("code", "display(Image(filename=str(out / name / 'quality_vs_memory.png')))"),
+        ("md", "## Where each plan fails: depth x length heatmaps\n\nEviction keeps only what sits in its "
+               "window; quantization loses little anywhere; post-hoc sharing and low rank lose everywhere."),
+        ("code", "for path in sorted((out / name).glob('heatmap_*.png')):\n    display(Image(filename=str(path)))"),
     ],
 }
 

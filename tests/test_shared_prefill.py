@@ -1,5 +1,7 @@
-"""The study's shared prefill: a plan's cache rebuilt from one DynamicCache prefill answers exactly as a cache that
-was given the document itself (one chunk), for every family of non-attention plans."""
+"""The study's shared prefill: a plan's cache rebuilt from one DynamicCache prefill holds the same bytes and answers
+exactly as a cache that was given the document itself (one chunk), for every family of the demo's plans:
+quantization, eviction, sharing, low rank and their stacks. (Within one prefill step a compressed cache attends to
+the step's own states at full precision, so encoding the finished full-precision cache gives the same cache.)"""
 
 import pytest
 import torch
@@ -12,19 +14,32 @@ from hf_kvcompress.measure import measured_kv_bytes
 
 from .caches.tiny_models import tiny_model
 
-PLANS = ["dynamic", "int4:group_size=16,residual_length=4", "fp8", "sink_window:sink_tokens=2,window=8",
-         "shared_heads", "sink_window:sink_tokens=2,window=8+shared_heads+int8:group_size=16,residual_length=2"]
+PLANS = ["dynamic", "int4:group_size=16,residual_length=4", "int8:group_size=16,residual_length=2", "fp8",
+         "sink_window:sink_tokens=2,window=8", "shared_heads",
+         "sink_window:sink_tokens=2,window=8+shared_heads+int8:group_size=16,residual_length=2",
+         "shared_heads+int8:group_size=16,residual_length=2", "lowrank:rank=8,bases={bases}",
+         "lowrank:rank=16,bases={bases}+int8:group_size=16,residual_length=2"]
+
+
+def _bases(model, tmp_path):
+    from hf_kvcompress.calibration import calibrate, save_bases
+
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    tensors, metadata, _ = calibrate(model, ids, max_rank=16, text="random ids")
+    return save_bases(tensors, metadata, tmp_path).parent
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_replayed_caches_answer_as_a_real_prefill(family):
+def test_replayed_caches_answer_as_a_real_prefill(family, tmp_path):
     model = tiny_model(family)
+    model.config._name_or_path = f"tiny-{family}"
+    bases = _bases(model, tmp_path)
     g = torch.Generator().manual_seed(0)
     rows = [(torch.randint(3, 128, (n,), generator=g).tolist(), torch.randint(3, 128, (4,), generator=g).tolist())
             for n in (20, 17)]
     full_ids, full_mask, width = left_pad(rows, 0)
     reference = document_states(model, full_ids, full_mask, width)
-    for plan in PLANS:
+    for plan in (p.format(bases=bases) for p in PLANS):
         if family == "gemma3" and "shared_heads" in plan:
             continue  # one KV head: refused (tested in tests/caches/test_shared_heads_cache.py)
         real = run_batch(model, plan, rows, 6, pad_token_id=0, chunk_size=None)

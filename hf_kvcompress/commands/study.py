@@ -20,13 +20,33 @@ def _ints(text: str, name: str) -> list[int]:
     return values
 
 
+# Each preset: the grid, the plans (a registry tuple, scaled to the shortest length) and the answer's token cap.
 PRESETS = {
-    # make demo on 2 CPU cores: >= 30 scored samples per plan, documents of 2,000 tokens and more.
-    "demo": dict(lengths="2000,2400", depths="10,30,50,70,90", tasks="needle", samples_per_cell=3),
-    # a GPU and a long-context model: the same grid at 4k-32k.
+    # make demo on 2 CPU cores: 30 scored samples per plan (2 lengths x 5 depths x 3), documents of 2,000 tokens
+    # and more (a length counts the whole prompt; the question and the chat markup take about 40 of it), one plan
+    # per family and the lesson's stacked ones, every plan from the one shared prefill per document. A 7-digit
+    # needle and its full stop are 9 of SmolLM2's tokens: 10 new tokens are enough and every one is a step of
+    # every plan.
+    "demo": dict(lengths="2048,2304", depths="10,30,50,70,90", tasks="needle", samples_per_cell=3,
+                 plans="STUDY_PLANS", max_new_tokens=10),
+    # the evictions that must see the prefill (H2O, SnapKV: its attention; KVzip: a second read of the document),
+    # each with its own prefill: about 5 times the demo's time on a CPU.
+    "eviction": dict(lengths="2048,2304", depths="10,30,50,70,90", tasks="needle", samples_per_cell=3,
+                     plans="EVICTION_STUDY_PLANS", max_new_tokens=10),
+    # a GPU and a long-context model: every plan of both at 4k-32k, needle and multi-needle, the tasks' own caps.
     "full": dict(lengths="4000,8000,16000,32000", depths="0,10,25,50,75,90,100", tasks="needle,multi_needle",
-                 samples_per_cell=3),
+                 samples_per_cell=3, plans="STUDY_PLANS,EVICTION_STUDY_PLANS", max_new_tokens=None),
 }
+
+
+def preset_plans(preset: str, lengths: list[int], config) -> list[str]:
+    """The preset's plans, scaled to the shortest length and the model's head_dim, each once."""
+    from .. import registry, study
+
+    plans = []
+    for name in PRESETS[preset]["plans"].split(","):
+        plans += study.study_plans(lengths, config, getattr(registry, name))
+    return list(dict.fromkeys(plans))
 
 
 def add_parser(subparsers) -> None:
@@ -43,11 +63,18 @@ def add_parser(subparsers) -> None:
                         help="model to study (default: the first embedded model whose uncompressed needle score "
                              "reaches 70; each embedded model's baseline is reported)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="demo",
-                        help="lengths, depths, tasks and samples: 'demo' (2 CPU cores, ~10 min) or 'full' (GPU, 4k-32k)")
+                        help="lengths, depths, tasks, samples, plans and answer length: 'demo' (every family on 2 "
+                             "CPU cores in under 10 minutes), 'eviction' (H2O, SnapKV, KVzip: each prefills on its "
+                             "own, about 5 times longer) or 'full' (both sets at 4k-32k, for a GPU)")
     parser.add_argument("--lengths", default=None, help="document lengths in the model's tokens (comma-separated)")
     parser.add_argument("--depths", default=None, help="needle depths in percent of the document")
     parser.add_argument("--tasks", default=None, help="evaluation tasks (see hf-kvcompress eval)")
-    parser.add_argument("--plans", default=None, help="cache specs separated by ';' (default: the registry's study plans)")
+    parser.add_argument("--plans", default=None, help="cache specs separated by ';' (default: the preset's plans)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="cap on each answer's tokens (default: the preset's; 0: the tasks' own)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="processes that split the samples, one per core on a CPU (default: the cores, at most "
+                             "4, on a CPU; 1 on a GPU)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="GPU memory for the users-per-GPU table")
     parser.add_argument("--context", type=int, default=32000, help="tokens per user for the users-per-GPU table")
     parser.add_argument("--weights", type=float, default=None, metavar="GIB", help="weights in GiB (default: the model's)")
@@ -55,7 +82,7 @@ def add_parser(subparsers) -> None:
                         help="GPU memory kept free for activations and the runtime, for the users-per-GPU table")
     parser.add_argument("--min-quality", type=float, default=10.0,
                         help="largest loss in score points a plan may have to count as usable (default 10)")
-    parser.add_argument("--batch-size", type=int, default=3, help="samples per batch (one shared prefill each)")
+    parser.add_argument("--batch-size", type=int, default=5, help="samples per batch (one shared prefill each)")
     parser.add_argument("--samples-per-cell", type=int, default=None)
     parser.add_argument("--out", default="results/study", help="output directory")
     parser.set_defaults(func=run)
@@ -88,8 +115,9 @@ def run(args) -> int:
     from ..eval.report import plot_heatmaps, summarize
     from ..eval.runner import check_specs
     from ..eval.tasks import build_samples, parse_task
+    from ..lesson_table import format_lesson_table, lesson_rows
     from ..models import load_model
-    from ..shared_prefill import run_plans
+    from ..study_workers import default_workers, run_plans_split
 
     preset = PRESETS[args.preset]
     lengths = _ints(args.lengths or preset["lengths"], "lengths")
@@ -108,6 +136,11 @@ def run(args) -> int:
     per_cell = args.samples_per_cell or preset["samples_per_cell"]
     if per_cell < 1:
         raise ValueError(f"--samples-per-cell must be >= 1, got {per_cell}")
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    max_new = preset["max_new_tokens"] if args.max_new_tokens is None else (args.max_new_tokens or None)
+    if max_new is not None and max_new < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, or 0 for the tasks' own, got {args.max_new_tokens}")
     requested = [p.strip() for p in args.plans.split(";") if p.strip()] if args.plans else None
     for task in tasks:
         parse_task(task)
@@ -125,18 +158,19 @@ def run(args) -> int:
     runs = {}
     for name in candidates:
         model, tokenizer = load_model(name)
-        plans = requested or study.study_plans(lengths, model.config)
+        plans = requested or preset_plans(args.preset, lengths, model.config)
         plans, refused = _usable_plans(list(dict.fromkeys(["dynamic", *plans])), model.config)
         samples = build_samples(tokenizer, tasks, lengths, depths, samples_per_cell=per_cell, seed=0)
-        done = [0]
+        workers = args.workers or default_workers(model.device.type)
+        workers_used = min(workers, len(samples))
 
-        def progress(rows: int, total: int = len(samples), name: str = name) -> None:
-            done[0] += rows
-            print(f"  {name}: {done[0]}/{total} samples x {len(plans)} plans, {time.perf_counter() - started:.0f} s",
-                  flush=True)
+        def progress(done: int, share: int, name: str = name, total: int = len(samples)) -> None:
+            part = f" (this process's share of {total}; {workers_used - 1} more processes)" if share < total else ""
+            print(f"  {name}: {done}/{share} samples{part} x {len(plans)} plans, "
+                  f"{time.perf_counter() - started:.0f} s", flush=True)
 
-        records = run_plans(model, tokenizer, plans, samples, batch_size=args.batch_size, model_name=name,
-                            progress=progress)
+        records = run_plans_split(model, tokenizer, plans, samples, workers=workers, model_name=name,
+                                  batch_size=args.batch_size, max_new_tokens=max_new, progress=progress)
         baselines[name] = _baseline(records)
         print(f"{name}: uncompressed needle score {baselines[name]:.1f} over {len(samples)} samples")
         runs[name] = (model, records, refused)
@@ -167,14 +201,20 @@ def run(args) -> int:
     with open(plots / "records.jsonl", "w", encoding="utf-8") as handle:
         for record in records:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    lesson = lesson_rows(results, model.config, tokens, model_bytes)
+    baseline = next(r for r in results if r.spec == "dynamic")
+    study.write_results(results, lesson, plots / "study.json", model=name, tokens=tokens)
     n = len(records) // max(1, len(results))
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    answer = f"answers capped at {max_new} new tokens" if max_new else "the tasks' own answer lengths"
     lines = [
         f"# Study: {name}",
         "",
         f"Tasks {', '.join(tasks)} at {','.join(map(str, lengths))} tokens, depths {depths_text}, {per_cell} samples "
         f"per cell: {n} scored samples per plan; question after the document (protocol "
-        f"{', '.join(summary['protocols'])}); {len(records)} runs in {time.perf_counter() - started:.0f} s "
-        f"({time.process_time() - cpu_started:.0f} s of CPU time).",
+        f"{', '.join(summary['protocols'])}); {answer}; {len(records)} runs in {seconds:.0f} s with {workers_used} "
+        f"process(es) ({cpu:.0f} s of this process's CPU time; {seconds / max(1, n):.1f} s per sample for all "
+        f"{len(results)} plans).",
     ]
     if not args.model:
         lines.append("Uncompressed needle score per embedded model: "
@@ -186,11 +226,13 @@ def run(args) -> int:
     for plan, why in refused.items():
         lines.append(f"Refused for this model: {plan}: {why}")
     notes = study.residual_notes(results, tokens)
-    lines += ["", "```", study.format_table(results, tokens), *(["", notes] if notes else []), "", study.format_users(
+    lines += ["", "```", study.format_table(results, tokens), *(["", notes] if notes else []), "",
+              "The lesson's table, with the quality it could not show (score and retention measured above):",
+              format_lesson_table(lesson, baseline), "", study.format_users(
         results, args.min_quality, args.gpu_memory * GIB, weights, args.context), "", study.recommendation_text(best, results),
         "```", "", "Retention: share of the samples the uncompressed cache answers that the plan still answers. "
         "Formula: the lesson's 2 x layers x kv_heads x head_dim x bytes x tokens; measured: what the cache held.",
-        f"Plots: {plots}/quality_vs_memory.png and heatmap_<plan>.png"]
+        f"Plots: {plots}/quality_vs_memory.png and heatmap_<plan>.png; numbers: {plots}/study.json"]
     text = "\n".join(lines)
     out.mkdir(parents=True, exist_ok=True)
     study.report_path(out).write_text(text + "\n", encoding="utf-8")

@@ -1,0 +1,50 @@
+"""Where the study's time goes: the shared document prefill, and each plan's own work, per sample.
+
+CPU seconds of this process (the machine is shared, so wall time is inflated by the neighbours' load) and wall
+seconds, for one batch of needle samples. The load average is printed beside them.
+
+Usage: python benchmarks/study_pace.py smollm2-135m 2000 3 [max_new_tokens] ["plan;plan;..."]
+"""
+import os, sys, time
+
+import torch
+
+from hf_kvcompress.eval.prompts import encode
+from hf_kvcompress.eval.runner import left_pad, run_batch
+from hf_kvcompress.eval.tasks import build_samples
+from hf_kvcompress.generation import generate, repeat_prompt_ids
+from hf_kvcompress.models import load_model
+from hf_kvcompress.registry import needs_own_prefill
+from hf_kvcompress.shared_prefill import document_states, replay
+from hf_kvcompress.study import study_plans
+
+name, length, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+max_new = int(sys.argv[4]) if len(sys.argv) > 4 else 16
+model, tok = load_model(name)
+plans = sys.argv[5].split(";") if len(sys.argv) > 5 else study_plans([length], model.config)
+samples = build_samples(tok, ["needle"], [length], [10, 50, 90][:batch] + [30] * max(0, batch - 3),
+                        samples_per_cell=1, seed=0)
+encoded = [encode(tok, r, query_aware=False) for r in samples]
+ids, mask, width = left_pad(encoded, tok.pad_token_id or 0)
+print(f"{name}: {batch} samples of {ids.shape[1]} tokens, max_new_tokens={max_new}, threads={torch.get_num_threads()}, "
+      f"load {os.getloadavg()[0]:.2f}", flush=True)
+
+
+def clock(fn):
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w, time.process_time() - c
+
+
+ref, w, c = clock(lambda: document_states(model, ids, mask, width))
+print(f"{'shared prefill':50s} cpu {c / batch:7.2f} s/sample  wall {w / batch:7.2f} s/sample", flush=True)
+rp = repeat_prompt_ids(tok)
+for plan in plans:
+    if needs_own_prefill(plan):
+        fn = lambda: run_batch(model, plan, encoded, max_new, pad_token_id=tok.pad_token_id or 0, chunk_size=None,
+                               repeat_prompt_ids=rp)
+    else:
+        fn = lambda: generate(model, ids, mask, replay(plan, model, ref, mask[:, :width]), max_new_tokens=max_new)
+    _, w, c = clock(fn)
+    print(f"{plan:50s} cpu {c / batch:7.2f} s/sample  wall {w / batch:7.2f} s/sample  load {os.getloadavg()[0]:.2f}",
+          flush=True)

@@ -1,0 +1,114 @@
+"""The lesson's budget table with the column it says is missing: the quality each plan keeps, as the study measured.
+
+The lesson computes its rows from the size formula alone ("the quality cost of each plan is not visible here").
+Each row is matched to the study's plan of the same family; the table shows the lesson's saving at its 8B shape
+beside this model's formula and measured savings, the score with its 95% interval and the retention.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .budget import compression_plans
+from .codecs.identity import IdentityCodec
+from .codecs.intn import IntNCodec
+from .codecs.lowrank import LowRankCodec
+from .codecs.shared_heads import SharedHeadsCodec
+from .registry import parse_spec
+
+
+def _plain(codec, kind) -> bool:
+    return type(codec) is kind
+
+
+def _int(bits: int) -> Callable[[str], bool]:
+    def match(spec: str) -> bool:
+        policy, codec = parse_spec(spec)
+        return policy.budget is None and isinstance(codec, IntNCodec) and codec.bits == bits
+    return match
+
+
+def _evict(spec: str) -> bool:
+    policy, codec = parse_spec(spec)
+    return policy.budget is not None and isinstance(codec, IdentityCodec)
+
+
+def _shared(storage) -> Callable[[str], bool]:
+    def match(spec: str) -> bool:
+        policy, codec = parse_spec(spec)
+        return (policy.budget is None and isinstance(codec, SharedHeadsCodec)
+                and (_plain(codec.storage, IdentityCodec) if storage is None else
+                     isinstance(codec.storage, IntNCodec) and codec.storage.bits == storage))
+    return match
+
+
+def _lowrank(spec: str) -> bool:
+    policy, codec = parse_spec(spec)
+    return policy.budget is None and isinstance(codec, LowRankCodec) and _plain(codec.storage, IdentityCodec)
+
+
+# The lesson's rows in its order, each with the test a study plan must pass to stand for it. Low rank prefers the
+# lesson's quarter of head_dim (`lowrank`, rank None) over other ranks.
+LESSON_ROWS: tuple[tuple[str, Callable[[str], bool]], ...] = (
+    ("quantize to INT8", _int(8)),
+    ("quantize to INT4", _int(4)),
+    ("evict: keep 4k tokens", _evict),
+    ("share heads: GQA 8 KV", _shared(None)),
+    ("low-rank: 128 -> 32 dims", _lowrank),
+    ("GQA 8 + INT8 combined", _shared(8)),
+)
+
+
+@dataclass(frozen=True)
+class LessonRow:
+    lesson: str  # the lesson's row
+    lesson_factor: float  # how many times smaller at the lesson's 8B shape, 32k tokens
+    result: object | None  # the study's PlanResult standing for it, None when no plan of the study matches
+    formula_factor: float = float("nan")  # the uncompressed formula's bytes / this plan's, on the studied model
+
+
+def lesson_rows(results: list, config, tokens: float, model_bytes: float) -> list[LessonRow]:
+    """One LessonRow per lesson row; `results` are the study's PlanResults (the baseline `dynamic` among them)."""
+    from .study import formula_bytes
+
+    factors = {row.name: row.factor for row in compression_plans().rows}
+    base = formula_bytes("dynamic", config, tokens, model_bytes)
+    rows = []
+    for name, match in LESSON_ROWS:
+        candidates = [r for r in results if match(r.spec)]
+        if name.startswith("low-rank"):
+            candidates.sort(key=lambda r: parse_spec(r.spec)[1].rank is not None)
+        best = candidates[0] if candidates else None
+        formula = base / formula_bytes(best.spec, config, tokens, model_bytes) if best else float("nan")
+        rows.append(LessonRow(name, factors[name], best, formula))
+    return rows
+
+
+def _cell(value: float, ci: tuple[float, float] | None) -> str:
+    if math.isnan(value):
+        return f"{'-':>13s}"
+    if ci is None or math.isnan(ci[0]):
+        return f"{value:5.0f}        "
+    return f"{value:5.0f} [{ci[0]:3.0f}-{ci[1]:3.0f}]"
+
+
+def format_lesson_table(rows: list[LessonRow], baseline) -> str:
+    """The lesson's table with the study's columns; `baseline` is the study's `dynamic` PlanResult."""
+    lines = [
+        f"{'the lesson (8B, 32k tokens)':26s} {'x less':>6s}   {'plan measured here':40s} {'formula':>7s} "
+        f"{'measured':>8s} {'score, 95% interval':>19s} {'retention':>13s}",
+        f"{'baseline FP16':26s} {1.0:6.1f}   {baseline.spec:40s} {1.0:7.1f} {1.0:8.1f} "
+        f"{_cell(baseline.score, (baseline.band_ci or {}).get('all')):>19s} {'':>13s}",
+    ]
+    for row in rows:
+        r = row.result
+        if r is None:
+            lines.append(f"{row.lesson:26s} {row.lesson_factor:6.1f}   (no plan of this family in the study)")
+            continue
+        lines.append(
+            f"{row.lesson:26s} {row.lesson_factor:6.1f}   {r.spec:40s} {row.formula_factor:7.1f} {r.factor:8.1f} "
+            f"{_cell(r.score, (r.band_ci or {}).get('all')):>19s} {_cell(r.retention, r.retention_ci)}"
+        )
+    return "\n".join(lines)

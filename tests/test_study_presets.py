@@ -1,0 +1,40 @@
+"""The study's presets: the demo has a plan of every family and the lesson's stacks, all from the shared prefill;
+the evictions that need their own prefill have their preset; `full` runs both."""
+
+from hf_kvcompress import study
+from hf_kvcompress.commands.study import PRESETS, preset_plans
+from hf_kvcompress.models import load_config
+from hf_kvcompress.registry import needs_own_prefill, parse_spec
+
+
+def test_the_demo_has_every_family_and_the_lessons_stacks_without_an_own_prefill():
+    config = load_config()
+    lengths = [int(v) for v in PRESETS["demo"]["lengths"].split(",")]
+    plans = preset_plans("demo", lengths, config)
+    families = {study.family(p) for p in plans}
+    for wanted in ("no compression", "quantization", "eviction", "sharing", "low rank", "sharing + quantization",
+                   "eviction + quantization", "low rank + quantization"):
+        assert wanted in families, wanted
+    assert not [p for p in plans if needs_own_prefill(p)]
+    budget = min(parse_spec(p)[0].budget or 10**9 for p in plans)
+    assert budget == min(lengths) // 4  # eviction keeps a quarter of the shortest document
+
+
+def test_the_eviction_preset_holds_the_plans_that_prefill_on_their_own_and_full_holds_both():
+    config = load_config()
+    eviction = preset_plans("eviction", [2048], config)
+    assert {p.split(":")[0] for p in eviction if needs_own_prefill(p)} == {"h2o", "snapkv", "kvzip"}
+    full = preset_plans("full", [4000, 8000], config)
+    assert set(preset_plans("demo", [4000], config)) | set(preset_plans("eviction", [4000], config)) == set(full)
+    assert len(full) == len(set(full))
+    assert PRESETS["full"]["max_new_tokens"] is None and min(map(int, PRESETS["full"]["lengths"].split(","))) == 4000
+
+
+def test_the_demo_documents_are_at_least_2000_tokens(embedded):
+    from hf_kvcompress.eval.prompts import encode
+    from hf_kvcompress.eval.tasks import build_samples
+
+    _, tokenizer = embedded
+    shortest = min(int(v) for v in PRESETS["demo"]["lengths"].split(","))
+    samples = build_samples(tokenizer, ["needle"], [shortest], [10, 90], samples_per_cell=1, seed=0)
+    assert min(len(encode(tokenizer, s, query_aware=False)[0]) for s in samples) >= 2000
