@@ -12,9 +12,11 @@ from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
 from ..ops.hadamard import rotate as hadamard_rotate
 from ..ops.hadamard import unrotate as hadamard_unrotate
 from .base import Codec, Encoded, Kind
+from .gaussian_levels import levels_tensor, thresholds_tensor
 
 KEY_AXES = ("channel", "token")
 ROTATIONS = ("none", "hadamard")
+CODEBOOKS = ("uniform", "gaussian")
 _TINY = torch.finfo(torch.bfloat16).tiny
 
 
@@ -45,6 +47,22 @@ def _quantize(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[torch.Tensor
     return codes, scale, lo
 
 
+def _quantize_gaussian(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lloyd-Max levels of N(0, 1) placed at the group's mean (zero) plus multiples of its standard deviation (scale).
+
+    Both are stored in bfloat16 and the codes are chosen against the stored (rounded) numbers, so decoding
+    reproduces exactly the level the encoder picked. Values beyond the outer levels are clipped to them: that is
+    where the lower mean squared error comes from.
+    """
+    x = x.float()
+    mean = x.mean(dim=reduce_dim, keepdim=True).to(torch.bfloat16)
+    std = (x - mean.float()).pow(2).mean(dim=reduce_dim, keepdim=True).sqrt()
+    scale = std.clamp(min=_TINY).to(torch.bfloat16).clamp(min=_TINY)
+    normalized = (x - mean.float()) / scale.float()
+    codes = torch.bucketize(normalized, thresholds_tensor(bits, x.device))
+    return codes, scale, mean
+
+
 @dataclass(frozen=True)
 class IntNCodec(Codec):
     """int8 / int4 / int3 / int2 with a scale and zero point per group of `group_size` values.
@@ -66,6 +84,12 @@ class IntNCodec(Codec):
             keys/values. "none" quantizes the raw vectors.
         sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps at full precision
             (attention sinks, IntactKV arXiv:2403.01241).
+        codebook: "uniform" spreads 2**bits levels evenly from each group's minimum to its maximum. "gaussian"
+            uses the Lloyd-Max levels of a normal variable around the group's mean in units of its standard
+            deviation (`gaussian_levels.py`) for the groups that run along head_dim (values, and keys with
+            key_axis="token"): after the rotation the coordinates of one vector are close to Gaussian, but one
+            channel's run of tokens is not, so per-channel key groups keep the min/max grid (measured: the Gaussian
+            levels raised the per-channel key error). Same bytes either way.
     """
 
     bits: int = 4
@@ -74,6 +98,7 @@ class IntNCodec(Codec):
     key_axis: Literal["channel", "token"] | None = field(default=None)
     rotate: Literal["none", "hadamard"] = "none"
     sink_tokens: int = 0
+    codebook: Literal["uniform", "gaussian"] = "uniform"
     # The decoder layer this copy serves (see `for_layer`): it seeds the rotation's signs.
     layer: int = field(default=0, init=False, repr=False)
 
@@ -92,6 +117,8 @@ class IntNCodec(Codec):
             raise ValueError(f"rotate must be one of {ROTATIONS}, got {self.rotate!r}")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
+        if self.codebook not in CODEBOOKS:
+            raise ValueError(f"codebook must be one of {CODEBOOKS}, got {self.codebook!r}")
 
     def for_policy(self, evicts: bool) -> "IntNCodec":
         """Settle `key_axis`: per-channel key groups cannot lose single tokens, so eviction needs per-token keys."""
@@ -130,6 +157,19 @@ class IntNCodec(Codec):
         if head_dim % self.group_size:
             raise ValueError(f"group_size must divide head_dim ({head_dim}), got {self.group_size}")
 
+    def _gaussian(self, kind: Kind) -> bool:
+        return self.codebook == "gaussian" and not self._per_channel(kind)
+
+    def _quantize(self, grouped: torch.Tensor, kind: Kind, reduce_dim: int):
+        quantize = _quantize_gaussian if self._gaussian(kind) else _quantize
+        return quantize(grouped, self.bits, reduce_dim)
+
+    def _levels(self, codes: torch.Tensor, kind: Kind) -> torch.Tensor:
+        """Codes -> multiples of the scale: the codes themselves on the uniform grid, Lloyd-Max levels otherwise."""
+        if self._gaussian(kind):
+            return levels_tensor(self.bits, codes.device)[codes.long()]
+        return codes.float()
+
     def encode(self, states: torch.Tensor, kind: Kind) -> Encoded:
         b, h, t, d = states.shape
         if self.rotate == "hadamard":
@@ -139,14 +179,14 @@ class IntNCodec(Codec):
             if t % g:
                 raise ValueError(f"per-channel key groups need a multiple of {g} tokens, got {t}")
             grouped = states.reshape(b, h, t // g, g, d)
-            codes, scale, zero = _quantize(grouped, self.bits, reduce_dim=3)
+            codes, scale, zero = self._quantize(grouped, kind, reduce_dim=3)
             return {
                 "codes": pack(codes.reshape(b, h, t, d), self.bits),
                 "scale": scale.reshape(b, h, t // g, d),
                 "zero": zero.reshape(b, h, t // g, d),
             }
         grouped = states.reshape(b, h, t, d // self.group_size, self.group_size)
-        codes, scale, zero = _quantize(grouped, self.bits, reduce_dim=4)
+        codes, scale, zero = self._quantize(grouped, kind, reduce_dim=4)
         return {"codes": pack(codes.reshape(b, h, t, d), self.bits), "scale": scale[..., 0], "zero": zero[..., 0]}
 
     def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
@@ -155,9 +195,9 @@ class IntNCodec(Codec):
         scale, zero = encoded["scale"].float(), encoded["zero"].float()
         if self._per_channel(kind):
             g = self.group_size
-            out = codes.reshape(b, h, t // g, g, d).float() * scale[:, :, :, None, :] + zero[:, :, :, None, :]
+            out = self._levels(codes, kind).reshape(b, h, t // g, g, d) * scale[:, :, :, None, :] + zero[:, :, :, None, :]
         else:
-            out = codes.reshape(b, h, t, d // self.group_size, self.group_size).float() * scale[..., None] + zero[..., None]
+            out = self._levels(codes, kind).reshape(b, h, t, d // self.group_size, self.group_size) * scale[..., None] + zero[..., None]
         out = out.reshape(b, h, t, d)
         if self.rotate == "hadamard":
             out = hadamard_unrotate(out, self._seed(kind))
