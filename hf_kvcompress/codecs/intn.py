@@ -11,6 +11,7 @@ import torch
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
 from ..ops.hadamard import rotate as hadamard_rotate
 from ..ops.hadamard import unrotate as hadamard_unrotate
+from ..ops.rerotate import rerotate
 from .base import Codec, Encoded, Kind
 from .gaussian_levels import levels_tensor, thresholds_tensor
 
@@ -90,6 +91,12 @@ class IntNCodec(Codec):
             key_axis="token"): after the rotation the coordinates of one vector are close to Gaussian, but one
             channel's run of tokens is not, so per-channel key groups keep the min/max grid (measured: the Gaussian
             levels raised the per-channel key error). Same bytes either way.
+        pre_rope: quantize per-channel key groups as if before RoPE (KVQuant, arXiv:2401.18079): each key is
+            rotated back by its offset from its group's first token, so the whole group shares one RoPE rotation
+            and a channel's values no longer spin with position inside the group; decoding rotates them forward
+            again. Offsets within a group are all it needs (never absolute positions), read with the RoPE
+            frequencies from the model's config, so the cache must be built with it (`make_cache(spec, config)`).
+            Keys grouped per token (key_axis="token", evicting policies) are left as they are.
     """
 
     bits: int = 4
@@ -99,6 +106,9 @@ class IntNCodec(Codec):
     rotate: Literal["none", "hadamard"] = "none"
     sink_tokens: int = 0
     codebook: Literal["uniform", "gaussian"] = "uniform"
+    pre_rope: bool = False
+    # RoPE inverse frequencies of the full-attention layers, filled in by `for_model` when pre_rope is on.
+    inv_freq: tuple[float, ...] | None = field(default=None, init=False, repr=False, compare=False)
     # The decoder layer this copy serves (see `for_layer`): it seeds the rotation's signs.
     layer: int = field(default=0, init=False, repr=False)
 
@@ -119,13 +129,43 @@ class IntNCodec(Codec):
             raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
         if self.codebook not in CODEBOOKS:
             raise ValueError(f"codebook must be one of {CODEBOOKS}, got {self.codebook!r}")
+        if not isinstance(self.pre_rope, bool):
+            raise ValueError(f"pre_rope must be true or false, got {self.pre_rope!r}")
+
+    @property
+    def needs_model(self) -> bool:
+        """Only pre_rope reads the model's config (its RoPE frequencies)."""
+        return self.pre_rope
+
+    def for_model(self, config) -> "IntNCodec":
+        """Read the full-attention layers' RoPE frequencies from the config (pre_rope only)."""
+        if not self.pre_rope:
+            return self
+        from ..hf.rope import rope_inv_freq
+
+        bound = copy.copy(self)
+        object.__setattr__(bound, "inv_freq", tuple(rope_inv_freq(config, "full_attention").tolist()))
+        return bound
+
+    def _group_rope(self, keys: torch.Tensor, direction: int) -> torch.Tensor:
+        """Rotate per-channel key groups [B, H, T, D] by `direction` x (offset within the group) positions."""
+        if self.inv_freq is None:
+            raise ValueError("pre_rope needs the model's config for its RoPE frequencies: build the cache with "
+                             "make_cache(spec, model.config) or CompressedCache(..., config=model.config)")
+        b, h, t, d = keys.shape
+        g = self.group_size
+        offsets = torch.arange(g, device=keys.device, dtype=torch.float32) * direction  # [g], broadcast over groups
+        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32)
+        return rerotate(keys.float().reshape(b, h, t // g, g, d), offsets, inv_freq).reshape(b, h, t, d)
 
     def for_policy(self, evicts: bool) -> "IntNCodec":
         """Settle `key_axis`: per-channel key groups cannot lose single tokens, so eviction needs per-token keys."""
         from dataclasses import replace
 
         if self.key_axis is None:
-            return replace(self, key_axis="token" if evicts else "channel")
+            settled = replace(self, key_axis="token" if evicts else "channel")
+            object.__setattr__(settled, "inv_freq", self.inv_freq)  # replace() resets init=False fields
+            return settled
         if self.key_axis == "channel" and evicts:
             raise ValueError(
                 "key_axis='channel' groups keys across tokens and cannot be combined with an evicting policy; "
@@ -172,6 +212,10 @@ class IntNCodec(Codec):
 
     def encode(self, states: torch.Tensor, kind: Kind) -> Encoded:
         b, h, t, d = states.shape
+        if self.pre_rope and self._per_channel(kind):
+            if t % self.group_size:
+                raise ValueError(f"per-channel key groups need a multiple of {self.group_size} tokens, got {t}")
+            states = self._group_rope(states, -1)
         if self.rotate == "hadamard":
             states = hadamard_rotate(states, self._seed(kind))
         if self._per_channel(kind):
@@ -201,6 +245,8 @@ class IntNCodec(Codec):
         out = out.reshape(b, h, t, d)
         if self.rotate == "hadamard":
             out = hadamard_unrotate(out, self._seed(kind))
+        if self.pre_rope and self._per_channel(kind):
+            out = self._group_rope(out, 1)
         return out.to(dtype)
 
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
