@@ -51,8 +51,8 @@ def _child(job_path: str) -> None:
                 full = torch.tensor([sample["document"] + sample["question"]])
                 start = time.perf_counter()
                 with torch.no_grad():
-                    model(input_ids=document, past_key_values=cache, use_cache=True)
-                    out = model.generate(input_ids=full, attention_mask=torch.ones_like(full), past_key_values=cache,
+                    model(input_ids=document, cache=cache, use_cache=True)
+                    out = model.generate(input_ids=full, attention_mask=torch.ones_like(full), cache=cache,
                                          max_new_tokens=sample["max_new_tokens"], do_sample=False)
                 record["new_tokens"] = out[0, full.shape[1]:].tolist()
                 record["seconds"] = time.perf_counter() - start
