@@ -138,13 +138,17 @@ class IntNCodec(Codec):
         return self.pre_rope
 
     def for_model(self, config) -> "IntNCodec":
-        """Read the full-attention layers' RoPE frequencies from the config (pre_rope only)."""
+        """Read the full-attention layers' RoPE frequencies from the config (pre_rope only). A model without RoPE
+        stores its keys unrotated already, so pre_rope has nothing to undo there (no frequencies, no change)."""
         if not self.pre_rope:
             return self
+        from ..hf.compat import text_config
         from ..hf.rope import rope_inv_freq
 
+        has_rope = getattr(text_config(config), "rope_parameters", None) is not None
         bound = copy.copy(self)
-        object.__setattr__(bound, "inv_freq", tuple(rope_inv_freq(config, "full_attention").tolist()))
+        inv_freq = tuple(rope_inv_freq(config, "full_attention").tolist()) if has_rope else ()
+        object.__setattr__(bound, "inv_freq", inv_freq)
         return bound
 
     def _group_rope(self, keys: torch.Tensor, direction: int) -> torch.Tensor:
@@ -152,6 +156,8 @@ class IntNCodec(Codec):
         if self.inv_freq is None:
             raise ValueError("pre_rope needs the model's config for its RoPE frequencies: build the cache with "
                              "make_cache(spec, model.config) or CompressedCache(..., config=model.config)")
+        if not self.inv_freq:
+            return keys
         b, h, t, d = keys.shape
         g = self.group_size
         offsets = torch.arange(g, device=keys.device, dtype=torch.float32) * direction  # [g], broadcast over groups

@@ -33,6 +33,13 @@ def test_pre_rope_cache_generates_pads_like_rows_alone_and_counts_bytes(family):
     assert make_cache(cache.spec, model.config).layers[0].codec == cache.layers[0].codec
 
 
-def test_pre_rope_is_refused_on_a_model_without_rope():
-    with pytest.raises(ValueError, match="RoPE"):
-        make_cache(SPEC, tiny_model("gpt2").config)
+def test_pre_rope_changes_nothing_on_a_model_without_rope():
+    # GPT-2 never rotates its keys: they are pre-RoPE keys already, so pre_rope stores exactly what it would without.
+    model = tiny_model("gpt2")
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(2))
+    outputs = []
+    for spec in (SPEC, SPEC.replace("pre_rope=true", "pre_rope=false")):
+        cache = make_cache(spec, model.config)
+        outputs.append(generate(model, ids, None, cache, max_new_tokens=6).new_tokens)
+    assert make_cache(SPEC, model.config).layers[0].codec.inv_freq == ()
+    assert torch.equal(outputs[0], outputs[1])
