@@ -1,6 +1,7 @@
 """How much each integer-codec option disturbs attention on real keys, values and queries (a fast proxy for the suite).
 
     python benchmarks/quant_attention_error.py [--model smollm2-135m] [--length 2000] [--depths 0,50]
+        [--configs "bits=2,rotate=hadamard,key_axis=channel,sink_tokens=4;bits=2,...,pre_rope=true"]
 
 One needle prompt per depth (the suite's own samples, question after the document) runs once through the model with
 an uncompressed cache while an attention function records every full-attention layer's queries, keys and values.
@@ -21,7 +22,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_kvcompress import load_model
+from hf_kvcompress.codecs.base import resolve_for_model
 from hf_kvcompress.codecs.intn import IntNCodec
+from hf_kvcompress.registry import _parse_value
 from hf_kvcompress.eval.prompts import encode
 from hf_kvcompress.eval.tasks import build_samples
 
@@ -66,14 +69,17 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=2000)
     parser.add_argument("--depths", default="0,50")
+    parser.add_argument("--configs", default=";".join(CONFIGS),
+                        help="IntNCodec keyword sets separated by ';' (default: bits x rotate x key_axis x sinks)")
     args = parser.parse_args()
+    configs = args.configs.split(";")
     model, tokenizer = load_model(args.model, dtype=torch.float32)
     decoder = model.config.get_text_config(decoder=True)
     layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
     full_layers = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
     depths = [float(d) for d in args.depths.split(",")]
     samples = build_samples(tokenizer, ["needle"], [args.length], depths)
-    totals = {c: [0.0, 0.0] for c in CONFIGS}
+    totals = {c: [0.0, 0.0] for c in configs}
     for sample in samples:
         document, question = encode(tokenizer, sample)
         ids = torch.tensor([document + question])
@@ -86,9 +92,9 @@ def main() -> None:
         model.set_attn_implementation("record_sdpa")
         with torch.no_grad():
             model(input_ids=ids)
-        for config in CONFIGS:
-            kwargs = {k: (v if not v.isdigit() else int(v)) for k, v in (p.split("=") for p in config.split(","))}
-            codec = IntNCodec(**kwargs)
+        for config in configs:
+            kwargs = {k: _parse_value(v) for k, v in (p.split("=") for p in config.split(","))}
+            codec = resolve_for_model(IntNCodec(**kwargs), model.config)  # pre_rope reads the RoPE frequencies
             errors, mass = [], []
             for i in full_layers:
                 query, key, value, scaling = store[i]

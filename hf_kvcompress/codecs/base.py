@@ -123,7 +123,7 @@ def resolve_for_model(codec: Codec, config) -> Codec:
     """The codec bound to the model it serves: codecs that read the model's shape or calibration define
     `for_model(config)`, and they need the config (transformers builds layers without one lazily)."""
     resolve = getattr(codec, "for_model", None)
-    if resolve is None:
+    if resolve is None or not getattr(codec, "needs_model", True):  # a codec may need the model for some options only
         return codec
     if config is None:
         raise ValueError(

@@ -11,11 +11,14 @@ import torch
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
 from ..ops.hadamard import rotate as hadamard_rotate
 from ..ops.hadamard import unrotate as hadamard_unrotate
+from ..ops.rerotate import rerotate
 from ..spec_text import changed_fields, join_spec
 from .base import Codec, Encoded, Kind
+from .gaussian_levels import levels_tensor, thresholds_tensor
 
 KEY_AXES = ("channel", "token")
 ROTATIONS = ("none", "hadamard")
+CODEBOOKS = ("uniform", "gaussian")
 _TINY = torch.finfo(torch.bfloat16).tiny
 # What the plain names int4/int3/int2 mean: the best configuration measured at that width (README, "Quantization
 # options"): Hadamard rotation + 4 full-precision sinks + per-channel keys. `rotate=none,sink_tokens=0` is plain KIVI.
@@ -50,6 +53,22 @@ def _quantize(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[torch.Tensor
     return codes, scale, lo
 
 
+def _quantize_gaussian(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lloyd-Max levels of N(0, 1) placed at the group's mean (zero) plus multiples of its standard deviation (scale).
+
+    Both are stored in bfloat16 and the codes are chosen against the stored (rounded) numbers, so decoding
+    reproduces exactly the level the encoder picked. Values beyond the outer levels are clipped to them: that is
+    where the lower mean squared error comes from.
+    """
+    x = x.float()
+    mean = x.mean(dim=reduce_dim, keepdim=True).to(torch.bfloat16)
+    std = (x - mean.float()).pow(2).mean(dim=reduce_dim, keepdim=True).sqrt()
+    scale = std.clamp(min=_TINY).to(torch.bfloat16).clamp(min=_TINY)
+    normalized = (x - mean.float()) / scale.float()
+    codes = torch.bucketize(normalized, thresholds_tensor(bits, x.device))
+    return codes, scale, mean
+
+
 @dataclass(frozen=True)
 class IntNCodec(Codec):
     """int8 / int4 / int3 / int2 with a scale and zero point per group of `group_size` values.
@@ -71,6 +90,18 @@ class IntNCodec(Codec):
             keys/values. "none" quantizes the raw vectors.
         sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps at full precision
             (attention sinks, IntactKV arXiv:2403.01241).
+        codebook: "uniform" spreads 2**bits levels evenly from each group's minimum to its maximum. "gaussian"
+            uses the Lloyd-Max levels of a normal variable around the group's mean in units of its standard
+            deviation (`gaussian_levels.py`) for the groups that run along head_dim (values, and keys with
+            key_axis="token"): after the rotation the coordinates of one vector are close to Gaussian, but one
+            channel's run of tokens is not, so per-channel key groups keep the min/max grid (measured: the Gaussian
+            levels raised the per-channel key error). Same bytes either way.
+        pre_rope: quantize per-channel key groups as if before RoPE (KVQuant, arXiv:2401.18079): each key is
+            rotated back by its offset from its group's first token, so the whole group shares one RoPE rotation
+            and a channel's values no longer spin with position inside the group; decoding rotates them forward
+            again. Offsets within a group are all it needs (never absolute positions), read with the RoPE
+            frequencies from the model's config, so the cache must be built with it (`make_cache(spec, config)`).
+            Keys grouped per token (key_axis="token", evicting policies) are left as they are.
     """
 
     bits: int = 4
@@ -79,6 +110,10 @@ class IntNCodec(Codec):
     key_axis: Literal["channel", "token"] | None = field(default=None)
     rotate: Literal["none", "hadamard"] = "none"
     sink_tokens: int = 0
+    codebook: Literal["uniform", "gaussian"] = "uniform"
+    pre_rope: bool = False
+    # RoPE inverse frequencies of the full-attention layers, filled in by `for_model` when pre_rope is on.
+    inv_freq: tuple[float, ...] | None = field(default=None, init=False, repr=False, compare=False)
     # The decoder layer this copy serves (see `for_layer`): it seeds the rotation's signs.
     layer: int = field(default=0, init=False, repr=False)
 
@@ -97,6 +132,42 @@ class IntNCodec(Codec):
             raise ValueError(f"rotate must be one of {ROTATIONS}, got {self.rotate!r}")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
+        if self.codebook not in CODEBOOKS:
+            raise ValueError(f"codebook must be one of {CODEBOOKS}, got {self.codebook!r}")
+        if not isinstance(self.pre_rope, bool):
+            raise ValueError(f"pre_rope must be true or false, got {self.pre_rope!r}")
+
+    @property
+    def needs_model(self) -> bool:
+        """Only pre_rope reads the model's config (its RoPE frequencies)."""
+        return self.pre_rope
+
+    def for_model(self, config) -> "IntNCodec":
+        """Read the full-attention layers' RoPE frequencies from the config (pre_rope only). A model without RoPE
+        stores its keys unrotated already, so pre_rope has nothing to undo there (no frequencies, no change)."""
+        if not self.pre_rope:
+            return self
+        from ..hf.compat import text_config
+        from ..hf.rope import rope_inv_freq
+
+        has_rope = getattr(text_config(config), "rope_parameters", None) is not None
+        bound = copy.copy(self)
+        inv_freq = tuple(rope_inv_freq(config, "full_attention").tolist()) if has_rope else ()
+        object.__setattr__(bound, "inv_freq", inv_freq)
+        return bound
+
+    def _group_rope(self, keys: torch.Tensor, direction: int) -> torch.Tensor:
+        """Rotate per-channel key groups [B, H, T, D] by `direction` x (offset within the group) positions."""
+        if self.inv_freq is None:
+            raise ValueError("pre_rope needs the model's config for its RoPE frequencies: build the cache with "
+                             "make_cache(spec, model.config) or CompressedCache(..., config=model.config)")
+        if not self.inv_freq:
+            return keys
+        b, h, t, d = keys.shape
+        g = self.group_size
+        offsets = torch.arange(g, device=keys.device, dtype=torch.float32) * direction  # [g], broadcast over groups
+        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32)
+        return rerotate(keys.float().reshape(b, h, t // g, g, d), offsets, inv_freq).reshape(b, h, t, d)
 
     def spec(self) -> str:
         """`int{bits}` and the fields that differ from what that plain name means (see PLAIN_NAME_DEFAULTS)."""
@@ -108,7 +179,9 @@ class IntNCodec(Codec):
         from dataclasses import replace
 
         if self.key_axis is None:
-            return replace(self, key_axis="token" if evicts else "channel")
+            settled = replace(self, key_axis="token" if evicts else "channel")
+            object.__setattr__(settled, "inv_freq", self.inv_freq)  # replace() resets init=False fields
+            return settled
         if self.key_axis == "channel" and evicts:
             raise ValueError(
                 "key_axis='channel' groups keys across tokens and cannot be combined with an evicting policy; "
@@ -140,8 +213,25 @@ class IntNCodec(Codec):
         if head_dim % self.group_size:
             raise ValueError(f"group_size must divide head_dim ({head_dim}), got {self.group_size}")
 
+    def _gaussian(self, kind: Kind) -> bool:
+        return self.codebook == "gaussian" and not self._per_channel(kind)
+
+    def _quantize(self, grouped: torch.Tensor, kind: Kind, reduce_dim: int):
+        quantize = _quantize_gaussian if self._gaussian(kind) else _quantize
+        return quantize(grouped, self.bits, reduce_dim)
+
+    def _levels(self, codes: torch.Tensor, kind: Kind) -> torch.Tensor:
+        """Codes -> multiples of the scale: the codes themselves on the uniform grid, Lloyd-Max levels otherwise."""
+        if self._gaussian(kind):
+            return levels_tensor(self.bits, codes.device)[codes.long()]
+        return codes.float()
+
     def encode(self, states: torch.Tensor, kind: Kind) -> Encoded:
         b, h, t, d = states.shape
+        if self.pre_rope and self._per_channel(kind):
+            if t % self.group_size:
+                raise ValueError(f"per-channel key groups need a multiple of {self.group_size} tokens, got {t}")
+            states = self._group_rope(states, -1)
         if self.rotate == "hadamard":
             states = hadamard_rotate(states, self._seed(kind))
         if self._per_channel(kind):
@@ -149,17 +239,20 @@ class IntNCodec(Codec):
             if t % g:
                 raise ValueError(f"per-channel key groups need a multiple of {g} tokens, got {t}")
             grouped = states.reshape(b, h, t // g, g, d)
-            codes, scale, zero = _quantize(grouped, self.bits, reduce_dim=3)
+            codes, scale, zero = self._quantize(grouped, kind, reduce_dim=3)
             return {
                 "codes": pack(codes.reshape(b, h, t, d), self.bits),
                 "scale": scale.reshape(b, h, t // g, d),
                 "zero": zero.reshape(b, h, t // g, d),
             }
         grouped = states.reshape(b, h, t, d // self.group_size, self.group_size)
-        codes, scale, zero = _quantize(grouped, self.bits, reduce_dim=4)
+        codes, scale, zero = self._quantize(grouped, kind, reduce_dim=4)
         return {"codes": pack(codes.reshape(b, h, t, d), self.bits), "scale": scale[..., 0], "zero": zero[..., 0]}
 
-    attends_encoded: ClassVar[bool] = True
+    @property
+    def attends_encoded(self) -> bool:  # type: ignore[override]
+        """pre_rope turns each key by its own offset: no single rotation of the query undoes that."""
+        return not self.pre_rope
 
     def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         return self.from_basis(self.decode_in_basis(encoded, kind, torch.float32), kind).to(dtype)
@@ -168,7 +261,10 @@ class IntNCodec(Codec):
         return hadamard_rotate(x, self._seed(kind)) if self.rotate == "hadamard" else x
 
     def from_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
-        return hadamard_unrotate(x, self._seed(kind)) if self.rotate == "hadamard" else x
+        out = hadamard_unrotate(x, self._seed(kind)) if self.rotate == "hadamard" else x
+        if self.pre_rope and self._per_channel(kind):
+            out = self._group_rope(out, 1)
+        return out
 
     def decode_in_basis(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         codes = unpack(encoded["codes"], self.bits)
@@ -176,9 +272,9 @@ class IntNCodec(Codec):
         scale, zero = encoded["scale"].float(), encoded["zero"].float()
         if self._per_channel(kind):
             g = self.group_size
-            out = codes.reshape(b, h, t // g, g, d).float() * scale[:, :, :, None, :] + zero[:, :, :, None, :]
+            out = self._levels(codes, kind).reshape(b, h, t // g, g, d) * scale[:, :, :, None, :] + zero[:, :, :, None, :]
         else:
-            out = codes.reshape(b, h, t, d // self.group_size, self.group_size).float() * scale[..., None] + zero[..., None]
+            out = self._levels(codes, kind).reshape(b, h, t, d // self.group_size, self.group_size) * scale[..., None] + zero[..., None]
         return out.reshape(b, h, t, d).to(dtype)
 
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:

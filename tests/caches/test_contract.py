@@ -23,7 +23,8 @@ SCORED = ["h2o:ratio=0.5,recent=2", "snapkv:budget=8,window=3,recent=2", "tova:r
 ALL_SPECS = ["dynamic", "int8", "int4:residual_length=0,group_size=8", "int2:residual_length=4,group_size=8", "fp8",
              *EVICTING, *SCORED, "sink_window:sink_tokens=2,window=6+int4:residual_length=2,group_size=16",
              "int3:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2",
-             "int4:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2,key_axis=token"]
+             "int4:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2,key_axis=token",
+             "int2:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2,codebook=gaussian"]
 LARGE_BUDGET = ["sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10", "snapkv:budget=1000", "tova:ratio=1.0",
                 "kvzip:ratio=1.0"]
 REPEAT = [5, 6, 7]  # KVzip's reconstruction prompt, as token ids of the tiny vocabulary
@@ -92,7 +93,8 @@ def test_seq_length_counts_seen_tokens_and_generate_continues(model, spec):
 
 @pytest.mark.parametrize("spec", ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3+fp8", EVICTING[-2],
                                   "snapkv:budget=8,window=4,recent=2+int4:residual_length=2,group_size=16",
-                                  "kvzip:budget=8+int4:residual_length=2,group_size=16"])
+                                  "kvzip:budget=8+int4:residual_length=2,group_size=16",
+                                  "h2o:budget=8,recent=3+int2:residual_length=2,group_size=16,codebook=gaussian"])
 def test_memory_is_bounded_and_measured_bytes_match_the_promise(model, spec):
     cache = make_cache(spec, model.config)
     _, ids, mask = _prompts(3, lengths=(40,))

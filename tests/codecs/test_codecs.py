@@ -83,7 +83,7 @@ def test_token_wise_encodings_gather_per_head():
     "kwargs,name",
     [({"bits": 5}, "bits"), ({"group_size": 0}, "group_size"), ({"rotate": "random"}, "rotate"),
      ({"sink_tokens": -1}, "sink_tokens"), ({"residual_length": -1}, "residual_length"),
-     ({"key_axis": "row"}, "key_axis")],
+     ({"key_axis": "row"}, "key_axis"), ({"codebook": "nf4"}, "codebook")],
 )
 def test_intn_rejects_bad_parameters(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -214,7 +214,7 @@ def test_fp8_sink_tokens_are_checked_and_reach_the_spec():
     "spec",
     ["int8", "int4", "int3", "int2", "int4:rotate=none", "int2:sink_tokens=0", "int4:rotate=none,sink_tokens=0",
      "int3:rotate=hadamard,sink_tokens=8,group_size=16", "h2o:budget=64,recent=16+int4:rotate=none",
-     "fp8:sink_tokens=4"],
+     "fp8:sink_tokens=4", "int2:codebook=gaussian", "int3:codebook=uniform", "int2:pre_rope=false"],
 )
 def test_specs_rebuild_the_same_cache(spec):
     from hf_kvcompress import make_cache, parse_spec
@@ -244,3 +244,140 @@ def test_caches_give_each_layer_its_rotation_with_or_without_config():
     with torch.no_grad():
         model(input_ids=torch.randint(3, 128, (1, 5)), cache=without)
     assert [layer.codec.layer for layer in without.layers] == [0, 1]
+
+
+def test_lloyd_max_levels_match_max_1960():
+    from hf_kvcompress.codecs.gaussian_levels import lloyd_max_levels
+
+    # Max (1960), Table I: the optimal 4-level quantizer of N(0, 1) has outputs +-0.4528 and +-1.510.
+    assert lloyd_max_levels(2) == pytest.approx((-1.5104, -0.4528, 0.4528, 1.5104), abs=1e-4)
+    for bits in (1, 2, 3, 4, 8):
+        levels = lloyd_max_levels(bits)
+        assert len(levels) == 2**bits and list(levels) == sorted(levels)
+        assert levels == pytest.approx(tuple(-x for x in reversed(levels)), abs=1e-9)
+    with pytest.raises(ValueError, match="bits"):
+        lloyd_max_levels(9)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("kind,axis", [("key", "channel"), ("key", "token"), ("value", None)])
+def test_gaussian_codebook_round_trip_and_bytes(bits, kind, axis):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 64)
+    codec = IntNCodec(bits=bits, group_size=32, key_axis=axis, codebook="gaussian")
+    encoded = codec.encode(x, kind)
+    out = codec.decode(encoded, kind, torch.float32)
+    # The Lloyd-Max mean squared error of N(0, 1): 0.1175 at 2 bits, 0.0345 at 3, 0.0095 at 4 (plus sampling);
+    # per-channel key groups stay on the min/max grid and keep its bounds.
+    bound = ({2: 0.5, 3: 0.25, 4: 0.12, 8: 0.01} if axis == "channel" else {2: 0.37, 3: 0.2, 4: 0.11, 8: 0.01})[bits]
+    assert (out - x).norm() / x.norm() < bound
+    assert _nbytes(encoded) == 2 * 3 * 64 * codec.bytes_per_token(64, kind, torch.float32)
+    assert codec.bytes_per_token(64, kind, torch.float32) == IntNCodec(bits=bits).bytes_per_token(64, kind, torch.float32)
+
+
+def test_gaussian_codebook_beats_min_max_at_two_bits_on_gaussian_states():
+    # On Gaussian states the Lloyd-Max levels cut the 2-bit error by about a third (not at 3 or 4 bits, where a
+    # min/max grid over 32 values is finer than the Lloyd-Max levels).
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 256, 64)
+    errors = {}
+    for codebook in ("uniform", "gaussian"):
+        codec = IntNCodec(bits=2, group_size=32, key_axis="token", rotate="hadamard", codebook=codebook)
+        out = codec.decode(codec.encode(x, "key"), "key", torch.float32)
+        errors[codebook] = ((out - x).norm() / x.norm()).item()
+    assert errors["gaussian"] < 0.9 * errors["uniform"]
+
+
+def test_gaussian_codebook_decodes_the_level_the_encoder_chose():
+    from hf_kvcompress.codecs.gaussian_levels import levels_tensor
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 4, 32) * 3 + 1
+    codec = IntNCodec(bits=2, group_size=32, codebook="gaussian")
+    encoded = codec.encode(x, "value")
+    out = codec.decode(encoded, "value", torch.float32)
+    mean, std = encoded["zero"].float(), encoded["scale"].float()
+    # Every value decodes to the stored mean plus one of the 4 levels times the stored standard deviation, and to
+    # the nearest of them.
+    candidates = mean[..., None] + std[..., None] * levels_tensor(2)  # [1, 1, 4, 1, 4]
+    distance = (x[..., None] - candidates).abs()
+    nearest = candidates.expand_as(distance).gather(-1, distance.argmin(-1, keepdim=True))[..., 0]
+    torch.testing.assert_close(out, nearest)
+
+
+def test_gaussian_codebook_survives_large_and_tiny_values():
+    x = torch.randn(1, 1, 4, 32)
+    x[0, 0, 0, 3] = 7e4
+    tiny = 1e-5 * (1 + torch.rand(1, 1, 4, 32))
+    for states in (x, tiny):
+        codec = IntNCodec(bits=4, group_size=32, codebook="gaussian")
+        out = codec.decode(codec.encode(states, "value"), "value", torch.float32)
+        assert torch.isfinite(out).all()
+    constant = torch.full((1, 1, 4, 32), 2.5)
+    codec = IntNCodec(bits=2, group_size=32, codebook="gaussian")
+    torch.testing.assert_close(codec.decode(codec.encode(constant, "value"), "value", torch.float32), constant)
+
+
+def test_gaussian_codebook_leaves_per_channel_key_groups_on_the_min_max_grid():
+    # One channel's run of tokens is not Gaussian after the rotation (measured: Lloyd-Max levels raised that error).
+    x = torch.randn(1, 2, 64, 64)
+    uniform = IntNCodec(bits=2, key_axis="channel", rotate="hadamard")
+    gaussian = IntNCodec(bits=2, key_axis="channel", rotate="hadamard", codebook="gaussian")
+    assert torch.equal(uniform.encode(x, "key")["codes"], gaussian.encode(x, "key")["codes"])
+    assert not torch.equal(uniform.encode(x, "value")["codes"], gaussian.encode(x, "value")["codes"])
+
+
+def _rope_keys(inv_freq, tokens=64, noise=0.05):
+    """Keys that are one fixed vector before RoPE (plus a little noise), rotated to positions 0..tokens-1."""
+    from hf_kvcompress.ops.rerotate import rerotate
+
+    torch.manual_seed(0)
+    d = 2 * inv_freq.shape[0]
+    base = torch.randn(1, 2, 1, d) * 3 + noise * torch.randn(1, 2, tokens, d)
+    return rerotate(base, torch.arange(tokens, dtype=torch.float32).expand(1, 2, tokens), inv_freq)
+
+
+def _with_inv_freq(codec, inv_freq):
+    """The codec as `for_model` binds it, with these RoPE frequencies instead of a config's."""
+    import copy
+
+    bound = copy.copy(codec)
+    object.__setattr__(bound, "inv_freq", tuple(inv_freq.tolist()))
+    return bound
+
+
+def test_pre_rope_keys_lose_less_than_post_rope_keys():
+    # Post-RoPE, a channel spins with position inside a group and its min/max range widens; rotated back to the
+    # group's first position, the group's channels are nearly constant again (KVQuant's reason for pre-RoPE keys).
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    keys = _rope_keys(inv_freq)
+    errors = {}
+    for pre_rope in (False, True):
+        codec = _with_inv_freq(IntNCodec(bits=2, group_size=16, key_axis="channel", pre_rope=pre_rope), inv_freq)
+        out = codec.decode(codec.encode(keys, "key"), "key", torch.float32)
+        errors[pre_rope] = ((out - keys).norm() / keys.norm()).item()
+    assert errors[True] < 0.3 * errors[False]
+
+
+def test_pre_rope_is_exact_on_the_way_back_and_leaves_values_and_token_keys_alone():
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32))
+    keys = _rope_keys(inv_freq, tokens=32)
+    codec = _with_inv_freq(IntNCodec(bits=8, group_size=8, key_axis="channel", pre_rope=True), inv_freq)
+    # Rotating back and forth alone is lossless to float32 rounding.
+    torch.testing.assert_close(codec._group_rope(codec._group_rope(keys, -1), 1), keys, atol=1e-5, rtol=1e-5)
+    plain = IntNCodec(bits=8, group_size=8, key_axis="channel")
+    assert torch.equal(codec.encode(keys, "value")["codes"], plain.encode(keys, "value")["codes"])
+    token = _with_inv_freq(IntNCodec(bits=8, group_size=8, key_axis="token", pre_rope=True), inv_freq)
+    assert torch.equal(token.encode(keys, "key")["codes"], IntNCodec(bits=8, group_size=8, key_axis="token").encode(keys, "key")["codes"])
+
+
+def test_pre_rope_needs_the_models_config_and_a_bool():
+    from hf_kvcompress import make_cache
+
+    with pytest.raises(ValueError, match="pre_rope"):
+        IntNCodec(pre_rope="yes")
+    with pytest.raises(ValueError, match="config"):
+        make_cache("int2:pre_rope=true")
+    with pytest.raises(ValueError, match="pre_rope"):
+        IntNCodec(pre_rope=True, key_axis="channel").encode(torch.randn(1, 1, 32, 64), "key")
+    make_cache("int2")  # the other options need no config

@@ -1,0 +1,154 @@
+"""transformers' own QuantizedCache (quanto and HQQ backends, int2 and int4, and its fp8) on the suite's prompts.
+
+    python benchmarks/transformers_quantized_cache.py [--model smollm2-135m] [--length 2000] [--depths 0,50,100]
+        [--samples 1] [--venv ~/.cache/hf-kvcompress/bench-quantized-venv] [--out results/transformers-quantized]
+
+The backends need `optimum-quanto` and `hqq`, which are not dependencies of this package, so the script creates a
+separate virtual environment (`--venv`) with the same torch and transformers versions and installs them there. This
+process builds the prompts with the suite's own code (needle, question after the document) and scores the answers
+with the suite's metric; a child process in that environment loads the model from the folder `load_model` converted
+it to, prefills the document into the cache, then answers greedily, as `hf-kvcompress eval` does. A backend that
+does not install or does not run is reported with its error instead of a score. transformers refuses QuantizedCache
+on models with sliding-window layers (Gemma-3), and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+CONFIGS = {  # name -> QuantizedCache keyword arguments (None: DynamicCache, the baseline)
+    "dynamic": None,
+    "quanto-int4": {"backend": "quanto", "nbits": 4},
+    "quanto-int2": {"backend": "quanto", "nbits": 2},
+    "hqq-int4": {"backend": "hqq", "nbits": 4, "axis_key": 1, "axis_value": 1},
+    "hqq-int2": {"backend": "hqq", "nbits": 2, "axis_key": 1, "axis_value": 1},
+    "fp8": {"backend": "fp8"},
+}
+BACKEND_PACKAGES = {"quanto": "optimum-quanto", "hqq": "hqq"}
+
+
+def _child(job_path: str) -> None:
+    """Runs inside the benchmark's environment: only torch, transformers and the backends are imported here."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache, QuantizedCache
+
+    job = json.loads(Path(job_path).read_text())
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
+    results = []
+    for name in job["configs"]:
+        kwargs = CONFIGS[name]
+        for sample in job["samples"]:
+            record = {"config": name, "id": sample["id"]}
+            try:
+                cache = DynamicCache(config=model.config) if kwargs is None else QuantizedCache(config=model.config, **kwargs)
+                document = torch.tensor([sample["document"]])
+                full = torch.tensor([sample["document"] + sample["question"]])
+                start = time.perf_counter()
+                with torch.no_grad():
+                    model(input_ids=document, cache=cache, use_cache=True)
+                    out = model.generate(input_ids=full, attention_mask=torch.ones_like(full), cache=cache,
+                                         max_new_tokens=sample["max_new_tokens"], do_sample=False)
+                record["new_tokens"] = out[0, full.shape[1]:].tolist()
+                record["seconds"] = time.perf_counter() - start
+            except Exception as error:  # reported per configuration: the point is to say what failed
+                record["error"] = f"{type(error).__name__}: {error}"
+            results.append(record)
+            print(json.dumps({k: v for k, v in record.items() if k != "new_tokens"}), flush=True)
+    Path(job["out"]).write_text(json.dumps(results))
+
+
+def _environment(path: Path, log: Path) -> dict[str, str]:
+    """Create the environment (once) with the parent's torch and transformers; install each backend on its own."""
+    import torch
+    import transformers
+
+    python = path / "bin" / "python"
+    failures = {}
+    if not python.exists():
+        venv.create(path, with_pip=True)
+    base = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"]
+    with log.open("a") as stream:
+        done = subprocess.run([str(python), "-m", "pip", "install", "-q", *base], stdout=stream, stderr=stream)
+        if done.returncode:
+            raise RuntimeError(f"pip could not install {base} into {path}; see {log}")
+        for backend, package in BACKEND_PACKAGES.items():
+            done = subprocess.run([str(python), "-m", "pip", "install", "-q", package], stdout=stream, stderr=stream)
+            if done.returncode:
+                failures[backend] = f"pip install {package} failed (exit {done.returncode}); see {log}"
+    return failures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=2000)
+    parser.add_argument("--depths", default="0,50,100")
+    parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--venv", default=str(Path.home() / ".cache" / "hf-kvcompress" / "bench-quantized-venv"))
+    parser.add_argument("--out", default="results/transformers-quantized")
+    args = parser.parse_args()
+    if args.child:
+        return _child(args.child)
+
+    from hf_kvcompress.eval.prompts import encode
+    from hf_kvcompress.eval.scoring import score_all
+    from hf_kvcompress.eval.tasks import build_samples
+    from hf_kvcompress.models import ensure_converted, load_config
+    from transformers import AutoTokenizer
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_converted(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    layer_types = set(getattr(load_config(args.model).get_text_config(decoder=True), "layer_types", None) or [])
+    if layer_types - {"full_attention"}:
+        print(f"{args.model} has {sorted(layer_types)} layers: transformers' QuantizedCache accepts only full attention")
+    depths = [float(d) for d in args.depths.split(",")]
+    samples = build_samples(tokenizer, ["needle"], [args.length], depths, samples_per_cell=args.samples)
+    rows = []
+    for sample in samples:
+        document, question = encode(tokenizer, sample)
+        rows.append({"id": sample["sample_id"], "document": document, "question": question, "depth": sample["depth"],
+                     "max_new_tokens": sample["max_new_tokens"], "references": sample["references"]})
+    configs = args.configs.split(",")
+    failed = _environment(Path(args.venv), out / "pip.log")
+    runnable = [c for c in configs if CONFIGS[c] is None or CONFIGS[c]["backend"] not in failed]
+    job = {"model_dir": str(model_dir), "configs": runnable, "samples": rows, "out": str(out / "predictions.json")}
+    (out / "job.json").write_text(json.dumps(job))
+    subprocess.run([str(Path(args.venv) / "bin" / "python"), __file__, "--child", str(out / "job.json")], check=True)
+    results = json.loads((out / "predictions.json").read_text())
+    by_id = {row["id"]: row for row in rows}
+    table = {}
+    for record in results:
+        row = by_id[record["id"]]
+        if "error" in record:
+            table.setdefault(record["config"], {"errors": set()}).setdefault("errors", set()).add(record["error"])
+            continue
+        text = tokenizer.decode(record["new_tokens"], skip_special_tokens=True)
+        score = score_all([text], [row["references"]])["string_match_all"][0]
+        cell = table.setdefault(record["config"], {})
+        cell.setdefault(row["depth"], []).append(score)
+    print(f"\n{args.model}, needle, {args.length} tokens, {args.samples} sample(s) per depth; string_match_all")
+    for config in configs:
+        if config not in runnable:
+            print(f"{config:12s} not run: {failed[CONFIGS[config]['backend']]}")
+            continue
+        cell = table.get(config, {})
+        for error in sorted(cell.pop("errors", set())):
+            print(f"{config:12s} failed: {error[:300]}")
+        scores = [s for depth in sorted(cell) for s in cell[depth]]
+        if scores:
+            per_depth = " / ".join(f"{sum(cell[d]) / len(cell[d]):.0f}" for d in sorted(cell))
+            print(f"{config:12s} score {sum(scores) / len(scores):5.1f} (n={len(scores)})  by depth {per_depth}")
+
+
+if __name__ == "__main__":
+    main()
