@@ -108,11 +108,14 @@ def worker(spec: str, length: int, batch: int, new_tokens: int, model_name: str 
 
 
 def _run_worker(args, spec: str, length: int, batch: int) -> dict:
+    spec, _, code = spec.partition(" @")
     command = [
         sys.executable, __file__, "--worker", spec, "--lengths", str(length), "--batches", str(batch),
         "--new-tokens", str(args.new_tokens), "--clock", args.clock,
     ] + (["--model", args.model] if args.model else [])
     env = dict(os.environ)
+    if code:  # the package from another checkout (--compare-code), first on the path
+        env["PYTHONPATH"] = os.pathsep.join([code, env.get("PYTHONPATH", "")])
     if args.threads:
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -188,6 +191,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time or process CPU time")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the table and the plot")
+    parser.add_argument("--compare-code", default=None, help="also run every cache but dynamic with the package "
+                        "found in this folder (e.g. `git archive COMMIT | tar -x -C DIR`), interleaved: before/after")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     quick = QUICK if args.quick else {}
@@ -199,6 +204,9 @@ def main() -> None:
         print(json.dumps(worker(args.worker, lengths[0], batches[0], args.new_tokens, args.model, args.clock)))
         return
     specs = ["dynamic"] + [s for s in args.specs.split(";") if s and s != "dynamic"]
+    if args.compare_code:
+        code = str(Path(args.compare_code).resolve())
+        specs = ["dynamic"] + [v for s in specs[1:] for v in (f"{s} @{code}", s)]
     grid = [(n, b) for b in batches for n in lengths]
     results = {(s, n, b): [] for s in specs for n, b in grid}
     started = time.time()
