@@ -1,16 +1,18 @@
 """`make bench`: prefill time, decode speed, peak memory and KV bytes of every cache, as ratios to DynamicCache.
 
-    python benchmarks/bench.py [--quick] [--lengths 1024,4096,8192] [--batches 1,8] [--repeats 3] [--new-tokens 16]
-                               [--specs "dynamic;int4;..."] [--threads N] [--clock wall|cpu] [--out benchmarks/results]
+    python benchmarks/bench.py [--quick | --full] [--lengths 1024,4096,8192] [--batches 1,8] [--repeats 2]
+                               [--new-tokens 16] [--specs "dynamic;int4;..."] [--threads N] [--clock wall|cpu]
+                               [--compare-code DIR] [--out benchmarks/results]
 
 Each (cache, prompt length, batch) run happens in a fresh worker process, so its peak memory is its own; runs are
 interleaved (every cache once per repeat, then the next repeat), so machine load hits every cache alike, and each
 figure is the median over repeats. Ratios compare with DynamicCache at the same length and batch in the same run.
 
-Cost: the default grid (9 caches x 3 lengths x 2 batches x 3 repeats on the embedded 135M model) is dominated by
-the batch-8 prefills at 8k tokens; on a quiet 2-core CPU it takes roughly two hours. `--quick` (1k and 4k tokens,
-batch 1, 2 repeats, 8 new tokens) takes about ten minutes there. On a shared machine use `--threads 1 --clock cpu`:
-CPU time of a single-threaded worker is what other processes disturb least.
+Cost (estimates for a quiet 2-core CPU from the prefill rates measured here; every run also loads the model): the
+default grid, 9 caches at 1k, 4k and 8k tokens with batch 1 and at 1k and 4k with batch 8, 2 repeats, takes about
+an hour; `--full` adds batch 8 at 8k tokens (the issue's whole grid), whose prefills alone add about as much again;
+`--quick` (1k and 4k tokens, batch 1, 8 new tokens) takes about ten minutes. On a shared machine use `--threads 1
+--clock cpu`: the CPU time of a single-threaded worker is what other processes disturb least.
 
 Peers: transformers' own QuantizedCache needs optimum-quanto or hqq, and kvpress pins transformers < 5.3; neither is
 installed by this package, so they are not in the table (see benchmarks/NOTES.md).
@@ -108,11 +110,14 @@ def worker(spec: str, length: int, batch: int, new_tokens: int, model_name: str 
 
 
 def _run_worker(args, spec: str, length: int, batch: int) -> dict:
+    spec, _, code = spec.partition(" @")
     command = [
         sys.executable, __file__, "--worker", spec, "--lengths", str(length), "--batches", str(batch),
         "--new-tokens", str(args.new_tokens), "--clock", args.clock,
     ] + (["--model", args.model] if args.model else [])
     env = dict(os.environ)
+    if code:  # the package from another checkout (--compare-code), first on the path
+        env["PYTHONPATH"] = os.pathsep.join([code, env.get("PYTHONPATH", "")])
     if args.threads:
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -179,27 +184,35 @@ def plot(results: dict, specs: list[str], grid: list[tuple[int, int]], path: Pat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1k and 4k tokens, batch 1, 2 repeats, 8 new tokens")
+    parser.add_argument("--full", action="store_true", help="also batch 8 at 8k tokens (the whole 3 x 2 grid)")
     parser.add_argument("--lengths", default=None, help="prompt lengths, comma-separated (default 1024,4096,8192)")
     parser.add_argument("--batches", default=None, help="batch sizes, comma-separated (default 1,8)")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats per run (default 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats per run (default 2)")
     parser.add_argument("--new-tokens", type=int, default=None, help="decode steps per run (default 16)")
     parser.add_argument("--specs", default=";".join(SPECS), help="cache specs separated by ';' (dynamic is added)")
     parser.add_argument("--model", default=None, help="model alias or path (default: the embedded SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time or process CPU time")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the table and the plot")
+    parser.add_argument("--compare-code", default=None, help="also run every cache but dynamic with the package "
+                        "found in this folder (e.g. `git archive COMMIT | tar -x -C DIR`), interleaved: before/after")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     quick = QUICK if args.quick else {}
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else quick.get("lengths", [1024, 4096, 8192])
     batches = [int(x) for x in args.batches.split(",")] if args.batches else quick.get("batches", [1, 8])
-    args.repeats = args.repeats or quick.get("repeats", 3)
+    args.repeats = args.repeats or quick.get("repeats", 2)
     args.new_tokens = args.new_tokens or quick.get("new_tokens", 16)
     if args.worker is not None:
         print(json.dumps(worker(args.worker, lengths[0], batches[0], args.new_tokens, args.model, args.clock)))
         return
     specs = ["dynamic"] + [s for s in args.specs.split(";") if s and s != "dynamic"]
+    if args.compare_code:
+        code = str(Path(args.compare_code).resolve())
+        specs = ["dynamic"] + [v for s in specs[1:] for v in (f"{s} @{code}", s)]
     grid = [(n, b) for b in batches for n in lengths]
+    if not (args.full or args.lengths or args.batches):  # the default: batch 8 up to 4k tokens (see the cost above)
+        grid = [(n, b) for n, b in grid if b == 1 or n <= 4096]
     results = {(s, n, b): [] for s in specs for n, b in grid}
     started = time.time()
     for rep in range(args.repeats):

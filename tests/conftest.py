@@ -5,6 +5,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Without a GPU, Triton kernels run in Triton's interpreter (tests/ops/test_triton_decode.py). Triton reads this when
+# it is imported, which other libraries may do before that test module is collected: set it first.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
