@@ -9,6 +9,7 @@ cores), which single-threaded workers never do. Records come back in the order o
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -76,8 +77,6 @@ def run_plans_split(model, tokenizer, plans: Sequence[str], samples, *, workers:
                          "use workers=1 on a GPU")
     threads = max(1, cpu_cores() // workers)
     before = torch.get_num_threads()
-    import multiprocessing
-
     with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(_share, model_name, list(plans), share, kwargs, threads) for share in shares[1:]]
         torch.set_num_threads(threads)

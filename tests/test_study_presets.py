@@ -38,3 +38,17 @@ def test_the_demo_documents_are_at_least_2000_tokens(embedded):
     shortest = min(int(v) for v in PRESETS["demo"]["lengths"].split(","))
     samples = build_samples(tokenizer, ["needle"], [shortest], [10, 90], samples_per_cell=1, seed=0)
     assert min(len(encode(tokenizer, s, query_aware=False)[0]) for s in samples) >= 2000
+
+
+def test_the_eviction_presets_own_prefill_plans_run_through_the_study_and_evict(embedded):
+    from hf_kvcompress.eval.tasks import build_samples
+    from hf_kvcompress.shared_prefill import run_plans
+
+    model, tokenizer = embedded
+    samples = build_samples(tokenizer, ["needle"], [200], [50], samples_per_cell=1, seed=0)
+    plans = ["dynamic", "h2o:budget=64,recent=16", "snapkv:budget=64", "kvzip:budget=64"]
+    records = run_plans(model, tokenizer, plans, samples, model_name="smollm2-135m", max_new_tokens=4)
+    kept = {r["method"]: (r["tokens_kept"], r["document_tokens"], r["kv_bytes_document"]) for r in records}
+    assert kept["dynamic"][0] == kept["dynamic"][1]
+    for plan in plans[1:]:
+        assert kept[plan][0] < kept[plan][1] and kept[plan][2] < kept["dynamic"][2] / 2, plan
