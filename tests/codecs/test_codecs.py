@@ -242,7 +242,7 @@ def test_plain_int2_carries_the_two_bit_options_and_asks_for_the_config():
     from hf_kvcompress import QuantizedCache, make_cache, parse_spec
 
     codec = parse_spec("int2")[1]
-    assert (codec.rotate, codec.sink_tokens, codec.codebook, codec.pre_rope) == ("hadamard", 32, "gaussian", True)
+    assert (codec.rotate, codec.sink_tokens, codec.codebook, codec.pre_rope) == ("hadamard", 4, "gaussian", True)
     for build in (lambda: make_cache("int2"), lambda: QuantizedCache(bits=2)):
         with pytest.raises(ValueError, match="config"):
             build()
