@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import time
+import traceback
 import venv
 from pathlib import Path
 
@@ -57,7 +58,9 @@ def _child(job_path: str) -> None:
                 record["new_tokens"] = out[0, full.shape[1]:].tolist()
                 record["seconds"] = time.perf_counter() - start
             except Exception as error:  # reported per configuration: the point is to say what failed
-                record["error"] = f"{type(error).__name__}: {error}"
+                frame = traceback.extract_tb(error.__traceback__)[-1]
+                where = f"{Path(frame.filename).parent.name}/{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+                record["error"] = f"{type(error).__name__}: {error} (at {where})"
             results.append(record)
             print(json.dumps({k: v for k, v in record.items() if k != "new_tokens"}), flush=True)
     Path(job["out"]).write_text(json.dumps(results))

@@ -21,6 +21,12 @@ def test_generate_streams_an_answer_and_reports_speed_and_bytes(capsys):
                      r"\(residual_length=128\): nothing is quantized", out)
 
 
+def test_generate_builds_int2_with_the_models_config(capsys):
+    # int2's pre_rope reads the RoPE frequencies from the config: the spec check before loading must not need it.
+    assert main(["generate", "--prompt", "What is the capital of France?", "--cache", "int2", "--max-new-tokens", "2"]) == 0
+    assert "[cache int2]" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

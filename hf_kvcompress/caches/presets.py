@@ -12,7 +12,8 @@ from .compressed import CompressedCache
 
 class QuantizedCache(CompressedCache):
     """Every token kept, stored as KIVI-style int8/int4/int3/int2 (keys per channel, values per token), with the
-    options the registry's plain name `int{bits}` carries (rotation, full-precision sinks)."""
+    options the registry's plain name `int{bits}` carries (rotation, full-precision sinks; at 2 bits also Lloyd-Max
+    levels and pre-RoPE keys, which read the RoPE frequencies from `config`, so bits=2 needs it)."""
 
     def __init__(self, bits: int = 4, group_size: int = 32, residual_length: int = 128, config=None):
         from ..registry import CODECS

@@ -46,7 +46,7 @@ def run(args) -> int:
     from ..generation import generate, repeat_prompt_ids
     from ..hf.attention import use_kvcompress_attention
     from ..models import load_model
-    from ..registry import bounds_memory, make_cache, needs_attention
+    from ..registry import bounds_memory, make_cache, needs_attention, parse_spec
     from ..study import residual_note
     from .checks import check_device
 
@@ -55,8 +55,7 @@ def run(args) -> int:
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     if not text.strip():
         raise ValueError("the prompt is empty: give --prompt TEXT or --prompt-file PATH with some text")
-    cache_probe = make_cache(args.cache)  # validate the spec before loading a model
-    del cache_probe
+    parse_spec(args.cache)  # validate the spec before loading a model (building the cache may need its config)
     check_device(args.device)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     if needs_attention(args.cache):

@@ -214,23 +214,39 @@ def test_fp8_sink_tokens_are_checked_and_reach_the_spec():
     "spec",
     ["int8", "int4", "int3", "int2", "int4:rotate=none", "int2:sink_tokens=0", "int4:rotate=none,sink_tokens=0",
      "int3:rotate=hadamard,sink_tokens=8,group_size=16", "h2o:budget=64,recent=16+int4:rotate=none",
-     "fp8:sink_tokens=4", "int2:codebook=gaussian", "int3:codebook=uniform", "int2:pre_rope=false"],
+     "fp8:sink_tokens=4", "int2:codebook=gaussian", "int3:codebook=uniform", "int2:pre_rope=false",
+     "int4:pre_rope=true,codebook=gaussian"],
 )
 def test_specs_rebuild_the_same_cache(spec):
     from hf_kvcompress import make_cache, parse_spec
+    from tests.caches.tiny_models import CONFIGS
 
-    cache = make_cache(spec)
+    config = CONFIGS["llama"]()  # pre_rope (in int2's defaults) reads the RoPE frequencies from it
+    cache = make_cache(spec, config)
     assert parse_spec(cache.spec) == parse_spec(spec)
-    assert make_cache(cache.spec).codec == cache.codec
+    assert make_cache(cache.spec, config).codec == cache.codec
 
 
 def test_quantized_cache_uses_the_plain_names_configuration():
     from hf_kvcompress import QuantizedCache, parse_spec
+    from tests.caches.tiny_models import CONFIGS
 
+    config = CONFIGS["llama"]()
     for bits in (2, 3, 4, 8):
-        assert QuantizedCache(bits=bits).codec == parse_spec(f"int{bits}")[1].for_policy(False)
+        assert QuantizedCache(bits=bits, config=config).codec == parse_spec(f"int{bits}")[1].for_policy(False)
     with pytest.raises(ValueError, match="bits"):
         QuantizedCache(bits=5)
+
+
+def test_plain_int2_carries_the_two_bit_options_and_asks_for_the_config():
+    from hf_kvcompress import QuantizedCache, make_cache, parse_spec
+
+    codec = parse_spec("int2")[1]
+    assert (codec.rotate, codec.sink_tokens, codec.codebook, codec.pre_rope) == ("hadamard", 4, "gaussian", True)
+    for build in (lambda: make_cache("int2"), lambda: QuantizedCache(bits=2)):
+        with pytest.raises(ValueError, match="config"):
+            build()
+    assert make_cache("int2:pre_rope=false").spec == "int2:pre_rope=False"
 
 
 def test_caches_give_each_layer_its_rotation_with_or_without_config():
@@ -380,4 +396,4 @@ def test_pre_rope_needs_the_models_config_and_a_bool():
         make_cache("int2:pre_rope=true")
     with pytest.raises(ValueError, match="pre_rope"):
         IntNCodec(pre_rope=True, key_axis="channel").encode(torch.randn(1, 1, 32, 64), "key")
-    make_cache("int2")  # the other options need no config
+    make_cache("int2:pre_rope=false")  # the other options need no config
