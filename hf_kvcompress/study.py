@@ -362,7 +362,8 @@ def plot_study(results: list[PlanResult], out_dir: str | Path) -> Path:
     fig, (ax, key) = plt.subplots(1, 2, figsize=(11, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     for i, r in enumerate(results, 1):
         lo, hi = (r.band_ci or {}).get("all", (r.score, r.score))
-        color = "tab:red" if r.spec == "dynamic" else f"C{i % 10}"
+        # red is the baseline's alone: the other plans cycle through the default colours without it (C3)
+        color = "tab:red" if r.spec == "dynamic" else [f"C{k}" for k in range(10) if k != 3][i % 9]
         x = r.measured_bytes / 2**20
         ax.errorbar(x, r.score, yerr=[[max(0, r.score - lo)], [max(0, hi - r.score)]], fmt="o", color=color,
                     capsize=3, ms=5)
