@@ -135,10 +135,17 @@ def use_kernel(layer, query: torch.Tensor, backend: str) -> bool:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch" or query.shape[2] != 1:
         return False
-    fits = triton_decode.supports(layer.encoded_keys, layer.encoded_values, layer.n_encoded, layer.head_dim, layer.value_dim)
+    # The kernel dequantises on the uniform grid: a Lloyd-Max codebook (int2's default) is read by PyTorch.
+    uniform = getattr(layer.codec, "codebook", "uniform") == "uniform"
+    fits = uniform and triton_decode.supports(
+        layer.encoded_keys, layer.encoded_values, layer.n_encoded, layer.head_dim, layer.value_dim
+    )
     if backend == "triton":
         if not fits:
-            raise ValueError("backend='triton' needs triton installed and a packed int2/int4/int8 store with power-of-two dims")
+            raise ValueError(
+                "backend='triton' needs triton installed and a packed int2/int4/int8 store with power-of-two dims "
+                "and codebook='uniform'"
+            )
         return True
     return fits and query.is_cuda
 

@@ -41,7 +41,7 @@ def _prefill(cache, tokens=40, generator=None):
 
 
 @pytest.mark.parametrize("spec", [
-    "dynamic", "int8:residual_length=8", "int4:residual_length=8,group_size=8", "int2:residual_length=8,group_size=8",
+    "dynamic", "int8:residual_length=8", "int4:residual_length=8,group_size=8", "int2:residual_length=8,group_size=8,pre_rope=false",
     "fp8", "sink_window:sink_tokens=2,window=16", "h2o:budget=16,recent=4", "snapkv:budget=16,window=4,recent=4",
 ])
 def test_decode_steps_read_nothing_on_the_host(spec):

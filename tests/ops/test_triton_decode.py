@@ -51,7 +51,7 @@ def test_unsupported_stores_are_declined():
     assert not triton_decode.supports(int3, int3, 8, 32, 32)
 
 
-@pytest.mark.parametrize("spec", ["int4:residual_length=8,group_size=8", "sink_window:sink_tokens=2,window=40+int2:residual_length=4,group_size=16"])
+@pytest.mark.parametrize("spec", ["int4:residual_length=8,group_size=8", "sink_window:sink_tokens=2,window=40+int2:residual_length=4,group_size=16,pre_rope=false,codebook=uniform"])
 def test_attention_through_the_kernel_equals_the_pytorch_path(spec):
     """A whole layer: Hadamard-rotated store, exact sinks, a left-padded row, the tail; backend 'triton' vs 'torch'."""
     g = torch.Generator().manual_seed(0)
@@ -80,3 +80,17 @@ def test_attention_through_the_kernel_equals_the_pytorch_path(spec):
             torch.testing.assert_close(attend_store(layer, query, mask, 0.2, backend="triton"), reference, **tolerance)
         kvcompress_attention(module, query, k, v, mask, scaling=0.2, **kwargs)
     assert layer.store_confirmed
+
+
+def test_the_kernel_leaves_a_lloyd_max_codebook_to_pytorch():
+    """The kernel dequantises on the uniform grid; int2's Lloyd-Max levels would decode wrongly there."""
+    from hf_kvcompress.caches.store_attention import use_kernel
+
+    cache = make_cache("int2:residual_length=4,group_size=16,pre_rope=false")  # codebook=gaussian (int2's default)
+    states = torch.randn(1, 2, 40, 32).to(DEVICE)
+    cache.update(states, states, 0, {"position_ids": torch.arange(40, device=DEVICE)[None]})
+    layer = cache.layers[0]
+    query = torch.randn(1, 6, 1, 32).to(DEVICE)
+    assert not use_kernel(layer, query, "auto")
+    with pytest.raises(ValueError, match="codebook='uniform'"):
+        use_kernel(layer, query, "triton")
