@@ -7,7 +7,6 @@ beside this model's formula and measured savings, the score with its 95% interva
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,21 +85,15 @@ def lesson_rows(results: list, config, tokens: float, model_bytes: float) -> lis
     return rows
 
 
-def _cell(value: float, ci: tuple[float, float] | None) -> str:
-    if math.isnan(value):
-        return f"{'-':>13s}"
-    if ci is None or math.isnan(ci[0]):
-        return f"{value:5.0f}        "
-    return f"{value:5.0f} [{ci[0]:3.0f}-{ci[1]:3.0f}]"
-
-
 def format_lesson_table(rows: list[LessonRow], baseline) -> str:
     """The lesson's table with the study's columns; `baseline` is the study's `dynamic` PlanResult."""
+    from .study import score_cell  # study imports this module lazily; one cell format for both tables
+
     lines = [
         f"{'the lesson (8B, 32k tokens)':26s} {'x less':>6s}   {'plan measured here':40s} {'formula':>7s} "
         f"{'measured':>8s} {'score, 95% interval':>19s} {'retention':>13s}",
         f"{'baseline FP16':26s} {1.0:6.1f}   {baseline.spec:40s} {1.0:7.1f} {1.0:8.1f} "
-        f"{_cell(baseline.score, (baseline.band_ci or {}).get('all')):>19s} {'':>13s}",
+        f"{score_cell(baseline.score, (baseline.band_ci or {}).get('all')):>19s} {'':>13s}",
     ]
     for row in rows:
         r = row.result
@@ -109,6 +102,6 @@ def format_lesson_table(rows: list[LessonRow], baseline) -> str:
             continue
         lines.append(
             f"{row.lesson:26s} {row.lesson_factor:6.1f}   {r.spec:40s} {row.formula_factor:7.1f} {r.factor:8.1f} "
-            f"{_cell(r.score, (r.band_ci or {}).get('all')):>19s} {_cell(r.retention, r.retention_ci)}"
+            f"{score_cell(r.score, (r.band_ci or {}).get('all')):>19s} {score_cell(r.retention, r.retention_ci)}"
         )
     return "\n".join(lines)

@@ -228,7 +228,7 @@ def recommend(results: list[PlanResult], min_quality: float) -> PlanResult:
     return max(eligible, key=lambda r: (r.users, r.score, -r.measured_bytes))
 
 
-def _ci(value: float, ci: tuple[float, float] | None) -> str:
+def score_cell(value: float, ci: tuple[float, float] | None) -> str:
     if math.isnan(value):
         return f"{'-':>13s}"
     if ci is None or math.isnan(ci[0]):
@@ -248,10 +248,10 @@ def format_table(results: list[PlanResult], tokens: float) -> str:
     ]
     for r in results:
         ci = r.band_ci or {}
-        cells = " ".join(_ci(r.bands[name], ci.get(name)) for name, _, _ in BANDS)
+        cells = " ".join(score_cell(r.bands[name], ci.get(name)) for name, _, _ in BANDS)
         lines.append(
             f"{r.spec:46s} {r.formula_bytes / 2**20:8.2f} {r.measured_bytes / 2**20:8.2f} {r.factor:6.1f} {cells} "
-            f"{_ci(r.score, ci.get('all'))} {_ci(r.retention, r.retention_ci)}"
+            f"{score_cell(r.score, ci.get('all'))} {score_cell(r.retention, r.retention_ci)}"
         )
     return "\n".join(lines)
 
