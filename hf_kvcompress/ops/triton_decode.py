@@ -16,7 +16,7 @@ from functools import lru_cache
 import torch
 
 SUPPORTED_BITS = (2, 4, 8)
-triton = tl = None  # imported on first use: Triton reads TRITON_INTERPRET when it is imported
+triton = tl = _dequantise = None  # built on first use: Triton reads TRITON_INTERPRET when it is imported
 
 
 def available() -> bool:
@@ -27,9 +27,23 @@ def available() -> bool:
 @lru_cache(maxsize=None)
 def _kernel():
     """The jitted kernel, built on first use (importing triton then, not with the package)."""
-    global triton, tl
+    global triton, tl, _dequantise  # jitted kernels find the functions they call among the module's globals
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _dequantise(codes, scales, zeros, row, T, row_bytes, s_t, s_d, t_offs, t_valid, offs,
+                    BITS: tl.constexpr, TOKEN_GROUP: tl.constexpr, CHANNEL_GROUP: tl.constexpr):
+        """A tile [BLOCK_T, len(offs)] of keys or values: each value's byte, its bits in it, and its group's scale
+        and zero point."""
+        UNIT: tl.constexpr = 8 // BITS  # values per byte
+        byte = tl.load(codes + row * T * row_bytes + t_offs[:, None] * row_bytes + (offs // UNIT)[None, :],
+                       mask=t_valid[:, None], other=0).to(tl.int32)
+        code = (byte >> ((offs % UNIT) * BITS)[None, :]) & ((1 << BITS) - 1)
+        group = row * s_t * s_d + (t_offs // TOKEN_GROUP)[:, None] * s_d + (offs // CHANNEL_GROUP)[None, :]
+        scale = tl.load(scales + group, mask=t_valid[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(zeros + group, mask=t_valid[:, None], other=0.0).to(tl.float32)
+        return code.to(tl.float32) * scale + zero
 
     @triton.jit
     def _decode_attention_kernel(
@@ -41,8 +55,6 @@ def _kernel():
         V_BITS: tl.constexpr, V_TOKEN_GROUP: tl.constexpr, V_CHANNEL_GROUP: tl.constexpr,
         HAS_BIAS: tl.constexpr,
     ):
-        K_UNIT: tl.constexpr = 8 // K_BITS  # values per byte
-        V_UNIT: tl.constexpr = 8 // V_BITS
         row = tl.program_id(0)  # batch * KV heads + head
         split = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -59,14 +71,8 @@ def _kernel():
         for t0 in range(start, stop, BLOCK_T):
             t_offs = t0 + tl.arange(0, BLOCK_T)
             t_valid = t_offs < stop
-            # Keys [BLOCK_T, D]: each value's byte, its bits in it, and its group's scale and zero point.
-            byte = tl.load(k_codes + row * T * k_row_bytes + t_offs[:, None] * k_row_bytes + (d_offs // K_UNIT)[None, :],
-                           mask=t_valid[:, None], other=0).to(tl.int32)
-            code = (byte >> ((d_offs % K_UNIT) * K_BITS)[None, :]) & ((1 << K_BITS) - 1)
-            group = row * ks_t * ks_d + (t_offs // K_TOKEN_GROUP)[:, None] * ks_d + (d_offs // K_CHANNEL_GROUP)[None, :]
-            scale = tl.load(k_scale + group, mask=t_valid[:, None], other=0.0).to(tl.float32)
-            zero = tl.load(k_zero + group, mask=t_valid[:, None], other=0.0).to(tl.float32)
-            keys = code.to(tl.float32) * scale + zero
+            keys = _dequantise(k_codes, k_scale, k_zero, row, T, k_row_bytes, ks_t, ks_d, t_offs, t_valid, d_offs,
+                               K_BITS, K_TOKEN_GROUP, K_CHANNEL_GROUP)  # [BLOCK_T, D]
             logits = tl.dot(query, tl.trans(keys))  # [BLOCK_M, BLOCK_T]
             if HAS_BIAS:
                 logits += tl.load(bias + row * T + t_offs, mask=t_valid, other=float("-inf"))[None, :]
@@ -75,13 +81,8 @@ def _kernel():
             safe = tl.where(new_max == float("-inf"), 0.0, new_max)
             probs = tl.exp(logits - safe[:, None])
             rescale = tl.exp(run_max - safe)
-            byte = tl.load(v_codes + row * T * v_row_bytes + t_offs[:, None] * v_row_bytes + (dv_offs // V_UNIT)[None, :],
-                           mask=t_valid[:, None], other=0).to(tl.int32)
-            code = (byte >> ((dv_offs % V_UNIT) * V_BITS)[None, :]) & ((1 << V_BITS) - 1)
-            group = row * vs_t * vs_d + (t_offs // V_TOKEN_GROUP)[:, None] * vs_d + (dv_offs // V_CHANNEL_GROUP)[None, :]
-            scale = tl.load(v_scale + group, mask=t_valid[:, None], other=0.0).to(tl.float32)
-            zero = tl.load(v_zero + group, mask=t_valid[:, None], other=0.0).to(tl.float32)
-            values = code.to(tl.float32) * scale + zero
+            values = _dequantise(v_codes, v_scale, v_zero, row, T, v_row_bytes, vs_t, vs_d, t_offs, t_valid, dv_offs,
+                                 V_BITS, V_TOKEN_GROUP, V_CHANNEL_GROUP)  # [BLOCK_T, DV]
             acc = acc * rescale[:, None] + tl.dot(probs, values)
             run_sum = run_sum * rescale + tl.sum(probs, 1)
             run_max = new_max
