@@ -15,6 +15,8 @@ from ..hf.rope import rope_inv_freq
 from ..policies.base import Policy
 from ..policies.keep_all import KeepAllPolicy
 from ..policies.sink_window import SinkWindowPolicy
+from .head_budget_layer import HeadBudgetLayer
+from .head_ranking import head_budget_keep
 from .layer import CompressedLayer
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
@@ -44,6 +46,17 @@ def layer_budget_shifts(policy: Policy, layers: list) -> list[torch.Tensor]:
     return [torch.round((s >= threshold).sum(dim=1) / heads).long() - uniform for s in scores]
 
 
+def _check_head_budgets(policy: Policy, codec: Codec, rerotate: bool) -> None:
+    """Refuse, when the cache is built, what per-head budgets cannot store."""
+    if codec.heads_per_store > 1:
+        raise ValueError(
+            f"head_budgets keeps a different number of pairs per KV head; codec {codec.spec()!r} stores one head "
+            "for several: use layer_budgets=true with it"
+        )
+    if rerotate:
+        raise ValueError("rerotate re-rotates a window of whole tokens; head_budgets keeps other tokens per head")
+
+
 class CompressedCache(Cache):
     """Drop-in for `DynamicCache`: pass it to `model.generate(..., cache=...)`.
 
@@ -67,6 +80,8 @@ class CompressedCache(Cache):
         self.codec = resolve_for_policy(requested_codec, self.policy.evicts)
         self.config = config
         self.rerotate = rerotate
+        if getattr(self.policy, "head_budgets", False):
+            _check_head_budgets(self.policy, self.codec, rerotate)
         inv_freq = None
         if rerotate:
             if config is None:
@@ -124,6 +139,7 @@ class CompressedCache(Cache):
 
     def reset(self) -> None:
         self._owner = None
+        self.layers = [layer.origin if isinstance(layer, HeadBudgetLayer) else layer for layer in self.layers]
         super().reset()
 
     # -- the reconstruction pass (KVzip), driven by generation.prefill: the cache cannot call the model itself --
@@ -142,11 +158,18 @@ class CompressedCache(Cache):
     def end_reconstruction(self) -> None:
         """Evict the lowest-scored slots down to the budget; later tokens are stored again."""
         scored = [layer for layer in self.layers if layer.policy.scores_by_reconstruction and layer.is_initialized]
-        if getattr(self.policy, "layer_budgets", False) and len(scored) > 1:
+        if getattr(self.policy, "head_budgets", False) and scored:
+            keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.sink_tokens)
+            for layer, (priority, keep) in zip(scored, keeps):
+                layer.reconstruction_queries = None
+                layer.accumulated = priority
+                self.layers[self.layers.index(layer)] = HeadBudgetLayer(layer, keep)
+        elif getattr(self.policy, "layer_budgets", False) and len(scored) > 1:
             for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored)):
                 layer.budget_shift = shift
         for layer in self.layers:
-            layer.end_reconstruction()
+            if not isinstance(layer, HeadBudgetLayer):
+                layer.end_reconstruction()
 
     def promised_kv_bytes(self) -> int:
         """What the method promises to hold now, computed from what each layer keeps (see `measured_kv_bytes`)."""

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from ..hf.compat import text_config
 from .compressed import CompressedCache
+from .head_budget_layer import HeadBudgetLayer
 
 FORMAT = "hf-kvcompress-cache/1"
 
@@ -96,7 +97,11 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
             continue
         prefix = f"layers.{i}."
         layer_tensors = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
-        layer.import_state(layer_tensors, meta, torch.device(device if device is not None else metadata["device"]))
+        target = torch.device(device if device is not None else metadata["device"])
+        if meta.get("kind") == HeadBudgetLayer.KIND:
+            cache.layers[i] = HeadBudgetLayer.from_state(layer, layer_tensors, meta, target)
+        else:
+            layer.import_state(layer_tensors, meta, target)
     return cache
 
 

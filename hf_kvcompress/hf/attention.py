@@ -83,6 +83,8 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     if own_mask is not None:  # the layer keeps what the shared mask cannot describe (see caches/layer.py)
         own_mask.used = True
         attention_mask, own_mask.mask = own_mask.mask, None  # the cache does not keep it: its bytes are exact
+        if attention_mask.shape[1] not in (1, query.shape[1]):  # one mask per KV head (head budgets): per query head
+            attention_mask = attention_mask.repeat_interleave(query.shape[1] // attention_mask.shape[1], dim=1)
     if store is not None and kwargs.get("softcap") is None and request is None:
         store.used = True
         if store.fused:  # read the encoded store a block at a time (caches/store_attention.py)

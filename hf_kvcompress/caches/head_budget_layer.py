@@ -1,0 +1,257 @@
+"""A full-attention layer after KVzip's global ranking: each KV head keeps its own number of context pairs.
+
+`CompressedCache.end_reconstruction` ranks every (layer, KV head, token) pair of a row against each other under one
+total (KVzip Sec. 3.3; kvpress's KVzipPress does the same with masks over memory it still holds) and replaces each
+scored layer by this one, which stores only the kept pairs (`RaggedHeads`). Later tokens (questions, answers) stay
+at full precision for the codec's residual, then join the store, ranked above the context (newest first): when
+the row holds more than its allowance, the lowest-scored pairs of any head go, the context's first. The codec's
+full-precision sink tokens stay exact beside the store. Attention sees [sinks | padded view | recent tokens] with
+a per-head mask, through 'kvcompress_sdpa' (`use_kvcompress_attention`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..codecs.base import cat_encoded
+from .head_store import RaggedHeads
+from .layer import ENABLE_ATTENTION_HINT, MASK_KEY, NON_FINITE, CompressedLayer, OwnMask, _attention_kwargs
+
+LATER_TOKENS = 2.0  # scores of tokens after the ranking start here: above any attention probability
+ABSORB_BLOCK = 32  # recent tokens beyond the codec's residual join the store this many at a time
+
+
+class HeadBudgetLayer(CacheLayerMixin):
+    """Context pairs kept per (row, KV head) in a ragged store, plus the recent tokens at full precision."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, origin: CompressedLayer, keep: torch.Tensor):
+        """`origin`: the scored layer (its store is taken over); `keep` [B, H, T] bool: the pairs it keeps."""
+        super().__init__()
+        self.origin = origin
+        self.policy, self.codec = origin.policy, origin.codec
+        self.device, self.dtype = origin.device, origin.dtype
+        self.batch_size, self.kv_heads = origin.batch_size, origin.kv_heads
+        self.head_dim, self.value_dim = origin.head_dim, origin.value_dim
+        self.seen = origin.seen
+        self.real_seen = origin.real_seen.clone()
+        keep = keep.clone()
+        # The codec's sinks (its first real tokens at full precision) stay exact, beside the store.
+        self.sink_keys = self.sink_values = self.sink_valid = None
+        if self.codec.sink_tokens > 0 and not self.codec.lossless:
+            origin._capture_sinks()
+            if origin.sink_slots is not None:
+                slots = origin.sink_slots  # [B, H, S], the same for every head; -1: the row has no such token
+                self.sink_keys, self.sink_values = origin.sink_keys, origin.sink_values
+                self.sink_valid = slots[:, 0] >= 0  # [B, S]
+                if not bool(keep.gather(2, slots.clamp(min=0))[slots >= 0].all()):
+                    raise ValueError("the ranking evicted a codec sink token: its policy must protect them")
+                keep.scatter_(2, slots.clamp(min=0), False)
+        keys, values = full_encoded(origin, "key"), full_encoded(origin, "value")
+        self.store = RaggedHeads.pack(keys, values, origin.accumulated, keep)
+        self.tail_keys = self.tail_values = None  # [B, H, t, D]: tokens since the ranking, full precision
+        sinks = 0 if self.sink_valid is None else self.sink_valid.sum(-1) * self.kv_heads
+        self.allowance = self.store.row_pairs() + sinks  # [B] pairs the row holds now: its share of the total
+        self.share_then = self.policy.kept_per_row(self.real_seen)
+        self.own_mask: OwnMask | None = None
+        self.is_initialized = True
+        origin.reset()  # its store now lives here; `CompressedCache.reset` puts the emptied layer back
+
+    # -- transformers' layer contract -------------------------------------------------------------------------
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # built initialized, from a scored layer
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append the new tokens; return [sinks | padded store | recent] and hand attention the per-head mask."""
+        if key_states.shape[0] != self.batch_size or key_states.shape[1] != self.kv_heads:
+            raise ValueError(
+                f"this cache layer holds {self.batch_size} rows x {self.kv_heads} KV heads, got "
+                f"{tuple(key_states.shape[:2])}: call cache.reset() first"
+            )
+        if self.own_mask is not None and not self.own_mask.used:
+            self.own_mask = None
+            raise RuntimeError(f"KVzip with head budgets keeps a different number of pairs per head: {ENABLE_ATTENTION_HINT}")
+        attn_kwargs = _attention_kwargs(args, kwargs)
+        if attn_kwargs is None:
+            raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
+        if key_states.shape[-2] > 1 and not bool(key_states.isfinite().all() & value_states.isfinite().all()):
+            raise ValueError(NON_FINITE)
+        new = key_states.shape[-2]
+        self.seen += new
+        self.real_seen = self.real_seen + new  # padding only ever leads a row's prompt
+        self.tail_keys = key_states.clone() if self.tail_keys is None else torch.cat([self.tail_keys, key_states], -2)
+        self.tail_values = (
+            value_states.clone() if self.tail_values is None else torch.cat([self.tail_values, value_states], -2)
+        )
+        full_keys, full_values = self._full("key"), self._full("value")
+        self.own_mask = OwnMask(self._mask(new, full_keys.shape[-2]))
+        attn_kwargs[MASK_KEY] = self.own_mask
+        self._absorb(self.tail_keys.shape[-2] - self.codec.residual_length >= ABSORB_BLOCK)
+        self._evict()
+        return full_keys, full_values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        stored = self._view_length()
+        return stored + query_length, self.seen - stored
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def stored_tokens(self) -> int:
+        """Pairs held per KV head, on average over rows and heads (heads differ)."""
+        return round(float(self.held_pairs().float().mean()) / self.kv_heads)
+
+    def held_pairs(self) -> torch.Tensor:
+        """Pairs each row holds, all heads together, [B]."""
+        sinks = 0 if self.sink_valid is None else self.sink_valid.sum(-1) * self.kv_heads
+        return self.store.row_pairs() + sinks + self._tail_length() * self.kv_heads
+
+    def reset(self) -> None:
+        """Nothing to clear: `CompressedCache.reset` puts the original layer back."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        indices = torch.as_tensor(indices, device=self.device)
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().flatten()
+        self.store.select_rows(indices)
+        for name in ("tail_keys", "tail_values", "sink_keys", "sink_values", "sink_valid", "real_seen", "allowance",
+                     "share_then"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, indices))
+        self.batch_size = indices.numel()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.batch_select_indices(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise ValueError(
+                "cannot crop this cache: KVzip has already evicted tokens, so the cropped state cannot be rebuilt"
+            )
+
+    def promised_bytes(self) -> int:
+        """Bytes this layer should hold: stored pairs at the codec's rate with their scores, recent tokens and
+        sinks at full precision, and the per-row bookkeeping. Tests compare it with `measured_kv_bytes`."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        pair = self.codec.bytes_per_token(self.head_dim, "key", self.dtype) + self.codec.bytes_per_token(
+            self.value_dim, "value", self.dtype
+        )
+        total = self.store.pairs * (pair + 4) + self.store.lengths.numel() * 8
+        recent = self.batch_size * self.kv_heads * self._tail_length() * (self.head_dim + self.value_dim) * element
+        total += recent + 3 * self.batch_size * 8  # real_seen, allowance, share_then (int64)
+        if self.sink_valid is not None:
+            total += self.sink_valid.numel() + 2 * self.sink_keys.numel() * element
+        return int(total)
+
+    # -- saving and loading (see caches/persist.py) ----------------------------------------------------------------
+
+    KIND = "head_budgets"
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors = {f"store.{n}": t for n, t in self.store.state().items()}
+        for name in ("tail_keys", "tail_values", "sink_keys", "sink_values", "sink_valid", "real_seen", "allowance",
+                     "share_then"):
+            if getattr(self, name) is not None:
+                tensors[name] = getattr(self, name)
+        meta = {"kind": self.KIND, "seen": self.seen, "batch_size": self.batch_size, "kv_heads": self.kv_heads,
+                "head_dim": self.head_dim, "value_dim": self.value_dim, "dtype": str(self.dtype).removeprefix("torch.")}
+        return tensors, meta
+
+    @classmethod
+    def from_state(cls, origin: CompressedLayer, tensors: dict[str, torch.Tensor], meta: dict, device) -> "HeadBudgetLayer":
+        layer = cls.__new__(cls)
+        CacheLayerMixin.__init__(layer)
+        layer.origin = origin
+        layer.policy, layer.codec = origin.policy, origin.codec
+        layer.device, layer.dtype = torch.device(device), getattr(torch, meta["dtype"])
+        for name in ("seen", "batch_size", "kv_heads", "head_dim", "value_dim"):
+            setattr(layer, name, int(meta[name]))
+        moved = {n: t.to(layer.device, copy=True) for n, t in tensors.items()}
+        layer.store = RaggedHeads.from_state({n[len("store."):]: t for n, t in moved.items() if n.startswith("store.")})
+        for name in ("tail_keys", "tail_values", "sink_keys", "sink_values", "sink_valid", "real_seen", "allowance",
+                     "share_then"):
+            setattr(layer, name, moved.get(name))
+        layer.device = layer.real_seen.device
+        layer.own_mask = None
+        layer.is_initialized = True
+        return layer
+
+    # -- internals -------------------------------------------------------------------------------------------------
+
+    def _tail_length(self) -> int:
+        return 0 if self.tail_keys is None else self.tail_keys.shape[-2]
+
+    def _sink_count(self) -> int:
+        return 0 if self.sink_valid is None else self.sink_valid.shape[-1]
+
+    def _view_length(self) -> int:
+        return self._sink_count() + self.store.most + self._tail_length()
+
+    def _full(self, kind: str) -> torch.Tensor:
+        parts = []
+        if self.sink_valid is not None:
+            parts.append((self.sink_keys if kind == "key" else self.sink_values).to(self.dtype))
+        if self.store.most:
+            parts.append(self.store.padded(self.codec, kind, self.dtype))
+        parts.append(self.tail_keys if kind == "key" else self.tail_values)
+        return torch.cat(parts, dim=-2)
+
+    def _mask(self, new: int, length: int) -> torch.Tensor:
+        """[B, H_kv, new, length] bool: each head's slots that hold a pair, causal over the new tokens."""
+        valid = [self.store.valid(), torch.ones(self.batch_size, self.kv_heads, self._tail_length(), dtype=torch.bool,
+                                                device=self.device)]
+        if self.sink_valid is not None:
+            valid.insert(0, self.sink_valid[:, None, :].expand(-1, self.kv_heads, -1))
+        valid = torch.cat(valid, dim=-1)
+        slot = torch.arange(length, device=self.device)
+        causal = slot[None, :] <= (length - new + torch.arange(new, device=self.device))[:, None]  # [new, length]
+        return valid[:, :, None, :] & causal[None, None]
+
+    def _absorb(self, due: bool, everything: bool = False) -> None:
+        """Move recent tokens beyond the codec's residual (all of them with `everything`) into the store."""
+        t = self._tail_length()
+        n = t if everything else (t - self.codec.residual_length) // ABSORB_BLOCK * ABSORB_BLOCK
+        if not (due or everything) or n <= 0:
+            return
+        first = self.seen - t  # the position of the oldest recent token among the tokens seen
+        scores = LATER_TOKENS + first + torch.arange(n, device=self.device, dtype=torch.float32)
+        scores = scores.expand(self.batch_size, self.kv_heads, n)
+        self.store.append(
+            self.codec.encode(self.tail_keys[:, :, :n], "key"), self.codec.encode(self.tail_values[:, :, :n], "value"),
+            scores,
+        )
+        self.tail_keys = self.tail_keys[:, :, n:].clone() if n < t else None
+        self.tail_values = self.tail_values[:, :, n:].clone() if n < t else None
+
+    def _evict(self) -> None:
+        """Hold at most the row's allowance: its share at the ranking, moved by the policy's ratio since."""
+        allowance = self.allowance + self.kv_heads * (self.policy.kept_per_row(self.real_seen) - self.share_then)
+        over = self.held_pairs() - allowance
+        if not bool((over > 0).any()):
+            return
+        if bool((over > self.store.evictable()).any()):
+            self._absorb(True, everything=True)  # the context is spent: recent tokens compete too
+        self.store.evict_lowest(over.clamp(min=0).tolist())
+
+
+def full_encoded(layer: CompressedLayer, kind: str):
+    """A scored layer's whole store as one token-wise encoding [B, H, T, ...] (encoded part + encoded tail)."""
+    encoded = layer.encoded_keys if kind == "key" else layer.encoded_values
+    tail = layer.tail_keys if kind == "key" else layer.tail_values
+    fresh = layer.codec.encode(tail, kind) if tail is not None and tail.shape[-2] else None
+    if encoded is None:
+        return fresh
+    return encoded if fresh is None else cat_encoded(encoded, fresh)

@@ -1,0 +1,40 @@
+"""One ranking of every (layer, KV head, token) pair of a row: KVzip's head budgets (Sec. 3.3; Ada-KV's idea).
+
+Reconstruction scores are attention probabilities, comparable across heads and layers, so the row keeps its
+`layers x heads x per-head share` best pairs wherever they are: a head the context needs keeps many, a head that
+only attends locally keeps few. Measured on our needle prompts (benchmarks/kvzip_budget_allocation.py): the same
+share kept per head loses every needle in the document's first tenth on SmolLM2; this ranking keeps them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..policies.base import Policy, _priority
+
+
+def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: (priority [B, H, T] with protected pairs at +inf and padding at -inf, keep [B, H, T] bool).
+
+    The policy's sinks and the codec's (`codec_sinks` first real tokens, kept exact beside the store) are
+    protected. Each row keeps `policy.kept_per_row(real tokens) x heads x layers` pairs in all (fewer when it has fewer real
+    pairs); ties go to the pair ranked first (lower layer, head, token)."""
+    priorities = []
+    for layer in layers:
+        priority = _priority(policy, layer.accumulated, layer.pads, layer.kv_heads, layer.stored_tokens)
+        slot = torch.arange(layer.stored_tokens, device=priority.device)
+        codec_sink = (slot[None, :] >= layer.pads[:, None]) & (slot[None, :] < layer.pads[:, None] + codec_sinks)
+        priorities.append(priority.masked_fill(codec_sink[:, None, :], float("inf")))
+    flat = torch.cat([p.flatten(1) for p in priorities], dim=1)  # [B, L * H * T]
+    heads = layers[0].kv_heads
+    real = sum((p > float("-inf")).flatten(1).sum(1) for p in priorities)  # [B] real pairs of the row
+    total = torch.minimum(policy.kept_per_row(layers[0].real_seen) * heads * len(layers), real)
+    order = torch.sort(flat, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(flat.shape[1], device=flat.device).expand_as(order))
+    keep = rank < total[:, None]
+    out, start = [], 0
+    for p in priorities:
+        size = p[0].numel()
+        out.append((p, keep[:, start : start + size].view_as(p)))
+        start += size
+    return out
