@@ -1,0 +1,124 @@
+"""Eviction: how many real tokens each row keeps, which slots those are, and the scores that rank them.
+
+A policy evicts down to its budget right away, or after attention when it scores by attention (H2O: the layer asks
+the attention function for statistics and evicts when they arrive) or after a reconstruction pass (KVzip). Kept
+slots stay in token order with each row's padding first; kept tail tokens older than the full-precision tail are
+encoded then, for the first and only time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codecs.base import agree_within_groups, cat_encoded, gather_encoded
+from ..policies.base import drop_one, select_kept
+from .requests import OBSERVER_KEY, AttentionRequest
+from .storage import gather_states
+
+
+class Eviction:
+    """CompressedLayer's eviction (a mixin): keep counts, `_compress` after each step, and `accumulated`
+    [B, H_kv, T], the attention each kept slot received, for policies that score by it."""
+
+    # -- scores from attention ---------------------------------------------------------------------------------
+
+    def _grow_accumulated(self, new: int, fill_from: float | None = None) -> None:
+        fresh = torch.zeros(self.batch_size, self.kv_heads, new, device=self.device, dtype=torch.float32)
+        if fill_from is not None:
+            fresh += fill_from + torch.arange(new, device=self.device, dtype=torch.float32)
+        self.accumulated = fresh if self.accumulated is None else torch.cat([self.accumulated, fresh], dim=-1)
+
+    def _request_attention(self, attn_kwargs: dict | None, request: AttentionRequest) -> None:
+        if attn_kwargs is None:
+            raise RuntimeError(
+                f"{type(self.policy).__name__} needs the attention kwargs that transformers passes to cache "
+                "layers; this model does not pass them"
+            )
+        attn_kwargs[OBSERVER_KEY] = request
+        self.awaiting_attention = True
+
+    def observe(self, attention: torch.Tensor) -> None:
+        """Receive [B, H_kv, kv] attention statistics for this step's queries, then evict and encode."""
+        self.accumulated = self.policy.observe(self.accumulated, attention.to(self.accumulated.dtype))
+        self.awaiting_attention = False
+        self._compress()
+
+    # -- how many tokens stay -----------------------------------------------------------------------------------
+
+    def _keep_per_row(self, before_scoring: bool = False) -> torch.Tensor | None:
+        """Real tokens each row keeps now, [B]; None when the policy keeps everything (or waits for its scores).
+
+        `before_scoring`: what a policy that scores by reconstruction will keep once scored, by its uniform budget
+        (a per-layer shift comes with the pass's scores), instead of None."""
+        if not self.policy.evicts:
+            return None
+        if not before_scoring and self.policy.scores_by_reconstruction and not self.scored:
+            return None
+        keep = self.policy.kept_per_row(self.real_seen)
+        return keep if before_scoring or self.budget_shift is None else (keep + self.budget_shift).clamp(min=1)
+
+    def _over_budget(self) -> bool:
+        """Whether this layer holds more than its policy keeps, even before a reconstruction pass scored it."""
+        keep = self._keep_per_row(before_scoring=True)
+        return keep is not None and self.stored_tokens > self._most_kept(keep)
+
+    def _most_kept(self, keep: torch.Tensor) -> int:
+        """keep.max(), known on the host for a fixed budget (no host read of a device value)."""
+        if self.policy.budget is not None and self.budget_shift is None:
+            return self.policy.budget
+        return int(keep.max())
+
+    # -- which tokens stay ----------------------------------------------------------------------------------------
+
+    def _compress(self) -> None:
+        keep = self._keep_per_row()
+        if keep is not None:
+            most = self._most_kept(keep)
+            if self.stored_tokens > most:
+                self._evict(keep, most)
+        self._encode_tail()
+
+    def _evict(self, keep: torch.Tensor, most: int) -> None:
+        if self.padding_unknown and (self.policy.sink_tokens > 0 or self.policy.needs_attention):
+            raise ValueError(
+                f"this batch of {self.batch_size} rows was fed without per-row position_ids, so the cache cannot tell "
+                "left padding from tokens and eviction would keep padding as attention sinks: pass "
+                "position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0) with the attention_mask, or use generate() "
+                "or hf_kvcompress.generation.prefill"
+            )
+        self.evicted_mid_prompt = self.step_tokens > 1
+        length = self.stored_tokens
+        keys = self._full("key") if self.policy.needs_keys else None
+        scores = self.policy.score(self.accumulated, length, keys=keys, positions=self.positions, pads=self.pads)
+        scores = agree_within_groups(scores, self.codec.heads_per_store)
+        if length == most + 1 and self.policy.budget is not None and self.budget_shift is None:
+            kept = drop_one(self.policy, scores, self.pads, self.kv_heads, length)  # a decode step: one slot over
+        else:
+            kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length, keep, most)  # [B, H_kv, budget]
+        budget = kept.shape[-1]
+        if self.encoded_keys is None:
+            self._capture_sinks()
+        self._follow_sinks(kept)
+        if self.accumulated is not None:
+            self.accumulated = torch.gather(self.accumulated, 2, kept)
+        if self.positions is not None:
+            self.positions = torch.gather(self.positions, 2, kept)
+        self.pads = budget - torch.minimum(keep, length - self.pads)
+        n_enc = self.n_encoded
+        if self.encoded_keys is None:
+            self.tail_keys = gather_states(self.tail_keys, kept)
+            self.tail_values = gather_states(self.tail_values, kept)
+            if self.inv_freq is not None:
+                self._rerotate_kept()
+            return
+        # Rows and heads keep different numbers of tail tokens: the `in_tail` newest kept slots stay at full
+        # precision everywhere; kept tail tokens older than those are encoded now, for the first and only time.
+        in_tail = int((kept >= n_enc).sum(-1).min())
+        to_store, to_tail = kept[..., : budget - in_tail], kept[..., budget - in_tail :] - n_enc
+        store_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys, "key"))
+        store_values = cat_encoded(self.encoded_values, self.codec.encode(self.tail_values, "value"))
+        self.encoded_keys = gather_encoded(store_keys, to_store)
+        self.encoded_values = gather_encoded(store_values, to_store)
+        self.n_encoded = budget - in_tail
+        self.tail_keys = gather_states(self.tail_keys, to_tail)
+        self.tail_values = gather_states(self.tail_values, to_tail)

@@ -1,0 +1,58 @@
+"""KVzip's reconstruction pass: after the prompt, the model reads it again; its queries score the kept slots.
+
+The cache cannot call the model itself: generation.prefill feeds the repeated prompt between
+`begin_reconstruction` and `end_reconstruction` (through CompressedCache), and `reconstruction_queries` marks the
+queries of each step that count. During the pass a layer attends over what it keeps plus the step's tokens and
+keeps nothing new; when its policy scores by reconstruction, it records the most attention each kept slot receives
+and the pass's end evicts by those scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .requests import AttentionRequest
+
+
+class Reconstruction:
+    """CompressedLayer's reconstruction pass (a mixin): `reconstruction_queries` [B, q] while it runs, `scored`
+    once it has scored the kept slots into `accumulated`."""
+
+    def _check_reconstructed(self, new: int) -> None:
+        """Refuse to decode past the budget with a policy whose pass has not run (model.generate alone)."""
+        if self.policy.scores_by_reconstruction and not self.scored and new == 1 and self._over_budget():
+            raise RuntimeError(
+                f"{type(self.policy).__name__} compresses a prompt after reading it again: prefill it with "
+                "hf_kvcompress.prefill(model, input_ids, attention_mask, cache, repeat_prompt_ids=...) (or "
+                "hf_kvcompress.generation.generate), not with model.generate alone"
+            )
+
+    def begin_reconstruction(self) -> None:
+        if self.is_initialized and self.policy.scores_by_reconstruction:
+            self.accumulated = torch.zeros(
+                self.batch_size, self.kv_heads, self.stored_tokens, device=self.device, dtype=torch.float32
+            )
+
+    def _reconstruction_step(self, key_states, value_states, attn_kwargs):
+        """Attend over kept + reconstruction tokens, keep nothing new, and take the max attention per kept slot."""
+        self._check_shape(key_states, value_states)
+        full_keys = torch.cat([self._full("key"), key_states], dim=-2)
+        full_values = torch.cat([self._full("value"), value_states], dim=-2)
+        self.peak_tokens = max(self.peak_tokens, full_keys.shape[-2])
+        if self.policy.scores_by_reconstruction:
+            self._request_attention(attn_kwargs, AttentionRequest(
+                self._observe_reconstruction, None, "max", self.reconstruction_queries
+            ))
+        return full_keys, full_values
+
+    def _observe_reconstruction(self, attention: torch.Tensor) -> None:
+        stored = self.accumulated.shape[-1]
+        self.accumulated = torch.maximum(self.accumulated, attention[..., :stored].to(torch.float32))
+        self.awaiting_attention = False
+
+    def end_reconstruction(self) -> None:
+        """Evict the lowest-scored slots down to the budget."""
+        self.reconstruction_queries = None
+        if self.is_initialized and self.policy.scores_by_reconstruction:
+            self.scored = True
+            self._compress()

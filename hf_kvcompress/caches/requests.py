@@ -1,0 +1,66 @@
+"""What a cache layer hands the attention function through transformers' attention kwargs.
+
+transformers passes the same kwargs dict to a cache layer's `update` and then to attention, so a layer asks for
+attention statistics, hands over its own mask or offers its encoded store by putting an object under one of these
+keys; our attention function (hf/attention.py) reads them and any other one ignores them. Kept apart from the layer
+so that the attention function imports the protocol, not the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from .layer import CompressedLayer
+
+# The key under which a layer asks the attention function for statistics (see hf/attention.py).
+OBSERVER_KEY = "kvcompress_observer"
+# The key under which a layer whose length differs from the other layers' hands attention its own mask.
+MASK_KEY = "kvcompress_mask"
+# The key under which a layer offers attention its encoded store, to read a block at a time.
+STORE_KEY = "kvcompress_store"
+
+ENABLE_ATTENTION_HINT = (
+    "call `hf_kvcompress.use_kvcompress_attention(model)` once before generating (it registers the "
+    "'kvcompress_sdpa' attention function with transformers and switches the model to it)"
+)
+
+
+@dataclass
+class AttentionRequest:
+    """What a layer asks the attention function for: statistics over some queries, reduced per key."""
+
+    deliver: Callable[[torch.Tensor], None]  # receives [B, H_kv, kv]
+    newest_queries: int | None = None  # None: every query of the step
+    reduction: str = "sum"  # "sum" or "max" over queries and over the query heads of a KV group
+    query_mask: torch.Tensor | None = None  # [B, q] bool: queries that count (reconstruction padding does not)
+
+
+@dataclass
+class StoreRequest:
+    """A layer offers attention its encoded store (see caches/store_attention.py): `fused` once our attention
+    function has taken an offer before (what update returned is then a placeholder); `used` is set by it."""
+
+    layer: "CompressedLayer"
+    fused: bool
+    used: bool = False
+
+
+@dataclass
+class OwnMask:
+    """A layer's own attention mask, for when transformers' shared mask does not fit what the layer keeps."""
+
+    mask: torch.Tensor  # [B, 1, q, kv] bool
+    used: bool = False  # set by the attention function (hf/attention.py): any other one ignores the mask
+
+
+def attention_kwargs(args, kwargs) -> dict | None:
+    """The dict of attention kwargs transformers hands to `update` (it is later unpacked into attention)."""
+    if isinstance(kwargs.get("kwargs"), dict):
+        return kwargs["kwargs"]
+    if args and isinstance(args[0], dict):
+        return args[0]
+    return None

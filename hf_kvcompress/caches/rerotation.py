@@ -1,0 +1,32 @@
+"""StreamingLLM's re-rotation: kept keys are re-rotated after each eviction so that their distance to the next
+query is their distance in the cache, which keeps streams longer than the trained context in RoPE's range.
+
+Needs full-precision keys (they are rotated in place) and the RoPE frequencies (`inv_freq`); the position each kept
+key is rotated to is tracked per slot, also for policies that score by position (`policy.needs_positions`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.rerotate import rerotate
+
+
+class Rerotation:
+    """CompressedLayer's key positions (a mixin): `positions` [B, H_kv, T], the position each kept key is
+    rotated to."""
+
+    def _track_positions(self, attn_kwargs: dict | None, new: int) -> None:
+        position_ids = None if attn_kwargs is None else attn_kwargs.get("position_ids")
+        if position_ids is None or position_ids.dim() != 2:
+            start = self.seen - new
+            position_ids = torch.arange(start, start + new, device=self.device)[None, :]
+        fresh = position_ids.to(self.device, torch.int32)[:, None, :].expand(self.batch_size, self.kv_heads, new)
+        self.positions = fresh if self.positions is None else torch.cat([self.positions, fresh], dim=-1)
+
+    def _rerotate_kept(self) -> None:
+        """Re-rotate kept keys so slot i sits len(kept) - i positions before the row's next query."""
+        kept = self.positions.shape[-1]
+        target = self.real_seen[:, None, None] - kept + torch.arange(kept, device=self.device)
+        self.tail_keys = rerotate(self.tail_keys, target - self.positions, self.inv_freq)
+        self.positions = target.to(torch.int32).expand_as(self.positions).contiguous()

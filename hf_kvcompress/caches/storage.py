@@ -1,0 +1,78 @@
+"""A layer's kept tokens as [encoded store | full-precision tail]: appending, encoding and reading them back.
+
+New tokens join the tail at full precision; tail tokens beyond the codec's residual are encoded a block at a time
+and never re-encoded. Attention sees the decoded store followed by the tail.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..codecs.base import cat_encoded
+from .padding import PADDING_SPLITS_GROUPS
+
+
+def owned(view: torch.Tensor) -> torch.Tensor:
+    """A tensor holding exactly `view`'s elements: a slice would pin its whole parent buffer in memory."""
+    if view.is_contiguous() and view.untyped_storage().nbytes() == view.numel() * view.element_size():
+        return view
+    return view.clone(memory_format=torch.contiguous_format)
+
+
+def gather_states(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """states[b, h, index[b, h, k], :] as a fresh tensor (so the evicted rows' memory is freed)."""
+    if states.shape[1] == 1 and index.shape[1] > 1:
+        states = states.expand(-1, index.shape[1], -1, -1)
+    return torch.gather(states, 2, index[..., None].expand(*index.shape, states.shape[-1])).contiguous()
+
+
+class TokenStorage:
+    """CompressedLayer's store and tail (a mixin: the layer's attributes are set in `CompressedLayer._clear`)."""
+
+    @property
+    def stored_tokens(self) -> int:
+        tail = 0 if self.tail_keys is None else self.tail_keys.shape[-2]
+        return self.n_encoded + tail
+
+    def _append_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # The model's states may be views of a fused QKV buffer (GPT-2, Phi-3): keep copies, not the buffer.
+        self.tail_keys = owned(key_states) if self.tail_keys is None else torch.cat([self.tail_keys, key_states], dim=-2)
+        self.tail_values = (
+            owned(value_states) if self.tail_values is None else torch.cat([self.tail_values, value_states], dim=-2)
+        )
+
+    def _full(self, kind: str) -> torch.Tensor:
+        """What attention sees: the decoded store followed by the full-precision tail."""
+        encoded = self.encoded_keys if kind == "key" else self.encoded_values
+        tail = self.tail_keys if kind == "key" else self.tail_values
+        if encoded is None:
+            return tail
+        decoded = self.codec.decode(encoded, kind, self.dtype)
+        if self.sink_slots is not None:
+            decoded = self._restore_sinks(decoded, self.sink_keys if kind == "key" else self.sink_values)
+        return torch.cat([decoded, tail], dim=-2)
+
+    def _encode_tail(self) -> None:
+        """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time."""
+        if self.codec.lossless and self.encoded_keys is None:
+            return  # full precision: the tail is the store
+        residual = getattr(self.codec, "residual_length", 0)
+        block = max(self.codec.token_block("key"), self.codec.token_block("value"))
+        excess = self.tail_keys.shape[-2] - residual
+        n = (excess // block) * block
+        if n <= 0:
+            return
+        # Padding grows only with prompt chunks: decode steps after the first encoding need not ask (a host read).
+        first = self.encoded_keys is None
+        block_k = self.codec.token_block("key")
+        if block_k > 1 and (first or self.step_tokens > 1) and bool((self.pads % block_k != 0).any()):
+            warnings.warn(PADDING_SPLITS_GROUPS.format(group=self.codec.token_block("key")), stacklevel=2)
+        if self.encoded_keys is None:
+            self._capture_sinks()
+        self.encoded_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys[:, :, :n], "key"))
+        self.encoded_values = cat_encoded(self.encoded_values, self.codec.encode(self.tail_values[:, :, :n], "value"))
+        self.n_encoded += n
+        self.tail_keys = owned(self.tail_keys[:, :, n:])
+        self.tail_values = owned(self.tail_values[:, :, n:])

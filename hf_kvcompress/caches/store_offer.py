@@ -1,0 +1,63 @@
+"""The fused decode path: a layer offers attention its encoded store instead of decoding it for the step.
+
+Our attention function (hf/attention.py) takes the offer and reads the store a block at a time
+(caches/store_attention.py); the layer evicts and encodes only after that attention ran. Once an offer has been
+taken, `update` returns NaN placeholders instead of the decoded cache, so the layer must learn at the next step
+whether the offer was taken again, and refuse to go on when it was not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .requests import STORE_KEY, StoreRequest
+from .store_attention import attend_store
+
+
+class StoreOffer:
+    """CompressedLayer's store offers (a mixin): `store_request` offered at the last step, and `store_confirmed`
+    once our attention function has taken one."""
+
+    def _may_attend_store(self, attn_kwargs: dict | None, new: int) -> bool:
+        """Whether this decode step can let attention read the encoded store itself (caches/store_attention.py)."""
+        return (
+            new == 1 and attn_kwargs is not None and self.encoded_keys is not None and self.codec.attends_encoded
+            and self.inv_freq is None and self.reconstruction_queries is None
+        )
+
+    def _offer_store(self, attn_kwargs: dict, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Offer attention the store; the placeholders `update` returns when our attention function takes it."""
+        self.store_request = StoreRequest(self, fused=self.store_confirmed)
+        attn_kwargs[STORE_KEY] = self.store_request
+        if not self.store_confirmed:
+            return None
+        # Our attention function reads the store block by block and then calls `_compress` (the step's
+        # attention must see the state before eviction and encoding). What update returns is never read:
+        # placeholders that cost nothing and are NaN, so that any other attention function fails loudly
+        # (and the next update raises).
+        placeholder = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
+        return (
+            placeholder.expand(self.batch_size, self.kv_heads, length, self.head_dim),
+            placeholder.expand(self.batch_size, self.kv_heads, length, self.value_dim),
+        )
+
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Called by our attention function for a fused step: attention over what this layer holds, then the
+        step's eviction and encoding."""
+        output = attend_store(self, query, attention_mask, scaling)
+        self._compress()
+        return output
+
+    def check_store_used(self) -> None:
+        """After a step that offered attention the store: learn whether our attention function took it."""
+        request, self.store_request = self.store_request, None
+        if request is None:
+            return
+        if request.fused and not request.used:
+            self.store_confirmed = False
+            raise RuntimeError(
+                "the last decode step's attention did not run through 'kvcompress_sdpa', which this cache had "
+                "relied on (the attention implementation changed mid-generation?): that step's output is invalid; "
+                "call cache.reset() and generate again"
+            )
+        self.store_confirmed = request.used
