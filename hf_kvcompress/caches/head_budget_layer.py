@@ -16,7 +16,9 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..codecs.base import cat_encoded
 from .head_store import RaggedHeads
-from .layer import ENABLE_ATTENTION_HINT, MASK_KEY, NON_FINITE, CompressedLayer, OwnMask, _attention_kwargs
+from .finite_check import NON_FINITE
+from .layer import CompressedLayer
+from .requests import ENABLE_ATTENTION_HINT, MASK_KEY, OwnMask, attention_kwargs
 
 LATER_TOKENS = 2.0  # scores of tokens after the ranking start here: above any attention probability
 ABSORB_BLOCK = 32  # recent tokens beyond the codec's residual join the store this many at a time
@@ -54,6 +56,7 @@ class HeadBudgetLayer(CacheLayerMixin):
         keys, values = full_encoded(origin, "key"), full_encoded(origin, "value")
         self.store = RaggedHeads.pack(keys, values, origin.accumulated, keep)
         self.tail_keys = self.tail_values = None  # [B, H, t, D]: tokens since the ranking, full precision
+        self.tail_valid: torch.Tensor | None = None  # [B, t] bool: False once a row evicted the token
         sinks = 0 if self.sink_valid is None else self.sink_valid.sum(-1) * self.kv_heads
         self.allowance = self.store.row_pairs() + sinks  # [B] pairs the row holds now: its share of the total
         self.share_then = self.policy.kept_per_row(self.real_seen)
@@ -76,7 +79,7 @@ class HeadBudgetLayer(CacheLayerMixin):
         if self.own_mask is not None and not self.own_mask.used:
             self.own_mask = None
             raise RuntimeError(f"KVzip with head budgets keeps a different number of pairs per head: {ENABLE_ATTENTION_HINT}")
-        attn_kwargs = _attention_kwargs(args, kwargs)
+        attn_kwargs = attention_kwargs(args, kwargs)
         if attn_kwargs is None:
             raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
         if key_states.shape[-2] > 1 and not bool(key_states.isfinite().all() & value_states.isfinite().all()):
@@ -88,10 +91,12 @@ class HeadBudgetLayer(CacheLayerMixin):
         self.tail_values = (
             value_states.clone() if self.tail_values is None else torch.cat([self.tail_values, value_states], -2)
         )
+        fresh = torch.ones(self.batch_size, new, dtype=torch.bool, device=self.device)
+        self.tail_valid = fresh if self.tail_valid is None else torch.cat([self.tail_valid, fresh], -1)
         full_keys, full_values = self._full("key"), self._full("value")
         self.own_mask = OwnMask(self._mask(new, full_keys.shape[-2]))
         attn_kwargs[MASK_KEY] = self.own_mask
-        self._absorb(self.tail_keys.shape[-2] - self.codec.residual_length >= ABSORB_BLOCK)
+        self._absorb()
         self._evict()
         return full_keys, full_values
 
@@ -113,7 +118,8 @@ class HeadBudgetLayer(CacheLayerMixin):
     def held_pairs(self) -> torch.Tensor:
         """Pairs each row holds, all heads together, [B]."""
         sinks = 0 if self.sink_valid is None else self.sink_valid.sum(-1) * self.kv_heads
-        return self.store.row_pairs() + sinks + self._tail_length() * self.kv_heads
+        tail = 0 if self.tail_valid is None else self.tail_valid.sum(-1)
+        return self.store.row_pairs() + sinks + tail * self.kv_heads
 
     def reset(self) -> None:
         """Nothing to clear: `CompressedCache.reset` puts the original layer back."""
@@ -126,8 +132,7 @@ class HeadBudgetLayer(CacheLayerMixin):
         if indices.dtype == torch.bool:
             indices = indices.nonzero().flatten()
         self.store.select_rows(indices)
-        for name in ("tail_keys", "tail_values", "sink_keys", "sink_values", "sink_valid", "real_seen", "allowance",
-                     "share_then"):
+        for name in self.STATE:
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, indices))
@@ -151,6 +156,7 @@ class HeadBudgetLayer(CacheLayerMixin):
         )
         total = self.store.pairs * (pair + 4) + self.store.lengths.numel() * 8
         recent = self.batch_size * self.kv_heads * self._tail_length() * (self.head_dim + self.value_dim) * element
+        recent += self.batch_size * self._tail_length()  # tail_valid
         total += recent + 3 * self.batch_size * 8  # real_seen, allowance, share_then (int64)
         if self.sink_valid is not None:
             total += self.sink_valid.numel() + 2 * self.sink_keys.numel() * element
@@ -159,11 +165,12 @@ class HeadBudgetLayer(CacheLayerMixin):
     # -- saving and loading (see caches/persist.py) ----------------------------------------------------------------
 
     KIND = "head_budgets"
+    STATE = ("tail_keys", "tail_values", "tail_valid", "sink_keys", "sink_values", "sink_valid", "real_seen",
+             "allowance", "share_then")
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         tensors = {f"store.{n}": t for n, t in self.store.state().items()}
-        for name in ("tail_keys", "tail_values", "sink_keys", "sink_values", "sink_valid", "real_seen", "allowance",
-                     "share_then"):
+        for name in self.STATE:
             if getattr(self, name) is not None:
                 tensors[name] = getattr(self, name)
         meta = {"kind": self.KIND, "seen": self.seen, "batch_size": self.batch_size, "kv_heads": self.kv_heads,
@@ -181,8 +188,7 @@ class HeadBudgetLayer(CacheLayerMixin):
             setattr(layer, name, int(meta[name]))
         moved = {n: t.to(layer.device, copy=True) for n, t in tensors.items()}
         layer.store = RaggedHeads.from_state({n[len("store."):]: t for n, t in moved.items() if n.startswith("store.")})
-        for name in ("tail_keys", "tail_values", "sink_keys", "sink_values", "sink_valid", "real_seen", "allowance",
-                     "share_then"):
+        for name in cls.STATE:
             setattr(layer, name, moved.get(name))
         layer.device = layer.real_seen.device
         layer.own_mask = None
@@ -211,8 +217,7 @@ class HeadBudgetLayer(CacheLayerMixin):
 
     def _mask(self, new: int, length: int) -> torch.Tensor:
         """[B, H_kv, new, length] bool: each head's slots that hold a pair, causal over the new tokens."""
-        valid = [self.store.valid(), torch.ones(self.batch_size, self.kv_heads, self._tail_length(), dtype=torch.bool,
-                                                device=self.device)]
+        valid = [self.store.valid(), self.tail_valid[:, None, :].expand(-1, self.kv_heads, -1)]
         if self.sink_valid is not None:
             valid.insert(0, self.sink_valid[:, None, :].expand(-1, self.kv_heads, -1))
         valid = torch.cat(valid, dim=-1)
@@ -220,31 +225,40 @@ class HeadBudgetLayer(CacheLayerMixin):
         causal = slot[None, :] <= (length - new + torch.arange(new, device=self.device))[:, None]  # [new, length]
         return valid[:, :, None, :] & causal[None, None]
 
-    def _absorb(self, due: bool, everything: bool = False) -> None:
-        """Move recent tokens beyond the codec's residual (all of them with `everything`) into the store."""
+    def _absorb(self) -> None:
+        """Move the recent tokens beyond the codec's residual into the store, a block at a time (the schedule
+        depends on the tail's length only, the same for every row: a padded row is stored as it is alone)."""
         t = self._tail_length()
-        n = t if everything else (t - self.codec.residual_length) // ABSORB_BLOCK * ABSORB_BLOCK
-        if not (due or everything) or n <= 0:
+        n = (t - self.codec.residual_length) // ABSORB_BLOCK * ABSORB_BLOCK
+        if n <= 0:
             return
-        first = self.seen - t  # the position of the oldest recent token among the tokens seen
+        first = self.seen - t  # the oldest recent token's index among the tokens seen: newer ranks higher
         scores = LATER_TOKENS + first + torch.arange(n, device=self.device, dtype=torch.float32)
         scores = scores.expand(self.batch_size, self.kv_heads, n)
+        keep = self.tail_valid[:, None, :n].expand(-1, self.kv_heads, -1)
         self.store.append(
             self.codec.encode(self.tail_keys[:, :, :n], "key"), self.codec.encode(self.tail_values[:, :, :n], "value"),
-            scores,
+            scores, keep,
         )
         self.tail_keys = self.tail_keys[:, :, n:].clone() if n < t else None
         self.tail_values = self.tail_values[:, :, n:].clone() if n < t else None
+        self.tail_valid = self.tail_valid[:, n:].clone() if n < t else None
 
     def _evict(self) -> None:
-        """Hold at most the row's allowance: its share at the ranking, moved by the policy's ratio since."""
+        """Hold at most the row's allowance (its share at the ranking, moved by the policy's ratio since): the
+        lowest-scored stored pairs of any head go first (the context before later tokens); a row whose store has
+        nothing left to give drops its oldest recent tokens."""
         allowance = self.allowance + self.kv_heads * (self.policy.kept_per_row(self.real_seen) - self.share_then)
-        over = self.held_pairs() - allowance
+        over = (self.held_pairs() - allowance).clamp(min=0)
         if not bool((over > 0).any()):
             return
-        if bool((over > self.store.evictable()).any()):
-            self._absorb(True, everything=True)  # the context is spent: recent tokens compete too
-        self.store.evict_lowest(over.clamp(min=0).tolist())
+        from_store = torch.minimum(over, self.store.evictable())
+        self.store.evict_lowest(from_store.tolist())
+        rest = over - from_store
+        if self.tail_valid is not None and bool((rest > 0).any()):
+            tokens = (rest + self.kv_heads - 1) // self.kv_heads  # whole tokens: every head of the row
+            oldest = self.tail_valid & (self.tail_valid.long().cumsum(-1) <= tokens[:, None])
+            self.tail_valid = self.tail_valid & ~oldest
 
 
 def full_encoded(layer: CompressedLayer, kind: str):

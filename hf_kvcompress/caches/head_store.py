@@ -105,29 +105,33 @@ class RaggedHeads:
         self.lengths = self.lengths - dropped
         self.most = int(self.lengths.max())
 
-    def append(self, keys: Encoded, values: Encoded, scores: torch.Tensor) -> None:
-        """Add `t` newer pairs to every row and head: encoded tensors [B, H, t, ...], scores [B, H, t]."""
+    def append(self, keys: Encoded, values: Encoded, scores: torch.Tensor, keep: torch.Tensor) -> None:
+        """Add the newer pairs `keep` [B, H, t] (bool) of encoded tensors [B, H, t, ...] scored [B, H, t] after
+        each head's pairs."""
         batch, heads, new = scores.shape
         counts = self.lengths.flatten()
-        grown = counts + new
+        added = keep.flatten(0, 1).sum(-1)  # [B * H]
+        grown = counts + added
         start = grown.cumsum(0) - grown
         head = torch.repeat_interleave(torch.arange(batch * heads, device=counts.device), counts)
         old_rank = torch.arange(head.numel(), device=counts.device) - (counts.cumsum(0) - counts)[head]
         old_to = start[head] + old_rank
-        new_to = (start + counts)[:, None] + torch.arange(new, device=counts.device)  # [B * H, t]
+        rank = keep.flatten(0, 1).long().cumsum(-1) - 1  # [B * H, t]: each kept new pair's rank among them
+        new_to = ((start + counts)[:, None] + rank)[keep.flatten(0, 1)]
         total = int(grown.sum())
+        flat_keep = keep.reshape(-1)
 
         def merge(old, fresh):
             out = old.new_empty(total, *old.shape[1:])
             out.index_copy_(0, old_to, old)
-            return out.index_copy_(0, new_to.flatten(), fresh.reshape(batch * heads * new, *old.shape[1:]))
+            return out.index_copy_(0, new_to, fresh.reshape(batch * heads * new, *old.shape[1:])[flat_keep])
 
         self.keys = {n: _index_op(t, lambda x, n=n: merge(x, keys[n].view(x.dtype))) for n, t in self.keys.items()}
         self.values = {
             n: _index_op(t, lambda x, n=n: merge(x, values[n].view(x.dtype))) for n, t in self.values.items()
         }
         self.scores = merge(self.scores, scores.float())
-        self.lengths = self.lengths + new
+        self.lengths = self.lengths + added.view(batch, heads)
         self.most = int(self.lengths.max())
 
     def select_rows(self, rows: torch.Tensor) -> None:

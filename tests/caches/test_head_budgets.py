@@ -1,0 +1,236 @@
+"""KVzip's head budgets: one ranking of every (layer, KV head, token) pair, each head's kept pairs stored compactly."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress.caches.head_budget_layer import HeadBudgetLayer
+from hf_kvcompress.caches.head_store import RaggedHeads
+from hf_kvcompress.caches.layer import CompressedLayer
+from hf_kvcompress.codecs.identity import IdentityCodec
+from hf_kvcompress.generation import generate, prefill
+from hf_kvcompress.hf.attention import kvcompress_attention
+
+from .tiny_models import tiny_model
+
+REPEAT = [5, 6, 7]
+
+
+def _ids(n, seed=16, batch=1):
+    return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _scored(model, ids, mask=None):
+    """A cache that kept everything, its reconstruction scores readable."""
+    cache = make_cache("kvzip:ratio=1.0", model.config)
+    prefill(model, ids, mask, cache, repeat_prompt_ids=REPEAT)
+    return cache
+
+
+def _reference_keep(scores, share, heads, sinks=0):
+    """Plain global ranking of one row: the top `share x heads x layers` pairs over all layers and heads."""
+    protected = [s.clone() for s in scores]
+    for s in protected:
+        s[..., :sinks] = float("inf")
+    flat = torch.cat([s.flatten() for s in protected])
+    kept = torch.zeros_like(flat, dtype=torch.bool)
+    kept[flat.sort(descending=True, stable=True).indices[: share * heads * len(scores)]] = True
+    return list(kept.split([s.numel() for s in scores]))
+
+
+def test_ragged_store_views_evicts_appends_and_selects_rows_like_a_plain_reference():
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 2, 3, 7, 4
+    states = torch.randn(B, H, T, D, generator=g)
+    scores = torch.rand(B, H, T, generator=g)
+    keep = torch.rand(B, H, T, generator=g) > 0.4
+    codec = IdentityCodec()
+    store = RaggedHeads.pack({"states": states}, {"states": -states}, scores, keep)
+    assert torch.equal(store.lengths, keep.sum(-1)) and store.pairs == int(keep.sum())
+    view, valid = store.padded(codec, "key", torch.float32), store.valid()
+    for b in range(B):
+        for h in range(H):
+            n = int(keep[b, h].sum())
+            assert torch.equal(view[b, h, store.most - n :], states[b, h][keep[b, h]])  # right-aligned, in order
+            assert valid[b, h].sum() == n and bool(valid[b, h, store.most - n :].all())
+    # Evicting: each row loses its lowest-scored pairs, whatever head holds them.
+    store.evict_lowest([3, 1])
+    for b, k in enumerate([3, 1]):
+        row = scores[b][keep[b]]
+        survivors = sorted(row.tolist())[k:]
+        held = store.padded(codec, "key", torch.float32)[b][store.valid()[b]]
+        expected = states[b][keep[b] & (scores[b] >= min(survivors))]
+        assert torch.equal(held, expected)
+    # Appending newer pairs puts them after each head's pairs; selecting rows reorders them.
+    lengths = store.lengths.clone()
+    fresh = torch.randn(B, H, 2, D, generator=g)
+    store.append({"states": fresh}, {"states": -fresh}, torch.full((B, H, 2), 5.0), torch.ones(B, H, 2, dtype=torch.bool))
+    assert torch.equal(store.lengths, lengths + 2)
+    view = store.padded(codec, "key", torch.float32)
+    assert torch.equal(view[..., -2:, :], fresh)
+    partial = torch.tensor([True, False])[None, None, :].expand(B, H, 2)  # only the first of two newer pairs
+    store.append({"states": fresh}, {"states": -fresh}, torch.full((B, H, 2), 6.0), partial)
+    assert torch.equal(store.lengths, lengths + 3)
+    assert torch.equal(store.padded(codec, "key", torch.float32)[..., -3:, :], torch.cat([fresh, fresh[..., :1, :]], 2))
+    before = store.padded(codec, "value", torch.float32)
+    store.select_rows(torch.tensor([1, 1, 0]))
+    assert torch.equal(store.padded(codec, "value", torch.float32)[:, :, -before.shape[2]:], before[[1, 1, 0]])
+
+
+def test_head_budgets_keep_each_rows_best_pairs_of_all_layers_and_heads():
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = _ids(40)
+    scores = [layer.accumulated[0] for layer in _scored(model, ids).layers]  # [H, 40] per layer
+    heads = scores[0].shape[0]
+    expected = _reference_keep(scores, 10, heads)  # a quarter of 40 tokens per head, on average
+
+    cache = make_cache("kvzip:ratio=0.25,head_budgets=true", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    assert all(isinstance(layer, HeadBudgetLayer) for layer in cache.layers)
+    lengths = [layer.store.lengths[0] for layer in cache.layers]
+    assert [l.tolist() for l in lengths] == [e.view(heads, -1).sum(-1).tolist() for e in expected]
+    assert len({n for l in lengths for n in l.tolist()}) > 1  # heads really keep different numbers of pairs
+    assert sum(int(l.sum()) for l in lengths) == 10 * heads * len(scores)
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    # The memory follows the pairs kept, not the head that keeps the most.
+    uniform = make_cache("kvzip:ratio=0.25", model.config)
+    prefill(model, ids, None, uniform, repeat_prompt_ids=REPEAT)
+    assert measured_kv_bytes(cache) <= measured_kv_bytes(uniform) * 1.05
+
+
+_MASKS = {}
+
+
+def _masked_reference_attention(module, query, key, value, attention_mask, **kwargs):
+    keep = _MASKS.get(module.layer_idx)  # [H_kv, T] pairs a head keeps of the context
+    if keep is not None:
+        q_heads, q_len, kv_len = query.shape[1], query.shape[2], key.shape[2]
+        allowed = torch.ones(1, q_heads, q_len, kv_len, dtype=torch.bool)
+        allowed[..., : keep.shape[-1]] = keep.repeat_interleave(q_heads // keep.shape[0], 0)[None, :, None, :]
+        causal = torch.arange(kv_len)[None, :] <= (torch.arange(q_len)[:, None] + kv_len - q_len)
+        attention_mask = allowed & causal
+    return kvcompress_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def test_head_budget_attention_equals_the_full_cache_with_each_heads_evicted_pairs_masked():
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids, question = _ids(30, seed=3), _ids(4, seed=4)
+    scored = _scored(model, ids)
+    expected_keep = _reference_keep([layer.accumulated[0] for layer in scored.layers], 12, 2)
+    cache = make_cache("kvzip:ratio=0.4,head_budgets=true", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    with torch.inference_mode():
+        out = model(input_ids=question, cache=cache, position_ids=torch.arange(30, 34)[None]).logits
+    AttentionInterface.register("masked_reference", _masked_reference_attention)
+    AttentionMaskInterface.register("masked_reference", sdpa_mask)
+    try:
+        model.set_attn_implementation("masked_reference")
+        _MASKS.update({i: keep.view(2, 30) for i, keep in enumerate(expected_keep)})
+        with torch.inference_mode():
+            ref = model(input_ids=question, cache=scored, position_ids=torch.arange(30, 34)[None]).logits
+    finally:
+        _MASKS.clear()
+        use_kvcompress_attention(model)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["kvzip:budget=10,head_budgets=true", "kvzip:ratio=0.25,head_budgets=true+int4:residual_length=2,group_size=16",
+                                  "kvzip:ratio=0.5,head_budgets=true+fp8"])
+def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(spec):
+    model = use_kvcompress_attention(tiny_model("qwen2"))
+    ids = _ids(40, seed=5)
+    cache = make_cache(spec, model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    layers = cache.layers
+    at_ranking = [int(layer.held_pairs()[0]) for layer in layers]
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    generate(model, torch.cat([ids, _ids(6, seed=6)], 1), None, cache, max_new_tokens=40)
+    assert cache.get_seq_length() == 40 + 6 + 39
+    for layer, start in zip(layers, at_ranking):
+        held = int(layer.held_pairs()[0])
+        if cache.policy.ratio is None:
+            # A fixed budget: later tokens displace context pairs; once those are spent, whole older tokens go
+            # (every head of a row at once), so a row may hold up to kv_heads - 1 pairs less than its share.
+            assert start - layer.kv_heads < held <= start
+        else:
+            assert held == start + layer.kv_heads * (cache.policy.kept_per_row(layer.real_seen) - layer.share_then)[0]
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def test_budget_spent_by_the_answer_evicts_the_oldest_later_tokens_too():
+    model = use_kvcompress_attention(tiny_model("llama"))
+    cache = make_cache("kvzip:budget=6,head_budgets=true", model.config)
+    ids = _ids(12, seed=7)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    layers = cache.layers
+    allocated = [int(layer.held_pairs()[0]) for layer in layers]
+    assert sum(allocated) == 6 * layers[0].kv_heads * len(layers)
+    generate(model, torch.cat([ids, _ids(2, seed=1)], 1), None, cache, max_new_tokens=30)  # many more than the budget
+    for layer, pairs in zip(layers, allocated):
+        assert pairs - layer.kv_heads < int(layer.held_pairs()[0]) <= pairs
+        assert int(torch.isfinite(layer.store.scores).sum()) == 0 or layer.store.scores.min() >= 2.0  # context gone
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])
+def test_padded_rows_equal_rows_alone(name):
+    model = use_kvcompress_attention(tiny_model(name))
+    rows = [_ids(n, seed=8 + n)[0] for n in (9, 16)]
+    width = 16
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    spec = "kvzip:ratio=0.5,head_budgets=true+int8"
+    batched = generate(model, ids, mask, make_cache(spec, model.config), max_new_tokens=6,
+                       repeat_prompt_ids=REPEAT).new_tokens
+    for i, row in enumerate(rows):
+        alone = generate(model, row[None], None, make_cache(spec, model.config), max_new_tokens=6,
+                         repeat_prompt_ids=REPEAT).new_tokens
+        assert torch.equal(batched[i], alone[0]), f"row {i}"
+
+
+def test_save_load_reset_and_beams(tmp_path):
+    from hf_kvcompress import load_cache, save_cache
+
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids, question = _ids(24, seed=9), _ids(3, seed=10)
+    cache = make_cache("kvzip:ratio=0.5,head_budgets=true+int4:residual_length=2,group_size=16", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    path = tmp_path / "cache.safetensors"
+    save_cache(cache, path)
+    full = torch.cat([ids, question], 1)
+    expected = generate(model, full, None, copy.deepcopy(cache), max_new_tokens=5).new_tokens
+    loaded = load_cache(path)
+    assert isinstance(loaded.layers[0], HeadBudgetLayer)
+    assert torch.equal(generate(model, full, None, loaded, max_new_tokens=5).new_tokens, expected)
+    # What beam search does to a cache: repeat each row, then reorder the rows.
+    repeated = copy.deepcopy(cache)
+    repeated.batch_repeat_interleave(2)
+    repeated.reorder_cache(torch.tensor([1, 0]))
+    both = generate(model, full.repeat(2, 1), None, repeated, max_new_tokens=5).new_tokens
+    assert torch.equal(both, expected.repeat(2, 1))
+    cache.reset()
+    assert all(isinstance(layer, CompressedLayer) for layer in cache.layers) and cache.get_seq_length() == 0
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    assert torch.equal(generate(model, full, None, cache, max_new_tokens=5).new_tokens, expected)
+
+
+def test_bad_combinations_are_refused_with_the_reason():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="head_budgets must be true or false"):
+        make_cache("kvzip:head_budgets=2", model.config)
+    with pytest.raises(ValueError, match="not both"):
+        make_cache("kvzip:head_budgets=true,layer_budgets=true", model.config)
+    with pytest.raises(ValueError, match="stores one head"):
+        make_cache("kvzip:ratio=0.5,head_budgets=true+shared_heads", model.config)
+    cache = make_cache("kvzip:ratio=0.5,head_budgets=true", model.config)
+    use_kvcompress_attention(model)
+    prefill(model, _ids(20), None, cache, repeat_prompt_ids=REPEAT)
+    model.set_attn_implementation("sdpa")  # plain SDPA would ignore the per-head mask
+    with pytest.raises(RuntimeError, match="use_kvcompress_attention"):
+        generate(model, _ids(22), None, cache, max_new_tokens=3)
