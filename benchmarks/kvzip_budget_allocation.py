@@ -9,7 +9,7 @@ is applied as a per-head attention mask over the context while the question is r
 
 - `head`:   every KV head of every full-attention layer keeps the same share (the package's kvzip today);
 - `layer`:  one ranking over all layers' pairs sets each layer's count, shared evenly by its heads
-            (close to the package's `layer_budgets=true`);
+            (close to the package's `budgets=layer`);
 - `global`: one ranking over all (layer, head, token) pairs (KVzip Sec. 3.3, kvpress's KVzipPress default), so
             heads keep different numbers of pairs;
 - `tokens`: every head of a layer keeps the same tokens, ranked by their best score over the layer's heads, and one

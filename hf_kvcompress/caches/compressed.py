@@ -50,11 +50,11 @@ def _check_head_budgets(policy: Policy, codec: Codec, rerotate: bool) -> None:
     """Refuse, when the cache is built, what per-head budgets cannot store."""
     if codec.heads_per_store > 1:
         raise ValueError(
-            f"head_budgets keeps a different number of pairs per KV head; codec {codec.spec()!r} stores one head "
-            "for several: use layer_budgets=true with it"
+            f"budgets=head keeps a different number of pairs per KV head; codec {codec.spec()!r} stores one head "
+            "for several: use budgets=layer with it"
         )
     if rerotate:
-        raise ValueError("rerotate re-rotates a window of whole tokens; head_budgets keeps other tokens per head")
+        raise ValueError("rerotate re-rotates a window of whole tokens; budgets=head keeps other tokens per head")
 
 
 class CompressedCache(Cache):
@@ -80,7 +80,7 @@ class CompressedCache(Cache):
         self.codec = resolve_for_policy(requested_codec, self.policy.evicts)
         self.config = config
         self.rerotate = rerotate
-        if getattr(self.policy, "head_budgets", False):
+        if getattr(self.policy, "budgets", "uniform") == "head":
             _check_head_budgets(self.policy, self.codec, rerotate)
         inv_freq = None
         if rerotate:
@@ -158,13 +158,14 @@ class CompressedCache(Cache):
     def end_reconstruction(self) -> None:
         """Evict the lowest-scored slots down to the budget; later tokens are stored again."""
         scored = [layer for layer in self.layers if layer.policy.scores_by_reconstruction and layer.is_initialized]
-        if getattr(self.policy, "head_budgets", False) and scored:
+        budgets = getattr(self.policy, "budgets", "uniform")
+        if budgets == "head" and scored:
             keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.sink_tokens)
             for layer, (priority, keep) in zip(scored, keeps):
                 layer.reconstruction_queries = None
                 layer.accumulated = priority
                 self.layers[self.layers.index(layer)] = HeadBudgetLayer(layer, keep)
-        elif getattr(self.policy, "layer_budgets", False) and len(scored) > 1:
+        elif budgets == "layer" and len(scored) > 1:
             for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored)):
                 layer.budget_shift = shift
         for layer in self.layers:

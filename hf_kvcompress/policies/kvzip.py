@@ -10,6 +10,9 @@ import torch
 from .base import Policy, check_budget_or_ratio, check_count
 
 
+BUDGETS = ("uniform", "layer", "head")
+
+
 @dataclass(frozen=True)
 class KVzipPolicy(Policy):
     """Score each cached pair by the most attention it gets while the model repeats the context.
@@ -25,12 +28,12 @@ class KVzipPolicy(Policy):
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
         ratio: share of the tokens seen that is kept, instead of `budget`.
         sink_tokens: first tokens always kept (0 in KVzip).
-        layer_budgets: rank the pairs of all full-attention layers together (KVzip, Sec. 3.3) so that layers whose
-            pairs score higher keep more of them, under the same total, as whole tokens per head; off: every layer
-            keeps the same number.
-        head_budgets: rank every (layer, KV head, token) pair together (KVzip's own allocation), so each KV head
-            keeps its own number of pairs, stored compactly (caches/head_store.py); needs the 'kvcompress_sdpa'
-            attention (per-head masks). The codec's full-precision sink tokens are always kept.
+        budgets: how the kept pairs are shared out. "uniform": every KV head of every full-attention layer keeps
+            the same number; "layer": one ranking of all layers' pairs sets each layer's number, as whole tokens per
+            head (KVzip Sec. 3.3 across layers only); "head": one ranking of every (layer, KV head, token) pair (KVzip's
+            own allocation), so each KV head keeps its own number of pairs, stored compactly (caches/head_store.py;
+            needs the 'kvcompress_sdpa' attention for its per-head masks; the codec's full-precision sinks are
+            always kept).
     """
 
     name: ClassVar[str] = "kvzip"
@@ -38,19 +41,13 @@ class KVzipPolicy(Policy):
     budget: int | None = None
     ratio: float | None = None
     sink_tokens: int = 0
-    layer_budgets: bool = False
-    head_budgets: bool = False
+    budgets: str = "uniform"
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):
         check_count("sink_tokens", self.sink_tokens)
-        if not isinstance(self.layer_budgets, bool):
-            raise ValueError(f"layer_budgets must be true or false, got {self.layer_budgets!r}")
-        if not isinstance(self.head_budgets, bool):
-            raise ValueError(f"head_budgets must be true or false, got {self.head_budgets!r}")
-        if self.head_budgets and self.layer_budgets:
-            raise ValueError("give head_budgets (one ranking of every layer's and head's pairs) or layer_budgets "
-                             "(whole tokens per layer), not both")
+        if self.budgets not in BUDGETS:
+            raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
         check_budget_or_ratio(self, 512, self.sink_tokens)
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:

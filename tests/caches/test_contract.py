@@ -19,15 +19,15 @@ EVICTING = ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3", "h2o:
             "h2o:budget=8,recent=2,sink_tokens=1+int3:residual_length=2,group_size=8,rotate=hadamard,sink_tokens=2",
             "kvzip:budget=8+int8"]
 SCORED = ["h2o:ratio=0.5,recent=2", "snapkv:budget=8,window=3,recent=2", "tova:ratio=0.5", "keydiff:budget=8+fp8",
-          "random:ratio=0.5", "kvzip:ratio=0.5", "kvzip:ratio=0.5,layer_budgets=true",
-          "kvzip:ratio=0.5,head_budgets=true", "kvzip:budget=8,head_budgets=true+int4:residual_length=2,group_size=16,rotate=none"]
+          "random:ratio=0.5", "kvzip:ratio=0.5", "kvzip:ratio=0.5,budgets=layer",
+          "kvzip:ratio=0.5,budgets=head", "kvzip:budget=8,budgets=head+int4:residual_length=2,group_size=16,rotate=none"]
 ALL_SPECS = ["dynamic", "int8", "int4:residual_length=0,group_size=8", "int2:residual_length=4,group_size=8", "fp8",
              *EVICTING, *SCORED, "sink_window:sink_tokens=2,window=6+int4:residual_length=2,group_size=16",
              "int3:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2",
              "int4:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2,key_axis=token",
              "int2:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2,codebook=gaussian"]
 LARGE_BUDGET = ["sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10", "snapkv:budget=1000", "tova:ratio=1.0",
-                "kvzip:ratio=1.0", "kvzip:ratio=1.0,head_budgets=true"]
+                "kvzip:ratio=1.0", "kvzip:ratio=1.0,budgets=head"]
 REPEAT = [5, 6, 7]  # KVzip's reconstruction prompt, as token ids of the tiny vocabulary
 
 

@@ -130,7 +130,7 @@ def test_kvzip_layer_budgets_follow_one_ranking_across_layers():
     threshold = torch.cat([s.flatten() for s in scores]).sort(descending=True).values[wanted - 1]
     expected = [round(int((s >= threshold).sum()) / heads) for s in scores]
 
-    cache = make_cache("kvzip:ratio=0.25,layer_budgets=true", model.config)
+    cache = make_cache("kvzip:ratio=0.25,budgets=layer", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
     assert [layer.stored_tokens for layer in cache.layers] == expected
     assert expected[0] != expected[1]  # the layers really differ on this prompt
