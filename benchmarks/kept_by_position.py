@@ -24,7 +24,7 @@ ans = tok(needle, add_special_tokens=False).input_ids
 pos = [i for i in range(len(doc) - len(ans) + 1) if doc[i:i + len(ans)] == ans]
 print(name, "document tokens", len(doc), "answer", needle, "at", pos, flush=True)
 for spec in sys.argv[2:]:
-    cache = make_cache(spec.replace("ratio=0.5", "ratio=1.0"), model.config)
+    cache = make_cache(spec.replace("ratio=0.5", "ratio=1.0") + (",budgets=uniform" if spec.startswith("kvzip") and "budgets" not in spec else ""), model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=repeat_prompt_ids(tok))
     policy = parse_spec(spec)[0]
     shares, needle_kept = [], []

@@ -7,11 +7,11 @@ A measurement to decide what to build, not a cache: each document is prefilled o
 reconstruction pass scores every pair, nothing is evicted), then each allocation of the same number of kept pairs
 is applied as a per-head attention mask over the context while the question is read and answered:
 
-- `head`:   every KV head of every full-attention layer keeps the same share (the package's kvzip today);
+- `head`:   every KV head of every full-attention layer keeps the same share (`kvzip:budgets=uniform`);
 - `layer`:  one ranking over all layers' pairs sets each layer's count, shared evenly by its heads
-            (close to the package's `budgets=layer`);
+            (close to `kvzip:budgets=layer`);
 - `global`: one ranking over all (layer, head, token) pairs (KVzip Sec. 3.3, kvpress's KVzipPress default), so
-            heads keep different numbers of pairs;
+            heads keep different numbers of pairs (`kvzip:budgets=head`, the default);
 - `tokens`: every head of a layer keeps the same tokens, ranked by their best score over the layer's heads, and one
             ranking over all layers' tokens sets each layer's count (rectangular storage, no per-head lengths).
 
@@ -143,7 +143,7 @@ def main():
     for n, row in enumerate(rows):
         doc, question = encode(tok, row)
         ids = torch.tensor([doc])
-        cache = make_cache("kvzip:ratio=1.0", model.config)
+        cache = make_cache("kvzip:ratio=1.0,budgets=uniform", model.config)
         prefill(model, ids, None, cache, repeat_prompt_ids=repeat)
         scores = {i: layer.accumulated[..., : len(doc)].clone() for i, layer in enumerate(cache.layers)
                   if not layer.is_sliding}

@@ -41,7 +41,7 @@ class KVzipPolicy(Policy):
     budget: int | None = None
     ratio: float | None = None
     sink_tokens: int = 0
-    budgets: str = "uniform"
+    budgets: str = "head"
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):

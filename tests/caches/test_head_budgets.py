@@ -26,7 +26,7 @@ def _ids(n, seed=16, batch=1):
 
 def _scored(model, ids, mask=None):
     """A cache that kept everything, its reconstruction scores readable."""
-    cache = make_cache("kvzip:ratio=1.0", model.config)
+    cache = make_cache("kvzip:ratio=1.0,budgets=uniform", model.config)
     prefill(model, ids, mask, cache, repeat_prompt_ids=REPEAT)
     return cache
 
@@ -97,7 +97,7 @@ def test_head_budgets_keep_each_rows_best_pairs_of_all_layers_and_heads():
     assert sum(int(l.sum()) for l in lengths) == 10 * heads * len(scores)
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
     # The memory follows the pairs kept, not the head that keeps the most.
-    uniform = make_cache("kvzip:ratio=0.25", model.config)
+    uniform = make_cache("kvzip:ratio=0.25,budgets=uniform", model.config)
     prefill(model, ids, None, uniform, repeat_prompt_ids=REPEAT)
     assert measured_kv_bytes(cache) <= measured_kv_bytes(uniform) * 1.05
 
@@ -150,6 +150,8 @@ def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
     generate(model, torch.cat([ids, _ids(6, seed=6)], 1), None, cache, max_new_tokens=40)
     assert cache.get_seq_length() == 40 + 6 + 39
+    kv_length, kv_offset = cache.get_mask_sizes(1, 0)  # what transformers sizes its mask by: the padded view + 1
+    assert kv_length == layers[0]._view_length() + 1 and kv_offset == cache.get_seq_length() - layers[0]._view_length()
     for layer, start in zip(layers, at_ranking):
         held = int(layer.held_pairs()[0])
         if cache.policy.ratio is None:

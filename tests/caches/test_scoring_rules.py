@@ -69,7 +69,7 @@ def test_tova_forgets_older_steps_and_snapkv_pools_neighbours():
 def test_kvzip_scores_are_the_max_attention_of_the_repeated_context(name):
     model = use_kvcompress_attention(tiny_model(name))
     prompt, chunk, overlap = [5, 6, 7], 5, 2
-    cache = make_cache("kvzip:ratio=1.0", model.config)
+    cache = make_cache("kvzip:ratio=1.0,budgets=uniform", model.config)
     prefill(model, IDS, None, cache, repeat_prompt_ids=prompt, reconstruction_chunk=chunk,
             reconstruction_overlap=overlap)  # fmt: skip
     context = IDS.shape[1]
@@ -122,7 +122,7 @@ def test_kvzip_layer_budgets_follow_one_ranking_across_layers():
 
     model = use_kvcompress_attention(tiny_model("llama"))
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(16))
-    scored = make_cache("kvzip:ratio=1.0", model.config)  # keeps everything: the scores stay readable
+    scored = make_cache("kvzip:ratio=1.0,budgets=uniform", model.config)  # keeps everything: the scores stay readable
     prefill(model, ids, None, scored, repeat_prompt_ids=[5, 6, 7])
     scores = [layer.accumulated for layer in scored.layers]  # [1, H_kv, 40] each
     heads = scores[0].shape[1]
