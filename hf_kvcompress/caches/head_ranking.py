@@ -12,6 +12,8 @@ import torch
 
 from ..policies.base import Policy, _priority
 
+RECENT_SCORE = 1.5  # attention probabilities are at most 1; tokens after the ranking score 2 and more
+
 
 def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer: (priority [B, H, T] with protected pairs at +inf and padding at -inf, keep [B, H, T] bool).
@@ -33,8 +35,13 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(flat.shape[1], device=flat.device).expand_as(order))
     keep = rank < total[:, None]
     out, start = [], 0
-    for p in priorities:
+    for p, layer in zip(priorities, layers):
         size = p[0].numel()
-        out.append((p, keep[:, start : start + size].view_as(p)))
+        # The document's `recent` newest tokens are kept now; later they rank like the newest context, not like
+        # sinks (never evicted): above every attention score, below every later token.
+        length = layer.stored_tokens
+        slot = torch.arange(length, device=p.device)
+        newest = (slot >= length - policy.recent) & (slot >= layer.pads[:, None] + max(policy.sink_tokens, codec_sinks))
+        out.append((p.masked_fill(newest[:, None, :], RECENT_SCORE), keep[:, start : start + size].view_as(p)))
         start += size
     return out

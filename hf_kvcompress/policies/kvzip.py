@@ -28,6 +28,7 @@ class KVzipPolicy(Policy):
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
         ratio: share of the tokens seen that is kept, instead of `budget`.
         sink_tokens: first tokens always kept (0 in KVzip).
+        recent: newest tokens always kept (0 in KVzip): the end of the document, whatever its score.
         budgets: how the kept pairs are shared out. "uniform": every KV head of every full-attention layer keeps
             the same number; "layer": one ranking of all layers' pairs sets each layer's number, as whole tokens per
             head (KVzip Sec. 3.3 across layers only); "head": one ranking of every (layer, KV head, token) pair (KVzip's
@@ -41,14 +42,16 @@ class KVzipPolicy(Policy):
     budget: int | None = None
     ratio: float | None = None
     sink_tokens: int = 0
+    recent: int = 0
     budgets: str = "head"
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):
         check_count("sink_tokens", self.sink_tokens)
+        check_count("recent", self.recent)
         if self.budgets not in BUDGETS:
             raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
-        check_budget_or_ratio(self, 512, self.sink_tokens)
+        check_budget_or_ratio(self, 512, self.sink_tokens + self.recent)
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
         return accumulated

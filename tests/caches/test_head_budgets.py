@@ -234,3 +234,19 @@ def test_bad_combinations_are_refused_with_the_reason():
     model.set_attn_implementation("sdpa")  # plain SDPA would ignore the per-head mask
     with pytest.raises(RuntimeError, match="use_kvcompress_attention"):
         generate(model, _ids(22), None, cache, max_new_tokens=3)
+
+
+def test_recent_tokens_of_the_document_are_kept_and_later_give_way_before_later_tokens():
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = _ids(40, seed=11)
+    cache = make_cache("kvzip:budget=10,recent=4", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    for layer in cache.layers:
+        view = layer.store.padded(layer.codec, "key", torch.float32)
+        assert int(layer.store.lengths.min()) >= 4
+        newest = _scored(model, ids).layers[cache.layers.index(layer)].tail_keys[:, :, -4:]
+        for h in range(layer.kv_heads):
+            assert torch.equal(view[0, h, -4:], newest[0, h])  # each head ends with the document's last 4 tokens
+        assert bool((layer.store.scores == 1.5).sum() == 4 * layer.kv_heads)
+    with pytest.raises(ValueError, match="recent must be an integer >= 0"):
+        make_cache("kvzip:recent=-1", model.config)
