@@ -178,7 +178,11 @@ class CompressedCache(Cache):
 
     @property
     def stored_tokens(self) -> int:
-        """Tokens per KV head held by the first full-attention layer."""
+        """Tokens per KV head held by the first full-attention layer (with KVzip's head budgets, whose layers keep
+        different shares: the mean over the full-attention layers)."""
+        ranked = [layer.stored_tokens for layer in self.layers if isinstance(layer, HeadBudgetLayer)]
+        if ranked:
+            return round(sum(ranked) / len(ranked))
         for layer in self.layers:
             if not layer.is_sliding:
                 return layer.stored_tokens

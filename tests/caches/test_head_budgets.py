@@ -95,6 +95,7 @@ def test_head_budgets_keep_each_rows_best_pairs_of_all_layers_and_heads():
     assert [l.tolist() for l in lengths] == [e.view(heads, -1).sum(-1).tolist() for e in expected]
     assert len({n for l in lengths for n in l.tolist()}) > 1  # heads really keep different numbers of pairs
     assert sum(int(l.sum()) for l in lengths) == 10 * heads * len(scores)
+    assert cache.stored_tokens == 10  # what `generate` reports per layer: the mean of the layers' shares
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
     # The memory follows the pairs kept, not the head that keeps the most.
     uniform = make_cache("kvzip:ratio=0.25,budgets=uniform", model.config)
