@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs.base import agree_within_groups, cat_encoded, gather_encoded
+from ..codecs.base import agree_within_groups, gather_encoded
 from ..policies.base import drop_one, select_kept
 from .requests import OBSERVER_KEY, AttentionRequest
 from .storage import gather_states
@@ -115,10 +115,8 @@ class Eviction:
         # precision everywhere; kept tail tokens older than those are encoded now, for the first and only time.
         in_tail = int((kept >= n_enc).sum(-1).min())
         to_store, to_tail = kept[..., : budget - in_tail], kept[..., budget - in_tail :] - n_enc
-        store_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys, "key"))
-        store_values = cat_encoded(self.encoded_values, self.codec.encode(self.tail_values, "value"))
-        self.encoded_keys = gather_encoded(store_keys, to_store)
-        self.encoded_values = gather_encoded(store_values, to_store)
+        self.encoded_keys = gather_encoded(self._encoded_whole("key"), to_store)
+        self.encoded_values = gather_encoded(self._encoded_whole("value"), to_store)
         self.n_encoded = budget - in_tail
         self.tail_keys = gather_states(self.tail_keys, to_tail)
         self.tail_values = gather_states(self.tail_values, to_tail)

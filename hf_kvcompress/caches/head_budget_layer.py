@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..codecs.base import cat_encoded
 from .head_store import RaggedHeads
 from .finite_check import NON_FINITE
 from .layer import CompressedLayer
@@ -53,12 +52,11 @@ class HeadBudgetLayer(CacheLayerMixin):
                 if not bool(keep.gather(2, slots.clamp(min=0))[slots >= 0].all()):
                     raise ValueError("the ranking evicted a codec sink token: its policy must protect them")
                 keep.scatter_(2, slots.clamp(min=0), False)
-        keys, values = full_encoded(origin, "key"), full_encoded(origin, "value")
+        keys, values = origin._encoded_whole("key"), origin._encoded_whole("value")
         self.store = RaggedHeads.pack(keys, values, origin.accumulated, keep)
         self.tail_keys = self.tail_values = None  # [B, H, t, D]: tokens since the ranking, full precision
         self.tail_valid: torch.Tensor | None = None  # [B, t] bool: False once a row evicted the token
-        sinks = 0 if self.sink_valid is None else self.sink_valid.sum(-1) * self.kv_heads
-        self.allowance = self.store.row_pairs() + sinks  # [B] pairs the row holds now: its share of the total
+        self.allowance = self.held_pairs()  # [B] pairs the row holds now: its share of the total
         self.share_then = self.policy.kept_per_row(self.real_seen)
         self.own_mask: OwnMask | None = None
         self.is_initialized = True
@@ -117,9 +115,8 @@ class HeadBudgetLayer(CacheLayerMixin):
 
     def held_pairs(self) -> torch.Tensor:
         """Pairs each row holds, all heads together, [B]."""
-        sinks = 0 if self.sink_valid is None else self.sink_valid.sum(-1) * self.kv_heads
         tail = 0 if self.tail_valid is None else self.tail_valid.sum(-1)
-        return self.store.row_pairs() + sinks + tail * self.kv_heads
+        return self.store.row_pairs() + self._sink_pairs() + tail * self.kv_heads
 
     def reset(self) -> None:
         """Nothing to clear: `CompressedCache.reset` puts the original layer back."""
@@ -200,6 +197,10 @@ class HeadBudgetLayer(CacheLayerMixin):
     def _tail_length(self) -> int:
         return 0 if self.tail_keys is None else self.tail_keys.shape[-2]
 
+    def _sink_pairs(self):
+        """The codec's exact sink pairs per row, all heads together ([B], or 0 without sinks)."""
+        return 0 if self.sink_valid is None else self.sink_valid.sum(-1) * self.kv_heads
+
     def _sink_count(self) -> int:
         return 0 if self.sink_valid is None else self.sink_valid.shape[-1]
 
@@ -260,12 +261,3 @@ class HeadBudgetLayer(CacheLayerMixin):
             oldest = self.tail_valid & (self.tail_valid.long().cumsum(-1) <= tokens[:, None])
             self.tail_valid = self.tail_valid & ~oldest
 
-
-def full_encoded(layer: CompressedLayer, kind: str):
-    """A scored layer's whole store as one token-wise encoding [B, H, T, ...] (encoded part + encoded tail)."""
-    encoded = layer.encoded_keys if kind == "key" else layer.encoded_values
-    tail = layer.tail_keys if kind == "key" else layer.tail_values
-    fresh = layer.codec.encode(tail, kind) if tail is not None and tail.shape[-2] else None
-    if encoded is None:
-        return fresh
-    return encoded if fresh is None else cat_encoded(encoded, fresh)

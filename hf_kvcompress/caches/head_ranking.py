@@ -21,12 +21,16 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
     The policy's sinks and the codec's (`codec_sinks` first real tokens, kept exact beside the store) are
     protected. Each row keeps `policy.kept_per_row(real tokens) x heads x layers` pairs in all (fewer when it has fewer real
     pairs); ties go to the pair ranked first (lower layer, head, token)."""
-    priorities = []
+    priorities, newest = [], []
     for layer in layers:
-        priority = _priority(policy, layer.accumulated, layer.pads, layer.kv_heads, layer.stored_tokens)
-        slot = torch.arange(layer.stored_tokens, device=priority.device)
+        length = layer.stored_tokens
+        priority = _priority(policy, layer.accumulated, layer.pads, layer.kv_heads, length)
+        slot = torch.arange(length, device=priority.device)
         codec_sink = (slot[None, :] >= layer.pads[:, None]) & (slot[None, :] < layer.pads[:, None] + codec_sinks)
         priorities.append(priority.masked_fill(codec_sink[:, None, :], float("inf")))
+        # The document's `recent` newest tokens are kept now; later they rank like the newest context, not like
+        # sinks (never evicted): above every attention score, below every later token.
+        newest.append((slot >= length - policy.recent) & (slot >= layer.pads[:, None] + max(policy.sink_tokens, codec_sinks)))
     flat = torch.cat([p.flatten(1) for p in priorities], dim=1)  # [B, L * H * T]
     heads = layers[0].kv_heads
     real = sum((p > float("-inf")).flatten(1).sum(1) for p in priorities)  # [B] real pairs of the row
@@ -35,13 +39,8 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(flat.shape[1], device=flat.device).expand_as(order))
     keep = rank < total[:, None]
     out, start = [], 0
-    for p, layer in zip(priorities, layers):
+    for p, recent in zip(priorities, newest):
         size = p[0].numel()
-        # The document's `recent` newest tokens are kept now; later they rank like the newest context, not like
-        # sinks (never evicted): above every attention score, below every later token.
-        length = layer.stored_tokens
-        slot = torch.arange(length, device=p.device)
-        newest = (slot >= length - policy.recent) & (slot >= layer.pads[:, None] + max(policy.sink_tokens, codec_sinks))
-        out.append((p.masked_fill(newest[:, None, :], RECENT_SCORE), keep[:, start : start + size].view_as(p)))
+        out.append((p.masked_fill(recent[:, None, :], RECENT_SCORE), keep[:, start : start + size].view_as(p)))
         start += size
     return out

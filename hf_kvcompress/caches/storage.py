@@ -54,6 +54,16 @@ class TokenStorage:
             decoded = self._restore_sinks(decoded, self.sink_keys if kind == "key" else self.sink_values)
         return torch.cat([decoded, tail], dim=-2)
 
+    def _encoded_whole(self, kind: str):
+        """Every stored token as one token-wise encoding [B, H, T, ...]: the encoded part, then the tail encoded now
+        (for eviction, which gathers from both at once; the tail itself is left as it is)."""
+        encoded = self.encoded_keys if kind == "key" else self.encoded_values
+        tail = self.tail_keys if kind == "key" else self.tail_values
+        fresh = self.codec.encode(tail, kind) if tail is not None and tail.shape[-2] else None
+        if encoded is None:
+            return fresh
+        return encoded if fresh is None else cat_encoded(encoded, fresh)
+
     def _encode_tail(self) -> None:
         """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time."""
         if self.codec.lossless and self.encoded_keys is None:
