@@ -16,7 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .head_store import RaggedHeads
 from .finite_check import NON_FINITE
-from .layer import CompressedLayer
+from .layer import CompressedLayer, batch_mismatch_hint
 from .requests import ENABLE_ATTENTION_HINT, MASK_KEY, OwnMask, attention_kwargs
 
 LATER_TOKENS = 2.0  # scores of tokens after the ranking start here: above any attention probability
@@ -72,7 +72,7 @@ class HeadBudgetLayer(CacheLayerMixin):
         if key_states.shape[0] != self.batch_size or key_states.shape[1] != self.kv_heads:
             raise ValueError(
                 f"this cache layer holds {self.batch_size} rows x {self.kv_heads} KV heads, got "
-                f"{tuple(key_states.shape[:2])}: call cache.reset() first"
+                f"{tuple(key_states.shape[:2])}: {batch_mismatch_hint(self.batch_size, key_states.shape[0])}"
             )
         if self.own_mask is not None and not self.own_mask.used:
             self.own_mask = None

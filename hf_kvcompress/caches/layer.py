@@ -37,6 +37,17 @@ __all__ = [
 ]
 
 
+def batch_mismatch_hint(held: int, got: int) -> str:
+    """What to do when a step brings another number of rows than the cache holds. generate() expands the rows
+    for beams and num_return_sequences but not a cache that was prefilled (transformers' DynamicCache fails there
+    too), so that case is named."""
+    hint = "call cache.reset() first"
+    if held and got > held and got % held == 0:
+        hint += (f", or, to decode {got // held} beams or sequences per row from a prefilled cache (num_beams, "
+                 f"num_return_sequences), call cache.batch_repeat_interleave({got // held}) before generate()")
+    return hint
+
+
 class CompressedLayer(
     TokenStorage, Eviction, RowPadding, CodecSinks, Rerotation, Reconstruction, StoreOffer, FiniteCheck, LayerState,
     CacheLayerMixin,
@@ -123,7 +134,7 @@ class CompressedLayer(
             )
         if batch != self.batch_size:
             raise ValueError(
-                f"this cache holds a batch of {self.batch_size} rows, got {batch}: call cache.reset() first"
+                f"this cache holds a batch of {self.batch_size} rows, got {batch}: {batch_mismatch_hint(self.batch_size, batch)}"
             )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -136,6 +136,27 @@ def test_beam_search_runs_with_eviction(model):
     assert out.shape == (1, 8)
 
 
+@pytest.mark.parametrize("spec", ["dynamic", "int4:residual_length=2,group_size=16", "kvzip:ratio=0.5"])
+def test_beams_over_a_prefilled_cache_after_repeating_its_rows(spec):
+    # generate() expands the rows for beams but not a cache that was prefilled (transformers' DynamicCache fails
+    # there too): the error names batch_repeat_interleave, and after it the beams equal beams over the whole prompt.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    _, ids, mask = _prompts(7, lengths=(14,))
+    context = ids[:, :-3]
+    cache = make_cache(spec, model.config)
+    prefill(model, context, None, cache, repeat_prompt_ids=REPEAT)
+    with pytest.raises(ValueError, match=r"batch_repeat_interleave\(2\)"):
+        model.generate(ids, attention_mask=mask, cache=cache, num_beams=2, max_new_tokens=4, do_sample=False)
+    cache = make_cache(spec, model.config)
+    prefill(model, context, None, cache, repeat_prompt_ids=REPEAT)
+    cache.batch_repeat_interleave(2)
+    out = model.generate(ids, attention_mask=mask, cache=cache, num_beams=2, max_new_tokens=4, do_sample=False)
+    whole = model.generate(ids, attention_mask=mask, num_beams=2, max_new_tokens=4, do_sample=False)
+    if spec == "dynamic":
+        assert torch.equal(out, whole)
+    assert out.shape == whole.shape
+
+
 def test_crop_works_until_something_is_evicted():
     model = tiny_model("llama")
     _, ids, _ = _prompts(7, lengths=(10,))
