@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .head_store import RaggedHeads
-from .finite_check import NON_FINITE
+from .finite_check import FiniteCheck
 from .layer import CompressedLayer, batch_mismatch_hint
 from .requests import ENABLE_ATTENTION_HINT, MASK_KEY, OwnMask, attention_kwargs
 
@@ -23,7 +23,7 @@ LATER_TOKENS = 2.0  # scores of tokens after the ranking start here: above any a
 ABSORB_BLOCK = 32  # recent tokens beyond the codec's residual join the store this many at a time
 
 
-class HeadBudgetLayer(CacheLayerMixin):
+class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
     """Context pairs kept per (row, KV head) in a ragged store, plus the recent tokens at full precision."""
 
     is_compileable = False
@@ -59,6 +59,7 @@ class HeadBudgetLayer(CacheLayerMixin):
         self.allowance = self.held_pairs()  # [B] pairs the row holds now: its share of the total
         self.share_then = self.policy.kept_per_row(self.real_seen)
         self.own_mask: OwnMask | None = None
+        self.finite, self.unchecked_steps = None, 0  # decode steps' deferred NaN/inf check (finite_check.py)
         self.is_initialized = True
         origin.reset()  # its store now lives here; `CompressedCache.reset` puts the emptied layer back
 
@@ -80,8 +81,7 @@ class HeadBudgetLayer(CacheLayerMixin):
         attn_kwargs = attention_kwargs(args, kwargs)
         if attn_kwargs is None:
             raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
-        if key_states.shape[-2] > 1 and not bool(key_states.isfinite().all() & value_states.isfinite().all()):
-            raise ValueError(NON_FINITE)
+        self._check_finite(key_states, value_states)
         new = key_states.shape[-2]
         self.seen += new
         self.real_seen = self.real_seen + new  # padding only ever leads a row's prompt
@@ -157,6 +157,8 @@ class HeadBudgetLayer(CacheLayerMixin):
         total += recent + 3 * self.batch_size * 8  # real_seen, allowance, share_then (int64)
         if self.sink_valid is not None:
             total += self.sink_valid.numel() + 2 * self.sink_keys.numel() * element
+        if self.finite is not None:  # the decode steps' deferred check: one bool
+            total += self.finite.numel() * self.finite.element_size()
         return int(total)
 
     # -- saving and loading (see caches/persist.py) ----------------------------------------------------------------
@@ -166,6 +168,7 @@ class HeadBudgetLayer(CacheLayerMixin):
              "allowance", "share_then")
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        self._flush_finite_check()
         tensors = {f"store.{n}": t for n, t in self.store.state().items()}
         for name in self.STATE:
             if getattr(self, name) is not None:
@@ -189,6 +192,7 @@ class HeadBudgetLayer(CacheLayerMixin):
             setattr(layer, name, moved.get(name))
         layer.device = layer.real_seen.device
         layer.own_mask = None
+        layer.finite, layer.unchecked_steps = None, 0
         layer.is_initialized = True
         return layer
 

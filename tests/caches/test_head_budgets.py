@@ -251,3 +251,26 @@ def test_recent_tokens_of_the_document_are_kept_and_later_give_way_before_later_
         assert bool((layer.store.scores == 1.5).sum() == 4 * layer.kv_heads)
     with pytest.raises(ValueError, match="recent must be an integer >= 0"):
         make_cache("kvzip:recent=-1", model.config)
+
+
+def test_a_non_finite_decode_step_is_refused_within_the_check_interval():
+    # Decode steps fold their NaN/inf check into a device flag read every FINITE_CHECK_EVERY steps (no host read
+    # per step), as the other layers do; a prompt-sized step is checked at once.
+    from hf_kvcompress.caches.finite_check import FINITE_CHECK_EVERY
+
+    model = use_kvcompress_attention(tiny_model("llama"))
+    cache = make_cache("kvzip:ratio=0.5", model.config)
+    prefill(model, _ids(20), None, cache, repeat_prompt_ids=REPEAT)
+    layer = cache.layers[0]
+    assert isinstance(layer, HeadBudgetLayer)
+    shape = (1, layer.kv_heads, 1, layer.head_dim)
+    bad = torch.randn(shape)
+    bad[0, 0, 0, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        layer.update(torch.randn(1, layer.kv_heads, 3, layer.head_dim), torch.randn(1, layer.kv_heads, 3, layer.head_dim).fill_(float("inf")), {})
+    layer = cache.layers[1]
+    with pytest.raises(ValueError, match="NaN or inf"):
+        for step in range(FINITE_CHECK_EVERY):
+            layer.update(bad if step == 0 else torch.randn(shape), torch.randn(shape), {})
+            layer.own_mask.used = True  # what our attention function marks after reading the mask
+    assert step == FINITE_CHECK_EVERY - 1
