@@ -60,5 +60,7 @@ class QueryWindow:
         if self.recent_queries is None:
             return
         held = self.recent_queries.shape[2]
-        self.recent_queries = self.recent_queries[:, :, : held - min(removed, held)].clone()
+        self.recent_queries = self.recent_queries[:, :, : held - min(removed, held)].clone(
+            memory_format=torch.contiguous_format
+        )
         self.next_position = self.next_position - removed
