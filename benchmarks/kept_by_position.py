@@ -32,7 +32,11 @@ for spec in sys.argv[2:]:
         if layer.is_sliding:
             continue
         T = layer.stored_tokens
-        scores = policy.score(layer.accumulated, T, keys=None, positions=layer.positions, pads=layer.pads)
+        keys = layer._full("key") if policy.needs_keys else None
+        extra = {"values": layer._full("value")} if policy.needs_values else {}
+        if policy.needs_queries:  # Expected Attention: the queries the layer kept (the spec's window)
+            extra["queries"] = layer._recent_queries()
+        scores = policy.score(layer.accumulated, T, keys=keys, positions=layer.positions, pads=layer.pads, **extra)
         kept = select_kept(policy, scores, layer.pads, layer.kv_heads, T, policy.kept_per_row(layer.real_seen))
         mask = torch.zeros(layer.kv_heads, T)
         mask.scatter_(1, kept[0], 1.0)

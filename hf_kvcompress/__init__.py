@@ -9,6 +9,7 @@ from .codecs.intn import IntNCodec
 from .generation import prefill, repeat_prompt_ids
 from .hf.attention import use_kvcompress_attention
 from .measure import measured_kv_bytes
+from .policies.expected_attention import ExpectedAttentionPolicy
 from .policies.heavy_hitter import HeavyHitterPolicy
 from .policies.keep_all import KeepAllPolicy
 from .policies.keydiff import KeyDiffPolicy
@@ -39,6 +40,7 @@ def __getattr__(name):
 
 __all__ = [
     "CompressedCache",
+    "ExpectedAttentionPolicy",
     "Fp8Cache",
     "Fp8Codec",
     "HeavyHitterCache",

@@ -17,6 +17,7 @@ from .codecs.lowrank import LowRankCodec
 from .codecs.reducing import ReducingCodec
 from .codecs.shared_heads import SharedHeadsCodec
 from .policies.base import Policy
+from .policies.expected_attention import ExpectedAttentionPolicy
 from .policies.heavy_hitter import HeavyHitterPolicy
 from .policies.keep_all import KeepAllPolicy
 from .policies.keydiff import KeyDiffPolicy
@@ -33,6 +34,7 @@ POLICIES: dict[str, type[Policy]] = {
     "snapkv": SnapKVPolicy,
     "tova": TOVAPolicy,
     "keydiff": KeyDiffPolicy,
+    "expected_attention": ExpectedAttentionPolicy,
     "random": RandomPolicy,
     "kvzip": KVzipPolicy,
 }

@@ -87,6 +87,7 @@ class CompressedCache(Cache):
             if config is None:
                 raise ValueError("rerotate=True needs config=model.config (RoPE parameters are read from it)")
             inv_freq = rope_inv_freq(config, "full_attention")
+        query_inv_freq = _query_rope(self.policy, config)
         if config is None:
             super().__init__(layer_class_to_replicate=_LayerFactory(self.policy, self.codec, inv_freq))
             self.num_layers = None
@@ -104,7 +105,9 @@ class CompressedCache(Cache):
                 codec = _sliding_layer_codec(requested_codec).for_layer(i)
                 layers.append(CompressedLayer(sliding, codec, is_sliding=True))
             else:
-                layers.append(CompressedLayer(self.policy, self.codec.for_layer(i), inv_freq=inv_freq))
+                layers.append(CompressedLayer(
+                    self.policy, self.codec.for_layer(i), inv_freq=inv_freq, query_inv_freq=query_inv_freq
+                ))
         super().__init__(layers=layers)
         self.num_layers = len(layers)
 
@@ -197,6 +200,21 @@ class CompressedCache(Cache):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r}, layers={len(self.layers)})"
+
+
+def _query_rope(policy: Policy, config) -> torch.Tensor | None:
+    """The full-attention layers' RoPE frequencies, for a policy that keeps queries before RoPE (empty: the model
+    does not rotate them); None for the other policies."""
+    if not policy.needs_queries:
+        return None
+    if config is None:
+        raise ValueError(
+            f"{policy.name} needs config=model.config (make_cache(spec, model.config)): it reads the RoPE "
+            "frequencies to undo the rotation of the queries it models"
+        )
+    if getattr(text_config(config), "rope_parameters", None) is None:
+        return torch.zeros(0)
+    return rope_inv_freq(config, "full_attention")
 
 
 class _LayerFactory:

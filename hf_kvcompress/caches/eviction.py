@@ -89,7 +89,14 @@ class Eviction:
         self.evicted_mid_prompt = self.step_tokens > 1
         length = self.stored_tokens
         keys = self._full("key") if self.policy.needs_keys else None
-        scores = self.policy.score(self.accumulated, length, keys=keys, positions=self.positions, pads=self.pads)
+        extra = {}  # what only some policies read, handed only to them
+        if self.policy.needs_values:
+            extra["values"] = self._full("value")
+        if self.policy.needs_queries:
+            extra["queries"] = self._recent_queries()
+        scores = self.policy.score(
+            self.accumulated, length, keys=keys, positions=self.positions, pads=self.pads, **extra
+        )
         scores = agree_within_groups(scores, self.codec.heads_per_store)
         if length == most + 1 and self.policy.budget is not None and self.budget_shift is None:
             kept = drop_one(self.policy, scores, self.pads, self.kv_heads, length)  # a decode step: one slot over

@@ -4,7 +4,8 @@ This module holds transformers' layer contract and the order of a step (`update`
 mixin in its own module: storage.py (the encoded store and the full-precision tail), eviction.py (how many tokens
 stay and which), padding.py (left padding per row and the masks that follow from it), codec_sinks.py (exact sink
 tokens of lossy codecs), rerotation.py (StreamingLLM's re-rotation), reconstruction.py (KVzip's pass),
-store_offer.py (the fused decode path), finite_check.py (the NaN/inf check) and layer_state.py (save and load).
+store_offer.py (the fused decode path), finite_check.py (the NaN/inf check), query_window.py (the newest queries,
+for Expected Attention) and layer_state.py (save and load).
 What attention functions read from the attention kwargs is in requests.py.
 """
 
@@ -20,6 +21,7 @@ from .eviction import Eviction
 from .finite_check import FINITE_CHECK_EVERY, NON_FINITE, FiniteCheck
 from .layer_state import LayerState
 from .padding import CHUNKS_SPLIT_PADDED_ROWS, END_ALIGNED_CHUNKS, PADDING_SPLITS_GROUPS, RowPadding
+from .query_window import QueryWindow
 from .reconstruction import Reconstruction
 from .requests import (
     ENABLE_ATTENTION_HINT, MASK_KEY, OBSERVER_KEY, STORE_KEY, AttentionRequest, OwnMask, StoreRequest,
@@ -49,8 +51,8 @@ def batch_mismatch_hint(held: int, got: int) -> str:
 
 
 class CompressedLayer(
-    TokenStorage, Eviction, RowPadding, CodecSinks, Rerotation, Reconstruction, StoreOffer, FiniteCheck, LayerState,
-    CacheLayerMixin,
+    TokenStorage, Eviction, RowPadding, CodecSinks, Rerotation, Reconstruction, StoreOffer, FiniteCheck, QueryWindow,
+    LayerState, CacheLayerMixin,
 ):
     """Stores a layer's kept tokens as [encoded store | full-precision tail].
 
@@ -62,14 +64,23 @@ class CompressedLayer(
 
     is_compileable = False
 
-    def __init__(self, policy: Policy, codec: Codec, is_sliding: bool = False, inv_freq: torch.Tensor | None = None):
+    def __init__(
+        self, policy: Policy, codec: Codec, is_sliding: bool = False, inv_freq: torch.Tensor | None = None,
+        query_inv_freq: torch.Tensor | None = None,
+    ):
         """`inv_freq` (RoPE frequencies) turns on StreamingLLM's re-rotation: after each eviction, kept keys are
-        re-rotated so that their distances to the next query are their distances in the cache."""
+        re-rotated so that their distances to the next query are their distances in the cache. `query_inv_freq`:
+        the RoPE frequencies a policy that keeps queries (`needs_queries`) undoes their rotation with (empty: the
+        model does not rotate them)."""
         super().__init__()
         self.policy = policy
         self.codec = codec
         self.is_sliding = is_sliding
         self.inv_freq = inv_freq
+        if policy.needs_queries and query_inv_freq is None:
+            raise ValueError(f"{policy.name} keeps queries before RoPE: give the layer the model's RoPE frequencies")
+        # Numbers, not a tensor: a configuration, not cache storage (measured_kv_bytes counts every tensor it finds).
+        self.query_inv_freq = None if query_inv_freq is None else tuple(query_inv_freq.tolist())
         if inv_freq is not None and not (codec.lossless and policy.evicts):
             raise ValueError("rerotate needs an evicting policy and full-precision keys (codec 'identity')")
         self._clear()
@@ -88,6 +99,9 @@ class CompressedLayer(
         self.padding_unknown = False  # a batch fed without per-row position ids: its padding cannot be counted
         self.accumulated: torch.Tensor | None = None  # [B, H_kv, T] attention received, for scoring policies
         self.positions: torch.Tensor | None = None  # [B, H_kv, T] position each kept key is rotated to (rerotate)
+        self.recent_queries: torch.Tensor | None = None  # [B, H_q, L, D] newest pre-RoPE queries (needs_queries)
+        self.next_position: torch.Tensor | None = None  # [B] position of each row's next query (needs_queries)
+        self.query_positions: torch.Tensor | None = None  # [B, n] positions of the queries awaited from attention
         self.peak_tokens = 0  # most tokens held at once, the step's new ones included
         # The codec's `sink_tokens` first real tokens of each row, kept exactly: slot [B, H_kv, S] (-1: none) and
         # states [B, H_kv, S, D]; they overwrite their decoded slots (see codec_sinks.py).
@@ -165,6 +179,9 @@ class CompressedLayer(
 
         if self.budget_shift is not None or self._shared_mask_misplaces_padding(length):
             self._own_mask(attn_kwargs, new, length)
+        if self.policy.needs_queries:
+            self._request_queries(attn_kwargs, new)
+            return self._full("key"), self._full("value")
         if self.policy.needs_attention:
             self._grow_accumulated(new)
             self._request_attention(attn_kwargs, AttentionRequest(
@@ -207,7 +224,7 @@ class CompressedLayer(
         bookkeeping = 2 * self.batch_size * 8  # pads and real_seen, int64 per row
         for extra in (
             self.accumulated, self.positions, self.budget_shift, self.sink_slots, self.sink_keys, self.sink_values,
-            self.finite,
+            self.finite, self.recent_queries, self.next_position,
         ):
             if extra is not None:
                 bookkeeping += extra.numel() * extra.element_size()
@@ -279,6 +296,7 @@ class CompressedLayer(
             self.positions = owned(self.positions[..., :keep])
         if self.sink_slots is not None:
             self.sink_slots = self.sink_slots.masked_fill(self.sink_slots >= keep, -1)
+        self._crop_queries(-tokens_to_remove)
         self.seen = keep
         self.pads = self.pads.clamp(max=keep)
         self.real_seen = keep - self.pads

@@ -31,12 +31,14 @@ ENABLE_ATTENTION_HINT = (
 
 @dataclass
 class AttentionRequest:
-    """What a layer asks the attention function for: statistics over some queries, reduced per key."""
+    """What a layer asks the attention function for: statistics over some queries, reduced per key, or (with
+    `queries`) those queries themselves."""
 
-    deliver: Callable[[torch.Tensor], None]  # receives [B, H_kv, kv]
+    deliver: Callable[[torch.Tensor], None]  # receives [B, H_kv, kv], or [B, H_q, n, D] with `queries`
     newest_queries: int | None = None  # None: every query of the step
     reduction: str = "sum"  # "sum" or "max" over queries and over the query heads of a KV group
     query_mask: torch.Tensor | None = None  # [B, q] bool: queries that count (reconstruction padding does not)
+    queries: bool = False  # deliver the newest queries as attention uses them (RoPE applied, scaled), float32
 
 
 @dataclass

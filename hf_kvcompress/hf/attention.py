@@ -2,7 +2,8 @@
 
 Policies such as H2O rank tokens by attention, which SDPA never returns. This function runs SDPA for the output
 and, only when a cache layer asks for it, recomputes softmax(QK^T) in blocks of queries to sum it per key, so the
-full prefill attention matrix is never materialised at once.
+full prefill attention matrix is never materialised at once. A layer may ask for the step's newest queries
+instead (Expected Attention models the next queries from them): they exist only here.
 """
 
 from __future__ import annotations
@@ -91,7 +92,11 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return store.layer.attend(query, attention_mask, scale), None
     output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if request is not None:
+    if request is not None and request.queries:  # Expected Attention models the next queries from these
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        newest = query.shape[2] if request.newest_queries is None else min(request.newest_queries, query.shape[2])
+        request.deliver(query[:, :, query.shape[2] - newest :].float() * scale)
+    elif request is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         mask = attention_mask
         if mask is not None and mask.dim() == 4 and mask.shape[1] not in (1, query.shape[1]):

@@ -26,6 +26,8 @@ class Policy:
     needs_keys: ClassVar[bool] = False  # score() reads the kept keys
     needs_positions: ClassVar[bool] = False  # score() reads each kept slot's position
     scores_by_reconstruction: ClassVar[bool] = False  # KVzip: scored by generation.prefill's reconstruction pass
+    needs_queries: ClassVar[bool] = False  # score() reads the newest queries (RecentQueries), not attention statistics
+    needs_values: ClassVar[bool] = False  # score() reads the kept values
 
     @property
     def budget(self) -> int | None:
@@ -78,12 +80,30 @@ class Policy:
 
         `accumulated`: the attention statistics of `observe` (or a reconstruction pass); `keys` [B, H_kv, T, D]
         when `needs_keys`; `positions` [B, H_kv, T] when `needs_positions`; `pads` [B]: leading padding slots.
+        Policies that set `needs_values` or `needs_queries` also receive `values=` [B, H_kv, T, D] or `queries=`
+        (RecentQueries), as keywords that only they declare.
         """
         return None
 
     def spec(self) -> str:
         """The spec string that rebuilds this policy (its name and the fields that differ from the defaults)."""
         return join_spec(self.name, changed_fields(self))
+
+
+@dataclass(frozen=True)
+class RecentQueries:
+    """The newest queries a layer keeps for a policy that models the next ones (`needs_queries`).
+
+    `queries` [B, H_q, N, D]: before RoPE, scaled as attention scales them (the newest last); `counted` [B, N]: the
+    entries that are a row's real queries (not padding, not yet filled, not its first sink tokens);
+    `next_position` [B]: the position of each row's next query; `inv_freq` [rotary_dim / 2]: the model's RoPE
+    frequencies (empty when it does not rotate).
+    """
+
+    queries: torch.Tensor
+    counted: torch.Tensor
+    next_position: torch.Tensor
+    inv_freq: torch.Tensor
 
 
 def check_budget_or_ratio(policy, default_budget: int, floor: int) -> None:

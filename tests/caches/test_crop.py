@@ -12,7 +12,7 @@ from hf_kvcompress import SinkWindowCache, make_cache, use_kvcompress_attention
 
 from .tiny_models import tiny_model
 
-LOSSLESS = ["dynamic", "sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10"]
+LOSSLESS = ["dynamic", "sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10", "expected_attention:budget=1000"]
 LOSSY = ["int8", "int4:residual_length=16,group_size=8", "fp8", "h2o:budget=1000,recent=10+int8"]
 
 
@@ -67,6 +67,21 @@ def test_crop_trims_rerotation_positions():
     for layer in cache.layers:
         assert layer.positions.shape[-1] == layer.stored_tokens == 8
         assert layer.positions[0, 0].tolist() == list(range(8))
+
+
+def test_crop_forgets_the_queries_of_the_removed_tokens():
+    model = use_kvcompress_attention(tiny_model("llama"))
+    spec = "expected_attention:ratio=1.0,window=16"
+    cache, shorter = make_cache(spec, model.config), make_cache(spec, model.config)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+        model(input_ids=ids[:, :9], cache=shorter)
+    cache.crop(-3)
+    for cropped, fresh in zip(cache.layers, shorter.layers):
+        assert cropped.next_position.tolist() == fresh.next_position.tolist() == [9]
+        torch.testing.assert_close(cropped.recent_queries[:, :, -9:], fresh.recent_queries[:, :, -9:])
+        assert cropped._recent_queries().counted.sum() == fresh._recent_queries().counted.sum() == 9 - 4  # 4 sinks
 
 
 def _lookup_prompt(n=24):

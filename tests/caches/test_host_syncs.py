@@ -75,3 +75,20 @@ def test_a_non_finite_decode_step_is_refused_within_the_check_interval(spec):
     with pytest.raises(ValueError, match="NaN or inf"):
         for step in range(FINITE_CHECK_EVERY):
             _step(cache, bad if step == 0 else bad.nan_to_num(), bad.nan_to_num(), position + step, query)
+
+
+def test_expected_attention_decode_steps_read_nothing_on_the_host():
+    # Its layers need the RoPE frequencies, so the cache is built from a config of the shapes above.
+    from .tiny_models import CONFIGS
+
+    config = CONFIGS["llama"]()
+    assert (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) == (LAYERS, KV_HEADS, DIM)
+    g = torch.Generator().manual_seed(0)
+    cache = make_cache("expected_attention:budget=16,window=8,recent=2", config)
+    position = _prefill(cache, generator=g)
+    with torch.inference_mode():
+        for step in range(20):
+            states = torch.randn(2, KV_HEADS, 1, DIM, generator=g)
+            with HostSyncCounter() as counter:
+                _step(cache, states, -states, position + step, torch.randn(2, KV_HEADS * GROUPS, 1, DIM, generator=g))
+            assert counter.count == 0, f"{counter.count} host reads at decode step {step}"

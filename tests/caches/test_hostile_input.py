@@ -35,7 +35,8 @@ def test_a_row_of_only_padding_leaves_the_other_row_alone():
     ids = _ids(12, batch=2, seed=1)
     mask = torch.ones_like(ids)
     mask[0] = 0  # the first row is nothing but padding
-    for spec in ("dynamic", "sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3"):
+    for spec in ("dynamic", "sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3",
+                 "expected_attention:budget=8,window=4"):
         out = generate(model, ids, mask, make_cache(spec, model.config), max_new_tokens=6).new_tokens
         alone = generate(model, ids[1:], None, make_cache(spec, model.config), max_new_tokens=6).new_tokens
         assert torch.equal(out[1], alone[0]), spec

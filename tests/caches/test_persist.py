@@ -11,7 +11,8 @@ from hf_kvcompress.generation import generate, prefill
 from .tiny_models import tiny_model
 
 SPECS = ["dynamic", "int4:residual_length=4,group_size=8", "fp8", "int2:group_size=16,residual_length=0",
-         "sink_window:sink_tokens=2,window=6+int8:residual_length=2", "h2o:budget=8,recent=3"]
+         "sink_window:sink_tokens=2,window=6+int8:residual_length=2", "h2o:budget=8,recent=3",
+         "expected_attention:ratio=0.5,window=4"]
 
 
 def _state(cache):

@@ -135,3 +135,55 @@ def test_kvzip_layer_budgets_follow_one_ranking_across_layers():
     assert [layer.stored_tokens for layer in cache.layers] == expected
     assert expected[0] != expected[1]  # the layers really differ on this prompt
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def _pre_rope_queries(attention, hidden):
+    """[B, H_q, q, D]: the queries `attention` computes from `hidden` before RoPE (q_norm included), scaled."""
+    heads = attention.config.num_attention_heads
+    projected = attention.q_proj(hidden) if hasattr(attention, "q_proj") else attention.qkv_proj(hidden)[..., : heads * attention.head_dim]
+    queries = projected.view(*hidden.shape[:2], heads, attention.head_dim).transpose(1, 2)
+    if hasattr(attention, "q_norm"):
+        queries = attention.q_norm(queries)
+    return queries * attention.scaling
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])
+def test_expected_attention_models_the_pre_rope_queries_and_scores_by_them(name):
+    from tests.policies.expected_attention_reference import reference_scores
+
+    model = use_kvcompress_attention(tiny_model(name))
+    hidden = {}
+    for i, block in enumerate(model.model.layers):
+        block.self_attn.register_forward_hook(
+            lambda module, args, kwargs, out, i=i: hidden.setdefault(i, []).append(kwargs["hidden_states"]),
+            with_kwargs=True,
+        )
+    window, future, sinks = 16, 4, 1
+    cache = make_cache(f"expected_attention:ratio=1.0,window={window},future={future},sink_tokens={sinks}", model.config)
+    longer = torch.cat([IDS, torch.tensor([[7]])], dim=1)  # a prompt step, then a decode step
+    dynamic = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=IDS, cache=cache)
+        model(input_ids=longer[:, -1:], cache=cache)
+        model(input_ids=longer, cache=dynamic)
+    rotary = model.model.rotary_emb
+    inv_freq = getattr(rotary, "full_attention_inv_freq", getattr(rotary, "inv_freq", None))
+    tokens = longer.shape[1]
+    for i, layer in _full_layers(cache):
+        expected = _pre_rope_queries(model.model.layers[i].self_attn, torch.cat(hidden[i][:2], dim=1))  # [1, H_q, 13, D]
+        # The window's newest 13 entries are the 13 tokens' queries; the 3 before were never filled.
+        torch.testing.assert_close(layer.recent_queries[:, :, window - tokens :], expected, rtol=1e-5, atol=1e-5)
+        assert layer.next_position.tolist() == [tokens]
+        counted = torch.zeros(1, window, dtype=torch.bool)
+        counted[:, window - tokens + sinks :] = True  # the first token's query is a sink's: left out
+        keys, values = dynamic.layers[i].keys, dynamic.layers[i].values
+        reference = reference_scores(keys, values, layer.recent_queries.double(), counted, torch.tensor([tokens]),
+                                     inv_freq, torch.tensor([0]), future, epsilon=cache.policy.epsilon)
+        got = cache.policy.score(None, tokens, keys=keys, pads=torch.zeros(1, dtype=torch.long), values=values,
+                                 queries=layer._recent_queries())
+        torch.testing.assert_close(got.double(), reference, rtol=1e-4, atol=1e-6)
+
+
+def test_expected_attention_needs_the_models_config():
+    with pytest.raises(ValueError, match="config"):
+        make_cache("expected_attention:ratio=0.5")

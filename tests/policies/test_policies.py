@@ -81,7 +81,7 @@ def test_ratio_never_keeps_fewer_than_sinks_and_recent():
     assert policy.kept_per_row(torch.tensor([20, 3, 200])).tolist() == [5, 3, 20]
 
 
-@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "keydiff", "random", "kvzip"])
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "keydiff", "random", "kvzip", "expected_attention"])
 def test_budget_and_ratio_exclude_each_other_by_spec(name):
     from hf_kvcompress.registry import parse_spec
 
@@ -123,7 +123,8 @@ def test_spec_strings_need_no_registry_and_name_what_the_registry_builds():
         assert cls.name == name
     for spec in ("h2o:budget=300,sink_tokens=4", "snapkv:ratio=0.25", "sink_window:window=64", "kvzip:ratio=0.5",
                  "dynamic", "fp8", "int4", "int2:rotate=none,sink_tokens=0", "int8:group_size=16",
-                 "shared_heads+int8", "lowrank:rank=32+int4", "kvzip:ratio=0.25+int4"):
+                 "shared_heads+int8", "lowrank:rank=32+int4", "kvzip:ratio=0.25+int4",
+                 "expected_attention:ratio=0.5,window=32+int4"):
         policy, codec = parse_spec(spec)
         rebuilt = parse_spec(cache_spec(policy, codec))
         assert rebuilt == (policy, codec), (spec, cache_spec(policy, codec))

@@ -1,0 +1,93 @@
+"""Expected Attention on pure tensors: its score against a plain computation, what it estimates, its parameters."""
+
+import math
+
+import pytest
+import torch
+
+from hf_kvcompress.policies.base import RecentQueries, select_kept
+from hf_kvcompress.policies.expected_attention import ExpectedAttentionPolicy
+from hf_kvcompress.registry import parse_spec
+
+from .expected_attention_reference import reference_scores
+
+
+def _case(seed, batch=2, kv_heads=2, groups=2, slots=9, window=7, dim=8, rotary_half=4):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, kv_heads, slots, dim, generator=g)
+    values = torch.randn(batch, kv_heads, slots, dim, generator=g)
+    queries = torch.randn(batch, kv_heads * groups, window, dim, generator=g) * 0.7 + 0.3
+    counted = torch.ones(batch, window, dtype=torch.bool)
+    counted[0, :3] = False  # row 0: its oldest entries are padding (or sink queries)
+    queries[0, :, :3] = 1e4  # ... holding values that would swamp the statistics if they counted
+    pads = torch.tensor([2, 0][:batch])
+    keys[0, :, :2] = 50.0  # padding keys that would take the whole softmax if they counted
+    inv_freq = 1.0 / (100.0 ** (torch.arange(rotary_half, dtype=torch.float32) / rotary_half))
+    next_position = torch.tensor([11, 30][:batch])
+    return keys, values, RecentQueries(queries, counted, next_position, inv_freq), pads
+
+
+@pytest.mark.parametrize("covariance,value_norm,epsilon,rotary_half,future",
+                         [(True, True, 0.0, 4, 5), (False, True, 0.0, 4, 3), (True, False, 0.0, 4, 1),
+                          (True, True, 0.01, 2, 4), (True, True, 0.0, 0, 4)])
+def test_score_matches_the_plain_computation(covariance, value_norm, epsilon, rotary_half, future):
+    # Covers GQA (two query heads per KV head), padding keys and queries, partial rotary (rotary_half=2 of 4) and a
+    # model without RoPE (rotary_half=0).
+    keys, values, queries, pads = _case(0, rotary_half=rotary_half)
+    policy = ExpectedAttentionPolicy(ratio=0.5, future=future, covariance=covariance, value_norm=value_norm,
+                                     epsilon=epsilon)
+    got = policy.score(None, keys.shape[2], keys=keys, pads=pads, values=values, queries=queries)
+    expected = reference_scores(keys, values, queries.queries, queries.counted, queries.next_position,
+                                queries.inv_freq, pads, future, covariance, value_norm, epsilon)
+    for b in range(keys.shape[0]):
+        torch.testing.assert_close(got[b, :, int(pads[b]):].double(), expected[b, :, int(pads[b]):], rtol=1e-4, atol=1e-6)
+
+
+def test_score_is_the_expected_attention_of_the_modelled_queries():
+    # With many Gaussian queries and one position ahead, the closed form matches the average over those queries
+    # (rotated to that position) of their normalised attention's numerator exp(q.k), normalised over the keys.
+    g = torch.Generator().manual_seed(1)
+    dim, slots, n = 4, 6, 200_000
+    mixing = torch.randn(dim, dim, generator=g) * 0.3
+    pre_rope = (torch.randn(n, dim, generator=g) @ mixing + torch.tensor([0.5, -0.2, 0.1, 0.3]))[None, None]
+    keys = torch.randn(1, 1, slots, dim, generator=g)
+    inv_freq = torch.tensor([1.0, 0.1])
+    queries = RecentQueries(pre_rope, torch.ones(1, n, dtype=torch.bool), torch.tensor([7]), inv_freq)
+    policy = ExpectedAttentionPolicy(ratio=0.5, future=1, value_norm=False)
+    got = policy.score(None, slots, keys=keys, pads=torch.tensor([0]), queries=queries)[0, 0]
+    angle = 7 * inv_freq
+    cos, sin = torch.cat([angle.cos(), angle.cos()]), torch.cat([angle.sin(), angle.sin()])
+    q = pre_rope[0, 0]
+    rotated = q * cos + torch.cat([-q[:, 2:], q[:, :2]], dim=-1) * sin
+    empirical = torch.exp(rotated @ keys[0, 0].T).mean(0)
+    torch.testing.assert_close(got, empirical / empirical.sum(), rtol=0.02, atol=0)
+
+
+def test_padding_is_never_kept_over_a_real_slot():
+    keys, values, queries, pads = _case(3)
+    policy = ExpectedAttentionPolicy(budget=5, sink_tokens=1, recent=1)
+    scores = policy.score(None, keys.shape[2], keys=keys, pads=pads, values=values, queries=queries)
+    kept = select_kept(policy, scores, pads, heads=2, length=keys.shape[2])
+    assert (kept[0] >= 2).all() and kept.shape == (2, 2, 5)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"window": 0}, "window"), ({"window": 2.5}, "window"), ({"future": 0}, "future"),
+    ({"covariance": "yes"}, "covariance"), ({"value_norm": 1}, "value_norm"), ({"epsilon": -0.1}, "epsilon"),
+    ({"epsilon": math.nan}, "epsilon"), ({"epsilon": True}, "epsilon"), ({"recent": -1}, "recent"),
+    ({"sink_tokens": -2}, "sink_tokens"), ({"budget": 3, "sink_tokens": 4}, "budget"),
+    ({"ratio": 1.5}, "ratio"), ({"budget": 64, "ratio": 0.5}, "either budget"),
+])
+def test_bad_parameters_name_themselves(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ExpectedAttentionPolicy(**kwargs)
+
+
+def test_spec_strings_build_and_rebuild_the_policy():
+    policy, _ = parse_spec("expected_attention:ratio=0.5,window=16,future=64,covariance=false,epsilon=0.01")
+    assert (policy.window, policy.future, policy.covariance, policy.epsilon) == (16, 64, False, 0.01)
+    assert parse_spec(policy.spec())[0] == policy
+    with pytest.raises(ValueError, match="window must be an integer >= 1"):
+        parse_spec("expected_attention:window=0")
+    with pytest.raises(ValueError, match="unknown policy argument"):
+        parse_spec("expected_attention:n_future_positions=8")
