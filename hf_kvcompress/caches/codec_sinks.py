@@ -39,8 +39,10 @@ class CodecSinks:
         return padded[:, :, :n]
 
     def _follow_sinks(self, kept: torch.Tensor) -> None:
-        """After eviction keeps slots `kept` [B, H, K] (ascending), a sink's new slot is its rank in `kept`."""
+        """After eviction keeps slots `kept` [B, H, K] (ascending), a sink's new slot is its rank in `kept` (the
+        last match: a padding filler may repeat slot 0 before it, see select_kept)."""
         if self.sink_slots is None:
             return
         match = kept[..., None, :] == self.sink_slots[..., :, None]  # [B, H, S, K]
-        self.sink_slots = torch.where(match.any(-1), match.long().argmax(-1), -1)
+        last = kept.shape[-1] - 1 - match.flip(-1).long().argmax(-1)
+        self.sink_slots = torch.where(match.any(-1), last, -1)

@@ -68,13 +68,27 @@ class Eviction:
             return self.policy.budget
         return int(keep.max())
 
+    def _most_kept_and_over(self, keep: torch.Tensor) -> tuple[int, bool]:
+        """(keep.max(), whether some row holds more real tokens than it keeps), with one host read at most.
+
+        Slots are shared by the batch, so `stored_tokens > keep.max()` alone misses a row whose keep count stands
+        still (a ratio held at its sinks + recent floor) while another row's grows: that row must still lose a
+        token, or it differs from the row alone. A fixed budget keeps the same count in every row, so there the
+        slot count decides."""
+        if self.policy.budget is not None and self.budget_shift is None:
+            return self.policy.budget, False
+        over = ((self.stored_tokens - self.pads) > keep).any()
+        both = keep.max() * 2 + over.long()  # one read for both numbers
+        value = int(both)
+        return value // 2, bool(value % 2)
+
     # -- which tokens stay ----------------------------------------------------------------------------------------
 
     def _compress(self) -> None:
         keep = self._keep_per_row()
         if keep is not None:
-            most = self._most_kept(keep)
-            if self.stored_tokens > most:
+            most, row_over = self._most_kept_and_over(keep)
+            if self.stored_tokens > most or row_over:
                 self._evict(keep, most)
         self._encode_tail()
 

@@ -159,6 +159,11 @@ def select_kept(
     # Chosen real slots first, then padding to fill each row up to `total` slots, never unchosen real slots.
     level = chosen.to(torch.float32) * 2 + is_pad[:, None, :].to(torch.float32)
     kept = torch.topk(level, total, dim=-1, sorted=False).indices
+    # A row that must drop real tokens while another row keeps all its slots (a ratio held at its sinks + recent
+    # floor) may have too little padding left to fill up to `total`: its filler then points at slot 0, so every
+    # filler sorts before the chosen slots, where the row's padding is counted (and masked), never between them.
+    filler = ~(chosen | is_pad[:, None, :]).gather(-1, kept)
+    kept = kept.masked_fill(filler, 0)
     return kept.sort(dim=-1).values
 
 

@@ -27,6 +27,9 @@ ALL_SPECS = ["dynamic", "int8", "int4:residual_length=0,group_size=8", "int2:res
              "int3:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2",
              "int4:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2,key_axis=token",
              "int2:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2,codebook=gaussian"]
+# A ratio held at its sinks + recent floor in a short row while a longer row's share grows: the short row must still
+# evict at every step (the slot count alone did not say so).
+RATIO_AT_FLOOR = ["tova:ratio=0.5,sink_tokens=4", "h2o:ratio=0.5,recent=2,sink_tokens=2"]
 LARGE_BUDGET = ["sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10", "snapkv:budget=1000", "tova:ratio=1.0",
                 "kvzip:ratio=1.0,budgets=uniform", "kvzip:ratio=1.0", "expected_attention:budget=1000",
                 "expected_attention:ratio=1.0"]
@@ -54,7 +57,7 @@ def _greedy(model, ids, mask, cache, new=8, **kwargs):
     return generate(model, ids, mask, cache, max_new_tokens=new, repeat_prompt_ids=REPEAT, **kwargs).new_tokens
 
 
-@pytest.mark.parametrize("spec", ALL_SPECS)
+@pytest.mark.parametrize("spec", ALL_SPECS + RATIO_AT_FLOOR)
 def test_padded_batch_matches_rows_alone(model, spec):
     # Per-channel (KIVI) key groups span group_size token slots shared by the whole batch, so a row equals itself
     # alone only when its padding is a whole number of groups; token-wise codecs have no such condition.
