@@ -14,7 +14,8 @@ from ..ops.hadamard import unrotate as hadamard_unrotate
 from ..ops.rerotate import rerotate
 from ..spec_text import changed_fields, join_spec
 from .base import Codec, Encoded, Kind
-from .gaussian_levels import levels_tensor, thresholds_tensor
+from . import plane_attention
+from .gaussian_levels import levels_tensor, lloyd_max_levels, thresholds_tensor
 
 KEY_AXES = ("channel", "token")
 ROTATIONS = ("none", "hadamard")
@@ -281,6 +282,29 @@ class IntNCodec(Codec):
         else:
             out = self._levels(codes, kind).reshape(b, h, t, d // self.group_size, self.group_size) * scale[..., None] + zero[..., None]
         return out.reshape(b, h, t, d).to(dtype)
+
+    def _folded_levels(self, kind: Kind) -> tuple[float, float, float] | None:
+        """How attention reads the codes without decoding them (codecs/plane_attention.py), or None where it
+        cannot: 3 bits (codes straddle bytes), groups that split a byte, Gaussian levels beyond 2 bits."""
+        if self.bits not in plane_attention.FOLDABLE_BITS or self.group_size % values_per_unit(self.bits):
+            return None
+        return plane_attention.affine_levels(lloyd_max_levels(self.bits) if self._gaussian(kind) else None)
+
+    def key_logits(self, encoded: Encoded, query: torch.Tensor) -> torch.Tensor:
+        levels = self._folded_levels("key")
+        if levels is None:
+            return super().key_logits(encoded, query)
+        parts = encoded["codes"], encoded["scale"], encoded["zero"], query.float()
+        if self._per_channel("key"):
+            return plane_attention.channel_group_logits(*parts, self.bits, self.group_size)
+        return plane_attention.token_group_logits(*parts, self.bits, self.group_size, levels)
+
+    def mix_values(self, encoded: Encoded, probs: torch.Tensor) -> torch.Tensor:
+        levels = self._folded_levels("value")
+        if levels is None:
+            return super().mix_values(encoded, probs)
+        parts = encoded["codes"], encoded["scale"], encoded["zero"], probs.float()
+        return plane_attention.token_group_mix(*parts, self.bits, self.group_size, levels)
 
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
         # packed codes + bf16 scale and zero per group: (bits + 32 / group_size) / 8 bytes per value.
