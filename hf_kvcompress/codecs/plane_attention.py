@@ -21,6 +21,8 @@ with one more plane per code position.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 FOLDABLE_BITS = (2, 4, 8)
@@ -66,8 +68,10 @@ def _plane_query(query: torch.Tensor, unit: int) -> torch.Tensor:
     return query.reshape(b, h, n, d // unit, unit).permute(0, 1, 4, 2, 3)
 
 
-def _owner(width: int, group_size: int, unit: int, groups: int, device) -> torch.Tensor:
-    """[G, W] float32 one-hot: which head_dim group each byte column of a plane belongs to."""
+@lru_cache(maxsize=64)
+def _owner(width: int, group_size: int, unit: int, groups: int, device: torch.device) -> torch.Tensor:
+    """[G, W] float32 one-hot: which head_dim group each byte column of a plane belongs to (cached: a decode step
+    asks for the same few every layer)."""
     column_group = torch.arange(width, device=device) // (group_size // unit)
     return (column_group[None, :] == torch.arange(groups, device=device)[:, None]).float()
 
@@ -92,13 +96,19 @@ def token_group_logits(
     # One row per (query, group), zero outside the group's columns: a block-diagonal query per plane.
     owner = _owner(w, group_size, unit, groups, query.device)
     block_q = (plane_q[:, :, :, :, None, :] * owner).reshape(b, h, -1, n * groups, w)
-    raw = torch.matmul(block_q, codes.transpose(-1, -2)).sum(2).view(b, h, n, groups, t)  # sum_d q_d level_d / ...
-    q_sum = query.reshape(b, h, n, groups, group_size).sum(-1)  # [B, H, n, G]
+    raw = torch.matmul(block_q, codes.transpose(-1, -2)).sum(2).view(b, h, n, groups, t)  # (q_g . level_g) - L0 sum(q_g)
+    q_sum = query.reshape(b, h, n, groups, group_size).sum(-1, keepdim=True)  # [B, H, n, G, 1]
     if l0 != 0.0:
-        raw = raw + (l0 * q_sum)[..., None]
-    scale_t = scale.float().transpose(-1, -2)[:, :, None]  # [B, H, 1, G, T]
-    logits = (raw * scale_t).sum(3)
-    return logits.add_(torch.matmul(q_sum, zero.float().transpose(-1, -2)))
+        raw = raw + l0 * q_sum
+    # logits = sum_g scale_g * raw_g + zero_g * sum(q_g), one group at a time over [B, H, n, T] (a broadcast
+    # product and a sum over G, or a matmul with G columns, took twice as long on CPU).
+    scale_t = scale.float().transpose(-1, -2).contiguous()[:, :, None]  # [B, H, 1, G, T]
+    zero_t = zero.float().transpose(-1, -2).contiguous()[:, :, None]
+    logits = raw[:, :, :, 0] * scale_t[:, :, :, 0]
+    logits.addcmul_(q_sum[:, :, :, 0], zero_t[:, :, :, 0])
+    for g in range(1, groups):
+        logits.addcmul_(raw[:, :, :, g], scale_t[:, :, :, g]).addcmul_(q_sum[:, :, :, g], zero_t[:, :, :, g])
+    return logits
 
 
 def token_group_mix(
@@ -116,7 +126,8 @@ def token_group_mix(
     groups = d // group_size
     codes = planes(packed, bits, high_bits=hb != 0.0)  # [B, H, P, T, W]
     scaled = probs[:, :, :, None, :] * scale.float().transpose(-1, -2)[:, :, None]  # [B, H, n, G, T]
-    raw = torch.matmul(scaled.reshape(b, h, 1, n * groups, t), codes)  # [B, H, P, n*G, W]
+    # Expanded over the planes explicitly: a broadcast batch dim made matmul twice as slow on CPU.
+    raw = torch.matmul(scaled.reshape(b, h, 1, n * groups, t).expand(b, h, codes.shape[2], n * groups, t), codes)
     if hb != 0.0:
         raw = raw[:, :, :unit] * a + raw[:, :, unit:] * hb
     elif a != 1.0:
