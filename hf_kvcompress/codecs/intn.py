@@ -257,8 +257,9 @@ class IntNCodec(Codec):
 
     @property
     def attends_encoded(self) -> bool:  # type: ignore[override]
-        """pre_rope turns each key by its own offset: no single rotation of the query undoes that."""
-        return not self.pre_rope
+        """pre_rope turns each per-channel key by its own offset: no single rotation of the query undoes that.
+        Keys grouped per token are stored as they come (pre_rope leaves them alone), so those stores qualify."""
+        return not (self.pre_rope and self._per_channel("key"))
 
     def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         return self.from_basis(self.decode_in_basis(encoded, kind, torch.float32), kind).to(dtype)

@@ -27,6 +27,10 @@ SPECS = [
     "int4:residual_length=8,group_size=8",  # KIVI keys per channel, Hadamard rotation, 4 exact sinks
     "int2:residual_length=4,group_size=16,key_axis=token,pre_rope=false",
     "int8:residual_length=0", "fp8:sink_tokens=2",
+    # Keys per token: scales folded into the products for both keys and values (codecs/plane_attention.py).
+    "int4:residual_length=8,group_size=8,key_axis=token",
+    "int2:residual_length=4,group_size=8,key_axis=token,pre_rope=false",  # Gaussian levels, 4 groups per head
+    "int8:residual_length=0,group_size=8,key_axis=token",
     "sink_window:sink_tokens=2,window=20+int4:residual_length=4,group_size=8",
     "h2o:budget=24,recent=4+fp8",  # scored by attention: never fused, must still run
 ]
