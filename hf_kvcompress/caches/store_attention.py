@@ -143,8 +143,9 @@ def use_kernel(layer, query: torch.Tensor, backend: str) -> bool:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch" or query.shape[2] != 1:
         return False
-    # The kernel dequantises on the uniform grid: a Lloyd-Max codebook (int2's default) is read by PyTorch.
-    uniform = getattr(layer.codec, "codebook", "uniform") == "uniform"
+    # The kernel dequantises on the uniform grid: a Lloyd-Max codebook (int2's default) is read by PyTorch, and
+    # so are pre-RoPE keys (one query per offset in a key group, codecs/plane_attention.py).
+    uniform = getattr(layer.codec, "codebook", "uniform") == "uniform" and not getattr(layer.codec, "pre_rope", False)
     fits = uniform and triton_decode.supports(
         layer.encoded_keys, layer.encoded_values, layer.n_encoded, layer.head_dim, layer.value_dim
     )

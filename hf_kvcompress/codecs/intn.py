@@ -257,9 +257,9 @@ class IntNCodec(Codec):
 
     @property
     def attends_encoded(self) -> bool:  # type: ignore[override]
-        """pre_rope turns each per-channel key by its own offset: no single rotation of the query undoes that.
-        Keys grouped per token are stored as they come (pre_rope leaves them alone), so those stores qualify."""
-        return not (self.pre_rope and self._per_channel("key"))
+        """Always: pre_rope turns each per-channel key by its offset in its group, and `key_logits` meets it
+        with one query per offset (plane_attention.channel_group_logits_by_offset)."""
+        return True
 
     def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         return self.from_basis(self.decode_in_basis(encoded, kind, torch.float32), kind).to(dtype)
@@ -293,12 +293,28 @@ class IntNCodec(Codec):
 
     def key_logits(self, encoded: Encoded, query: torch.Tensor) -> torch.Tensor:
         levels = self._folded_levels("key")
+        turned = self.pre_rope and self._per_channel("key")
+        if levels is None and turned:  # 3 bits: decode the block (whole key groups) and meet the plain query
+            plain = hadamard_unrotate(query, self._seed("key")) if self.rotate == "hadamard" else query.float()
+            return torch.matmul(plain, self.decode(encoded, "key", torch.float32).transpose(-1, -2))
         if levels is None:
             return super().key_logits(encoded, query)
         parts = encoded["codes"], encoded["scale"], encoded["zero"], query.float()
+        if turned:
+            parts = parts[:3] + (self._offset_queries(query.float()),)
+            return plane_attention.channel_group_logits_by_offset(*parts, self.bits, self.group_size)
         if self._per_channel("key"):
             return plane_attention.channel_group_logits(*parts, self.bits, self.group_size)
         return plane_attention.token_group_logits(*parts, self.bits, self.group_size, levels)
+
+    def _offset_queries(self, query: torch.Tensor) -> torch.Tensor:
+        """pre_rope: the storage-basis query [B, H, n, D] as each offset o of a key group must meet it, turned
+        back by o positions (q . R_o k = R_-o q . k): [B, H, n, group_size, D]."""
+        b, h, n, d = query.shape
+        g = self.group_size
+        plain = hadamard_unrotate(query, self._seed("key")) if self.rotate == "hadamard" else query
+        copies = plain[:, :, :, None, :].expand(b, h, n, g, d).reshape(b, h, n * g, d)  # row n*g + o: offset o
+        return self.to_basis(self._group_rope(copies, -1), "key").reshape(b, h, n, g, d)
 
     def mix_values(self, encoded: Encoded, probs: torch.Tensor) -> torch.Tensor:
         levels = self._folded_levels("value")

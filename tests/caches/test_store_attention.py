@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_kvcompress import make_cache, use_kvcompress_attention
@@ -11,6 +12,9 @@ from hf_kvcompress.hf.attention import kvcompress_attention
 from .tiny_models import tiny_model
 
 KV_HEADS, GROUPS, DIM = 2, 3, 32
+CONFIG = LlamaConfig(hidden_size=KV_HEADS * GROUPS * DIM, num_attention_heads=KV_HEADS * GROUPS,
+                     num_key_value_heads=KV_HEADS, head_dim=DIM, num_hidden_layers=1, intermediate_size=64,
+                     vocab_size=64)
 
 
 class _Module:
@@ -31,6 +35,8 @@ SPECS = [
     "int4:residual_length=8,group_size=8,key_axis=token",
     "int2:residual_length=4,group_size=8,key_axis=token,pre_rope=false",  # Gaussian levels, 4 groups per head
     "int8:residual_length=0,group_size=8,key_axis=token",
+    # pre_rope per-channel keys (int2's plain name): one query per offset in a key group; at 3 bits decoded.
+    "int2:residual_length=4,group_size=8", "int3:residual_length=4,group_size=8,pre_rope=true",
     "sink_window:sink_tokens=2,window=20+int4:residual_length=4,group_size=8",
     "h2o:budget=24,recent=4+fp8",  # scored by attention: never fused, must still run
 ]
@@ -40,7 +46,7 @@ SPECS = [
 def test_fused_decode_attention_matches_sdpa_over_the_decoded_cache(spec, monkeypatch):
     monkeypatch.setattr(store_attention, "STORE_BLOCK", 16)  # several blocks, and blocks that split sinks off
     g = torch.Generator().manual_seed(0)
-    cache = make_cache(spec)
+    cache = make_cache(spec, CONFIG)  # pre_rope reads the RoPE frequencies from the config
     layer_module = _Module(0)
     tokens, pads = 40, torch.tensor([3, 0])  # row 0 left-padded (our prefill's position 1 for padding)
     positions = torch.stack([torch.cat([torch.ones(3, dtype=torch.long), torch.arange(1, tokens - 2)]), torch.arange(tokens)])

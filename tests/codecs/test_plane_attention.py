@@ -118,11 +118,27 @@ def test_fp8_products_fold_the_per_token_scale():
         torch.testing.assert_close(got, reference, atol=1e-5 * reference.abs().max(), rtol=1e-5)
 
 
-def test_pre_rope_leaves_per_token_keys_alone_so_their_store_is_attended_encoded():
-    # int2's plain name has pre_rope=true; with key_axis=token nothing is turned, so attention may read the codes.
+def test_pre_rope_leaves_per_token_keys_alone():
+    # int2's plain name has pre_rope=true; with key_axis=token nothing is turned: the codes are read as they are.
     plain, turned = IntNCodec(bits=2, key_axis="token"), IntNCodec(bits=2, key_axis="token", pre_rope=True)
-    assert turned.attends_encoded and not IntNCodec(bits=2, key_axis="channel", pre_rope=True).attends_encoded
+    assert turned.attends_encoded
     states = _states(9)
     assert torch.equal(turned.encode(states, "key")["codes"], plain.encode(states, "key")["codes"])
     encoded = plain.encode(states, "key")
     assert torch.equal(turned.decode(encoded, "key", torch.float32), plain.decode(encoded, "key", torch.float32))
+
+
+@pytest.mark.parametrize("bits,rotate", [(2, "hadamard"), (3, "hadamard"), (4, "none"), (8, "hadamard")])
+def test_pre_rope_channel_keys_meet_one_query_per_offset(bits, rotate):
+    # pre_rope turns each key back by its offset in its group of tokens before storing it; the logits read from
+    # the codes must equal the plain query against the fully decoded (turned forward again) keys.
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=DIM,
+                         num_hidden_layers=1, intermediate_size=64, vocab_size=64)
+    codec = IntNCodec(bits=bits, group_size=8, key_axis="channel", pre_rope=True, rotate=rotate).for_model(config)
+    encoded = codec.encode(_states(11), "key")
+    query = torch.randn(2, 3, 4, DIM, generator=torch.Generator().manual_seed(4))
+    reference = query @ codec.decode(encoded, "key", torch.float32).transpose(-1, -2)
+    got = codec.key_logits(encoded, codec.to_basis(query, "key"))
+    torch.testing.assert_close(got, reference, atol=1e-5 * reference.abs().max(), rtol=1e-5)
