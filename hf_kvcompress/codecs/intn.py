@@ -10,7 +10,7 @@ import torch
 
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
 from ..ops.hadamard import rotate as hadamard_rotate
-from ..ops.hadamard import unrotate as hadamard_unrotate
+from ..ops.hadamard import rotate_rows
 from ..ops.rerotate import rerotate
 from ..spec_text import changed_fields, join_spec
 from .base import Codec, Encoded, Kind
@@ -265,10 +265,10 @@ class IntNCodec(Codec):
         return self.from_basis(self.decode_in_basis(encoded, kind, torch.float32), kind).to(dtype)
 
     def to_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
-        return hadamard_rotate(x, self._seed(kind)) if self.rotate == "hadamard" else x
+        return rotate_rows(x, self._seed(kind)) if self.rotate == "hadamard" else x
 
     def from_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
-        out = hadamard_unrotate(x, self._seed(kind)) if self.rotate == "hadamard" else x
+        out = rotate_rows(x, self._seed(kind), inverse=True) if self.rotate == "hadamard" else x
         if self.pre_rope and self._per_channel(kind):
             out = self._group_rope(out, 1)
         return out
@@ -295,7 +295,7 @@ class IntNCodec(Codec):
         levels = self._folded_levels("key")
         turned = self.pre_rope and self._per_channel("key")
         if levels is None and turned:  # 3 bits: decode the block (whole key groups) and meet the plain query
-            plain = hadamard_unrotate(query, self._seed("key")) if self.rotate == "hadamard" else query.float()
+            plain = rotate_rows(query, self._seed("key"), inverse=True) if self.rotate == "hadamard" else query.float()
             return torch.matmul(plain, self.decode(encoded, "key", torch.float32).transpose(-1, -2))
         if levels is None:
             return super().key_logits(encoded, query)
@@ -312,7 +312,7 @@ class IntNCodec(Codec):
         back by o positions (q . R_o k = R_-o q . k): [B, H, n, group_size, D]."""
         b, h, n, d = query.shape
         g = self.group_size
-        plain = hadamard_unrotate(query, self._seed("key")) if self.rotate == "hadamard" else query
+        plain = rotate_rows(query, self._seed("key"), inverse=True) if self.rotate == "hadamard" else query
         copies = plain[:, :, :, None, :].expand(b, h, n, g, d).reshape(b, h, n * g, d)  # row n*g + o: offset o
         return self.to_basis(self._group_rope(copies, -1), "key").reshape(b, h, n, g, d)
 

@@ -60,3 +60,22 @@ def unrotate(y: torch.Tensor, seed: int) -> torch.Tensor:
     """Inverse of `rotate` (H is symmetric and orthonormal, so H^-1 = H); float32."""
     signs = random_signs(y.shape[-1], seed).to(y.device)
     return _blockwise(y.float()) * signs
+
+
+# Rows up to which `rotate_rows` multiplies by the rotation's matrix instead of running the transform.
+MATRIX_ROWS = 256
+
+
+@lru_cache(maxsize=256)
+def rotation_matrix(dim: int, seed: int) -> torch.Tensor:
+    """`rotate` as a [dim, dim] float32 matrix on the CPU: x @ M == rotate(x, seed), and M's transpose undoes it."""
+    return rotate(torch.eye(dim), seed)
+
+
+def rotate_rows(x: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tensor:
+    """`rotate` (or `unrotate`) for a few rows on the CPU (a decode step's query and attention output): one
+    matmul instead of the transform's 4 log2(D) small ops; many rows, or another device, use the transform."""
+    if not x.is_cpu or x.numel() > MATRIX_ROWS * x.shape[-1]:
+        return unrotate(x, seed) if inverse else rotate(x, seed)
+    matrix = rotation_matrix(x.shape[-1], seed)
+    return x.float() @ (matrix.T if inverse else matrix)
