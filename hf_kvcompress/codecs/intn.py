@@ -9,7 +9,6 @@ from typing import ClassVar, Literal
 import torch
 
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
-from ..ops.hadamard import rotate as hadamard_rotate
 from ..ops.hadamard import rotate_rows
 from ..ops.rerotate import rerotate
 from ..spec_text import changed_fields, join_spec
@@ -239,7 +238,7 @@ class IntNCodec(Codec):
                 raise ValueError(f"per-channel key groups need a multiple of {self.group_size} tokens, got {t}")
             states = self._group_rope(states, -1)
         if self.rotate == "hadamard":
-            states = hadamard_rotate(states, self._seed(kind))
+            states = rotate_rows(states, self._seed(kind))
         if self._per_channel(kind):
             g = self.group_size
             if t % g:
