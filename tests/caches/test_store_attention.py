@@ -72,7 +72,7 @@ def test_fused_decode_attention_matches_sdpa_over_the_decoded_cache(spec, monkey
         fused_steps += fused
         out, _ = kvcompress_attention(layer_module, q, *cache_out, mask, scaling=DIM ** -0.5, **kwargs)
         torch.testing.assert_close(out, reference, atol=2e-5, rtol=1e-4)
-    assert fused_steps == (0 if spec.startswith("h2o") else 29)  # the first offer only confirms
+    assert fused_steps == (0 if spec.startswith("h2o") else 30)  # the prompt step confirmed our attention function
 
 
 def _generate(model, spec, ids, mask):
@@ -104,5 +104,38 @@ def test_a_foreign_attention_function_after_fused_steps_is_refused():
     model.generate(input_ids=ids, cache=cache, max_new_tokens=4, do_sample=False)
     assert cache.layers[0].store_confirmed
     model.set_attn_implementation("sdpa")
-    with pytest.raises(RuntimeError, match="kvcompress_sdpa"):
-        model.generate(input_ids=torch.cat([ids, ids[:, :1]], 1), cache=cache, max_new_tokens=4, do_sample=False)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # a decode step the cache relied on us for
+        with pytest.raises(RuntimeError, match="kvcompress_sdpa"):
+            model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+def test_a_prompt_through_another_attention_function_withdraws_the_confirmation():
+    # Each prompt step asks again: under transformers' SDPA nothing is fused, and the output is right.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    cache = make_cache("int4:residual_length=0,group_size=8", model.config)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    model.generate(input_ids=ids, cache=cache, max_new_tokens=4, do_sample=False)
+    model.set_attn_implementation("sdpa")
+    out = model.generate(input_ids=torch.cat([ids, ids[:, :8]], 1), cache=cache, max_new_tokens=4, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    assert not cache.layers[0].store_confirmed
+    assert torch.stack(out.logits).isfinite().all()
+
+
+def test_the_first_decode_step_is_fused_after_a_prompt_through_our_attention():
+    # The prompt step asks whether our attention function runs, so no decode step decodes the whole store.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    cache = make_cache("int4:residual_length=0,group_size=8", model.config)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        assert not cache.layers[0].store_confirmed
+        k, _ = cache.layers[0].update(torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32), {})
+    # Under transformers' own SDPA the prompt confirms nothing: the first decode step returns the decoded cache.
+    plain = tiny_model("llama")
+    other = make_cache("int4:residual_length=0,group_size=8", plain.config)
+    with torch.inference_mode():
+        plain(input_ids=ids, past_key_values=other, use_cache=True)
+        k_plain, _ = other.layers[0].update(torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32), {})
+    assert k.isnan().all() and not k_plain.isnan().any()
