@@ -96,7 +96,8 @@ def token_group_logits(
     # One row per (query, group), zero outside the group's columns: a block-diagonal query per plane.
     owner = _owner(w, group_size, unit, groups, query.device)
     block_q = (plane_q[:, :, :, :, None, :] * owner).reshape(b, h, -1, n * groups, w)
-    raw = torch.matmul(block_q, codes.transpose(-1, -2)).sum(2).view(b, h, n, groups, t)  # (q_g . level_g) - L0 sum(q_g)
+    # (q_g . level_g) - L0 sum(q_g) per (query, group, token):
+    raw = torch.matmul(block_q, codes.transpose(-1, -2)).sum(2).view(b, h, n, groups, t)
     q_sum = query.reshape(b, h, n, groups, group_size).sum(-1, keepdim=True)  # [B, H, n, G, 1]
     if l0 != 0.0:
         raw = raw + l0 * q_sum
