@@ -166,17 +166,22 @@ def channel_group_logits_by_offset(
 ) -> torch.Tensor:
     """`channel_group_logits` for keys whose token at offset o of its group is read with its own query
     (pre_rope: a key was turned back by o before it was stored, so q . key = (q turned back by o) . stored key):
-    offset_query [B, H, n, group_size, D] -> logits [B, H, n, T]. One matmul per (plane, offset) over the token
-    groups instead of one per token group."""
+    offset_query [B, H, n, group_size, D] -> logits [B, H, n, T]. The planes are written offset-major
+    [u, offset, group, W], so each offset is one contiguous matmul and the scale multiplies long contiguous runs
+    (a permuted copy of token-major planes cost more than the rest together)."""
     unit = 8 // bits
+    mask = (1 << bits) - 1
     b, h, n, g, d = offset_query.shape
     t, w = packed.shape[2], packed.shape[3]
     groups = t // g
-    codes = planes(packed, bits, high_bits=False)  # [B, H, u, T, W]
-    by_group = codes.view(b, h, unit, groups, g, w)
-    by_group.mul_(_plane_query(scale.float(), unit)[:, :, :, :, None, :])
+    codes = torch.empty(b, h, unit, g, groups, w, dtype=torch.float32, device=packed.device)
+    for i in range(unit):
+        shifted = packed >> (bits * i) if i else packed
+        plane = shifted & mask if i < unit - 1 else shifted
+        codes[:, :, i].copy_(plane.view(b, h, groups, g, w).transpose(2, 3))
+    codes.mul_(_plane_query(scale.float(), unit)[:, :, :, None])  # [B, H, u, 1, T/g, W]: one scale per group
     plane_q = _plane_query(offset_query.reshape(b, h, n * g, d), unit).reshape(b, h, unit, n, g, w)
-    raw = torch.matmul(plane_q.transpose(3, 4), by_group.permute(0, 1, 2, 4, 5, 3)).sum(2)  # [B, H, g, n, T/g]
+    raw = torch.matmul(plane_q.transpose(3, 4), codes.transpose(-1, -2)).sum(2)  # [B, H, g, n, T/g]
     zeros = torch.matmul(offset_query.reshape(b, h, n * g, d), zero.float().transpose(-1, -2))  # [B, H, n*g, T/g]
     logits = raw.transpose(2, 3) + zeros.view(b, h, n, g, groups)  # [B, H, n, offset, group]
     return logits.transpose(-1, -2).reshape(b, h, n, t)  # token = group * g + offset
