@@ -1,12 +1,14 @@
 """The cache's own share of a decode step: every layer's `update` plus our attention function, without the model.
 
     python benchmarks/decode_step.py [--tokens 4096] [--batch 1] [--steps 16] [--repeats 5] [--specs "int4;fp8"]
+                                     [--clock wall|cpu]
 
 The model's weights cost the same with every cache, so their time only dilutes the ratios; this isolates what
 the caches change, on the embedded model's shapes (30 layers, 9 query heads on 3 KV heads of 64 dims, float32).
 Each cache is filled with random states of `--tokens` tokens (prefilled in chunks of 512, as our prefill does),
 then decodes `--steps` steps; the figure is the median over interleaved repeats of the mean step time, with the
-host reads of tensor values (syncs on a GPU) per decode step.
+host reads of tensor values (syncs on a GPU) per decode step. On a shared machine use `--clock cpu` with
+OMP_NUM_THREADS=1: the process's CPU time does not count the time other processes hold the cores.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _step(cache, modules, states, queries, position: torch.Tensor):
 
 
 @torch.inference_mode()
-def run(spec: str, tokens: int, batch: int, steps: int, layers: int) -> tuple[float, float]:
+def run(spec: str, tokens: int, batch: int, steps: int, layers: int, clock=time.perf_counter) -> tuple[float, float]:
     """Mean ms per decode step and host reads per decode step."""
     gen = torch.Generator().manual_seed(0)
     cache = make_cache(spec, _config(layers))
@@ -69,7 +71,7 @@ def run(spec: str, tokens: int, batch: int, steps: int, layers: int) -> tuple[fl
         _step(cache, modules, states, torch.randn(batch, 9, n, 64, generator=gen), position)
     query = torch.randn(batch, 9, 1, 64, generator=gen)
     counter = HostSyncCounter()
-    begin = time.perf_counter()
+    begin = clock()
     for s in range(steps):
         position = torch.full((batch, 1), tokens + s)
         if s == steps - 1:
@@ -77,7 +79,7 @@ def run(spec: str, tokens: int, batch: int, steps: int, layers: int) -> tuple[fl
                 _step(cache, modules, states, query, position)
         else:
             _step(cache, modules, states, query, position)
-    return 1000 * (time.perf_counter() - begin) / steps, counter.count
+    return 1000 * (clock() - begin) / steps, counter.count
 
 
 def main() -> None:
@@ -88,17 +90,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--specs", default=";".join(SPECS))
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time or process CPU time")
     args = parser.parse_args()
     specs = ["dynamic"] + [s for s in args.specs.split(";") if s and s != "dynamic"]
     times = {s: [] for s in specs}
     syncs = {}
     for _ in range(args.repeats):
         for spec in specs:
-            ms, syncs[spec] = run(spec, args.tokens, args.batch, args.steps, args.layers)
+            clock = time.process_time if args.clock == "cpu" else time.perf_counter
+            ms, syncs[spec] = run(spec, args.tokens, args.batch, args.steps, args.layers, clock)
             times[spec].append(ms)
     base = statistics.median(times["dynamic"])
     print(f"{args.tokens} tokens, batch {args.batch}, {args.layers} layers, {args.steps} steps, median of "
-          f"{args.repeats}, torch threads {torch.get_num_threads()}")
+          f"{args.repeats}, torch threads {torch.get_num_threads()}, clock {args.clock}")
     print(f"{'cache':42s} {'ms/step':>8s} {'x dynamic':>9s} {'host reads/step':>15s}")
     for spec in specs:
         ms = statistics.median(times[spec])

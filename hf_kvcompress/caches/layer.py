@@ -194,6 +194,7 @@ class CompressedLayer(
             placeholders = self._offer_store(attn_kwargs, length)
             if placeholders is not None:  # our attention function attends and compresses (see store_offer.py)
                 return placeholders
+        self._probe_store(attn_kwargs, new)
         full_keys, full_values = self._full("key"), self._full("value")
         self._compress()
         return full_keys, full_values

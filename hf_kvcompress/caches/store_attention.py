@@ -2,8 +2,9 @@
 
 Decoding the whole store and concatenating it with the tail at every step touches every stored byte several times
 in float32 and, for rotated codecs, applies the inverse rotation to every stored token. Here each block of
-`STORE_BLOCK` tokens is decoded in the codec's storage basis only (the query is rotated once instead, and the
-output once at the end), its logits folded into a running max and sum (flash-decoding, Dao et al. 2023), and
+`STORE_BLOCK` tokens is read in the codec's storage basis only (the query is rotated once instead, and the
+output once at the end) through the codec's `key_logits` and `mix_values` (which may skip decoding the codes,
+codecs/plane_attention.py), its logits folded into a running max and sum (flash-decoding, Dao et al. 2023), and
 dropped: the transient memory is one block, not the whole cache in float32. The exact attention sinks and the
 full-precision tail are two more segments of the same softmax. `CompressedLayer._full` + SDPA is the reference.
 """
@@ -15,7 +16,11 @@ import torch
 from ..codecs.base import Encoded
 from ..ops import triton_decode
 
-STORE_BLOCK = 1024  # tokens decoded at a time (rounded up to a whole number of the codec's token blocks)
+# Tokens read at a time: at most STORE_BLOCK, and at most STORE_BLOCK_VALUES values (batch x KV heads x tokens x
+# head_dim, 4 MiB of float32) so the transient memory stays bounded; rounded up to whole codec token blocks. Each
+# block costs a few dozen small tensor ops, which at 1024 tokens were a third of the store's time on CPU.
+STORE_BLOCK = 8192
+STORE_BLOCK_VALUES = 1 << 20
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -35,12 +40,14 @@ class _OnlineSoftmax:
     def __init__(self):
         self.max = self.total = self.stored = self.plain = None
 
-    def add(self, logits: torch.Tensor, values: torch.Tensor, stored_basis: bool) -> None:
-        """logits [B, H_kv, n, k] (masked entries -inf), values [B, H_kv, k, Dv] in float32."""
+    def add(self, logits: torch.Tensor, values, stored_basis: bool) -> None:
+        """logits [B, H_kv, n, k] (masked entries -inf); values [B, H_kv, k, Dv] in float32, or a function of the
+        probabilities [B, H_kv, n, k] that returns their product with the values (a codec's `mix_values`)."""
         block_max = logits.amax(-1, keepdim=True)
         safe = self._rescale(block_max)
         probs = torch.exp(logits - safe)
-        self._accumulate(probs.sum(-1, keepdim=True), torch.matmul(probs, values), stored_basis)
+        mixed = values(probs) if callable(values) else torch.matmul(probs, values)
+        self._accumulate(probs.sum(-1, keepdim=True), mixed, stored_basis)
 
     def add_partial(self, block_max: torch.Tensor, total: torch.Tensor, acc: torch.Tensor, stored_basis: bool) -> None:
         """A segment already reduced elsewhere (the Triton kernel): its max and sum [B, H_kv, n, 1] and its
@@ -99,18 +106,19 @@ def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _Onl
     """The store segment in PyTorch, `STORE_BLOCK` tokens at a time (the reference for the kernel)."""
     codec, n_enc = layer.codec, layer.n_encoded
     unit = max(codec.token_block("key"), codec.token_block("value"))
-    block = -(-STORE_BLOCK // unit) * unit
+    batch, heads, _, dim = stored_q.shape
+    tokens = min(STORE_BLOCK, max(1, STORE_BLOCK_VALUES // (batch * heads * dim)))
+    block = -(-tokens // unit) * unit
     for start in range(0, n_enc, block):
         end = min(start + block, n_enc)
-        keys = codec.decode_in_basis(slice_encoded(layer.encoded_keys, start, end, n_enc), "key", torch.float32)
-        values = codec.decode_in_basis(slice_encoded(layer.encoded_values, start, end, n_enc), "value", torch.float32)
-        logits = torch.matmul(stored_q, keys.transpose(-1, -2))
+        logits = codec.key_logits(slice_encoded(layer.encoded_keys, start, end, n_enc), stored_q)
+        values = slice_encoded(layer.encoded_values, start, end, n_enc)
         bias = _bias(attention_mask, groups, slice(start, end))
         if bias is not None:
             logits = logits + bias
         if layer.sink_slots is not None:  # sinks are attended exactly below, not in their decoded form
             logits = logits.masked_fill(_sink_hidden(layer, start, end)[:, :, None], float("-inf"))
-        softmax.add(logits, values, stored_basis=True)
+        softmax.add(logits, lambda probs, values=values: codec.mix_values(values, probs), stored_basis=True)
 
 
 def _store_by_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -> None:
@@ -135,8 +143,9 @@ def use_kernel(layer, query: torch.Tensor, backend: str) -> bool:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch" or query.shape[2] != 1:
         return False
-    # The kernel dequantises on the uniform grid: a Lloyd-Max codebook (int2's default) is read by PyTorch.
-    uniform = getattr(layer.codec, "codebook", "uniform") == "uniform"
+    # The kernel dequantises on the uniform grid: a Lloyd-Max codebook (int2's default) is read by PyTorch, and
+    # so are pre-RoPE keys (one query per offset in a key group, codecs/plane_attention.py).
+    uniform = getattr(layer.codec, "codebook", "uniform") == "uniform" and not getattr(layer.codec, "pre_rope", False)
     fits = uniform and triton_decode.supports(
         layer.encoded_keys, layer.encoded_values, layer.n_encoded, layer.head_dim, layer.value_dim
     )

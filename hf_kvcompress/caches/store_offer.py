@@ -3,7 +3,9 @@
 Our attention function (hf/attention.py) takes the offer and reads the store a block at a time
 (caches/store_attention.py); the layer evicts and encodes only after that attention ran. Once an offer has been
 taken, `update` returns NaN placeholders instead of the decoded cache, so the layer must learn at the next step
-whether the offer was taken again, and refuse to go on when it was not.
+whether the offer was taken again, and refuse to go on when it was not. Prompt steps ask without relying on the
+answer (`_probe_store`), so the first decode step is already fused, and a prompt run through another attention
+function withdraws the confirmation instead of leaving a decode step to fail.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ class StoreOffer:
             new == 1 and attn_kwargs is not None and self.encoded_keys is not None and self.codec.attends_encoded
             and self.inv_freq is None and self.reconstruction_queries is None
         )
+
+    def _probe_store(self, attn_kwargs: dict | None, new: int) -> None:
+        """A prompt step asks, without relying on the answer, whether our attention function runs here (it marks
+        the request used and attends as usual): then the first decode step is already fused. Before, that step
+        only confirmed, and decoding the whole store for it cost as much as four fused steps (benchmarks/NOTES.md)."""
+        if new > 1 and attn_kwargs is not None and self.codec.attends_encoded and self.inv_freq is None:
+            self.store_request = StoreRequest(self, fused=False)
+            attn_kwargs[STORE_KEY] = self.store_request
 
     def _offer_store(self, attn_kwargs: dict, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Offer attention the store; the placeholders `update` returns when our attention function takes it."""

@@ -29,7 +29,8 @@ class Codec(ABC):
     sink_tokens: ClassVar[int] = 0  # first real tokens of each row the layer keeps at full precision
     lossless: ClassVar[bool] = False
     heads_per_store: ClassVar[int] = 1  # KV heads sharing one stored head (shared_heads); eviction agrees per group
-    # Attention may read the store a block of tokens at a time through `decode_in_basis` (caches/store_attention.py)
+    # Attention may read the store a block of tokens at a time through `key_logits` and `mix_values`
+    # (caches/store_attention.py)
     attends_encoded: ClassVar[bool] = False
 
     def token_block(self, kind: Kind) -> int:
@@ -54,6 +55,15 @@ class Codec(ABC):
         """Decode into the basis the states are stored in (`to_basis` of the states): attention can rotate one
         query and one output instead of every stored token (q . k = to_basis(q) . to_basis(k) for a rotation)."""
         return self.decode(encoded, kind, dtype)
+
+    def key_logits(self, encoded: Encoded, query: torch.Tensor) -> torch.Tensor:
+        """query [B, H, n, D] (in the storage basis) . the encoded keys -> [B, H, n, T]. Codecs override this to
+        read their codes without decoding the block (caches/store_attention.py); this is the reference."""
+        return torch.matmul(query, self.decode_in_basis(encoded, "key", torch.float32).transpose(-1, -2))
+
+    def mix_values(self, encoded: Encoded, probs: torch.Tensor) -> torch.Tensor:
+        """probs [B, H, n, T] times the encoded values -> [B, H, n, Dv] in the storage basis (see `key_logits`)."""
+        return torch.matmul(probs, self.decode_in_basis(encoded, "value", torch.float32))
 
     def to_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
         """x [..., D] in the storage basis of `kind` (the identity unless the codec rotates)."""

@@ -9,12 +9,12 @@ from typing import ClassVar, Literal
 import torch
 
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
-from ..ops.hadamard import rotate as hadamard_rotate
-from ..ops.hadamard import unrotate as hadamard_unrotate
+from ..ops.hadamard import rotate_rows
 from ..ops.rerotate import rerotate
 from ..spec_text import changed_fields, join_spec
 from .base import Codec, Encoded, Kind
-from .gaussian_levels import levels_tensor, thresholds_tensor
+from . import plane_attention
+from .gaussian_levels import levels_tensor, lloyd_max_levels, thresholds_tensor
 
 KEY_AXES = ("channel", "token")
 ROTATIONS = ("none", "hadamard")
@@ -238,7 +238,7 @@ class IntNCodec(Codec):
                 raise ValueError(f"per-channel key groups need a multiple of {self.group_size} tokens, got {t}")
             states = self._group_rope(states, -1)
         if self.rotate == "hadamard":
-            states = hadamard_rotate(states, self._seed(kind))
+            states = rotate_rows(states, self._seed(kind))
         if self._per_channel(kind):
             g = self.group_size
             if t % g:
@@ -256,17 +256,18 @@ class IntNCodec(Codec):
 
     @property
     def attends_encoded(self) -> bool:  # type: ignore[override]
-        """pre_rope turns each key by its own offset: no single rotation of the query undoes that."""
-        return not self.pre_rope
+        """Always: pre_rope turns each per-channel key by its offset in its group, and `key_logits` meets it
+        with one query per offset (plane_attention.channel_group_logits_by_offset)."""
+        return True
 
     def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         return self.from_basis(self.decode_in_basis(encoded, kind, torch.float32), kind).to(dtype)
 
     def to_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
-        return hadamard_rotate(x, self._seed(kind)) if self.rotate == "hadamard" else x
+        return rotate_rows(x, self._seed(kind)) if self.rotate == "hadamard" else x
 
     def from_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
-        out = hadamard_unrotate(x, self._seed(kind)) if self.rotate == "hadamard" else x
+        out = rotate_rows(x, self._seed(kind), inverse=True) if self.rotate == "hadamard" else x
         if self.pre_rope and self._per_channel(kind):
             out = self._group_rope(out, 1)
         return out
@@ -281,6 +282,45 @@ class IntNCodec(Codec):
         else:
             out = self._levels(codes, kind).reshape(b, h, t, d // self.group_size, self.group_size) * scale[..., None] + zero[..., None]
         return out.reshape(b, h, t, d).to(dtype)
+
+    def _folded_levels(self, kind: Kind) -> tuple[float, float, float] | None:
+        """How attention reads the codes without decoding them (codecs/plane_attention.py), or None where it
+        cannot: 3 bits (codes straddle bytes), groups that split a byte, Gaussian levels beyond 2 bits."""
+        if self.bits not in plane_attention.FOLDABLE_BITS or self.group_size % values_per_unit(self.bits):
+            return None
+        return plane_attention.affine_levels(lloyd_max_levels(self.bits) if self._gaussian(kind) else None)
+
+    def key_logits(self, encoded: Encoded, query: torch.Tensor) -> torch.Tensor:
+        levels = self._folded_levels("key")
+        turned = self.pre_rope and self._per_channel("key")
+        if levels is None and turned:  # 3 bits: decode the block (whole key groups) and meet the plain query
+            plain = rotate_rows(query, self._seed("key"), inverse=True) if self.rotate == "hadamard" else query.float()
+            return torch.matmul(plain, self.decode(encoded, "key", torch.float32).transpose(-1, -2))
+        if levels is None:
+            return super().key_logits(encoded, query)
+        parts = encoded["codes"], encoded["scale"], encoded["zero"], query.float()
+        if turned:
+            parts = parts[:3] + (self._offset_queries(query.float()),)
+            return plane_attention.channel_group_logits_by_offset(*parts, self.bits, self.group_size)
+        if self._per_channel("key"):
+            return plane_attention.channel_group_logits(*parts, self.bits, self.group_size)
+        return plane_attention.token_group_logits(*parts, self.bits, self.group_size, levels)
+
+    def _offset_queries(self, query: torch.Tensor) -> torch.Tensor:
+        """pre_rope: the storage-basis query [B, H, n, D] as each offset o of a key group must meet it, turned
+        back by o positions (q . R_o k = R_-o q . k): [B, H, n, group_size, D]."""
+        b, h, n, d = query.shape
+        g = self.group_size
+        plain = rotate_rows(query, self._seed("key"), inverse=True) if self.rotate == "hadamard" else query
+        copies = plain[:, :, :, None, :].expand(b, h, n, g, d).reshape(b, h, n * g, d)  # row n*g + o: offset o
+        return self.to_basis(self._group_rope(copies, -1), "key").reshape(b, h, n, g, d)
+
+    def mix_values(self, encoded: Encoded, probs: torch.Tensor) -> torch.Tensor:
+        levels = self._folded_levels("value")
+        if levels is None:
+            return super().mix_values(encoded, probs)
+        parts = encoded["codes"], encoded["scale"], encoded["zero"], probs.float()
+        return plane_attention.token_group_mix(*parts, self.bits, self.group_size, levels)
 
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
         # packed codes + bf16 scale and zero per group: (bits + 32 / group_size) / 8 bytes per value.

@@ -60,3 +60,35 @@ def unrotate(y: torch.Tensor, seed: int) -> torch.Tensor:
     """Inverse of `rotate` (H is symmetric and orthonormal, so H^-1 = H); float32."""
     signs = random_signs(y.shape[-1], seed).to(y.device)
     return _blockwise(y.float()) * signs
+
+
+# Tokens (the second-to-last axis) up to which `rotate_rows` multiplies by the rotation's matrix on the CPU.
+MATRIX_TOKENS = 16
+
+
+@lru_cache(maxsize=256)
+def rotation_matrix(dim: int, seed: int) -> torch.Tensor:
+    """`rotate` as a [dim, dim] float32 matrix on the CPU: x @ M == rotate(x, seed), and M's transpose undoes it."""
+    return rotate(torch.eye(dim), seed)
+
+
+def rotate_rows(x: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tensor:
+    """`rotate` (or `unrotate`) of x [..., T, D]. A decode step's query, attention output and new token are a few
+    rows, for which the transform's 4 log2(D) small ops cost ~100 us on CPU and a product with the cached matrix
+    ~7 us (equal up to rounding). The product is a broadcast multiply and a sum, not a matmul, so each row's
+    result does not depend on how many rows came with it (BLAS picks kernels by size); the choice between the two
+    depends on T only, so a batch row is rotated exactly as it is alone."""
+    if not x.is_cpu or x.dim() < 2 or x.shape[-2] > MATRIX_TOKENS:
+        return unrotate(x, seed) if inverse else rotate(x, seed)
+    dim = x.shape[-1]
+    matrix = rotation_matrix(dim, seed)
+    matrix = matrix.T if inverse else matrix
+    rows = x.float().reshape(-1, dim)
+    step = max(1, _PRODUCT_VALUES // (dim * dim))  # bounds the [rows, D, D] product's memory
+    if rows.shape[0] <= step:
+        return (rows[:, :, None] * matrix).sum(-2).reshape(x.shape)
+    out = torch.cat([(rows[i : i + step, :, None] * matrix).sum(-2) for i in range(0, rows.shape[0], step)])
+    return out.reshape(x.shape)
+
+
+_PRODUCT_VALUES = 1 << 22

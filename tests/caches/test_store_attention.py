@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_kvcompress import make_cache, use_kvcompress_attention
@@ -11,6 +12,9 @@ from hf_kvcompress.hf.attention import kvcompress_attention
 from .tiny_models import tiny_model
 
 KV_HEADS, GROUPS, DIM = 2, 3, 32
+CONFIG = LlamaConfig(hidden_size=KV_HEADS * GROUPS * DIM, num_attention_heads=KV_HEADS * GROUPS,
+                     num_key_value_heads=KV_HEADS, head_dim=DIM, num_hidden_layers=1, intermediate_size=64,
+                     vocab_size=64)
 
 
 class _Module:
@@ -27,6 +31,12 @@ SPECS = [
     "int4:residual_length=8,group_size=8",  # KIVI keys per channel, Hadamard rotation, 4 exact sinks
     "int2:residual_length=4,group_size=16,key_axis=token,pre_rope=false",
     "int8:residual_length=0", "fp8:sink_tokens=2",
+    # Keys per token: scales folded into the products for both keys and values (codecs/plane_attention.py).
+    "int4:residual_length=8,group_size=8,key_axis=token",
+    "int2:residual_length=4,group_size=8,key_axis=token,pre_rope=false",  # Gaussian levels, 4 groups per head
+    "int8:residual_length=0,group_size=8,key_axis=token",
+    # pre_rope per-channel keys (int2's plain name): one query per offset in a key group; at 3 bits decoded.
+    "int2:residual_length=4,group_size=8", "int3:residual_length=4,group_size=8,pre_rope=true",
     "sink_window:sink_tokens=2,window=20+int4:residual_length=4,group_size=8",
     "h2o:budget=24,recent=4+fp8",  # scored by attention: never fused, must still run
 ]
@@ -36,7 +46,7 @@ SPECS = [
 def test_fused_decode_attention_matches_sdpa_over_the_decoded_cache(spec, monkeypatch):
     monkeypatch.setattr(store_attention, "STORE_BLOCK", 16)  # several blocks, and blocks that split sinks off
     g = torch.Generator().manual_seed(0)
-    cache = make_cache(spec)
+    cache = make_cache(spec, CONFIG)  # pre_rope reads the RoPE frequencies from the config
     layer_module = _Module(0)
     tokens, pads = 40, torch.tensor([3, 0])  # row 0 left-padded (our prefill's position 1 for padding)
     positions = torch.stack([torch.cat([torch.ones(3, dtype=torch.long), torch.arange(1, tokens - 2)]), torch.arange(tokens)])
@@ -62,7 +72,7 @@ def test_fused_decode_attention_matches_sdpa_over_the_decoded_cache(spec, monkey
         fused_steps += fused
         out, _ = kvcompress_attention(layer_module, q, *cache_out, mask, scaling=DIM ** -0.5, **kwargs)
         torch.testing.assert_close(out, reference, atol=2e-5, rtol=1e-4)
-    assert fused_steps == (0 if spec.startswith("h2o") else 29)  # the first offer only confirms
+    assert fused_steps == (0 if spec.startswith("h2o") else 30)  # the prompt step confirmed our attention function
 
 
 def _generate(model, spec, ids, mask):
@@ -94,5 +104,38 @@ def test_a_foreign_attention_function_after_fused_steps_is_refused():
     model.generate(input_ids=ids, cache=cache, max_new_tokens=4, do_sample=False)
     assert cache.layers[0].store_confirmed
     model.set_attn_implementation("sdpa")
-    with pytest.raises(RuntimeError, match="kvcompress_sdpa"):
-        model.generate(input_ids=torch.cat([ids, ids[:, :1]], 1), cache=cache, max_new_tokens=4, do_sample=False)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # a decode step the cache relied on us for
+        with pytest.raises(RuntimeError, match="kvcompress_sdpa"):
+            model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+def test_a_prompt_through_another_attention_function_withdraws_the_confirmation():
+    # Each prompt step asks again: under transformers' SDPA nothing is fused, and the output is right.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    cache = make_cache("int4:residual_length=0,group_size=8", model.config)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    model.generate(input_ids=ids, cache=cache, max_new_tokens=4, do_sample=False)
+    model.set_attn_implementation("sdpa")
+    out = model.generate(input_ids=torch.cat([ids, ids[:, :8]], 1), cache=cache, max_new_tokens=4, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    assert not cache.layers[0].store_confirmed
+    assert torch.stack(out.logits).isfinite().all()
+
+
+def test_the_first_decode_step_is_fused_after_a_prompt_through_our_attention():
+    # The prompt step asks whether our attention function runs, so no decode step decodes the whole store.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    cache = make_cache("int4:residual_length=0,group_size=8", model.config)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        assert not cache.layers[0].store_confirmed
+        k, _ = cache.layers[0].update(torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32), {})
+    # Under transformers' own SDPA the prompt confirms nothing: the first decode step returns the decoded cache.
+    plain = tiny_model("llama")
+    other = make_cache("int4:residual_length=0,group_size=8", plain.config)
+    with torch.inference_mode():
+        plain(input_ids=ids, past_key_values=other, use_cache=True)
+        k_plain, _ = other.layers[0].update(torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32), {})
+    assert k.isnan().all() and not k_plain.isnan().any()

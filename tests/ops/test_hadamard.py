@@ -54,3 +54,17 @@ def test_non_power_of_two_dims_are_block_diagonal_over_powers_of_two():
         fwht(torch.randn(2, 96))
     with pytest.raises(ValueError, match="dim"):
         power_of_two_blocks(0)
+
+
+def test_rotating_a_few_rows_by_the_matrix_equals_the_transform():
+    from hf_kvcompress.ops.hadamard import MATRIX_TOKENS, rotate_rows
+
+    for dim in (64, 96):
+        x = torch.randn(3, 4, dim)
+        torch.testing.assert_close(rotate_rows(x, 7), rotate(x, 7), atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(rotate_rows(rotate(x, 7), 7, inverse=True), x, atol=2e-6, rtol=1e-5)
+        many = torch.randn(2, MATRIX_TOKENS + 1, dim)
+        assert torch.equal(rotate_rows(many, 7), rotate(many, 7))  # the transform itself beyond MATRIX_TOKENS
+        # The choice depends on the tokens only: a row is rotated the same within a batch as alone.
+        batch = torch.randn(8, 3, 1, dim)
+        assert torch.equal(rotate_rows(batch, 7)[2:3], rotate_rows(batch[2:3], 7))
