@@ -122,6 +122,13 @@ def check_budget_or_ratio(policy, default_budget: int, floor: int) -> None:
         raise ValueError(f"budget must be a positive integer >= recent + sink_tokens ({floor}), got {budget!r}")
 
 
+def check_kept_tokens(policy, default_budget: int = 512) -> None:
+    """Validate the fields every scored policy shares: `recent`, `sink_tokens`, then `budget` / `ratio`."""
+    check_count("recent", policy.recent)
+    check_count("sink_tokens", policy.sink_tokens)
+    check_budget_or_ratio(policy, default_budget, policy.recent + policy.sink_tokens)
+
+
 def check_count(name: str, value, minimum: int = 0) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Policy, RecentQueries, check_budget_or_ratio, check_count
+from .base import Policy, RecentQueries, check_count, check_kept_tokens
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,7 @@ class ExpectedAttentionPolicy(Policy):
         eps = self.epsilon
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
             raise ValueError(f"epsilon must be a finite number >= 0, got {eps!r}")
-        check_count("recent", self.recent)
-        check_count("sink_tokens", self.sink_tokens)
-        check_budget_or_ratio(self, 512, self.recent + self.sink_tokens)
+        check_kept_tokens(self)
 
     @property
     def observed_queries(self) -> int:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Policy, check_budget_or_ratio, check_count
+from .base import Policy, check_kept_tokens
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,7 @@ class KeyDiffPolicy(Policy):
     needs_keys: ClassVar[bool] = True
 
     def __post_init__(self):
-        check_count("recent", self.recent)
-        check_count("sink_tokens", self.sink_tokens)
-        check_budget_or_ratio(self, 512, self.recent + self.sink_tokens)
+        check_kept_tokens(self)
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
         unit = torch.nn.functional.normalize(keys.float(), dim=-1)  # [B, H_kv, T, D]

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Policy, check_budget_or_ratio, check_count
+from .base import Policy, check_count, check_kept_tokens
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,7 @@ class RandomPolicy(Policy):
 
     def __post_init__(self):
         check_count("seed", self.seed)
-        check_count("recent", self.recent)
-        check_count("sink_tokens", self.sink_tokens)
-        check_budget_or_ratio(self, 512, self.recent + self.sink_tokens)
+        check_kept_tokens(self)
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
         heads = torch.arange(positions.shape[1], device=positions.device)[None, :, None]

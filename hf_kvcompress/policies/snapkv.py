@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import Policy, check_budget_or_ratio, check_count
+from .base import Policy, check_count, check_kept_tokens
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,7 @@ class SnapKVPolicy(Policy):
         check_count("kernel", self.kernel, minimum=1)
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be an odd integer >= 1, got {self.kernel!r}")
-        check_count("recent", self.recent)
-        check_count("sink_tokens", self.sink_tokens)
-        check_budget_or_ratio(self, 512, self.recent + self.sink_tokens)
+        check_kept_tokens(self)
 
     @property
     def observed_queries(self) -> int:
