@@ -62,11 +62,14 @@ class Eviction:
         keep = self._keep_per_row(before_scoring=True)
         return keep is not None and self.stored_tokens > self._most_kept(keep)
 
+    @property
+    def _fixed_budget(self) -> bool:
+        """Every row keeps the policy's budget (no ratio, no per-layer shift): known on the host."""
+        return self.policy.budget is not None and self.budget_shift is None
+
     def _most_kept(self, keep: torch.Tensor) -> int:
         """keep.max(), known on the host for a fixed budget (no host read of a device value)."""
-        if self.policy.budget is not None and self.budget_shift is None:
-            return self.policy.budget
-        return int(keep.max())
+        return self.policy.budget if self._fixed_budget else int(keep.max())
 
     def _most_kept_and_over(self, keep: torch.Tensor) -> tuple[int, bool]:
         """(keep.max(), whether some row holds more real tokens than it keeps), with one host read at most.
@@ -75,7 +78,7 @@ class Eviction:
         still (a ratio held at its sinks + recent floor) while another row's grows: that row must still lose a
         token, or it differs from the row alone. A fixed budget keeps the same count in every row, so there the
         slot count decides."""
-        if self.policy.budget is not None and self.budget_shift is None:
+        if self._fixed_budget:
             return self.policy.budget, False
         over = ((self.stored_tokens - self.pads) > keep).any()
         both = keep.max() * 2 + over.long()  # one read for both numbers
@@ -112,7 +115,7 @@ class Eviction:
             self.accumulated, length, keys=keys, positions=self.positions, pads=self.pads, **extra
         )
         scores = agree_within_groups(scores, self.codec.heads_per_store)
-        if length == most + 1 and self.policy.budget is not None and self.budget_shift is None:
+        if length == most + 1 and self._fixed_budget:
             kept = drop_one(self.policy, scores, self.pads, self.kv_heads, length)  # a decode step: one slot over
         else:
             kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length, keep, most)  # [B, H_kv, budget]

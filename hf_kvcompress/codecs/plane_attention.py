@@ -43,20 +43,24 @@ def affine_levels(levels: tuple[float, ...] | None) -> tuple[float, float, float
     return l0, a, b
 
 
+def _code_plane(packed: torch.Tensor, bits: int, i: int) -> torch.Tensor:
+    """Code i of every byte of `packed` (uint8, the shape of `packed`)."""
+    shifted = packed >> (bits * i) if i else packed
+    return shifted & ((1 << bits) - 1) if i < 8 // bits - 1 else shifted  # the top code needs no mask
+
+
 def planes(packed: torch.Tensor, bits: int, high_bits: bool) -> torch.Tensor:
     """[B, H, T, W] packed codes -> [B, H, P, T, W] float32: the u code planes, then (`high_bits`) the u planes of
     each code's top bit. Plane-major, so each plane is written contiguously (a strided write was several times
     slower)."""
     unit = 8 // bits
-    mask = (1 << bits) - 1
     b, h, t, w = packed.shape
     out = torch.empty(b, h, unit * (2 if high_bits else 1), t, w, dtype=torch.float32, device=packed.device)
     if unit == 1:
         out[:, :, 0].copy_(packed)
         return out
     for i in range(unit):
-        shifted = packed >> (bits * i) if i else packed
-        out[:, :, i].copy_(shifted & mask if i < unit - 1 else shifted)
+        out[:, :, i].copy_(_code_plane(packed, bits, i))
         if high_bits:
             out[:, :, unit + i].copy_((packed >> (bits * i + bits - 1)) & 1)
     return out
@@ -170,15 +174,12 @@ def channel_group_logits_by_offset(
     [u, offset, group, W], so each offset is one contiguous matmul and the scale multiplies long contiguous runs
     (a permuted copy of token-major planes cost more than the rest together)."""
     unit = 8 // bits
-    mask = (1 << bits) - 1
     b, h, n, g, d = offset_query.shape
     t, w = packed.shape[2], packed.shape[3]
     groups = t // g
     codes = torch.empty(b, h, unit, g, groups, w, dtype=torch.float32, device=packed.device)
     for i in range(unit):
-        shifted = packed >> (bits * i) if i else packed
-        plane = shifted & mask if i < unit - 1 else shifted
-        codes[:, :, i].copy_(plane.view(b, h, groups, g, w).transpose(2, 3))
+        codes[:, :, i].copy_(_code_plane(packed, bits, i).view(b, h, groups, g, w).transpose(2, 3))
     codes.mul_(_plane_query(scale.float(), unit)[:, :, :, None])  # [B, H, u, 1, T/g, W]: one scale per group
     plane_q = _plane_query(offset_query.reshape(b, h, n * g, d), unit).reshape(b, h, unit, n, g, w)
     raw = torch.matmul(plane_q.transpose(3, 4), codes.transpose(-1, -2)).sum(2)  # [B, H, g, n, T/g]

@@ -81,7 +81,8 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     request = kwargs.pop(OBSERVER_KEY, None)
     own_mask = kwargs.pop(MASK_KEY, None)
     store = kwargs.pop(STORE_KEY, None)
-    if own_mask is not None:  # the layer keeps what the shared mask cannot describe (see caches/layer.py)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if own_mask is not None:  # the layer keeps what the shared mask cannot describe (see caches/padding.py)
         own_mask.used = True
         attention_mask, own_mask.mask = own_mask.mask, None  # the cache does not keep it: its bytes are exact
         if attention_mask.shape[1] not in (1, query.shape[1]):  # one mask per KV head (head budgets): per query head
@@ -89,15 +90,12 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     if store is not None and kwargs.get("softcap") is None and request is None:
         store.used = True
         if store.fused:  # read the encoded store a block at a time (caches/store_attention.py)
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return store.layer.attend(query, attention_mask, scale), None
     output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if request is not None and request.queries:  # Expected Attention models the next queries from these
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         newest = query.shape[2] if request.newest_queries is None else min(request.newest_queries, query.shape[2])
         request.deliver(query[:, :, query.shape[2] - newest :].float() * scale)
     elif request is not None:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         mask = attention_mask
         if mask is not None and mask.dim() == 4 and mask.shape[1] not in (1, query.shape[1]):
             mask = mask[:, :1]

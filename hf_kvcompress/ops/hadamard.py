@@ -64,6 +64,7 @@ def unrotate(y: torch.Tensor, seed: int) -> torch.Tensor:
 
 # Tokens (the second-to-last axis) up to which `rotate_rows` multiplies by the rotation's matrix on the CPU.
 MATRIX_TOKENS = 16
+_PRODUCT_VALUES = 1 << 22  # values of one [rows, D, D] broadcast product, at most
 
 
 @lru_cache(maxsize=256)
@@ -90,5 +91,3 @@ def rotate_rows(x: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tens
     out = torch.cat([(rows[i : i + step, :, None] * matrix).sum(-2) for i in range(0, rows.shape[0], step)])
     return out.reshape(x.shape)
 
-
-_PRODUCT_VALUES = 1 << 22
