@@ -15,7 +15,11 @@ token (0.00 = its best-scored token), then the answer under each variant:
 - `oracle:L`: `global`, plus layer L keeps the needle's sentence (12 tokens before the number, 2 after);
 - `share:L:S`: `global`, but layer L keeps its own best share S;
 - `back:K`: `global` over scores where each token also takes the best score of its next K tokens;
-- `backlayer:K`: each layer keeps as many pairs as `global` gives it, chosen by those `back:K` scores.
+- `backlayer:K`: each layer keeps as many pairs as `global` gives it, chosen by those `back:K` scores;
+- `pool:K` / `poollayer:K`: the same with the best score of the K tokens on either side (a window of 2K + 1);
+- `uniformpool:K`: every layer keeps the same share, chosen by those `pool:K` scores;
+- `chunk:C`: every layer keeps the same share in whole chunks of C tokens, ranked by their best score (ChunkKV);
+- `floorpool:K:F`: `poollayer:K`, but every layer keeps at least F x the uniform share (the others give way).
 """
 
 from __future__ import annotations
@@ -38,11 +42,30 @@ from hf_kvcompress.hf.attention import register
 
 def masks_for(variant: str, scores: dict, ratio: float, needle: slice | None) -> dict:
     name, *args = variant.split(":")
-    if name in ("back", "backlayer"):
+    if name == "chunk":
+        c = int(args[0])
+        chunked = {}
+        for l, s in scores.items():
+            T = s.shape[-1]
+            padded = F.pad(s, (0, (-T) % c), value=float("-inf"))
+            best = padded.unflatten(-1, (-1, c)).amax(-1, keepdim=True).expand(*padded.shape[:-1], -1, c)
+            chunked[l] = best.flatten(-2)[..., :T]
+        return kba.allocate(chunked, ratio, 4, "head")
+    if name in ("back", "backlayer", "pool", "poollayer", "uniformpool", "floorpool"):
         k = int(args[0])
-        pooled = {l: F.max_pool1d(F.pad(s[0][:, None], (0, k), value=float("-inf")), k + 1, 1)[:, 0][None]
+        before, width = (k, 2 * k + 1) if name.startswith("pool") else (0, k + 1)
+        pooled = {l: F.max_pool1d(F.pad(s[0][:, None], (before, k), value=float("-inf")), width, 1)[:, 0][None]
                   for l, s in scores.items()}
-        if name == "backlayer":  # each layer keeps as many pairs as the plain global ranking gave it
+        if name == "uniformpool":
+            return kba.allocate(pooled, ratio, 4, "head")
+        if name == "floorpool":
+            counts = {l: m.float().mean().item() for l, m in kba.allocate(scores, ratio, 4, "global").items()}
+            floor = float(args[1]) * ratio
+            excess = sum(max(0.0, n - floor) for n in counts.values())
+            room = ratio * len(counts) - floor * len(counts)
+            counts = {l: floor + max(0.0, n - floor) * room / excess for l, n in counts.items()}
+            return {l: kba.allocate({l: pooled[l]}, counts[l], 4, "head")[l] for l in scores}
+        if name in ("backlayer", "poollayer"):  # each layer keeps as many pairs as the plain global ranking gave it
             counts = {l: m.float().mean().item() for l, m in kba.allocate(scores, ratio, 4, "global").items()}
             return {l: kba.allocate({l: pooled[l]}, counts[l], 4, "head")[l] for l in scores}
         scores, name = pooled, "global"
@@ -59,7 +82,7 @@ def masks_for(variant: str, scores: dict, ratio: float, needle: slice | None) ->
     elif name == "share":
         masks[layer] = kba.allocate({layer: scores[layer]}, float(args[1]), 4, "head")[layer]
     else:
-        raise ValueError(f"variant must be global, head, whole:L, oracle:L, share:L:S, back:K or backlayer:K, got {variant!r}")
+        raise ValueError(f"variant must be global, head, whole:L, oracle:L, share:L:S, back:K, backlayer:K, pool:K or poollayer:K, got {variant!r}")
     return masks
 
 

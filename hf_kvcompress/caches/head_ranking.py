@@ -21,13 +21,19 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
     The policy's sinks and the codec's (`codec_sinks` first real tokens, kept exact beside the store) are
     protected. Each row keeps `policy.kept_per_row(real tokens) x heads x layers` pairs in all (fewer when it has fewer real
     pairs); ties go to the pair ranked first (lower layer, head, token)."""
-    priorities, newest = [], []
+    priorities, chosen_by, newest = [], [], []
     for layer in layers:
         length = layer.stored_tokens
-        priority = _priority(policy, layer.accumulated, layer.pads, layer.kv_heads, length)
-        slot = torch.arange(length, device=priority.device)
+        slot = torch.arange(length, device=layer.device)
         codec_sink = (slot[None, :] >= layer.pads[:, None]) & (slot[None, :] < layer.pads[:, None] + codec_sinks)
-        priorities.append(priority.masked_fill(codec_sink[:, None, :], float("inf")))
+        ranked = _priority(policy, layer.accumulated, layer.pads, layer.kv_heads, length)
+        priorities.append(ranked.masked_fill(codec_sink[:, None, :], float("inf")))
+        scores = policy.score(layer.accumulated, length)
+        if scores is layer.accumulated:
+            chosen_by.append(priorities[-1])
+        else:
+            chosen = _priority(policy, scores, layer.pads, layer.kv_heads, length)
+            chosen_by.append(chosen.masked_fill(codec_sink[:, None, :], float("inf")))
         # The document's `recent` newest tokens are kept now; later they rank like the newest context, not like
         # sinks (never evicted): above every attention score, below every later token.
         newest.append((slot >= length - policy.recent) & (slot >= layer.pads[:, None] + max(policy.sink_tokens, codec_sinks)))
@@ -35,12 +41,21 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
     heads = layers[0].kv_heads
     real = sum((p > float("-inf")).flatten(1).sum(1) for p in priorities)  # [B] real pairs of the row
     total = torch.minimum(policy.kept_per_row(layers[0].real_seen) * heads * len(layers), real)
-    order = torch.sort(flat, dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(flat.shape[1], device=flat.device).expand_as(order))
-    keep = rank < total[:, None]
+    keep = _ranked_first(flat, total[:, None])
     out, start = [], 0
-    for p, recent in zip(priorities, newest):
+    for p, chosen, recent in zip(priorities, chosen_by, newest):
         size = p[0].numel()
-        out.append((p.masked_fill(recent[:, None, :], RECENT_SCORE), keep[:, start : start + size].view_as(p)))
+        layer_keep = keep[:, start : start + size].view_as(p)
+        if chosen is not p:  # the raw ranking sets how many pairs each head keeps, the policy's score which
+            layer_keep = _ranked_first(chosen, layer_keep.sum(-1, keepdim=True))
+        out.append((chosen.masked_fill(recent[:, None, :], RECENT_SCORE), layer_keep))
         start += size
     return out
+
+
+def _ranked_first(priority: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Bool mask of the `counts` highest priorities along the last dim (ties: the first ranked first)."""
+    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
+    slot = torch.arange(priority.shape[-1], device=priority.device)
+    rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
+    return rank < counts

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from .base import Policy, check_budget_or_ratio, check_count
 
@@ -35,6 +36,11 @@ class KVzipPolicy(Policy):
             own allocation), so each KV head keeps its own number of pairs, stored compactly (caches/head_store.py;
             needs the 'kvcompress_sdpa' attention for its per-head masks; the codec's full-precision sinks are
             always kept).
+        span: each pair also takes the best score of the `span` pairs after it in its head (0: its own score only).
+            While the model repeats the context, the first tokens of a span it copies (a number's first digits)
+            draw little attention and the rest a lot, so a budget can keep a number's tail and lose its start.
+            With `budgets="head"` the raw scores still decide how many pairs each layer and head keeps; `span`
+            only decides which.
     """
 
     name: ClassVar[str] = "kvzip"
@@ -44,14 +50,20 @@ class KVzipPolicy(Policy):
     sink_tokens: int = 0
     recent: int = 0
     budgets: str = "head"
+    span: int = 0
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):
         check_count("sink_tokens", self.sink_tokens)
         check_count("recent", self.recent)
+        check_count("span", self.span)
         if self.budgets not in BUDGETS:
             raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
         check_budget_or_ratio(self, 512, self.sink_tokens + self.recent)
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
-        return accumulated
+        if self.span == 0:
+            return accumulated
+        batch, heads, slots = accumulated.shape
+        ahead = F.pad(accumulated.reshape(batch * heads, 1, slots), (0, self.span), value=float("-inf"))
+        return F.max_pool1d(ahead, self.span + 1, 1).reshape(batch, heads, slots)

@@ -103,6 +103,24 @@ def test_head_budgets_keep_each_rows_best_pairs_of_all_layers_and_heads():
     assert measured_kv_bytes(cache) <= measured_kv_bytes(uniform) * 1.05
 
 
+def test_span_chooses_which_pairs_each_head_keeps_but_not_how_many():
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = _ids(40)
+    scores = [layer.accumulated[0] for layer in _scored(model, ids).layers]
+    heads = scores[0].shape[0]
+    counts = [e.view(heads, -1).sum(-1) for e in _reference_keep(scores, 10, heads)]
+    cache = make_cache("kvzip:ratio=0.25,span=3", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    for layer, s, n in zip(cache.layers, scores, counts):
+        assert torch.equal(layer.store.lengths[0], n)
+        spanned = torch.stack([s[:, t : t + 4].amax(-1) for t in range(40)], dim=-1)
+        held = layer.store.scores.split(n.tolist())  # flat, head by head, oldest first
+        for h in range(heads):
+            kept = spanned[h].sort(descending=True, stable=True).indices[: int(n[h])].sort().values
+            assert torch.equal(held[h], spanned[h, kept])
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
 _MASKS = {}
 
 

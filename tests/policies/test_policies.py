@@ -5,6 +5,7 @@ import torch
 
 from hf_kvcompress.policies.base import select_kept
 from hf_kvcompress.policies.heavy_hitter import HeavyHitterPolicy
+from hf_kvcompress.policies.kvzip import KVzipPolicy
 from hf_kvcompress.policies.sink_window import SinkWindowPolicy
 
 
@@ -52,11 +53,21 @@ def test_heavy_hitters_are_kept_per_head():
         (lambda: HeavyHitterPolicy(budget=10, recent=16), "budget"),
         (lambda: HeavyHitterPolicy(budget=0, recent=0), "budget"),
         (lambda: HeavyHitterPolicy(recent=-1), "recent"),
+        (lambda: KVzipPolicy(span=-1), "span"),
+        (lambda: KVzipPolicy(span=1.5), "span"),
     ],
 )
 def test_bad_parameters_name_themselves(factory, name):
     with pytest.raises(ValueError, match=name):
         factory()
+
+
+def test_kvzip_span_gives_each_pair_the_best_score_of_itself_and_the_pairs_after_it():
+    scores = torch.rand(2, 3, 11, generator=torch.Generator().manual_seed(0))
+    for span in (0, 1, 3, 20):
+        expected = torch.stack([scores[..., t : t + span + 1].amax(-1) for t in range(11)], dim=-1)
+        assert torch.equal(KVzipPolicy(span=span).score(scores, 11), expected)
+    assert KVzipPolicy().score(scores, 11) is scores
 
 
 # -- ratio: a share of the tokens seen instead of a fixed budget ----------------------------------------------------
