@@ -1,0 +1,107 @@
+"""Decode attention over a packed int2/int4/int8 or float8 store in one C++ kernel on CPU (cpu_decode.cpp).
+
+In eager PyTorch every pass over a block of the store (planes to float32, scales, matmul, folds) costs about as
+much as DynamicCache's whole matmul (benchmarks/NOTES.md, section 5); the kernel reads each code byte once and keeps
+the dequantised tile in L1. It is compiled on first use with torch's JIT extension builder (-O3 -march=native, so
+the build belongs to this CPU: its name carries a digest of the CPU's flags) and cached in torch's extensions
+folder. Without a compiler, `available()` warns once and says False; store attention then stays in PyTorch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+PLAIN, AFFINE, TABLE = 0, 1, 2  # how codes become levels (see cpu_decode.cpp)
+
+
+@dataclass(frozen=True)
+class KernelLayout:
+    """How the kernel reads one kind (keys or values) of a store.
+
+    bits: 2, 4 or 8 per code. levels: (L0, a, b) with level(c) = L0 + a*c + b*(c >> 1), the code itself being
+    (0, 1, 0). float8: the codes are E4M3 bytes (levels ignored). offset_queries: per-channel key groups were turned
+    back by each key's offset in its group (pre_rope), so each offset meets its own query."""
+
+    bits: int
+    levels: tuple[float, float, float] = (0.0, 1.0, 0.0)
+    float8: bool = False
+    offset_queries: bool = False
+
+
+def _cpu_digest() -> str:
+    """A short digest of this CPU's instruction-set flags: a -march=native build runs only where it was built."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags += next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+@lru_cache(maxsize=None)
+def _extension():
+    """The compiled module, or None (with one warning) when it cannot be built here."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name=f"hf_kvcompress_cpu_decode_{_cpu_digest()}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            verbose=False,
+        )
+    except Exception as error:  # no compiler, no headers, a failed build: the PyTorch path still answers
+        warnings.warn(f"the CPU decode-attention kernel could not be built ({error}); attention over the encoded "
+                      "store runs in PyTorch (slower)", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it on the first call: about a minute, then cached across processes)."""
+    return _extension() is not None
+
+
+@lru_cache(maxsize=None)
+def _float8_table() -> torch.Tensor:
+    """[256] float32: the value of each E4M3 byte, as the PyTorch path reads it (codecs/fp8.e4m3_as_float)."""
+    from ..codecs.fp8 import e4m3_as_float
+
+    values, factor = e4m3_as_float(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn))
+    return (values * factor).contiguous()
+
+
+def _arguments(encoded: dict, layout: KernelLayout) -> list:
+    if layout.float8:
+        codes = encoded["values"].view(torch.uint8)
+        return [codes.contiguous(), encoded["scale"].contiguous(), None, TABLE, 0.0, 1.0, 0.0, _float8_table()]
+    mode = PLAIN if layout.levels == (0.0, 1.0, 0.0) else AFFINE
+    return [encoded["codes"].contiguous(), encoded["scale"].contiguous(), encoded["zero"].contiguous(), mode,
+            *layout.levels, None]
+
+
+def decode_attention_partials(
+    query: torch.Tensor, encoded_keys: dict, encoded_values: dict, key_layout: KernelLayout,
+    value_layout: KernelLayout, value_dim: int, bias: torch.Tensor | None, hidden: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax partials of `query` [B, H_kv, M, O, D] (scaled, in the store's basis; O = 1, or one query per
+    offset of a per-channel key group when `key_layout.offset_queries`) over the store's T tokens.
+
+    `bias` [B or 1, H_kv or 1, Q, T] float32 is added to the logits (row m of M takes bias row m % Q); `hidden`
+    [B, H_kv, S] int64 lists slots to leave out (-1: none). Returns the max and sum [B, H_kv, M, 1] and the
+    unnormalised output [B, H_kv, M, Dv], as triton_decode.decode_attention_partials."""
+    extension = _extension()
+    if extension is None:
+        raise RuntimeError("the CPU decode-attention kernel is not available on this machine (see the warning)")
+    return tuple(extension.decode_attention_partials(
+        query.float().contiguous(), *_arguments(encoded_keys, key_layout), *_arguments(encoded_values, value_layout),
+        value_dim, bias, None if hidden is None else hidden.long().contiguous(),
+    ))
