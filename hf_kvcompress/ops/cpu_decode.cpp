@@ -76,19 +76,48 @@ struct Store {
   int64_t scale_rows() const { return tokens / token_group; }
   // Plane-major position of dim d.
   int64_t plane_pos(int64_t d) const { return (d % unit()) * width + d / unit(); }
+  float load_scale(int64_t i) const { return load(scale, i); }
+  float load_zero(int64_t i) const { return zero ? load(zero, i) : 0.0f; }
+
+ private:
+  float load(const void* base, int64_t i) const {  // once per group: a switch costs nothing there
+    switch (scale_type) {
+      case at::kBFloat16: return static_cast<float>(static_cast<const c10::BFloat16*>(base)[i]);
+      case at::kHalf: return static_cast<float>(static_cast<const c10::Half*>(base)[i]);
+      default: return static_cast<const float*>(base)[i];
+    }
+  }
 };
 
-template <typename S>
-inline float load(const void* base, int64_t i) {
-  return static_cast<float>(static_cast<const S*>(base)[i]);
+// Head dims known when compiling (D > 0) let the compiler unroll every per-token loop; D = 0 reads it at run time.
+template <int D>
+inline int64_t dims(int64_t runtime) {
+  return D > 0 ? D : runtime;
+}
+
+// a . b over D values: 16 running lanes and a tree at the end (an `omp simd` reduction summed the lanes one at a
+// time, a chain of 16 dependent adds per logit).
+template <int D>
+inline float dot(const float* a, const float* b, int64_t runtime) {
+  const int64_t n = dims<D>(runtime);
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) lanes[k] += a[i + k] * b[i + k];
+  float eight[8], four[4];  // fixed-size halvings, vectorised; a loop over the widths was not unrolled
+  for (int k = 0; k < 8; ++k) eight[k] = lanes[k] + lanes[k + 8];
+  for (int k = 0; k < 4; ++k) four[k] = eight[k] + eight[k + 4];
+  float sum = (four[0] + four[2]) + (four[1] + four[3]);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
 }
 
 // Codes of one token as levels, plane-major: out[i * W + j] = level(code i of byte j).
-template <int BITS, int LEVELS>
+template <int BITS, int LEVELS, int D>
 inline void unpack_levels(const Store& s, const uint8_t* bytes, float* out) {
   constexpr int U = 8 / BITS;
   constexpr int MASK = (1 << BITS) - 1;
-  const int64_t w = s.width;
+  const int64_t w = dims<D>(s.dim) * BITS / 8;
   for (int i = 0; i < U; ++i) {
     float* o = out + i * w;
     const int shift = i * BITS;
@@ -108,38 +137,40 @@ inline void unpack_levels(const Store& s, const uint8_t* bytes, float* out) {
   }
 }
 
-// Tokens [t0, t1) of row `row` dequantised into out [t1 - t0, D] (plane-major rows). `group_scale` / `group_zero`
-// [D] are scratch for per-channel groups (the group's scale and zero point in plane-major order).
-template <int BITS, int LEVELS, typename S>
-void dequantise_tile(const Store& s, int64_t row, int64_t t0, int64_t t1, float* out, float* group_scale,
-                     float* group_zero) {
-  const int64_t d = s.dim, w = s.width, groups = s.scale_groups();
+// Tokens [t0, t1) of row `row` dequantised into out [t1 - t0, D] (plane-major rows). Per-channel groups: the
+// group's scale and zero point are laid out plane-major in `scale_buf` / `zero_buf` [D] once per group. Groups
+// along head_dim: in plane i, group g holds columns [g * run, (g + 1) * run), run = channel_group / u; CG > 0 fixes
+// channel_group when compiling (the common 32), so those runs are whole unrolled vectors.
+template <int BITS, int LEVELS, int D, int CG>
+void dequantise_tile(const Store& s, int64_t row, int64_t t0, int64_t t1, float* out, float* scale_buf,
+                     float* zero_buf) {
+  constexpr int U = 8 / BITS;
+  const int64_t d = dims<D>(s.dim), width = d / U, groups = s.scale_groups();
   const int64_t scale_base = row * s.scale_rows() * groups;
   int64_t loaded = -1;
   for (int64_t t = t0; t < t1; ++t) {
     float* o = out + (t - t0) * d;
-    unpack_levels<BITS, LEVELS>(s, s.codes + (row * s.tokens + t) * w, o);
+    unpack_levels<BITS, LEVELS, D>(s, s.codes + (row * s.tokens + t) * width, o);
     const int64_t scale_row = scale_base + (t / s.token_group) * groups;
     if (s.channel_group == 1) {  // one scale per channel, shared by a group of tokens
       if (t / s.token_group != loaded) {
         loaded = t / s.token_group;
         for (int64_t c = 0; c < d; ++c) {
-          group_scale[s.plane_pos(c)] = load<S>(s.scale, scale_row + c);
-          group_zero[s.plane_pos(c)] = s.zero ? load<S>(s.zero, scale_row + c) : 0.0f;
+          scale_buf[(c % U) * width + c / U] = s.load_scale(scale_row + c);
+          zero_buf[(c % U) * width + c / U] = s.load_zero(scale_row + c);
         }
       }
 #pragma omp simd
-      for (int64_t p = 0; p < d; ++p) o[p] = o[p] * group_scale[p] + group_zero[p];
-    } else {  // groups along head_dim: in plane i, columns [g * run, (g + 1) * run) belong to group g
-      const int64_t run = s.channel_group / (8 / BITS);
-      for (int64_t g = 0; g < groups; ++g) {
-        const float scale = load<S>(s.scale, scale_row + g);
-        const float zero = s.zero ? load<S>(s.zero, scale_row + g) : 0.0f;
-        for (int64_t i = 0; i < 8 / BITS; ++i) {
-          float* part = o + i * w + g * run;
+      for (int64_t p = 0; p < dims<D>(s.dim); ++p) o[p] = o[p] * scale_buf[p] + zero_buf[p];
+      continue;
+    }
+    const int64_t run = (CG > 0 ? CG : s.channel_group) / U;
+    for (int64_t g = 0; g < (CG > 0 && D > 0 ? D / CG : groups); ++g) {
+      const float scale = s.load_scale(scale_row + g), zero = s.load_zero(scale_row + g);
+      for (int i = 0; i < U; ++i) {
+        float* part = o + i * width + g * run;
 #pragma omp simd
-          for (int64_t j = 0; j < run; ++j) part[j] = part[j] * scale + zero;
-        }
+        for (int64_t j = 0; j < run; ++j) part[j] = part[j] * scale + zero;
       }
     }
   }
@@ -147,23 +178,19 @@ void dequantise_tile(const Store& s, int64_t row, int64_t t0, int64_t t1, float*
 
 using TileFn = void (*)(const Store&, int64_t, int64_t, int64_t, float*, float*, float*);
 
-template <typename S>
-TileFn pick_for_scale(int64_t bits, int64_t levels) {
-  if (bits == 2 && levels == PLAIN) return dequantise_tile<2, PLAIN, S>;
-  if (bits == 2 && levels == AFFINE) return dequantise_tile<2, AFFINE, S>;
-  if (bits == 4 && levels == PLAIN) return dequantise_tile<4, PLAIN, S>;
-  if (bits == 8 && levels == PLAIN) return dequantise_tile<8, PLAIN, S>;
-  if (bits == 8 && levels == TABLE) return dequantise_tile<8, TABLE, S>;
+template <int D, int CG>
+TileFn pick_tile(int64_t bits, int64_t levels) {
+  if (bits == 2 && levels == PLAIN) return dequantise_tile<2, PLAIN, D, CG>;
+  if (bits == 2 && levels == AFFINE) return dequantise_tile<2, AFFINE, D, CG>;
+  if (bits == 4 && levels == PLAIN) return dequantise_tile<4, PLAIN, D, CG>;
+  if (bits == 8 && levels == PLAIN) return dequantise_tile<8, PLAIN, D, CG>;
+  if (bits == 8 && levels == TABLE) return dequantise_tile<8, TABLE, D, CG>;
   TORCH_CHECK(false, "cpu_decode: no kernel for bits=", bits, " with levels mode ", levels);
 }
 
-TileFn pick(const Store& s) {
-  switch (s.scale_type) {
-    case at::kFloat: return pick_for_scale<float>(s.bits, s.levels);
-    case at::kBFloat16: return pick_for_scale<c10::BFloat16>(s.bits, s.levels);
-    case at::kHalf: return pick_for_scale<c10::Half>(s.bits, s.levels);
-    default: TORCH_CHECK(false, "cpu_decode: scales must be float32, bfloat16 or float16, got ", s.scale_type);
-  }
+template <int D>
+TileFn pick_tile(const Store& s) {
+  return s.channel_group == 32 && D % 32 == 0 ? pick_tile<D, 32>(s.bits, s.levels) : pick_tile<D, 0>(s.bits, s.levels);
 }
 
 Store make_store(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
@@ -171,6 +198,8 @@ Store make_store(const at::Tensor& codes, const at::Tensor& scale, const c10::op
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.is_contiguous(),
               "cpu_decode: codes must be contiguous uint8 [B, H, T, W]");
   TORCH_CHECK(scale.dim() == 4 && scale.is_contiguous(), "cpu_decode: scale must be contiguous [B, H, T', G]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16 ||
+                  scale.scalar_type() == at::kHalf, "cpu_decode: scales must be float32, bfloat16 or float16");
   Store s{};
   s.codes = codes.data_ptr<uint8_t>();
   s.scale = scale.data_ptr();
@@ -206,6 +235,114 @@ Store make_store(const at::Tensor& codes, const at::Tensor& scale, const c10::op
     s.table = table->data_ptr<float>();
   }
   return s;
+}
+
+// Everything one call needs, shared by the rows.
+struct Problem {
+  const float* query;  // [B, H, M, O, D]
+  int64_t heads, m_rows, offsets, dim, value_dim;
+  const float* bias;
+  int64_t bias_b, bias_h, bias_q, bias_rows;
+  const int64_t* hidden;
+  int64_t sinks;
+  float *max, *sum, *acc;
+};
+
+// Rows [begin, end) of B x H: the online softmax over the store, a tile at a time.
+template <int D>
+void attend_rows(const Problem& pb, const Store& keys, const Store& values, TileFn key_tile, TileFn value_tile,
+                 int64_t begin, int64_t end) {
+  const int64_t dim = dims<D>(pb.dim), value_dim = dims<D>(pb.value_dim), m_rows = pb.m_rows;
+  const int64_t offsets = pb.offsets, tokens = keys.tokens, rows_q = m_rows * offsets;
+  std::vector<float> plane_q(rows_q * dim), key_buf(TILE * dim), value_buf(TILE * value_dim);
+  std::vector<float> logits(m_rows * TILE), acc(m_rows * value_dim), run_max(m_rows), run_sum(m_rows);
+  std::vector<float> k_scale_buf(dim), k_zero_buf(dim), v_scale_buf(value_dim), v_zero_buf(value_dim);
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t b = row / pb.heads, h = row % pb.heads;
+    for (int64_t r = 0; r < rows_q; ++r)  // the query in the keys' plane-major order
+      for (int64_t c = 0; c < dim; ++c) plane_q[r * dim + keys.plane_pos(c)] = pb.query[(row * rows_q + r) * dim + c];
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(run_max.begin(), run_max.end(), NEG_INF);
+    std::fill(run_sum.begin(), run_sum.end(), 0.0f);
+    for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
+      const int64_t t1 = std::min(t0 + TILE, tokens), n = t1 - t0;
+      key_tile(keys, row, t0, t1, key_buf.data(), k_scale_buf.data(), k_zero_buf.data());
+      for (int64_t m = 0; m < m_rows; ++m) {
+        float* lg = logits.data() + m * TILE;
+        if (offsets == 1) {
+          const float* q = plane_q.data() + m * dim;
+          for (int64_t t = 0; t < n; ++t) lg[t] = dot<D>(q, key_buf.data() + t * dim, dim);
+        } else {
+          for (int64_t t = 0; t < n; ++t)
+            lg[t] = dot<D>(plane_q.data() + (m * offsets + (t0 + t) % offsets) * dim, key_buf.data() + t * dim, dim);
+        }
+        if (pb.bias) {
+          const float* bias_row = pb.bias + b * pb.bias_b + h * pb.bias_h + (m % pb.bias_rows) * pb.bias_q + t0;
+#pragma omp simd
+          for (int64_t t = 0; t < n; ++t) lg[t] += bias_row[t];
+        }
+        for (int64_t s = 0; s < pb.sinks; ++s) {  // attended exactly elsewhere (the layer's sinks)
+          const int64_t slot = pb.hidden[row * pb.sinks + s];
+          if (slot >= t0 && slot < t1) lg[slot - t0] = NEG_INF;
+        }
+      }
+      bool any = false;
+      for (int64_t m = 0; m < m_rows; ++m) {
+        float* lg = logits.data() + m * TILE;
+        float tile_max = NEG_INF;
+#pragma omp simd reduction(max : tile_max)
+        for (int64_t t = 0; t < n; ++t) tile_max = std::max(tile_max, lg[t]);
+        const float new_max = std::max(run_max[m], tile_max);
+        const float safe = new_max == NEG_INF ? 0.0f : new_max;  // a row masked so far: exp(-inf - 0) = 0
+        const float rescale = std::exp(run_max[m] - safe);
+        float tile_sum = 0.0f;
+#pragma omp simd reduction(+ : tile_sum)
+        for (int64_t t = 0; t < n; ++t) {
+          lg[t] = exp_nonpositive(lg[t] - safe);
+          tile_sum += lg[t];
+        }
+        if (rescale != 1.0f) {
+          float* a = acc.data() + m * value_dim;
+#pragma omp simd
+          for (int64_t c = 0; c < dims<D>(pb.value_dim); ++c) a[c] *= rescale;
+        }
+        run_sum[m] = run_sum[m] * rescale + tile_sum;
+        run_max[m] = new_max;
+        any = any || tile_max != NEG_INF;
+      }
+      if (!any) continue;  // a fully masked tile (padding) adds nothing
+      value_tile(values, row, t0, t1, value_buf.data(), v_scale_buf.data(), v_zero_buf.data());
+      for (int64_t m = 0; m < m_rows; ++m) {
+        const float* probs = logits.data() + m * TILE;
+        float* a = acc.data() + m * value_dim;
+        if (D > 0) {  // the row's output stays in registers over the tile
+          float local[D > 0 ? D : 1];
+          std::memcpy(local, a, sizeof(local));
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = probs[t];
+            const float* v = value_buf.data() + t * D;
+#pragma omp simd
+            for (int64_t c = 0; c < D; ++c) local[c] += p * v[c];
+          }
+          std::memcpy(a, local, sizeof(local));
+        } else {
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = probs[t];
+            const float* v = value_buf.data() + t * value_dim;
+#pragma omp simd
+            for (int64_t c = 0; c < value_dim; ++c) a[c] += p * v[c];
+          }
+        }
+      }
+    }
+    for (int64_t m = 0; m < m_rows; ++m) {
+      const int64_t out_row = row * m_rows + m;
+      pb.max[out_row] = run_max[m];
+      pb.sum[out_row] = run_sum[m];
+      for (int64_t c = 0; c < value_dim; ++c)  // back from the values' plane-major order
+        pb.acc[out_row * value_dim + c] = acc[m * value_dim + values.plane_pos(c)];
+    }
+  }
 }
 
 }  // namespace
@@ -253,91 +390,22 @@ std::vector<at::Tensor> decode_attention_partials(
     hidden_data = hidden->data_ptr<int64_t>();
     sinks = hidden->size(2);
   }
-  const TileFn key_tile = pick(keys), value_tile = pick(values);
   auto options = query.options();
   at::Tensor out_max = at::empty({batch, heads, m_rows, 1}, options);
   at::Tensor out_sum = at::empty({batch, heads, m_rows, 1}, options);
   at::Tensor out_acc = at::empty({batch, heads, m_rows, value_dim}, options);
-  const float* q_data = query.data_ptr<float>();
-  float* max_data = out_max.data_ptr<float>();
-  float* sum_data = out_sum.data_ptr<float>();
-  float* acc_data = out_acc.data_ptr<float>();
-
+  const Problem pb{query.data_ptr<float>(), heads, m_rows, offsets, dim, value_dim, bias_data, bias_b, bias_h,
+                   bias_q, bias_rows, hidden_data, sinks, out_max.data_ptr<float>(), out_sum.data_ptr<float>(),
+                   out_acc.data_ptr<float>()};
+  // The head dims of common models compiled in; any other runs with run-time loops.
+  const int64_t fixed = dim == value_dim && (dim == 32 || dim == 64 || dim == 128 || dim == 256) ? dim : 0;
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    const int64_t rows_q = m_rows * offsets;
-    std::vector<float> plane_q(rows_q * dim), key_buf(TILE * dim), value_buf(TILE * value_dim);
-    std::vector<float> logits(m_rows * TILE), acc(m_rows * value_dim), run_max(m_rows), run_sum(m_rows);
-    std::vector<float> k_scale_buf(dim), k_zero_buf(dim), v_scale_buf(value_dim), v_zero_buf(value_dim);
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / heads, h = row % heads;
-      for (int64_t r = 0; r < rows_q; ++r)  // the query in the keys' plane-major order
-        for (int64_t c = 0; c < dim; ++c) plane_q[r * dim + keys.plane_pos(c)] = q_data[(row * rows_q + r) * dim + c];
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(run_max.begin(), run_max.end(), NEG_INF);
-      std::fill(run_sum.begin(), run_sum.end(), 0.0f);
-      for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
-        const int64_t t1 = std::min(t0 + TILE, tokens), n = t1 - t0;
-        key_tile(keys, row, t0, t1, key_buf.data(), k_scale_buf.data(), k_zero_buf.data());
-        for (int64_t m = 0; m < m_rows; ++m) {
-          float* lg = logits.data() + m * TILE;
-          for (int64_t t = 0; t < n; ++t) {
-            const int64_t offset = offsets == 1 ? 0 : (t0 + t) % offsets;
-            lg[t] = dot(plane_q.data() + (m * offsets + offset) * dim, key_buf.data() + t * dim, dim);
-          }
-          if (bias_data) {
-            const float* bias_row = bias_data + b * bias_b + h * bias_h + (m % bias_rows) * bias_q + t0;
-#pragma omp simd
-            for (int64_t t = 0; t < n; ++t) lg[t] += bias_row[t];
-          }
-          for (int64_t s = 0; s < sinks; ++s) {  // attended exactly elsewhere (the layer's sinks)
-            const int64_t slot = hidden_data[row * sinks + s];
-            if (slot >= t0 && slot < t1) lg[slot - t0] = NEG_INF;
-          }
-        }
-        bool any = false;
-        for (int64_t m = 0; m < m_rows; ++m) {
-          float* lg = logits.data() + m * TILE;
-          float tile_max = NEG_INF;
-#pragma omp simd reduction(max : tile_max)
-          for (int64_t t = 0; t < n; ++t) tile_max = std::max(tile_max, lg[t]);
-          const float new_max = std::max(run_max[m], tile_max);
-          const float safe = new_max == NEG_INF ? 0.0f : new_max;  // a row masked so far: exp(-inf - 0) = 0
-          const float rescale = std::exp(run_max[m] - safe);
-          float tile_sum = 0.0f;
-#pragma omp simd reduction(+ : tile_sum)
-          for (int64_t t = 0; t < n; ++t) {
-            lg[t] = exp_nonpositive(lg[t] - safe);
-            tile_sum += lg[t];
-          }
-          if (rescale != 1.0f) {
-            float* a = acc.data() + m * value_dim;
-#pragma omp simd
-            for (int64_t c = 0; c < value_dim; ++c) a[c] *= rescale;
-          }
-          run_sum[m] = run_sum[m] * rescale + tile_sum;
-          run_max[m] = new_max;
-          any = any || tile_max != NEG_INF;
-        }
-        if (!any) continue;  // a fully masked tile (padding) adds nothing
-        value_tile(values, row, t0, t1, value_buf.data(), v_scale_buf.data(), v_zero_buf.data());
-        for (int64_t t = 0; t < n; ++t) {
-          const float* v = value_buf.data() + t * value_dim;
-          for (int64_t m = 0; m < m_rows; ++m) {
-            const float p = logits[m * TILE + t];
-            if (p == 0.0f) continue;
-            float* a = acc.data() + m * value_dim;
-#pragma omp simd
-            for (int64_t c = 0; c < value_dim; ++c) a[c] += p * v[c];
-          }
-        }
-      }
-      for (int64_t m = 0; m < m_rows; ++m) {
-        const int64_t out_row = row * m_rows + m;
-        max_data[out_row] = run_max[m];
-        sum_data[out_row] = run_sum[m];
-        for (int64_t c = 0; c < value_dim; ++c)  // back from the values' plane-major order
-          acc_data[out_row * value_dim + c] = acc[m * value_dim + values.plane_pos(c)];
-      }
+    switch (fixed) {
+      case 32: return attend_rows<32>(pb, keys, values, pick_tile<32>(keys), pick_tile<32>(values), begin, end);
+      case 64: return attend_rows<64>(pb, keys, values, pick_tile<64>(keys), pick_tile<64>(values), begin, end);
+      case 128: return attend_rows<128>(pb, keys, values, pick_tile<128>(keys), pick_tile<128>(values), begin, end);
+      case 256: return attend_rows<256>(pb, keys, values, pick_tile<256>(keys), pick_tile<256>(values), begin, end);
+      default: return attend_rows<0>(pb, keys, values, pick_tile<0>(keys), pick_tile<0>(values), begin, end);
     }
   });
   return {out_max, out_sum, out_acc};
