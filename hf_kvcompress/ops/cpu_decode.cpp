@@ -29,8 +29,23 @@ constexpr int64_t TILE = 64;  // tokens per online-softmax step: keys [TILE, D] 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // How codes become levels (multiples of the scale): the code itself; L0 + a*c + b*(c >> 1) (a 4-level codebook
-// symmetric about 0, codecs/plane_attention.py); or a 256-entry table (float8 bytes).
-enum Levels { PLAIN = 0, AFFINE = 1, TABLE = 2 };
+// symmetric about 0, codecs/plane_attention.py); or the value of an E4M3 float8 byte.
+enum Levels { PLAIN = 0, AFFINE = 1, FLOAT8 = 2 };
+
+// An E4M3 byte's value (bias 7, no infinities), by moving its bits into a float32's: a table lookup per byte does
+// not vectorise. The NaN bytes (0x7f, 0xff) read as +-480, as codecs/fp8.e4m3_as_float reads them.
+inline float e4m3_value(uint8_t byte) {
+  const int32_t magnitude = byte & 0x7f;
+  const int32_t normal_bits = (magnitude << 20) + (120 << 23);  // exponent bias 7 -> 127
+  const float subnormal = static_cast<float>(magnitude & 7) * (1.0f / 512.0f);  // exponent 0: m * 2^-9
+  int32_t subnormal_bits;
+  std::memcpy(&subnormal_bits, &subnormal, sizeof(subnormal_bits));
+  const int32_t is_normal = -static_cast<int32_t>(magnitude >= 8);  // all ones or zero: a select in integers
+  const int32_t bits = (normal_bits & is_normal) | (subnormal_bits & ~is_normal) | (static_cast<int32_t>(byte & 0x80) << 24);
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
 
 // exp(x) for x <= 0 or -inf, written so the compiler vectorises a loop of it (std::exp is a scalar call):
 // x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (relative error < 1e-8 before rounding),
@@ -69,7 +84,6 @@ struct Store {
   at::ScalarType scale_type;
   int64_t tokens, width, dim, bits, token_group, channel_group, levels;
   float l0, a, b;
-  const float* table;
 
   int64_t unit() const { return 8 / bits; }
   int64_t scale_groups() const { return dim / channel_group; }
@@ -121,8 +135,9 @@ inline void unpack_levels(const Store& s, const uint8_t* bytes, float* out) {
   for (int i = 0; i < U; ++i) {
     float* o = out + i * w;
     const int shift = i * BITS;
-    if (LEVELS == TABLE) {
-      for (int64_t j = 0; j < w; ++j) o[j] = s.table[bytes[j]];
+    if (LEVELS == FLOAT8) {
+#pragma omp simd
+      for (int64_t j = 0; j < w; ++j) o[j] = e4m3_value(bytes[j]);
     } else if (LEVELS == AFFINE) {
       const float l0 = s.l0, a = s.a, b = s.b;
 #pragma omp simd
@@ -137,13 +152,24 @@ inline void unpack_levels(const Store& s, const uint8_t* bytes, float* out) {
   }
 }
 
-// Tokens [t0, t1) of row `row` dequantised into out [t1 - t0, D] (plane-major rows). Per-channel groups: the
-// group's scale and zero point are laid out plane-major in `scale_buf` / `zero_buf` [D] once per group. Groups
+// The scale and zero point of per-channel group `group` of row `row`, plane-major, into scale_buf / zero_buf [D].
+inline void load_channel_group(const Store& s, int64_t row, int64_t group, float* scale_buf, float* zero_buf) {
+  const int64_t d = s.dim, unit = s.unit(), width = s.width;
+  const int64_t scale_row = (row * s.scale_rows() + group) * d;
+  for (int64_t c = 0; c < d; ++c) {
+    scale_buf[(c % unit) * width + c / unit] = s.load_scale(scale_row + c);
+    zero_buf[(c % unit) * width + c / unit] = s.load_zero(scale_row + c);
+  }
+}
+
+// Tokens [t0, t1) of row `row` dequantised into out [t1 - t0, D] (plane-major rows); with `levels_only`,
+// per-channel groups are left unscaled (attention folds their scales into the query instead). Per-channel groups:
+// the group's scale and zero point are laid out plane-major in `scale_buf` / `zero_buf` [D] once per group. Groups
 // along head_dim: in plane i, group g holds columns [g * run, (g + 1) * run), run = channel_group / u; CG > 0 fixes
 // channel_group when compiling (the common 32), so those runs are whole unrolled vectors.
 template <int BITS, int LEVELS, int D, int CG>
 void dequantise_tile(const Store& s, int64_t row, int64_t t0, int64_t t1, float* out, float* scale_buf,
-                     float* zero_buf) {
+                     float* zero_buf, bool levels_only) {
   constexpr int U = 8 / BITS;
   const int64_t d = dims<D>(s.dim), width = d / U, groups = s.scale_groups();
   const int64_t scale_base = row * s.scale_rows() * groups;
@@ -153,12 +179,10 @@ void dequantise_tile(const Store& s, int64_t row, int64_t t0, int64_t t1, float*
     unpack_levels<BITS, LEVELS, D>(s, s.codes + (row * s.tokens + t) * width, o);
     const int64_t scale_row = scale_base + (t / s.token_group) * groups;
     if (s.channel_group == 1) {  // one scale per channel, shared by a group of tokens
+      if (levels_only) continue;
       if (t / s.token_group != loaded) {
         loaded = t / s.token_group;
-        for (int64_t c = 0; c < d; ++c) {
-          scale_buf[(c % U) * width + c / U] = s.load_scale(scale_row + c);
-          zero_buf[(c % U) * width + c / U] = s.load_zero(scale_row + c);
-        }
+        load_channel_group(s, row, loaded, scale_buf, zero_buf);
       }
 #pragma omp simd
       for (int64_t p = 0; p < dims<D>(s.dim); ++p) o[p] = o[p] * scale_buf[p] + zero_buf[p];
@@ -176,7 +200,7 @@ void dequantise_tile(const Store& s, int64_t row, int64_t t0, int64_t t1, float*
   }
 }
 
-using TileFn = void (*)(const Store&, int64_t, int64_t, int64_t, float*, float*, float*);
+using TileFn = void (*)(const Store&, int64_t, int64_t, int64_t, float*, float*, float*, bool);
 
 template <int D, int CG>
 TileFn pick_tile(int64_t bits, int64_t levels) {
@@ -184,7 +208,7 @@ TileFn pick_tile(int64_t bits, int64_t levels) {
   if (bits == 2 && levels == AFFINE) return dequantise_tile<2, AFFINE, D, CG>;
   if (bits == 4 && levels == PLAIN) return dequantise_tile<4, PLAIN, D, CG>;
   if (bits == 8 && levels == PLAIN) return dequantise_tile<8, PLAIN, D, CG>;
-  if (bits == 8 && levels == TABLE) return dequantise_tile<8, TABLE, D, CG>;
+  if (bits == 8 && levels == FLOAT8) return dequantise_tile<8, FLOAT8, D, CG>;
   TORCH_CHECK(false, "cpu_decode: no kernel for bits=", bits, " with levels mode ", levels);
 }
 
@@ -194,7 +218,7 @@ TileFn pick_tile(const Store& s) {
 }
 
 Store make_store(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
-                 int64_t dim, int64_t levels, double l0, double a, double b, const c10::optional<at::Tensor>& table) {
+                 int64_t dim, int64_t levels, double l0, double a, double b) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.is_contiguous(),
               "cpu_decode: codes must be contiguous uint8 [B, H, T, W]");
   TORCH_CHECK(scale.dim() == 4 && scale.is_contiguous(), "cpu_decode: scale must be contiguous [B, H, T', G]");
@@ -228,12 +252,6 @@ Store make_store(const at::Tensor& codes, const at::Tensor& scale, const c10::op
   s.l0 = static_cast<float>(l0);
   s.a = static_cast<float>(a);
   s.b = static_cast<float>(b);
-  s.table = nullptr;
-  if (levels == TABLE) {
-    TORCH_CHECK(table.has_value() && table->scalar_type() == at::kFloat && table->numel() == 256 &&
-                    table->is_contiguous(), "cpu_decode: levels=TABLE needs a float32 table of 256 entries");
-    s.table = table->data_ptr<float>();
-  }
   return s;
 }
 
@@ -257,6 +275,9 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
   std::vector<float> plane_q(rows_q * dim), key_buf(TILE * dim), value_buf(TILE * value_dim);
   std::vector<float> logits(m_rows * TILE), acc(m_rows * value_dim), run_max(m_rows), run_sum(m_rows);
   std::vector<float> k_scale_buf(dim), k_zero_buf(dim), v_scale_buf(value_dim), v_zero_buf(value_dim);
+  std::vector<float> scaled_q(m_rows * dim);
+  // Per-channel keys fold their scales into the query (one product per group of tokens, not per token).
+  const bool fold = keys.channel_group == 1 && offsets == 1;
   for (int64_t row = begin; row < end; ++row) {
     const int64_t b = row / pb.heads, h = row % pb.heads;
     for (int64_t r = 0; r < rows_q; ++r)  // the query in the keys' plane-major order
@@ -266,13 +287,29 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
     std::fill(run_sum.begin(), run_sum.end(), 0.0f);
     for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
       const int64_t t1 = std::min(t0 + TILE, tokens), n = t1 - t0;
-      key_tile(keys, row, t0, t1, key_buf.data(), k_scale_buf.data(), k_zero_buf.data());
+      key_tile(keys, row, t0, t1, key_buf.data(), k_scale_buf.data(), k_zero_buf.data(), fold);
+      if (fold) {  // per group of tokens: q * scale and q . zero, then each token's logit is one dot with its levels
+        for (int64_t start = t0; start < t1;) {
+          const int64_t group = start / keys.token_group, stop = std::min(t1, (group + 1) * keys.token_group);
+          load_channel_group(keys, row, group, k_scale_buf.data(), k_zero_buf.data());
+          for (int64_t m = 0; m < m_rows; ++m) {
+            const float* q = plane_q.data() + m * dim;
+            float* qs = scaled_q.data() + m * dim;
+#pragma omp simd
+            for (int64_t c = 0; c < dims<D>(pb.dim); ++c) qs[c] = q[c] * k_scale_buf[c];
+            const float qz = dot<D>(q, k_zero_buf.data(), dim);
+            float* lg = logits.data() + m * TILE;
+            for (int64_t t = start - t0; t < stop - t0; ++t) lg[t] = dot<D>(qs, key_buf.data() + t * dim, dim) + qz;
+          }
+          start = stop;
+        }
+      }
       for (int64_t m = 0; m < m_rows; ++m) {
         float* lg = logits.data() + m * TILE;
-        if (offsets == 1) {
+        if (!fold && offsets == 1) {
           const float* q = plane_q.data() + m * dim;
           for (int64_t t = 0; t < n; ++t) lg[t] = dot<D>(q, key_buf.data() + t * dim, dim);
-        } else {
+        } else if (!fold) {  // pre_rope: each offset in a key group meets its own query
           for (int64_t t = 0; t < n; ++t)
             lg[t] = dot<D>(plane_q.data() + (m * offsets + (t0 + t) % offsets) * dim, key_buf.data() + t * dim, dim);
         }
@@ -311,7 +348,7 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
         any = any || tile_max != NEG_INF;
       }
       if (!any) continue;  // a fully masked tile (padding) adds nothing
-      value_tile(values, row, t0, t1, value_buf.data(), v_scale_buf.data(), v_zero_buf.data());
+      value_tile(values, row, t0, t1, value_buf.data(), v_scale_buf.data(), v_zero_buf.data(), false);
       for (int64_t m = 0; m < m_rows; ++m) {
         const float* probs = logits.data() + m * TILE;
         float* a = acc.data() + m * value_dim;
@@ -354,16 +391,16 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
 std::vector<at::Tensor> decode_attention_partials(
     const at::Tensor& query, const at::Tensor& k_codes, const at::Tensor& k_scale,
     const c10::optional<at::Tensor>& k_zero, int64_t k_levels, double k_l0, double k_a, double k_b,
-    const c10::optional<at::Tensor>& k_table, const at::Tensor& v_codes, const at::Tensor& v_scale,
+    const at::Tensor& v_codes, const at::Tensor& v_scale,
     const c10::optional<at::Tensor>& v_zero, int64_t v_levels, double v_l0, double v_a, double v_b,
-    const c10::optional<at::Tensor>& v_table, int64_t value_dim, const c10::optional<at::Tensor>& bias,
+    int64_t value_dim, const c10::optional<at::Tensor>& bias,
     const c10::optional<at::Tensor>& hidden) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 5 && query.is_contiguous(),
               "cpu_decode: query must be contiguous float32 [B, H, M, O, D]");
   const int64_t batch = query.size(0), heads = query.size(1), m_rows = query.size(2), offsets = query.size(3);
   const int64_t dim = query.size(4);
-  const Store keys = make_store(k_codes, k_scale, k_zero, dim, k_levels, k_l0, k_a, k_b, k_table);
-  const Store values = make_store(v_codes, v_scale, v_zero, value_dim, v_levels, v_l0, v_a, v_b, v_table);
+  const Store keys = make_store(k_codes, k_scale, k_zero, dim, k_levels, k_l0, k_a, k_b);
+  const Store values = make_store(v_codes, v_scale, v_zero, value_dim, v_levels, v_l0, v_a, v_b);
   const int64_t tokens = keys.tokens;
   TORCH_CHECK(k_codes.size(0) == batch && k_codes.size(1) == heads && v_codes.size(0) == batch &&
                   v_codes.size(1) == heads && values.tokens == tokens, "cpu_decode: query and store disagree");

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-PLAIN, AFFINE, TABLE = 0, 1, 2  # how codes become levels (see cpu_decode.cpp)
+PLAIN, AFFINE, FLOAT8 = 0, 1, 2  # how codes become levels (see cpu_decode.cpp)
 
 
 @dataclass(frozen=True)
@@ -70,22 +70,13 @@ def available() -> bool:
     return _extension() is not None
 
 
-@lru_cache(maxsize=None)
-def _float8_table() -> torch.Tensor:
-    """[256] float32: the value of each E4M3 byte, as the PyTorch path reads it (codecs/fp8.e4m3_as_float)."""
-    from ..codecs.fp8 import e4m3_as_float
-
-    values, factor = e4m3_as_float(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn))
-    return (values * factor).contiguous()
-
-
 def _arguments(encoded: dict, layout: KernelLayout) -> list:
     if layout.float8:
         codes = encoded["values"].view(torch.uint8)
-        return [codes.contiguous(), encoded["scale"].contiguous(), None, TABLE, 0.0, 1.0, 0.0, _float8_table()]
+        return [codes.contiguous(), encoded["scale"].contiguous(), None, FLOAT8, 0.0, 1.0, 0.0]
     mode = PLAIN if layout.levels == (0.0, 1.0, 0.0) else AFFINE
     return [encoded["codes"].contiguous(), encoded["scale"].contiguous(), encoded["zero"].contiguous(), mode,
-            *layout.levels, None]
+            *layout.levels]
 
 
 def decode_attention_partials(

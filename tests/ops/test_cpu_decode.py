@@ -68,6 +68,23 @@ def test_a_fully_masked_row_gives_empty_partials():
     assert (got_max == float("-inf")).all() and (got_sum == 0).all() and (got_acc == 0).all()
 
 
+def test_every_float8_byte_reads_as_the_pytorch_path_reads_it():
+    """Row b of the batch sees only token b, whose every value is byte b: the output is that byte's value."""
+    from hf_kvcompress.codecs.fp8 import e4m3_as_float
+
+    tokens = rows = 256
+    byte = torch.arange(256, dtype=torch.uint8)[None, None, :, None].expand(rows, 1, tokens, 32).contiguous()
+    values = {"values": byte.view(torch.float8_e4m3fn), "scale": torch.ones(rows, 1, tokens, 1, dtype=torch.float16)}
+    keys = {"values": torch.zeros_like(byte).view(torch.float8_e4m3fn), "scale": values["scale"]}
+    bias = torch.full((rows, 1, 1, tokens), float("-inf"))
+    bias[torch.arange(rows), 0, 0, torch.arange(rows)] = 0.0
+    layout = Fp8Codec().kernel_layout("value")
+    _, total, acc = cpu_decode.decode_attention_partials(torch.zeros(rows, 1, 1, 1, 32), keys, values, layout, layout, 32, bias, None)
+    expected, factor = e4m3_as_float(byte[0].transpose(0, 1).view(torch.float8_e4m3fn))  # token b of row b: [256, 1, 32]
+    assert (total == 1).all()
+    assert torch.equal(acc[:, :, 0], expected * factor)  # NaN bytes read as +-480 on both paths
+
+
 KV_HEADS, GROUPS, DIM = 2, 3, 32
 CONFIG = LlamaConfig(hidden_size=KV_HEADS * GROUPS * DIM, num_attention_heads=KV_HEADS * GROUPS,
                      num_key_value_heads=KV_HEADS, head_dim=DIM, num_hidden_layers=1, intermediate_size=64,
