@@ -78,10 +78,10 @@ def _load_built(name: str, library: Path):
 @lru_cache(maxsize=None)
 def _extension():
     """The compiled module, or None (with one warning) when it cannot be built here."""
-    name = _build_name()
-    folder = _build_root() / name
-    library = folder / f"{name}.so"
     try:
+        name = _build_name()
+        folder = _build_root() / name
+        library = folder / f"{name}.so"
         if library.exists():
             return _load_built(name, library)
         from torch.utils.cpp_extension import load

@@ -1,6 +1,7 @@
 """The C++ decode-attention kernel (ops/cpu_decode.cpp) equals the PyTorch path it replaces on CPU."""
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -148,6 +149,27 @@ def test_the_kernel_declines_what_it_cannot_read():
         store_kernel(cache.layers[0], query, "cpu")
     with pytest.raises(ValueError, match="backend must be one of"):
         store_kernel(cache.layers[0], query, "cuda")
+
+
+def test_without_a_compiler_the_kernel_warns_once_and_attention_stays_in_pytorch(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there: it must compile
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_decode._extension.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not be built"):
+            assert not cpu_decode.available()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # asked again: no second build, no second warning
+            assert not cpu_decode.available()
+        cache = make_cache("int4:residual_length=4,group_size=8,key_axis=token")
+        states = torch.randn(1, 2, 40, 32)
+        cache.update(states, states, 0, {"position_ids": torch.arange(40)[None]})
+        query = torch.randn(1, 6, 1, 32)
+        assert store_kernel(cache.layers[0], query, "auto") is None
+        with pytest.raises(RuntimeError, match="could not be built"):
+            store_kernel(cache.layers[0], query, "cpu")
+    finally:
+        cpu_decode._extension.cache_clear()
 
 
 @pytest.mark.parametrize("spec", ["int4", "int2"])
