@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 import torch
 
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
-from ..ops.hadamard import rotate_rows
+from ..ops.hadamard import rotate_batch_rows, rotate_rows
 from ..ops.rerotate import rerotate
 from ..spec_text import changed_fields, join_spec
 from ..ops.cpu_decode import KernelLayout
@@ -316,7 +316,10 @@ class IntNCodec(Codec):
         g = self.group_size
         plain = rotate_rows(query, self._seed("key"), inverse=True) if self.rotate == "hadamard" else query
         copies = plain[:, :, :, None, :].expand(b, h, n, g, d).reshape(b, h, n * g, d)  # row n*g + o: offset o
-        return self.to_basis(self._group_rope(copies, -1), "key").reshape(b, h, n, g, d)
+        turned = self._group_rope(copies, -1)
+        if self.rotate == "hadamard":  # to_basis, for many rows at once
+            turned = rotate_batch_rows(turned, self._seed("key"))
+        return turned.reshape(b, h, n, g, d)
 
     def kernel_layout(self, kind: Kind) -> KernelLayout | None:
         levels = self._folded_levels(kind)  # the kernel reads what the planes read, from its bytes

@@ -68,13 +68,6 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * two_n;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
 // One kind (keys or values) of the store: codes [B, H, T, W] uint8, scale and zero [B, H, T / token_group,
 // dim / channel_group] (zero may be absent: float8), and how to read them.
 struct Store {
