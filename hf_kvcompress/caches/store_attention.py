@@ -7,6 +7,8 @@ output once at the end) through the codec's `key_logits` and `mix_values` (which
 codecs/plane_attention.py), its logits folded into a running max and sum (flash-decoding, Dao et al. 2023), and
 dropped: the transient memory is one block, not the whole cache in float32. The exact attention sinks and the
 full-precision tail are two more segments of the same softmax. `CompressedLayer._full` + SDPA is the reference.
+A kernel may read the store segment instead and return its softmax partials: Triton on CUDA (ops/triton_decode.py),
+C++ on CPU (ops/cpu_decode.py); the PyTorch loop stays the reference (`backend="torch"`).
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from __future__ import annotations
 import torch
 
 from ..codecs.base import Encoded
-from ..ops import triton_decode
+from ..ops import cpu_decode, triton_decode
 
 # Tokens read at a time: at most STORE_BLOCK, and at most STORE_BLOCK_VALUES values (batch x KV heads x tokens x
 # head_dim, 4 MiB of float32) so the transient memory stays bounded; rounded up to whole codec token blocks. Each
 # block costs a few dozen small tensor ops, which at 1024 tokens were a third of the store's time on CPU.
 STORE_BLOCK = 8192
 STORE_BLOCK_VALUES = 1 << 20
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 def slice_encoded(encoded: Encoded, start: int, end: int, tokens: int) -> Encoded:
@@ -137,26 +139,53 @@ def _store_by_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -
     softmax.add_partial(block_max, total, acc, stored_basis=True)
 
 
-def use_kernel(layer, query: torch.Tensor, backend: str) -> bool:
-    """`backend` "auto": the Triton kernel on CUDA when it reads this store; "triton" / "torch": forced."""
+def _store_by_cpu_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -> None:
+    """The store segment through the C++ kernel: it takes the mask rows as they are (row m of a KV head's
+    groups * q query rows reads mask row m % q) and leaves the sinks' slots out itself."""
+    codec, n_enc = layer.codec, layer.n_encoded
+    key_layout, value_layout = codec.kernel_layout("key"), codec.kernel_layout("value")
+    bias = None if attention_mask is None else _bias(attention_mask, 1, slice(0, n_enc))  # [B, 1 or H_kv, q, T]
+    queries = codec.offset_queries(stored_q) if key_layout.offset_queries else stored_q[:, :, :, None]
+    block_max, total, acc = cpu_decode.decode_attention_partials(
+        queries, layer.encoded_keys, layer.encoded_values, key_layout, value_layout, layer.value_dim, bias,
+        layer.sink_slots,
+    )
+    softmax.add_partial(block_max, total, acc, stored_basis=True)
+
+
+def store_kernel(layer, query: torch.Tensor, backend: str) -> str | None:
+    """Which kernel reads the store segment: "triton", "cpu" or None (the PyTorch loop). `backend` "auto": Triton
+    on CUDA and the C++ kernel on CPU, where they read this store; "triton" / "cpu" / "torch": forced."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "torch" or query.shape[2] != 1:
-        return False
-    # The kernel dequantises on the uniform grid: a Lloyd-Max codebook (int2's default) is read by PyTorch, and
-    # so are pre-RoPE keys (one query per offset in a key group, codecs/plane_attention.py).
-    uniform = getattr(layer.codec, "codebook", "uniform") == "uniform" and not getattr(layer.codec, "pre_rope", False)
-    fits = uniform and triton_decode.supports(
-        layer.encoded_keys, layer.encoded_values, layer.n_encoded, layer.head_dim, layer.value_dim
-    )
+    if backend == "torch":
+        return None
+    if backend in ("auto", "triton") and query.shape[2] == 1:
+        # The Triton kernel dequantises on the uniform grid: a Lloyd-Max codebook (int2's default) is read by
+        # PyTorch, and so are pre-RoPE keys (one query per offset in a key group, codecs/plane_attention.py).
+        uniform = getattr(layer.codec, "codebook", "uniform") == "uniform" and not getattr(layer.codec, "pre_rope", False)
+        fits = uniform and triton_decode.supports(
+            layer.encoded_keys, layer.encoded_values, layer.n_encoded, layer.head_dim, layer.value_dim
+        )
+        if fits and (backend == "triton" or query.is_cuda):
+            return "triton"
     if backend == "triton":
-        if not fits:
+        raise ValueError(
+            "backend='triton' needs triton installed, one query per row and a packed int2/int4/int8 store with "
+            "power-of-two dims and codebook='uniform'"
+        )
+    codec = layer.codec
+    readable = query.device.type == "cpu" and codec.kernel_layout("key") is not None and codec.kernel_layout("value") is not None
+    if backend == "cpu":
+        if not readable:
             raise ValueError(
-                "backend='triton' needs triton installed and a packed int2/int4/int8 store with power-of-two dims "
-                "and codebook='uniform'"
+                "backend='cpu' needs CPU tensors and a store the kernel reads: int2/int4/int8 with "
+                "codebook='uniform' (or 2-bit Lloyd-Max levels), or fp8"
             )
-        return True
-    return fits and query.is_cuda
+        if not cpu_decode.available():
+            raise RuntimeError("backend='cpu': the CPU decode-attention kernel could not be built here (see the warning)")
+        return "cpu"
+    return "cpu" if readable and cpu_decode.available() else None
 
 
 def attend_store(
@@ -164,7 +193,7 @@ def attend_store(
 ) -> torch.Tensor:
     """Attention of `query` [B, H_q, q, D] over what `layer` holds (store, sinks, tail): [B, q, H_q, Dv], as
     transformers' attention functions return it. `attention_mask`: [B, 1, q, kv] bool or additive, or None.
-    `backend`: how the store is read ("auto": the Triton kernel on CUDA where it applies, else PyTorch)."""
+    `backend`: how the store is read, one of BACKENDS (`store_kernel`)."""
     codec = layer.codec
     batch, q_heads, q_len, dim = query.shape
     kv_heads = layer.kv_heads
@@ -176,8 +205,11 @@ def attend_store(
     plain_q = (query.float() * scaling).reshape(batch, kv_heads, groups * q_len, dim)
     stored_q = codec.to_basis(plain_q, "key")
     softmax = _OnlineSoftmax()
-    if n_enc and use_kernel(layer, query, backend):
+    kernel = store_kernel(layer, query, backend) if n_enc else None
+    if kernel == "triton":
         _store_by_kernel(layer, stored_q, attention_mask, softmax)
+    elif kernel == "cpu":
+        _store_by_cpu_kernel(layer, stored_q, attention_mask, softmax)
     else:
         _store_by_blocks(layer, stored_q, attention_mask, groups, softmax)
     if layer.sink_slots is not None:

@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from ..ops.cpu_decode import KernelLayout
 from ..spec_text import changed_fields, join_spec
 
 Kind = Literal["key", "value"]
@@ -64,6 +65,16 @@ class Codec(ABC):
     def mix_values(self, encoded: Encoded, probs: torch.Tensor) -> torch.Tensor:
         """probs [B, H, n, T] times the encoded values -> [B, H, n, Dv] in the storage basis (see `key_logits`)."""
         return torch.matmul(probs, self.decode_in_basis(encoded, "value", torch.float32))
+
+    def kernel_layout(self, kind: Kind) -> KernelLayout | None:
+        """How a decode-attention kernel reads this kind's encoding (ops/cpu_decode.py), or None: then attention
+        reads it through `key_logits` and `mix_values`."""
+        return None
+
+    def offset_queries(self, query: torch.Tensor) -> torch.Tensor:
+        """query [B, H, n, D] (storage basis) -> [B, H, n, O, D]: the query each token offset within a key group
+        meets (O = 1 unless `kernel_layout("key").offset_queries`)."""
+        return query[:, :, :, None]
 
     def to_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
         """x [..., D] in the storage basis of `kind` (the identity unless the codec rotates)."""

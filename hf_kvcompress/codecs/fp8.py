@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from ..ops.cpu_decode import KernelLayout
 from .base import Codec, Encoded, Kind
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
@@ -70,6 +71,9 @@ class Fp8Codec(Codec):
         values, factor = e4m3_as_float(encoded["values"])
         scale = encoded["scale"].float()[..., 0] * factor
         return torch.matmul(probs * scale[:, :, None, :], values)
+
+    def kernel_layout(self, kind: Kind) -> KernelLayout:
+        return KernelLayout(bits=8, float8=True)
 
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
         return head_dim * 1 + 2

@@ -9,9 +9,10 @@ from typing import ClassVar, Literal
 import torch
 
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
-from ..ops.hadamard import rotate_rows
+from ..ops.hadamard import rotate_batch_rows, rotate_rows
 from ..ops.rerotate import rerotate
 from ..spec_text import changed_fields, join_spec
+from ..ops.cpu_decode import KernelLayout
 from .base import Codec, Encoded, Kind
 from . import plane_attention
 from .gaussian_levels import levels_tensor, lloyd_max_levels, thresholds_tensor
@@ -300,20 +301,31 @@ class IntNCodec(Codec):
             return super().key_logits(encoded, query)
         parts = encoded["codes"], encoded["scale"], encoded["zero"], query.float()
         if turned:
-            parts = parts[:3] + (self._offset_queries(query.float()),)
+            parts = parts[:3] + (self.offset_queries(query.float()),)
             return plane_attention.channel_group_logits_by_offset(*parts, self.bits, self.group_size)
         if self._per_channel("key"):
             return plane_attention.channel_group_logits(*parts, self.bits, self.group_size)
         return plane_attention.token_group_logits(*parts, self.bits, self.group_size, levels)
 
-    def _offset_queries(self, query: torch.Tensor) -> torch.Tensor:
+    def offset_queries(self, query: torch.Tensor) -> torch.Tensor:
         """pre_rope: the storage-basis query [B, H, n, D] as each offset o of a key group must meet it, turned
         back by o positions (q . R_o k = R_-o q . k): [B, H, n, group_size, D]."""
+        if not (self.pre_rope and self._per_channel("key")):
+            return super().offset_queries(query)
         b, h, n, d = query.shape
         g = self.group_size
         plain = rotate_rows(query, self._seed("key"), inverse=True) if self.rotate == "hadamard" else query
         copies = plain[:, :, :, None, :].expand(b, h, n, g, d).reshape(b, h, n * g, d)  # row n*g + o: offset o
-        return self.to_basis(self._group_rope(copies, -1), "key").reshape(b, h, n, g, d)
+        turned = self._group_rope(copies, -1)
+        if self.rotate == "hadamard":  # to_basis, for many rows at once
+            turned = rotate_batch_rows(turned, self._seed("key"))
+        return turned.reshape(b, h, n, g, d)
+
+    def kernel_layout(self, kind: Kind) -> KernelLayout | None:
+        levels = self._folded_levels(kind)  # the kernel reads what the planes read, from its bytes
+        if levels is None:
+            return None
+        return KernelLayout(self.bits, levels, offset_queries=self.pre_rope and self._per_channel(kind))
 
     def mix_values(self, encoded: Encoded, probs: torch.Tensor) -> torch.Tensor:
         levels = self._folded_levels("value")

@@ -68,3 +68,13 @@ def test_rotating_a_few_rows_by_the_matrix_equals_the_transform():
         # The choice depends on the tokens only: a row is rotated the same within a batch as alone.
         batch = torch.randn(8, 3, 1, dim)
         assert torch.equal(rotate_rows(batch, 7)[2:3], rotate_rows(batch[2:3], 7))
+
+
+def test_rotating_batch_rows_by_matmul_equals_the_transform_and_each_row_alone():
+    from hf_kvcompress.ops.hadamard import rotate_batch_rows
+
+    for dim in (64, 96):
+        x = torch.randn(5, 3, 96, dim)
+        torch.testing.assert_close(rotate_batch_rows(x, 7), rotate(x, 7), atol=2e-6, rtol=1e-5)
+        for row in range(5):
+            assert torch.equal(rotate_batch_rows(x, 7)[row : row + 1], rotate_batch_rows(x[row : row + 1], 7))

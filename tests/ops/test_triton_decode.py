@@ -84,13 +84,13 @@ def test_attention_through_the_kernel_equals_the_pytorch_path(spec):
 
 def test_the_kernel_leaves_a_lloyd_max_codebook_to_pytorch():
     """The kernel dequantises on the uniform grid; int2's Lloyd-Max levels would decode wrongly there."""
-    from hf_kvcompress.caches.store_attention import use_kernel
+    from hf_kvcompress.caches.store_attention import store_kernel
 
     cache = make_cache("int2:residual_length=4,group_size=16,pre_rope=false")  # codebook=gaussian (int2's default)
     states = torch.randn(1, 2, 40, 32).to(DEVICE)
     cache.update(states, states, 0, {"position_ids": torch.arange(40, device=DEVICE)[None]})
     layer = cache.layers[0]
     query = torch.randn(1, 6, 1, 32).to(DEVICE)
-    assert not use_kernel(layer, query, "auto")
+    assert store_kernel(layer, query, "auto") != "triton"
     with pytest.raises(ValueError, match="codebook='uniform'"):
-        use_kernel(layer, query, "triton")
+        store_kernel(layer, query, "triton")

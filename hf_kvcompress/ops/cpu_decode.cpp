@@ -1,0 +1,447 @@
+// Decode attention over a bit-packed KV store on CPU: one pass over the codes per (batch row, KV head).
+//
+// The PyTorch path (caches/store_attention.py) reads a block in a dozen passes (planes to float32, scale, matmul,
+// folds, exp, matmul), each costing about as much as DynamicCache's whole matmul (benchmarks/NOTES.md, section 5).
+// Here a tile of TILE tokens is dequantised into a small buffer that stays in L1, met by the KV head's query rows,
+// folded into a running max and sum (flash-decoding, Dao et al. 2023) and mixed into the values the same way,
+// so every code byte is read once. The output is the softmax partials (max, sum, unnormalised output) that the
+// Triton kernel returns too; store_attention merges them with the exact sinks and the full-precision tail.
+//
+// Layout (ops/bitpack.py): byte j of a token holds dims j*u + i in bits [i*bits, (i+1)*bits), u = 8 / bits. Each
+// token is unpacked "plane-major" (plane i, column j at i*W + j), which is a shift and a mask over contiguous bytes
+// (vectorised) instead of an interleave; the query is permuted into that order once, and the output back once.
+// Scales and zero points: one per (token group, channel group); keys per channel (KIVI) have token groups of
+// group_size and channel groups of 1, everything else token groups of 1 and channel groups of group_size.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TILE = 64;  // tokens per online-softmax step: keys [TILE, D] float32 stay in L1
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// How codes become levels (multiples of the scale): the code itself; L0 + a*c + b*(c >> 1) (a 4-level codebook
+// symmetric about 0, codecs/plane_attention.py); or the value of an E4M3 float8 byte.
+enum Levels { PLAIN = 0, AFFINE = 1, FLOAT8 = 2 };
+
+// An E4M3 byte's value (bias 7, no infinities), by moving its bits into a float32's: a table lookup per byte does
+// not vectorise. The NaN bytes (0x7f, 0xff) read as +-480, as codecs/fp8.e4m3_as_float reads them.
+inline float e4m3_value(uint8_t byte) {
+  const int32_t magnitude = byte & 0x7f;
+  const int32_t normal_bits = (magnitude << 20) + (120 << 23);  // exponent bias 7 -> 127
+  const float subnormal = static_cast<float>(magnitude & 7) * (1.0f / 512.0f);  // exponent 0: m * 2^-9
+  int32_t subnormal_bits;
+  std::memcpy(&subnormal_bits, &subnormal, sizeof(subnormal_bits));
+  const int32_t is_normal = -static_cast<int32_t>(magnitude >= 8);  // all ones or zero: a select in integers
+  const int32_t bits = (normal_bits & is_normal) | (subnormal_bits & ~is_normal) | (static_cast<int32_t>(byte & 0x80) << 24);
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// exp(x) for x <= 0 or -inf, written so the compiler vectorises a loop of it (std::exp is a scalar call):
+// x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (relative error < 1e-8 before rounding),
+// 2^n built in the exponent bits. Below -87 (and for -inf) it returns 0, as a masked entry must weigh nothing.
+inline float exp_nonpositive(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
+  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return x < -87.0f ? 0.0f : p * two_n;
+}
+
+// One kind (keys or values) of the store: codes [B, H, T, W] uint8, scale and zero [B, H, T / token_group,
+// dim / channel_group] (zero may be absent: float8), and how to read them.
+struct Store {
+  const uint8_t* codes;
+  const void* scale;
+  const void* zero;
+  at::ScalarType scale_type;
+  int64_t tokens, width, dim, bits, token_group, channel_group, levels;
+  float l0, a, b;
+
+  int64_t unit() const { return 8 / bits; }
+  int64_t scale_groups() const { return dim / channel_group; }
+  int64_t scale_rows() const { return tokens / token_group; }
+  // Plane-major position of dim d.
+  int64_t plane_pos(int64_t d) const { return (d % unit()) * width + d / unit(); }
+  float load_scale(int64_t i) const { return load(scale, i); }
+  float load_zero(int64_t i) const { return zero ? load(zero, i) : 0.0f; }
+
+ private:
+  float load(const void* base, int64_t i) const {  // once per group: a switch costs nothing there
+    switch (scale_type) {
+      case at::kBFloat16: return static_cast<float>(static_cast<const c10::BFloat16*>(base)[i]);
+      case at::kHalf: return static_cast<float>(static_cast<const c10::Half*>(base)[i]);
+      default: return static_cast<const float*>(base)[i];
+    }
+  }
+};
+
+// Head dims known when compiling (D > 0) let the compiler unroll every per-token loop; D = 0 reads it at run time.
+template <int D>
+inline int64_t dims(int64_t runtime) {
+  return D > 0 ? D : runtime;
+}
+
+// a . b over D values: 16 running lanes and a tree at the end (an `omp simd` reduction summed the lanes one at a
+// time, a chain of 16 dependent adds per logit).
+template <int D>
+inline float dot(const float* a, const float* b, int64_t runtime) {
+  const int64_t n = dims<D>(runtime);
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) lanes[k] += a[i + k] * b[i + k];
+  float eight[8], four[4];  // fixed-size halvings, vectorised; a loop over the widths was not unrolled
+  for (int k = 0; k < 8; ++k) eight[k] = lanes[k] + lanes[k + 8];
+  for (int k = 0; k < 4; ++k) four[k] = eight[k] + eight[k + 4];
+  float sum = (four[0] + four[2]) + (four[1] + four[3]);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Codes of one token as levels, plane-major: out[i * W + j] = level(code i of byte j).
+template <int BITS, int LEVELS, int D>
+inline void unpack_levels(const Store& s, const uint8_t* bytes, float* out) {
+  constexpr int U = 8 / BITS;
+  constexpr int MASK = (1 << BITS) - 1;
+  const int64_t w = dims<D>(s.dim) * BITS / 8;
+  for (int i = 0; i < U; ++i) {
+    float* o = out + i * w;
+    const int shift = i * BITS;
+    if (LEVELS == FLOAT8) {
+#pragma omp simd
+      for (int64_t j = 0; j < w; ++j) o[j] = e4m3_value(bytes[j]);
+    } else if (LEVELS == AFFINE) {
+      const float l0 = s.l0, a = s.a, b = s.b;
+#pragma omp simd
+      for (int64_t j = 0; j < w; ++j) {
+        const int c = (bytes[j] >> shift) & MASK;
+        o[j] = l0 + a * static_cast<float>(c) + b * static_cast<float>(c >> 1);
+      }
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < w; ++j) o[j] = static_cast<float>((bytes[j] >> shift) & MASK);
+    }
+  }
+}
+
+// The scale and zero point of per-channel group `group` of row `row`, plane-major, into scale_buf / zero_buf [D].
+inline void load_channel_group(const Store& s, int64_t row, int64_t group, float* scale_buf, float* zero_buf) {
+  const int64_t d = s.dim, unit = s.unit(), width = s.width;
+  const int64_t scale_row = (row * s.scale_rows() + group) * d;
+  for (int64_t c = 0; c < d; ++c) {
+    scale_buf[(c % unit) * width + c / unit] = s.load_scale(scale_row + c);
+    zero_buf[(c % unit) * width + c / unit] = s.load_zero(scale_row + c);
+  }
+}
+
+// Tokens [t0, t1) of row `row` dequantised into out [t1 - t0, D] (plane-major rows); with `levels_only`,
+// per-channel groups are left unscaled (attention folds their scales into the query instead). Per-channel groups:
+// the group's scale and zero point are laid out plane-major in `scale_buf` / `zero_buf` [D] once per group. Groups
+// along head_dim: in plane i, group g holds columns [g * run, (g + 1) * run), run = channel_group / u; CG > 0 fixes
+// channel_group when compiling (the common 32), so those runs are whole unrolled vectors.
+template <int BITS, int LEVELS, int D, int CG>
+void dequantise_tile(const Store& s, int64_t row, int64_t t0, int64_t t1, float* out, float* scale_buf,
+                     float* zero_buf, bool levels_only) {
+  constexpr int U = 8 / BITS;
+  const int64_t d = dims<D>(s.dim), width = d / U, groups = s.scale_groups();
+  const int64_t scale_base = row * s.scale_rows() * groups;
+  int64_t loaded = -1;
+  for (int64_t t = t0; t < t1; ++t) {
+    float* o = out + (t - t0) * d;
+    unpack_levels<BITS, LEVELS, D>(s, s.codes + (row * s.tokens + t) * width, o);
+    const int64_t scale_row = scale_base + (t / s.token_group) * groups;
+    if (s.channel_group == 1) {  // one scale per channel, shared by a group of tokens
+      if (levels_only) continue;
+      if (t / s.token_group != loaded) {
+        loaded = t / s.token_group;
+        load_channel_group(s, row, loaded, scale_buf, zero_buf);
+      }
+#pragma omp simd
+      for (int64_t p = 0; p < dims<D>(s.dim); ++p) o[p] = o[p] * scale_buf[p] + zero_buf[p];
+      continue;
+    }
+    const int64_t run = (CG > 0 ? CG : s.channel_group) / U;
+    for (int64_t g = 0; g < (CG > 0 && D > 0 ? D / CG : groups); ++g) {
+      const float scale = s.load_scale(scale_row + g), zero = s.load_zero(scale_row + g);
+      for (int i = 0; i < U; ++i) {
+        float* part = o + i * width + g * run;
+#pragma omp simd
+        for (int64_t j = 0; j < run; ++j) part[j] = part[j] * scale + zero;
+      }
+    }
+  }
+}
+
+using TileFn = void (*)(const Store&, int64_t, int64_t, int64_t, float*, float*, float*, bool);
+
+template <int D, int CG>
+TileFn pick_tile(int64_t bits, int64_t levels) {
+  if (bits == 2 && levels == PLAIN) return dequantise_tile<2, PLAIN, D, CG>;
+  if (bits == 2 && levels == AFFINE) return dequantise_tile<2, AFFINE, D, CG>;
+  if (bits == 4 && levels == PLAIN) return dequantise_tile<4, PLAIN, D, CG>;
+  if (bits == 8 && levels == PLAIN) return dequantise_tile<8, PLAIN, D, CG>;
+  if (bits == 8 && levels == FLOAT8) return dequantise_tile<8, FLOAT8, D, CG>;
+  TORCH_CHECK(false, "cpu_decode: no kernel for bits=", bits, " with levels mode ", levels);
+}
+
+template <int D>
+TileFn pick_tile(const Store& s) {
+  return s.channel_group == 32 && D % 32 == 0 ? pick_tile<D, 32>(s.bits, s.levels) : pick_tile<D, 0>(s.bits, s.levels);
+}
+
+Store make_store(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
+                 int64_t dim, int64_t levels, double l0, double a, double b) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.is_contiguous(),
+              "cpu_decode: codes must be contiguous uint8 [B, H, T, W]");
+  TORCH_CHECK(scale.dim() == 4 && scale.is_contiguous(), "cpu_decode: scale must be contiguous [B, H, T', G]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16 ||
+                  scale.scalar_type() == at::kHalf, "cpu_decode: scales must be float32, bfloat16 or float16");
+  Store s{};
+  s.codes = codes.data_ptr<uint8_t>();
+  s.scale = scale.data_ptr();
+  s.scale_type = scale.scalar_type();
+  s.zero = nullptr;
+  if (zero.has_value()) {
+    TORCH_CHECK(zero->sizes() == scale.sizes() && zero->scalar_type() == scale.scalar_type() && zero->is_contiguous(),
+                "cpu_decode: zero must match scale");
+    s.zero = zero->data_ptr();
+  }
+  s.tokens = codes.size(2);
+  s.width = codes.size(3);
+  s.dim = dim;
+  s.bits = 8 * s.width / dim;
+  TORCH_CHECK(s.bits * dim == 8 * s.width && (s.bits == 2 || s.bits == 4 || s.bits == 8),
+              "cpu_decode: codes of width ", s.width, " do not pack ", dim, " values at 2, 4 or 8 bits");
+  TORCH_CHECK(scale.size(2) > 0 && s.tokens % scale.size(2) == 0 && dim % scale.size(3) == 0,
+              "cpu_decode: scale's shape does not divide the store");
+  s.token_group = s.tokens / scale.size(2);
+  s.channel_group = dim / scale.size(3);
+  TORCH_CHECK(s.token_group == 1 || s.channel_group == 1,
+              "cpu_decode: groups run along tokens or along head_dim, not both");
+  TORCH_CHECK(s.channel_group == 1 || s.channel_group % s.unit() == 0,
+              "cpu_decode: a channel group must hold whole bytes");
+  s.levels = levels;
+  s.l0 = static_cast<float>(l0);
+  s.a = static_cast<float>(a);
+  s.b = static_cast<float>(b);
+  return s;
+}
+
+// Everything one call needs, shared by the rows.
+struct Problem {
+  const float* query;  // [B, H, M, O, D]
+  int64_t heads, m_rows, offsets, dim, value_dim;
+  const float* bias;
+  int64_t bias_b, bias_h, bias_q, bias_rows;
+  const int64_t* hidden;
+  int64_t sinks;
+  float *max, *sum, *acc;
+};
+
+// Rows [begin, end) of B x H: the online softmax over the store, a tile at a time.
+template <int D>
+void attend_rows(const Problem& pb, const Store& keys, const Store& values, TileFn key_tile, TileFn value_tile,
+                 int64_t begin, int64_t end) {
+  const int64_t dim = dims<D>(pb.dim), value_dim = dims<D>(pb.value_dim), m_rows = pb.m_rows;
+  const int64_t offsets = pb.offsets, tokens = keys.tokens, rows_q = m_rows * offsets;
+  std::vector<float> plane_q(rows_q * dim), key_buf(TILE * dim), value_buf(TILE * value_dim);
+  std::vector<float> logits(m_rows * TILE), acc(m_rows * value_dim), run_max(m_rows), run_sum(m_rows);
+  std::vector<float> k_scale_buf(dim), k_zero_buf(dim), v_scale_buf(value_dim), v_zero_buf(value_dim);
+  std::vector<float> scaled_q(m_rows * dim);
+  // Per-channel keys fold their scales into the query (one product per group of tokens, not per token).
+  const bool fold = keys.channel_group == 1 && offsets == 1;
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t b = row / pb.heads, h = row % pb.heads;
+    for (int64_t r = 0; r < rows_q; ++r)  // the query in the keys' plane-major order
+      for (int64_t c = 0; c < dim; ++c) plane_q[r * dim + keys.plane_pos(c)] = pb.query[(row * rows_q + r) * dim + c];
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(run_max.begin(), run_max.end(), NEG_INF);
+    std::fill(run_sum.begin(), run_sum.end(), 0.0f);
+    for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
+      const int64_t t1 = std::min(t0 + TILE, tokens), n = t1 - t0;
+      key_tile(keys, row, t0, t1, key_buf.data(), k_scale_buf.data(), k_zero_buf.data(), fold);
+      if (fold) {  // per group of tokens: q * scale and q . zero, then each token's logit is one dot with its levels
+        for (int64_t start = t0; start < t1;) {
+          const int64_t group = start / keys.token_group, stop = std::min(t1, (group + 1) * keys.token_group);
+          load_channel_group(keys, row, group, k_scale_buf.data(), k_zero_buf.data());
+          for (int64_t m = 0; m < m_rows; ++m) {
+            const float* q = plane_q.data() + m * dim;
+            float* qs = scaled_q.data() + m * dim;
+#pragma omp simd
+            for (int64_t c = 0; c < dims<D>(pb.dim); ++c) qs[c] = q[c] * k_scale_buf[c];
+            const float qz = dot<D>(q, k_zero_buf.data(), dim);
+            float* lg = logits.data() + m * TILE;
+            for (int64_t t = start - t0; t < stop - t0; ++t) lg[t] = dot<D>(qs, key_buf.data() + t * dim, dim) + qz;
+          }
+          start = stop;
+        }
+      }
+      for (int64_t m = 0; m < m_rows; ++m) {
+        float* lg = logits.data() + m * TILE;
+        if (!fold && offsets == 1) {
+          const float* q = plane_q.data() + m * dim;
+          for (int64_t t = 0; t < n; ++t) lg[t] = dot<D>(q, key_buf.data() + t * dim, dim);
+        } else if (!fold) {  // pre_rope: each offset in a key group meets its own query
+          for (int64_t t = 0; t < n; ++t)
+            lg[t] = dot<D>(plane_q.data() + (m * offsets + (t0 + t) % offsets) * dim, key_buf.data() + t * dim, dim);
+        }
+        if (pb.bias) {
+          const float* bias_row = pb.bias + b * pb.bias_b + h * pb.bias_h + (m % pb.bias_rows) * pb.bias_q + t0;
+#pragma omp simd
+          for (int64_t t = 0; t < n; ++t) lg[t] += bias_row[t];
+        }
+        for (int64_t s = 0; s < pb.sinks; ++s) {  // attended exactly elsewhere (the layer's sinks)
+          const int64_t slot = pb.hidden[row * pb.sinks + s];
+          if (slot >= t0 && slot < t1) lg[slot - t0] = NEG_INF;
+        }
+      }
+      bool any = false;
+      for (int64_t m = 0; m < m_rows; ++m) {
+        float* lg = logits.data() + m * TILE;
+        float tile_max = NEG_INF;
+#pragma omp simd reduction(max : tile_max)
+        for (int64_t t = 0; t < n; ++t) tile_max = std::max(tile_max, lg[t]);
+        const float new_max = std::max(run_max[m], tile_max);
+        const float safe = new_max == NEG_INF ? 0.0f : new_max;  // a row masked so far: exp(-inf - 0) = 0
+        const float rescale = std::exp(run_max[m] - safe);
+        float tile_sum = 0.0f;
+#pragma omp simd reduction(+ : tile_sum)
+        for (int64_t t = 0; t < n; ++t) {
+          lg[t] = exp_nonpositive(lg[t] - safe);
+          tile_sum += lg[t];
+        }
+        if (rescale != 1.0f) {
+          float* a = acc.data() + m * value_dim;
+#pragma omp simd
+          for (int64_t c = 0; c < dims<D>(pb.value_dim); ++c) a[c] *= rescale;
+        }
+        run_sum[m] = run_sum[m] * rescale + tile_sum;
+        run_max[m] = new_max;
+        any = any || tile_max != NEG_INF;
+      }
+      if (!any) continue;  // a fully masked tile (padding) adds nothing
+      value_tile(values, row, t0, t1, value_buf.data(), v_scale_buf.data(), v_zero_buf.data(), false);
+      for (int64_t m = 0; m < m_rows; ++m) {
+        const float* probs = logits.data() + m * TILE;
+        float* a = acc.data() + m * value_dim;
+        if (D > 0) {  // the row's output stays in registers over the tile
+          float local[D > 0 ? D : 1];
+          std::memcpy(local, a, sizeof(local));
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = probs[t];
+            const float* v = value_buf.data() + t * D;
+#pragma omp simd
+            for (int64_t c = 0; c < D; ++c) local[c] += p * v[c];
+          }
+          std::memcpy(a, local, sizeof(local));
+        } else {
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = probs[t];
+            const float* v = value_buf.data() + t * value_dim;
+#pragma omp simd
+            for (int64_t c = 0; c < value_dim; ++c) a[c] += p * v[c];
+          }
+        }
+      }
+    }
+    for (int64_t m = 0; m < m_rows; ++m) {
+      const int64_t out_row = row * m_rows + m;
+      pb.max[out_row] = run_max[m];
+      pb.sum[out_row] = run_sum[m];
+      for (int64_t c = 0; c < value_dim; ++c)  // back from the values' plane-major order
+        pb.acc[out_row * value_dim + c] = acc[m * value_dim + values.plane_pos(c)];
+    }
+  }
+}
+
+}  // namespace
+
+// query [B, H, M, O, D] float32 (scaled, storage basis; O = 1, or one query per offset within a per-channel key
+// group: pre_rope keys). bias: [B or 1, H or 1, Q, T] float32 additive mask with M a multiple of Q (row m reads
+// bias row m % Q), or absent. hidden: [B, H, S] int64 slots of the store to leave out (-1: none), or absent.
+// Returns (max [B, H, M, 1], sum [B, H, M, 1], out [B, H, M, Dv]): out and sum relative to max.
+std::vector<at::Tensor> decode_attention_partials(
+    const at::Tensor& query, const at::Tensor& k_codes, const at::Tensor& k_scale,
+    const c10::optional<at::Tensor>& k_zero, int64_t k_levels, double k_l0, double k_a, double k_b,
+    const at::Tensor& v_codes, const at::Tensor& v_scale,
+    const c10::optional<at::Tensor>& v_zero, int64_t v_levels, double v_l0, double v_a, double v_b,
+    int64_t value_dim, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& hidden) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 5 && query.is_contiguous(),
+              "cpu_decode: query must be contiguous float32 [B, H, M, O, D]");
+  const int64_t batch = query.size(0), heads = query.size(1), m_rows = query.size(2), offsets = query.size(3);
+  const int64_t dim = query.size(4);
+  const Store keys = make_store(k_codes, k_scale, k_zero, dim, k_levels, k_l0, k_a, k_b);
+  const Store values = make_store(v_codes, v_scale, v_zero, value_dim, v_levels, v_l0, v_a, v_b);
+  const int64_t tokens = keys.tokens;
+  TORCH_CHECK(k_codes.size(0) == batch && k_codes.size(1) == heads && v_codes.size(0) == batch &&
+                  v_codes.size(1) == heads && values.tokens == tokens, "cpu_decode: query and store disagree");
+  TORCH_CHECK(offsets == 1 || (keys.channel_group == 1 && offsets == keys.token_group),
+              "cpu_decode: one query per offset needs per-channel key groups of that many tokens");
+  const float* bias_data = nullptr;
+  int64_t bias_b = 0, bias_h = 0, bias_q = 0, bias_rows = 1;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 4 && bias->size(3) == tokens &&
+                    bias->stride(3) == 1 && (bias->size(0) == 1 || bias->size(0) == batch) &&
+                    (bias->size(1) == 1 || bias->size(1) == heads) && m_rows % bias->size(2) == 0,
+                "cpu_decode: bias must be float32 [B or 1, H or 1, Q, T] with unit stride over T");
+    bias_data = bias->data_ptr<float>();
+    bias_b = bias->size(0) == 1 ? 0 : bias->stride(0);
+    bias_h = bias->size(1) == 1 ? 0 : bias->stride(1);
+    bias_q = bias->stride(2);
+    bias_rows = bias->size(2);
+  }
+  const int64_t* hidden_data = nullptr;
+  int64_t sinks = 0;
+  if (hidden.has_value()) {
+    TORCH_CHECK(hidden->scalar_type() == at::kLong && hidden->dim() == 3 && hidden->size(0) == batch &&
+                    hidden->size(1) == heads && hidden->is_contiguous(), "cpu_decode: hidden must be int64 [B, H, S]");
+    hidden_data = hidden->data_ptr<int64_t>();
+    sinks = hidden->size(2);
+  }
+  auto options = query.options();
+  at::Tensor out_max = at::empty({batch, heads, m_rows, 1}, options);
+  at::Tensor out_sum = at::empty({batch, heads, m_rows, 1}, options);
+  at::Tensor out_acc = at::empty({batch, heads, m_rows, value_dim}, options);
+  const Problem pb{query.data_ptr<float>(), heads, m_rows, offsets, dim, value_dim, bias_data, bias_b, bias_h,
+                   bias_q, bias_rows, hidden_data, sinks, out_max.data_ptr<float>(), out_sum.data_ptr<float>(),
+                   out_acc.data_ptr<float>()};
+  // The head dims of common models compiled in; any other runs with run-time loops.
+  const int64_t fixed = dim == value_dim && (dim == 32 || dim == 64 || dim == 128 || dim == 256) ? dim : 0;
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    switch (fixed) {
+      case 32: return attend_rows<32>(pb, keys, values, pick_tile<32>(keys), pick_tile<32>(values), begin, end);
+      case 64: return attend_rows<64>(pb, keys, values, pick_tile<64>(keys), pick_tile<64>(values), begin, end);
+      case 128: return attend_rows<128>(pb, keys, values, pick_tile<128>(keys), pick_tile<128>(values), begin, end);
+      case 256: return attend_rows<256>(pb, keys, values, pick_tile<256>(keys), pick_tile<256>(values), begin, end);
+      default: return attend_rows<0>(pb, keys, values, pick_tile<0>(keys), pick_tile<0>(values), begin, end);
+    }
+  });
+  return {out_max, out_sum, out_acc};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("decode_attention_partials", &decode_attention_partials,
+             "Softmax partials of decode queries over a bit-packed KV store (max, sum, unnormalised output)");
+}

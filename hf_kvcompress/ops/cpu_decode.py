@@ -1,0 +1,132 @@
+"""Decode attention over a packed int2/int4/int8 or float8 store in one C++ kernel on CPU (cpu_decode.cpp).
+
+In eager PyTorch every pass over a block of the store (planes to float32, scales, matmul, folds) costs about as
+much as DynamicCache's whole matmul (benchmarks/NOTES.md, section 5); the kernel reads each code byte once and keeps
+the dequantised tile in L1. It is compiled on first use with torch's JIT extension builder (-O3 -march=native, so
+the build belongs to this CPU: its name carries a digest of the CPU's flags) and cached in torch's extensions
+folder under a digest of the source. Without a compiler, `available()` warns once and says False; store
+attention then stays in PyTorch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+PLAIN, AFFINE, FLOAT8 = 0, 1, 2  # how codes become levels (see cpu_decode.cpp)
+
+
+@dataclass(frozen=True)
+class KernelLayout:
+    """How the kernel reads one kind (keys or values) of a store.
+
+    bits: 2, 4 or 8 per code. levels: (L0, a, b) with level(c) = L0 + a*c + b*(c >> 1), the code itself being
+    (0, 1, 0). float8: the codes are E4M3 bytes (levels ignored). offset_queries: per-channel key groups were turned
+    back by each key's offset in its group (pre_rope), so each offset meets its own query."""
+
+    bits: int
+    levels: tuple[float, float, float] = (0.0, 1.0, 0.0)
+    float8: bool = False
+    offset_queries: bool = False
+
+
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+
+
+def _build_name() -> str:
+    """The build's name: a digest of the source, the flags, this CPU's instruction sets (a -march=native build runs
+    only where it was built), torch and Python. A changed source or another CPU builds anew under another name, and
+    two checkouts of the same source share one build (torch's own versioning keys on the source's path and rebuilt
+    whenever processes alternated between two checkouts)."""
+    digest = hashlib.sha1(SOURCE.read_bytes())
+    digest.update(" ".join(FLAGS + [platform.machine(), torch.__version__, sys.version]).encode())
+    try:
+        with open("/proc/cpuinfo") as info:
+            digest.update(next((line for line in info if line.startswith(("flags", "Features"))), "").encode())
+    except OSError:
+        pass
+    return f"hf_kvcompress_cpu_decode_{digest.hexdigest()[:16]}"
+
+
+def _build_root() -> Path:
+    """Where torch keeps JIT-built extensions (TORCH_EXTENSIONS_DIR, else the user's cache folder)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+
+
+def _load_built(name: str, library: Path):
+    """Import an extension already built: importing torch.utils.cpp_extension to ask costs 0.2 s of CPU (setuptools),
+    a fifth of a decode step's time at 4k tokens if paid at the first step of a short generation."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@lru_cache(maxsize=None)
+def _extension():
+    """The compiled module, or None (with one warning) when it cannot be built here."""
+    try:
+        name = _build_name()
+        folder = _build_root() / name
+        library = folder / f"{name}.so"
+        if library.exists():
+            return _load_built(name, library)
+        from torch.utils.cpp_extension import load
+
+        folder.mkdir(parents=True, exist_ok=True)
+        source = folder / SOURCE.name  # compiled from a copy at a path that only this source's digest names
+        if not source.exists():
+            partial = folder / f"{SOURCE.name}.{os.getpid()}"
+            shutil.copyfile(SOURCE, partial)
+            os.replace(partial, source)
+        return load(name=name, sources=[str(source)], extra_cflags=FLAGS, build_directory=str(folder), verbose=False)
+    except Exception as error:  # no compiler, no headers, a failed build: the PyTorch path still answers
+        warnings.warn(f"the CPU decode-attention kernel could not be built ({error}); attention over the encoded "
+                      "store runs in PyTorch (slower)", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it on the first call: about a minute, then cached across processes)."""
+    return _extension() is not None
+
+
+def _arguments(encoded: dict, layout: KernelLayout) -> list:
+    if layout.float8:
+        codes = encoded["values"].view(torch.uint8)
+        return [codes.contiguous(), encoded["scale"].contiguous(), None, FLOAT8, 0.0, 1.0, 0.0]
+    mode = PLAIN if layout.levels == (0.0, 1.0, 0.0) else AFFINE
+    return [encoded["codes"].contiguous(), encoded["scale"].contiguous(), encoded["zero"].contiguous(), mode,
+            *layout.levels]
+
+
+def decode_attention_partials(
+    query: torch.Tensor, encoded_keys: dict, encoded_values: dict, key_layout: KernelLayout,
+    value_layout: KernelLayout, value_dim: int, bias: torch.Tensor | None, hidden: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax partials of `query` [B, H_kv, M, O, D] (scaled, in the store's basis; O = 1, or one query per
+    offset of a per-channel key group when `key_layout.offset_queries`) over the store's T tokens.
+
+    `bias` [B or 1, H_kv or 1, Q, T] float32 is added to the logits (row m of M takes bias row m % Q); `hidden`
+    [B, H_kv, S] int64 lists slots to leave out (-1: none). Returns the max and sum [B, H_kv, M, 1] and the
+    unnormalised output [B, H_kv, M, Dv], as triton_decode.decode_attention_partials."""
+    extension = _extension()
+    if extension is None:
+        raise RuntimeError("the CPU decode-attention kernel is not available on this machine (see the warning)")
+    return tuple(extension.decode_attention_partials(
+        query.float().contiguous(), *_arguments(encoded_keys, key_layout), *_arguments(encoded_values, value_layout),
+        value_dim, bias, None if hidden is None else hidden.long().contiguous(),
+    ))

@@ -1,0 +1,188 @@
+"""The C++ decode-attention kernel (ops/cpu_decode.cpp) equals the PyTorch path it replaces on CPU."""
+
+import functools
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from hf_kvcompress import make_cache
+from hf_kvcompress.caches import store_attention, store_offer
+from hf_kvcompress.caches.store_attention import attend_store, store_kernel
+from hf_kvcompress.codecs.fp8 import Fp8Codec
+from hf_kvcompress.codecs.intn import IntNCodec
+from hf_kvcompress.hf.attention import kvcompress_attention
+from hf_kvcompress.ops import cpu_decode
+
+if not cpu_decode.available():  # builds it once per machine (about a minute), then loads it from torch's cache
+    pytest.skip("the CPU kernel cannot be built here (no C++ compiler?)", allow_module_level=True)
+
+CODECS = {
+    "int4 keys per channel": IntNCodec(bits=4, group_size=16, key_axis="channel"),
+    "int4 keys per token": IntNCodec(bits=4, group_size=16, key_axis="token"),
+    "int2 keys per channel": IntNCodec(bits=2, group_size=16, key_axis="channel"),
+    "int2 per token, Lloyd-Max levels": IntNCodec(bits=2, group_size=8, key_axis="token", codebook="gaussian"),
+    "int8 keys per channel": IntNCodec(bits=8, group_size=32, key_axis="channel"),
+    "int8 keys per token": IntNCodec(bits=8, group_size=8, key_axis="token"),
+    "fp8": Fp8Codec(),
+}
+
+
+@pytest.mark.parametrize("dim", [32, 48])  # 32: compiled in; 48: the run-time loops
+@pytest.mark.parametrize("name", CODECS)
+def test_partials_equal_softmax_over_decoded_states(name, dim):
+    codec = CODECS[name]
+    if dim % getattr(codec, "group_size", 1):
+        pytest.skip("the group does not divide this head_dim")
+    g = torch.Generator().manual_seed(len(name))
+    batch, heads, tokens, rows = 2, 2, 160, 3  # 160: two whole tiles of 64 and a partial one
+    keys, values = torch.randn(batch, heads, tokens, dim, generator=g) * 2, torch.randn(batch, heads, tokens, dim, generator=g)
+    enc_k, enc_v = codec.encode(keys, "key"), codec.encode(values, "value")
+    query = torch.randn(batch, heads, rows, dim, generator=g) * 0.3
+    bias = torch.zeros(batch, 1, 1, tokens)
+    bias[0, :, :, :100] = float("-inf")  # row 0: its first tile sees nothing and must weigh nothing
+    bias[1, :, :, 7] = -3.0
+    hidden = torch.tensor([[[5, -1], [64, 159]], [[-1, -1], [0, 100]]])  # slots attended elsewhere (sinks)
+    logits = query @ codec.decode(enc_k, "key", torch.float32).transpose(-1, -2) + bias
+    hide = torch.zeros(batch, heads, tokens + 1, dtype=torch.bool).scatter_(2, torch.where(hidden >= 0, hidden, tokens), True)
+    logits.masked_fill_(hide[:, :, None, :tokens], float("-inf"))
+    best = logits.amax(-1, keepdim=True)
+    probs = torch.exp(logits - best)
+    layout_k, layout_v = codec.kernel_layout("key"), codec.kernel_layout("value")
+    got_max, got_sum, got_acc = cpu_decode.decode_attention_partials(
+        query[:, :, :, None], enc_k, enc_v, layout_k, layout_v, dim, bias, hidden
+    )
+    torch.testing.assert_close(got_max, best, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_sum, probs.sum(-1, keepdim=True), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_acc, probs @ codec.decode(enc_v, "value", torch.float32), atol=1e-5, rtol=1e-5)
+
+
+def test_a_fully_masked_row_gives_empty_partials():
+    codec = CODECS["int4 keys per token"]
+    states = torch.randn(1, 1, 64, 32)
+    bias = torch.full((1, 1, 1, 64), float("-inf"))
+    got_max, got_sum, got_acc = cpu_decode.decode_attention_partials(
+        torch.randn(1, 1, 2, 1, 32), codec.encode(states, "key"), codec.encode(states, "value"),
+        codec.kernel_layout("key"), codec.kernel_layout("value"), 32, bias, None,
+    )
+    assert (got_max == float("-inf")).all() and (got_sum == 0).all() and (got_acc == 0).all()
+
+
+def test_every_float8_byte_reads_as_the_pytorch_path_reads_it():
+    """Row b of the batch sees only token b, whose every value is byte b: the output is that byte's value."""
+    from hf_kvcompress.codecs.fp8 import e4m3_as_float
+
+    tokens = rows = 256
+    byte = torch.arange(256, dtype=torch.uint8)[None, None, :, None].expand(rows, 1, tokens, 32).contiguous()
+    values = {"values": byte.view(torch.float8_e4m3fn), "scale": torch.ones(rows, 1, tokens, 1, dtype=torch.float16)}
+    keys = {"values": torch.zeros_like(byte).view(torch.float8_e4m3fn), "scale": values["scale"]}
+    bias = torch.full((rows, 1, 1, tokens), float("-inf"))
+    bias[torch.arange(rows), 0, 0, torch.arange(rows)] = 0.0
+    layout = Fp8Codec().kernel_layout("value")
+    _, total, acc = cpu_decode.decode_attention_partials(torch.zeros(rows, 1, 1, 1, 32), keys, values, layout, layout, 32, bias, None)
+    expected, factor = e4m3_as_float(byte[0].transpose(0, 1).view(torch.float8_e4m3fn))  # token b of row b: [256, 1, 32]
+    assert (total == 1).all()
+    assert torch.equal(acc[:, :, 0], expected * factor)  # NaN bytes read as +-480 on both paths
+
+
+KV_HEADS, GROUPS, DIM = 2, 3, 32
+CONFIG = LlamaConfig(hidden_size=KV_HEADS * GROUPS * DIM, num_attention_heads=KV_HEADS * GROUPS,
+                     num_key_value_heads=KV_HEADS, head_dim=DIM, num_hidden_layers=1, intermediate_size=64,
+                     vocab_size=64)
+LAYER_SPECS = [
+    "int4:residual_length=8,group_size=8",  # the plain name: Hadamard, 4 exact sinks, keys per channel
+    "int2:residual_length=4,group_size=8",  # the plain name: pre_rope keys (a query per offset), Lloyd-Max values
+    "int4:residual_length=8,group_size=8,key_axis=token",
+    "int2:residual_length=4,group_size=8,key_axis=token,pre_rope=false",
+    "int8:residual_length=0", "fp8:sink_tokens=2",
+    "sink_window:sink_tokens=2,window=60+int4:residual_length=4,group_size=8",  # evicted slots, keys per token
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", LAYER_SPECS)
+def test_a_layer_through_the_kernel_equals_the_pytorch_path(spec, dtype):
+    """Rotated stores, exact sinks, a left-padded row, GQA, the tail, one and three query rows per head."""
+    g = torch.Generator().manual_seed(0)
+    cache = make_cache(spec, CONFIG)
+    module = type("M", (), {"layer_idx": 0, "num_key_value_groups": GROUPS, "is_causal": True})()
+    tokens = 90
+    positions = torch.stack([torch.cat([torch.ones(11, dtype=torch.long), torch.arange(1, tokens - 10)]), torch.arange(tokens)])
+    pads = torch.tensor([11, 0])
+    states = (torch.randn(2, KV_HEADS, tokens, DIM, generator=g) * 2).to(dtype)
+    k, v = cache.update(states, states.flip(-1), 0, kwargs := {"position_ids": positions})
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None] & (torch.arange(tokens) >= pads[:, None, None, None])
+    prompt_q = torch.randn(2, KV_HEADS * GROUPS, tokens, DIM, generator=g).to(dtype)
+    kvcompress_attention(module, prompt_q, k, v, causal, scaling=0.2, **kwargs)
+    layer = cache.layers[0]
+    compared = 0
+    for step in range(3):
+        kwargs = {"position_ids": positions[:, -1:] + 1 + step}
+        new = torch.randn(2, KV_HEADS, 1, DIM, generator=g).to(dtype)
+        k, v = cache.update(new, -new, 0, kwargs)
+        mask = (torch.arange(k.shape[-2]) >= layer.pads[:, None])[:, None, None, :]
+        if layer.store_request.fused:
+            assert layer.n_encoded > 0 and layer.tail_keys.shape[-2] > 0
+            assert (layer.sink_slots is not None) == ("sink" in spec or spec.startswith(("int4:", "int2:")))
+            for rows in (1, 3):  # three query rows: a causal mask over the last rows of the store
+                query = torch.randn(2, KV_HEADS * GROUPS, rows, DIM, generator=g).to(dtype)
+                rows_mask = mask & torch.ones(rows, k.shape[-2], dtype=torch.bool).tril(k.shape[-2] - rows - 20)
+                assert store_kernel(layer, query, "auto") == "cpu"
+                reference = attend_store(layer, query, rows_mask, 0.2, backend="torch")
+                got = attend_store(layer, query, rows_mask, 0.2, backend="cpu")
+                tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+                torch.testing.assert_close(got.float(), reference.float(), **tolerance)
+                compared += 1
+        query = torch.randn(2, KV_HEADS * GROUPS, 1, DIM, generator=g).to(dtype)
+        kvcompress_attention(module, query, k, v, mask, scaling=0.2, **kwargs)
+    assert compared == 6
+
+
+def test_the_kernel_declines_what_it_cannot_read():
+    cache = make_cache("int4:residual_length=4,group_size=8,codebook=gaussian,key_axis=token")  # 16 Lloyd-Max levels
+    states = torch.randn(1, 2, 40, 32)
+    cache.update(states, states, 0, {"position_ids": torch.arange(40)[None]})
+    query = torch.randn(1, 6, 1, 32)
+    assert store_kernel(cache.layers[0], query, "auto") is None
+    with pytest.raises(ValueError, match="backend='cpu'"):
+        store_kernel(cache.layers[0], query, "cpu")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        store_kernel(cache.layers[0], query, "cuda")
+
+
+def test_without_a_compiler_the_kernel_warns_once_and_attention_stays_in_pytorch(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there: it must compile
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_decode._extension.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not be built"):
+            assert not cpu_decode.available()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # asked again: no second build, no second warning
+            assert not cpu_decode.available()
+        cache = make_cache("int4:residual_length=4,group_size=8,key_axis=token")
+        states = torch.randn(1, 2, 40, 32)
+        cache.update(states, states, 0, {"position_ids": torch.arange(40)[None]})
+        query = torch.randn(1, 6, 1, 32)
+        assert store_kernel(cache.layers[0], query, "auto") is None
+        with pytest.raises(RuntimeError, match="could not be built"):
+            store_kernel(cache.layers[0], query, "cpu")
+    finally:
+        cpu_decode._extension.cache_clear()
+
+
+@pytest.mark.parametrize("spec", ["int4", "int2"])
+def test_generate_on_the_embedded_model_gives_the_pytorch_paths_tokens(embedded, spec, monkeypatch):
+    from hf_kvcompress.generation import generate
+
+    model, tokenizer = embedded
+    text = "A key and a value vector are stored for every past token in every layer of the model. " * 8
+    ids = tokenizer(text + "Summarise this in one sentence:", return_tensors="pt").input_ids
+    tokens = {}
+    for backend in ("torch", "cpu"):
+        monkeypatch.setattr(store_offer, "attend_store", functools.partial(store_attention.attend_store, backend=backend))
+        cache = make_cache(spec, model.config)
+        tokens[backend] = generate(model, ids, None, cache, max_new_tokens=12).new_tokens
+        assert cache.layers[0].store_confirmed and cache.layers[0].n_encoded >= 32
+    assert torch.equal(tokens["cpu"], tokens["torch"])
