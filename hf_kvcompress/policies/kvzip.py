@@ -36,11 +36,12 @@ class KVzipPolicy(Policy):
             own allocation), so each KV head keeps its own number of pairs, stored compactly (caches/head_store.py;
             needs the 'kvcompress_sdpa' attention for its per-head masks; the codec's full-precision sinks are
             always kept).
-        span: each pair also takes the best score of the `span` pairs after it in its head (0: its own score only).
-            While the model repeats the context, the first tokens of a span it copies (a number's first digits)
-            draw little attention and the rest a lot, so a budget can keep a number's tail and lose its start.
-            With `budgets="head"` the raw scores still decide how many pairs each layer and head keeps; `span`
-            only decides which.
+        span: each pair also takes the best score of the `span` pairs after it in its head (0: its own score
+            only, as in KVzip). While the model repeats the context, the first tokens of a span it copies (a
+            number's first digits) draw little attention and the rest a lot, so a budget can keep a number's tail
+            and lose its start. The raw scores still decide how many pairs each layer and head keeps; `span` only
+            decides which. Default 4, measured (README): on Gemma-3-270M half of the document kept 11 of 15
+            needles instead of 10, a quarter 3 instead of 0; on SmolLM2 the same answers as span 0.
     """
 
     name: ClassVar[str] = "kvzip"
@@ -50,7 +51,7 @@ class KVzipPolicy(Policy):
     sink_tokens: int = 0
     recent: int = 0
     budgets: str = "head"
-    span: int = 0
+    span: int = 4
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):

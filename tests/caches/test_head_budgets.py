@@ -88,7 +88,7 @@ def test_head_budgets_keep_each_rows_best_pairs_of_all_layers_and_heads():
     heads = scores[0].shape[0]
     expected = _reference_keep(scores, 10, heads)  # a quarter of 40 tokens per head, on average
 
-    cache = make_cache("kvzip:ratio=0.25,budgets=head", model.config)
+    cache = make_cache("kvzip:ratio=0.25,budgets=head,span=0", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     assert all(isinstance(layer, HeadBudgetLayer) for layer in cache.layers)
     lengths = [layer.store.lengths[0] for layer in cache.layers]
@@ -140,7 +140,7 @@ def test_head_budget_attention_equals_the_full_cache_with_each_heads_evicted_pai
     ids, question = _ids(30, seed=3), _ids(4, seed=4)
     scored = _scored(model, ids)
     expected_keep = _reference_keep([layer.accumulated[0] for layer in scored.layers], 12, 2)
-    cache = make_cache("kvzip:ratio=0.4,budgets=head", model.config)
+    cache = make_cache("kvzip:ratio=0.4,budgets=head,span=0", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     with torch.inference_mode():
         out = model(input_ids=question, cache=cache, position_ids=torch.arange(30, 34)[None]).logits
