@@ -139,16 +139,21 @@ def test_a_layer_through_the_kernel_equals_the_pytorch_path(spec, dtype):
     assert compared == 6
 
 
-def test_the_kernel_declines_what_it_cannot_read():
-    cache = make_cache("int4:residual_length=4,group_size=8,codebook=gaussian,key_axis=token")  # 16 Lloyd-Max levels
+def _filled_layer(spec):
+    """A layer holding 40 random tokens of 2 KV heads, and a decode query of 6 heads."""
+    cache = make_cache(spec)
     states = torch.randn(1, 2, 40, 32)
     cache.update(states, states, 0, {"position_ids": torch.arange(40)[None]})
-    query = torch.randn(1, 6, 1, 32)
-    assert store_kernel(cache.layers[0], query, "auto") is None
+    return cache.layers[0], torch.randn(1, 6, 1, 32)
+
+
+def test_the_kernel_declines_what_it_cannot_read():
+    layer, query = _filled_layer("int4:residual_length=4,group_size=8,codebook=gaussian,key_axis=token")  # 16 levels
+    assert store_kernel(layer, query, "auto") is None
     with pytest.raises(ValueError, match="backend='cpu'"):
-        store_kernel(cache.layers[0], query, "cpu")
+        store_kernel(layer, query, "cpu")
     with pytest.raises(ValueError, match="backend must be one of"):
-        store_kernel(cache.layers[0], query, "cuda")
+        store_kernel(layer, query, "cuda")
 
 
 def test_without_a_compiler_the_kernel_warns_once_and_attention_stays_in_pytorch(monkeypatch, tmp_path):
@@ -161,13 +166,10 @@ def test_without_a_compiler_the_kernel_warns_once_and_attention_stays_in_pytorch
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # asked again: no second build, no second warning
             assert not cpu_decode.available()
-        cache = make_cache("int4:residual_length=4,group_size=8,key_axis=token")
-        states = torch.randn(1, 2, 40, 32)
-        cache.update(states, states, 0, {"position_ids": torch.arange(40)[None]})
-        query = torch.randn(1, 6, 1, 32)
-        assert store_kernel(cache.layers[0], query, "auto") is None
+        layer, query = _filled_layer("int4:residual_length=4,group_size=8,key_axis=token")
+        assert store_kernel(layer, query, "auto") is None
         with pytest.raises(RuntimeError, match="could not be built"):
-            store_kernel(cache.layers[0], query, "cpu")
+            store_kernel(layer, query, "cpu")
     finally:
         cpu_decode._extension.cache_clear()
 
