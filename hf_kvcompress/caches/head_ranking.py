@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..policies.base import Policy, _priority
+from ..policies.base import Policy, _priority, ranked_first
 
 RECENT_SCORE = 1.5  # attention probabilities are at most 1; tokens after the ranking score 2 and more
 
@@ -26,14 +26,9 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
         length = layer.stored_tokens
         slot = torch.arange(length, device=layer.device)
         codec_sink = (slot[None, :] >= layer.pads[:, None]) & (slot[None, :] < layer.pads[:, None] + codec_sinks)
-        ranked = _priority(policy, layer.accumulated, layer.pads, layer.kv_heads, length)
-        priorities.append(ranked.masked_fill(codec_sink[:, None, :], float("inf")))
-        scores = policy.score(layer.accumulated, length)
-        if scores is layer.accumulated:
-            chosen_by.append(priorities[-1])
-        else:
-            chosen = _priority(policy, scores, layer.pads, layer.kv_heads, length)
-            chosen_by.append(chosen.masked_fill(codec_sink[:, None, :], float("inf")))
+        priorities.append(_protected(policy, layer.accumulated, layer, codec_sink))
+        scores = policy.score(layer.accumulated, length)  # KVzip's span: chooses which pairs, not how many
+        chosen_by.append(priorities[-1] if scores is layer.accumulated else _protected(policy, scores, layer, codec_sink))
         # The document's `recent` newest tokens are kept now; later they rank like the newest context, not like
         # sinks (never evicted): above every attention score, below every later token.
         newest.append((slot >= length - policy.recent) & (slot >= layer.pads[:, None] + max(policy.sink_tokens, codec_sinks)))
@@ -41,21 +36,19 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
     heads = layers[0].kv_heads
     real = sum((p > float("-inf")).flatten(1).sum(1) for p in priorities)  # [B] real pairs of the row
     total = torch.minimum(policy.kept_per_row(layers[0].real_seen) * heads * len(layers), real)
-    keep = _ranked_first(flat, total[:, None])
+    keep = ranked_first(flat, total[:, None])
     out, start = [], 0
     for p, chosen, recent in zip(priorities, chosen_by, newest):
         size = p[0].numel()
         layer_keep = keep[:, start : start + size].view_as(p)
         if chosen is not p:  # the raw ranking sets how many pairs each head keeps, the policy's score which
-            layer_keep = _ranked_first(chosen, layer_keep.sum(-1, keepdim=True))
+            layer_keep = ranked_first(chosen, layer_keep.sum(-1, keepdim=True))
         out.append((chosen.masked_fill(recent[:, None, :], RECENT_SCORE), layer_keep))
         start += size
     return out
 
 
-def _ranked_first(priority: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Bool mask of the `counts` highest priorities along the last dim (ties: the first ranked first)."""
-    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
-    slot = torch.arange(priority.shape[-1], device=priority.device)
-    rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
-    return rank < counts
+def _protected(policy: Policy, scores: torch.Tensor, layer, codec_sink: torch.Tensor) -> torch.Tensor:
+    """The policy's priority of a layer's slots (`_priority`), with the codec's sinks protected too."""
+    priority = _priority(policy, scores, layer.pads, layer.kv_heads, layer.stored_tokens)
+    return priority.masked_fill(codec_sink[:, None, :], float("inf"))

@@ -9,10 +9,10 @@ from typing import ClassVar, Literal
 import torch
 
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
+from ..ops.cpu_decode import KernelLayout
 from ..ops.hadamard import rotate_batch_rows, rotate_rows
 from ..ops.rerotate import rerotate
 from ..spec_text import changed_fields, join_spec
-from ..ops.cpu_decode import KernelLayout
 from .base import Codec, Encoded, Kind
 from . import plane_attention
 from .gaussian_levels import levels_tensor, lloyd_max_levels, thresholds_tensor

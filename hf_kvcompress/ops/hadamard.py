@@ -92,7 +92,6 @@ def rotate_rows(x: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tens
     return out.reshape(x.shape)
 
 
-
 def rotate_batch_rows(x: torch.Tensor, seed: int) -> torch.Tensor:
     """`rotate` of x [B, ..., D] on the CPU as one matmul per batch row with the cached matrix: for the many rows
     of pre_rope's offset queries (96 for SmolLM2) the transform's small ops cost 0.22 ms per layer and this 0.04.

@@ -160,9 +160,7 @@ def select_kept(
     slot = torch.arange(length, device=device)
     is_pad = slot[None, :] < pads[:, None]  # [B, T]
     priority = _priority(policy, scores, pads, heads, length)
-    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
-    chosen = (rank < keep[:, None, None]) & ~is_pad[:, None, :]
+    chosen = ranked_first(priority, keep[:, None, None]) & ~is_pad[:, None, :]
     # Chosen real slots first, then padding to fill each row up to `total` slots, never unchosen real slots.
     level = chosen.to(torch.float32) * 2 + is_pad[:, None, :].to(torch.float32)
     kept = torch.topk(level, total, dim=-1, sorted=False).indices
@@ -172,6 +170,14 @@ def select_kept(
     filler = ~(chosen | is_pad[:, None, :]).gather(-1, kept)
     kept = kept.masked_fill(filler, 0)
     return kept.sort(dim=-1).values
+
+
+def ranked_first(priority: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Bool mask of the `counts` highest priorities along the last dim (ties: the first slot first)."""
+    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
+    slot = torch.arange(priority.shape[-1], device=priority.device)
+    rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
+    return rank < counts
 
 
 def _priority(policy: Policy, scores: torch.Tensor | None, pads: torch.Tensor, heads: int, length: int) -> torch.Tensor:

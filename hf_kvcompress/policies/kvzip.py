@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import Policy, check_budget_or_ratio, check_count
+from .base import Policy, check_count, check_kept_tokens
 
 
 BUDGETS = ("uniform", "layer", "head")
@@ -55,12 +55,10 @@ class KVzipPolicy(Policy):
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):
-        check_count("sink_tokens", self.sink_tokens)
-        check_count("recent", self.recent)
         check_count("span", self.span)
         if self.budgets not in BUDGETS:
             raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
-        check_budget_or_ratio(self, 512, self.sink_tokens + self.recent)
+        check_kept_tokens(self)
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
         if self.span == 0:
