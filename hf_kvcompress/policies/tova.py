@@ -9,6 +9,8 @@ import torch
 
 from .base import Policy, check_kept_tokens
 
+HEADS = ("mean", "each")
+
 
 @dataclass(frozen=True)
 class TOVAPolicy(Policy):
@@ -22,6 +24,10 @@ class TOVAPolicy(Policy):
         ratio: share of the tokens seen that is kept, instead of `budget`.
         recent: newest tokens always kept (0 in TOVA).
         sink_tokens: first tokens always kept (0 in TOVA).
+        heads: "mean": the newest query's attention averaged over all heads of the layer ranks the slots, so every
+            KV head keeps the same tokens (TOVA's own choice, and kvpress's TOVAPress); "each": every KV head ranks
+            by the attention of its own query heads. On SmolLM2's needle suite "mean" kept 6 of 15 answers at half
+            of the document and 4 at a quarter, "each" 3 and 1 (README).
     """
 
     name: ClassVar[str] = "tova"
@@ -30,9 +36,12 @@ class TOVAPolicy(Policy):
     ratio: float | None = None
     recent: int = 0
     sink_tokens: int = 0
+    heads: str = "mean"
     needs_attention: ClassVar[bool] = True
 
     def __post_init__(self):
+        if self.heads not in HEADS:
+            raise ValueError(f"heads must be one of {', '.join(HEADS)}, got {self.heads!r}")
         check_kept_tokens(self)
 
     @property
@@ -43,4 +52,4 @@ class TOVAPolicy(Policy):
         return attention
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
-        return accumulated
+        return accumulated.mean(1, keepdim=True) if self.heads == "mean" else accumulated

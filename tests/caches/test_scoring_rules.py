@@ -86,6 +86,27 @@ def test_kvzip_scores_are_the_max_attention_of_the_repeated_context(name):
         torch.testing.assert_close(layer.accumulated, expected[i], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", ["mean", "each"])
+def test_tova_keeps_what_the_newest_query_attends_to_averaged_over_the_layers_heads(heads):
+    model = use_kvcompress_attention(tiny_model("llama"))
+    dynamic = DynamicCache(config=model.config)
+    cache = make_cache(f"tova:budget=6,heads={heads}", model.config)
+    with torch.no_grad():
+        model(input_ids=IDS, cache=dynamic)
+        model(input_ids=IDS, cache=cache)
+    reference = _eager_attentions("llama", IDS)
+    for i, layer in _full_layers(cache):
+        newest = reference[i][:, :, -1:]  # [1, H_q, 1, 12]
+        if heads == "mean":  # one ranking for the whole layer (TOVA Sec. 3.3, kvpress's TOVAPress)
+            score = newest.mean(dim=(1, 2))[:, None].expand(-1, layer.kv_heads, -1)
+        else:
+            score = _per_kv_head(newest, layer.kv_heads, "sum")
+        kept = score.topk(6, dim=-1).indices.sort(-1).values
+        keys = dynamic.layers[i].keys
+        expected = torch.gather(keys, 2, kept[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        torch.testing.assert_close(layer.tail_keys, expected)
+
+
 def test_keydiff_keeps_the_keys_least_like_the_mean_direction():
     model = tiny_model("llama")  # no attention statistics needed: plain SDPA
     dynamic = DynamicCache(config=model.config)

@@ -7,6 +7,7 @@ from hf_kvcompress.policies.base import select_kept
 from hf_kvcompress.policies.heavy_hitter import HeavyHitterPolicy
 from hf_kvcompress.policies.kvzip import KVzipPolicy
 from hf_kvcompress.policies.sink_window import SinkWindowPolicy
+from hf_kvcompress.policies.tova import TOVAPolicy
 
 
 def test_sink_window_keeps_sinks_and_recent():
@@ -55,6 +56,7 @@ def test_heavy_hitters_are_kept_per_head():
         (lambda: HeavyHitterPolicy(recent=-1), "recent"),
         (lambda: KVzipPolicy(span=-1), "span"),
         (lambda: KVzipPolicy(span=1.5), "span"),
+        (lambda: TOVAPolicy(heads="all"), "heads must be one of mean, each"),
     ],
 )
 def test_bad_parameters_name_themselves(factory, name):
