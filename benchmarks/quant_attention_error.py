@@ -9,6 +9,11 @@ Each codec configuration then stores the keys and values as the cache would (the
 the newest `residual_length` tokens exact, the rest encoded and decoded), and the question's queries attend over
 them. Printed: the relative error of the attention output, mean over layers and prompts, and the attention mass on
 the needle's tokens as a share of the uncompressed mass (1.00 = unchanged).
+
+Two keys in a configuration are not codec options: `key_outliers=N` and `value_outliers=N` keep each token's N
+largest-magnitude key (value) entries exact and encode the rest (dense-and-sparse, KVQuant arXiv:2401.18079), to
+see whether outliers would pay for their bytes (each costs a bfloat16 value and a one-byte index). `--per-layer`
+prints each layer's error too.
 """
 
 from __future__ import annotations
@@ -42,14 +47,24 @@ def _record(store: dict, question: int):
     return attention
 
 
-def _store(states, codec: IntNCodec, kind: str):
+def _split_outliers(states, count: int):
+    """(dense, sparse): each token's `count` largest-magnitude entries moved into the sparse part."""
+    if count == 0:
+        return states, torch.zeros_like(states)
+    index = states.abs().topk(count, dim=-1).indices
+    sparse = torch.zeros_like(states).scatter(-1, index, states.gather(-1, index))
+    return states - sparse, sparse
+
+
+def _store(states, codec: IntNCodec, kind: str, outliers: int = 0):
     """The states as the cache holds them after prefill: exact sinks and residual, the middle encoded."""
     t = states.shape[2]
     encoded = max(0, (t - codec.residual_length) // codec.group_size * codec.group_size)
     if encoded == 0:
         return states
     out = states.clone()
-    out[:, :, :encoded] = codec.decode(codec.encode(states[:, :, :encoded], kind), kind, states.dtype)
+    dense, sparse = _split_outliers(states[:, :, :encoded], outliers)
+    out[:, :, :encoded] = codec.decode(codec.encode(dense, kind), kind, states.dtype) + sparse
     out[:, :, : codec.sink_tokens] = states[:, :, : codec.sink_tokens]
     return out
 
@@ -71,6 +86,7 @@ def main() -> None:
     parser.add_argument("--depths", default="0,50")
     parser.add_argument("--configs", default=";".join(CONFIGS),
                         help="IntNCodec keyword sets separated by ';' (default: bits x rotate x key_axis x sinks)")
+    parser.add_argument("--per-layer", action="store_true", help="also print each layer's error")
     args = parser.parse_args()
     configs = args.configs.split(";")
     model, tokenizer = load_model(args.model, dtype=torch.float32)
@@ -80,6 +96,7 @@ def main() -> None:
     depths = [float(d) for d in args.depths.split(",")]
     samples = build_samples(tokenizer, ["needle"], [args.length], depths)
     totals = {c: [0.0, 0.0] for c in configs}
+    per_layer = {c: torch.zeros(len(full_layers)) for c in configs}
     for sample in samples:
         document, question = encode(tokenizer, sample)
         ids = torch.tensor([document + question])
@@ -94,6 +111,7 @@ def main() -> None:
             model(input_ids=ids)
         for config in configs:
             kwargs = {k: _parse_value(v) for k, v in (p.split("=") for p in config.split(","))}
+            key_outliers, value_outliers = kwargs.pop("key_outliers", 0), kwargs.pop("value_outliers", 0)
             codec = resolve_for_model(IntNCodec(**kwargs), model.config)  # pre_rope reads the RoPE frequencies
             errors, mass = [], []
             for i in full_layers:
@@ -101,15 +119,19 @@ def main() -> None:
                 scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
                 layered = codec.for_layer(i)
                 ref, ref_probs = _attend(query, key, value, scaling)
-                out, probs = _attend(query, _store(key, layered, "key"), _store(value, layered, "value"), scaling)
+                out, probs = _attend(query, _store(key, layered, "key", key_outliers),
+                                     _store(value, layered, "value", value_outliers), scaling)
                 errors.append(((out - ref).norm() / ref.norm()).item())
                 mass.append((probs[..., needle_slots].sum() / ref_probs[..., needle_slots].sum()).item())
+            per_layer[config] += torch.tensor(errors) / len(samples)
             totals[config][0] += sum(errors) / len(errors) / len(samples)
             totals[config][1] += sum(mass) / len(mass) / len(samples)
     print(f"{args.model}, needle at {args.length} tokens, depths {args.depths}; {len(full_layers)} full-attention layers")
     print(f"{'codec':50s} {'attn out rel. err':>18s} {'needle mass':>12s}")
     for config, (error, mass) in totals.items():
         print(f"{config:50s} {error:18.4f} {mass:12.3f}")
+        if args.per_layer:
+            print("  per layer: " + " ".join(f"{i}:{e:.3f}" for i, e in zip(full_layers, per_layer[config].tolist())))
 
 
 if __name__ == "__main__":
