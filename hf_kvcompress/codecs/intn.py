@@ -32,6 +32,18 @@ BEST_TWO_BIT = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True}
 PLAIN_NAME_DEFAULTS = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
 
 
+def _layer_list(text) -> tuple[int, ...]:
+    """"7/18/23" (or a single int, as specs parse "7") -> (7, 18, 23), sorted; anything else is refused."""
+    parts = [text] if isinstance(text, int) else str(text).split("/") if str(text) else []
+    try:
+        layers = sorted({int(p) for p in parts})
+    except ValueError:
+        layers = [-1]
+    if any(layer < 0 for layer in layers) or isinstance(text, bool):
+        raise ValueError(f"wide_layers must be layer indices >= 0 separated by '/', e.g. 7/18/23, got {text!r}")
+    return tuple(layers)
+
+
 def _bf16_directed(x: torch.Tensor, up: bool) -> torch.Tensor:
     """float32 -> bfloat16 rounded towards +inf (`up`) or -inf, exactly: bf16 is the top half of a float32."""
     bits = x.float().contiguous().view(torch.int32)
@@ -108,6 +120,11 @@ class IntNCodec(Codec):
             again. Offsets within a group are all it needs (never absolute positions), read with the RoPE
             frequencies from the model's config, so the cache must be built with it (`make_cache(spec, config)`).
             Keys grouped per token (key_axis="token", evicting policies) are left as they are.
+        wide_layers: decoder layers (e.g. "7/18/23") stored at `wide_bits` instead of `bits`: per-layer mixed
+            precision (KVTuner, arXiv:2502.04420). Some layers' attention suffers far more from 2 bits than others
+            (on SmolLM2 six of 30 layers carry 40% of the error); `benchmarks/quant_attention_error.py --per-layer`
+            lists each layer's error for a model. Their bytes are counted at their own width.
+        wide_bits: the width of `wide_layers` (4).
     """
 
     bits: int = 4
@@ -118,6 +135,8 @@ class IntNCodec(Codec):
     sink_tokens: int = 0
     codebook: Literal["uniform", "gaussian"] = "uniform"
     pre_rope: bool = False
+    wide_layers: str = ""
+    wide_bits: int = 4
     # RoPE inverse frequencies of the full-attention layers, filled in by `for_model` when pre_rope is on.
     inv_freq: tuple[float, ...] | None = field(default=None, init=False, repr=False, compare=False)
     # The decoder layer this copy serves (see `for_layer`): it seeds the rotation's signs.
@@ -142,15 +161,30 @@ class IntNCodec(Codec):
             raise ValueError(f"codebook must be one of {CODEBOOKS}, got {self.codebook!r}")
         if not isinstance(self.pre_rope, bool):
             raise ValueError(f"pre_rope must be true or false, got {self.pre_rope!r}")
+        if self.wide_bits not in PACKABLE_BITS:
+            raise ValueError(f"wide_bits must be one of {PACKABLE_BITS}, got {self.wide_bits!r}")
+        object.__setattr__(self, "wide_layers", "/".join(map(str, _layer_list(self.wide_layers))))
+
+    @property
+    def widened(self) -> tuple[int, ...]:
+        """The decoder layers stored at `wide_bits`."""
+        return _layer_list(self.wide_layers)
 
     @property
     def needs_model(self) -> bool:
-        """Only pre_rope reads the model's config (its RoPE frequencies)."""
-        return self.pre_rope
+        """pre_rope reads the model's config (its RoPE frequencies); wide_layers checks its layer count."""
+        return self.pre_rope or bool(self.wide_layers)
 
     def for_model(self, config) -> "IntNCodec":
         """Read the full-attention layers' RoPE frequencies from the config (pre_rope only). A model without RoPE
         stores its keys unrotated already, so pre_rope has nothing to undo there (no frequencies, no change)."""
+        if self.widened:
+            from ..hf.compat import text_config
+
+            layers = text_config(config).num_hidden_layers
+            if self.widened[-1] >= layers:
+                raise ValueError(f"wide_layers must be decoder layers 0 to {layers - 1} of this model, "
+                                 f"got {self.wide_layers!r}")
         if not self.pre_rope:
             return self
         from ..hf.compat import text_config
@@ -196,10 +230,14 @@ class IntNCodec(Codec):
         return self
 
     def for_layer(self, layer_idx: int) -> "IntNCodec":
-        if self.rotate == "none":
+        wide = layer_idx in self.widened
+        if self.rotate == "none" and not wide:
             return self
         layered = copy.copy(self)
         object.__setattr__(layered, "layer", layer_idx)
+        if wide:
+            object.__setattr__(layered, "bits", self.wide_bits)
+            object.__setattr__(layered, "wide_layers", "")
         return layered
 
     def _seed(self, kind: Kind) -> int:

@@ -83,7 +83,8 @@ def test_token_wise_encodings_gather_per_head():
     "kwargs,name",
     [({"bits": 5}, "bits"), ({"group_size": 0}, "group_size"), ({"rotate": "random"}, "rotate"),
      ({"sink_tokens": -1}, "sink_tokens"), ({"residual_length": -1}, "residual_length"),
-     ({"key_axis": "row"}, "key_axis"), ({"codebook": "nf4"}, "codebook")],
+     ({"key_axis": "row"}, "key_axis"), ({"codebook": "nf4"}, "codebook"), ({"wide_bits": 5}, "wide_bits"),
+     ({"wide_layers": "1/x"}, "wide_layers"), ({"wide_layers": "-1"}, "wide_layers")],
 )
 def test_intn_rejects_bad_parameters(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -397,3 +398,31 @@ def test_pre_rope_needs_the_models_config_and_a_bool():
     with pytest.raises(ValueError, match="pre_rope"):
         IntNCodec(pre_rope=True, key_axis="channel").encode(torch.randn(1, 1, 32, 64), "key")
     make_cache("int2:pre_rope=false")  # the other options need no config
+
+
+def test_wide_layers_store_their_layers_at_wide_bits_and_the_rest_at_bits():
+    """Per-layer mixed precision. Layer 0 sees the same inputs in every cache, so with wide_layers=0 it holds
+    exactly what an int4 cache with the same options holds there, and with wide_layers=1 what the int2 cache holds;
+    the bytes lie between the two widths'."""
+    from hf_kvcompress import make_cache, measured_kv_bytes
+
+    from ..caches.tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    options = "residual_length=4,group_size=8,rotate=hadamard,sink_tokens=2"
+    same = "codebook=gaussian,pre_rope=true"  # what the plain int2 carries, and so its wide layers
+    specs = (f"int2:{options}", f"int4:{options},{same}", f"int2:{options},wide_layers=0", f"int2:{options},wide_layers=1")
+    caches = [make_cache(spec, model.config) for spec in specs]
+    with torch.no_grad():
+        for cache in caches:
+            model(input_ids=ids, cache=cache)
+    narrow, wide, first_wide, second_wide = caches
+    assert [layer.codec.bits for layer in first_wide.layers] == [4, 2]
+    assert [layer.codec.bits for layer in second_wide.layers] == [2, 4]
+    for mixed, reference in ((first_wide, wide), (second_wide, narrow)):
+        for kind in ("key", "value"):
+            torch.testing.assert_close(mixed.layers[0]._full(kind), reference.layers[0]._full(kind), rtol=0, atol=0)
+    assert measured_kv_bytes(narrow) < measured_kv_bytes(second_wide) < measured_kv_bytes(wide)
+    with pytest.raises(ValueError, match="wide_layers must be decoder layers 0 to 1"):
+        make_cache(f"int2:{options},wide_layers=2", model.config)
