@@ -4,7 +4,9 @@
 total (KVzip Sec. 3.3; kvpress's KVzipPress does the same with masks over memory it still holds) and replaces each
 scored layer by this one, which stores only the kept pairs (`RaggedHeads`). Later tokens (questions, answers) stay
 at full precision for the codec's residual, then join the store, ranked above the context (newest first): when
-the row holds more than its allowance, the lowest-scored pairs of any head go, the context's first. The codec's
+the row holds more than its allowance, the lowest-scored pairs of any head go, the context's first, a block at a
+time: down to the allowance less some slack (`EVICTION_SLACK`), so that eviction runs every few dozen steps instead
+of nearly every step; the row never holds more than its allowance after an update. The codec's
 full-precision sink tokens stay exact beside the store. Attention sees [sinks | padded view | recent tokens] with
 a per-head mask, through 'kvcompress_sdpa' (`use_kvcompress_attention`).
 """
@@ -21,6 +23,12 @@ from .requests import ENABLE_ATTENTION_HINT, MASK_KEY, OwnMask, attention_kwargs
 
 LATER_TOKENS = 2.0  # scores of tokens after the ranking start here: above any attention probability
 ABSORB_BLOCK = 32  # recent tokens beyond the codec's residual join the store this many at a time
+# Pairs per KV head a row over its allowance gives up beyond the excess (at most an eighth of the allowance, so a
+# small budget is not emptied). Each decoded token adds a pair per head while a ratio's allowance grows by a fraction
+# of one, so evicting only the excess sorted and copied the whole store on nearly every step; with this slack a
+# row evicts once every ~EVICTION_SLACK / (1 - ratio) tokens, and still never holds more than its allowance.
+EVICTION_SLACK = 32
+SLACK_SHARE = 8
 
 
 class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
@@ -251,15 +259,16 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
 
     def _evict(self) -> None:
         """Hold at most the row's allowance (its share at the ranking, moved by the policy's ratio since): the
-        lowest-scored stored pairs of any head go first (the context before later tokens); a row whose store has
-        nothing left to give drops its oldest recent tokens."""
+        lowest-scored stored pairs of any head go first (the context before later tokens), down to the allowance
+        less the slack; a row whose store has nothing left to give drops just enough of its oldest recent tokens."""
         allowance = self.allowance + self.kv_heads * (self.policy.kept_per_row(self.real_seen) - self.share_then)
         over = (self.held_pairs() - allowance).clamp(min=0)
         if not bool((over > 0).any()):
             return
-        from_store = torch.minimum(over, self.store.evictable())
+        slack = torch.where(over > 0, (allowance // SLACK_SHARE).clamp(max=EVICTION_SLACK * self.kv_heads), 0)
+        from_store = torch.minimum(over + slack, self.store.evictable())
         self.store.evict_lowest(from_store.tolist())
-        rest = over - from_store
+        rest = (over - from_store).clamp(min=0)  # the slack comes from the store only, never from recent tokens
         if self.tail_valid is not None and bool((rest > 0).any()):
             tokens = (rest + self.kv_heads - 1) // self.kv_heads  # whole tokens: every head of the row
             oldest = self.tail_valid & (self.tail_valid.long().cumsum(-1) <= tokens[:, None])
