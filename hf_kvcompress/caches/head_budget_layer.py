@@ -220,12 +220,17 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         return self._sink_count() + self.store.most + self._tail_length()
 
     def _full(self, kind: str) -> torch.Tensor:
+        tail = self.tail_keys if kind == "key" else self.tail_values
+        if self.codec.lossless and self.sink_valid is None:
+            # A lossless codec gives the recent tokens back as they are: they join each head's pairs in the view's
+            # one copy, instead of a second copy of the whole view by `cat`.
+            return self.store.padded(self.codec, kind, self.dtype, after=self.codec.encode(tail, kind))
         parts = []
         if self.sink_valid is not None:
             parts.append((self.sink_keys if kind == "key" else self.sink_values).to(self.dtype))
         if self.store.most:
             parts.append(self.store.padded(self.codec, kind, self.dtype))
-        parts.append(self.tail_keys if kind == "key" else self.tail_values)
+        parts.append(tail)
         return torch.cat(parts, dim=-2)
 
     def _mask(self, new: int, length: int) -> torch.Tensor:
@@ -234,6 +239,8 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         if self.sink_valid is not None:
             valid.insert(0, self.sink_valid[:, None, :].expand(-1, self.kv_heads, -1))
         valid = torch.cat(valid, dim=-1)
+        if new == 1:  # a decode step: its token is the newest slot, and every earlier slot is causal to it
+            return valid[:, :, None, :]
         slot = torch.arange(length, device=self.device)
         causal = slot[None, :] <= (length - new + torch.arange(new, device=self.device))[:, None]  # [new, length]
         return valid[:, :, None, :] & causal[None, None]
