@@ -68,6 +68,7 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         self.share_then = self.policy.kept_per_row(self.real_seen)
         self.own_mask: OwnMask | None = None
         self.finite, self.unchecked_steps = None, 0  # decode steps' deferred NaN/inf check (finite_check.py)
+        self.headroom: int | None = None  # pairs every row may still add before one can be over (`_evict`)
         self.is_initialized = True
         origin.reset()  # its store now lives here; `CompressedCache.reset` puts the emptied layer back
 
@@ -92,6 +93,8 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         self._check_finite(key_states, value_states)
         new = key_states.shape[-2]
         self.seen += new
+        if self.headroom is not None:
+            self.headroom -= new * self.kv_heads
         self.real_seen = self.real_seen + new  # padding only ever leads a row's prompt
         self.tail_keys = key_states.clone() if self.tail_keys is None else torch.cat([self.tail_keys, key_states], -2)
         self.tail_values = (
@@ -142,6 +145,7 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, indices))
         self.batch_size = indices.numel()
+        self.headroom = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.batch_select_indices(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
@@ -201,6 +205,7 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         layer.device = layer.real_seen.device
         layer.own_mask = None
         layer.finite, layer.unchecked_steps = None, 0
+        layer.headroom = None
         layer.is_initialized = True
         return layer
 
@@ -267,10 +272,17 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
     def _evict(self) -> None:
         """Hold at most the row's allowance (its share at the ranking, moved by the policy's ratio since): the
         lowest-scored stored pairs of any head go first (the context before later tokens), down to the allowance
-        less the slack; a row whose store has nothing left to give drops just enough of its oldest recent tokens."""
+        less the slack; a row whose store has nothing left to give drops just enough of its oldest recent tokens.
+
+        Each token adds one pair per head and an allowance never shrinks, so after a check no row can be over until
+        the rows have added the smallest room left (`headroom`): the steps between skip the check and its host read.
+        """
+        if self.headroom is not None and self.headroom >= 0:
+            return
         allowance = self.allowance + self.kv_heads * (self.policy.kept_per_row(self.real_seen) - self.share_then)
         over = (self.held_pairs() - allowance).clamp(min=0)
         if not bool((over > 0).any()):
+            self.headroom = int((allowance - self.held_pairs()).min())
             return
         slack = torch.where(over > 0, (allowance // SLACK_SHARE).clamp(max=EVICTION_SLACK * self.kv_heads), 0)
         from_store = torch.minimum(over + slack, self.store.evictable())
@@ -280,4 +292,5 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
             tokens = (rest + self.kv_heads - 1) // self.kv_heads  # whole tokens: every head of the row
             oldest = self.tail_valid & (self.tail_valid.long().cumsum(-1) <= tokens[:, None])
             self.tail_valid = self.tail_valid & ~oldest
+        self.headroom = int((allowance - self.held_pairs()).min())
 
