@@ -53,6 +53,7 @@ class RaggedHeads:
         return self.lengths.sum(-1)
 
     def _head_counts(self) -> list[int]:
+        """`lengths` flattened, read to the host once per change of the pairs rather than at every view."""
         if self._counts is None:
             self._counts = self.lengths.flatten().tolist()
         return self._counts
