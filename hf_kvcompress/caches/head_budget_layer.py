@@ -4,7 +4,9 @@
 total (KVzip Sec. 3.3; kvpress's KVzipPress does the same with masks over memory it still holds) and replaces each
 scored layer by this one, which stores only the kept pairs (`RaggedHeads`). Later tokens (questions, answers) stay
 at full precision for the codec's residual, then join the store, ranked above the context (newest first): when
-the row holds more than its allowance, the lowest-scored pairs of any head go, the context's first. The codec's
+the row holds more than its allowance, the lowest-scored pairs of any head go, the context's first, a block at a
+time: down to the allowance less some slack (`EVICTION_SLACK`), so that eviction runs every few dozen steps instead
+of nearly every step; the row never holds more than its allowance after an update. The codec's
 full-precision sink tokens stay exact beside the store. Attention sees [sinks | padded view | recent tokens] with
 a per-head mask, through 'kvcompress_sdpa' (`use_kvcompress_attention`).
 """
@@ -21,6 +23,12 @@ from .requests import ENABLE_ATTENTION_HINT, MASK_KEY, OwnMask, attention_kwargs
 
 LATER_TOKENS = 2.0  # scores of tokens after the ranking start here: above any attention probability
 ABSORB_BLOCK = 32  # recent tokens beyond the codec's residual join the store this many at a time
+# Pairs per KV head a row over its allowance gives up beyond the excess (at most an eighth of the allowance, so a
+# small budget is not emptied). Each decoded token adds a pair per head while a ratio's allowance grows by a fraction
+# of one, so evicting only the excess sorted and copied the whole store on nearly every step; with this slack a
+# row evicts once every ~EVICTION_SLACK / (1 - ratio) tokens, and still never holds more than its allowance.
+EVICTION_SLACK = 32
+SLACK_SHARE = 8
 
 
 class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
@@ -60,6 +68,7 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         self.share_then = self.policy.kept_per_row(self.real_seen)
         self.own_mask: OwnMask | None = None
         self.finite, self.unchecked_steps = None, 0  # decode steps' deferred NaN/inf check (finite_check.py)
+        self.headroom: int | None = None  # pairs every row may still add before one can be over (`_evict`)
         self.is_initialized = True
         origin.reset()  # its store now lives here; `CompressedCache.reset` puts the emptied layer back
 
@@ -84,6 +93,8 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         self._check_finite(key_states, value_states)
         new = key_states.shape[-2]
         self.seen += new
+        if self.headroom is not None:
+            self.headroom -= new * self.kv_heads
         self.real_seen = self.real_seen + new  # padding only ever leads a row's prompt
         self.tail_keys = key_states.clone() if self.tail_keys is None else torch.cat([self.tail_keys, key_states], -2)
         self.tail_values = (
@@ -134,6 +145,7 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, indices))
         self.batch_size = indices.numel()
+        self.headroom = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.batch_select_indices(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
@@ -193,6 +205,7 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         layer.device = layer.real_seen.device
         layer.own_mask = None
         layer.finite, layer.unchecked_steps = None, 0
+        layer.headroom = None
         layer.is_initialized = True
         return layer
 
@@ -212,12 +225,17 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         return self._sink_count() + self.store.most + self._tail_length()
 
     def _full(self, kind: str) -> torch.Tensor:
+        tail = self.tail_keys if kind == "key" else self.tail_values
+        if self.codec.lossless and self.sink_valid is None:
+            # A lossless codec gives the recent tokens back as they are: they join each head's pairs in the view's
+            # one copy, instead of a second copy of the whole view by `cat`.
+            return self.store.padded(self.codec, kind, self.dtype, after=self.codec.encode(tail, kind))
         parts = []
         if self.sink_valid is not None:
             parts.append((self.sink_keys if kind == "key" else self.sink_values).to(self.dtype))
         if self.store.most:
             parts.append(self.store.padded(self.codec, kind, self.dtype))
-        parts.append(self.tail_keys if kind == "key" else self.tail_values)
+        parts.append(tail)
         return torch.cat(parts, dim=-2)
 
     def _mask(self, new: int, length: int) -> torch.Tensor:
@@ -226,6 +244,8 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         if self.sink_valid is not None:
             valid.insert(0, self.sink_valid[:, None, :].expand(-1, self.kv_heads, -1))
         valid = torch.cat(valid, dim=-1)
+        if new == 1:  # a decode step: its token is the newest slot, and every earlier slot is causal to it
+            return valid[:, :, None, :]
         slot = torch.arange(length, device=self.device)
         causal = slot[None, :] <= (length - new + torch.arange(new, device=self.device))[:, None]  # [new, length]
         return valid[:, :, None, :] & causal[None, None]
@@ -251,17 +271,26 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
 
     def _evict(self) -> None:
         """Hold at most the row's allowance (its share at the ranking, moved by the policy's ratio since): the
-        lowest-scored stored pairs of any head go first (the context before later tokens); a row whose store has
-        nothing left to give drops its oldest recent tokens."""
+        lowest-scored stored pairs of any head go first (the context before later tokens), down to the allowance
+        less the slack; a row whose store has nothing left to give drops just enough of its oldest recent tokens.
+
+        Each token adds one pair per head and an allowance never shrinks, so after a check no row can be over until
+        the rows have added the smallest room left (`headroom`): the steps between skip the check and its host read.
+        """
+        if self.headroom is not None and self.headroom >= 0:
+            return
         allowance = self.allowance + self.kv_heads * (self.policy.kept_per_row(self.real_seen) - self.share_then)
         over = (self.held_pairs() - allowance).clamp(min=0)
         if not bool((over > 0).any()):
+            self.headroom = int((allowance - self.held_pairs()).min())
             return
-        from_store = torch.minimum(over, self.store.evictable())
+        slack = torch.where(over > 0, (allowance // SLACK_SHARE).clamp(max=EVICTION_SLACK * self.kv_heads), 0)
+        from_store = torch.minimum(over + slack, self.store.evictable())
         self.store.evict_lowest(from_store.tolist())
-        rest = over - from_store
+        rest = (over - from_store).clamp(min=0)  # the slack comes from the store only, never from recent tokens
         if self.tail_valid is not None and bool((rest > 0).any()):
             tokens = (rest + self.kv_heads - 1) // self.kv_heads  # whole tokens: every head of the row
             oldest = self.tail_valid & (self.tail_valid.long().cumsum(-1) <= tokens[:, None])
             self.tail_valid = self.tail_valid & ~oldest
+        self.headroom = int((allowance - self.held_pairs()).min())
 

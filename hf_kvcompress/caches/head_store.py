@@ -4,7 +4,9 @@ A global ranking (KVzip, Ada-KV) gives some heads many pairs and others few. Kep
 would hold slots for the most any head keeps; here the pairs of row 0 head 0, row 0 head 1, ... are concatenated
 (oldest first within a head) and only `lengths` [B, H] says where each head's pairs are. Attention gets a padded
 [B, H, M, D] view built for the step (M: the most pairs any head keeps), with each head's pairs right-aligned and a
-mask of the slots that hold a pair; the view is transient.
+mask of the slots that hold a pair; the view is transient. Each head's pairs are one contiguous slice of the store,
+so the view is one `torch.cat` of [zeros, head's pairs] pieces (the zeros one expanded row): a single copy, with the
+per-head lengths read to the host only when the pairs change (evicting, appending), not at every step.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ class RaggedHeads:
         self.values = values
         self.scores = scores  # [N] float32: lower goes first (+inf: never)
         self.lengths = lengths  # [B, H] int64: pairs held per row and head
-        self.most = int(lengths.max()) if lengths.numel() else 0  # the padded view's width, known on the host
+        self._changed()
+
+    def _changed(self) -> None:
+        """Forget what the views were assembled from: the pairs were evicted, appended or reordered."""
+        self.most = int(self.lengths.max()) if self.lengths.numel() else 0  # the padded view's width, on the host
+        self._counts: list[int] | None = None  # `lengths` flattened, on the host (no tensor: bytes stay exact)
 
     @classmethod
     def pack(cls, keys: Encoded, values: Encoded, scores: torch.Tensor, keep: torch.Tensor) -> "RaggedHeads":
@@ -45,28 +52,33 @@ class RaggedHeads:
         """Pairs held per row, [B]."""
         return self.lengths.sum(-1)
 
-    def _destination(self, width: int) -> torch.Tensor:
-        """Each stored pair's index in the flattened [B * H * width] padded view (right-aligned per head)."""
-        counts = self.lengths.flatten()
-        head = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
-        start = counts.cumsum(0) - counts
-        rank = torch.arange(head.numel(), device=counts.device) - start[head]
-        return head * width + (width - counts[head]) + rank
+    def _head_counts(self) -> list[int]:
+        """`lengths` flattened, read to the host once per change of the pairs rather than at every view."""
+        if self._counts is None:
+            self._counts = self.lengths.flatten().tolist()
+        return self._counts
 
-    def padded(self, codec: Codec, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
-        """The decoded [B, H, M, D] view; slots that hold no pair decode from zeros and must be masked
-        (`valid`)."""
+    def padded(self, codec: Codec, kind: Kind, dtype: torch.dtype, after: Encoded | None = None) -> torch.Tensor:
+        """The decoded [B, H, M, D] view; slots that hold no pair decode from zeros and must be masked (`valid`).
+        `after` (encoded [B, H, t, ...]) joins each head's pairs before decoding: [B, H, M + t, D] in one copy."""
         batch, heads = self.lengths.shape
-        destination = self._destination(self.most)
+        counts = self._head_counts()
         encoded = {}
         for name, tensor in (self.keys if kind == "key" else self.values).items():
-            rest = tensor.shape[1:]
 
-            def scatter(t, rest=rest):
-                view = t.new_zeros(batch * heads * self.most, *rest)
-                return view.index_copy_(0, destination, t).view(batch, heads, self.most, *rest)
+            def assemble(t, name=name):
+                later = None if after is None else after[name].view(t.dtype).flatten(0, 1).unbind(0)
+                zeros = t.new_zeros(1, *t.shape[1:]).expand(self.most - min(counts, default=0), *t.shape[1:])
+                pieces = []
+                for i, pairs in enumerate(t.split(counts)):
+                    pieces += [zeros[: self.most - counts[i]], pairs] if counts[i] < self.most else [pairs]
+                    if later is not None:
+                        pieces.append(later[i])
+                width = self.most + (0 if after is None else after[name].shape[2])
+                joined = torch.cat(pieces) if pieces else t[:0]  # no rows at all
+                return joined.view(batch, heads, width, *t.shape[1:])
 
-            encoded[name] = _index_op(tensor, scatter)
+            encoded[name] = _index_op(tensor, assemble)
         return codec.decode(encoded, kind, dtype)
 
     def valid(self) -> torch.Tensor:
@@ -103,7 +115,7 @@ class RaggedHeads:
         self.values = {n: _index_op(t, lambda x: x[keep]) for n, t in self.values.items()}
         self.scores = self.scores[keep]
         self.lengths = self.lengths - dropped
-        self.most = int(self.lengths.max())
+        self._changed()
 
     def append(self, keys: Encoded, values: Encoded, scores: torch.Tensor, keep: torch.Tensor) -> None:
         """Add the newer pairs `keep` [B, H, t] (bool) of encoded tensors [B, H, t, ...] scored [B, H, t] after
@@ -132,7 +144,7 @@ class RaggedHeads:
         }
         self.scores = merge(self.scores, scores.float())
         self.lengths = self.lengths + added.view(batch, heads)
-        self.most = int(self.lengths.max())
+        self._changed()
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep batch rows `rows` (beam search reorders and repeats them)."""
@@ -145,7 +157,7 @@ class RaggedHeads:
         self.values = {n: _index_op(t, lambda x: x.index_select(0, index)) for n, t in self.values.items()}
         self.scores = self.scores.index_select(0, index)
         self.lengths = self.lengths.index_select(0, rows)
-        self.most = int(self.lengths.max()) if self.lengths.numel() else 0
+        self._changed()
 
     def state(self) -> dict[str, torch.Tensor]:
         """The tensors that rebuild this store (`from_state`)."""

@@ -8,11 +8,13 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
-from hf_kvcompress.caches.head_budget_layer import HeadBudgetLayer
+from hf_kvcompress.caches.head_budget_layer import EVICTION_SLACK, SLACK_SHARE, HeadBudgetLayer
 from hf_kvcompress.caches.head_store import RaggedHeads
 from hf_kvcompress.caches.layer import CompressedLayer
+from hf_kvcompress.caches.requests import MASK_KEY
 from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.generation import generate, prefill
+from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.hf.attention import kvcompress_attention
 
 from .tiny_models import tiny_model
@@ -173,13 +175,86 @@ def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(
     assert kv_length == layers[0]._view_length() + 1 and kv_offset == cache.get_seq_length() - layers[0]._view_length()
     for layer, start in zip(layers, at_ranking):
         held = int(layer.held_pairs()[0])
-        if cache.policy.ratio is None:
-            # A fixed budget: later tokens displace context pairs; once those are spent, whole older tokens go
-            # (every head of a row at once), so a row may hold up to kv_heads - 1 pairs less than its share.
-            assert start - layer.kv_heads < held <= start
-        else:
-            assert held == start + layer.kv_heads * (cache.policy.kept_per_row(layer.real_seen) - layer.share_then)[0]
+        allowance = start + int(layer.kv_heads * (cache.policy.kept_per_row(layer.real_seen) - layer.share_then)[0])
+        # Eviction goes down to the allowance less the slack (stored pairs), or drops whole older recent tokens
+        # (every head of a row at once) once the store has nothing left to give: never above the allowance.
+        slack = min(allowance // SLACK_SHARE, EVICTION_SLACK * layer.kv_heads)
+        assert allowance - slack - layer.kv_heads < held <= allowance
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def _allowance(cache, layer) -> int:
+    """Pairs row 0 of `layer` may hold now: its share at the ranking, moved by the policy's ratio since."""
+    return int((layer.allowance + layer.kv_heads * (cache.policy.kept_per_row(layer.real_seen) - layer.share_then))[0])
+
+
+def test_decoding_evicts_a_block_at_a_time_and_never_holds_more_than_the_allowance():
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = _ids(600, seed=12)
+    cache = make_cache("kvzip:ratio=0.5", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    held = [[int(layer.held_pairs()[0])] for layer in cache.layers]
+    assert all(h[0] == _allowance(cache, layer) for h, layer in zip(held, cache.layers))  # the ranking: exactly
+    token = ids[:, -1:]
+    with torch.inference_mode():
+        for _ in range(80):
+            token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+            for h, layer in zip(held, cache.layers):
+                h.append(int(layer.held_pairs()[0]))
+                assert h[-1] <= _allowance(cache, layer)
+    for h, layer in zip(held, cache.layers):
+        evicted = [before + layer.kv_heads - after for before, after in zip(h, h[1:]) if after < before + layer.kv_heads]
+        # A ratio of a half grows the allowance by a pair per head every other token while each token adds one:
+        # evicting only the excess would run 40 times here; with the slack (64 pairs of 300 x 2) it runs twice.
+        assert len(evicted) == 2 and all(n > EVICTION_SLACK * layer.kv_heads for n in evicted)
+
+
+def _held_pairs(layer, b, h, kind):
+    """What head h of row b holds, read from the flat store, the sinks and the recent tokens (no padded view)."""
+    ends = layer.store.lengths.flatten().cumsum(0).tolist()
+    i = b * layer.kv_heads + h
+    start = ends[i - 1] if i else 0
+    encoded = {n: t[start : ends[i]][None, None] for n, t in (layer.store.keys if kind == "key" else layer.store.values).items()}
+    parts = [layer.codec.decode(encoded, kind, torch.float32)[0, 0]]
+    if layer.sink_valid is not None:
+        sinks = layer.sink_keys if kind == "key" else layer.sink_values
+        parts.insert(0, sinks[b, h][layer.sink_valid[b]].float())
+    if layer.tail_valid is not None:
+        parts.append((layer.tail_keys if kind == "key" else layer.tail_values)[b, h][layer.tail_valid[b]])
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "kvzip:ratio=0.5+int4:residual_length=2,group_size=16"])
+def test_each_decode_step_attends_over_exactly_the_pairs_each_head_holds(spec):
+    model = use_kvcompress_attention(tiny_model("llama"))
+    rows = [_ids(300, seed=13)[0], _ids(260, seed=14)[0]]
+    ids, mask = torch.zeros(2, 300, dtype=torch.long), torch.zeros(2, 300, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, 300 - len(row) :], mask[i, 300 - len(row) :] = row, 1
+    cache = make_cache(spec, model.config)
+    prefill(model, ids, mask, cache, repeat_prompt_ids=REPEAT)
+    layer = cache.layers[1]
+    g = torch.Generator().manual_seed(1)
+    scale = layer.head_dim**-0.5
+    evictions = 0
+    for _ in range(70):  # crosses blocks of recent tokens joining the store, and evictions
+        key, value, query = (torch.randn(2, layer.kv_heads, 1, layer.head_dim, generator=g) for _ in range(3))
+        held = [[(_held_pairs(layer, b, h, "key"), _held_pairs(layer, b, h, "value")) for h in range(layer.kv_heads)]
+                for b in range(2)]
+        pairs_before = layer.store.pairs
+        kwargs = {}
+        keys, values = layer.update(key, value, kwargs)
+        allowed = kwargs[MASK_KEY].mask
+        kwargs[MASK_KEY].used = True
+        evictions += layer.store.pairs < pairs_before
+        for b in range(2):
+            for h in range(layer.kv_heads):
+                logits = (keys[b, h] @ query[b, h, 0]) * scale
+                out = torch.softmax(logits.masked_fill(~allowed[b, h, 0], float("-inf")), -1) @ values[b, h]
+                k, v = (torch.cat([held[b][h][j], s[b, h]]) for j, s in enumerate((key, value)))
+                expected = torch.softmax((k @ query[b, h, 0]) * scale, -1) @ v
+                torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert evictions >= 2
 
 
 def test_budget_spent_by_the_answer_evicts_the_oldest_later_tokens_too():
@@ -192,7 +267,7 @@ def test_budget_spent_by_the_answer_evicts_the_oldest_later_tokens_too():
     assert sum(allocated) == 6 * layers[0].kv_heads * len(layers)
     generate(model, torch.cat([ids, _ids(2, seed=1)], 1), None, cache, max_new_tokens=30)  # many more than the budget
     for layer, pairs in zip(layers, allocated):
-        assert pairs - layer.kv_heads < int(layer.held_pairs()[0]) <= pairs
+        assert pairs - pairs // SLACK_SHARE - layer.kv_heads < int(layer.held_pairs()[0]) <= pairs
         assert int(torch.isfinite(layer.store.scores).sum()) == 0 or layer.store.scores.min() >= 2.0  # context gone
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
 
@@ -211,6 +286,22 @@ def test_padded_rows_equal_rows_alone(name):
                        repeat_prompt_ids=REPEAT).new_tokens
     for i, row in enumerate(rows):
         alone = generate(model, row[None], None, make_cache(spec, model.config), max_new_tokens=6,
+                         repeat_prompt_ids=REPEAT).new_tokens
+        assert torch.equal(batched[i], alone[0]), f"row {i}"
+
+
+def test_padded_rows_evicting_in_blocks_at_different_steps_equal_rows_alone():
+    # Rows of 300 and 200 tokens: their allowances, slacks and eviction steps differ; each must decode as alone.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    rows = [_ids(300, seed=15)[0], _ids(200, seed=16)[0]]
+    ids, mask = torch.zeros(2, 300, dtype=torch.long), torch.zeros(2, 300, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, 300 - len(row) :], mask[i, 300 - len(row) :] = row, 1
+    spec = "kvzip:ratio=0.5"
+    batched = generate(model, ids, mask, make_cache(spec, model.config), max_new_tokens=80,
+                       repeat_prompt_ids=REPEAT).new_tokens
+    for i, row in enumerate(rows):
+        alone = generate(model, row[None], None, make_cache(spec, model.config), max_new_tokens=80,
                          repeat_prompt_ids=REPEAT).new_tokens
         assert torch.equal(batched[i], alone[0]), f"row {i}"
 
