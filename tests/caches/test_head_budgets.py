@@ -275,17 +275,20 @@ def test_budget_spent_by_the_answer_evicts_the_oldest_later_tokens_too():
 @pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])
 def test_padded_rows_equal_rows_alone(name):
     model = use_kvcompress_attention(tiny_model(name))
-    rows = [_ids(n, seed=8 + n)[0] for n in (9, 16)]
-    width = 16
-    ids = torch.zeros(2, width, dtype=torch.long)
-    mask = torch.zeros(2, width, dtype=torch.long)
+    _assert_padded_rows_decode_as_alone(model, [_ids(n, seed=8 + n)[0] for n in (9, 16)],
+                                        "kvzip:ratio=0.5,budgets=head+int8", new_tokens=6)
+
+
+def _assert_padded_rows_decode_as_alone(model, rows, spec, new_tokens):
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
-    spec = "kvzip:ratio=0.5,budgets=head+int8"
-    batched = generate(model, ids, mask, make_cache(spec, model.config), max_new_tokens=6,
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    batched = generate(model, ids, mask, make_cache(spec, model.config), max_new_tokens=new_tokens,
                        repeat_prompt_ids=REPEAT).new_tokens
     for i, row in enumerate(rows):
-        alone = generate(model, row[None], None, make_cache(spec, model.config), max_new_tokens=6,
+        alone = generate(model, row[None], None, make_cache(spec, model.config), max_new_tokens=new_tokens,
                          repeat_prompt_ids=REPEAT).new_tokens
         assert torch.equal(batched[i], alone[0]), f"row {i}"
 
@@ -293,17 +296,8 @@ def test_padded_rows_equal_rows_alone(name):
 def test_padded_rows_evicting_in_blocks_at_different_steps_equal_rows_alone():
     # Rows of 300 and 200 tokens: their allowances, slacks and eviction steps differ; each must decode as alone.
     model = use_kvcompress_attention(tiny_model("llama"))
-    rows = [_ids(300, seed=15)[0], _ids(200, seed=16)[0]]
-    ids, mask = torch.zeros(2, 300, dtype=torch.long), torch.zeros(2, 300, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, 300 - len(row) :], mask[i, 300 - len(row) :] = row, 1
-    spec = "kvzip:ratio=0.5"
-    batched = generate(model, ids, mask, make_cache(spec, model.config), max_new_tokens=80,
-                       repeat_prompt_ids=REPEAT).new_tokens
-    for i, row in enumerate(rows):
-        alone = generate(model, row[None], None, make_cache(spec, model.config), max_new_tokens=80,
-                         repeat_prompt_ids=REPEAT).new_tokens
-        assert torch.equal(batched[i], alone[0]), f"row {i}"
+    _assert_padded_rows_decode_as_alone(model, [_ids(300, seed=15)[0], _ids(200, seed=16)[0]], "kvzip:ratio=0.5",
+                                        new_tokens=80)
 
 
 def test_save_load_reset_and_beams(tmp_path):
