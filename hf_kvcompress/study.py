@@ -89,11 +89,12 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     dtype = {4: torch.float32, 2: torch.bfloat16}.get(int(model_bytes), torch.float32)
     windows = shape.windows or (None,) * shape.layers
     total = 0.0
-    for window in windows:
+    for i, window in enumerate(windows):
         if window == 0:
             continue
         evicts = window is not None or policy.budget is not None
-        layer_codec = codec.for_policy(evicts) if hasattr(codec, "for_policy") else codec
+        layer_codec = codec.for_layer(i) if getattr(codec, "widened", ()) else codec  # mixed widths per layer
+        layer_codec = layer_codec.for_policy(evicts) if hasattr(layer_codec, "for_policy") else layer_codec
         cap = (window - 1) if window is not None else policy.budget
         kept = tokens if cap is None else min(tokens, cap)
         if layer_codec.lossless:

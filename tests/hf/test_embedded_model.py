@@ -146,7 +146,8 @@ def test_the_lessons_point_on_the_real_model(embedded):
 
 
 @pytest.mark.parametrize("spec", ["int4", "int2:residual_length=32", "fp8", "sink_window:window=64+int8",
-                                  "int3:sink_tokens=4,rotate=hadamard", "sink_window:window=64+int4:sink_tokens=8"])
+                                  "int3:sink_tokens=4,rotate=hadamard", "sink_window:window=64+int4:sink_tokens=8",
+                                  "int2:residual_length=32,wide_layers=7/18/23"])
 def test_studys_analytic_bytes_equal_a_real_caches_promise(embedded, spec):
     from hf_kvcompress.study import promised_bytes
 
