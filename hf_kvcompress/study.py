@@ -93,8 +93,8 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
         if window == 0:
             continue
         evicts = window is not None or policy.budget is not None
-        layer_codec = codec.for_layer(i) if getattr(codec, "widened", ()) else codec  # mixed widths per layer
-        layer_codec = layer_codec.for_policy(evicts) if hasattr(layer_codec, "for_policy") else layer_codec
+        layer_codec = codec.for_policy(evicts) if hasattr(codec, "for_policy") else codec
+        layer_codec = layer_codec.for_layer(i)  # as the cache builds each layer's codec (per-layer widths)
         cap = (window - 1) if window is not None else policy.budget
         kept = tokens if cap is None else min(tokens, cap)
         if layer_codec.lossless:

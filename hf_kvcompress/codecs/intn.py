@@ -178,16 +178,15 @@ class IntNCodec(Codec):
     def for_model(self, config) -> "IntNCodec":
         """Read the full-attention layers' RoPE frequencies from the config (pre_rope only). A model without RoPE
         stores its keys unrotated already, so pre_rope has nothing to undo there (no frequencies, no change)."""
-        if self.widened:
-            from ..hf.compat import text_config
+        from ..hf.compat import text_config
 
+        if self.widened:
             layers = text_config(config).num_hidden_layers
             if self.widened[-1] >= layers:
                 raise ValueError(f"wide_layers must be decoder layers 0 to {layers - 1} of this model, "
                                  f"got {self.wide_layers!r}")
         if not self.pre_rope:
             return self
-        from ..hf.compat import text_config
         from ..hf.rope import rope_inv_freq
 
         has_rope = getattr(text_config(config), "rope_parameters", None) is not None
