@@ -14,6 +14,10 @@ Two keys in a configuration are not codec options: `key_outliers=N` and `value_o
 largest-magnitude key (value) entries exact and encode the rest (dense-and-sparse, KVQuant arXiv:2401.18079), to
 see whether outliers would pay for their bytes (each costs a bfloat16 value and a one-byte index). `--per-layer`
 prints each layer's error too.
+
+`--text calibration` measures on the package's calibration text (HotpotQA paragraphs, `hf_kvcompress.calibration`)
+instead of the needle prompts, with the last 32 tokens as the queries: the layers chosen for `wide_layers` on the
+suite's own prompts can be checked there on text the suite never grades (no needle mass then).
 """
 
 from __future__ import annotations
@@ -87,6 +91,8 @@ def main() -> None:
     parser.add_argument("--configs", default=";".join(CONFIGS),
                         help="IntNCodec keyword sets separated by ';' (default: bits x rotate x key_axis x sinks)")
     parser.add_argument("--per-layer", action="store_true", help="also print each layer's error")
+    parser.add_argument("--text", choices=("needle", "calibration"), default="needle",
+                        help="needle: the suite's prompts; calibration: HotpotQA paragraphs the suite never grades")
     args = parser.parse_args()
     configs = args.configs.split(";")
     model, tokenizer = load_model(args.model, dtype=torch.float32)
@@ -94,15 +100,23 @@ def main() -> None:
     layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
     full_layers = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
     depths = [float(d) for d in args.depths.split(",")]
-    samples = build_samples(tokenizer, ["needle"], [args.length], depths)
+    samples = (build_samples(tokenizer, ["needle"], [args.length], depths) if args.text == "needle"
+               else [None])
     totals = {c: [0.0, 0.0] for c in configs}
     per_layer = {c: torch.zeros(len(full_layers)) for c in configs}
     for sample in samples:
-        document, question = encode(tokenizer, sample)
+        if sample is None:
+            from hf_kvcompress.calibration import calibration_text
+
+            text_ids = tokenizer(calibration_text(words=args.length * 2))["input_ids"][: args.length]
+            document, question = text_ids[:-32], text_ids[-32:]
+            needle_slots = None
+        else:
+            document, question = encode(tokenizer, sample)
+            needle_ids = tokenizer(" " + sample["references"][0], add_special_tokens=False)["input_ids"]
+            needle = next(i for i in range(len(document)) if document[i : i + len(needle_ids)] == needle_ids)
+            needle_slots = slice(needle, needle + len(needle_ids))
         ids = torch.tensor([document + question])
-        needle_ids = tokenizer(" " + sample["references"][0], add_special_tokens=False)["input_ids"]
-        needle = next(i for i in range(len(document)) if document[i : i + len(needle_ids)] == needle_ids)
-        needle_slots = slice(needle, needle + len(needle_ids))
         store: dict = {}
         AttentionInterface.register("record_sdpa", _record(store, len(question)))
         AttentionMaskInterface.register("record_sdpa", sdpa_mask)
@@ -122,16 +136,21 @@ def main() -> None:
                 out, probs = _attend(query, _store(key, layered, "key", key_outliers),
                                      _store(value, layered, "value", value_outliers), scaling)
                 errors.append(((out - ref).norm() / ref.norm()).item())
-                mass.append((probs[..., needle_slots].sum() / ref_probs[..., needle_slots].sum()).item())
+                if needle_slots is not None:
+                    mass.append((probs[..., needle_slots].sum() / ref_probs[..., needle_slots].sum()).item())
             per_layer[config] += torch.tensor(errors) / len(samples)
             totals[config][0] += sum(errors) / len(errors) / len(samples)
-            totals[config][1] += sum(mass) / len(mass) / len(samples)
-    print(f"{args.model}, needle at {args.length} tokens, depths {args.depths}; {len(full_layers)} full-attention layers")
+            totals[config][1] += sum(mass) / len(mass) / len(samples) if mass else float("nan")
+    where = f"needle at {args.length} tokens, depths {args.depths}" if args.text == "needle" else \
+        f"calibration text, {args.length} tokens, last 32 as queries"
+    print(f"{args.model}, {where}; {len(full_layers)} full-attention layers")
     print(f"{'codec':50s} {'attn out rel. err':>18s} {'needle mass':>12s}")
     for config, (error, mass) in totals.items():
         print(f"{config:50s} {error:18.4f} {mass:12.3f}")
         if args.per_layer:
             print("  per layer: " + " ".join(f"{i}:{e:.3f}" for i, e in zip(full_layers, per_layer[config].tolist())))
+            ranked = per_layer[config].argsort(descending=True).tolist()
+            print("  worst first: " + "/".join(str(full_layers[i]) for i in ranked))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from . import plane_attention
 from .gaussian_levels import levels_tensor, lloyd_max_levels, thresholds_tensor
 
 KEY_AXES = ("channel", "token")
-ROTATIONS = ("none", "hadamard")
+ROTATIONS = ("none", "hadamard", "values")
 CODEBOOKS = ("uniform", "gaussian")
 _TINY = torch.finfo(torch.bfloat16).tiny
 # What the plain names int4/int3/int2 mean: the best configuration measured at that width (README, "Quantization
@@ -105,7 +105,11 @@ class IntNCodec(Codec):
         key_axis: "channel" (KIVI) or "token"; None picks "channel" without eviction and "token" with it.
         rotate: "hadamard" multiplies each head vector by a Hadamard matrix with random signs before quantizing
             (QuaRot, arXiv:2404.00456) and undoes it after decoding; signs are fixed per decoder layer and per
-            keys/values. "none" quantizes the raw vectors.
+            keys/values. "values" rotates the values only and leaves per-channel key groups their own channels'
+            scales: on Gemma-3, whose global layers' key channels differ widely in spread (the widest ~23 times
+            the median, ~2 on SmolLM2), rotating the keys raised the attention error at every width (2 bits: 0.46
+            against 0.20 with values only; README, "Rotating keys"), while on SmolLM2 it lowered it. "none"
+            quantizes the raw vectors.
         sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps at full precision
             (attention sinks, IntactKV arXiv:2403.01241).
         codebook: "uniform" spreads 2**bits levels evenly from each group's minimum to its maximum. "gaussian"
@@ -131,7 +135,7 @@ class IntNCodec(Codec):
     group_size: int = 32
     residual_length: int = 128
     key_axis: Literal["channel", "token"] | None = field(default=None)
-    rotate: Literal["none", "hadamard"] = "none"
+    rotate: Literal["none", "hadamard", "values"] = "none"
     sink_tokens: int = 0
     codebook: Literal["uniform", "gaussian"] = "uniform"
     pre_rope: bool = False
@@ -239,6 +243,9 @@ class IntNCodec(Codec):
             object.__setattr__(layered, "wide_layers", "")
         return layered
 
+    def _rotates(self, kind: Kind) -> bool:
+        return self.rotate == "hadamard" or (self.rotate == "values" and kind == "value")
+
     def _seed(self, kind: Kind) -> int:
         return 2 * self.layer + (kind == "value")
 
@@ -275,7 +282,7 @@ class IntNCodec(Codec):
             if t % self.group_size:
                 raise ValueError(f"per-channel key groups need a multiple of {self.group_size} tokens, got {t}")
             states = self._group_rope(states, -1)
-        if self.rotate == "hadamard":
+        if self._rotates(kind):
             states = rotate_rows(states, self._seed(kind))
         if self._per_channel(kind):
             g = self.group_size
@@ -302,10 +309,10 @@ class IntNCodec(Codec):
         return self.from_basis(self.decode_in_basis(encoded, kind, torch.float32), kind).to(dtype)
 
     def to_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
-        return rotate_rows(x, self._seed(kind)) if self.rotate == "hadamard" else x
+        return rotate_rows(x, self._seed(kind)) if self._rotates(kind) else x
 
     def from_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
-        out = rotate_rows(x, self._seed(kind), inverse=True) if self.rotate == "hadamard" else x
+        out = rotate_rows(x, self._seed(kind), inverse=True) if self._rotates(kind) else x
         if self.pre_rope and self._per_channel(kind):
             out = self._group_rope(out, 1)
         return out
@@ -332,7 +339,7 @@ class IntNCodec(Codec):
         levels = self._folded_levels("key")
         turned = self.pre_rope and self._per_channel("key")
         if levels is None and turned:  # 3 bits: decode the block (whole key groups) and meet the plain query
-            plain = rotate_rows(query, self._seed("key"), inverse=True) if self.rotate == "hadamard" else query.float()
+            plain = rotate_rows(query, self._seed("key"), inverse=True) if self._rotates("key") else query.float()
             return torch.matmul(plain, self.decode(encoded, "key", torch.float32).transpose(-1, -2))
         if levels is None:
             return super().key_logits(encoded, query)
@@ -351,10 +358,10 @@ class IntNCodec(Codec):
             return super().offset_queries(query)
         b, h, n, d = query.shape
         g = self.group_size
-        plain = rotate_rows(query, self._seed("key"), inverse=True) if self.rotate == "hadamard" else query
+        plain = rotate_rows(query, self._seed("key"), inverse=True) if self._rotates("key") else query
         copies = plain[:, :, :, None, :].expand(b, h, n, g, d).reshape(b, h, n * g, d)  # row n*g + o: offset o
         turned = self._group_rope(copies, -1)
-        if self.rotate == "hadamard":  # to_basis, for many rows at once
+        if self._rotates("key"):  # to_basis, for many rows at once
             turned = rotate_batch_rows(turned, self._seed("key"))
         return turned.reshape(b, h, n, g, d)
 

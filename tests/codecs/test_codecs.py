@@ -24,7 +24,7 @@ def test_bitpack_round_trip_and_size(bits):
 
 @pytest.mark.parametrize("bits,bound", [(8, 0.01), (4, 0.12), (3, 0.25), (2, 0.5)])
 @pytest.mark.parametrize("kind,axis", [("key", "channel"), ("key", "token"), ("value", None)])
-@pytest.mark.parametrize("rotate", ["none", "hadamard"])
+@pytest.mark.parametrize("rotate", ["none", "hadamard", "values"])
 def test_intn_relative_error_is_bounded(bits, bound, kind, axis, rotate):
     torch.manual_seed(0)
     x = torch.randn(2, 3, 64, 64)
@@ -33,13 +33,13 @@ def test_intn_relative_error_is_bounded(bits, bound, kind, axis, rotate):
     rel = (out - x).norm() / x.norm()
     assert rel < bound
     # Each value is within half a quantization step of a grid point: max error <= scale / 2 of its group.
-    if rotate == "none":
+    if rotate == "none" or (rotate == "values" and kind == "key"):
         assert (out - x).abs().max() <= (x.max() - x.min()) / (2**bits - 1) / 2 + 1e-2
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("kind,axis", [("key", "channel"), ("key", "token"), ("value", "channel")])
-@pytest.mark.parametrize("rotate", ["none", "hadamard"])
+@pytest.mark.parametrize("rotate", ["none", "hadamard", "values"])
 def test_intn_bytes_match_formula(bits, kind, axis, rotate):
     x = torch.randn(2, 3, 64, 128, dtype=torch.float16)
     codec = IntNCodec(bits=bits, group_size=32, key_axis=axis, rotate=rotate)
@@ -189,6 +189,34 @@ def test_rotation_lowers_the_error_when_a_channel_is_an_outlier():
         out = codec.decode(codec.encode(x, "key"), "key", torch.float32)
         errors[rotate] = ((out - x).norm() / x.norm()).item()
     assert errors["hadamard"] < 0.8 * errors["none"]  # measured 0.28 vs 0.38
+
+
+def test_values_only_rotation_stores_keys_as_unrotated_and_values_as_rotated():
+    torch.manual_seed(0)
+    x = torch.randn(2, 2, 64, 64)
+    only, both, neither = (IntNCodec(bits=2, group_size=32, key_axis="channel", rotate=r).for_layer(3)
+                           for r in ("values", "hadamard", "none"))
+    assert torch.equal(only.encode(x, "key")["codes"], neither.encode(x, "key")["codes"])
+    assert torch.equal(only.encode(x, "value")["codes"], both.encode(x, "value")["codes"])
+    assert not torch.equal(only.encode(x, "value")["codes"], neither.encode(x, "value")["codes"])
+    q = torch.randn(2, 2, 1, 64)
+    assert torch.equal(only.to_basis(q, "key"), q)  # queries meet unrotated keys as they are
+
+
+def test_rotating_keys_raises_the_error_when_a_few_tokens_spike_in_single_channels():
+    """Why `rotate=values` exists: a per-channel key group confines one token's spike in one channel to that
+    channel's scale; the rotation spreads it over every channel, widening every channel's range in that group."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 256, 64)
+    spikes = torch.randint(0, 256, (2, 8))
+    for head in range(2):
+        x[0, head, spikes[head], (spikes[head] * 7) % 64] = 40.0
+    errors = {}
+    for rotate in ("hadamard", "values"):
+        codec = IntNCodec(bits=2, group_size=32, key_axis="channel", rotate=rotate)
+        out = codec.decode(codec.encode(x, "key"), "key", torch.float32)
+        errors[rotate] = ((out - x).norm() / x.norm()).item()
+    assert errors["values"] < 0.8 * errors["hadamard"]  # measured 0.37 vs 0.50
 
 
 def test_each_layer_rotates_with_its_own_signs():
