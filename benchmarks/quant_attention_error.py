@@ -4,7 +4,8 @@
         [--configs "bits=2,rotate=hadamard,key_axis=channel,sink_tokens=4;bits=2,...,pre_rope=true"]
 
 One needle prompt per depth (the suite's own samples, question after the document) runs once through the model with
-an uncompressed cache while an attention function records every full-attention layer's queries, keys and values.
+an uncompressed cache while an attention function records every layer's queries, keys and values (sliding-window
+layers attend over their window and store keys per token, as the cache stores them).
 Each codec configuration then stores the keys and values as the cache would (the first `sink_tokens` tokens exact,
 the newest `residual_length` tokens exact, the rest encoded and decoded), and the question's queries attend over
 them. Printed: the relative error of the attention output, mean over layers and prompts, and the attention mass on
@@ -73,12 +74,13 @@ def _store(states, codec: IntNCodec, kind: str, outliers: int = 0):
     return out
 
 
-def _attend(query, key, value, scaling):
+def _attend(query, key, value, scaling, window=None):
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     logits = query @ key.transpose(-1, -2) * scaling
     q_len, kv_len = query.shape[2], key.shape[2]
-    allowed = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+    distance = torch.arange(kv_len - q_len, kv_len)[:, None] - torch.arange(kv_len)[None, :]
+    allowed = (distance >= 0) & (distance < (window or kv_len + 1))
     probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
     return probs @ value, probs
 
@@ -98,12 +100,14 @@ def main() -> None:
     model, tokenizer = load_model(args.model, dtype=torch.float32)
     decoder = model.config.get_text_config(decoder=True)
     layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
-    full_layers = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    # Sliding-window layers (Gemma-3) attend over their window and store keys per token, as the cache does.
+    layers = list(range(len(layer_types)))
+    windows = {i: decoder.sliding_window for i, kind in enumerate(layer_types) if kind == "sliding_attention"}
     depths = [float(d) for d in args.depths.split(",")]
     samples = (build_samples(tokenizer, ["needle"], [args.length], depths) if args.text == "needle"
                else [None])
     totals = {c: [0.0, 0.0] for c in configs}
-    per_layer = {c: torch.zeros(len(full_layers)) for c in configs}
+    per_layer = {c: torch.zeros(len(layers)) for c in configs}
     for sample in samples:
         if sample is None:
             from hf_kvcompress.calibration import calibration_text
@@ -128,29 +132,33 @@ def main() -> None:
             key_outliers, value_outliers = kwargs.pop("key_outliers", 0), kwargs.pop("value_outliers", 0)
             codec = resolve_for_model(IntNCodec(**kwargs), model.config)  # pre_rope reads the RoPE frequencies
             errors, mass = [], []
-            for i in full_layers:
+            for i in layers:
                 query, key, value, scaling = store[i]
                 scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
                 layered = codec.for_layer(i)
-                ref, ref_probs = _attend(query, key, value, scaling)
+                if i in windows:
+                    layered = dataclasses.replace(layered, key_axis="token", pre_rope=False)
+                    object.__setattr__(layered, "layer", i)
+                window = windows.get(i)
+                ref, ref_probs = _attend(query, key, value, scaling, window)
                 out, probs = _attend(query, _store(key, layered, "key", key_outliers),
-                                     _store(value, layered, "value", value_outliers), scaling)
+                                     _store(value, layered, "value", value_outliers), scaling, window)
                 errors.append(((out - ref).norm() / ref.norm()).item())
-                if needle_slots is not None:
+                if needle_slots is not None and ref_probs[..., needle_slots].sum() > 0:  # within this layer's reach
                     mass.append((probs[..., needle_slots].sum() / ref_probs[..., needle_slots].sum()).item())
             per_layer[config] += torch.tensor(errors) / len(samples)
             totals[config][0] += sum(errors) / len(errors) / len(samples)
             totals[config][1] += sum(mass) / len(mass) / len(samples) if mass else float("nan")
     where = f"needle at {args.length} tokens, depths {args.depths}" if args.text == "needle" else \
         f"calibration text, {args.length} tokens, last 32 as queries"
-    print(f"{args.model}, {where}; {len(full_layers)} full-attention layers")
+    print(f"{args.model}, {where}; {len(layers)} layers, {len(windows)} of them sliding-window")
     print(f"{'codec':50s} {'attn out rel. err':>18s} {'needle mass':>12s}")
     for config, (error, mass) in totals.items():
         print(f"{config:50s} {error:18.4f} {mass:12.3f}")
         if args.per_layer:
-            print("  per layer: " + " ".join(f"{i}:{e:.3f}" for i, e in zip(full_layers, per_layer[config].tolist())))
+            print("  per layer: " + " ".join(f"{i}:{e:.3f}" for i, e in zip(layers, per_layer[config].tolist())))
             ranked = per_layer[config].argsort(descending=True).tolist()
-            print("  worst first: " + "/".join(str(full_layers[i]) for i in ranked))
+            print("  worst first: " + "/".join(str(layers[i]) for i in ranked))
 
 
 if __name__ == "__main__":

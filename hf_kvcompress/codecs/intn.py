@@ -18,7 +18,7 @@ from . import plane_attention
 from .gaussian_levels import levels_tensor, lloyd_max_levels, thresholds_tensor
 
 KEY_AXES = ("channel", "token")
-ROTATIONS = ("none", "hadamard", "values")
+ROTATIONS = ("none", "hadamard", "per_token")
 CODEBOOKS = ("uniform", "gaussian")
 _TINY = torch.finfo(torch.bfloat16).tiny
 # What the plain names int4/int3/int2 mean: the best configuration measured at that width (README, "Quantization
@@ -105,10 +105,12 @@ class IntNCodec(Codec):
         key_axis: "channel" (KIVI) or "token"; None picks "channel" without eviction and "token" with it.
         rotate: "hadamard" multiplies each head vector by a Hadamard matrix with random signs before quantizing
             (QuaRot, arXiv:2404.00456) and undoes it after decoding; signs are fixed per decoder layer and per
-            keys/values. "values" rotates the values only and leaves per-channel key groups their own channels'
-            scales: on Gemma-3, whose global layers' key channels differ widely in spread (the widest ~23 times
-            the median, ~2 on SmolLM2), rotating the keys raised the attention error at every width (2 bits: 0.46
-            against 0.20 with values only; README, "Rotating keys"), while on SmolLM2 it lowered it. "none"
+            keys/values. "per_token" rotates only the groups that run along head_dim (values, and keys stored
+            per token, as sliding-window layers and evicting policies store them), where the rotation makes a
+            vector's coordinates alike, and leaves per-channel key groups their own channels' scales: on Gemma-3,
+            whose global layers' key channels differ widely in spread (the widest ~23 times the median, ~2 on
+            SmolLM2), rotating per-channel keys raised their attention error at every width, while on SmolLM2 it
+            lowered it (README, "Rotating keys"). "none"
             quantizes the raw vectors.
         sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps at full precision
             (attention sinks, IntactKV arXiv:2403.01241).
@@ -135,7 +137,7 @@ class IntNCodec(Codec):
     group_size: int = 32
     residual_length: int = 128
     key_axis: Literal["channel", "token"] | None = field(default=None)
-    rotate: Literal["none", "hadamard", "values"] = "none"
+    rotate: Literal["none", "hadamard", "per_token"] = "none"
     sink_tokens: int = 0
     codebook: Literal["uniform", "gaussian"] = "uniform"
     pre_rope: bool = False
@@ -244,7 +246,7 @@ class IntNCodec(Codec):
         return layered
 
     def _rotates(self, kind: Kind) -> bool:
-        return self.rotate == "hadamard" or (self.rotate == "values" and kind == "value")
+        return self.rotate == "hadamard" or (self.rotate == "per_token" and not self._per_channel(kind))
 
     def _seed(self, kind: Kind) -> int:
         return 2 * self.layer + (kind == "value")

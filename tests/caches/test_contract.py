@@ -28,7 +28,7 @@ ALL_SPECS = ["dynamic", "int8", "int4:residual_length=0,group_size=8", "int2:res
              "int4:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2,key_axis=token",
              "int2:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2,codebook=gaussian",
              "int2:residual_length=4,group_size=8,rotate=hadamard,sink_tokens=2,wide_layers=1",
-             "int4:residual_length=0,group_size=8,rotate=values,sink_tokens=2"]
+             "int4:residual_length=0,group_size=8,rotate=per_token,sink_tokens=2"]
 # A ratio held at its sinks + recent floor in a short row while a longer row's share grows: the short row must still
 # evict at every step (the slot count alone did not say so).
 RATIO_AT_FLOOR = ["tova:ratio=0.5,sink_tokens=4", "h2o:ratio=0.5,recent=2,sink_tokens=2"]

@@ -37,7 +37,7 @@ SPECS = [
     "int8:residual_length=0,group_size=8,key_axis=token",
     # pre_rope per-channel keys (int2's plain name): one query per offset in a key group; at 3 bits decoded.
     "int2:residual_length=4,group_size=8", "int3:residual_length=4,group_size=8,pre_rope=true",
-    "int2:residual_length=4,group_size=8,rotate=values",  # keys meet the query unrotated, values rotated back
+    "int2:residual_length=4,group_size=8,rotate=per_token",  # keys meet the query unrotated, values rotated back
     "sink_window:sink_tokens=2,window=20+int4:residual_length=4,group_size=8",
     "h2o:budget=24,recent=4+fp8",  # scored by attention: never fused, must still run
 ]

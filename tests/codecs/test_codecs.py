@@ -24,7 +24,7 @@ def test_bitpack_round_trip_and_size(bits):
 
 @pytest.mark.parametrize("bits,bound", [(8, 0.01), (4, 0.12), (3, 0.25), (2, 0.5)])
 @pytest.mark.parametrize("kind,axis", [("key", "channel"), ("key", "token"), ("value", None)])
-@pytest.mark.parametrize("rotate", ["none", "hadamard", "values"])
+@pytest.mark.parametrize("rotate", ["none", "hadamard", "per_token"])
 def test_intn_relative_error_is_bounded(bits, bound, kind, axis, rotate):
     torch.manual_seed(0)
     x = torch.randn(2, 3, 64, 64)
@@ -33,13 +33,13 @@ def test_intn_relative_error_is_bounded(bits, bound, kind, axis, rotate):
     rel = (out - x).norm() / x.norm()
     assert rel < bound
     # Each value is within half a quantization step of a grid point: max error <= scale / 2 of its group.
-    if rotate == "none" or (rotate == "values" and kind == "key"):
+    if rotate == "none" or (rotate == "per_token" and axis == "channel"):
         assert (out - x).abs().max() <= (x.max() - x.min()) / (2**bits - 1) / 2 + 1e-2
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("kind,axis", [("key", "channel"), ("key", "token"), ("value", "channel")])
-@pytest.mark.parametrize("rotate", ["none", "hadamard", "values"])
+@pytest.mark.parametrize("rotate", ["none", "hadamard", "per_token"])
 def test_intn_bytes_match_formula(bits, kind, axis, rotate):
     x = torch.randn(2, 3, 64, 128, dtype=torch.float16)
     codec = IntNCodec(bits=bits, group_size=32, key_axis=axis, rotate=rotate)
@@ -61,7 +61,7 @@ def test_fp8_round_trip_and_bytes():
     out = codec.decode(encoded, "key", torch.float32)
     assert (out - x).norm() / x.norm() < 0.05
     assert _nbytes(encoded) == 2 * 3 * 10 * codec.bytes_per_token(64, "key", torch.float32)
-    assert encoded["values"].dtype == torch.float8_e4m3fn
+    assert encoded["per_token"].dtype == torch.float8_e4m3fn
 
 
 def test_identity_is_exact():
@@ -191,20 +191,22 @@ def test_rotation_lowers_the_error_when_a_channel_is_an_outlier():
     assert errors["hadamard"] < 0.8 * errors["none"]  # measured 0.28 vs 0.38
 
 
-def test_values_only_rotation_stores_keys_as_unrotated_and_values_as_rotated():
+def test_per_token_rotation_turns_only_the_groups_along_head_dim():
     torch.manual_seed(0)
     x = torch.randn(2, 2, 64, 64)
-    only, both, neither = (IntNCodec(bits=2, group_size=32, key_axis="channel", rotate=r).for_layer(3)
-                           for r in ("values", "hadamard", "none"))
-    assert torch.equal(only.encode(x, "key")["codes"], neither.encode(x, "key")["codes"])
-    assert torch.equal(only.encode(x, "value")["codes"], both.encode(x, "value")["codes"])
-    assert not torch.equal(only.encode(x, "value")["codes"], neither.encode(x, "value")["codes"])
-    q = torch.randn(2, 2, 1, 64)
-    assert torch.equal(only.to_basis(q, "key"), q)  # queries meet unrotated keys as they are
+    for axis in ("channel", "token"):
+        only, both, neither = (IntNCodec(bits=2, group_size=32, key_axis=axis, rotate=r).for_layer(3)
+                               for r in ("per_token", "hadamard", "none"))
+        keys_like = neither if axis == "channel" else both
+        assert torch.equal(only.encode(x, "key")["codes"], keys_like.encode(x, "key")["codes"])
+        assert torch.equal(only.encode(x, "value")["codes"], both.encode(x, "value")["codes"])
+        assert not torch.equal(only.encode(x, "value")["codes"], neither.encode(x, "value")["codes"])
+        q = torch.randn(2, 2, 1, 64)
+        assert torch.equal(only.to_basis(q, "key"), keys_like.to_basis(q, "key"))
 
 
 def test_rotating_keys_raises_the_error_when_a_few_tokens_spike_in_single_channels():
-    """Why `rotate=values` exists: a per-channel key group confines one token's spike in one channel to that
+    """Why `rotate=per_token` exists: a per-channel key group confines one token's spike in one channel to that
     channel's scale; the rotation spreads it over every channel, widening every channel's range in that group."""
     torch.manual_seed(0)
     x = torch.randn(1, 2, 256, 64)
@@ -212,11 +214,11 @@ def test_rotating_keys_raises_the_error_when_a_few_tokens_spike_in_single_channe
     for head in range(2):
         x[0, head, spikes[head], (spikes[head] * 7) % 64] = 40.0
     errors = {}
-    for rotate in ("hadamard", "values"):
+    for rotate in ("hadamard", "per_token"):
         codec = IntNCodec(bits=2, group_size=32, key_axis="channel", rotate=rotate)
         out = codec.decode(codec.encode(x, "key"), "key", torch.float32)
         errors[rotate] = ((out - x).norm() / x.norm()).item()
-    assert errors["values"] < 0.8 * errors["hadamard"]  # measured 0.37 vs 0.50
+    assert errors["per_token"] < 0.8 * errors["hadamard"]  # measured 0.37 vs 0.50
 
 
 def test_each_layer_rotates_with_its_own_signs():
