@@ -16,7 +16,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..caches.layer import MASK_KEY, OBSERVER_KEY, STORE_KEY
 
 ATTENTION_NAME = "kvcompress_sdpa"
-QUERY_BLOCK = 256
+# Queries per block of the statistics: a block's logits are then a few MiB (SmolLM2 at 3k tokens: 3.5 MiB), so
+# softmax and the sum read them back from cache; 32 took 2/3 of 256's time at 3k x 1 and 4/5 at 2k x 8.
+QUERY_BLOCK = 32
 
 
 def attention_received(
@@ -45,35 +47,69 @@ def attention_received(
     batch, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = q_heads // kv_heads
-    # Query heads h = k * groups + g share KV head k: group them instead of repeating the keys.
+    # Query heads h = k * groups + g share KV head k: one [g * n, D] x [D, kv] product per KV head reads the keys
+    # in place (broadcasting the keys over g instead made matmul copy them g times, at every decode step).
     queries = (query.float() * scaling).view(batch, kv_heads, groups, q_len, dim)
-    keys_t = key.float().transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, D, kv]
+    keys_t = key.float().transpose(-1, -2)  # [B, H_kv, D, kv]
+    offset = kv_len - q_len  # query i sits at key slot offset + i (queries aligned to the end of the keys)
+    causal = _future_hidden(attention_mask, offset, q_len)
     total = torch.zeros(batch, kv_heads, kv_len, dtype=torch.float32, device=query.device)
+    # One block's logits and probabilities live in a buffer sized for the widest block, reused: fresh blocks of
+    # growing width each came from the allocator, which kept their pages resident after the prefill.
+    widest = batch * kv_heads * groups * min(q_len, QUERY_BLOCK) * kv_len
+    scratch = torch.empty(2, widest, dtype=torch.float32, device=query.device)
     for start in range(0, q_len, QUERY_BLOCK):
         end = min(start + QUERY_BLOCK, q_len)
-        logits = torch.matmul(queries[:, :, :, start:end], keys_t)  # [B, H_kv, g, n, kv]
+        n = end - start
+        # A causal block never sees past its last query's own slot: the keys after it get no attention from it,
+        # so they are left out of the product (half of a prefill's work) instead of masked.
+        cols = offset + end if causal else kv_len
+        block_q = queries[:, :, :, start:end].reshape(batch, kv_heads, groups * n, dim)
+        size = batch * kv_heads * groups * n * cols
+        logits = scratch[0, :size].view(batch, kv_heads, groups * n, cols)
+        torch.matmul(block_q, keys_t[..., :cols], out=logits)
+        logits = logits.view(batch, kv_heads, groups, n, cols)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        if attention_mask is None:  # SDPA's implicit causal mask, queries aligned to the end of the keys
-            q_pos = torch.arange(start, end, device=query.device)[:, None] + (kv_len - q_len)
-            allowed = torch.arange(kv_len, device=query.device)[None, :] <= q_pos
-            logits.masked_fill_(~allowed, float("-inf"))
+        if attention_mask is None:  # SDPA's implicit causal mask: only the block's own new keys can be ahead
+            q_pos = torch.arange(start, end, device=query.device)[:, None] + offset
+            ahead = torch.arange(offset + start, cols, device=query.device)[None, :] > q_pos
+            logits[..., offset + start :].masked_fill_(ahead, float("-inf"))
         else:
-            block = attention_mask[:, :, start:end, :kv_len][:, :, None]  # [B, 1, 1, n, kv]
+            block = attention_mask[:, :, start:end, :cols][:, :, None]  # [B, 1, 1, n, cols]
             if block.dtype == torch.bool:
                 logits.masked_fill_(~block, float("-inf"))
-            else:
-                logits.add_(block.float())
-        probs = torch.softmax(logits, dim=-1)
+            else:  # additive; a key at the dtype's minimum is hidden, so a fully hidden (padding) query gives none
+                logits.add_(block.float()).masked_fill_(block <= torch.finfo(block.dtype).min / 2, float("-inf"))
+        probs = torch.softmax(logits, dim=-1, out=scratch[1, :size].view(logits.shape))
         if attention_mask is not None:
             probs.nan_to_num_(0.0)  # fully masked (padding) queries give no attention
         if query_mask is not None:
             probs.mul_(query_mask[:, None, None, start:end, None].to(probs.dtype))
+        seen = total[..., :cols]
         if reduction == "sum":
-            total += probs.sum(dim=(2, 3))
+            seen += probs.sum(dim=(2, 3))
         else:
-            total = torch.maximum(total, probs.amax(dim=(2, 3)))
+            torch.maximum(seen, probs.amax(dim=(2, 3)), out=seen)
     return total
+
+
+def _future_hidden(attention_mask: torch.Tensor | None, offset: int, q_len: int) -> bool:
+    """Whether no query may attend to a key after its own slot `offset + i`, so the keys after a query block's
+    last slot can be left out of its product. True without a mask (SDPA's causal mask) and for a single block
+    (it reads every key anyway); a mask is asked once per call, for the regions that would be left out: a
+    bidirectional or prefix mask keeps every key."""
+    if attention_mask is None or q_len <= QUERY_BLOCK:
+        return True
+    kv_len = offset + q_len
+    skipped = []
+    for start in range(0, q_len, QUERY_BLOCK):
+        end = min(start + QUERY_BLOCK, q_len)
+        region = attention_mask[:, :, start:end, offset + end : kv_len]
+        if attention_mask.dtype != torch.bool:  # additive: a hidden key carries the dtype's minimum (or -inf)
+            region = region > torch.finfo(region.dtype).min / 2
+        skipped.append(region.any())
+    return not bool(torch.stack(skipped).any())
 
 
 def kvcompress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
