@@ -142,11 +142,14 @@ def resolve_for_policy(codec: Codec, evicts: bool) -> Codec:
 
 def resolve_for_model(codec: Codec, config) -> Codec:
     """The codec bound to the model it serves: codecs that read the model's shape or calibration define
-    `for_model(config)`, and they need the config (transformers builds layers without one lazily)."""
+    `for_model(config)`, and they need the config (transformers builds layers without one lazily). Given a config,
+    every such codec is bound, also those that only use it when it is there (int4's `rotate=auto`)."""
     resolve = getattr(codec, "for_model", None)
-    if resolve is None or not getattr(codec, "needs_model", True):  # a codec may need the model for some options only
+    if resolve is None:
         return codec
     if config is None:
+        if not getattr(codec, "needs_model", True):  # a codec may need the model for some options only
+            return codec
         raise ValueError(
             f"codec {type(codec).__name__} needs the model's config: pass config=model.config to CompressedCache, "
             "or build the cache with make_cache(spec, model.config)"

@@ -18,12 +18,16 @@ from . import plane_attention
 from .gaussian_levels import levels_tensor, lloyd_max_levels, thresholds_tensor
 
 KEY_AXES = ("channel", "token")
-ROTATIONS = ("none", "hadamard", "per_token")
+ROTATIONS = ("none", "hadamard", "per_token", "auto")
 CODEBOOKS = ("uniform", "gaussian")
 _TINY = torch.finfo(torch.bfloat16).tiny
 # What the plain names int4/int3/int2 mean: the best configuration measured at that width (README, "Quantization
 # options"): Hadamard rotation + 4 full-precision sinks + per-channel keys. `rotate=none,sink_tokens=0` is plain KIVI.
-BEST_LOW_BIT = {"rotate": "hadamard", "sink_tokens": 4}
+BEST_LOW_BIT = {"rotate": "auto", "sink_tokens": 4}
+# What `rotate=auto` (the plain names) means per model family: measured, not derived (README, "Rotating keys"). On
+# Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers on the
+# suite; on SmolLM2 (Llama) it lowered them. Families not listed rotate everything, as QuaRot does.
+ROTATION_BY_MODEL_TYPE = {"gemma3_text": "per_token", "gemma3": "per_token"}
 # At 2 bits the attention error was three times int3's: Lloyd-Max levels for the head_dim groups and pre-RoPE keys
 # cut it from 0.170 to 0.134 on SmolLM2 for no bytes. On the needle suite they kept 12 of 15 on SmolLM2 (rotation
 # and sinks alone: 10) and 11 of 15 on Gemma-3 (alone: 12), within noise. 32 sinks cut the error further (0.115)
@@ -110,7 +114,8 @@ class IntNCodec(Codec):
             vector's coordinates alike, and leaves per-channel key groups their own channels' scales: on Gemma-3,
             whose global layers' key channels differ widely in spread (the widest ~23 times the median, ~2 on
             SmolLM2), rotating per-channel keys raised their attention error at every width, while on SmolLM2 it
-            lowered it (README, "Rotating keys"). "none"
+            lowered it (README, "Rotating keys"). "auto" (the plain names) picks per model family from
+            measurements (ROTATION_BY_MODEL_TYPE; "hadamard" for families not measured or without a config). "none"
             quantizes the raw vectors.
         sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps at full precision
             (attention sinks, IntactKV arXiv:2403.01241).
@@ -137,7 +142,7 @@ class IntNCodec(Codec):
     group_size: int = 32
     residual_length: int = 128
     key_axis: Literal["channel", "token"] | None = field(default=None)
-    rotate: Literal["none", "hadamard", "per_token"] = "none"
+    rotate: Literal["none", "hadamard", "per_token", "auto"] = "none"
     sink_tokens: int = 0
     codebook: Literal["uniform", "gaussian"] = "uniform"
     pre_rope: bool = False
@@ -182,21 +187,28 @@ class IntNCodec(Codec):
         return self.pre_rope or bool(self.wide_layers)
 
     def for_model(self, config) -> "IntNCodec":
-        """Read the full-attention layers' RoPE frequencies from the config (pre_rope only). A model without RoPE
-        stores its keys unrotated already, so pre_rope has nothing to undo there (no frequencies, no change)."""
+        """Settle `rotate=auto` for the model's family, and read the full-attention layers' RoPE frequencies from
+        the config (pre_rope only). A model without RoPE stores its keys unrotated already, so pre_rope has nothing
+        to undo there (no frequencies, no change)."""
+        from dataclasses import replace
+
         from ..hf.compat import text_config
 
-        if self.widened:
+        codec = self
+        if codec.rotate == "auto":
+            model_type = getattr(text_config(config), "model_type", None)
+            codec = replace(codec, rotate=ROTATION_BY_MODEL_TYPE.get(model_type, "hadamard"))
+        if codec.widened:
             layers = text_config(config).num_hidden_layers
-            if self.widened[-1] >= layers:
+            if codec.widened[-1] >= layers:
                 raise ValueError(f"wide_layers must be decoder layers 0 to {layers - 1} of this model, "
-                                 f"got {self.wide_layers!r}")
-        if not self.pre_rope:
-            return self
+                                 f"got {codec.wide_layers!r}")
+        if not codec.pre_rope:
+            return codec
         from ..hf.rope import rope_inv_freq
 
         has_rope = getattr(text_config(config), "rope_parameters", None) is not None
-        bound = copy.copy(self)
+        bound = copy.copy(codec)
         inv_freq = tuple(rope_inv_freq(config, "full_attention").tolist()) if has_rope else ()
         object.__setattr__(bound, "inv_freq", inv_freq)
         return bound
@@ -246,7 +258,7 @@ class IntNCodec(Codec):
         return layered
 
     def _rotates(self, kind: Kind) -> bool:
-        return self.rotate == "hadamard" or (self.rotate == "per_token" and not self._per_channel(kind))
+        return self.rotate in ("hadamard", "auto") or (self.rotate == "per_token" and not self._per_channel(kind))
 
     def _seed(self, kind: Kind) -> int:
         return 2 * self.layer + (kind == "value")

@@ -88,7 +88,7 @@ def test_plain_low_bit_names_keep_four_sinks():
     from hf_kvcompress import parse_spec
 
     for name in ("int4", "int3", "int2"):
-        assert parse_spec(name)[1].sink_tokens == 4 and parse_spec(name)[1].rotate == "hadamard"
+        assert parse_spec(name)[1].sink_tokens == 4 and parse_spec(name)[1].rotate == "auto"
     assert parse_spec("int8")[1].sink_tokens == 0
 
 

@@ -61,7 +61,7 @@ def test_fp8_round_trip_and_bytes():
     out = codec.decode(encoded, "key", torch.float32)
     assert (out - x).norm() / x.norm() < 0.05
     assert _nbytes(encoded) == 2 * 3 * 10 * codec.bytes_per_token(64, "key", torch.float32)
-    assert encoded["per_token"].dtype == torch.float8_e4m3fn
+    assert encoded["values"].dtype == torch.float8_e4m3fn
 
 
 def test_identity_is_exact():
@@ -254,17 +254,43 @@ def test_specs_rebuild_the_same_cache(spec):
 
     config = CONFIGS["llama"]()  # pre_rope (in int2's defaults) reads the RoPE frequencies from it
     cache = make_cache(spec, config)
-    assert parse_spec(cache.spec) == parse_spec(spec)
+    assert parse_spec(cache.spec)[0] == parse_spec(spec)[0]
     assert make_cache(cache.spec, config).codec == cache.codec
+
+
+def test_plain_names_settle_the_rotation_per_model_family_and_say_so_in_the_spec():
+    from transformers import Gemma3TextConfig
+
+    from hf_kvcompress import make_cache, parse_spec
+    from hf_kvcompress.caches.compressed import CompressedCache
+    from tests.caches.tiny_models import CONFIGS
+
+    gemma = Gemma3TextConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=64, intermediate_size=64, vocab_size=64, sliding_window=16)
+    for bits in (4, 3, 2):
+        assert parse_spec(f"int{bits}")[1].rotate == "auto"
+        on_llama = make_cache(f"int{bits}", CONFIGS["llama"]())
+        on_gemma = CompressedCache(codec=parse_spec(f"int{bits}")[1], config=gemma)
+        assert on_llama.codec.rotate == "hadamard" and on_gemma.codec.rotate == "per_token"
+        assert on_llama.spec == f"int{bits}:rotate=hadamard" and on_gemma.spec == f"int{bits}:rotate=per_token"
+        # An explicit choice is kept on every model.
+        assert CompressedCache(codec=parse_spec(f"int{bits}:rotate=hadamard")[1], config=gemma).codec.rotate == "hadamard"
+    # Without a config (int4 needs none) `auto` rotates everything, as hadamard does, bit for bit.
+    x = torch.randn(1, 2, 64, 64)
+    unbound, hadamard = parse_spec("int4")[1].for_layer(1), IntNCodec(bits=4, rotate="hadamard", sink_tokens=4).for_layer(1)
+    for kind in ("key", "value"):
+        assert torch.equal(unbound.for_policy(False).encode(x, kind)["codes"], hadamard.for_policy(False).encode(x, kind)["codes"])
 
 
 def test_quantized_cache_uses_the_plain_names_configuration():
     from hf_kvcompress import QuantizedCache, parse_spec
+    from hf_kvcompress.codecs.base import resolve_for_model
     from tests.caches.tiny_models import CONFIGS
 
     config = CONFIGS["llama"]()
     for bits in (2, 3, 4, 8):
-        assert QuantizedCache(bits=bits, config=config).codec == parse_spec(f"int{bits}")[1].for_policy(False)
+        plain = resolve_for_model(parse_spec(f"int{bits}")[1], config).for_policy(False)
+        assert QuantizedCache(bits=bits, config=config).codec == plain
     with pytest.raises(ValueError, match="bits"):
         QuantizedCache(bits=5)
 
@@ -273,7 +299,7 @@ def test_plain_int2_carries_the_two_bit_options_and_asks_for_the_config():
     from hf_kvcompress import QuantizedCache, make_cache, parse_spec
 
     codec = parse_spec("int2")[1]
-    assert (codec.rotate, codec.sink_tokens, codec.codebook, codec.pre_rope) == ("hadamard", 4, "gaussian", True)
+    assert (codec.rotate, codec.sink_tokens, codec.codebook, codec.pre_rope) == ("auto", 4, "gaussian", True)
     for build in (lambda: make_cache("int2"), lambda: QuantizedCache(bits=2)):
         with pytest.raises(ValueError, match="config"):
             build()
