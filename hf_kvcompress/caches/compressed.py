@@ -76,7 +76,8 @@ class CompressedCache(Cache):
 
     def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False):
         self.policy = policy if policy is not None else KeepAllPolicy()
-        requested_codec = resolve_for_model(codec if codec is not None else IdentityCodec(), config)
+        raw_codec = codec if codec is not None else IdentityCodec()
+        requested_codec = resolve_for_model(raw_codec, config)
         self.codec = resolve_for_policy(requested_codec, self.policy.evicts)
         self.config = config
         self.rerotate = rerotate
@@ -102,7 +103,8 @@ class CompressedCache(Cache):
                 window = decoder.sliding_window if layer_type == "sliding_attention" else decoder.attention_chunk_size
                 # transformers keeps window - 1 tokens between steps; so do we, stored with this cache's codec.
                 sliding = SinkWindowPolicy(sink_tokens=0, window=max(window - 1, 1))
-                codec = _sliding_layer_codec(requested_codec).for_layer(i)
+                # Settle key_axis before binding to the model: replace() would drop what binding sets.
+                codec = resolve_for_model(_sliding_layer_codec(raw_codec), config).for_layer(i)
                 layers.append(CompressedLayer(sliding, codec, is_sliding=True))
             else:
                 layers.append(CompressedLayer(

@@ -150,6 +150,8 @@ class IntNCodec(Codec):
     wide_bits: int = 4
     # RoPE inverse frequencies of the full-attention layers, filled in by `for_model` when pre_rope is on.
     inv_freq: tuple[float, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    # What `rotate=auto` means for the model this copy serves, set by `for_model` ("" until then: hadamard).
+    settled_rotation: str = field(default="", init=False, repr=False, compare=False)
     # The decoder layer this copy serves (see `for_layer`): it seeds the rotation's signs.
     layer: int = field(default=0, init=False, repr=False)
 
@@ -190,14 +192,13 @@ class IntNCodec(Codec):
         """Settle `rotate=auto` for the model's family, and read the full-attention layers' RoPE frequencies from
         the config (pre_rope only). A model without RoPE stores its keys unrotated already, so pre_rope has nothing
         to undo there (no frequencies, no change)."""
-        from dataclasses import replace
-
         from ..hf.compat import text_config
 
         codec = self
-        if codec.rotate == "auto":
+        if codec.rotate == "auto":  # the spec keeps saying `auto`; the copy knows what it means for this model
+            codec = copy.copy(codec)
             model_type = getattr(text_config(config), "model_type", None)
-            codec = replace(codec, rotate=ROTATION_BY_MODEL_TYPE.get(model_type, "hadamard"))
+            object.__setattr__(codec, "settled_rotation", ROTATION_BY_MODEL_TYPE.get(model_type, "hadamard"))
         if codec.widened:
             layers = text_config(config).num_hidden_layers
             if codec.widened[-1] >= layers:
@@ -237,7 +238,8 @@ class IntNCodec(Codec):
 
         if self.key_axis is None:
             settled = replace(self, key_axis="token" if evicts else "channel")
-            object.__setattr__(settled, "inv_freq", self.inv_freq)  # replace() resets init=False fields
+            for bound in ("inv_freq", "settled_rotation"):  # replace() resets init=False fields
+                object.__setattr__(settled, bound, getattr(self, bound))
             return settled
         if self.key_axis == "channel" and evicts:
             raise ValueError(
@@ -258,7 +260,8 @@ class IntNCodec(Codec):
         return layered
 
     def _rotates(self, kind: Kind) -> bool:
-        return self.rotate in ("hadamard", "auto") or (self.rotate == "per_token" and not self._per_channel(kind))
+        rotate = self.settled_rotation or ("hadamard" if self.rotate == "auto" else self.rotate)
+        return rotate == "hadamard" or (rotate == "per_token" and not self._per_channel(kind))
 
     def _seed(self, kind: Kind) -> int:
         return 2 * self.layer + (kind == "value")

@@ -254,11 +254,11 @@ def test_specs_rebuild_the_same_cache(spec):
 
     config = CONFIGS["llama"]()  # pre_rope (in int2's defaults) reads the RoPE frequencies from it
     cache = make_cache(spec, config)
-    assert parse_spec(cache.spec)[0] == parse_spec(spec)[0]
+    assert parse_spec(cache.spec) == parse_spec(spec)
     assert make_cache(cache.spec, config).codec == cache.codec
 
 
-def test_plain_names_settle_the_rotation_per_model_family_and_say_so_in_the_spec():
+def test_plain_names_settle_the_rotation_per_model_family():
     from transformers import Gemma3TextConfig
 
     from hf_kvcompress import make_cache, parse_spec
@@ -266,17 +266,24 @@ def test_plain_names_settle_the_rotation_per_model_family_and_say_so_in_the_spec
     from tests.caches.tiny_models import CONFIGS
 
     gemma = Gemma3TextConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
-                             head_dim=64, intermediate_size=64, vocab_size=64, sliding_window=16)
+                             head_dim=64, intermediate_size=64, vocab_size=64, sliding_window=16,
+                             layer_types=["sliding_attention", "full_attention"])
+    x = torch.randn(1, 1, 64, 64)
     for bits in (4, 3, 2):
         assert parse_spec(f"int{bits}")[1].rotate == "auto"
         on_llama = make_cache(f"int{bits}", CONFIGS["llama"]())
         on_gemma = CompressedCache(codec=parse_spec(f"int{bits}")[1], config=gemma)
-        assert on_llama.codec.rotate == "hadamard" and on_gemma.codec.rotate == "per_token"
-        assert on_llama.spec == f"int{bits}:rotate=hadamard" and on_gemma.spec == f"int{bits}:rotate=per_token"
+        assert on_llama.codec.settled_rotation == "hadamard" and on_gemma.codec.settled_rotation == "per_token"
+        assert on_llama.spec == on_gemma.spec == f"int{bits}"  # the spec is what the user asked for
+        sliding, full = (layer.codec for layer in on_gemma.layers)
+        explicit = CompressedCache(codec=parse_spec(f"int{bits}:rotate=per_token")[1], config=gemma).layers[1].codec
+        for kind in ("key", "value"):
+            assert torch.equal(full.encode(x, kind)["codes"], explicit.encode(x, kind)["codes"])
+        assert not full._rotates("key") and sliding._rotates("key") and full._rotates("value")
+        assert sliding.key_axis == "token" and sliding.settled_rotation == "per_token"
         # An explicit choice is kept on every model.
-        assert CompressedCache(codec=parse_spec(f"int{bits}:rotate=hadamard")[1], config=gemma).codec.rotate == "hadamard"
+        assert CompressedCache(codec=parse_spec(f"int{bits}:rotate=hadamard")[1], config=gemma).codec.settled_rotation == ""
     # Without a config (int4 needs none) `auto` rotates everything, as hadamard does, bit for bit.
-    x = torch.randn(1, 2, 64, 64)
     unbound, hadamard = parse_spec("int4")[1].for_layer(1), IntNCodec(bits=4, rotate="hadamard", sink_tokens=4).for_layer(1)
     for kind in ("key", "value"):
         assert torch.equal(unbound.for_policy(False).encode(x, kind)["codes"], hadamard.for_policy(False).encode(x, kind)["codes"])
@@ -284,13 +291,11 @@ def test_plain_names_settle_the_rotation_per_model_family_and_say_so_in_the_spec
 
 def test_quantized_cache_uses_the_plain_names_configuration():
     from hf_kvcompress import QuantizedCache, parse_spec
-    from hf_kvcompress.codecs.base import resolve_for_model
     from tests.caches.tiny_models import CONFIGS
 
     config = CONFIGS["llama"]()
     for bits in (2, 3, 4, 8):
-        plain = resolve_for_model(parse_spec(f"int{bits}")[1], config).for_policy(False)
-        assert QuantizedCache(bits=bits, config=config).codec == plain
+        assert QuantizedCache(bits=bits, config=config).codec == parse_spec(f"int{bits}")[1].for_policy(False)
     with pytest.raises(ValueError, match="bits"):
         QuantizedCache(bits=5)
 
