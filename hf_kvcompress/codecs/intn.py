@@ -22,7 +22,8 @@ ROTATIONS = ("none", "hadamard", "per_token", "auto")
 CODEBOOKS = ("uniform", "gaussian")
 _TINY = torch.finfo(torch.bfloat16).tiny
 # What the plain names int4/int3/int2 mean: the best configuration measured at that width (README, "Quantization
-# options"): Hadamard rotation + 4 full-precision sinks + per-channel keys. `rotate=none,sink_tokens=0` is plain KIVI.
+# options"): the rotation measured best for the model's family (`auto`) + 4 full-precision sinks + per-channel keys.
+# `rotate=none,sink_tokens=0` is plain KIVI.
 BEST_LOW_BIT = {"rotate": "auto", "sink_tokens": 4}
 # What `rotate=auto` (the plain names) means per model family: measured, not derived (README, "Rotating keys"). On
 # Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers on the
