@@ -24,7 +24,6 @@ suite's own prompts can be checked there on text the suite never grades (no need
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 from transformers import AttentionInterface
@@ -32,7 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_kvcompress import load_model
-from hf_kvcompress.codecs.base import resolve_for_model
+from hf_kvcompress.caches.compressed import CompressedCache
 from hf_kvcompress.codecs.intn import IntNCodec
 from hf_kvcompress.registry import _parse_value
 from hf_kvcompress.eval.prompts import encode
@@ -100,7 +99,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model, dtype=torch.float32)
     decoder = model.config.get_text_config(decoder=True)
     layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
-    # Sliding-window layers (Gemma-3) attend over their window and store keys per token, as the cache does.
+    # Sliding-window layers (Gemma-3) attend over their window.
     layers = list(range(len(layer_types)))
     windows = {i: decoder.sliding_window for i, kind in enumerate(layer_types) if kind == "sliding_attention"}
     depths = [float(d) for d in args.depths.split(",")]
@@ -130,15 +129,14 @@ def main() -> None:
         for config in configs:
             kwargs = {k: _parse_value(v) for k, v in (p.split("=") for p in config.split(","))}
             key_outliers, value_outliers = kwargs.pop("key_outliers", 0), kwargs.pop("value_outliers", 0)
-            codec = resolve_for_model(IntNCodec(**kwargs), model.config)  # pre_rope reads the RoPE frequencies
+            # Each layer's codec as the cache builds it: bound to the model (RoPE frequencies, rotate=auto), keys
+            # per token in sliding-window layers.
+            layer_codecs = [layer.codec for layer in CompressedCache(codec=IntNCodec(**kwargs), config=model.config).layers]
             errors, mass = [], []
             for i in layers:
                 query, key, value, scaling = store[i]
                 scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-                layered = codec.for_layer(i)
-                if i in windows:
-                    layered = dataclasses.replace(layered, key_axis="token", pre_rope=False)
-                    object.__setattr__(layered, "layer", i)
+                layered = layer_codecs[i]
                 window = windows.get(i)
                 ref, ref_probs = _attend(query, key, value, scaling, window)
                 out, probs = _attend(query, _store(key, layered, "key", key_outliers),

@@ -97,15 +97,17 @@ class CompressedCache(Cache):
         head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
         self.codec.check_head_dim(head_dim)  # refuse a codec that cannot store this model now, not mid-generation
         layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
+        if any(kind in SLIDING_LAYER_TYPES for kind in layer_types):
+            # Settle key_axis before binding to the model (replace() would drop what binding sets), once: binding
+            # may load calibration files (lowrank).
+            sliding_codec = resolve_for_model(_sliding_layer_codec(raw_codec), config)
         layers = []
         for i, layer_type in enumerate(layer_types):
             if layer_type in SLIDING_LAYER_TYPES:
                 window = decoder.sliding_window if layer_type == "sliding_attention" else decoder.attention_chunk_size
                 # transformers keeps window - 1 tokens between steps; so do we, stored with this cache's codec.
                 sliding = SinkWindowPolicy(sink_tokens=0, window=max(window - 1, 1))
-                # Settle key_axis before binding to the model: replace() would drop what binding sets.
-                codec = resolve_for_model(_sliding_layer_codec(raw_codec), config).for_layer(i)
-                layers.append(CompressedLayer(sliding, codec, is_sliding=True))
+                layers.append(CompressedLayer(sliding, sliding_codec.for_layer(i), is_sliding=True))
             else:
                 layers.append(CompressedLayer(
                     self.policy, self.codec.for_layer(i), inv_freq=inv_freq, query_inv_freq=query_inv_freq
