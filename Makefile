@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
+# A dropped connection mid-wheel resumes instead of failing the set-up (CI once lost pyarrow at 31.5 of 55 MB).
+export PIP_RETRIES := 10
+export PIP_RESUME_RETRIES := 20
 
 .PHONY: setup demo test test-slow test-oldest benchmark bench
 
