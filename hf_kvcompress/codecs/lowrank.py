@@ -40,6 +40,7 @@ class LowRankCodec(ReducingCodec):
     """
 
     name: ClassVar[str] = "lowrank"
+    keeps_rope: ClassVar[bool] = False  # coordinates on a basis: the storage cannot undo RoPE on them (pre_rope)
 
     rank: int | None = None
     bases: str | None = None
@@ -50,7 +51,7 @@ class LowRankCodec(ReducingCodec):
         if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
             raise ValueError(f"rank must be a positive integer below head_dim, or None (head_dim // 4), got {self.rank!r}")
 
-    def for_model(self, config) -> "LowRankCodec":
+    def reduction_for_model(self, config) -> "LowRankCodec":
         """Load and check the bases for this model; settle `rank`."""
         from ..calibration import load_bases
 
@@ -68,12 +69,6 @@ class LowRankCodec(ReducingCodec):
             raise ValueError("lowrank needs the model's config to load its bases (make_cache(spec, model.config))")
         bound = replace(self)  # holds its layer's bases only, not every layer's
         object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self.rank))
-        return bound
-
-    def for_policy(self, evicts: bool) -> "LowRankCodec":
-        bound = super().for_policy(evicts)
-        object.__setattr__(bound, "_tensors", self._tensors)
-        object.__setattr__(bound, "_layer", self._layer)
         return bound
 
     def _bases(self, kind: Kind, heads: int) -> tuple[torch.Tensor, torch.Tensor]:

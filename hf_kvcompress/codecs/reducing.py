@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 from abc import abstractmethod
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
 from ..spec_text import changed_fields, join_spec
-from .base import Codec, Encoded, Kind, resolve_for_policy
+from .base import Codec, Encoded, Kind, resolve_for_model, resolve_for_policy
 from .identity import IdentityCodec
 
 
@@ -17,8 +19,14 @@ class ReducingCodec(Codec):
     """`reduce` maps [B, H_kv, T, D] to a smaller tensor, `storage` stores it, `expand` maps it back.
 
     Stacking is how the lesson's combinations are built: `shared_heads+int8` shares heads, then quantizes the
-    shared heads. The storage codec's residual and token blocks apply unchanged to the reduced states.
+    shared heads. The storage codec's residual and token blocks apply unchanged to the reduced states. The storage
+    codec is bound to the model as it would be alone (`for_model`: `int4` rotates as plain `int4` does on that model).
     """
+
+    # Whether the reduced states are still the model's head vectors, turned by RoPE as the model turns them (the
+    # mean of heads at one position is; coordinates on a basis are not): only then may the storage read the model's
+    # RoPE frequencies (pre_rope).
+    keeps_rope: ClassVar[bool] = True
 
     storage: Codec = field(default_factory=IdentityCodec)
 
@@ -39,8 +47,39 @@ class ReducingCodec(Codec):
     def token_block(self, kind: Kind) -> int:
         return self.storage.token_block(kind)
 
+    def with_storage(self, storage: Codec) -> "ReducingCodec":
+        """A copy storing with `storage`; unlike `replace`, it keeps what binding set (init=False fields)."""
+        if storage is self.storage:
+            return self
+        copied = copy.copy(self)
+        object.__setattr__(copied, "storage", storage)
+        return copied
+
+    def reduction_for_model(self, config) -> "ReducingCodec":
+        """The reduction bound to the model (its shape, its calibration); the storage is bound by `for_model`."""
+        return self
+
+    def for_model(self, config) -> "ReducingCodec":
+        """Bind the reduction, then the storage codec, to the model. The storage sees the model's own config: what
+        it reads there (the family for `rotate=auto`, the layer count for `wide_layers`, the RoPE frequencies for
+        `pre_rope`) holds for the reduced states too, except the RoPE frequencies when the reduction does not keep
+        the head vectors (`keeps_rope`), where pre_rope is refused."""
+        self._check_pre_rope()
+        bound = self.reduction_for_model(config)
+        return bound.with_storage(resolve_for_model(bound.storage, config))
+
+    def _check_pre_rope(self) -> None:
+        innermost = self.storage
+        while isinstance(innermost, ReducingCodec):
+            innermost = innermost.storage
+        if not self.keeps_rope and getattr(innermost, "pre_rope", False):
+            raise ValueError(
+                f"pre_rope must be false for a codec stored after {self.name}: its reduced states are not the "
+                f"model's RoPE-turned head vectors; write {self.name}+{replace(innermost, pre_rope=False).spec()}"
+            )
+
     def for_policy(self, evicts: bool) -> "ReducingCodec":
-        return replace(self, storage=resolve_for_policy(self.storage, evicts))
+        return self.with_storage(resolve_for_policy(self.storage, evicts))
 
     def check_head_dim(self, head_dim: int) -> None:
         self.storage.check_head_dim(self.stored_fraction(head_dim)[0])
