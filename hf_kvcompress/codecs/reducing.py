@@ -20,7 +20,8 @@ class ReducingCodec(Codec):
 
     Stacking is how the lesson's combinations are built: `shared_heads+int8` shares heads, then quantizes the
     shared heads. The storage codec's residual and token blocks apply unchanged to the reduced states. The storage
-    codec is bound to the model as it would be alone (`for_model`: `int4` rotates as plain `int4` does on that model).
+    codec is bound to the model as it would be alone (`for_model`: `int4` rotates as plain `int4` does on that model)
+    and to each decoder layer (`for_layer`: its rotation signs, `wide_layers`).
     """
 
     # Whether the reduced states are still the model's head vectors, turned by RoPE as the model turns them (the
@@ -80,6 +81,9 @@ class ReducingCodec(Codec):
 
     def for_policy(self, evicts: bool) -> "ReducingCodec":
         return self.with_storage(resolve_for_policy(self.storage, evicts))
+
+    def for_layer(self, layer_idx: int) -> "ReducingCodec":
+        return self.with_storage(self.storage.for_layer(layer_idx))
 
     def check_head_dim(self, head_dim: int) -> None:
         self.storage.check_head_dim(self.stored_fraction(head_dim)[0])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig
 
-from hf_kvcompress import make_cache, parse_spec
+from hf_kvcompress import make_cache, measured_kv_bytes, parse_spec
 from hf_kvcompress.caches.compressed import CompressedCache
 from hf_kvcompress.calibration import calibrate, save_bases
 from hf_kvcompress.hf.rope import rope_inv_freq
@@ -67,7 +67,8 @@ def test_lowrank_storage_settles_the_rotation_per_model_family(lowrank_bases):
         config, bases = lowrank_bases[family]
         spec = f"lowrank:rank=16,bases={bases}+int4:group_size=16"
         kv_heads = config.num_key_value_heads
-        _check_rotation_settles(spec, config, rotation, torch.randn(1, kv_heads, 64, 32))
+        cache = _check_rotation_settles(spec, config, rotation, torch.randn(1, kv_heads, 64, 32))
+        assert [layer.codec.storage.layer for layer in cache.layers] == list(range(len(cache.layers)))
 
 
 def test_plain_storage_without_auto_is_left_as_written():
@@ -105,6 +106,21 @@ def test_lowrank_refuses_pre_rope_storage(lowrank_bases):
         make_cache(f"lowrank:rank=16,bases={bases}+shared_heads+int2:group_size=16", config)
     cache = make_cache(f"lowrank:rank=16,bases={bases}+int2:group_size=16,pre_rope=false", config)
     assert cache.codec.storage.settled_rotation == "hadamard" and cache.codec.storage.inv_freq is None
+
+
+def test_storage_is_bound_to_each_layer():
+    """wide_layers of the storage codec hold through a reducing codec (bytes counted at their width), and are
+    checked against the model; each layer rotates with its own signs, as plain int4's layers do."""
+    model = tiny_model("llama")
+    config = model.config
+    cache = make_cache("shared_heads+int2:wide_layers=1,residual_length=0", config)
+    assert [layer.codec.storage.bits for layer in cache.layers] == [2, 4]
+    assert [layer.codec.storage.layer for layer in cache.layers] == [0, 1]
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 128, (1, 64)), cache=cache)
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    with pytest.raises(ValueError, match="wide_layers must be decoder layers 0 to 1"):
+        make_cache("shared_heads+int2:wide_layers=2", config)
 
 
 def test_storage_needing_the_model_asks_for_the_config():
