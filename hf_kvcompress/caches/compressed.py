@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache
 
 from ..codecs.base import Codec, resolve_for_model, resolve_for_policy
 from ..codecs.identity import IdentityCodec
+from ..codecs.reducing import ReducingCodec
 from ..hf.compat import text_config
 from ..hf.rope import rope_inv_freq
 from ..policies.base import Policy
@@ -25,9 +26,16 @@ SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 def _sliding_layer_codec(codec: Codec) -> Codec:
     """Sliding layers always evict, and per-channel key groups cannot lose single tokens: an explicit
     key_axis='channel' applies to the full-attention layers, and the sliding layers store keys per token."""
+    return resolve_for_policy(_keys_per_token(codec), True)
+
+
+def _keys_per_token(codec: Codec) -> Codec:
+    """`codec` with an explicit key_axis='channel' turned to 'token', also in a reducing codec's storage."""
+    if isinstance(codec, ReducingCodec):
+        return codec.with_storage(_keys_per_token(codec.storage))
     if getattr(codec, "key_axis", None) == "channel":
-        codec = dataclasses.replace(codec, key_axis="token")
-    return resolve_for_policy(codec, True)
+        return dataclasses.replace(codec, key_axis="token")
+    return codec
 
 def layer_budget_shifts(policy: Policy, layers: list) -> list[torch.Tensor]:
     """One ranking of every (layer, KV head, slot) score per row: each layer keeps its share of the row's top

@@ -123,6 +123,13 @@ def test_storage_is_bound_to_each_layer():
         make_cache("shared_heads+int2:wide_layers=2", config)
 
 
+def test_sliding_layers_store_keys_per_token_under_a_reducing_codec():
+    """An explicit key_axis='channel' holds for the full-attention layers, as for plain int4 (it was refused)."""
+    cache = make_cache("shared_heads+int4:key_axis=channel", _gemma())
+    assert [layer.codec.storage.key_axis for layer in cache.layers] == ["token", "channel"]
+    assert [layer.codec.storage.settled_rotation for layer in cache.layers] == ["per_token", "per_token"]
+
+
 def test_storage_needing_the_model_asks_for_the_config():
     with pytest.raises(ValueError, match="config"):
         make_cache("shared_heads:heads_per_group=2+int2")
