@@ -2,10 +2,11 @@
 
 Results append to OUT/results.jsonl (a rerun skips finished method/sample pairs); OUT/summary.md, summary.csv,
 heatmap_<method>.png and quality_vs_memory.png are rewritten at the end. A result is reused only when every
-setting that changes it matches (model, dtype, device kind, cache spec, protocol, prompt format, chunk size,
-batch size, max new tokens, the sample's tokens, package version). Split the samples over processes with
-`accelerate launch --multi_gpu --num_processes N -m hf_kvcompress.eval ARGS` (on GPUs or, without one, on CPU
-cores) or `torchrun --nproc_per_node N -m hf_kvcompress.eval ARGS`; `accelerate launch --cpu` starts one process.
+setting that changes it matches (model, dtype, device kind, cache spec and what it resolves to on the model,
+protocol, prompt format, chunk size, batch size, max new tokens, the sample's tokens, package version). Split the
+samples over processes with `accelerate launch --multi_gpu --num_processes N -m hf_kvcompress.eval ARGS` (on GPUs
+or, without one, on CPU cores) or `torchrun --nproc_per_node N -m hf_kvcompress.eval ARGS`; `accelerate launch
+--cpu` starts one process.
 """
 
 from __future__ import annotations

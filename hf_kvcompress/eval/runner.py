@@ -25,6 +25,7 @@ import torch
 from ..generation import generate, prefill, repeat_prompt_ids, sync
 from ..measure import measured_kv_bytes
 from .prompts import encode, protocol_name, uses_chat
+from .resolved import resolved_digest
 from .scoring import score_all
 
 BASELINE = "dynamic"
@@ -33,8 +34,11 @@ RESULTS = "results.jsonl"
 VOLATILE_FIELDS = ("prefill_seconds", "decode_seconds", "finished_at", "process_index")
 # Everything besides (method, sample_id) that changes a result: a record is reused only when all of them match.
 # `input_digest` hashes the sample's token ids and references, so task parameters, documents and tokenizer count.
+# `resolved_digest` hashes what the method's spec resolves to on the model (eval/resolved.py), so a changed default
+# or per-model setting counts without a version bump. A record written before it existed has none and is not
+# reused: nothing in it shows which meaning its spec had (int4 on Gemma-3 changed rotation within one version).
 SETTING_FIELDS = ("model", "dtype", "device", "protocol", "prompt_format", "chunk_size", "batch_size",
-                  "max_new_tokens", "version", "input_digest")  # fmt: skip
+                  "max_new_tokens", "version", "input_digest", "resolved_digest")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ cache glue
@@ -458,10 +462,12 @@ def run_eval(
     }
 
     digests = [input_digest(*encoded[i], row["references"]) for i, row in enumerate(rows)]
+    resolved = {method: resolved_digest(method, model.config) for method in methods}
 
     def setting(method: str, i: int) -> dict:  # the values of SETTING_FIELDS for one (method, sample)
         return {**common, "chunk_size": chunk_size if _bounds_memory(method) else None,
-                "max_new_tokens": rows[i]["max_new_tokens"], "input_digest": digests[i]}  # fmt: skip
+                "max_new_tokens": rows[i]["max_new_tokens"], "input_digest": digests[i],
+                "resolved_digest": resolved[method]}  # fmt: skip
 
     wanted = {resume_key({"method": m, "sample_id": sample_ids[i], **setting(m, i)}): (m, sample_ids[i])
               for m in methods for i in range(len(rows))}  # fmt: skip

@@ -91,3 +91,29 @@ def test_interrupted_run_keeps_finished_batches_and_the_rerun_says_what_was_done
     err = capsys.readouterr().err
     assert counts == {"reused": 2, "to_run": 0}
     assert "all 2 results are already in" in err and "0sample" not in err
+
+
+def test_a_changed_meaning_of_the_spec_reruns_its_pairs(embedded, small_samples, tmp_path, counted, monkeypatch):
+    """`int4` settles its rotation per model family: when that changes without a version bump, its stored records
+    are not reused; nor are records written before the resolved digest was recorded (they cannot show theirs)."""
+    from hf_kvcompress.codecs import intn
+
+    model, tokenizer = embedded
+    samples = small_samples.select([0])
+    out = tmp_path / "run"
+    run = lambda: runner.run_eval(model, tokenizer, ["int4"], samples=samples, out_dir=out, progress=False)  # noqa: E731
+    run()
+    counted.clear()
+    monkeypatch.setitem(intn.ROTATION_BY_MODEL_TYPE, model.config.model_type, "per_token")
+    run()
+    assert counted == [("int4", 1)]
+    counted.clear()
+    run()
+    assert counted == []
+
+    stored = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    for record in stored:
+        del record["resolved_digest"]
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stored))
+    run()
+    assert sorted(counted) == [("dynamic", 1), ("int4", 1)]
