@@ -45,6 +45,18 @@ class ReducingCodec(Codec):
     def residual_length(self) -> int:  # type: ignore[override]
         return getattr(self.storage, "residual_length", 0)
 
+    @property
+    def sink_tokens(self) -> int:  # type: ignore[override]
+        """The storage's full-precision sinks (`lowrank+int4` keeps int4's 4, as plain `int4` does).
+
+        A sink bypasses the whole codec, reduction included: the cache copies the model's own states before
+        anything is encoded and puts them back over their decoded slots (caches/codec_sinks.py), so a sink reads
+        exactly as under the plain storage codec. Bypassing the quantization only would keep a group's mean
+        (shared_heads) or a projection on a basis fitted to typical tokens (lowrank) for the very tokens that draw
+        the most attention; the exact copy costs sink_tokens x KV heads x (key + value dims) per row and layer,
+        stored and counted as such (`promised_bytes`, `measured_kv_bytes`)."""
+        return getattr(self.storage, "sink_tokens", 0)
+
     def token_block(self, kind: Kind) -> int:
         return self.storage.token_block(kind)
 
