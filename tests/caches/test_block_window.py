@@ -148,3 +148,16 @@ def test_padded_rows_equal_rows_alone_while_blocks_drop(position_ids):
         else:
             alone = model.generate(input_ids=row[None], cache=alone_cache, max_new_tokens=12, do_sample=False)[:, len(row):]
         assert torch.equal(batched[i], alone[0]), f"row {i}"
+
+
+@pytest.mark.parametrize("spec", [SPEC, "int2:residual_length=4,group_size=8", "int4:residual_length=0,group_size=8,key_axis=token"])
+@pytest.mark.parametrize("tokens", [4, 13, 19, 27])
+def test_study_estimate_equals_the_block_windows_promise(spec, tokens):
+    from hf_kvcompress.study import promised_bytes
+
+    model = tiny_model("gemma3")
+    cache = make_cache(spec, model.config)
+    with torch.no_grad():
+        model(input_ids=_ids(tokens), cache=cache)
+    bookkeeping = model.config.num_hidden_layers * 2 * 8
+    assert promised_bytes(spec, model.config, tokens, 4) == pytest.approx(cache.promised_kv_bytes() - bookkeeping)
