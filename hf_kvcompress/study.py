@@ -87,16 +87,26 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     codec = resolve_for_model(codec, config) if hasattr(codec, "for_model") else codec
     shape = kv_shape_from_config(config)
     dtype = {4: torch.float32, 2: torch.bfloat16}.get(int(model_bytes), torch.float32)
+    from .caches.compressed import _sliding_layer_codec
+    from .hf.compat import text_config
+
     windows = shape.windows or (None,) * shape.layers
+    layer_types = getattr(text_config(config), "layer_types", None) or ()
     total = 0.0
     for i, window in enumerate(windows):
         if window == 0:
             continue
-        evicts = window is not None or policy.budget is not None
-        layer_codec = codec.for_policy(evicts) if hasattr(codec, "for_policy") else codec
+        if window is not None:  # as CompressedCache builds a sliding layer's codec (block window or exact window)
+            kind = layer_types[i] if i < len(layer_types) else "sliding_attention"
+            layer_codec = _sliding_layer_codec(codec, kind)
+        else:
+            layer_codec = codec.for_policy(policy.budget is not None) if hasattr(codec, "for_policy") else codec
         layer_codec = layer_codec.for_layer(i)  # as the cache builds each layer's codec (per-layer widths)
         cap = (window - 1) if window is not None else policy.budget
         kept = tokens if cap is None else min(tokens, cap)
+        block = max(layer_codec.token_block("key"), layer_codec.token_block("value"))
+        if window is not None and block > 1 and tokens > cap:  # a block window drops whole groups only
+            kept = cap + (tokens - cap) % block
         if layer_codec.lossless:
             encoded = 0
         else:

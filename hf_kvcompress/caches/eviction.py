@@ -88,6 +88,10 @@ class Eviction:
     # -- which tokens stay ----------------------------------------------------------------------------------------
 
     def _compress(self) -> None:
+        if self.policy.drops_blocks:  # a sliding window over per-channel key groups (block_eviction.py)
+            self._drop_old_blocks()
+            self._encode_tail()
+            return
         keep = self._keep_per_row()
         if keep is not None:
             most, row_over = self._most_kept_and_over(keep)

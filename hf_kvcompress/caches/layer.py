@@ -2,8 +2,9 @@
 
 This module holds transformers' layer contract and the order of a step (`update`); each concern of the layer is a
 mixin in its own module: storage.py (the encoded store and the full-precision tail), eviction.py (how many tokens
-stay and which), padding.py (left padding per row and the masks that follow from it), codec_sinks.py (exact sink
-tokens of lossy codecs), rerotation.py (StreamingLLM's re-rotation), reconstruction.py (KVzip's pass),
+stay and which), block_eviction.py (a sliding window over per-channel key groups), padding.py (left padding per
+row and the masks that follow from it), codec_sinks.py (exact sink tokens of lossy codecs), rerotation.py
+(StreamingLLM's re-rotation), reconstruction.py (KVzip's pass),
 store_offer.py (the fused decode path), finite_check.py (the NaN/inf check), query_window.py (the newest queries,
 for Expected Attention) and layer_state.py (save and load).
 What attention functions read from the attention kwargs is in requests.py.
@@ -16,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..codecs.base import Codec, Encoded, gather_encoded, select_batch
 from ..policies.base import Policy
+from .block_eviction import BlockEviction
 from .codec_sinks import CodecSinks
 from .eviction import Eviction
 from .finite_check import FINITE_CHECK_EVERY, NON_FINITE, FiniteCheck
@@ -51,8 +53,8 @@ def batch_mismatch_hint(held: int, got: int) -> str:
 
 
 class CompressedLayer(
-    TokenStorage, Eviction, RowPadding, CodecSinks, Rerotation, Reconstruction, StoreOffer, FiniteCheck, QueryWindow,
-    LayerState, CacheLayerMixin,
+    TokenStorage, Eviction, BlockEviction, RowPadding, CodecSinks, Rerotation, Reconstruction, StoreOffer, FiniteCheck,
+    QueryWindow, LayerState, CacheLayerMixin,
 ):
     """Stores a layer's kept tokens as [encoded store | full-precision tail].
 
@@ -66,13 +68,16 @@ class CompressedLayer(
 
     def __init__(
         self, policy: Policy, codec: Codec, is_sliding: bool = False, inv_freq: torch.Tensor | None = None,
-        query_inv_freq: torch.Tensor | None = None,
+        query_inv_freq: torch.Tensor | None = None, attention_window: int | None = None,
     ):
         """`inv_freq` (RoPE frequencies) turns on StreamingLLM's re-rotation: after each eviction, kept keys are
         re-rotated so that their distances to the next query are their distances in the cache. `query_inv_freq`:
         the RoPE frequencies a policy that keeps queries (`needs_queries`) undoes their rotation with (empty: the
-        model does not rotate them)."""
+        model does not rotate them). `attention_window`: a sliding_attention layer's window (the model's
+        `sliding_window`): a query sees only keys less than that many positions back, which the layer's own mask
+        must say too, since a block window holds older tokens (block_eviction.py)."""
         super().__init__()
+        self.attention_window = attention_window
         self.policy = policy
         self.codec = codec
         self.is_sliding = is_sliding

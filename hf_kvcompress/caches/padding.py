@@ -105,13 +105,16 @@ class RowPadding:
         return self.mask_misplaced
 
     def _own_mask(self, attn_kwargs: dict | None, new: int, length: int) -> None:
-        """Give attention this layer's [B, 1, new, length] mask (its padding first, causal over the new tokens):
-        transformers' one mask cannot fit when layers keep different numbers of tokens or rows different shares."""
+        """Give attention this layer's [B, 1, new, length] mask (its padding first, causal over the new tokens, within
+        a sliding layer's `attention_window`): transformers' one mask cannot fit when layers keep different numbers of tokens or rows different shares."""
         if attn_kwargs is None:
             raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
         slot = torch.arange(length, device=self.device)
         query_slot = length - new + torch.arange(new, device=self.device)
-        allowed = (slot[None, :] <= query_slot[:, None])[None] & (slot[None, :] >= self.pads[:, None])[:, None, :]
+        visible = slot[None, :] <= query_slot[:, None]  # [new, length]
+        if self.attention_window is not None:  # slots stay the newest tokens in order: distance in slots is in tokens
+            visible = visible & (slot[None, :] > query_slot[:, None] - self.attention_window)
+        allowed = visible[None] & (slot[None, :] >= self.pads[:, None])[:, None, :]
         self.own_mask = OwnMask(allowed[:, None])
         attn_kwargs[MASK_KEY] = self.own_mask
 

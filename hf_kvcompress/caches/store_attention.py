@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs.base import Encoded
+from ..codecs.base import slice_encoded
 from ..ops import cpu_decode, triton_decode
 
 # Tokens read at a time: at most STORE_BLOCK, and at most STORE_BLOCK_VALUES values (batch x KV heads x tokens x
@@ -24,16 +24,6 @@ from ..ops import cpu_decode, triton_decode
 STORE_BLOCK = 8192
 STORE_BLOCK_VALUES = 1 << 20
 BACKENDS = ("auto", "torch", "triton", "cpu")
-
-
-def slice_encoded(encoded: Encoded, start: int, end: int, tokens: int) -> Encoded:
-    """Tokens [start, end) of an encoding of `tokens` tokens; tensors stored per group of g tokens are cut at
-    start // g and end // g (the caller keeps both on group boundaries)."""
-    out = {}
-    for name, tensor in encoded.items():
-        per_entry = tokens // tensor.shape[2]
-        out[name] = tensor[:, :, start // per_entry : end // per_entry]
-    return out
 
 
 class _OnlineSoftmax:

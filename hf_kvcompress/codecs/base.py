@@ -111,6 +111,16 @@ def cat_encoded(first: Encoded | None, second: Encoded) -> Encoded:
     }
 
 
+def slice_encoded(encoded: Encoded, start: int, end: int, tokens: int) -> Encoded:
+    """Tokens [start, end) of an encoding of `tokens` tokens, as views; tensors stored per group of g tokens are
+    cut at start // g and end // g (the caller keeps both on group boundaries)."""
+    out = {}
+    for name, tensor in encoded.items():
+        per_entry = tokens // tensor.shape[2]
+        out[name] = tensor[:, :, start // per_entry : end // per_entry]
+    return out
+
+
 def gather_encoded(encoded: Encoded, index: torch.Tensor) -> Encoded:
     """Keep the tokens `index` [B, H, K] of a token-wise (`token_block` 1) encoding, per batch row and head."""
     out = {}

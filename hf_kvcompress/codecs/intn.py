@@ -111,7 +111,7 @@ class IntNCodec(Codec):
         rotate: "hadamard" multiplies each head vector by a Hadamard matrix with random signs before quantizing
             (QuaRot, arXiv:2404.00456) and undoes it after decoding; signs are fixed per decoder layer and per
             keys/values. "per_token" rotates only the groups that run along head_dim (values, and keys stored
-            per token, as sliding-window layers and evicting policies store them), where the rotation makes a
+            per token, as evicting policies store them), where the rotation makes a
             vector's coordinates alike, and leaves per-channel key groups their own channels' scales: on Gemma-3,
             whose global layers' key channels differ widely in spread (the widest ~23 times the median, ~2 on
             SmolLM2), rotating per-channel keys raised their attention error at every width, while on SmolLM2 it

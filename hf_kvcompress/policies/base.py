@@ -53,6 +53,11 @@ class Policy:
         return None
 
     @property
+    def drops_blocks(self) -> bool:
+        """True: the layer drops the oldest whole codec blocks instead of ranking slots (policies/block_window.py)."""
+        return False
+
+    @property
     def evicts(self) -> bool:
         return self.budget is not None or self.ratio is not None
 

@@ -242,14 +242,17 @@ def test_prefill_stores_owned_tensors_not_views_of_a_fused_projection(model, spe
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
 
 
-def test_explicit_channel_keys_on_a_hybrid_model_apply_to_its_full_attention_layers():
+def test_explicit_channel_keys_on_a_hybrid_model_apply_to_every_layer():
+    # Sliding layers keep per-channel keys too, dropping whole key groups as the window passes them.
     model = tiny_model("gemma3")
     cache = make_cache("int4:key_axis=channel,residual_length=0,group_size=8", model.config)
     axes = [(layer.is_sliding, layer.codec.key_axis) for layer in cache.layers]
-    assert axes == [(True, "token"), (True, "token"), (False, "channel")]
+    assert axes == [(True, "channel"), (True, "channel"), (False, "channel")]
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(12))
     out = generate(model, ids, None, cache, max_new_tokens=4)
     assert out.new_tokens.shape == (1, 4)
+    window = model.config.sliding_window - 1
+    assert all(window <= layer.stored_tokens <= window + 7 for layer in cache.layers if layer.is_sliding)
     with pytest.raises(ValueError, match="key_axis"):
         make_cache("sink_window:window=8+int4:key_axis=channel", model.config)
 

@@ -58,8 +58,8 @@ def test_shared_heads_storage_settles_the_rotation_per_model_family():
     on_gemma = _check_rotation_settles("shared_heads+int4", _gemma(), "per_token",
                                        torch.randn(1, 2, 64, 64))
     sliding, full = (layer.codec.storage for layer in on_gemma.layers)
-    assert not full._rotates("key") and sliding._rotates("key") and full._rotates("value")
-    assert sliding.key_axis == "token" and sliding.settled_rotation == "per_token"
+    assert not full._rotates("key") and not sliding._rotates("key") and full._rotates("value")
+    assert sliding.key_axis == "channel" and sliding.settled_rotation == "per_token"
 
 
 def test_lowrank_storage_settles_the_rotation_per_model_family(lowrank_bases):
@@ -77,10 +77,12 @@ def test_plain_storage_without_auto_is_left_as_written():
 
 
 def test_evicting_policies_keep_what_binding_settled():
-    """for_policy rebuilds the storage (key_axis): the rotation settled by binding must survive it."""
+    """for_policy rebuilds the storage (key_axis): the rotation settled by binding must survive it. The evicting
+    full-attention layers store keys per token; the sliding layer keeps per-channel keys (block window)."""
     cache = make_cache("h2o:budget=32,recent=8+shared_heads+int4", _gemma())
-    for storage in [cache.codec.storage] + [layer.codec.storage for layer in cache.layers]:
-        assert storage.key_axis == "token" and storage.settled_rotation == "per_token"
+    expected = ["token"] + ["channel" if layer.is_sliding else "token" for layer in cache.layers]
+    for storage, axis in zip([cache.codec.storage] + [layer.codec.storage for layer in cache.layers], expected):
+        assert storage.key_axis == axis and storage.settled_rotation == "per_token"
 
 
 def test_shared_heads_storage_reads_the_models_rope_frequencies():
@@ -123,11 +125,20 @@ def test_storage_is_bound_to_each_layer():
         make_cache("shared_heads+int2:wide_layers=2", config)
 
 
-def test_sliding_layers_store_keys_per_token_under_a_reducing_codec():
-    """An explicit key_axis='channel' holds for the full-attention layers, as for plain int4 (it was refused)."""
-    cache = make_cache("shared_heads+int4:key_axis=channel", _gemma())
-    assert [layer.codec.storage.key_axis for layer in cache.layers] == ["token", "channel"]
-    assert [layer.codec.storage.settled_rotation for layer in cache.layers] == ["per_token", "per_token"]
+def test_sliding_layers_group_keys_as_the_storage_says_under_a_reducing_codec():
+    """Per-channel keys (unset or explicit) hold for the sliding layers too, under a block window, as for plain
+    int4; an explicit key_axis='token' keeps keys per token and the exact window."""
+    from hf_kvcompress.policies.block_window import BlockWindowPolicy
+    from hf_kvcompress.policies.sink_window import SinkWindowPolicy
+
+    for axis in ("", ":key_axis=channel"):
+        cache = make_cache(f"shared_heads+int4{axis}", _gemma())
+        assert [layer.codec.storage.key_axis for layer in cache.layers] == ["channel", "channel"]
+        assert [layer.codec.storage.settled_rotation for layer in cache.layers] == ["per_token", "per_token"]
+        assert isinstance(cache.layers[0].policy, BlockWindowPolicy)
+    cache = make_cache("shared_heads+int4:key_axis=token", _gemma())
+    assert [layer.codec.storage.key_axis for layer in cache.layers] == ["token", "token"]
+    assert isinstance(cache.layers[0].policy, SinkWindowPolicy)
 
 
 def test_storage_needing_the_model_asks_for_the_config():
