@@ -11,6 +11,7 @@ from hf_kvcompress.caches.head_budget_layer import HeadBudgetLayer
 from hf_kvcompress.calibration import calibrate, save_bases
 from hf_kvcompress.generation import generate, prefill
 
+from ..caches.test_sinks import _forward, _padded_prompts
 from ..caches.tiny_models import tiny_model
 
 STORAGE = "int4:residual_length=0,group_size=8,key_axis=token"  # plain int4: 4 sinks; everything encoded
@@ -34,20 +35,6 @@ def lowrank(llama, tmp_path_factory):
 @pytest.fixture(params=["shared_heads", "lowrank"])
 def reduction(request, lowrank):
     return "shared_heads" if request.param == "shared_heads" else lowrank
-
-
-def _padded_prompts():
-    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0  # row 0: five padding slots first
-    return ids, mask
-
-
-def _forward(model, ids, mask, cache):
-    """One prefill with generate()'s position ids (padding at position 1), from which layers count padding."""
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
 
 
 def test_the_sink_count_is_the_storages():
