@@ -1,5 +1,9 @@
 """hf-kvcompress: smaller KV caches for transformers models, and measurements of what they cost in quality."""
 
+# The one place the version is written (pyproject.toml reads it): the eval runner stamps results with it, and an
+# editable install's metadata keeps the version it was installed at, so it reads this, not the metadata.
+__version__ = "0.3.0"
+
 from .caches.compressed import CompressedCache
 from .caches.persist import load_cache, save_cache
 from .caches.presets import Fp8Cache, HeavyHitterCache, QuantizedCache, SinkWindowCache

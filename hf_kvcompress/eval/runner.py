@@ -327,12 +327,11 @@ def _state():
 
 
 def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    """The source's version: an editable install's metadata keeps the version it was installed at, and a stale
+    version would let the runner reuse results made by other code."""
+    from .. import __version__
 
-    try:
-        return version("hf-kvcompress")
-    except PackageNotFoundError:
-        return "unknown"
+    return __version__
 
 
 def input_digest(document_ids: Sequence[int], question_ids: Sequence[int], references: Sequence[str]) -> str:
