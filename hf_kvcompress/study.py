@@ -87,7 +87,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     codec = resolve_for_model(codec, config) if hasattr(codec, "for_model") else codec
     shape = kv_shape_from_config(config)
     dtype = {4: torch.float32, 2: torch.bfloat16}.get(int(model_bytes), torch.float32)
-    from .caches.compressed import _sliding_layer_codec
+    from .caches.compressed import _sliding_layer_codec, _sliding_layer_policy
     from .hf.compat import text_config
 
     windows = shape.windows or (None,) * shape.layers
@@ -96,17 +96,15 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     for i, window in enumerate(windows):
         if window == 0:
             continue
-        if window is not None:  # as CompressedCache builds a sliding layer's codec (block window or exact window)
+        if window is not None:  # as CompressedCache builds a sliding layer (block window or exact window)
             kind = layer_types[i] if i < len(layer_types) else "sliding_attention"
             layer_codec = _sliding_layer_codec(codec, kind)
+            sliding = _sliding_layer_policy(layer_codec, window)
+            kept = sliding.held(tokens) if sliding.drops_blocks else min(tokens, sliding.window)
         else:
             layer_codec = codec.for_policy(policy.budget is not None) if hasattr(codec, "for_policy") else codec
+            kept = tokens if policy.budget is None else min(tokens, policy.budget)
         layer_codec = layer_codec.for_layer(i)  # as the cache builds each layer's codec (per-layer widths)
-        cap = (window - 1) if window is not None else policy.budget
-        kept = tokens if cap is None else min(tokens, cap)
-        block = max(layer_codec.token_block("key"), layer_codec.token_block("value"))
-        if window is not None and block > 1 and tokens > cap:  # a block window drops whole groups only
-            kept = cap + (tokens - cap) % block
         if layer_codec.lossless:
             encoded = 0
         else:

@@ -29,9 +29,8 @@ class BlockEviction:
     def _drop_old_blocks(self) -> None:
         """Drop the oldest whole blocks of `policy.block` tokens that lie entirely before the newest
         `policy.window` tokens, and move every per-slot record along."""
-        block = self.policy.block
-        drop = (self.stored_tokens - self.policy.window) // block * block
-        if drop <= 0:
+        drop = self.stored_tokens - self.policy.held(self.stored_tokens)
+        if drop == 0:
             return
         if self.encoded_keys is None:
             self._capture_sinks()  # while the tail still holds every token seen

@@ -106,7 +106,8 @@ class RowPadding:
 
     def _own_mask(self, attn_kwargs: dict | None, new: int, length: int) -> None:
         """Give attention this layer's [B, 1, new, length] mask (its padding first, causal over the new tokens, within
-        a sliding layer's `attention_window`): transformers' one mask cannot fit when layers keep different numbers of tokens or rows different shares."""
+        a sliding layer's `attention_window`): transformers' one mask cannot fit when layers keep different numbers
+        of tokens or rows different shares."""
         if attn_kwargs is None:
             raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
         slot = torch.arange(length, device=self.device)

@@ -41,6 +41,11 @@ class BlockWindowPolicy(Policy):
     def recent(self) -> int:
         return self.window
 
+    def held(self, tokens: int) -> int:
+        """Tokens held once `tokens` have arrived: the newest `window`, plus the older ones of a block that has not
+        wholly left the window."""
+        return tokens if tokens <= self.window else self.window + (tokens - self.window) % self.block
+
     @property
     def drops_blocks(self) -> bool:
         return True
