@@ -1,7 +1,8 @@
 """transformers' own QuantizedCache (quanto and HQQ backends, int2 and int4, and its fp8) on the suite's prompts.
 
-    python benchmarks/transformers_quantized_cache.py [--model smollm2-135m] [--length 2000] [--depths 0,50,100]
-        [--samples 1] [--venv ~/.cache/hf-kvcompress/bench-quantized-venv] [--out results/transformers-quantized]
+    python benchmarks/transformers_quantized_cache.py [--model smollm2-135m] [--tasks needle] [--lengths 2000]
+        [--depths 0,50,100] [--samples 1] [--venv ~/.cache/hf-kvcompress/bench-quantized-venv]
+        [--out results/transformers-quantized]
 
 The backends need `optimum-quanto` and `hqq`, which are not dependencies of this package, so the script creates a
 separate virtual environment (`--venv`) with the same torch and transformers versions and installs them there. This
@@ -10,6 +11,12 @@ with the suite's metric; a child process in that environment loads the model fro
 it to, prefills the document into the cache, then answers greedily, as `hf-kvcompress eval` does. A backend that
 does not install or does not run is reported with its error instead of a score. transformers refuses QuantizedCache
 on models with sliding-window layers (Gemma-3), and says so.
+
+Besides the printed summary, `OUT/results.jsonl` holds one record per (configuration, sample) in the form
+`hf-kvcompress eval` writes (methods named `transformers-<config>`), so `benchmarks/retention_table.py OURS OUT`
+puts them in one table with our caches on the same prompts (retention against our `dynamic`; the
+`transformers-dynamic` row shows that transformers' own DynamicCache answers the same samples). Bytes are not
+measured for the backends (their quantized tensors are the backends' own objects).
 """
 
 from __future__ import annotations
@@ -91,7 +98,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--length", type=int, default=2000)
+    parser.add_argument("--tasks", default="needle", help="comma-separated suite tasks")
+    parser.add_argument("--lengths", "--length", default="2000", help="comma-separated prompt lengths in tokens")
     parser.add_argument("--depths", default="0,50,100")
     parser.add_argument("--samples", type=int, default=1)
     parser.add_argument("--configs", default=",".join(CONFIGS))
@@ -115,11 +123,13 @@ def main() -> None:
     if layer_types - {"full_attention"}:
         print(f"{args.model} has {sorted(layer_types)} layers: transformers' QuantizedCache accepts only full attention")
     depths = [float(d) for d in args.depths.split(",")]
-    samples = build_samples(tokenizer, ["needle"], [args.length], depths, samples_per_cell=args.samples)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    samples = build_samples(tokenizer, args.tasks.split(","), lengths, depths, samples_per_cell=args.samples)
     rows = []
     for sample in samples:
         document, question = encode(tokenizer, sample)
         rows.append({"id": sample["sample_id"], "document": document, "question": question, "depth": sample["depth"],
+                     "task": sample["task"], "length": sample["length"],
                      "max_new_tokens": sample["max_new_tokens"], "references": sample["references"]})
     configs = args.configs.split(",")
     failed = _environment(Path(args.venv), out / "pip.log")
@@ -130,16 +140,22 @@ def main() -> None:
     results = json.loads((out / "predictions.json").read_text())
     by_id = {row["id"]: row for row in rows}
     table = {}
-    for record in results:
-        row = by_id[record["id"]]
-        if "error" in record:
-            table.setdefault(record["config"], {"errors": set()}).setdefault("errors", set()).add(record["error"])
-            continue
-        text = tokenizer.decode(record["new_tokens"], skip_special_tokens=True)
-        score = score_all([text], [row["references"]])["string_match_all"][0]
-        cell = table.setdefault(record["config"], {})
-        cell.setdefault(row["depth"], []).append(score)
-    print(f"\n{args.model}, needle, {args.length} tokens, {args.samples} sample(s) per depth; string_match_all")
+    with (out / "results.jsonl").open("w") as sink:
+        for record in results:
+            row = by_id[record["id"]]
+            if "error" in record:
+                table.setdefault(record["config"], {"errors": set()}).setdefault("errors", set()).add(record["error"])
+                continue
+            text = tokenizer.decode(record["new_tokens"], skip_special_tokens=True)
+            score = score_all([text], [row["references"]])["string_match_all"][0]
+            cell = table.setdefault(record["config"], {})
+            cell.setdefault(row["depth"], []).append(score)
+            sink.write(json.dumps({
+                "method": f"transformers-{record['config']}", "model": args.model, "sample_id": row["id"],
+                "task": row["task"], "length": row["length"], "depth": row["depth"], "score": score,
+                "correct": score >= 100.0, "prediction": text, "references": row["references"],
+            }) + "\n")
+    print(f"\n{args.model}, {args.tasks}, {args.lengths} tokens, {args.samples} sample(s) per depth; string_match_all")
     for config in configs:
         if config not in runnable:
             print(f"{config:12s} not run: {failed[CONFIGS[config]['backend']]}")
