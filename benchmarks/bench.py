@@ -217,7 +217,8 @@ def plot(results: dict, rows: list[Row], grid: list[tuple[int, int]], path: Path
     import matplotlib.pyplot as plt
 
     batches = sorted({b for _, b in grid})
-    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 8), squeeze=False)
+    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches) + 3, 8), squeeze=False)
+    colors = {row.label: plt.get_cmap("tab20")(i % 20) for i, row in enumerate(rows)}  # up to 20 lines apart
     for col, batch in enumerate(batches):
         lengths = [n for n, b in grid if b == batch]
         for line, key in enumerate(("decode_ms", "kv_bytes")):
@@ -232,14 +233,15 @@ def plot(results: dict, rows: list[Row], grid: list[tuple[int, int]], path: Path
                     if value is not None and base is not None and base[key] > 0:
                         points.append((n, value[key] / base[key]))
                 if points:
-                    ax.plot(*zip(*points), marker="o", ls="-" if row.env == "ours" else "--", label=row.label)
+                    ax.plot(*zip(*points), marker="o", ls="-" if row.env == "ours" else "--", color=colors[row.label],
+                            label=row.label if (line, col) == (0, 0) else None)
             ax.axhline(1.0, color="grey", lw=0.8)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("prompt tokens")
             ax.set_ylabel(("decode time" if key == "decode_ms" else "KV bytes") + " / DynamicCache (same env)")
             ax.set_title(f"batch {batch}")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(loc="center right", fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1 - 3 / (6 * len(batches) + 3), 1))
     fig.savefig(path, dpi=120)
 
 
