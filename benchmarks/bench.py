@@ -25,11 +25,13 @@ or does not run is a row with its error. Default: every peer; `--quick`: quanto-
 
 Cost (estimates for a quiet 2-core CPU from the prefill rates measured here; every run also loads the model): the
 default grid, 9 caches at 1k, 4k and 8k tokens with batch 1 and at 1k and 4k with batch 8, 2 repeats, takes about
-an hour without peers, and the 10 peers and their 2 baselines a little more than as much again (ObservedAttention
-runs eager attention, KVzip replays the prompt; kvpress's KVzip scores batch 1 only and fails at batch 8); `--full`
-adds batch 8 at 8k tokens (the issue's whole grid), whose prefills alone add about as much again; `--quick` (1k and
-4k tokens, batch 1, 8 new tokens, two peers) takes about a quarter of an hour. On a shared machine use `--threads 1
---clock cpu`: the CPU time of a single-threaded worker is what other processes disturb least.
+an hour without peers, and the 10 peers with their 2 baselines about one and a half times as much again (at 1k and
+4k, batch 1, one repeat: 1,000 s with 4 of our caches, of which 730 s were the peers; kvpress's KVzip replays the
+prompt at 5.5x a prefill, ObservedAttention runs eager attention at 3.5x; kvpress's KVzip scores batch 1 only and
+fails at batch 8 after its prefill); `--full` adds batch 8 at 8k tokens (the issue's whole grid), whose prefills alone add
+about as much again; `--quick` (1k and 4k tokens, batch 1, 8 new tokens, two peers) takes about a quarter of an
+hour. On a shared machine use `--threads 1 --clock cpu`: the CPU time of a single-threaded worker is what other
+processes disturb least.
 """
 
 from __future__ import annotations
