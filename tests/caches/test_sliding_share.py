@@ -128,3 +128,53 @@ def test_a_ratio_below_the_codecs_sinks_keeps_the_sinks_instead_of_failing():
     full = [layer for layer in cache.layers if not layer.is_sliding]
     assert full[0].stored_tokens == 4
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+@pytest.mark.parametrize("spec,full_kept", [("dynamic:sliding=3", 40), ("kvzip:ratio=0.5,sliding=3", 20),
+                                            ("sink_window:sink_tokens=0,window=100,sliding=3", 40)])
+def test_sliding_sets_what_the_sliding_layers_keep_whatever_the_budget(spec, full_kept):
+    from hf_kvcompress.study import promised_bytes
+
+    model = _model(HYBRID)
+    cache = make_cache(spec, model.config)
+    assert cache.spec == spec
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    assert [layer.stored_tokens for layer in cache.layers] == [3, 3, full_kept]
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    if not spec.startswith("kvzip"):  # the study's estimate counts budgets, not ratios
+        assert promised_bytes(spec, model.config, 40, 4) == cache.promised_kv_bytes() - 3 * 2 * 8
+
+
+@pytest.mark.parametrize("spec", ["dynamic:sliding=2", "kvzip:ratio=0.5,sliding=3", "h2o:ratio=0.5,recent=2,sliding=4+int8",
+                                  "int4:residual_length=0,group_size=8,key_axis=token", "kvzip:ratio=0.25+int8"])
+def test_padded_batch_with_shrunk_sliding_layers_matches_rows_alone(spec):
+    from hf_kvcompress import use_kvcompress_attention
+
+    from .test_contract import _greedy, _prompts
+
+    model = use_kvcompress_attention(_model(HYBRID))
+    rows, ids, mask = _prompts(lengths=(5, 23, 19))  # longer than the window: the sliding layers evict
+    batched = _greedy(model, ids, mask, make_cache(spec, model.config))
+    for i, row in enumerate(rows):
+        alone = _greedy(model, row[None], torch.ones(1, len(row), dtype=torch.long), make_cache(spec, model.config))
+        assert torch.equal(batched[i], alone[0]), f"row {i} differs with {spec}"
+
+
+@pytest.mark.parametrize("bad,message", [("dynamic:sliding=0", "sliding must be an integer >= 1"),
+                                         ("dynamic:sliding=true", "sliding must be an integer >= 1")])
+def test_bad_sliding_is_refused_naming_it(bad, message):
+    with pytest.raises(ValueError, match=message):
+        make_cache(bad, _model(HYBRID).config)
+
+
+def test_sliding_on_a_model_without_sliding_layers_is_refused():
+    from .tiny_models import tiny_model
+
+    with pytest.raises(ValueError, match="sliding=4 sets what sliding-window layers keep, and this model has none"):
+        make_cache("dynamic:sliding=4", tiny_model("llama").config)
+    from hf_kvcompress import CompressedCache, KeepAllPolicy
+
+    with pytest.raises(ValueError, match="sliding= needs config"):
+        CompressedCache(KeepAllPolicy(sliding=4))
