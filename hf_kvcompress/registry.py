@@ -204,7 +204,7 @@ def cache_spec(policy: Policy, codec: Codec) -> str:
     base = policy_spec(policy)
     if isinstance(codec, IdentityCodec):
         return base
-    if isinstance(policy, KeepAllPolicy):
+    if isinstance(policy, KeepAllPolicy) and base == KeepAllPolicy.name:  # `int4`, not `dynamic+int4`
         return codec_spec(codec)
     return f"{base}+{codec_spec(codec)}"
 

@@ -87,7 +87,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     codec = resolve_for_model(codec, config) if hasattr(codec, "for_model") else codec
     shape = kv_shape_from_config(config)
     dtype = {4: torch.float32, 2: torch.bfloat16}.get(int(model_bytes), torch.float32)
-    from .caches.compressed import _sliding_layer_codec, _sliding_layer_policy
+    from .caches.compressed import _sliding_layer_codec, _sliding_layer_policy, sliding_kept
     from .hf.compat import text_config
 
     windows = shape.windows or (None,) * shape.layers
@@ -98,8 +98,9 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
             continue
         if window is not None:  # as CompressedCache builds a sliding layer (block window or exact window)
             kind = layer_types[i] if i < len(layer_types) else "sliding_attention"
-            layer_codec = _sliding_layer_codec(codec, kind)
-            sliding = _sliding_layer_policy(layer_codec, window)
+            share = sliding_kept(policy, kind, window)
+            layer_codec = _sliding_layer_codec(codec, kind, share is not None)
+            sliding = _sliding_layer_policy(layer_codec, window, share)
             kept = sliding.held(tokens) if sliding.drops_blocks else min(tokens, sliding.window)
         else:
             layer_codec = codec.for_policy(policy.budget is not None) if hasattr(codec, "for_policy") else codec

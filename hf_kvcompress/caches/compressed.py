@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 
 import torch
@@ -13,7 +14,7 @@ from ..codecs.identity import IdentityCodec
 from ..codecs.reducing import ReducingCodec
 from ..hf.compat import text_config
 from ..hf.rope import rope_inv_freq
-from ..policies.base import Policy
+from ..policies.base import Policy, check_count
 from ..policies.block_window import BlockWindowPolicy
 from ..policies.keep_all import KeepAllPolicy
 from ..policies.sink_window import SinkWindowPolicy
@@ -24,21 +25,50 @@ from .layer import CompressedLayer
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
 
-def _sliding_layer_codec(codec: Codec, layer_type: str) -> Codec:
+def sliding_kept(policy: Policy, layer_type: str, window: int) -> int | None:
+    """Tokens a sliding-window layer keeps under `policy` when that is fewer than transformers' `window - 1`
+    (None: the whole window).
+
+    A budget or ratio means the same in every layer: a `budget` of B keeps B tokens per KV head, a `ratio` r keeps
+    r of what the layer holds uncompressed (the newest ceil(r x (window - 1)) once the prompt is longer than the
+    window), so the cache's bytes follow the ratio on hybrid models too. A sliding layer keeps its newest tokens:
+    it attends locally, and KVzip's reconstruction queries, a window away, cannot score it. Chunked-attention
+    layers keep their chunk. A policy's `sliding=N` sets the count itself (`dynamic:sliding=127` shrinks only the
+    sliding layers): on Gemma-3-270M at 2,000 tokens they kept every answer at 127 of their 511 tokens, and lost 5 of
+    30 at 63 (README)."""
+    if layer_type != "sliding_attention":
+        return None
+    whole = max(window - 1, 1)
+    if policy.sliding is not None:
+        kept = policy.sliding
+    elif policy.budget is not None:
+        kept = policy.budget
+    elif policy.ratio is not None:
+        kept = math.ceil(policy.ratio * whole)
+    else:
+        return None
+    return max(kept, 1) if kept < whole else None
+
+
+def _sliding_layer_codec(codec: Codec, layer_type: str, exact_window: bool = False) -> Codec:
     """How a sliding layer stores keys. Its window evicts, but per-channel key groups (KIVI) only need to lose whole
     groups, which a block window does (policies/block_window.py): keys are grouped as without eviction (per channel
     for int4/int3/int2 and key_axis='channel'), and an explicit key_axis='token' keeps them per token. Measured on
     Gemma-3-270M (windowed attention error of the 15 sliding layers at 2000 tokens), per-channel keys cut it from
-    0.040 / 0.116 / 0.290 to 0.026 / 0.057 / 0.169 at 4 / 3 / 2 bits. Chunked-attention layers keep per-token keys
-    and their exact window."""
-    if layer_type == "sliding_attention":
+    0.040 / 0.116 / 0.290 to 0.026 / 0.057 / 0.169 at 4 / 3 / 2 bits. Chunked-attention layers, and sliding layers
+    that keep fewer tokens than their window (`exact_window`, see `sliding_kept`), keep per-token keys and an exact
+    window: transformers' mask would show the older tokens of a block."""
+    if layer_type == "sliding_attention" and not exact_window:
         return resolve_for_policy(codec, False)
     return resolve_for_policy(_keys_per_token(codec), True)
 
 
-def _sliding_layer_policy(codec: Codec, window: int) -> Policy:
+def _sliding_layer_policy(codec: Codec, window: int, kept: int | None = None) -> Policy:
     """transformers keeps `window - 1` tokens between steps; so do we, exactly when the codec stores single tokens,
-    and dropping whole blocks when it groups keys across tokens (between window - 1 and window - 1 + block - 1)."""
+    and dropping whole blocks when it groups keys across tokens (between window - 1 and window - 1 + block - 1).
+    `kept` (from `sliding_kept`) keeps that many newest tokens instead, exactly."""
+    if kept is not None:
+        return SinkWindowPolicy(sink_tokens=0, window=kept)
     kept = max(window - 1, 1)
     block = max(codec.token_block("key"), codec.token_block("value"))
     return BlockWindowPolicy(window=kept, block=block) if block > 1 else SinkWindowPolicy(sink_tokens=0, window=kept)
@@ -114,6 +144,8 @@ class CompressedCache(Cache):
             inv_freq = rope_inv_freq(config, "full_attention")
         query_inv_freq = _query_rope(self.policy, config)
         if config is None:
+            if self.policy.sliding is not None:
+                raise ValueError("sliding= needs config=model.config: it applies to the model's sliding-window layers")
             super().__init__(layer_class_to_replicate=_LayerFactory(self.policy, self.codec, inv_freq))
             self.num_layers = None
             return
@@ -121,18 +153,28 @@ class CompressedCache(Cache):
         head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
         self.codec.check_head_dim(head_dim)  # refuse a codec that cannot store this model now, not mid-generation
         layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
+        if self.policy.sliding is not None:
+            check_count("sliding", self.policy.sliding, minimum=1)
+            if "sliding_attention" not in layer_types:
+                raise ValueError(
+                    f"sliding={self.policy.sliding!r} sets what sliding-window layers keep, and this model has none "
+                    f"(layer types: {sorted(set(layer_types))}); leave sliding unset"
+                )
         # Settle key_axis before binding to the model (replace() would drop what binding sets), once per layer
         # type: binding may load calibration files (lowrank).
+        windows = {"sliding_attention": getattr(decoder, "sliding_window", None),
+                   "chunked_attention": getattr(decoder, "attention_chunk_size", None)}
+        kept = {kind: sliding_kept(self.policy, kind, windows[kind]) for kind in SLIDING_LAYER_TYPES if kind in layer_types}
         sliding_codecs = {
-            kind: resolve_for_model(_sliding_layer_codec(raw_codec, kind), config)
-            for kind in SLIDING_LAYER_TYPES if kind in layer_types
+            kind: resolve_for_model(_sliding_layer_codec(raw_codec, kind, kept[kind] is not None), config)
+            for kind in kept
         }
         layers = []
         for i, layer_type in enumerate(layer_types):
             if layer_type in SLIDING_LAYER_TYPES:
-                window = decoder.sliding_window if layer_type == "sliding_attention" else decoder.attention_chunk_size
+                window = windows[layer_type]
                 layer_codec = sliding_codecs[layer_type]
-                sliding = _sliding_layer_policy(layer_codec, window)
+                sliding = _sliding_layer_policy(layer_codec, window, kept[layer_type])
                 attention_window = window if layer_type == "sliding_attention" else None
                 layers.append(CompressedLayer(
                     sliding, layer_codec.for_layer(i), is_sliding=True, attention_window=attention_window

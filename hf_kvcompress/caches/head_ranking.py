@@ -35,7 +35,8 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
     flat = torch.cat([p.flatten(1) for p in priorities], dim=1)  # [B, L * H * T]
     heads = layers[0].kv_heads
     real = sum((p > float("-inf")).flatten(1).sum(1) for p in priorities)  # [B] real pairs of the row
-    total = torch.minimum(policy.kept_per_row(layers[0].real_seen) * heads * len(layers), real)
+    protected = sum((p == float("inf")).flatten(1).sum(1) for p in priorities)  # [B] sinks: never evicted
+    total = torch.minimum(torch.maximum(policy.kept_per_row(layers[0].real_seen) * heads * len(layers), protected), real)
     keep = ranked_first(flat, total[:, None])
     out, start = [], 0
     for p, chosen, recent in zip(priorities, chosen_by, newest):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -19,6 +19,11 @@ class Policy:
     recency is not the criterion, `score()`. The layer owns all state; the policy is a frozen description, so one
     instance serves every layer.
     """
+
+    # Tokens each sliding-window layer keeps (its newest), on models that mix sliding and full attention (Gemma 3),
+    # whatever the budget or ratio; None: the budget or ratio's share of the window (caches/compressed.py,
+    # `sliding_kept`). Keyword-only, so every policy has it and positional arguments keep their meaning.
+    sliding: int | None = field(default=None, kw_only=True)
 
     name: ClassVar[str] = ""  # the registry's name for the policy (`h2o`), the head of its spec string
     needs_attention: ClassVar[bool] = False  # True: the layer must receive attention statistics (see hf/attention.py)
@@ -92,7 +97,8 @@ class Policy:
 
     def spec(self) -> str:
         """The spec string that rebuilds this policy (its name and the fields that differ from the defaults)."""
-        return join_spec(self.name, changed_fields(self))
+        sliding = f"sliding={self.sliding}" if self.sliding is not None else ""
+        return join_spec(self.name, ",".join(filter(None, (changed_fields(self, skip=("sliding",)), sliding))))
 
 
 @dataclass(frozen=True)
