@@ -6,9 +6,11 @@ workers must do alike lives here: the clock, the peak resident memory, the rando
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,45 +55,17 @@ def prompt_ids(vocab_size: int, length: int, batch: int) -> torch.Tensor:
     return torch.randint(100, min(vocab_size, 20000), (batch, length + 1), generator=generator)
 
 
-def _leaves(tensor: torch.Tensor):
-    """The plain tensors that hold a tensor's data: itself, or the parts of a wrapper subclass (quanto's QTensors
-    keep their codes, scales and shifts in inner tensors; the wrapper owns no storage of its own)."""
-    flatten = getattr(tensor, "__tensor_flatten__", None)
-    if flatten is None or type(tensor) in (torch.Tensor, torch.nn.Parameter):
-        yield tensor
-        return
-    for name in flatten()[0]:
-        yield from _leaves(getattr(tensor, name))
-
-
-def _tensors(obj, seen: set[int]):
-    """Every tensor reachable from `obj` through attributes, dicts, lists and tuples (not through modules or types)."""
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        yield from _leaves(obj)
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value, seen)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value, seen)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
-        for value in vars(obj).values():
-            yield from _tensors(value, seen)
+def _package_measure():
+    """hf_kvcompress/measure.py, loaded by path: it imports only torch, so it runs where the package is not installed."""
+    path = Path(__file__).resolve().parent.parent / "hf_kvcompress" / "measure.py"
+    spec = importlib.util.spec_from_file_location("_hf_kvcompress_measure", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def held_bytes(cache) -> int:
-    """Bytes of tensor storage a cache holds, each storage counted once, as `hf_kvcompress.measured_kv_bytes` counts
-    (a kept slice of a larger buffer pins the whole buffer), for caches that are not ours: transformers' QuantizedCache
-    (quanto's tensors through their parts, HQQ's and fp8's scales) and the DynamicCache that kvpress compressed."""
-    storages: dict[tuple, int] = {}
-    seen: set[int] = set()
-    for root in getattr(cache, "layers", None) or [cache]:
-        for tensor in _tensors(root, seen):
-            if tensor.device.type == "meta":
-                continue
-            storage = tensor.untyped_storage()
-            storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
+    """Bytes of tensor storage a cache holds, each storage counted once, by `hf_kvcompress.measured_kv_bytes` itself
+    (a kept slice of a larger buffer pins the whole buffer; a wrapper tensor subclass such as quanto's counts its
+    parts), for caches that are not ours: transformers' QuantizedCache and the DynamicCache that kvpress compressed."""
+    return _package_measure().measured_kv_bytes(cache)

@@ -1,17 +1,31 @@
-"""What a cache object really holds in memory, as opposed to what a formula says it should."""
+"""What a cache object really holds in memory, as opposed to what a formula says it should.
+
+Imports only torch: benchmarks/bench_measure.py loads this file by path in the peers' environments (transformers'
+QuantizedCache, kvpress), where hf_kvcompress is not installed, so every cache's bytes are counted the same way."""
 
 from __future__ import annotations
 
 import torch
 
 
+def _leaves(tensor: torch.Tensor):
+    """The plain tensors that hold a tensor's data: itself, or the parts of a wrapper subclass (quanto's QTensors
+    keep their codes, scales and shifts in inner tensors; the wrapper owns no storage of its own)."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None or type(tensor) in (torch.Tensor, torch.nn.Parameter):
+        yield tensor
+        return
+    for name in flatten()[0]:
+        yield from _leaves(getattr(tensor, name))
+
+
 def _tensors(obj, seen: set[int]):
-    """Yield every tensor reachable from `obj` through attributes, dicts, lists and tuples."""
+    """Yield every plain tensor reachable from `obj` through attributes, dicts, lists and tuples."""
     if id(obj) in seen:
         return
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        yield obj
+        yield from _leaves(obj)
     elif isinstance(obj, dict):
         for value in obj.values():
             yield from _tensors(value, seen)
