@@ -165,6 +165,11 @@ class CompressedCache(Cache):
         windows = {"sliding_attention": getattr(decoder, "sliding_window", None),
                    "chunked_attention": getattr(decoder, "attention_chunk_size", None)}
         kept = {kind: sliding_kept(self.policy, kind, windows[kind]) for kind in SLIDING_LAYER_TYPES if kind in layer_types}
+        if self.policy.sliding is not None and self.policy.sliding > windows["sliding_attention"] - 1:
+            raise ValueError(
+                f"sliding={self.policy.sliding} is more than this model's sliding layers hold "
+                f"({windows['sliding_attention'] - 1}: sliding_window - 1); give 1 to {windows['sliding_attention'] - 1}"
+            )
         sliding_codecs = {
             kind: resolve_for_model(_sliding_layer_codec(raw_codec, kind, kept[kind] is not None), config)
             for kind in kept

@@ -163,7 +163,8 @@ def test_padded_batch_with_shrunk_sliding_layers_matches_rows_alone(spec):
 
 
 @pytest.mark.parametrize("bad,message", [("dynamic:sliding=0", "sliding must be an integer >= 1"),
-                                         ("dynamic:sliding=true", "sliding must be an integer >= 1")])
+                                         ("dynamic:sliding=true", "sliding must be an integer >= 1"),
+                                         ("dynamic:sliding=16", r"sliding=16 is more than this model's sliding layers hold \(15")])
 def test_bad_sliding_is_refused_naming_it(bad, message):
     with pytest.raises(ValueError, match=message):
         make_cache(bad, _model(HYBRID).config)
