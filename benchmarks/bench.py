@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -71,39 +70,22 @@ def worker(spec: str, length: int, batch: int, new_tokens: int, model_name: str 
     import transformers
 
     import hf_kvcompress
-    from bench_measure import PeakSampler, prompt_ids, rss
-    from bench_measure import clock as clock_of
+    from bench_measure import prompt_ids, timed_run
     from hf_kvcompress import load_model, make_cache, measured_kv_bytes, use_kvcompress_attention
     from hf_kvcompress.generation import prefill, repeat_prompt_ids
     from hf_kvcompress.hf.compat import cache_kwargs
     from hf_kvcompress.registry import needs_own_prefill
 
-    tick = clock_of(clock)
     model, tokenizer = load_model(model_name)
     use_kvcompress_attention(model)
     ids = prompt_ids(tokenizer.vocab_size, length, batch).to(model.device)
     repeat = repeat_prompt_ids(tokenizer) if needs_own_prefill(spec) else None
     cache = make_cache(spec, model.config)
-    with torch.inference_mode():
-        model(input_ids=ids[:, :16], use_cache=False)  # warm-up: the weights become resident, kernels initialise
-        baseline = rss()
-        with PeakSampler() as prefill_peak:
-            start = tick()
-            prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=repeat)
-            prefill_s = tick() - start
-        token = ids[:, -1:]
-        with PeakSampler() as decode_peak:
-            start = tick()
-            for _ in range(new_tokens):
-                out = model(input_ids=token, use_cache=True, **cache_kwargs(cache))
-                token = out.logits[:, -1:].argmax(-1)
-            decode_s = tick() - start
-    return {
-        "prefill_s": prefill_s,
-        "decode_ms": 1000 * decode_s / new_tokens,
-        "prefill_peak": prefill_peak.peak - baseline,
-        "decode_peak": decode_peak.peak - baseline,
-        "process_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    result = timed_run(
+        model, ids, lambda prompt: prefill(model, prompt, None, cache, repeat_prompt_ids=repeat),
+        lambda token, _: model(input_ids=token, use_cache=True, **cache_kwargs(cache)), new_tokens, clock,
+    )
+    return result | {
         "kv_bytes": measured_kv_bytes(cache),
         "kept": cache.stored_tokens,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -53,6 +54,33 @@ def prompt_ids(vocab_size: int, length: int, batch: int) -> torch.Tensor:
     that draws alike (the environments share torch's version); the last column is the first decode step's input."""
     generator = torch.Generator().manual_seed(length * 31 + batch)
     return torch.randint(100, min(vocab_size, 20000), (batch, length + 1), generator=generator)
+
+
+def timed_run(model, ids: torch.Tensor, prefill, step, new_tokens: int, clock_name: str) -> dict:
+    """What both workers measure, one way: a warm-up forward, then `prefill(prompt)` and `new_tokens` greedy steps
+    (`step(token, i)` returns the model's output for decode step i), each timed on `clock_name`, with the peak resident
+    memory of each above the level before prefill. `ids` is `prompt_ids`: the prompt, then the first step's input."""
+    tick = clock(clock_name)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :16], use_cache=False)  # warm-up: the weights become resident, kernels initialise
+        baseline = rss()
+        with PeakSampler() as prefill_peak:
+            start = tick()
+            prefill(ids[:, :-1])
+            prefill_s = tick() - start
+        token = ids[:, -1:]
+        with PeakSampler() as decode_peak:
+            start = tick()
+            for i in range(new_tokens):
+                token = step(token, i).logits[:, -1:].argmax(-1)
+            decode_s = tick() - start
+    return {
+        "prefill_s": prefill_s,
+        "decode_ms": 1000 * decode_s / new_tokens,
+        "prefill_peak": prefill_peak.peak - baseline,
+        "decode_peak": decode_peak.peak - baseline,
+        "process_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
 
 
 def _package_measure():

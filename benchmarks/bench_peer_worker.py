@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import inspect
 import json
-import resource
 
 KEEP = 0.25  # share of the prompt kvpress keeps: kvzip:ratio=0.25's, and the 1,024-token budgets' at 4k tokens
 PEERS = {  # name -> (environment, settings): QuantizedCache's keyword arguments, or a kvpress press
@@ -76,35 +75,21 @@ def run_model(model, peer: str, vocab_size: int, length: int, batch: int, new_to
     """One prefill and `new_tokens` greedy decode steps of `model` with `peer`'s cache; what they cost."""
     import torch
 
-    from bench_measure import PeakSampler, held_bytes, prompt_ids, rss
-    from bench_measure import clock as clock_of
+    from bench_measure import held_bytes, prompt_ids, timed_run
 
-    tick = clock_of(clock)
     ids = prompt_ids(vocab_size, length, batch).to(model.device)
     cache, press = make_peer_cache(peer, model.config)
     cache_kwarg = {_cache_argument(model): cache}
-    with torch.inference_mode():
-        model(input_ids=ids[:, :16], use_cache=False)  # warm-up: the weights become resident, kernels initialise
-        baseline = rss()
-        with PeakSampler() as prefill_peak:
-            start = tick()
-            with press(model) if press is not None else contextlib.nullcontext():
-                model(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1, **cache_kwarg)
-            prefill_s = tick() - start
-        token = ids[:, -1:]
-        with PeakSampler() as decode_peak:
-            start = tick()
-            for step in range(new_tokens):  # positions after the whole prompt, whatever the press left in the cache
-                position = torch.full((batch, 1), length + step, dtype=torch.long, device=model.device)
-                out = model(input_ids=token, position_ids=position, use_cache=True, **cache_kwarg)
-                token = out.logits[:, -1:].argmax(-1)
-            decode_s = tick() - start
-    return {
-        "prefill_s": prefill_s,
-        "decode_ms": 1000 * decode_s / new_tokens,
-        "prefill_peak": prefill_peak.peak - baseline,
-        "decode_peak": decode_peak.peak - baseline,
-        "process_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+
+    def prefill(prompt):
+        with press(model) if press is not None else contextlib.nullcontext():
+            model(input_ids=prompt, use_cache=True, logits_to_keep=1, **cache_kwarg)
+
+    def step(token, i):  # positions after the whole prompt, whatever the press left in the cache
+        position = torch.full((batch, 1), length + i, dtype=torch.long, device=model.device)
+        return model(input_ids=token, position_ids=position, use_cache=True, **cache_kwarg)
+
+    return timed_run(model, ids, prefill, step, new_tokens, clock) | {
         "kv_bytes": held_bytes(cache),
         "kept": cache.get_seq_length(),  # token slots of layer 0 (kvpress's KVzip: masked ones included)
         "versions": _versions(peer),
