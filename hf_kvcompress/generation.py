@@ -163,6 +163,7 @@ def _score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids
     real_seen = attention_mask.long().sum(-1)  # [B] real tokens in the cache: positions continue from there
     pad_id = 0
     cache.begin_reconstruction()
+    completed = False
     try:
         for start in range(0, max(len(r) for r in rows), chunk):
             pieces = []
@@ -186,10 +187,13 @@ def _score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids
                 logits_to_keep=1,
                 **cache_kwargs(cache),
             )
+            for layer in getattr(cache, "layers", []):
+                getattr(layer, "check_attention_served", lambda: None)()
             if on_chunk is not None:
                 on_chunk()
+        completed = True
     finally:
-        cache.end_reconstruction()
+        cache.end_reconstruction(evict=completed)
 
 
 def sync(device: torch.device) -> None:

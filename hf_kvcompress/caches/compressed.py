@@ -21,6 +21,7 @@ from ..policies.sink_window import SinkWindowPolicy
 from .head_budget_layer import HeadBudgetLayer
 from .head_ranking import head_budget_keep
 from .layer import CompressedLayer
+from .token_ranking import share_token_scores
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
@@ -238,8 +239,13 @@ class CompressedCache(Cache):
         for layer in self.layers:
             layer.reconstruction_queries = query_mask.bool()
 
-    def end_reconstruction(self) -> None:
-        """Evict the lowest-scored slots down to the budget; later tokens are stored again."""
+    def end_reconstruction(self, evict: bool = True) -> None:
+        """Evict the lowest-scored slots down to the budget; later tokens are stored again. `evict=False` (the pass
+        failed) keeps every slot unscored, so decoding past the budget refuses as if the pass never ran."""
+        if not evict:
+            for layer in self.layers:
+                layer.end_reconstruction(evict=False)
+            return
         scored = [layer for layer in self.layers if layer.policy.scores_by_reconstruction and layer.is_initialized]
         budgets = getattr(self.policy, "budgets", "uniform")
         if budgets == "head" and scored:
@@ -248,6 +254,8 @@ class CompressedCache(Cache):
                 layer.reconstruction_queries = None
                 layer.accumulated = priority
                 self.layers[self.layers.index(layer)] = HeadBudgetLayer(layer, keep)
+        elif budgets == "token" and scored:
+            share_token_scores([layer for layer in scored if not layer.is_sliding])
         elif budgets == "layer" and len(scored) > 1:
             for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored)):
                 layer.budget_shift = shift

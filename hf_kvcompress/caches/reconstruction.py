@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .requests import AttentionRequest
+from .requests import ENABLE_ATTENTION_HINT, AttentionRequest
 
 
 class Reconstruction:
@@ -50,9 +50,21 @@ class Reconstruction:
         self.accumulated = torch.maximum(self.accumulated, attention[..., :stored].to(torch.float32))
         self.awaiting_attention = False
 
-    def end_reconstruction(self) -> None:
-        """Evict the lowest-scored slots down to the budget."""
+    def check_attention_served(self) -> None:
+        """Refuse a reconstruction step whose attention statistics never arrived (the model runs another attention
+        function): the pass would end with every score 0 and evict arbitrary slots."""
+        if self.reconstruction_queries is not None and self.awaiting_attention:
+            self.awaiting_attention = False
+            raise RuntimeError(f"{type(self.policy).__name__} scores tokens by attention: {ENABLE_ATTENTION_HINT}")
+
+    def end_reconstruction(self, evict: bool = True) -> None:
+        """Evict the lowest-scored slots down to the budget (`evict=False`: the pass failed; keep every slot unscored)."""
         self.reconstruction_queries = None
+        self.awaiting_attention = False
+        if not evict:
+            if self.policy.scores_by_reconstruction:
+                self.accumulated = None
+            return
         if self.is_initialized and self.policy.scores_by_reconstruction:
             self.scored = True
             self._compress()

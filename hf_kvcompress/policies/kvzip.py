@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from .base import Policy, check_count, check_kept_tokens
 
 
-BUDGETS = ("uniform", "layer", "head")
+BUDGETS = ("uniform", "layer", "head", "token")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class KVzipPolicy(Policy):
             head (KVzip Sec. 3.3 across layers only); "head": one ranking of every (layer, KV head, token) pair (KVzip's
             own allocation), so each KV head keeps its own number of pairs, stored compactly (caches/head_store.py;
             needs the 'kvcompress_sdpa' attention for its per-head masks; the codec's full-precision sinks are
-            always kept).
+            always kept); "token": one ranking of the context's tokens, each scored by its best over every
+            full-attention layer and KV head, so every such layer keeps the same tokens (caches/token_ranking.py).
         span: each pair also takes the best score of the `span` pairs after it in its head (0: its own score
             only, as in KVzip). While the model repeats the context, the first tokens of a span it copies (a
             number's first digits) draw little attention and the rest a lot, so a budget can keep a number's tail

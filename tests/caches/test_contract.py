@@ -19,7 +19,7 @@ EVICTING = ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3", "h2o:
             "h2o:budget=8,recent=2,sink_tokens=1+int3:residual_length=2,group_size=8,rotate=hadamard,sink_tokens=2",
             "kvzip:budget=8,budgets=uniform+int8"]
 SCORED = ["h2o:ratio=0.5,recent=2", "snapkv:budget=8,window=3,recent=2", "tova:ratio=0.5", "keydiff:budget=8+fp8",
-          "random:ratio=0.5", "kvzip:ratio=0.5,budgets=uniform", "kvzip:ratio=0.5,budgets=layer",
+          "random:ratio=0.5", "kvzip:ratio=0.5,budgets=uniform", "kvzip:ratio=0.5,budgets=layer", "kvzip:ratio=0.5,budgets=token",
           "kvzip:ratio=0.5", "kvzip:ratio=0.5,span=2", "kvzip:budget=8,budgets=head+int4:residual_length=2,group_size=16,rotate=none",
           "expected_attention:ratio=0.5,window=4,sink_tokens=1", "expected_attention:budget=8,window=3,recent=2,sink_tokens=1+int8"]
 ALL_SPECS = ["dynamic", "int8", "int4:residual_length=0,group_size=8", "int2:residual_length=4,group_size=8", "fp8",

@@ -158,6 +158,35 @@ def test_kvzip_layer_budgets_follow_one_ranking_across_layers():
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_kvzip_token_budgets_keep_in_every_layer_the_tokens_with_the_best_score_over_layers_and_heads(name):
+    from hf_kvcompress import measured_kv_bytes
+
+    model = use_kvcompress_attention(tiny_model(name))
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(16))
+    # Keeps every context token, so the scores stay readable; on the hybrid model its sliding layers keep what they
+    # keep at ratio 0.25 (their queries feed the full layer's reconstruction scores).
+    sliding = ",sliding=2" if name == "gemma3" else ""
+    scored = make_cache(f"kvzip:ratio=1.0,budgets=uniform{sliding}", model.config)
+    prefill(model, ids, None, scored, repeat_prompt_ids=[5, 6, 7])
+    full = _full_layers(scored)
+    best = torch.stack([layer.accumulated.amax(dim=1) for _, layer in full]).amax(dim=0)[0]  # [40]
+    kept = best.topk(10).indices.sort().values  # span=0: raw scores, no ties
+
+    def kept_keys(spec):
+        cache = make_cache(spec, model.config)
+        prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
+        assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+        return [cache.layers[i]._full("key") for i, _ in full]
+
+    for (i, layer), keys in zip(full, kept_keys("kvzip:ratio=0.25,budgets=token,span=0")):
+        torch.testing.assert_close(keys, layer._full("key")[..., kept, :])
+    if len(full) * model.config.num_key_value_heads > 1:
+        # Each layer and head ranking its own tokens keeps others somewhere: the shared ranking is not that one.
+        uniform = kept_keys("kvzip:ratio=0.25,budgets=uniform,span=0")
+        assert any(not torch.equal(keys, layer._full("key")[..., kept, :]) for (_, layer), keys in zip(full, uniform))
+
+
 def _pre_rope_queries(attention, hidden):
     """[B, H_q, q, D]: the queries `attention` computes from `hidden` before RoPE (q_norm included), scaled."""
     heads = attention.config.num_attention_heads
@@ -208,3 +237,16 @@ def test_expected_attention_models_the_pre_rope_queries_and_scores_by_them(name)
 def test_expected_attention_needs_the_models_config():
     with pytest.raises(ValueError, match="config"):
         make_cache("expected_attention:ratio=0.5")
+
+
+def test_kvzip_refuses_a_reconstruction_pass_without_attention_statistics():
+    """With sdpa the pass saw no attention: before, a one-chunk context was evicted by all-zero scores, silently."""
+    model = tiny_model("llama")  # its own sdpa attention, not kvcompress_sdpa
+    cache = make_cache("kvzip:budget=4,budgets=uniform", model.config)
+    with pytest.raises(RuntimeError, match="scores tokens by attention"):
+        prefill(model, IDS, None, cache, repeat_prompt_ids=[5, 6, 7])
+    # Nothing was evicted by the failed pass, and decoding past the budget still asks for the pass.
+    assert cache.get_seq_length() == IDS.shape[1]
+    assert all(layer.stored_tokens == IDS.shape[1] for layer in cache.layers)
+    with pytest.raises(RuntimeError, match="hf_kvcompress.prefill"):
+        model(input_ids=IDS[:, :1], cache=cache)

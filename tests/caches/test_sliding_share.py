@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from hf_kvcompress import make_cache, measured_kv_bytes, prefill
+from hf_kvcompress import make_cache, measured_kv_bytes, prefill, use_kvcompress_attention
 from hf_kvcompress.hf.compat import cache_kwargs
 
 from .tiny_models import COMMON
@@ -29,7 +29,8 @@ def _model(layer_types):
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    # kvcompress_sdpa: KVzip's reconstruction pass needs its attention statistics (sdpa alone is refused).
+    return use_kvcompress_attention(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval())
 
 
 HYBRID = ["sliding_attention", "sliding_attention", "full_attention"]
@@ -150,11 +151,9 @@ def test_sliding_sets_what_the_sliding_layers_keep_whatever_the_budget(spec, ful
 @pytest.mark.parametrize("spec", ["dynamic:sliding=2", "kvzip:ratio=0.5,sliding=3", "h2o:ratio=0.5,recent=2,sliding=4+int8",
                                   "int4:residual_length=0,group_size=8,key_axis=token", "kvzip:ratio=0.25+int8"])
 def test_padded_batch_with_shrunk_sliding_layers_matches_rows_alone(spec):
-    from hf_kvcompress import use_kvcompress_attention
-
     from .test_contract import _greedy, _prompts
 
-    model = use_kvcompress_attention(_model(HYBRID))
+    model = _model(HYBRID)
     rows, ids, mask = _prompts(lengths=(5, 23, 19))  # longer than the window: the sliding layers evict
     batched = _greedy(model, ids, mask, make_cache(spec, model.config))
     for i, row in enumerate(rows):
