@@ -29,14 +29,17 @@ CODECS = {
 }
 
 
-@pytest.mark.parametrize("dim", [32, 48])  # 32: compiled in; 48: the run-time loops
+# 32, 64 and 128: compiled in (64 and 128 also read by the AVX-512 paths); 48: the run-time loops.
+@pytest.mark.parametrize("vectorised", [True, False], ids=["instruction-set paths", "portable"])
+@pytest.mark.parametrize("rows", [1, 3, 6])  # query rows per KV head: the AVX-512 keys take them 4 at a time
+@pytest.mark.parametrize("dim", [32, 48, 64, 128])
 @pytest.mark.parametrize("name", CODECS)
-def test_partials_equal_softmax_over_decoded_states(name, dim):
+def test_partials_equal_softmax_over_decoded_states(name, dim, rows, vectorised):
     codec = CODECS[name]
     if dim % getattr(codec, "group_size", 1):
         pytest.skip("the group does not divide this head_dim")
     g = torch.Generator().manual_seed(len(name))
-    batch, heads, tokens, rows = 2, 2, 160, 3  # 160: two whole tiles of 64 and a partial one
+    batch, heads, tokens = 2, 2, 160  # 160: two whole tiles of 64 and a partial one (of 16 + 16 tokens)
     keys, values = torch.randn(batch, heads, tokens, dim, generator=g) * 2, torch.randn(batch, heads, tokens, dim, generator=g)
     enc_k, enc_v = codec.encode(keys, "key"), codec.encode(values, "value")
     query = torch.randn(batch, heads, rows, dim, generator=g) * 0.3
@@ -51,11 +54,50 @@ def test_partials_equal_softmax_over_decoded_states(name, dim):
     probs = torch.exp(logits - best)
     layout_k, layout_v = codec.kernel_layout("key"), codec.kernel_layout("value")
     got_max, got_sum, got_acc = cpu_decode.decode_attention_partials(
-        query[:, :, :, None], enc_k, enc_v, layout_k, layout_v, dim, bias, hidden
+        query[:, :, :, None], enc_k, enc_v, layout_k, layout_v, dim, bias, hidden, vectorised
     )
     torch.testing.assert_close(got_max, best, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_sum, probs.sum(-1, keepdim=True), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_acc, probs @ codec.decode(enc_v, "value", torch.float32), atol=1e-5, rtol=1e-5)
+    # The output sums up to a few dozen weighted values: float32 rounding in another order, relative to that sum.
+    scale = max(1.0, float(probs.sum(-1).max()))
+    torch.testing.assert_close(got_acc, probs @ codec.decode(enc_v, "value", torch.float32), atol=1e-5 * scale, rtol=1e-5)
+
+
+SMOLLM2_SHAPES = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                             num_hidden_layers=1, intermediate_size=64, vocab_size=64)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("spec", ["int2", "int4", "int4:key_axis=token", "int2:key_axis=token,pre_rope=false"])
+def test_the_instruction_set_paths_equal_the_portable_one(spec, rows):
+    """The plain names at SmolLM2's shapes (head_dim 64, key groups of 32 tokens; int2: a query per offset) read
+    through cpu_decode_avx512.h where the CPU has it, against the portable loops: a masked first tile, a hidden
+    slot in a partial vector of 16, a store that ends inside a tile."""
+    g = torch.Generator().manual_seed(rows)
+    cache = make_cache(spec, SMOLLM2_SHAPES)
+    tokens = 128 + 4 * 32 + 5 * 32  # 288 stored (+ the tail): four whole tiles and a half one
+    states = torch.randn(2, 3, tokens + 128, 64, generator=g) * 2
+    cache.update(states, states.flip(-1), 0, {"position_ids": torch.arange(tokens + 128)[None].expand(2, -1)})
+    layer, codec = cache.layers[0], cache.layers[0].codec
+    assert layer.n_encoded == tokens
+    layout_k, layout_v = codec.kernel_layout("key"), codec.kernel_layout("value")
+    query = torch.randn(2, 3, rows, 64, generator=g) * 0.3
+    queries = codec.offset_queries(query) if layout_k.offset_queries else query[:, :, :, None]
+    bias = torch.zeros(2, 1, 1, tokens)
+    bias[0, :, :, :70] = float("-inf")  # row 0: its first tile sees nothing, its second from token 70 on
+    hidden = torch.tensor([[[5, -1], [64, 250], [-1, -1]], [[-1, -1], [0, 287], [33, 31]]])
+    args = queries, layer.encoded_keys, layer.encoded_values, layout_k, layout_v, 64, bias, hidden
+    if cpu_decode.instruction_set() == "avx512":
+        paths = cpu_decode.vector_paths(layer.encoded_keys, layer.encoded_values, layout_k, layout_v, 64, 64,
+                                        queries.shape[3])
+        assert paths == (not "key_axis=token" in spec, True)
+    fast = cpu_decode.decode_attention_partials(*args, vectorised=True)
+    portable = cpu_decode.decode_attention_partials(*args, vectorised=False)
+    scale = max(1.0, float(portable[1].max()))  # the output sums that many weighted values: rounding relative to it
+    torch.testing.assert_close(fast[0], portable[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast[1], portable[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast[2], portable[2], atol=1e-5 * scale, rtol=1e-5)
+    assert (fast[1] > 0).all()
 
 
 def test_a_fully_masked_row_gives_empty_partials():
