@@ -13,8 +13,9 @@
 // Scales and zero points: one per (token group, channel group); keys per channel (KIVI) have token groups of
 // group_size and channel groups of 1, everything else token groups of 1 and channel groups of group_size.
 //
-// On a CPU with AVX-512 the layouts it reads take cpu_decode_avx512.h's paths (16 logits per vector, values mixed
-// in registers); this file's loops are the portable path and the reference those paths are tested against.
+// On a CPU with AVX-512 (or else AVX2) the layouts they read take cpu_decode_avx512.h's (cpu_decode_avx2.h's)
+// paths: 16 (8) logits per vector, values mixed in registers; this file's loops are the portable path and the
+// reference those paths are tested against.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -100,11 +101,17 @@ struct Store {
   }
 };
 
+// The instruction-set paths this build reads with (`simd`), or none: the portable loops only.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define HF_KVCOMPRESS_AVX512 1
+#define HF_KVCOMPRESS_SIMD 1
 #include "cpu_decode_avx512.h"
+namespace simd = avx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HF_KVCOMPRESS_SIMD 1
+#include "cpu_decode_avx2.h"
+namespace simd = avx2;
 #else
-#define HF_KVCOMPRESS_AVX512 0
+#define HF_KVCOMPRESS_SIMD 0
 #endif
 
 // Head dims known when compiling (D > 0) let the compiler unroll every per-token loop; D = 0 reads it at run time.
@@ -273,9 +280,9 @@ struct Problem {
 
 // Which parts of a call the instruction-set paths take: {keys, values}.
 std::vector<bool> vector_parts(const Store& keys, const Store& values, int64_t offsets, bool vectorised) {
-#if HF_KVCOMPRESS_AVX512
-  const bool keys_fit = avx512::reads_keys(keys) && (offsets == 1 || offsets % 16 == 0);
-  return {vectorised && keys_fit, vectorised && avx512::reads_values(values)};
+#if HF_KVCOMPRESS_SIMD
+  const bool keys_fit = simd::reads_keys(keys) && (offsets == 1 || offsets % simd::LANES == 0);
+  return {vectorised && keys_fit, vectorised && simd::reads_values(values)};
 #else
   (void)keys, (void)values, (void)offsets, (void)vectorised;
   return {false, false};
@@ -312,9 +319,9 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
     std::fill(run_sum.begin(), run_sum.end(), 0.0f);
     for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
       const int64_t t1 = std::min(t0 + TILE, tokens), n = t1 - t0;
-#if HF_KVCOMPRESS_AVX512
+#if HF_KVCOMPRESS_SIMD
       if (vector_keys)
-        avx512::key_logits_any(keys, row, t0, t1, channel_q.data(), offsets, m_rows, logits.data(), TILE,
+        simd::key_logits_any(keys, row, t0, t1, channel_q.data(), offsets, m_rows, logits.data(), TILE,
                                k_scale_buf.data(), k_zero_buf.data());
 #endif
       if (!vector_keys) key_tile(keys, row, t0, t1, key_buf.data(), k_scale_buf.data(), k_zero_buf.data(), fold);
@@ -380,9 +387,9 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
         any = any || tile_max != NEG_INF;
       }
       if (!any) continue;  // a fully masked tile (padding) adds nothing
-#if HF_KVCOMPRESS_AVX512
+#if HF_KVCOMPRESS_SIMD
       if (vector_values) {
-        avx512::mix_values_any(values, row, t0, t1, logits.data(), TILE, m_rows, acc.data());
+        simd::mix_values_any(values, row, t0, t1, logits.data(), TILE, m_rows, acc.data());
         continue;
       }
 #endif
@@ -496,7 +503,13 @@ std::vector<bool> vector_paths(const at::Tensor& k_codes, const at::Tensor& k_sc
   return vector_parts(keys, values, offsets, true);
 }
 
-std::string instruction_set() { return HF_KVCOMPRESS_AVX512 ? "avx512" : "portable"; }
+std::string instruction_set() {
+#if HF_KVCOMPRESS_SIMD
+  return simd::NAME;
+#else
+  return "portable";
+#endif
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_attention_partials", &decode_attention_partials,

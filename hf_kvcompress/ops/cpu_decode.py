@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-# What SOURCE includes (the AVX-512 paths): part of the build's digest and copied next to it.
-HEADERS = [Path(__file__).with_name("cpu_decode_avx512.h")]
+# What SOURCE includes (the AVX-512 and AVX2 paths): part of the build's digest and copied next to it.
+HEADERS = [Path(__file__).with_name("cpu_decode_avx512.h"), Path(__file__).with_name("cpu_decode_avx2.h")]
 PLAIN, AFFINE, FLOAT8 = 0, 1, 2  # how codes become levels (see cpu_decode.cpp)
 
 
@@ -46,7 +46,7 @@ class KernelLayout:
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 
 
-def _build_name() -> str:
+def _build_name(flags: tuple[str, ...]) -> str:
     """The build's name: a digest of the source, the flags, this CPU's instruction sets (a -march=native build runs
     only where it was built), torch and Python. A changed source or another CPU builds anew under another name, and
     two checkouts of the same source share one build (torch's own versioning keys on the source's path and rebuilt
@@ -54,7 +54,7 @@ def _build_name() -> str:
     digest = hashlib.sha1(SOURCE.read_bytes())
     for header in HEADERS:
         digest.update(header.read_bytes())
-    digest.update(" ".join(FLAGS + [platform.machine(), torch.__version__, sys.version]).encode())
+    digest.update(" ".join([*flags, platform.machine(), torch.__version__, sys.version]).encode())
     try:
         with open("/proc/cpuinfo") as info:
             digest.update(next((line for line in info if line.startswith(("flags", "Features"))), "").encode())
@@ -80,10 +80,11 @@ def _load_built(name: str, library: Path):
 
 
 @lru_cache(maxsize=None)
-def _extension():
-    """The compiled module, or None (with one warning) when it cannot be built here."""
+def _extension(flags: tuple[str, ...] = tuple(FLAGS)):
+    """The compiled module, or None (with one warning) when it cannot be built here. Other `flags` build another
+    copy (the tests build one with -mno-avx512f, to run the AVX2 paths on an AVX-512 CPU)."""
     try:
-        name = _build_name()
+        name = _build_name(flags)
         folder = _build_root() / name
         library = folder / f"{name}.so"
         if library.exists():
@@ -98,7 +99,8 @@ def _extension():
                 partial = folder / f"{original.name}.{os.getpid()}"
                 shutil.copyfile(original, partial)
                 os.replace(partial, copy)
-        return load(name=name, sources=[str(source)], extra_cflags=FLAGS, build_directory=str(folder), verbose=False)
+        return load(name=name, sources=[str(source)], extra_cflags=list(flags), build_directory=str(folder),
+                    verbose=False)
     except Exception as error:  # no compiler, no headers, a failed build: the PyTorch path still answers
         warnings.warn(f"the CPU decode-attention kernel could not be built ({error}); attention over the encoded "
                       "store runs in PyTorch (slower)", RuntimeWarning, stacklevel=2)

@@ -17,6 +17,9 @@
 
 namespace avx512 {
 
+constexpr int64_t LANES = 16;  // tokens per key vector
+constexpr const char* NAME = "avx512";
+
 // Keys per channel (KIVI) in token groups of a multiple of 16, codes of whole 32-bit words per token, plain levels.
 inline bool reads_keys(const Store& k) {
   return k.channel_group == 1 && k.token_group % 16 == 0 && k.width % 4 == 0 && k.levels == PLAIN &&
