@@ -26,11 +26,12 @@ inline bool reads_keys(const Store& k) {
          (k.bits == 2 || k.bits == 4 || k.bits == 8);
 }
 
-// Values in groups along head_dim (one scale per token and group), planes of whole 16-byte vectors, at most 16
-// groups per token, plain or affine levels.
+// Values in groups along head_dim (one scale per token and group), planes of 1, 2, 4, 8 or 16 whole 16-byte
+// vectors, at most 16 groups per token, plain or affine levels.
 inline bool reads_values(const Store& v) {
-  return v.token_group == 1 && v.channel_group > 1 && v.width % 16 == 0 && v.width <= 256 &&
-         v.scale_groups() <= 16 &&
+  const int64_t blocks = v.width / 16;  // a power of two up to 16 (mix_values compiles those in)
+  return v.token_group == 1 && v.channel_group > 1 && v.width % 16 == 0 && (blocks & (blocks - 1)) == 0 &&
+         blocks <= 16 && v.scale_groups() <= 16 &&
          (v.levels == PLAIN || v.levels == AFFINE) && (v.bits == 2 || v.bits == 4 || v.bits == 8);
 }
 
@@ -126,15 +127,68 @@ inline void key_logits_any(const Store& k, int64_t row, int64_t t0, int64_t t1, 
   }
 }
 
-// acc[m][plane-major D] += sum over the tile's tokens [t0, t1) of probs[m * stride + t - t0] * value(t), for every
-// query row m < m_rows. A token's plane i, columns 16c..16c+15 are one vector; its scale and zero point vectors
-// (lane j of column block c belongs to group (16c + j) * U / channel_group) are built once per token and serve
-// every plane.
+// acc[m][plane-major D] += sum over the tile's tokens [t0, t1) of probs[m * stride + t - t0] * value(t), for the
+// query rows m0 <= m < m0 + R. A token's plane i, columns 16c..16c+15 are one vector; its scale and zero point
+// vectors (lane j of column block c belongs to group (16c + j) * U / channel_group, `group_index`) are built once
+// per token and serve every plane. The R rows' outputs (R x D / 16 vectors) stay in registers over the tile: with
+// a run-time row loop they went through memory at every token, half of the values' time.
+template <int BITS, int BLOCKS, int R>
+void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride, int64_t m0,
+              float* acc, __m512 table, const __m512i* group_index) {
+  constexpr int U = 8 / BITS, VECTORS = U * BLOCKS;
+  constexpr int64_t W = 16 * BLOCKS;
+  const int64_t dim = v.dim, groups = v.scale_groups();
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  __m512 sum[R][VECTORS];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < U; ++i)
+      for (int c = 0; c < BLOCKS; ++c) sum[r][i * BLOCKS + c] = _mm512_loadu_ps(acc + (m0 + r) * dim + i * W + 16 * c);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* bytes = v.codes + (row * v.tokens + t) * W;
+    const int64_t scale_at = (row * v.tokens + t) * groups;
+    const __m512 token_scale = load_groups(v.scale, v.scale_type, scale_at, groups);
+    const __m512 token_zero = v.zero ? load_groups(v.zero, v.scale_type, scale_at, groups) : _mm512_setzero_ps();
+    __m512 p[R];
+    for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(probs[(m0 + r) * stride + t - t0]);
+    for (int c = 0; c < BLOCKS; ++c) {
+      const __m512 scale = _mm512_permutexvar_ps(group_index[c], token_scale);
+      const __m512 zero = _mm512_permutexvar_ps(group_index[c], token_zero);
+      const __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * c)));
+      for (int i = 0; i < U; ++i) {
+        const __m512i code = _mm512_and_si512(_mm512_srli_epi32(packed, BITS * i), mask);
+        const __m512 level = BITS <= 4 ? _mm512_permutexvar_ps(code, table) : _mm512_cvtepi32_ps(code);
+        const __m512 value = _mm512_fmadd_ps(level, scale, zero);
+        for (int r = 0; r < R; ++r) sum[r][i * BLOCKS + c] = _mm512_fmadd_ps(p[r], value, sum[r][i * BLOCKS + c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < U; ++i)
+      for (int c = 0; c < BLOCKS; ++c) _mm512_storeu_ps(acc + (m0 + r) * dim + i * W + 16 * c, sum[r][i * BLOCKS + c]);
+}
+
+// All query rows, a few at a time: as many as keep their outputs within 16 of the 32 vector registers.
+template <int BITS, int BLOCKS>
+void mix_all_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
+                  int64_t m_rows, float* acc, __m512 table, const __m512i* group_index) {
+  constexpr int VECTORS = (8 / BITS) * BLOCKS;
+  constexpr int CHUNK = VECTORS <= 4 ? 4 : VECTORS <= 8 ? 2 : 1;
+  int64_t m = 0;
+  for (; m + CHUNK <= m_rows; m += CHUNK)
+    mix_rows<BITS, BLOCKS, CHUNK>(v, row, t0, t1, probs, stride, m, acc, table, group_index);
+  switch (m_rows - m) {  // fewer than CHUNK (<= 4) left: one more pass
+    case 3: return mix_rows<BITS, BLOCKS, 3>(v, row, t0, t1, probs, stride, m, acc, table, group_index);
+    case 2: return mix_rows<BITS, BLOCKS, 2>(v, row, t0, t1, probs, stride, m, acc, table, group_index);
+    case 1: return mix_rows<BITS, BLOCKS, 1>(v, row, t0, t1, probs, stride, m, acc, table, group_index);
+    default: return;
+  }
+}
+
+// acc[m][plane-major D] += the tile's values weighed by probs[m * stride + t - t0], for every query row m < m_rows.
 template <int BITS>
 void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
                 int64_t m_rows, float* acc) {
-  constexpr int U = 8 / BITS;
-  const int64_t width = v.width, blocks = width / 16, groups = v.scale_groups();
+  const int64_t blocks = v.width / 16;
   __m512 table;  // level of code c (c < 16): c, or L0 + a*c + b*(c >> 1)
   {
     alignas(64) float levels[16];
@@ -143,35 +197,21 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
                                      : static_cast<float>(c);
     table = _mm512_load_ps(levels);
   }
-  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
   constexpr int MAX_BLOCKS = 16;  // width / 16 <= 16: head_dim up to 256 at 8 bits
-  const int64_t run = v.channel_group / U;  // columns of a plane per group
+  const int64_t run = v.channel_group / (8 / BITS);  // columns of a plane per group
   __m512i group_index[MAX_BLOCKS];
   for (int64_t c = 0; c < blocks; ++c) {
     alignas(64) int32_t lanes[16];
     for (int j = 0; j < 16; ++j) lanes[j] = static_cast<int32_t>((16 * c + j) / run);
     group_index[c] = _mm512_load_si512(lanes);
   }
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* bytes = v.codes + (row * v.tokens + t) * width;
-    const int64_t scale_at = (row * v.tokens + t) * groups;
-    const __m512 token_scale = load_groups(v.scale, v.scale_type, scale_at, groups);
-    const __m512 token_zero = v.zero ? load_groups(v.zero, v.scale_type, scale_at, groups) : _mm512_setzero_ps();
-    for (int64_t c = 0; c < blocks; ++c) {
-      const __m512 scale = _mm512_permutexvar_ps(group_index[c], token_scale);
-      const __m512 zero = _mm512_permutexvar_ps(group_index[c], token_zero);
-      const __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * c)));
-      for (int i = 0; i < U; ++i) {
-        const __m512i code = _mm512_and_si512(_mm512_srli_epi32(packed, BITS * i), mask);
-        const __m512 level = BITS <= 4 ? _mm512_permutexvar_ps(code, table) : _mm512_cvtepi32_ps(code);
-        const __m512 value = _mm512_fmadd_ps(level, scale, zero);
-        float* out = acc + i * width + 16 * c;
-        for (int64_t m = 0; m < m_rows; ++m) {
-          float* o = out + m * v.dim;
-          _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(probs[m * stride + t - t0]), value, _mm512_loadu_ps(o)));
-        }
-      }
-    }
+  switch (blocks) {  // reads_values: width is 16 to 256 bytes, so 1 to 16 blocks; head dims of 2^k tokens are 1-16
+    case 1: return mix_all_rows<BITS, 1>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
+    case 2: return mix_all_rows<BITS, 2>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
+    case 4: return mix_all_rows<BITS, 4>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
+    case 8: return mix_all_rows<BITS, 8>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
+    case 16: return mix_all_rows<BITS, 16>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
+    default: TORCH_CHECK(false, "cpu_decode: values of ", v.width, " bytes per token reached the AVX-512 path");
   }
 }
 
