@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import ClassVar, Literal
 
 import torch
@@ -35,6 +36,15 @@ ROTATION_BY_MODEL_TYPE = {"gemma3_text": "per_token", "gemma3": "per_token"}
 # but kept the very same 12 answers on SmolLM2, for 9% more bytes, so int2 keeps 4 (README).
 BEST_TWO_BIT = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True}
 PLAIN_NAME_DEFAULTS = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
+
+
+@lru_cache(maxsize=64)
+def _offset_turns(inv_freq: tuple[float, ...], group: int, direction: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [group, 2 * len(inv_freq)] of turning by `direction` x offset positions (offsets 0..group-1),
+    built as ops/rerotate.py builds them: pre_rope's offset queries need the same table at every decode step of
+    every layer, and building it (arange, cos, sin, cat) cost about as much as turning the queries."""
+    angles = (torch.arange(group, dtype=torch.float32) * direction)[:, None] * torch.tensor(inv_freq, dtype=torch.float32)
+    return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([angles.sin(), angles.sin()], dim=-1)
 
 
 def _layer_list(text) -> tuple[int, ...]:
@@ -377,8 +387,17 @@ class IntNCodec(Codec):
         b, h, n, d = query.shape
         g = self.group_size
         plain = rotate_rows(query, self._seed("key"), inverse=True) if self._rotates("key") else query
-        copies = plain[:, :, :, None, :].expand(b, h, n, g, d).reshape(b, h, n * g, d)  # row n*g + o: offset o
-        turned = self._group_rope(copies, -1)
+        if self.inv_freq:  # _group_rope(copies, -1) with its table cached and the half-swap once per row, not per copy
+            cos, sin = (part.to(plain.device) for part in _offset_turns(self.inv_freq, g, -1))
+            rot = cos.shape[-1]
+            x = plain[..., :rot].float()
+            swapped = torch.cat([-x[..., rot // 2 :], x[..., : rot // 2]], dim=-1)
+            turned = x[:, :, :, None, :] * cos + swapped[:, :, :, None, :] * sin  # [B, H, n, g, rot]
+            if rot < d:
+                turned = torch.cat([turned, plain[:, :, :, None, rot:].float().expand(b, h, n, g, d - rot)], dim=-1)
+            turned = turned.reshape(b, h, n * g, d)  # row n*g + o: offset o
+        else:  # no RoPE frequencies: _group_rope says what is missing, or leaves the copies as they are
+            turned = self._group_rope(plain[:, :, :, None, :].expand(b, h, n, g, d).reshape(b, h, n * g, d), -1)
         if self._rotates("key"):  # to_basis, for many rows at once
             turned = rotate_batch_rows(turned, self._seed("key"))
         return turned.reshape(b, h, n, g, d)

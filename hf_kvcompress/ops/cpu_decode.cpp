@@ -12,6 +12,10 @@
 // (vectorised) instead of an interleave; the query is permuted into that order once, and the output back once.
 // Scales and zero points: one per (token group, channel group); keys per channel (KIVI) have token groups of
 // group_size and channel groups of 1, everything else token groups of 1 and channel groups of group_size.
+//
+// On a CPU with AVX-512 (or else AVX2) the layouts they read take cpu_decode_avx512.h's (cpu_decode_avx2.h's)
+// paths: 16 (8) logits per vector, values mixed in registers; this file's loops are the portable path and the
+// reference those paths are tested against.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -21,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -96,6 +101,19 @@ struct Store {
   }
 };
 
+// The instruction-set paths this build reads with (`simd`), or none: the portable loops only.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HF_KVCOMPRESS_SIMD 1
+#include "cpu_decode_avx512.h"
+namespace simd = avx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HF_KVCOMPRESS_SIMD 1
+#include "cpu_decode_avx2.h"
+namespace simd = avx2;
+#else
+#define HF_KVCOMPRESS_SIMD 0
+#endif
+
 // Head dims known when compiling (D > 0) let the compiler unroll every per-token loop; D = 0 reads it at run time.
 template <int D>
 inline int64_t dims(int64_t runtime) {
@@ -117,6 +135,21 @@ inline float dot(const float* a, const float* b, int64_t runtime) {
   float sum = (four[0] + four[2]) + (four[1] + four[3]);
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
+}
+
+// The largest of x[0..n): 16 running lanes and a tree (an `omp simd` max reduction compiled to a scalar chain of
+// dependent maxima, a third of the kernel's own time outside the key and value paths).
+inline float row_max(const float* x, int64_t n) {
+  float lanes[16];
+  for (int k = 0; k < 16; ++k) lanes[k] = NEG_INF;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) lanes[k] = lanes[k] > x[i + k] ? lanes[k] : x[i + k];
+  for (int k = 0; k < 8; ++k) lanes[k] = lanes[k] > lanes[k + 8] ? lanes[k] : lanes[k + 8];
+  for (int k = 0; k < 4; ++k) lanes[k] = lanes[k] > lanes[k + 4] ? lanes[k] : lanes[k + 4];
+  float best = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
+  for (; i < n; ++i) best = std::max(best, x[i]);
+  return best;
 }
 
 // Codes of one token as levels, plane-major: out[i * W + j] = level(code i of byte j).
@@ -257,7 +290,19 @@ struct Problem {
   const int64_t* hidden;
   int64_t sinks;
   float *max, *sum, *acc;
+  bool vectorised;  // take the instruction-set paths where they read the store (false: the portable path only)
 };
+
+// Which parts of a call the instruction-set paths take: {keys, values}.
+std::vector<bool> vector_parts(const Store& keys, const Store& values, int64_t offsets, bool vectorised) {
+#if HF_KVCOMPRESS_SIMD
+  const bool keys_fit = simd::reads_keys(keys) && (offsets == 1 || offsets % simd::LANES == 0);
+  return {vectorised && keys_fit, vectorised && simd::reads_values(values)};
+#else
+  (void)keys, (void)values, (void)offsets, (void)vectorised;
+  return {false, false};
+#endif
+}
 
 // Rows [begin, end) of B x H: the online softmax over the store, a tile at a time.
 template <int D>
@@ -269,18 +314,39 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
   std::vector<float> logits(m_rows * TILE), acc(m_rows * value_dim), run_max(m_rows), run_sum(m_rows);
   std::vector<float> k_scale_buf(dim), k_zero_buf(dim), v_scale_buf(value_dim), v_zero_buf(value_dim);
   std::vector<float> scaled_q(m_rows * dim);
+  const std::vector<bool> vector = vector_parts(keys, values, offsets, pb.vectorised);
+  const bool vector_keys = vector[0], vector_values = vector[1];
   // Per-channel keys fold their scales into the query (one product per group of tokens, not per token).
-  const bool fold = keys.channel_group == 1 && offsets == 1;
+  const bool fold = keys.channel_group == 1 && offsets == 1 && !vector_keys;
+  // The instruction-set key path reads the query by channel, each channel's offsets next to each other:
+  // channel_q[(m * D + d) * O + o].
+  std::vector<float> channel_q(vector_keys ? rows_q * dim : 0);
   for (int64_t row = begin; row < end; ++row) {
     const int64_t b = row / pb.heads, h = row % pb.heads;
-    for (int64_t r = 0; r < rows_q; ++r)  // the query in the keys' plane-major order
-      for (int64_t c = 0; c < dim; ++c) plane_q[r * dim + keys.plane_pos(c)] = pb.query[(row * rows_q + r) * dim + c];
+    // The query in the order its key path reads (no division per value: with pre_rope's 32 offsets a division
+    // per value here cost a tenth of the kernel).
+    const float* query = pb.query + row * rows_q * dim;
+    if (vector_keys) {
+      for (int64_t m = 0; m < m_rows; ++m)
+        for (int64_t o = 0; o < offsets; ++o)
+          for (int64_t c = 0; c < dim; ++c) channel_q[(m * dim + c) * offsets + o] = query[(m * offsets + o) * dim + c];
+    } else {
+      const int64_t unit = keys.unit();
+      for (int64_t r = 0; r < rows_q; ++r)  // plane-major: dim c = j * unit + i at i * W + j
+        for (int64_t j = 0; j < dim / unit; ++j)
+          for (int64_t i = 0; i < unit; ++i) plane_q[r * dim + i * keys.width + j] = query[r * dim + j * unit + i];
+    }
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(run_max.begin(), run_max.end(), NEG_INF);
     std::fill(run_sum.begin(), run_sum.end(), 0.0f);
     for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
       const int64_t t1 = std::min(t0 + TILE, tokens), n = t1 - t0;
-      key_tile(keys, row, t0, t1, key_buf.data(), k_scale_buf.data(), k_zero_buf.data(), fold);
+#if HF_KVCOMPRESS_SIMD
+      if (vector_keys)
+        simd::key_logits_any(keys, row, t0, t1, channel_q.data(), offsets, m_rows, logits.data(), TILE,
+                               k_scale_buf.data(), k_zero_buf.data());
+#endif
+      if (!vector_keys) key_tile(keys, row, t0, t1, key_buf.data(), k_scale_buf.data(), k_zero_buf.data(), fold);
       if (fold) {  // per group of tokens: q * scale and q . zero, then each token's logit is one dot with its levels
         for (int64_t start = t0; start < t1;) {
           const int64_t group = start / keys.token_group, stop = std::min(t1, (group + 1) * keys.token_group);
@@ -299,7 +365,9 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
       }
       for (int64_t m = 0; m < m_rows; ++m) {
         float* lg = logits.data() + m * TILE;
-        if (!fold && offsets == 1) {
+        if (vector_keys) {
+          // the logits are in place already
+        } else if (!fold && offsets == 1) {
           const float* q = plane_q.data() + m * dim;
           for (int64_t t = 0; t < n; ++t) lg[t] = dot<D>(q, key_buf.data() + t * dim, dim);
         } else if (!fold) {  // pre_rope: each offset in a key group meets its own query
@@ -319,9 +387,7 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
       bool any = false;
       for (int64_t m = 0; m < m_rows; ++m) {
         float* lg = logits.data() + m * TILE;
-        float tile_max = NEG_INF;
-#pragma omp simd reduction(max : tile_max)
-        for (int64_t t = 0; t < n; ++t) tile_max = std::max(tile_max, lg[t]);
+        const float tile_max = row_max(lg, n);
         const float new_max = std::max(run_max[m], tile_max);
         const float safe = new_max == NEG_INF ? 0.0f : new_max;  // a row masked so far: exp(-inf - 0) = 0
         const float rescale = std::exp(run_max[m] - safe);
@@ -341,6 +407,12 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
         any = any || tile_max != NEG_INF;
       }
       if (!any) continue;  // a fully masked tile (padding) adds nothing
+#if HF_KVCOMPRESS_SIMD
+      if (vector_values) {
+        simd::mix_values_any(values, row, t0, t1, logits.data(), TILE, m_rows, acc.data());
+        continue;
+      }
+#endif
       value_tile(values, row, t0, t1, value_buf.data(), v_scale_buf.data(), v_zero_buf.data(), false);
       for (int64_t m = 0; m < m_rows; ++m) {
         const float* probs = logits.data() + m * TILE;
@@ -387,7 +459,7 @@ std::vector<at::Tensor> decode_attention_partials(
     const at::Tensor& v_codes, const at::Tensor& v_scale,
     const c10::optional<at::Tensor>& v_zero, int64_t v_levels, double v_l0, double v_a, double v_b,
     int64_t value_dim, const c10::optional<at::Tensor>& bias,
-    const c10::optional<at::Tensor>& hidden) {
+    const c10::optional<at::Tensor>& hidden, bool vectorised) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 5 && query.is_contiguous(),
               "cpu_decode: query must be contiguous float32 [B, H, M, O, D]");
   const int64_t batch = query.size(0), heads = query.size(1), m_rows = query.size(2), offsets = query.size(3);
@@ -426,7 +498,7 @@ std::vector<at::Tensor> decode_attention_partials(
   at::Tensor out_acc = at::empty({batch, heads, m_rows, value_dim}, options);
   const Problem pb{query.data_ptr<float>(), heads, m_rows, offsets, dim, value_dim, bias_data, bias_b, bias_h,
                    bias_q, bias_rows, hidden_data, sinks, out_max.data_ptr<float>(), out_sum.data_ptr<float>(),
-                   out_acc.data_ptr<float>()};
+                   out_acc.data_ptr<float>(), vectorised};
   // The head dims of common models compiled in; any other runs with run-time loops.
   const int64_t fixed = dim == value_dim && (dim == 32 || dim == 64 || dim == 128 || dim == 256) ? dim : 0;
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
@@ -441,7 +513,27 @@ std::vector<at::Tensor> decode_attention_partials(
   return {out_max, out_sum, out_acc};
 }
 
+// Which parts of decode_attention_partials the instruction-set paths would take for this store: {keys, values}.
+std::vector<bool> vector_paths(const at::Tensor& k_codes, const at::Tensor& k_scale,
+                               const c10::optional<at::Tensor>& k_zero, int64_t k_levels, const at::Tensor& v_codes,
+                               const at::Tensor& v_scale, const c10::optional<at::Tensor>& v_zero, int64_t v_levels,
+                               int64_t dim, int64_t value_dim, int64_t offsets) {
+  const Store keys = make_store(k_codes, k_scale, k_zero, dim, k_levels, 0.0, 1.0, 0.0);
+  const Store values = make_store(v_codes, v_scale, v_zero, value_dim, v_levels, 0.0, 1.0, 0.0);
+  return vector_parts(keys, values, offsets, true);
+}
+
+std::string instruction_set() {
+#if HF_KVCOMPRESS_SIMD
+  return simd::NAME;
+#else
+  return "portable";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_attention_partials", &decode_attention_partials,
              "Softmax partials of decode queries over a bit-packed KV store (max, sum, unnormalised output)");
+  module.def("vector_paths", &vector_paths, "Which parts ({keys, values}) the instruction-set paths read");
+  module.def("instruction_set", &instruction_set, "The instruction-set paths compiled in: avx512 or portable");
 }

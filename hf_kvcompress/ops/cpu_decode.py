@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+# What SOURCE includes (the AVX-512 and AVX2 paths): part of the build's digest and copied next to it.
+HEADERS = [Path(__file__).with_name("cpu_decode_avx512.h"), Path(__file__).with_name("cpu_decode_avx2.h")]
 PLAIN, AFFINE, FLOAT8 = 0, 1, 2  # how codes become levels (see cpu_decode.cpp)
 
 
@@ -44,13 +46,15 @@ class KernelLayout:
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 
 
-def _build_name() -> str:
+def _build_name(flags: tuple[str, ...]) -> str:
     """The build's name: a digest of the source, the flags, this CPU's instruction sets (a -march=native build runs
     only where it was built), torch and Python. A changed source or another CPU builds anew under another name, and
     two checkouts of the same source share one build (torch's own versioning keys on the source's path and rebuilt
     whenever processes alternated between two checkouts)."""
     digest = hashlib.sha1(SOURCE.read_bytes())
-    digest.update(" ".join(FLAGS + [platform.machine(), torch.__version__, sys.version]).encode())
+    for header in HEADERS:
+        digest.update(header.read_bytes())
+    digest.update(" ".join([*flags, platform.machine(), torch.__version__, sys.version]).encode())
     try:
         with open("/proc/cpuinfo") as info:
             digest.update(next((line for line in info if line.startswith(("flags", "Features"))), "").encode())
@@ -76,10 +80,11 @@ def _load_built(name: str, library: Path):
 
 
 @lru_cache(maxsize=None)
-def _extension():
-    """The compiled module, or None (with one warning) when it cannot be built here."""
+def _extension(flags: tuple[str, ...] = tuple(FLAGS)):
+    """The compiled module, or None (with one warning) when it cannot be built here. Other `flags` build another
+    copy (the tests build one with -mno-avx512f, to run the AVX2 paths on an AVX-512 CPU)."""
     try:
-        name = _build_name()
+        name = _build_name(flags)
         folder = _build_root() / name
         library = folder / f"{name}.so"
         if library.exists():
@@ -88,11 +93,14 @@ def _extension():
 
         folder.mkdir(parents=True, exist_ok=True)
         source = folder / SOURCE.name  # compiled from a copy at a path that only this source's digest names
-        if not source.exists():
-            partial = folder / f"{SOURCE.name}.{os.getpid()}"
-            shutil.copyfile(SOURCE, partial)
-            os.replace(partial, source)
-        return load(name=name, sources=[str(source)], extra_cflags=FLAGS, build_directory=str(folder), verbose=False)
+        for original in [*HEADERS, SOURCE]:
+            copy = folder / original.name
+            if not copy.exists():
+                partial = folder / f"{original.name}.{os.getpid()}"
+                shutil.copyfile(original, partial)
+                os.replace(partial, copy)
+        return load(name=name, sources=[str(source)], extra_cflags=list(flags), build_directory=str(folder),
+                    verbose=False)
     except Exception as error:  # no compiler, no headers, a failed build: the PyTorch path still answers
         warnings.warn(f"the CPU decode-attention kernel could not be built ({error}); attention over the encoded "
                       "store runs in PyTorch (slower)", RuntimeWarning, stacklevel=2)
@@ -102,6 +110,19 @@ def _extension():
 def available() -> bool:
     """Whether the kernel is built (building it on the first call: about a minute, then cached across processes)."""
     return _extension() is not None
+
+
+def instruction_set() -> str:
+    """The instruction-set paths compiled into the kernel: "avx512" (cpu_decode_avx512.h) or "portable"."""
+    extension = _extension()
+    return "portable" if extension is None else extension.instruction_set()
+
+
+def vector_paths(encoded_keys: dict, encoded_values: dict, key_layout: KernelLayout, value_layout: KernelLayout,
+                 dim: int, value_dim: int, offsets: int) -> tuple[bool, bool]:
+    """Whether the instruction-set paths read this store's (keys, values); the rest runs the portable loops."""
+    keys, values = _arguments(encoded_keys, key_layout), _arguments(encoded_values, value_layout)
+    return tuple(_extension().vector_paths(*keys[:4], *values[:4], dim, value_dim, offsets))
 
 
 def _arguments(encoded: dict, layout: KernelLayout) -> list:
@@ -116,17 +137,19 @@ def _arguments(encoded: dict, layout: KernelLayout) -> list:
 def decode_attention_partials(
     query: torch.Tensor, encoded_keys: dict, encoded_values: dict, key_layout: KernelLayout,
     value_layout: KernelLayout, value_dim: int, bias: torch.Tensor | None, hidden: torch.Tensor | None,
+    vectorised: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax partials of `query` [B, H_kv, M, O, D] (scaled, in the store's basis; O = 1, or one query per
     offset of a per-channel key group when `key_layout.offset_queries`) over the store's T tokens.
 
     `bias` [B or 1, H_kv or 1, Q, T] float32 is added to the logits (row m of M takes bias row m % Q); `hidden`
     [B, H_kv, S] int64 lists slots to leave out (-1: none). Returns the max and sum [B, H_kv, M, 1] and the
-    unnormalised output [B, H_kv, M, Dv], as triton_decode.decode_attention_partials."""
+    unnormalised output [B, H_kv, M, Dv], as triton_decode.decode_attention_partials. `vectorised=False` keeps
+    to the portable loops (the reference for the instruction-set paths, `instruction_set()`)."""
     extension = _extension()
     if extension is None:
         raise RuntimeError("the CPU decode-attention kernel is not available on this machine (see the warning)")
     return tuple(extension.decode_attention_partials(
         query.float().contiguous(), *_arguments(encoded_keys, key_layout), *_arguments(encoded_values, value_layout),
-        value_dim, bias, None if hidden is None else hidden.long().contiguous(),
+        value_dim, bias, None if hidden is None else hidden.long().contiguous(), vectorised,
     ))

@@ -453,6 +453,27 @@ def test_pre_rope_is_exact_on_the_way_back_and_leaves_values_and_token_keys_alon
     assert torch.equal(token.encode(keys, "key")["codes"], IntNCodec(bits=8, group_size=8, key_axis="token").encode(keys, "key")["codes"])
 
 
+@pytest.mark.parametrize("rotary", [64, 32])  # 32 of 64 dims: a partial-rotary model leaves the rest alone
+@pytest.mark.parametrize("rotate", ["hadamard", "none"])
+def test_offset_queries_are_the_query_turned_back_by_each_offset(rotate, rotary):
+    """Row o of `offset_queries` is the plain query turned back by o positions (_group_rope of o copies), then
+    taken to the storage basis: the cached turning table gives exactly what building it each step gave."""
+    from hf_kvcompress.ops.hadamard import rotate_batch_rows, rotate_rows
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary))
+    codec = _with_inv_freq(IntNCodec(bits=2, group_size=32, key_axis="channel", pre_rope=True, rotate=rotate), inv_freq)
+    query = torch.randn(2, 3, 3, 64)
+    got = codec.offset_queries(query)
+    plain = rotate_rows(query, codec._seed("key"), inverse=True) if rotate == "hadamard" else query
+    copies = plain[:, :, :, None].expand(2, 3, 3, 32, 64).reshape(2, 3, 96, 64)
+    expected = codec._group_rope(copies, -1)
+    if rotate == "hadamard":
+        expected = rotate_batch_rows(expected, codec._seed("key"))
+    assert got.shape == (2, 3, 3, 32, 64)
+    assert torch.equal(got, expected.reshape(2, 3, 3, 32, 64))
+    assert not torch.equal(got[:, :, :, 1], got[:, :, :, 0])  # the offsets do turn
+
+
 def test_pre_rope_needs_the_models_config_and_a_bool():
     from hf_kvcompress import make_cache
 

@@ -1,6 +1,7 @@
 """The C++ decode-attention kernel (ops/cpu_decode.cpp) equals the PyTorch path it replaces on CPU."""
 
 import functools
+import os
 import warnings
 
 import pytest
@@ -29,14 +30,17 @@ CODECS = {
 }
 
 
-@pytest.mark.parametrize("dim", [32, 48])  # 32: compiled in; 48: the run-time loops
+# 32, 64 and 128: compiled in (64 and 128 also read by the AVX-512 paths); 48: the run-time loops.
+@pytest.mark.parametrize("vectorised", [True, False], ids=["instruction-set paths", "portable"])
+@pytest.mark.parametrize("rows", [1, 3, 6])  # query rows per KV head: the AVX-512 keys take them 4 at a time
+@pytest.mark.parametrize("dim", [32, 48, 64, 128])
 @pytest.mark.parametrize("name", CODECS)
-def test_partials_equal_softmax_over_decoded_states(name, dim):
+def test_partials_equal_softmax_over_decoded_states(name, dim, rows, vectorised):
     codec = CODECS[name]
     if dim % getattr(codec, "group_size", 1):
         pytest.skip("the group does not divide this head_dim")
     g = torch.Generator().manual_seed(len(name))
-    batch, heads, tokens, rows = 2, 2, 160, 3  # 160: two whole tiles of 64 and a partial one
+    batch, heads, tokens = 2, 2, 160  # 160: two whole tiles of 64 and a partial one (of 16 + 16 tokens)
     keys, values = torch.randn(batch, heads, tokens, dim, generator=g) * 2, torch.randn(batch, heads, tokens, dim, generator=g)
     enc_k, enc_v = codec.encode(keys, "key"), codec.encode(values, "value")
     query = torch.randn(batch, heads, rows, dim, generator=g) * 0.3
@@ -51,11 +55,95 @@ def test_partials_equal_softmax_over_decoded_states(name, dim):
     probs = torch.exp(logits - best)
     layout_k, layout_v = codec.kernel_layout("key"), codec.kernel_layout("value")
     got_max, got_sum, got_acc = cpu_decode.decode_attention_partials(
-        query[:, :, :, None], enc_k, enc_v, layout_k, layout_v, dim, bias, hidden
+        query[:, :, :, None], enc_k, enc_v, layout_k, layout_v, dim, bias, hidden, vectorised
     )
     torch.testing.assert_close(got_max, best, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_sum, probs.sum(-1, keepdim=True), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_acc, probs @ codec.decode(enc_v, "value", torch.float32), atol=1e-5, rtol=1e-5)
+    # The output sums up to a few dozen weighted values: float32 rounding in another order, relative to that sum.
+    scale = max(1.0, float(probs.sum(-1).max()))
+    torch.testing.assert_close(got_acc, probs @ codec.decode(enc_v, "value", torch.float32), atol=1e-5 * scale, rtol=1e-5)
+
+
+SMOLLM2_SHAPES = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                             num_hidden_layers=1, intermediate_size=64, vocab_size=64)
+
+
+def _avx2_build():
+    """The kernel built without AVX-512 (-mno-avx512f), so an AVX-512 CPU runs the AVX2 paths (built once per
+    machine, then cached as the default build is)."""
+    cpu_flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if " avx2" not in cpu_flags or " fma" not in cpu_flags:
+        pytest.skip("this CPU has no AVX2")
+    extension = cpu_decode._extension((*cpu_decode.FLAGS, "-mno-avx512f"))
+    assert extension is not None and extension.instruction_set() == "avx2"
+    return extension
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("spec", ["int2", "int4", "int4:key_axis=token", "int2:key_axis=token,pre_rope=false"])
+def test_the_instruction_set_paths_equal_the_portable_one(spec, rows, build):
+    """The plain names at SmolLM2's shapes (head_dim 64, key groups of 32 tokens; int2: a query per offset) read
+    through the instruction-set paths (this CPU's: cpu_decode_avx512.h where it has AVX-512; and
+    cpu_decode_avx2.h, built without AVX-512) against the portable loops: a masked first tile, hidden slots in
+    partial vectors, a store that ends inside a tile."""
+    g = torch.Generator().manual_seed(rows)
+    cache = make_cache(spec, SMOLLM2_SHAPES)
+    tokens = 128 + 4 * 32 + 5 * 32  # 288 stored (+ the tail): four whole tiles and a half one
+    states = torch.randn(2, 3, tokens + 128, 64, generator=g) * 2
+    cache.update(states, states.flip(-1), 0, {"position_ids": torch.arange(tokens + 128)[None].expand(2, -1)})
+    layer, codec = cache.layers[0], cache.layers[0].codec
+    assert layer.n_encoded == tokens
+    layout_k, layout_v = codec.kernel_layout("key"), codec.kernel_layout("value")
+    query = torch.randn(2, 3, rows, 64, generator=g) * 0.3
+    queries = codec.offset_queries(query) if layout_k.offset_queries else query[:, :, :, None]
+    bias = torch.zeros(2, 1, 1, tokens)
+    bias[0, :, :, :70] = float("-inf")  # row 0: its first tile sees nothing, its second from token 70 on
+    hidden = torch.tensor([[[5, -1], [64, 250], [-1, -1]], [[-1, -1], [0, 287], [33, 31]]])
+    args = [queries.contiguous(), *cpu_decode._arguments(layer.encoded_keys, layout_k),
+            *cpu_decode._arguments(layer.encoded_values, layout_v), 64, bias, hidden]
+    extension = _avx2_build() if build == "avx2" else cpu_decode._extension()
+    if extension.instruction_set() != "portable":
+        paths = extension.vector_paths(*args[1:5], *args[8:12], 64, 64, queries.shape[3])
+        assert list(paths) == ["key_axis=token" not in spec, True]
+    fast = extension.decode_attention_partials(*args, True)
+    portable = cpu_decode._extension().decode_attention_partials(*args, False)
+    scale = max(1.0, float(portable[1].max()))  # the output sums that many weighted values: rounding relative to it
+    torch.testing.assert_close(fast[0], portable[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast[1], portable[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast[2], portable[2], atol=1e-5 * scale, rtol=1e-5)
+    assert (fast[1] > 0).all()
+
+
+AVX2_CODECS = {  # at most 8 groups per token at head_dim 128
+    "int2 keys per channel": IntNCodec(bits=2, group_size=16, key_axis="channel"),
+    "int2 per token, Lloyd-Max levels": IntNCodec(bits=2, group_size=32, key_axis="token", codebook="gaussian"),
+    "int4 keys per token": IntNCodec(bits=4, group_size=16, key_axis="token"),
+    "int8 keys per channel": IntNCodec(bits=8, group_size=32, key_axis="channel"),
+}
+
+
+@pytest.mark.parametrize("name", AVX2_CODECS)
+def test_the_avx2_paths_give_softmax_over_decoded_states(name):
+    """The AVX2 build against the decoded reference at head_dim 128 (4 or 8 groups per token, 2 to 16 runs of 8
+    bytes per plane), values through the AVX2 path."""
+    extension = _avx2_build()
+    codec = AVX2_CODECS[name]
+    g = torch.Generator().manual_seed(7)
+    keys, values = torch.randn(1, 2, 96, 128, generator=g) * 2, torch.randn(1, 2, 96, 128, generator=g)
+    enc_k, enc_v = codec.encode(keys, "key"), codec.encode(values, "value")
+    query = torch.randn(1, 2, 3, 128, generator=g) * 0.3
+    logits = query @ codec.decode(enc_k, "key", torch.float32).transpose(-1, -2)
+    best = logits.amax(-1, keepdim=True)
+    probs = torch.exp(logits - best)
+    args = [query[:, :, :, None].contiguous(), *cpu_decode._arguments(enc_k, codec.kernel_layout("key")),
+            *cpu_decode._arguments(enc_v, codec.kernel_layout("value")), 128, None, None]
+    assert list(extension.vector_paths(*args[1:5], *args[8:12], 128, 128, 1))[1]
+    got_max, got_sum, got_acc = extension.decode_attention_partials(*args, True)
+    torch.testing.assert_close(got_max, best, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_sum, probs.sum(-1, keepdim=True), atol=1e-5, rtol=1e-5)
+    scale = max(1.0, float(probs.sum(-1).max()))
+    torch.testing.assert_close(got_acc, probs @ codec.decode(enc_v, "value", torch.float32), atol=1e-5 * scale, rtol=1e-5)
 
 
 def test_a_fully_masked_row_gives_empty_partials():

@@ -1,0 +1,227 @@
+// AVX-512 paths of cpu_decode.cpp: key logits 16 tokens at a time from a transposed tile, values dequantised in
+// registers and mixed straight into the output rows.
+//
+// The portable path dequantises a tile into a buffer and takes one dot product per (query row, token): a
+// horizontal sum of 16 lanes per logit and a store and reload of every dequantised value set its pace
+// (benchmarks/NOTES.md, section 7). Here lane k of a vector is token t + k: the codes of 16 tokens are gathered 4
+// bytes per token, each channel's codes become one vector, scaled by that channel's scale and zero point (keys per
+// channel: one per group of tokens) and met by the query's channel (a broadcast, or with pre_rope keys the 16
+// offsets' own queries, which sit next to each other), so 16 logits come out of FMAs alone. Values keep the
+// token-major order (their output is a row per query, held across the tile): a token's codes become levels by one
+// permute through a 16-entry table (plain codes, or L0 + a*c + b*(c >> 1)) and are scaled and mixed in registers.
+//
+// Included by cpu_decode.cpp inside its anonymous namespace, after Store and the Levels enum, only where the
+// compiler targets AVX-512 F+BW (-march=native on such a CPU); elsewhere the portable path is the only one.
+
+#include <immintrin.h>
+
+namespace avx512 {
+
+constexpr int64_t LANES = 16;  // tokens per key vector
+constexpr const char* NAME = "avx512";
+
+// Keys per channel (KIVI) in token groups of a multiple of 16, codes of whole 32-bit words per token, plain levels.
+inline bool reads_keys(const Store& k) {
+  return k.channel_group == 1 && k.token_group % 16 == 0 && k.width % 4 == 0 && k.levels == PLAIN &&
+         (k.bits == 2 || k.bits == 4 || k.bits == 8);
+}
+
+// Values in groups along head_dim (one scale per token and group), planes of 1, 2, 4, 8 or 16 whole 16-byte
+// vectors, at most 16 groups per token, plain or affine levels.
+inline bool reads_values(const Store& v) {
+  const int64_t blocks = v.width / 16;  // a power of two up to 16 (mix_values compiles those in)
+  return v.token_group == 1 && v.channel_group > 1 && v.width % 16 == 0 && (blocks & (blocks - 1)) == 0 &&
+         blocks <= 16 && v.scale_groups() <= 16 &&
+         (v.levels == PLAIN || v.levels == AFFINE) && (v.bits == 2 || v.bits == 4 || v.bits == 8);
+}
+
+// The first `count` (<= 16) scales or zero points at `base + i` as float32 lanes (the rest 0).
+inline __m512 load_groups(const void* base, at::ScalarType type, int64_t i, int64_t count) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+  switch (type) {
+    case at::kBFloat16: {  // a bfloat16 is the top half of a float32
+      const __m256i half = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(base) + i);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    case at::kHalf:
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(base) + i));
+    default:
+      return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(base) + i);
+  }
+}
+
+// logits[r * stride + k] for rows r < R (query rows m0 + r) and tokens t + k, k < 16, over one tile's 16 tokens:
+// `codes` points at token t's bytes (rows of W bytes), `scale` / `zero` [D] are the channel scales of t's group,
+// `query` [M, D, O] the (offset) queries in channel order, `o0` the offset of token t within its key group.
+template <int BITS, int R>
+inline void key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, const float* scale, const float* zero,
+                          const float* query, int64_t offsets, int64_t o0, int64_t m0, float* logits,
+                          int64_t stride, __mmask16 valid) {
+  constexpr int U = 8 / BITS;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(width)));
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t word = 0; word < width / 4; ++word) {
+    // bytes 4w..4w+3 of each of the 16 tokens (tokens past the valid ones read token t's bytes: their lanes are
+    // dropped at the store)
+    const __m512i bytes = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, rows, codes + 4 * word, 1);
+    for (int byte = 0; byte < 4; ++byte) {
+      for (int i = 0; i < U; ++i) {
+        const int64_t d = (4 * word + byte) * U + i;  // byte j holds dims j*U + i (ops/bitpack.py)
+        const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * byte + BITS * i), mask);
+        const __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(scale[d]), _mm512_set1_ps(zero[d]));
+        for (int r = 0; r < R; ++r) {
+          const float* q = query + ((m0 + r) * dim + d) * offsets;
+          const __m512 qv = offsets == 1 ? _mm512_set1_ps(q[0]) : _mm512_loadu_ps(q + o0);
+          acc[r] = _mm512_fmadd_ps(qv, value, acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(logits + r * stride, valid, acc[r]);
+}
+
+// Logits [m_rows, TILE] (row stride `stride`) of the tile's tokens [t0, t1) of KV row `row`. `query` [M, D, O]:
+// query row m, channel d, offset o at (m * D + d) * O + o (O = 1: one query for every token). `scale_buf` /
+// `zero_buf` [D] hold the channel scales of one key group at a time.
+template <int BITS>
+void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float* query, int64_t offsets,
+                int64_t m_rows, float* logits, int64_t stride, float* scale_buf, float* zero_buf) {
+  const int64_t width = k.width, dim = k.dim;
+  int64_t loaded = -1;
+  for (int64_t t = t0; t < t1; t += 16) {
+    const int64_t n = std::min<int64_t>(16, t1 - t);
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+    const int64_t group = t / k.token_group;
+    if (group != loaded) {  // in channel order: scale[(row, group), d]
+      loaded = group;
+      const int64_t base = (row * k.scale_rows() + group) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        scale_buf[d] = k.load_scale(base + d);
+        zero_buf[d] = k.load_zero(base + d);
+      }
+    }
+    const uint8_t* codes = k.codes + (row * k.tokens + t) * width;
+    const int64_t o0 = offsets == 1 ? 0 : t % offsets;
+    float* out = logits + (t - t0);
+    int64_t m = 0;
+    for (; m + 4 <= m_rows; m += 4)
+      key_logits_16<BITS, 4>(codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m, out + m * stride, stride, valid);
+    switch (m_rows - m) {
+      case 3: key_logits_16<BITS, 3>(codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m, out + m * stride, stride, valid); break;
+      case 2: key_logits_16<BITS, 2>(codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m, out + m * stride, stride, valid); break;
+      case 1: key_logits_16<BITS, 1>(codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m, out + m * stride, stride, valid); break;
+      default: break;
+    }
+  }
+}
+
+inline void key_logits_any(const Store& k, int64_t row, int64_t t0, int64_t t1, const float* query, int64_t offsets,
+                           int64_t m_rows, float* logits, int64_t stride, float* scale_buf, float* zero_buf) {
+  switch (k.bits) {
+    case 2: return key_logits<2>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf);
+    case 4: return key_logits<4>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf);
+    default: return key_logits<8>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf);
+  }
+}
+
+// acc[m][plane-major D] += sum over the tile's tokens [t0, t1) of probs[m * stride + t - t0] * value(t), for the
+// query rows m0 <= m < m0 + R. A token's plane i, columns 16c..16c+15 are one vector; its scale and zero point
+// vectors (lane j of column block c belongs to group (16c + j) * U / channel_group, `group_index`) are built once
+// per token and serve every plane. The R rows' outputs (R x D / 16 vectors) stay in registers over the tile: with
+// a run-time row loop they went through memory at every token, half of the values' time.
+template <int BITS, int BLOCKS, int R>
+void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride, int64_t m0,
+              float* acc, __m512 table, const __m512i* group_index) {
+  constexpr int U = 8 / BITS, VECTORS = U * BLOCKS;
+  constexpr int64_t W = 16 * BLOCKS;
+  const int64_t dim = v.dim, groups = v.scale_groups();
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  __m512 sum[R][VECTORS];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < U; ++i)
+      for (int c = 0; c < BLOCKS; ++c) sum[r][i * BLOCKS + c] = _mm512_loadu_ps(acc + (m0 + r) * dim + i * W + 16 * c);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* bytes = v.codes + (row * v.tokens + t) * W;
+    const int64_t scale_at = (row * v.tokens + t) * groups;
+    const __m512 token_scale = load_groups(v.scale, v.scale_type, scale_at, groups);
+    const __m512 token_zero = v.zero ? load_groups(v.zero, v.scale_type, scale_at, groups) : _mm512_setzero_ps();
+    __m512 p[R];
+    for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(probs[(m0 + r) * stride + t - t0]);
+    for (int c = 0; c < BLOCKS; ++c) {
+      const __m512 scale = _mm512_permutexvar_ps(group_index[c], token_scale);
+      const __m512 zero = _mm512_permutexvar_ps(group_index[c], token_zero);
+      const __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * c)));
+      for (int i = 0; i < U; ++i) {
+        const __m512i code = _mm512_and_si512(_mm512_srli_epi32(packed, BITS * i), mask);
+        const __m512 level = BITS <= 4 ? _mm512_permutexvar_ps(code, table) : _mm512_cvtepi32_ps(code);
+        const __m512 value = _mm512_fmadd_ps(level, scale, zero);
+        for (int r = 0; r < R; ++r) sum[r][i * BLOCKS + c] = _mm512_fmadd_ps(p[r], value, sum[r][i * BLOCKS + c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < U; ++i)
+      for (int c = 0; c < BLOCKS; ++c) _mm512_storeu_ps(acc + (m0 + r) * dim + i * W + 16 * c, sum[r][i * BLOCKS + c]);
+}
+
+// All query rows, a few at a time: as many as keep their outputs within 16 of the 32 vector registers.
+template <int BITS, int BLOCKS>
+void mix_all_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
+                  int64_t m_rows, float* acc, __m512 table, const __m512i* group_index) {
+  constexpr int VECTORS = (8 / BITS) * BLOCKS;
+  constexpr int CHUNK = VECTORS <= 4 ? 4 : VECTORS <= 8 ? 2 : 1;
+  int64_t m = 0;
+  for (; m + CHUNK <= m_rows; m += CHUNK)
+    mix_rows<BITS, BLOCKS, CHUNK>(v, row, t0, t1, probs, stride, m, acc, table, group_index);
+  switch (m_rows - m) {  // fewer than CHUNK (<= 4) left: one more pass
+    case 3: return mix_rows<BITS, BLOCKS, 3>(v, row, t0, t1, probs, stride, m, acc, table, group_index);
+    case 2: return mix_rows<BITS, BLOCKS, 2>(v, row, t0, t1, probs, stride, m, acc, table, group_index);
+    case 1: return mix_rows<BITS, BLOCKS, 1>(v, row, t0, t1, probs, stride, m, acc, table, group_index);
+    default: return;
+  }
+}
+
+// acc[m][plane-major D] += the tile's values weighed by probs[m * stride + t - t0], for every query row m < m_rows.
+template <int BITS>
+void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
+                int64_t m_rows, float* acc) {
+  const int64_t blocks = v.width / 16;
+  __m512 table;  // level of code c (c < 16): c, or L0 + a*c + b*(c >> 1)
+  {
+    alignas(64) float levels[16];
+    for (int c = 0; c < 16; ++c)
+      levels[c] = v.levels == AFFINE ? v.l0 + v.a * static_cast<float>(c) + v.b * static_cast<float>(c >> 1)
+                                     : static_cast<float>(c);
+    table = _mm512_load_ps(levels);
+  }
+  constexpr int MAX_BLOCKS = 16;  // width / 16 <= 16: head_dim up to 256 at 8 bits
+  const int64_t run = v.channel_group / (8 / BITS);  // columns of a plane per group
+  __m512i group_index[MAX_BLOCKS];
+  for (int64_t c = 0; c < blocks; ++c) {
+    alignas(64) int32_t lanes[16];
+    for (int j = 0; j < 16; ++j) lanes[j] = static_cast<int32_t>((16 * c + j) / run);
+    group_index[c] = _mm512_load_si512(lanes);
+  }
+  switch (blocks) {  // reads_values: width is 16 to 256 bytes, so 1 to 16 blocks; head dims of 2^k tokens are 1-16
+    case 1: return mix_all_rows<BITS, 1>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
+    case 2: return mix_all_rows<BITS, 2>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
+    case 4: return mix_all_rows<BITS, 4>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
+    case 8: return mix_all_rows<BITS, 8>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
+    case 16: return mix_all_rows<BITS, 16>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
+    default: TORCH_CHECK(false, "cpu_decode: values of ", v.width, " bytes per token reached the AVX-512 path");
+  }
+}
+
+inline void mix_values_any(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
+                           int64_t m_rows, float* acc) {
+  switch (v.bits) {
+    case 2: return mix_values<2>(v, row, t0, t1, probs, stride, m_rows, acc);
+    case 4: return mix_values<4>(v, row, t0, t1, probs, stride, m_rows, acc);
+    default: return mix_values<8>(v, row, t0, t1, probs, stride, m_rows, acc);
+  }
+}
+
+}  // namespace avx512
