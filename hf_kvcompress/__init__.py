@@ -2,7 +2,7 @@
 
 # The one place the version is written (pyproject.toml reads it): the eval runner stamps results with it, and an
 # editable install's metadata keeps the version it was installed at, so it reads this, not the metadata.
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 from .caches.compressed import CompressedCache
 from .caches.persist import load_cache, save_cache
