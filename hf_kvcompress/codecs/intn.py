@@ -12,7 +12,7 @@ import torch
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
 from ..ops.cpu_decode import KernelLayout
 from ..ops.hadamard import rotate_batch_rows, rotate_rows
-from ..ops.rerotate import rerotate
+from ..ops.rerotate import rerotate, rope_table, turn
 from ..spec_text import changed_fields, join_spec
 from .base import Codec, Encoded, Kind
 from . import plane_attention
@@ -40,11 +40,11 @@ PLAIN_NAME_DEFAULTS = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
 
 @lru_cache(maxsize=64)
 def _offset_turns(inv_freq: tuple[float, ...], group: int, direction: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [group, 2 * len(inv_freq)] of turning by `direction` x offset positions (offsets 0..group-1),
-    built as ops/rerotate.py builds them: pre_rope's offset queries need the same table at every decode step of
-    every layer, and building it (arange, cos, sin, cat) cost about as much as turning the queries."""
-    angles = (torch.arange(group, dtype=torch.float32) * direction)[:, None] * torch.tensor(inv_freq, dtype=torch.float32)
-    return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([angles.sin(), angles.sin()], dim=-1)
+    """`rope_table` [group, 2 * len(inv_freq)] of turning by `direction` x offset positions (offsets 0..group-1):
+    pre_rope's offset queries need the same table at every decode step of every layer, and building it (arange,
+    cos, sin, cat) cost about as much as turning the queries."""
+    offsets = torch.arange(group, dtype=torch.float32) * direction
+    return rope_table(offsets, torch.tensor(inv_freq, dtype=torch.float32))
 
 
 def _layer_list(text) -> tuple[int, ...]:
@@ -389,12 +389,7 @@ class IntNCodec(Codec):
         plain = rotate_rows(query, self._seed("key"), inverse=True) if self._rotates("key") else query
         if self.inv_freq:  # _group_rope(copies, -1) with its table cached and the half-swap once per row, not per copy
             cos, sin = (part.to(plain.device) for part in _offset_turns(self.inv_freq, g, -1))
-            rot = cos.shape[-1]
-            x = plain[..., :rot].float()
-            swapped = torch.cat([-x[..., rot // 2 :], x[..., : rot // 2]], dim=-1)
-            turned = x[:, :, :, None, :] * cos + swapped[:, :, :, None, :] * sin  # [B, H, n, g, rot]
-            if rot < d:
-                turned = torch.cat([turned, plain[:, :, :, None, rot:].float().expand(b, h, n, g, d - rot)], dim=-1)
+            turned = turn(plain.float()[:, :, :, None, :], cos, sin)  # [B, H, n, g, D]: the table broadcasts over g
             turned = turned.reshape(b, h, n * g, d)  # row n*g + o: offset o
         else:  # no RoPE frequencies: _group_rope says what is missing, or leaves the copies as they are
             turned = self._group_rope(plain[:, :, :, None, :].expand(b, h, n, g, d).reshape(b, h, n * g, d), -1)

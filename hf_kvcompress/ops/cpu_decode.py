@@ -118,13 +118,6 @@ def instruction_set() -> str:
     return "portable" if extension is None else extension.instruction_set()
 
 
-def vector_paths(encoded_keys: dict, encoded_values: dict, key_layout: KernelLayout, value_layout: KernelLayout,
-                 dim: int, value_dim: int, offsets: int) -> tuple[bool, bool]:
-    """Whether the instruction-set paths read this store's (keys, values); the rest runs the portable loops."""
-    keys, values = _arguments(encoded_keys, key_layout), _arguments(encoded_values, value_layout)
-    return tuple(_extension().vector_paths(*keys[:4], *values[:4], dim, value_dim, offsets))
-
-
 def _arguments(encoded: dict, layout: KernelLayout) -> list:
     if layout.float8:
         codes = encoded["values"].view(torch.uint8)

@@ -5,18 +5,28 @@ from __future__ import annotations
 import torch
 
 
+def rope_table(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [..., 2 * len(inv_freq)] of turning by `delta` [...] positions, in rotate-half order: a table
+    built once serves every vector turned by the same deltas (`turn`)."""
+    angles = delta.to(torch.float32)[..., None] * inv_freq.to(delta.device, torch.float32)
+    return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([angles.sin(), angles.sin()], dim=-1)
+
+
+def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of `x` [..., D] by a `rope_table` [..., rot] that broadcasts against x's leading dims (the
+    output takes the broadcast shape); channels past rot pass through (partial rotary models)."""
+    rot = cos.shape[-1]
+    head = x[..., :rot].float()
+    half = rot // 2
+    rotated_half = torch.cat([-head[..., half:], head[..., :half]], dim=-1)
+    out = (head * cos + rotated_half * sin).to(x.dtype)
+    return torch.cat([out, x[..., rot:].expand(*out.shape[:-1], -1)], dim=-1) if rot < x.shape[-1] else out
+
+
 def rerotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate keys [B, H, T, D] by `delta` [B, H, T] positions (rotate-half RoPE, as in Llama-family models).
 
     Rotations compose, so a key rotated at position p and re-rotated by delta equals the key rotated at p + delta.
     Only the first 2 * len(inv_freq) channels carry RoPE (partial rotary models leave the rest alone).
     """
-    rot = 2 * inv_freq.shape[0]
-    angles = delta.to(torch.float32)[..., None] * inv_freq.to(keys.device, torch.float32)  # [B, H, T, rot/2]
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
-    x = keys[..., :rot].float()
-    half = rot // 2
-    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    out = (x * cos + rotated_half * sin).to(keys.dtype)
-    return torch.cat([out, keys[..., rot:]], dim=-1) if rot < keys.shape[-1] else out
+    return turn(keys, *rope_table(delta.to(keys.device), inv_freq))
