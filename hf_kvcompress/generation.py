@@ -55,7 +55,9 @@ def repeat_prompt_ids(tokenizer, chat: bool | None = None) -> list[int]:
     return tokenizer("\n\n" + REPEAT_INSTRUCTION + suffix, add_special_tokens=False).input_ids
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: tensors made under inference_mode refuse in-place updates outside it, so a cache
+# prefilled here could not be continued by transformers' generate() (no_grad) or any forward the caller runs.
+@torch.no_grad()
 def prefill(
     model,
     input_ids: torch.Tensor,
@@ -202,7 +204,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # see prefill
 def generate(
     model,
     input_ids: torch.Tensor,
