@@ -13,7 +13,7 @@ import torch
 
 from .caches.layer import END_ALIGNED_CHUNKS
 from .caches.persist import check_model
-from .hf.compat import cache_kwargs, text_config
+from .hf.compat import assisted_decoding_continues_cache, cache_kwargs, text_config
 from .measure import measured_kv_bytes
 
 
@@ -260,15 +260,16 @@ def generate(
         if isinstance(pad_id, list):
             pad_id = pad_id[0]
     start = time.perf_counter()
-    sequences = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=max_new_tokens,
-        streamer=streamer,
-        pad_token_id=pad_id,
-        **cache_kwargs(cache),
-        **generate_kwargs,
-    )
+    with assisted_decoding_continues_cache(model):  # speculative decoding from the prefilled cache, see there
+        sequences = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            streamer=streamer,
+            pad_token_id=pad_id,
+            **cache_kwargs(cache),
+            **generate_kwargs,
+        )
     sync(device)
     decode_seconds = time.perf_counter() - start
     new_tokens = sequences[:, input_ids.shape[1] :]
