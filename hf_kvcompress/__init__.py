@@ -26,7 +26,7 @@ from .registry import make_cache, parse_spec
 
 
 def __getattr__(name):
-    # Model loading and the budget calculator import lazily: they pull in heavier modules.
+    # Model loading, the budget calculator and documents import lazily: they pull in heavier modules.
     if name in ("load_model", "load_config"):
         from . import models
 
@@ -35,6 +35,10 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(".budget", __name__)
+    if name in ("Document", "compress_document", "load_document"):  # pulls in the prompt rendering of eval/
+        from . import document
+
+        return getattr(document, name)
     if name == "kv_bytes":
         from .budget import kv_bytes
 
@@ -44,6 +48,7 @@ def __getattr__(name):
 
 __all__ = [
     "CompressedCache",
+    "Document",
     "ExpectedAttentionPolicy",
     "Fp8Cache",
     "Fp8Codec",
@@ -57,6 +62,8 @@ __all__ = [
     "RandomPolicy",
     "SnapKVPolicy",
     "TOVAPolicy",
+    "compress_document",
+    "load_document",
     "prefill",
     "repeat_prompt_ids",
     "QuantizedCache",
