@@ -86,7 +86,9 @@ class Document:
             raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
         for name in ("num_beams", "num_return_sequences"):
             if generate_kwargs.get(name, 1) != 1:
-                raise ValueError(f"{name} is not supported by Document.ask (one answer per question); got {generate_kwargs[name]}")
+                raise ValueError(
+                    f"{name} is not supported by Document.ask (one answer per question), got {generate_kwargs[name]}"
+                )
         parts = [self._question_ids(q, answer_prefix) for q in questions]
         answers = self._answer(parts, max_new_tokens, generate_kwargs)
         return answers[0] if single else answers
@@ -127,7 +129,7 @@ class Document:
             cache.batch_repeat_interleave(rows)
         document = torch.tensor(self.input_ids, dtype=torch.long, device=device).expand(rows, -1)
         ids = torch.cat([document, torch.tensor([p[:shortest] for p in parts], device=device)], dim=1)
-        eos = _eos_ids(self.model, self.tokenizer)
+        eos = _eos_ids(self.model, self.tokenizer, generate_kwargs.pop("eos_token_id", None))
         # The rest of a question may hold an end-of-turn token that is also an end of sequence: rows stop on our
         # criterion (an end of sequence after the question), not on transformers' own.
         longest = max(len(r) for r in rest)
@@ -176,12 +178,13 @@ class _Answered(StoppingCriteria):
         return ended | (answered >= self.max_new_tokens)
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    ids = set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
+def _eos_ids(model, tokenizer, given=None) -> set[int]:
+    """The tokens that end an answer: `given` (ask's eos_token_id=), else the model's and the tokenizer's."""
+    if given is None:
+        given = getattr(model.generation_config, "eos_token_id", None)
+        ids = set(given) if isinstance(given, (list, tuple)) else ({given} if given is not None else set())
+        return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    return set(given) if isinstance(given, (list, tuple)) else {given}
 
 
 def _check_attention(model, spec: str) -> None:
@@ -237,5 +240,8 @@ def load_document(path: str | os.PathLike, model, tokenizer, device: str | torch
                         prompt_format=entry["prompt_format"])
     rendered, _ = encode(tokenizer, _sample(document.text, document.instruction), prompt_format=document.prompt_format)
     if rendered != document.input_ids:
-        raise ValueError(f"tokenizer renders the document saved in {path} into other tokens: load it with the tokenizer it was saved with")
+        raise ValueError(
+            f"tokenizer renders the document saved in {path} into other tokens: load it with the tokenizer it was "
+            "saved with"
+        )
     return document

@@ -219,7 +219,9 @@ def generate(
     """generate() with `cache`, timing prefill and decoding separately.
 
     The prompt (whatever part of it the cache has not seen yet) is prefilled first, then generate() continues from
-    the cache, which slices off what the cache already holds. `repeat_prompt_ids`: see `prefill` (KVzip).
+    the cache, which slices off what the cache already holds; so does speculative decoding
+    (`prompt_lookup_num_tokens=`, `assistant_model=`: see `assisted_decoding_continues_cache` in hf/compat.py).
+    `repeat_prompt_ids`: see `prefill` (KVzip).
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive number of tokens, got {max_new_tokens}")

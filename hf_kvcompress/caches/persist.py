@@ -68,7 +68,9 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
     }
     clash = sorted(set(extra) & set(own))
     if clash or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
-        raise ValueError(f"metadata must map new names to strings (the cache's own entries are {sorted(own)}), got {clash or extra}")
+        raise ValueError(
+            f"metadata must map new names to strings (the cache's own entries are {sorted(own)}), got {clash or extra}"
+        )
     save_file(tensors, str(path), metadata={**extra, **own})
 
 

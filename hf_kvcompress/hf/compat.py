@@ -51,8 +51,9 @@ def assisted_decoding_continues_cache(model):
     transformers 5.24's `_assisted_decoding` builds its first step's inputs with `next_sequence_length=None`, so the
     whole prompt (plus the draft) reaches a prefilled cache again, where `_prefill` slices off what the cache holds.
     Here the first step is sliced the same way: when the attention mask (or, without one, the position ids) spans
-    the inputs (the full sequence was passed) and the cache holds part of it, only the rest is fed. Other calls pass through unchanged (they come
-    with a `next_sequence_length`, or with only the new tokens), as do versions that slice by themselves.
+    the inputs (the full sequence was passed) and the cache holds part of it, only the rest is fed. Other calls
+    pass through unchanged (they come with a `next_sequence_length`, or with only the new tokens), as do versions
+    that slice by themselves.
     """
     if "prepare_inputs_for_generation" in vars(model):  # nested: the outer block already slices
         yield
