@@ -61,5 +61,6 @@ def test_the_document_snippets_run_as_printed_and_answer(tmp_path, monkeypatch):
     assert len(batch) == 2 and all(answer.strip() for answer in batch), batch
     uncompressed = compress_document(names["model"], names["tokenizer"], names["text"], "dynamic")
     assert "Eiffel" in uncompressed.ask("Who is the tower named after?", max_new_tokens=32)
-    tall, finished = uncompressed.ask(["How tall is the tower?", "Which building became the tallest in 1930?"], max_new_tokens=32)
+    questions = ["How tall is the tower?", "Which building became the tallest in 1930?"]
+    tall, finished = uncompressed.ask(questions, max_new_tokens=32)
     assert "330" in tall and "Chrysler" in finished, (tall, finished)
