@@ -52,7 +52,7 @@ def test_the_document_snippets_run_as_printed_and_answer(tmp_path, monkeypatch):
     assert len(lines) == 1 and lines[0].strip(), lines
     model, tokenizer = names["model"], names["tokenizer"]
     uncompressed = compress_document(model, tokenizer, names["text"], "dynamic")
-    assert "Pierre" in uncompressed.ask("Who was Marie Curie's husband?", max_new_tokens=32)
+    assert "Pierre" in uncompressed.ask("Who was Marie Curie's husband?", max_new_tokens=16)
 
     names, lines = _run(_snippet("### Compress a document once, ask several questions (KVzip)"))
     assert len(lines) == 3 and lines[0].startswith("Document(") and "kvzip:ratio=0.25+int4" in lines[0], lines
@@ -60,7 +60,7 @@ def test_the_document_snippets_run_as_printed_and_answer(tmp_path, monkeypatch):
     batch = eval(lines[2])  # noqa: S307  (the printed list of two answers)
     assert len(batch) == 2 and all(answer.strip() for answer in batch), batch
     uncompressed = compress_document(names["model"], names["tokenizer"], names["text"], "dynamic")
-    assert "Eiffel" in uncompressed.ask("Who is the tower named after?", max_new_tokens=32)
-    questions = ["How tall is the tower?", "Which building became the tallest in 1930?"]
-    tall, finished = uncompressed.ask(questions, max_new_tokens=32)
-    assert "330" in tall and "Chrysler" in finished, (tall, finished)
+    questions = ["Who is the tower named after?", "How tall is the tower?",
+                 "Which building became the tallest in 1930?"]
+    named, tall, finished = uncompressed.ask(questions, max_new_tokens=32)
+    assert "Eiffel" in named and "330" in tall and "Chrysler" in finished, (named, tall, finished)
