@@ -1,7 +1,7 @@
 """`make bench`: prefill time, decode speed, peak memory and KV bytes of every cache and of its peers, as ratios to
 DynamicCache.
 
-    python benchmarks/bench.py [--quick | --full] [--lengths 1024,4096,8192] [--batches 1,8] [--repeats 2]
+    python benchmarks/harness/bench.py [--quick | --full] [--lengths 1024,4096,8192] [--batches 1,8] [--repeats 2]
                                [--new-tokens 16] [--specs "dynamic;int4;..."] [--peers all|none|quanto-int4,...]
                                [--threads N] [--clock wall|cpu] [--compare-code DIR] [--out benchmarks/results]
                                [--quantized-venv DIR] [--kvpress-venv DIR]
@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "results"  # benchmarks/results, wherever it runs from; new files there are git-ignored
 sys.path.insert(0, str(HERE))  # its neighbours, also when imported from elsewhere (the tests)
 
 from bench_peer_worker import PEERS  # noqa: E402
@@ -285,7 +286,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model alias or path (default: the embedded SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time or process CPU time")
-    parser.add_argument("--out", default="benchmarks/results", help="folder for the table and the plot")
+    parser.add_argument("--out", default=str(RESULTS), help="folder for the table and the plot")
     parser.add_argument("--compare-code", default=None, help="also run every cache but dynamic with the package "
                         "found in this folder (e.g. `git archive COMMIT | tar -x -C DIR`), interleaved: before/after")
     parser.add_argument("--peers", default=None, help="peers: all, none or a comma-separated list of "

@@ -1,7 +1,7 @@
 """One bench run of a peer (transformers' QuantizedCache, a kvpress press) or of DynamicCache, in the peer's own
 environment.
 
-    python benchmarks/bench_peer_worker.py --peer quanto-int4 --model-dir DIR --length 1024 --batch 1 \\
+    python benchmarks/harness/bench_peer_worker.py --peer quanto-int4 --model-dir DIR --length 1024 --batch 1 \\
         --new-tokens 16 --clock cpu
 
 Runs in a virtual environment of its own (peer_envs.py): kvpress pins transformers < 5.3, and optimum-quanto and hqq

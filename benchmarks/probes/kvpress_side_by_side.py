@@ -22,19 +22,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_VENV = HERE / ".venv-kvpress"
-REQUIREMENTS = ["torch==2.13.0", "kvpress==0.5.5", "transformers<5.3"]
+sys.path.insert(0, str(HERE.parent / "harness"))  # the kvpress environment is the bench's (peer_envs.py)
 
-
-def ensure_venv(venv: Path) -> Path:
-    python = venv / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    probe = subprocess.run([str(python), "-c", "import kvpress, transformers; print(transformers.__version__)"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *REQUIREMENTS], check=True)
-    return python
+from peer_envs import KVPRESS_VENV, ensure_kvpress_venv  # noqa: E402
 
 
 def export_prompts(args, out: Path) -> tuple[Path, str]:
@@ -89,14 +79,14 @@ def main():
     parser.add_argument("--keep", default="0.5,0.25", help="shares of the document kept (kvpress ratio = 1 - keep)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--ours", help="an `hf-kvcompress eval` output folder on the same samples")
-    parser.add_argument("--venv", default=str(DEFAULT_VENV))
+    parser.add_argument("--venv", default=str(KVPRESS_VENV))
     args = parser.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.depths = [float(x) for x in args.depths.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts, model_dir = export_prompts(args, out)
-    python = ensure_venv(Path(args.venv))
+    python = ensure_kvpress_venv(Path(args.venv))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of ours leaks into kvpress's env
     subprocess.run([str(python), str(HERE / "kvpress_worker.py"), "--model-dir", model_dir, "--prompts",
                     str(prompts), "--presses", args.presses, "--keep", args.keep,

@@ -27,8 +27,11 @@ import subprocess
 import sys
 import time
 import traceback
-import venv
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "harness"))  # the environment is the bench's
+
+from peer_envs import QUANTIZED_VENV, build_quantized_venv  # noqa: E402
 
 CONFIGS = {  # name -> QuantizedCache keyword arguments (None: DynamicCache, the baseline)
     "dynamic": None,
@@ -38,7 +41,6 @@ CONFIGS = {  # name -> QuantizedCache keyword arguments (None: DynamicCache, the
     "hqq-int2": {"backend": "hqq", "nbits": 2, "axis_key": 1, "axis_value": 1},
     "fp8": {"backend": "fp8"},
 }
-BACKEND_PACKAGES = {"quanto": "optimum-quanto", "hqq": "hqq"}
 
 
 def _child(job_path: str) -> None:
@@ -73,27 +75,6 @@ def _child(job_path: str) -> None:
     Path(job["out"]).write_text(json.dumps(results))
 
 
-def _environment(path: Path, log: Path) -> dict[str, str]:
-    """Create the environment (once) with the parent's torch and transformers; install each backend on its own."""
-    import torch
-    import transformers
-
-    python = path / "bin" / "python"
-    failures = {}
-    if not python.exists():
-        venv.create(path, with_pip=True)
-    base = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"]
-    with log.open("a") as stream:
-        done = subprocess.run([str(python), "-m", "pip", "install", "-q", *base], stdout=stream, stderr=stream)
-        if done.returncode:
-            raise RuntimeError(f"pip could not install {base} into {path}; see {log}")
-        for backend, package in BACKEND_PACKAGES.items():
-            done = subprocess.run([str(python), "-m", "pip", "install", "-q", package], stdout=stream, stderr=stream)
-            if done.returncode:
-                failures[backend] = f"pip install {package} failed (exit {done.returncode}); see {log}"
-    return failures
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -103,7 +84,7 @@ def main() -> None:
     parser.add_argument("--depths", default="0,50,100")
     parser.add_argument("--samples", type=int, default=1)
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--venv", default=str(Path.home() / ".cache" / "hf-kvcompress" / "bench-quantized-venv"))
+    parser.add_argument("--venv", default=str(QUANTIZED_VENV))
     parser.add_argument("--out", default="results/transformers-quantized")
     args = parser.parse_args()
     if args.child:
@@ -132,7 +113,7 @@ def main() -> None:
                      "task": sample["task"], "length": sample["length"],
                      "max_new_tokens": sample["max_new_tokens"], "references": sample["references"]})
     configs = args.configs.split(",")
-    failed = _environment(Path(args.venv), out / "pip.log")
+    failed = build_quantized_venv(Path(args.venv), out / "pip.log")
     runnable = [c for c in configs if CONFIGS[c] is None or CONFIGS[c]["backend"] not in failed]
     job = {"model_dir": str(model_dir), "configs": runnable, "samples": rows, "out": str(out / "predictions.json")}
     (out / "job.json").write_text(json.dumps(job))
