@@ -1,7 +1,11 @@
 """The cache's own share of a decode step: every layer's `update` plus our attention function, without the model.
 
-    python benchmarks/decode_step.py [--tokens 4096] [--batch 1] [--steps 16] [--repeats 5] [--specs "int4;fp8"]
-                                     [--clock wall|cpu]
+Question: how long does each cache's part of a decode step take against DynamicCache's, with the model's weights
+(the same for every cache) left out, and how many host reads (GPU syncs) does a step make?
+Command:
+    python benchmarks/probes/decode_step.py [--tokens 4096] [--batch 1] [--steps 16] [--repeats 5]
+        [--specs "int4;fp8"] [--layers 30] [--clock wall|cpu]
+Written up: docs/benchmark-notes.md, the cache-only tables of "Baseline" and sections 5, 7, 10 and 12.
 
 The model's weights cost the same with every cache, so their time only dilutes the ratios; this isolates what
 the caches change, on the embedded model's shapes (30 layers, 9 query heads on 3 KV heads of 64 dims, float32).

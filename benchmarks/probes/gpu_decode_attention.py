@@ -1,6 +1,11 @@
 """GPU: decode attention over int4/int2 stores (Triton kernel) against bf16 SDPA over a full cache.
 
-    python benchmarks/gpu_decode_attention.py [--lengths 8192,32768,131072] [--batches 1,8] [--repeats 50]
+Question: on a GPU, how fast is one decode query over int4 and int2 stores (Triton kernel, and the PyTorch block
+path) against bf16 SDPA over the full cache, as a share of the HBM bandwidth, and how far is its output from SDPA's?
+Command:
+    python benchmarks/probes/gpu_decode_attention.py [--lengths 8192,32768,131072] [--batches 1,8] [--repeats 50]
+Written up: not yet measured; docs/benchmark-notes.md section 4 ("Triton kernel (GPU)") and README.md,
+"Speed (`make bench`)", say it is still to be run.
 
 NOT RUN in the session that wrote it (no GPU was lent to it): its figures are still to be measured. Written for
 one H200 (about 4.3 TB/s of HBM bandwidth); it takes a few minutes (well under ten).
@@ -67,7 +72,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU (see benchmarks/decode_step.py for the CPU equivalent)")
+        raise SystemExit("this probe needs a CUDA GPU (benchmarks/probes/decode_step.py is the CPU equivalent)")
     generator = torch.Generator(device="cuda").manual_seed(0)
     scale = DIM ** -0.5
     print(f"{torch.cuda.get_device_name()}: one decode query, {Q_HEADS} query heads on {KV_HEADS} KV heads x {DIM}")

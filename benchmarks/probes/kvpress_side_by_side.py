@@ -1,15 +1,21 @@
 """kvpress 0.5.5's presses beside ours, on the same prompts, in the same table (issue: eviction that keeps answers).
 
-    python benchmarks/kvpress_side_by_side.py --model smollm2-135m --lengths 2000 --samples 3 \\
+Question: how many of the answers the uncompressed cache gets right does each kvpress press keep, with the bytes
+its cache really holds, beside our eviction caches on the same prompts?
+Command:
+    python benchmarks/probes/kvpress_side_by_side.py --model smollm2-135m --lengths 2000 --samples 3 \\
         --out results/kvpress-smollm2 [--ours results/evict-smollm2]
+Written up: README.md, "Eviction policies side by side (question after the document)" (kvpress's presses, and
+KVzipPress).
 
-kvpress pins transformers < 5.3, so this script builds its own virtual environment (benchmarks/.venv-kvpress:
-torch 2.13 CPU, kvpress 0.5.5 and the transformers it accepts) and runs benchmarks/kvpress_worker.py there. The
-prompts are ours (document, then question, token ids as `hf-kvcompress eval` encodes them); each press compresses
-the document as kvpress's pipeline does, then answers greedily. Bytes are what kvpress's cache really holds (its
-head-wise presses such as KVzip mask keys and free nothing). Scores use our metrics; retention is against the
-uncompressed run in the same environment. `--ours` adds the records of an `hf-kvcompress eval` run on the same
-samples (same tasks, lengths, depths, samples and seed), so both libraries share one table.
+kvpress pins transformers < 5.3, so this script runs kvpress_worker.py (beside it) in a virtual environment of its
+own, the bench's (benchmarks/.venv-kvpress, built by benchmarks/harness/peer_envs.py on first use: torch 2.13 CPU,
+kvpress 0.5.5 and the transformers it accepts). The prompts are ours (document, then question, token ids as
+`hf-kvcompress eval` encodes them); each press compresses the document as kvpress's pipeline does, then answers
+greedily. Bytes are what kvpress's cache really holds (its head-wise presses such as KVzip mask keys and free
+nothing). Scores use our metrics; retention is against the uncompressed run in the same environment. `--ours` adds
+the records of an `hf-kvcompress eval` run on the same samples (same tasks, lengths, depths, samples and seed), so
+both libraries share one table.
 """
 
 from __future__ import annotations

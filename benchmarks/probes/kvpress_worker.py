@@ -1,5 +1,13 @@
 """Runs inside the kvpress virtual environment (transformers < 5.3): kvpress's presses on exported prompts.
 
+Question: kvpress_side_by_side.py's, from inside kvpress's environment: what does each press answer on each exported
+prompt, and how many bytes does its cache hold?
+Command: kvpress_side_by_side.py runs it; by hand, with the python of the environment it builds:
+    benchmarks/.venv-kvpress/bin/python benchmarks/probes/kvpress_worker.py --model-dir DIR \\
+        --prompts OUT/prompts.jsonl --presses snapkv,kvzip --keep 0.5,0.25 --out OUT/kvpress.jsonl
+Written up: with kvpress_side_by_side.py's table (README.md, "Eviction policies side by side (question after the
+document)").
+
 Not importable from hf_kvcompress (it must not import it: another transformers). Reads prompts.jsonl (document and
 question token ids, as our runner encodes them), compresses each document with a press the way kvpress's pipeline
 does (prefill of the document under the press, then the question and greedy decoding without it) and writes one

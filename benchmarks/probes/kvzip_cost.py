@@ -1,18 +1,41 @@
 """KVzip's cost as a ratio to one plain prefill: CPU time of this process, one thread (the machine is shared).
 
-Usage: python benchmarks/kvzip_cost.py smollm2-135m 2000
+Question: how many plain prefills does KVzip's prefill (with its reconstruction pass) cost?
+Command:
+    python benchmarks/probes/kvzip_cost.py smollm2-135m 2000
+Written up: README.md, "Eviction policies side by side (question
+after the document)" (the cost of the reconstruction pass).
 """
-import sys, time, torch
-torch.set_num_threads(1)
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
 from hf_kvcompress import load_model, make_cache, prefill, repeat_prompt_ids, use_kvcompress_attention
-name, n = sys.argv[1], int(sys.argv[2])
-model, tok = load_model(name)
-use_kvcompress_attention(model)
-ids = torch.randint(100, 20000, (1, n), generator=torch.Generator().manual_seed(0))
-rp = repeat_prompt_ids(tok)
-for rep in range(2):
-    for spec in ["dynamic", "kvzip:ratio=0.25"]:
-        c = make_cache(spec, model.config)
-        t = time.process_time()
-        prefill(model, ids, None, c, repeat_prompt_ids=rp)
-        print(name, n, spec, f"cpu {time.process_time() - t:.2f} s", flush=True)
+
+SPECS = ["dynamic", "kvzip:ratio=0.25"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="model alias or path, e.g. smollm2-135m")
+    parser.add_argument("length", type=int, help="prompt tokens (random ids, seed 0)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the machine is shared: one thread's CPU time is what the neighbours disturb least
+    model, tokenizer = load_model(args.model)
+    use_kvcompress_attention(model)
+    ids = torch.randint(100, 20000, (1, args.length), generator=torch.Generator().manual_seed(0))
+    repeat = repeat_prompt_ids(tokenizer)
+    for _ in range(2):
+        for spec in SPECS:
+            cache = make_cache(spec, model.config)
+            start = time.process_time()
+            prefill(model, ids, None, cache, repeat_prompt_ids=repeat)
+            print(args.model, args.length, spec, f"cpu {time.process_time() - start:.2f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,13 @@
 """Decode steps of KVzip's per-head-budget layers on the embedded model, without paying the reconstruction each time.
 
-    python benchmarks/kvzip_head_decode.py --save /tmp/kvzip4k.safetensors [--tokens 4096] [--batch 1]
-    python benchmarks/kvzip_head_decode.py --load /tmp/kvzip4k.safetensors [--steps 16] [--repeats 3] [--profile]
-    python benchmarks/kvzip_head_decode.py --dynamic [--tokens 4096] [--batch 1] [--steps 16] [--repeats 3]
+Question: how long does a decode step of `kvzip:ratio=0.25` (per-head budgets) take against DynamicCache's, and
+where does its time go, measured on one saved prefill so that every version of the code decodes the same state?
+Command:
+    python benchmarks/probes/kvzip_head_decode.py --save /tmp/kvzip4k.safetensors [--tokens 4096] [--batch 1]
+    python benchmarks/probes/kvzip_head_decode.py --load /tmp/kvzip4k.safetensors [--steps 16] [--repeats 3] [--profile]
+    python benchmarks/probes/kvzip_head_decode.py --dynamic [--tokens 4096] [--batch 1] [--steps 16] [--repeats 3]
+Written up: docs/benchmark-notes.md section 8 ("kvzip:ratio=0.25 decode: eviction in blocks, a cheaper per-head
+view").
 
 KVzip's prefill runs a reconstruction pass (about two minutes at 4k tokens on one core), while the decode steps
 it is meant to speed up take a fraction of a second: `--save` prefills once and saves the cache (`save_cache`),

@@ -1,10 +1,15 @@
 """Where KVzip's quarter fails on a model: which full-attention layer's eviction breaks the answer, and where the
 needle's tokens rank in each layer's reconstruction scores.
 
-Usage: python benchmarks/kvzip_layer_probe.py [--model gemma-3-270m] [--depths 0 50] [--ratio 0.25]
-       [--variants global head oracle:11 whole:11 share:11:0.35 back:3]
+Question: when KVzip keeping a quarter loses the answer (Gemma-3-270M), which layer's eviction breaks it, and which
+change of the ranking (pooling, chunks, per-layer floors) brings it back?
+Command:
+    python benchmarks/probes/kvzip_layer_probe.py [--model gemma-3-270m] [--depths 0 50] [--ratio 0.25]
+        [--variants global head oracle:11 whole:11 share:11:0.35 back:3]
+Written up: README.md, "Eviction policies side by side (question
+after the document)" (why the quarter fails on Gemma-3-270M).
 
-Like benchmarks/kvzip_budget_allocation.py (whose masks it reuses): each needle document is scored once with
+Like benchmarks/probes/kvzip_budget_allocation.py (whose masks it reuses): each needle document is scored once with
 `kvzip:ratio=1.0` (nothing evicted), then kept-pair masks are applied while the question is read and answered.
 Printed per document: for each full-attention layer, the share of the document's pairs ranked above each needle
 token (0.00 = its best-scored token), then the answer under each variant:

@@ -1,7 +1,12 @@
 """How much each integer-codec option disturbs attention on real keys, values and queries (a fast proxy for the suite).
 
-    python benchmarks/quant_attention_error.py [--model smollm2-135m] [--length 2000] [--depths 0,50]
-        [--configs "bits=2,rotate=hadamard,key_axis=channel,sink_tokens=4;bits=2,...,pre_rope=true"]
+Question: for each integer-codec configuration, how far is the attention output from the uncompressed one, and how
+much of the attention on the needle remains (per layer with --per-layer, which picks `wide_layers`)?
+Command:
+    python benchmarks/probes/quant_attention_error.py [--model smollm2-135m] [--length 2000] [--depths 0,50]
+        [--configs "bits=2,rotate=hadamard,key_axis=channel,sink_tokens=4;bits=2,...,pre_rope=true"] [--per-layer]
+Written up: README.md, "Quantization options, and what each one measured" (its introduction and "The suite:
+retention at each width") and "Where each family fits (from the measurements above)".
 
 One needle prompt per depth (the suite's own samples, question after the document) runs once through the model with
 an uncompressed cache while an attention function records every layer's queries, keys and values (sliding-window

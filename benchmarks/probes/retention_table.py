@@ -1,7 +1,12 @@
 """Retention table from evaluation records: per method, the share of the samples the uncompressed cache answers
 that the method still answers, overall (with a 95% Wilson interval) and per depth band, beside its bytes.
 
-    python benchmarks/retention_table.py OUT_DIR [OUT_DIR ...]   # folders written by `hf-kvcompress eval`
+Question: of the samples the uncompressed cache answers, how many does each method in an `hf-kvcompress eval` run
+still answer, overall and by depth, and at what share of the bytes?
+Command:
+    python benchmarks/probes/retention_table.py OUT_DIR [OUT_DIR ...]   # folders written by `hf-kvcompress eval`
+Written up: the README.md retention tables in "The suite: retention at each width", "Eviction policies side by side
+(question after the document)", "Expected Attention" and "Gemma-3's sliding layers under eviction (0.4.0)".
 
 Bytes are the method's mean measured document bytes over the uncompressed cache's, on the same samples. Records
 from several folders (models) are kept apart by model. kvpress_side_by_side.py writes its records in the same form.

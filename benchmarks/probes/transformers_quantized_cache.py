@@ -1,8 +1,12 @@
 """transformers' own QuantizedCache (quanto and HQQ backends, int2 and int4, and its fp8) on the suite's prompts.
 
-    python benchmarks/transformers_quantized_cache.py [--model smollm2-135m] [--tasks needle] [--lengths 2000]
-        [--depths 0,50,100] [--samples 1] [--venv ~/.cache/hf-kvcompress/bench-quantized-venv]
+Question: how do transformers' own QuantizedCache backends score on the suite's prompts, beside our caches?
+Command:
+    python benchmarks/probes/transformers_quantized_cache.py [--model smollm2-135m] [--tasks needle]
+        [--lengths 2000] [--depths 0,50,100] [--samples 1] [--venv ~/.cache/hf-kvcompress/bench-quantized-venv]
         [--out results/transformers-quantized]
+Written up: README.md, "Beside transformers' own QuantizedCache"; its environment is the bench's
+(docs/benchmark-notes.md section 11).
 
 The backends need `optimum-quanto` and `hqq`, which are not dependencies of this package, so the script creates a
 separate virtual environment (`--venv`) with the same torch and transformers versions and installs them there. This
@@ -13,7 +17,7 @@ does not install or does not run is reported with its error instead of a score. 
 on models with sliding-window layers (Gemma-3), and says so.
 
 Besides the printed summary, `OUT/results.jsonl` holds one record per (configuration, sample) in the form
-`hf-kvcompress eval` writes (methods named `transformers-<config>`), so `benchmarks/retention_table.py OURS OUT`
+`hf-kvcompress eval` writes (methods named `transformers-<config>`), so `benchmarks/probes/retention_table.py OURS OUT`
 puts them in one table with our caches on the same prompts (retention against our `dynamic`; the
 `transformers-dynamic` row shows that transformers' own DynamicCache answers the same samples). Bytes are not
 measured for the backends (their quantized tensors are the backends' own objects).
