@@ -132,3 +132,23 @@ def test_lm_eval_run_and_ls_find_the_shipped_tasks_without_include_path():
     assert lm_eval_argv(["--model", "hf-kvcompress", "--tasks", "kvc_needle"])[-2:] == ["--include_path", include]
     assert lm_eval_argv(["ls", "tasks", "--include_path", "mine"]) == ["ls", "tasks", "--include_path", "mine"]
     assert lm_eval_argv(["--help"]) == ["--help"]
+
+
+def test_help_of_every_command_imports_neither_torch_nor_transformers():
+    """`hf-kvcompress [COMMAND] --help` reads no torch, so it prints in a fraction of a second (it took 4-7 s)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, contextlib, io\n"
+        "from hf_kvcompress.cli import COMMANDS, main\n"
+        "for argv in [[]] + [[name.replace('_', '-')] for name in COMMANDS]:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv + ['--help'])\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules)\n"
+        "print(heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -66,12 +66,13 @@ def lm_eval_argv(argv: list[str]) -> list[str]:
 
 
 def run(args) -> int:
-    from ..eval.lm_eval_model import register
-
-    register()
     argv = lm_eval_argv(args.lm_eval_args)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage() + "\nlm-eval's own help follows.\n")
+    else:  # the model (torch, transformers, lm-eval's HFLM) is registered only for a run: help stays fast
+        from ..eval.lm_eval_model import register
+
+        register()
     from lm_eval.__main__ import cli_evaluate
 
     saved = sys.argv
