@@ -116,6 +116,29 @@ def test_help_describes_every_option_and_shows_defaults():
     assert "(default 512)" in " ".join(_subparser("eval").format_help().split())
 
 
+def _parsers(parser, path=("hf-kvcompress",)):
+    """Every (path, parser) of the argparse tree, sub-commands of sub-commands included."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _parsers(child, (*path, name))
+
+
+def test_every_command_and_option_has_help_text():
+    missing = []
+    for path, parser in _parsers(build_parser()):
+        if len(path) > 1 and not parser.description:
+            missing.append(" ".join(path) + " (no description for --help)")
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                missing += [f"{' '.join(path)} {c.dest} (no line in the list)" for c in action._choices_actions
+                            if not c.help]
+            elif not action.help:
+                missing.append(f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
+    assert missing == []
+
+
 def test_lm_eval_help_names_the_cache_argument_and_the_shipped_tasks(capsys):
     assert main(["lm-eval", "--help"]) == 0
     out = capsys.readouterr().out

@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
         prefix_chars="+",
         add_help=False,
     )
-    parser.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+    parser.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval's own arguments, passed on unchanged")
     parser.set_defaults(func=run)
 
 
