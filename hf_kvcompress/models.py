@@ -141,15 +141,30 @@ def ensure_converted(name_or_path: str | os.PathLike | None = None) -> Path:
     return _ensure_converted(source)
 
 
-def load_config(name_or_path: str | os.PathLike | None = None):
+def load_config(name_or_path: str | os.PathLike | None = None, *, convert: bool = True):
     """Return the transformers config of a model without loading its weights.
 
-    An alias that has not been converted yet is converted first (once, 15-50 s), because reading a GGUF file's
-    metadata costs nearly as much (transformers parses the whole vocabulary) and would be paid on every call.
+    Args:
+        name_or_path: as for `load_model`.
+        convert: an alias or ``.gguf`` file that has not been converted yet is converted first (once, 15-50 s),
+            since reading a GGUF file's metadata costs several seconds (transformers parses the whole vocabulary)
+            and would be paid on every call. ``False`` reads that metadata instead and writes nothing: for
+            callers that need the config alone (`hf-kvcompress budget`). Either way the config is the same.
     """
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(_resolve_dir(name_or_path))
+    source = _gguf_source(name_or_path)
+    if source is None or convert:
+        return AutoConfig.from_pretrained(_resolve_dir(name_or_path))
+    sha = source.sha256()
+    target = _target_dir(source, sha)
+    if _is_complete(target, sha):
+        return AutoConfig.from_pretrained(target)
+    with tempfile.TemporaryDirectory(prefix="hf-kvcompress-gguf-") as scratch:
+        gguf = source.materialize(Path(scratch))  # Gemma-3's parts are assembled (and verified) here
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config.dtype = torch.float32  # what the conversion writes: its weights are dequantized to float32
+    return config
 
 
 def load_model(
