@@ -26,6 +26,7 @@ directory left behind, or a directory without the marker) is never read: the nex
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.metadata
@@ -180,7 +181,8 @@ def load_model(
 
     Args:
         name_or_path: an alias (``None`` = ``"smollm2-135m"``, or ``"gemma-3-270m"``), a local directory, a local
-            ``.gguf`` file or a Hub id (offline, a Hub id must be in the local Hugging Face cache).
+            ``.gguf`` file or a Hub id ``owner/name`` (offline, a Hub id must be in the local Hugging Face cache;
+            a name without an owner is looked up there only).
         device: where the weights go; default ``"cuda"`` when available, else ``"cpu"``.
         dtype: ``"float32"``/``"fp32"``, ``"bfloat16"``/``"bf16"``, ``"float16"``/``"fp16"`` or a torch dtype;
             default bf16 on CUDA and fp32 on CPU.
@@ -255,17 +257,35 @@ def _gguf_source(name_or_path: str | os.PathLike | None) -> _GgufSource | None:
     return None
 
 
+def _embedded_names() -> str:
+    """'the embedded models are smollm2-135m (the default; also ...) and gemma-3-270m (also ...)', from ALIASES."""
+    names = []
+    for canonical in dict.fromkeys(ALIASES.values()):
+        notes = ["the default"] if canonical == SMOLLM2_135M else []
+        others = [a for a, to in ALIASES.items() if to == canonical and a != canonical]
+        notes += [f"also {', '.join(others)}"] if others else []
+        names.append(f"{canonical} ({'; '.join(notes)})" if notes else canonical)
+    return f"the embedded models are {' and '.join(names)}"
+
+
 def _check_hub_id(name: str) -> None:
-    """Fail with a message that lists what was tried when ``name`` can not be loaded as a Hub id."""
+    """Refuse, listing the embedded names, a name that is no alias, no local path and no Hub id that loads.
+
+    A name without an owner (``owner/name``) is looked up in the local Hugging Face cache only: it is most
+    likely a mistyped alias, and asking the Hub would print its connection retries before the error.
+    """
     from transformers import AutoConfig
 
+    works = ("a local directory, a .gguf file, or a Hub id (owner/name) with the Hub reachable or the model in the "
+             "local Hugging Face cache also works")
     try:
-        AutoConfig.from_pretrained(name)
+        AutoConfig.from_pretrained(name, local_files_only="/" not in name)
     except (OSError, ValueError) as err:  # offline and not cached, no such repo, or not a valid repo id
-        raise UnknownModelError(
-            f"name_or_path={name!r} is not an alias ({', '.join(sorted(ALIASES))}), not a local directory or "
-            f".gguf file, and not a Hub id in the local Hugging Face cache ({type(err).__name__}: {err})"
-        ) from err
+        close = difflib.get_close_matches(name.lower(), ALIASES, n=1)
+        hint = f" (did you mean {ALIASES[close[0]]}?)" if close else ""
+        where = ("not a local path, and the Hub gave no config for it (no such model, or the Hub not reachable)"
+                 if "/" in name else "not a local path")
+        raise UnknownModelError(f"unknown model {name!r}{hint}: {where}; {_embedded_names()}; {works}") from err
 
 
 def _package_dir(module: str) -> Path | None:

@@ -27,6 +27,30 @@ def test_generate_builds_int2_with_the_models_config(capsys):
     assert "[cache int2]" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["budget"], ["calibrate", "--out", "x"]])
+def test_an_unknown_model_lists_the_embedded_names_not_the_hubs_connection_error(capsys, monkeypatch, command):
+    import transformers
+
+    asked = []
+
+    def unreachable(name, **kwargs):  # what transformers says when the Hub cannot be reached and nothing is cached
+        asked.append(kwargs.get("local_files_only", False))
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", unreachable)
+    assert main([*command, "--model", "smollm2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "couldn't connect" not in err
+    assert "unknown model 'smollm2' (did you mean smollm2-135m?)" in err
+    assert "smollm2-135m (the default; also smollm2-135m-instruct) and gemma-3-270m (also gemma3-270m)" in err
+    assert "a local directory, a .gguf file, or a Hub id (owner/name) with the Hub reachable" in err
+    assert asked == [True]  # a name without an owner is looked up in the local cache only: no Hub retries
+    assert main([*command, "--model", "someone/no-such-model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown model 'someone/no-such-model': not a local path, and the Hub gave no config" in err
+    assert "couldn't connect" not in err and asked == [True, False]
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -34,7 +58,7 @@ def test_generate_builds_int2_with_the_models_config(capsys):
         (["generate", "--prompt", "hi", "--cache", "int4:bits=3"], "unknown codec argument"),
         (["generate", "--prompt", "hi", "--cache", "sink_window:window=0"], "window must be an integer >= 1"),
         (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
-        (["generate", "--prompt", "hi", "--model", "no-such-model-anywhere"], "name_or_path"),
+        (["generate", "--prompt", "hi", "--model", "no-such-model-anywhere"], "unknown model 'no-such-model-anywhere'"),
         (["study", "--lengths", "0"], "--lengths"),
         (["study", "--depths", "120"], "--depths"),
     ],
