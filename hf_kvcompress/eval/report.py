@@ -105,8 +105,8 @@ def _describe(spec: str) -> str | None:
         return None
 
 
-def markdown(summary: dict, records: list[dict]) -> str:
-    """The summary as markdown: the ranking, then one table per task (with scores by context length)."""
+def markdown(summary: dict, records: list[dict], notes: list[str] = ()) -> str:
+    """The summary as markdown: `notes`, the ranking, then one table per task (with scores by context length)."""
     models = sorted({str(r.get("model")) for r in records})
     lines = [
         "# Long-context evaluation",
@@ -116,6 +116,7 @@ def markdown(summary: dict, records: list[dict]) -> str:
         "query_aware: the question is also inside the compressed prompt). "
         f"{len(records)} results. Scores 0-100. KV bytes are measured storage per sample.",
         "",
+        *[line for note in notes for line in (note, "")],
     ]
     described = [(m, _describe(m)) for m in summary["methods"]]
     if any(text for _, text in described):
@@ -241,12 +242,13 @@ def plot_quality_vs_memory(summary: dict, out_dir: str | os.PathLike) -> Path:
     return path
 
 
-def write_reports(records: list[dict], out_dir: str | os.PathLike) -> dict:
-    """summary.md, summary.csv, heatmap_<method>.png and quality_vs_memory.png in `out_dir`; returns the summary."""
+def write_reports(records: list[dict], out_dir: str | os.PathLike, notes: list[str] = ()) -> dict:
+    """summary.md (`notes` under its header), summary.csv, heatmap_<method>.png and quality_vs_memory.png in
+    `out_dir`; returns the summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(records)
-    (out / "summary.md").write_text(markdown(summary, records), encoding="utf-8")
+    (out / "summary.md").write_text(markdown(summary, records, notes), encoding="utf-8")
     write_csv(summary, out / "summary.csv")
     if records:
         plot_heatmaps(records, out)
