@@ -227,10 +227,16 @@ def plot_quality_vs_memory(summary: dict, out_dir: str | os.PathLike) -> Path:
             for m in summary["methods"]
         ]  # fmt: skip
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for p in points:
-        ax.scatter(p["kv_bytes_peak"] / MiB, p["score"], s=36, color="tab:red" if p["method"] == BASELINE else "tab:blue")
-        ax.annotate(p["method"], (p["kv_bytes_peak"] / MiB, p["score"]), fontsize=7, xytext=(4, 3),
-                    textcoords="offset points")  # fmt: skip
+    # Methods are named in a legend beside the axes, each with its own marker and colour: labels written at the
+    # points overlapped wherever two methods hold the same memory and score (h2o and sink_window at budget 256).
+    colors = [f"C{k}" for k in range(10) if k != 3]  # red (C3) is the baseline's alone
+    markers = "osD^vP*Xph<>"
+    for i, p in enumerate(points):
+        baseline = p["method"] == BASELINE
+        ax.scatter(p["kv_bytes_peak"] / MiB, p["score"], s=44, label=p["method"], alpha=0.85,
+                   color="tab:red" if baseline else colors[i % len(colors)],
+                   marker="o" if baseline else markers[i % len(markers)])  # fmt: skip
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=7, frameon=False, borderaxespad=0)
     ax.set_xlabel("peak KV cache per sample (MiB, measured)")
     ax.set_ylabel("mean score (0-100)")
     ax.set_ylim(-5, 105)
