@@ -194,12 +194,12 @@ def load_model(
     Returns:
         ``(model, tokenizer)``: the model in eval mode; the tokenizer pads on the left and has a pad token.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = resolve_dtype(dtype, device)
-    path = _resolve_dir(name_or_path)
+    path = _resolve_dir(name_or_path)  # a missing model package fails here, before transformers is imported
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=torch_dtype,
