@@ -65,7 +65,7 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         self.tail_keys = self.tail_values = None  # [B, H, t, D]: tokens since the ranking, full precision
         self.tail_valid: torch.Tensor | None = None  # [B, t] bool: False once a row evicted the token
         self.allowance = self.held_pairs()  # [B] pairs the row holds now: its share of the total
-        self.share_then = self.policy.kept_per_row(self.real_seen)
+        self.share_then = self.policy.held_per_row(self.real_seen)
         self.own_mask: OwnMask | None = None
         self.finite, self.unchecked_steps = None, 0  # decode steps' deferred NaN/inf check (finite_check.py)
         self.headroom: int | None = None  # pairs every row may still add before one can be over (`_evict`)
@@ -270,16 +270,17 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         self.tail_valid = self.tail_valid[:, n:].clone() if n < t else None
 
     def _evict(self) -> None:
-        """Hold at most the row's allowance (its share at the ranking, moved by the policy's ratio since): the
-        lowest-scored stored pairs of any head go first (the context before later tokens), down to the allowance
-        less the slack; a row whose store has nothing left to give drops just enough of its oldest recent tokens.
+        """Hold at most the row's allowance (its share at the ranking, moved since as the policy's share of the tokens
+        seen moves: a ratio's, or a budget's until the row has seen that many): the lowest-scored stored pairs of any
+        head go first (the context before later tokens), down to the allowance less the slack; a row whose store has
+        nothing left to give drops just enough of its oldest recent tokens.
 
         Each token adds one pair per head and an allowance never shrinks, so after a check no row can be over until
         the rows have added the smallest room left (`headroom`): the steps between skip the check and its host read.
         """
         if self.headroom is not None and self.headroom >= 0:
             return
-        allowance = self.allowance + self.kv_heads * (self.policy.kept_per_row(self.real_seen) - self.share_then)
+        allowance = self.allowance + self.kv_heads * (self.policy.held_per_row(self.real_seen) - self.share_then)
         over = (self.held_pairs() - allowance).clamp(min=0)
         if not bool((over > 0).any()):
             self.headroom = int((allowance - self.held_pairs()).min())

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
@@ -175,7 +175,7 @@ def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(
     assert kv_length == layers[0]._view_length() + 1 and kv_offset == cache.get_seq_length() - layers[0]._view_length()
     for layer, start in zip(layers, at_ranking):
         held = int(layer.held_pairs()[0])
-        allowance = start + int(layer.kv_heads * (cache.policy.kept_per_row(layer.real_seen) - layer.share_then)[0])
+        allowance = start + int(layer.kv_heads * (cache.policy.held_per_row(layer.real_seen) - layer.share_then)[0])
         # Eviction goes down to the allowance less the slack (stored pairs), or drops whole older recent tokens
         # (every head of a row at once) once the store has nothing left to give: never above the allowance.
         slack = min(allowance // SLACK_SHARE, EVICTION_SLACK * layer.kv_heads)
@@ -184,8 +184,8 @@ def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(
 
 
 def _allowance(cache, layer) -> int:
-    """Pairs row 0 of `layer` may hold now: its share at the ranking, moved by the policy's ratio since."""
-    return int((layer.allowance + layer.kv_heads * (cache.policy.kept_per_row(layer.real_seen) - layer.share_then))[0])
+    """Pairs row 0 of `layer` may hold now: its share at the ranking, moved by the policy's share since."""
+    return int((layer.allowance + layer.kv_heads * (cache.policy.held_per_row(layer.real_seen) - layer.share_then))[0])
 
 
 def test_decoding_evicts_a_block_at_a_time_and_never_holds_more_than_the_allowance():
@@ -270,6 +270,63 @@ def test_budget_spent_by_the_answer_evicts_the_oldest_later_tokens_too():
         assert pairs - pairs // SLACK_SHARE - layer.kv_heads < int(layer.held_pairs()[0]) <= pairs
         assert int(torch.isfinite(layer.store.scores).sum()) == 0 or layer.store.scores.min() >= 2.0  # context gone
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def _left_padded(rows):
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    return ids, mask
+
+
+def _decode_logits(model, ids, mask, cache, new_tokens):
+    """Greedy logits [B, new, V] of model.generate over `cache`, prefilled first by KVzip's pass (but a DynamicCache)."""
+    with torch.inference_mode():  # prefill runs in inference mode: so must the steps that update its tensors
+        if not isinstance(cache, DynamicCache):
+            prefill(model, ids[:, :-1], mask[:, :-1], cache, repeat_prompt_ids=REPEAT)
+        out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return torch.stack(out.logits, 1)
+
+
+def _real_tokens_held(layer) -> list[int]:
+    """Real tokens per KV head each row holds (with head budgets: pairs over the heads)."""
+    if isinstance(layer, HeadBudgetLayer):
+        return (layer.held_pairs() // layer.kv_heads).tolist()
+    return (layer.stored_tokens - layer.pads).tolist()
+
+
+@pytest.mark.parametrize("spec", ["kvzip:budget=100", "kvzip:budget=100,budgets=layer"])
+def test_a_budget_above_prompt_and_answer_keeps_every_token_alone_and_padded(spec):
+    # 27 (or 40) tokens + 12 new ones stay under the budget of 100: the cache must hold every token and answer as
+    # DynamicCache. The head layer's allowance stood at the pairs held at the ranking, and budgets=layer set each
+    # layer's budget to the tokens it held then (padding slots counted in a padded row), so decoding evicted the
+    # document one token per step.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    rows = [_ids(27, seed=3)[0], _ids(40, seed=4)[0]]
+    for batch in ([rows[0]], rows):
+        ids, mask = _left_padded(batch)
+        expected = _decode_logits(model, ids, mask, DynamicCache(), 12)
+        cache = make_cache(spec, model.config)
+        torch.testing.assert_close(_decode_logits(model, ids, mask, cache, 12), expected, rtol=1e-4, atol=1e-4)
+        for layer in cache.layers:  # every token seen (the last new one is not fed back)
+            assert _real_tokens_held(layer) == [len(row) + 11 for row in batch]
+
+
+@pytest.mark.parametrize("spec", ["kvzip:budget=30", "kvzip:budget=30,budgets=layer"])
+def test_a_budget_above_the_prompt_fills_up_with_later_tokens_and_stops_at_the_budget(spec):
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = _ids(20, seed=5)
+    cache = make_cache(spec, model.config)
+    generate(model, ids, None, cache, max_new_tokens=40, repeat_prompt_ids=REPEAT)
+    for layer in cache.layers:
+        held = _real_tokens_held(layer)[0]
+        if isinstance(layer, HeadBudgetLayer):  # evicted down to the budget less the slack: never above it
+            assert 30 - 30 // SLACK_SHARE - 1 <= held <= 30
+        else:
+            assert held == 30
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])
