@@ -216,6 +216,10 @@ def _held_pairs(layer, b, h, kind):
     start = ends[i - 1] if i else 0
     encoded = {n: t[start : ends[i]][None, None] for n, t in (layer.store.keys if kind == "key" else layer.store.values).items()}
     parts = [layer.codec.decode(encoded, kind, torch.float32)[0, 0]]
+    if layer.exact is not None:  # the context's pairs still within the codec's residual, as they are
+        ends = layer.exact.lengths.flatten().cumsum(0).tolist()
+        start = ends[i - 1] if i else 0
+        parts.append((layer.exact.keys if kind == "key" else layer.exact.values)["states"][start : ends[i]].float())
     if layer.sink_valid is not None:
         sinks = layer.sink_keys if kind == "key" else layer.sink_values
         parts.insert(0, sinks[b, h][layer.sink_valid[b]].float())
@@ -224,7 +228,8 @@ def _held_pairs(layer, b, h, kind):
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "kvzip:ratio=0.5+int4:residual_length=2,group_size=16"])
+@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "kvzip:ratio=0.5+int4:residual_length=2,group_size=16",
+                                  "kvzip:ratio=0.5+int4:residual_length=40,group_size=16"])
 def test_each_decode_step_attends_over_exactly_the_pairs_each_head_holds(spec):
     model = use_kvcompress_attention(tiny_model("llama"))
     rows = [_ids(300, seed=13)[0], _ids(260, seed=14)[0]]
@@ -327,6 +332,41 @@ def test_a_budget_above_the_prompt_fills_up_with_later_tokens_and_stops_at_the_b
             assert 30 - 30 // SLACK_SHARE - 1 <= held <= 30
         else:
             assert held == 30
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8"])
+def test_a_context_within_the_codecs_residual_stays_at_full_precision(codec):
+    # 39 context tokens, under int4/int8's residual of 128: nothing is quantized, as with budgets=uniform, so the
+    # answer is DynamicCache's. The ranking used to encode every kept pair of the context into the store.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = _ids(40, seed=1)
+    mask = torch.ones_like(ids)
+    expected = _decode_logits(model, ids, mask, DynamicCache(), 8)
+    cache = make_cache(f"kvzip:ratio=1.0+{codec}", model.config)
+    torch.testing.assert_close(_decode_logits(model, ids, mask, cache, 8), expected, rtol=1e-5, atol=1e-5)
+    assert all(layer.store.pairs == 0 for layer in cache.layers)
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def test_the_contexts_exact_pairs_join_the_store_once_later_tokens_fill_the_residual():
+    model = use_kvcompress_attention(tiny_model("llama"))
+    cache = make_cache("kvzip:ratio=1.0+int4:residual_length=8,group_size=16,sink_tokens=0", model.config)
+    ids = _ids(30, seed=2)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    heads = cache.layers[0].kv_heads
+    # The scored layer had encoded 22 tokens and held the newest 8 at full precision: so does each head now.
+    assert all((layer.store.pairs, layer.exact.pairs) == (22 * heads, 8 * heads) for layer in cache.layers)
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    token = ids[:, -1:]
+    with torch.inference_mode():
+        for step in range(1, 9):
+            token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+            for layer in cache.layers:
+                assert int(layer.held_pairs()[0]) == (30 + step) * heads  # ratio 1.0: nothing evicted
+                # 7 later tokens leave the context's newest token within the residual; the 8th fills it.
+                assert (layer.exact is None) == (step == 8)
+            assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    assert all(layer.store.pairs == 30 * heads for layer in cache.layers)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])
