@@ -175,8 +175,9 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
             )
 
     def promised_bytes(self) -> int:
-        """Bytes this layer should hold: stored pairs at the codec's rate with their scores, recent tokens and
-        sinks at full precision, and the per-row bookkeeping. Tests compare it with `measured_kv_bytes`."""
+        """Bytes this layer should hold: stored pairs at the codec's rate with their scores, the context's exact pairs,
+        recent tokens and sinks at full precision, and the per-row bookkeeping. Tests compare it with
+        `measured_kv_bytes`."""
         element = torch.empty((), dtype=self.dtype).element_size()
         pair = self.codec.bytes_per_token(self.head_dim, "key", self.dtype) + self.codec.bytes_per_token(
             self.value_dim, "value", self.dtype
