@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .caches.head_budget_layer import ABSORB_BLOCK
 from .budget import GIB, kv_shape_from_config, model_weight_bytes
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
@@ -279,10 +278,6 @@ def residual_note(spec: str, tokens: float) -> str | None:
         return None
     kept = tokens if policy.budget is None else min(tokens, policy.budget)
     name = f"int{codec.bits}"
-    if getattr(policy, "budgets", None) == "head":  # KVzip's per-head store holds every kept pair encoded
-        return (f"{spec}: every kept pair of the compressed prompt is stored in {name} (per-head budgets encode "
-                f"the whole ranked context); tokens added after it wait in full precision, fewer than {residual} + "
-                f"{ABSORB_BLOCK} at a time, before they join the store")
     if kept <= residual:
         return (f"{spec}: keeps {kept:.0f} tokens per layer, all within {name}'s full-precision residual "
                 f"(residual_length={residual}): nothing is quantized, so it costs what it would without {name}")

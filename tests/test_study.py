@@ -22,11 +22,11 @@ def test_plans_without_an_int_codec_have_no_note():
     assert residual_note("int4:residual_length=0", 1000) is None
 
 
-def test_per_head_budgets_say_the_whole_kept_prompt_is_encoded():
-    # A head-budget KVzip layer encodes every kept pair of the prompt; only later tokens wait in full precision.
-    note = residual_note("kvzip:ratio=0.25+int4", 1000)
-    assert "every kept pair of the compressed prompt is stored in int4" in note and "most recent" not in note
+def test_per_head_budgets_keep_the_residual_like_every_other_plan():
+    # A head-budget KVzip layer keeps the prompt's kept pairs within the residual in full precision, as the others do.
+    assert "the 128 most recent of 1000" in residual_note("kvzip:ratio=0.25+int4", 1000)
     assert "the 128 most recent of 1000" in residual_note("kvzip:ratio=0.25,budgets=uniform+int4", 1000)
+    assert "nothing is quantized" in residual_note("kvzip:ratio=0.25+int4", 100)
 
 
 def test_the_study_plots_log_axis_labels_do_not_overlap(monkeypatch, tmp_path):
