@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export PIP_RETRIES := 10
 export PIP_RESUME_RETRIES := 20
 
-.PHONY: setup demo test test-slow test-oldest benchmark bench
+.PHONY: setup demo test test-slow test-oldest bench
 
 setup: $(STAMP)
 
@@ -32,14 +32,12 @@ test: setup
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow tests
 
-benchmark: setup
-	$(BIN)/python benchmarks/cache_speed_memory.py
-
-# Speed and memory of every cache against DynamicCache (benchmarks/bench.py: the grid and its cost; not part of
-# `make test`). BENCH_ARGS="--quick" for the short grid, "--threads 1 --clock cpu" on a shared machine.
+# Speed and memory of every cache against DynamicCache (benchmarks/harness/bench.py: the grid and its cost; not part
+# of `make test`). BENCH_ARGS="--quick" for the short grid, "--threads 1 --clock cpu" on a shared machine.
+# Writes benchmarks/results/bench-<time>.{md,json,png} (git-ignored; benchmarks/README.md).
 BENCH_ARGS ?=
 bench: setup
-	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/harness/bench.py $(BENCH_ARGS)
 
 # The suite against the oldest transformers pyproject.toml admits, in its own venv (.venv-oldest), so the declared
 # floor is a tested one. (Today the floor, 5.24.0, is also the newest release, i.e. what `make setup` installs.)

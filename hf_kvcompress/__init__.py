@@ -1,78 +1,50 @@
 """hf-kvcompress: smaller KV caches for transformers models, and measurements of what they cost in quality."""
 
+import importlib
+
 # The one place the version is written (pyproject.toml reads it): the eval runner stamps results with it, and an
 # editable install's metadata keeps the version it was installed at, so it reads this, not the metadata.
 __version__ = "0.5.0"
 
-from .caches.compressed import CompressedCache
-from .caches.persist import load_cache, save_cache
-from .caches.presets import Fp8Cache, HeavyHitterCache, QuantizedCache, SinkWindowCache
-from .codecs.fp8 import Fp8Codec
-from .codecs.identity import IdentityCodec
-from .codecs.intn import IntNCodec
-from .generation import prefill, repeat_prompt_ids
-from .hf.attention import use_kvcompress_attention
-from .measure import measured_kv_bytes
-from .policies.expected_attention import ExpectedAttentionPolicy
-from .policies.heavy_hitter import HeavyHitterPolicy
-from .policies.keep_all import KeepAllPolicy
-from .policies.keydiff import KeyDiffPolicy
-from .policies.kvzip import KVzipPolicy
-from .policies.random import RandomPolicy
-from .policies.sink_window import SinkWindowPolicy
-from .policies.snapkv import SnapKVPolicy
-from .policies.tova import TOVAPolicy
-from .registry import make_cache, parse_spec
+# Each public name and the module that defines it. They import on first use (PEP 562), as transformers' own
+# top-level names do: `hf-kvcompress --help` then reads no torch, and `import hf_kvcompress` patches nothing.
+_EXPORTS = {
+    ".caches.compressed": ["CompressedCache"],
+    ".caches.persist": ["load_cache", "save_cache"],
+    ".caches.presets": ["Fp8Cache", "HeavyHitterCache", "QuantizedCache", "SinkWindowCache"],
+    ".codecs.fp8": ["Fp8Codec"],
+    ".codecs.identity": ["IdentityCodec"],
+    ".codecs.intn": ["IntNCodec"],
+    ".document": ["Document", "compress_document", "load_document"],
+    ".generation": ["prefill", "repeat_prompt_ids"],
+    ".hf.attention": ["use_kvcompress_attention"],
+    ".measure": ["measured_kv_bytes"],
+    ".policies.expected_attention": ["ExpectedAttentionPolicy"],
+    ".policies.heavy_hitter": ["HeavyHitterPolicy"],
+    ".policies.keep_all": ["KeepAllPolicy"],
+    ".policies.keydiff": ["KeyDiffPolicy"],
+    ".policies.kvzip": ["KVzipPolicy"],
+    ".policies.random": ["RandomPolicy"],
+    ".policies.sink_window": ["SinkWindowPolicy"],
+    ".policies.snapkv": ["SnapKVPolicy"],
+    ".policies.tova": ["TOVAPolicy"],
+    ".registry": ["make_cache", "parse_spec"],
+    ".models": ["load_model", "load_config"],
+    ".budget": ["kv_bytes"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
 def __getattr__(name):
-    # Model loading, the budget calculator and documents import lazily: they pull in heavier modules.
-    if name in ("load_model", "load_config"):
-        from . import models
-
-        return getattr(models, name)
-    if name == "budget":
-        import importlib
-
-        return importlib.import_module(".budget", __name__)
-    if name in ("Document", "compress_document", "load_document"):  # pulls in the prompt rendering of eval/
-        from . import document
-
-        return getattr(document, name)
-    if name == "kv_bytes":
-        from .budget import kv_bytes
-
-        return kv_bytes
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "CompressedCache",
-    "Document",
-    "ExpectedAttentionPolicy",
-    "Fp8Cache",
-    "Fp8Codec",
-    "HeavyHitterCache",
-    "HeavyHitterPolicy",
-    "IdentityCodec",
-    "IntNCodec",
-    "KeepAllPolicy",
-    "KeyDiffPolicy",
-    "KVzipPolicy",
-    "RandomPolicy",
-    "SnapKVPolicy",
-    "TOVAPolicy",
-    "compress_document",
-    "load_document",
-    "prefill",
-    "repeat_prompt_ids",
-    "QuantizedCache",
-    "SinkWindowCache",
-    "SinkWindowPolicy",
-    "save_cache",
-    "load_cache",
-    "make_cache",
-    "measured_kv_bytes",
-    "parse_spec",
-    "use_kvcompress_attention",
-]
+def __dir__():
+    return sorted([*globals(), *_MODULE_OF])
+
+
+__all__ = sorted(name for name in _MODULE_OF if name not in ("load_model", "load_config", "kv_bytes"))

@@ -26,6 +26,7 @@ directory left behind, or a directory without the marker) is never read: the nex
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.metadata
@@ -141,15 +142,30 @@ def ensure_converted(name_or_path: str | os.PathLike | None = None) -> Path:
     return _ensure_converted(source)
 
 
-def load_config(name_or_path: str | os.PathLike | None = None):
+def load_config(name_or_path: str | os.PathLike | None = None, *, convert: bool = True):
     """Return the transformers config of a model without loading its weights.
 
-    An alias that has not been converted yet is converted first (once, 15-50 s), because reading a GGUF file's
-    metadata costs nearly as much (transformers parses the whole vocabulary) and would be paid on every call.
+    Args:
+        name_or_path: as for `load_model`.
+        convert: an alias or ``.gguf`` file that has not been converted yet is converted first (once, 15-50 s),
+            since reading a GGUF file's metadata costs several seconds (transformers parses the whole vocabulary)
+            and would be paid on every call. ``False`` reads that metadata instead and writes nothing: for
+            callers that need the config alone (`hf-kvcompress budget`). Either way the config is the same.
     """
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(_resolve_dir(name_or_path))
+    source = _gguf_source(name_or_path)
+    if source is None or convert:
+        return AutoConfig.from_pretrained(_resolve_dir(name_or_path))
+    sha = source.sha256()
+    target = _target_dir(source, sha)
+    if _is_complete(target, sha):
+        return AutoConfig.from_pretrained(target)
+    with tempfile.TemporaryDirectory(prefix="hf-kvcompress-gguf-") as scratch:
+        gguf = source.materialize(Path(scratch))  # Gemma-3's parts are assembled (and verified) here
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config.dtype = torch.float32  # what the conversion writes: its weights are dequantized to float32
+    return config
 
 
 def load_model(
@@ -165,7 +181,8 @@ def load_model(
 
     Args:
         name_or_path: an alias (``None`` = ``"smollm2-135m"``, or ``"gemma-3-270m"``), a local directory, a local
-            ``.gguf`` file or a Hub id (offline, a Hub id must be in the local Hugging Face cache).
+            ``.gguf`` file or a Hub id ``owner/name`` (offline, a Hub id must be in the local Hugging Face cache;
+            a name without an owner is looked up there only).
         device: where the weights go; default ``"cuda"`` when available, else ``"cpu"``.
         dtype: ``"float32"``/``"fp32"``, ``"bfloat16"``/``"bf16"``, ``"float16"``/``"fp16"`` or a torch dtype;
             default bf16 on CUDA and fp32 on CPU.
@@ -177,12 +194,12 @@ def load_model(
     Returns:
         ``(model, tokenizer)``: the model in eval mode; the tokenizer pads on the left and has a pad token.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = resolve_dtype(dtype, device)
-    path = _resolve_dir(name_or_path)
+    path = _resolve_dir(name_or_path)  # a missing model package fails here, before transformers is imported
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=torch_dtype,
@@ -240,17 +257,35 @@ def _gguf_source(name_or_path: str | os.PathLike | None) -> _GgufSource | None:
     return None
 
 
+def _embedded_names() -> str:
+    """'the embedded models are smollm2-135m (the default; also ...) and gemma-3-270m (also ...)', from ALIASES."""
+    names = []
+    for canonical in dict.fromkeys(ALIASES.values()):
+        notes = ["the default"] if canonical == SMOLLM2_135M else []
+        others = [a for a, to in ALIASES.items() if to == canonical and a != canonical]
+        notes += [f"also {', '.join(others)}"] if others else []
+        names.append(f"{canonical} ({'; '.join(notes)})" if notes else canonical)
+    return f"the embedded models are {' and '.join(names)}"
+
+
 def _check_hub_id(name: str) -> None:
-    """Fail with a message that lists what was tried when ``name`` can not be loaded as a Hub id."""
+    """Refuse, listing the embedded names, a name that is no alias, no local path and no Hub id that loads.
+
+    A name without an owner (``owner/name``) is looked up in the local Hugging Face cache only: it is most
+    likely a mistyped alias, and asking the Hub would print its connection retries before the error.
+    """
     from transformers import AutoConfig
 
+    works = ("a local directory, a .gguf file, or a Hub id (owner/name) with the Hub reachable or the model in the "
+             "local Hugging Face cache also works")
     try:
-        AutoConfig.from_pretrained(name)
+        AutoConfig.from_pretrained(name, local_files_only="/" not in name)
     except (OSError, ValueError) as err:  # offline and not cached, no such repo, or not a valid repo id
-        raise UnknownModelError(
-            f"name_or_path={name!r} is not an alias ({', '.join(sorted(ALIASES))}), not a local directory or "
-            f".gguf file, and not a Hub id in the local Hugging Face cache ({type(err).__name__}: {err})"
-        ) from err
+        close = difflib.get_close_matches(name.lower(), ALIASES, n=1)
+        hint = f" (did you mean {ALIASES[close[0]]}?)" if close else ""
+        where = ("not a local path, and the Hub gave no config for it (no such model, or the Hub not reachable)"
+                 if "/" in name else "not a local path")
+        raise UnknownModelError(f"unknown model {name!r}{hint}: {where}; {_embedded_names()}; {works}") from err
 
 
 def _package_dir(module: str) -> Path | None:

@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .caches.head_budget_layer import ABSORB_BLOCK
 from .budget import GIB, kv_shape_from_config, model_weight_bytes
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
@@ -279,10 +278,6 @@ def residual_note(spec: str, tokens: float) -> str | None:
         return None
     kept = tokens if policy.budget is None else min(tokens, policy.budget)
     name = f"int{codec.bits}"
-    if getattr(policy, "budgets", None) == "head":  # KVzip's per-head store holds every kept pair encoded
-        return (f"{spec}: every kept pair of the compressed prompt is stored in {name} (per-head budgets encode "
-                f"the whole ranked context); tokens added after it wait in full precision, fewer than {residual} + "
-                f"{ABSORB_BLOCK} at a time, before they join the store")
     if kept <= residual:
         return (f"{spec}: keeps {kept:.0f} tokens per layer, all within {name}'s full-precision residual "
                 f"(residual_length={residual}): nothing is quantized, so it costs what it would without {name}")
@@ -366,6 +361,22 @@ __all__ = ["analyse", "recommend", "format_table", "format_users", "recommendati
            "formula_bytes", "model_weight_bytes", "BASELINE_RULE", "EMBEDDED_MODELS"]
 
 
+def _label_log_axis(axis, values: list[float]) -> None:
+    """Plain-number labels on a log axis, as many as its span leaves room for.
+
+    matplotlib's default labels every minor tick of a span under a decade or two as 2x10^0, 3x10^0, 4x10^0...,
+    which overlap; here the labels sit at 1-9, 1-2-5 or the powers of ten of each decade, by the span.
+    """
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    decades = math.log10(max(values) / min(values)) if values else 3.0
+    subs = tuple(range(1, 10)) if decades < 0.5 else (1, 2, 5) if decades <= 2 else (1,)
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot_study(results: list[PlanResult], out_dir: str | Path) -> Path:
     """Score (with its 95% interval) against measured bytes; points are numbered and named in a key beside the
     axes, so no two labels can overlap however close the points sit."""
@@ -387,6 +398,7 @@ def plot_study(results: list[PlanResult], out_dir: str | Path) -> Path:
                  family="monospace", transform=key.transAxes)
     key.axis("off")
     ax.set_xscale("log")
+    _label_log_axis(ax.xaxis, [r.measured_bytes / 2**20 for r in results])
     ax.set_xlabel("KV cache after the document (MiB per sample, measured, log scale)")
     ax.set_ylabel("score (0-100), 95% interval")
     ax.set_ylim(-5, 105)

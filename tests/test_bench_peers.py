@@ -1,5 +1,6 @@
-"""benchmarks/bench.py's peers: each ratio against its own environment's DynamicCache, failures as rows, and the peers'
-worker counting the bytes a cache holds (no peer environment is built here: the workers' code runs in this one)."""
+"""benchmarks/harness/bench.py's peers: each ratio against its own environment's DynamicCache, failures as rows, and
+the peers' worker counting the bytes a cache holds (no peer environment is built here: the workers' code runs in this
+one)."""
 
 import subprocess
 import sys
@@ -8,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+HARNESS = Path(__file__).resolve().parent.parent / "benchmarks" / "harness"
+sys.path.insert(0, str(HARNESS))
 
 import bench  # noqa: E402
 import bench_peer_worker  # noqa: E402
@@ -94,7 +95,7 @@ def test_an_environment_that_cannot_be_built_takes_its_peers_and_baseline_out(mo
     def no_pip(path):
         raise subprocess.CalledProcessError(1, ["pip", "install", "kvpress==0.5.5"])
 
-    monkeypatch.setattr(peer_envs, "ensure_venv", no_pip)
+    monkeypatch.setattr(peer_envs, "ensure_kvpress_venv", no_pip)
     _, failed = peer_envs.prepare("kvpress", tmp_path / "venv", tmp_path / "pip.log")
     kvpress_peers = {name for name, (env, _) in bench_peer_worker.PEERS.items() if env == "kvpress"}
     assert set(failed) == kvpress_peers | {"dynamic"} and "CalledProcessError" in failed["dynamic"]

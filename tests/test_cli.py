@@ -27,6 +27,30 @@ def test_generate_builds_int2_with_the_models_config(capsys):
     assert "[cache int2]" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["budget"], ["calibrate", "--out", "x"]])
+def test_an_unknown_model_lists_the_embedded_names_not_the_hubs_connection_error(capsys, monkeypatch, command):
+    import transformers
+
+    asked = []
+
+    def unreachable(name, **kwargs):  # what transformers says when the Hub cannot be reached and nothing is cached
+        asked.append(kwargs.get("local_files_only", False))
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", unreachable)
+    assert main([*command, "--model", "smollm2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "couldn't connect" not in err
+    assert "unknown model 'smollm2' (did you mean smollm2-135m?)" in err
+    assert "smollm2-135m (the default; also smollm2-135m-instruct) and gemma-3-270m (also gemma3-270m)" in err
+    assert "a local directory, a .gguf file, or a Hub id (owner/name) with the Hub reachable" in err
+    assert asked == [True]  # a name without an owner is looked up in the local cache only: no Hub retries
+    assert main([*command, "--model", "someone/no-such-model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown model 'someone/no-such-model': not a local path, and the Hub gave no config" in err
+    assert "couldn't connect" not in err and asked == [True, False]
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -34,7 +58,7 @@ def test_generate_builds_int2_with_the_models_config(capsys):
         (["generate", "--prompt", "hi", "--cache", "int4:bits=3"], "unknown codec argument"),
         (["generate", "--prompt", "hi", "--cache", "sink_window:window=0"], "window must be an integer >= 1"),
         (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
-        (["generate", "--prompt", "hi", "--model", "no-such-model-anywhere"], "name_or_path"),
+        (["generate", "--prompt", "hi", "--model", "no-such-model-anywhere"], "unknown model 'no-such-model-anywhere'"),
         (["study", "--lengths", "0"], "--lengths"),
         (["study", "--depths", "120"], "--depths"),
     ],
@@ -116,6 +140,29 @@ def test_help_describes_every_option_and_shows_defaults():
     assert "(default 512)" in " ".join(_subparser("eval").format_help().split())
 
 
+def _parsers(parser, path=("hf-kvcompress",)):
+    """Every (path, parser) of the argparse tree, sub-commands of sub-commands included."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _parsers(child, (*path, name))
+
+
+def test_every_command_and_option_has_help_text():
+    missing = []
+    for path, parser in _parsers(build_parser()):
+        if len(path) > 1 and not parser.description:
+            missing.append(" ".join(path) + " (no description for --help)")
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                missing += [f"{' '.join(path)} {c.dest} (no line in the list)" for c in action._choices_actions
+                            if not c.help]
+            elif not action.help:
+                missing.append(f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
+    assert missing == []
+
+
 def test_lm_eval_help_names_the_cache_argument_and_the_shipped_tasks(capsys):
     assert main(["lm-eval", "--help"]) == 0
     out = capsys.readouterr().out
@@ -132,3 +179,23 @@ def test_lm_eval_run_and_ls_find_the_shipped_tasks_without_include_path():
     assert lm_eval_argv(["--model", "hf-kvcompress", "--tasks", "kvc_needle"])[-2:] == ["--include_path", include]
     assert lm_eval_argv(["ls", "tasks", "--include_path", "mine"]) == ["ls", "tasks", "--include_path", "mine"]
     assert lm_eval_argv(["--help"]) == ["--help"]
+
+
+def test_help_of_every_command_imports_neither_torch_nor_transformers():
+    """`hf-kvcompress [COMMAND] --help` reads no torch, so it prints in a fraction of a second (it took 4-7 s)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, contextlib, io\n"
+        "from hf_kvcompress.cli import COMMANDS, main\n"
+        "for argv in [[]] + [[name.replace('_', '-')] for name in COMMANDS]:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv + ['--help'])\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules)\n"
+        "print(heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

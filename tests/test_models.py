@@ -205,6 +205,25 @@ def test_gguf_path_is_a_source(converted):
     assert source is not None and source.sha256() == converted["sha"]
 
 
+def test_budget_reads_an_unconverted_model_from_its_gguf_without_converting(converted, monkeypatch, tmp_path, capsys):
+    """`hf-kvcompress budget --model NAME` reads the config only: nothing converted, the converted model's config."""
+    from transformers import AutoConfig
+
+    from hf_kvcompress.cli import main
+
+    monkeypatch.setenv("HF_KVCOMPRESS_CACHE", str(tmp_path))  # a fresh machine: nothing converted yet
+    monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("converted the GGUF to read its config"))
+    config = models.load_config("smollm2-135m", convert=False).to_dict()
+    assert not (tmp_path / "models").exists()
+    expected = AutoConfig.from_pretrained(converted["path"]).to_dict()
+    skip = ("_name_or_path", "architectures")
+    assert {k: v for k, v in config.items() if k not in skip} == {k: v for k, v in expected.items() if k not in skip}
+    assert main(["budget", "--model", "smollm2-135m", "--tokens", "8000"]) == 0
+    out = capsys.readouterr().out
+    assert "30 layers, 3 KV heads for 9 query heads, head_dim 64" in out and "parameters x 4 bytes" in out
+    assert not (tmp_path / "models").exists()
+
+
 # ----------------------------------------------------------------------------------------------- Gemma-3-270M
 
 

@@ -22,8 +22,23 @@ def test_plans_without_an_int_codec_have_no_note():
     assert residual_note("int4:residual_length=0", 1000) is None
 
 
-def test_per_head_budgets_say_the_whole_kept_prompt_is_encoded():
-    # A head-budget KVzip layer encodes every kept pair of the prompt; only later tokens wait in full precision.
-    note = residual_note("kvzip:ratio=0.25+int4", 1000)
-    assert "every kept pair of the compressed prompt is stored in int4" in note and "most recent" not in note
+def test_per_head_budgets_keep_the_residual_like_every_other_plan():
+    # A head-budget KVzip layer keeps the prompt's kept pairs within the residual in full precision, as the others do.
+    assert "the 128 most recent of 1000" in residual_note("kvzip:ratio=0.25+int4", 1000)
     assert "the 128 most recent of 1000" in residual_note("kvzip:ratio=0.25,budgets=uniform+int4", 1000)
+    assert "nothing is quantized" in residual_note("kvzip:ratio=0.25+int4", 100)
+
+
+def test_the_study_plots_log_axis_labels_do_not_overlap(monkeypatch, tmp_path):
+    """Less than a decade of bytes: matplotlib's own labels (2x10^0, 3x10^0, 4x10^0...) ran into each other."""
+    from hf_kvcompress.study import PlanResult, plot_study
+    from tests.eval.test_report import overlapping_texts
+
+    def plan(spec, mib):
+        return PlanResult(spec=spec, formula_bytes=0, measured_bytes=mib * 2**20, factor=1, bands={}, score=100,
+                          delta=0, bytes_per_user=0, users=0, band_ci={"all": (21, 100)})
+
+    for spread in ([7.91, 4.62, 0.71, 2.23], [95.7, 31.7, 20.8, 8.4], [30.1, 24.7, 20.8]):
+        results = [plan(spec, mib) for spec, mib in zip(("dynamic", "int8", "int4", "fp8"), spread)]
+        assert overlapping_texts(monkeypatch, lambda: plot_study(results, tmp_path)) == [], spread
+        monkeypatch.undo()

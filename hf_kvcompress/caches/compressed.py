@@ -86,9 +86,10 @@ def _keys_per_token(codec: Codec) -> Codec:
 
 def layer_budget_shifts(policy: Policy, layers: list) -> list[torch.Tensor]:
     """One ranking of every (layer, KV head, slot) score per row: each layer keeps its share of the row's top
-    `layers x heads x uniform budget` pairs, as whole tokens per head (KVzip Sec. 3.3, Ada-KV). Returns each layer's
-    budget minus the uniform one, [B] per layer; padding never counts."""
-    uniform = policy.kept_per_row(layers[0].real_seen)  # [B]
+    `layers x heads x uniform share` pairs, as whole tokens per head (KVzip Sec. 3.3, Ada-KV). Returns each layer's
+    share minus the uniform one, [B] per layer: added to the uniform budget, it moves with a ratio and lets a
+    budget above the tokens seen keep the tokens that arrive later, up to the budget. Padding never counts."""
+    share = policy.held_per_row(layers[0].real_seen)  # [B]: all the row's tokens when the budget is above them
     heads = layers[0].kv_heads
     scores = []
     for layer in layers:
@@ -96,9 +97,10 @@ def layer_budget_shifts(policy: Policy, layers: list) -> list[torch.Tensor]:
         padding = (slot[None, :] < layer.pads[:, None])[:, None, :]
         scores.append(layer.accumulated.masked_fill(padding, float("-inf")).flatten(1))  # [B, H * T]
     ranked = torch.cat(scores, dim=1).sort(dim=1, descending=True).values
-    wanted = (uniform * heads * len(layers)).clamp(max=ranked.shape[1]) - 1
+    real = torch.isfinite(ranked).sum(dim=1)  # [B]: the row's real pairs (a padded row has fewer than the slots)
+    wanted = torch.minimum(share * heads * len(layers), real).clamp(min=1) - 1
     threshold = ranked.gather(1, wanted[:, None])  # [B, 1]: the row's lowest kept score
-    return [torch.round((s >= threshold).sum(dim=1) / heads).long() - uniform for s in scores]
+    return [torch.round((s >= threshold).sum(dim=1) / heads).long() - share for s in scores]
 
 
 def _check_head_budgets(policy: Policy, codec: Codec, rerotate: bool) -> None:

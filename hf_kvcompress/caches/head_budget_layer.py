@@ -2,13 +2,15 @@
 
 `CompressedCache.end_reconstruction` ranks every (layer, KV head, token) pair of a row against each other under one
 total (KVzip Sec. 3.3; kvpress's KVzipPress does the same with masks over memory it still holds) and replaces each
-scored layer by this one, which stores only the kept pairs (`RaggedHeads`). Later tokens (questions, answers) stay
+scored layer by this one, which stores only the kept pairs (`RaggedHeads`). The context's kept pairs still within
+the codec's residual (the scored layer's full-precision tail) stay at full precision, in a second store, until
+later tokens fill the residual. Later tokens (questions, answers) stay
 at full precision for the codec's residual, then join the store, ranked above the context (newest first): when
 the row holds more than its allowance, the lowest-scored pairs of any head go, the context's first, a block at a
 time: down to the allowance less some slack (`EVICTION_SLACK`), so that eviction runs every few dozen steps instead
 of nearly every step; the row never holds more than its allowance after an update. The codec's
-full-precision sink tokens stay exact beside the store. Attention sees [sinks | padded view | recent tokens] with
-a per-head mask, through 'kvcompress_sdpa' (`use_kvcompress_attention`).
+full-precision sink tokens stay exact beside the store. Attention sees [sinks | padded view | padded exact view |
+recent tokens] with a per-head mask, through 'kvcompress_sdpa' (`use_kvcompress_attention`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .head_store import RaggedHeads
+from ..codecs.identity import IdentityCodec
+from .head_store import RaggedHeads, evict_lowest_across
 from .finite_check import FiniteCheck
 from .layer import CompressedLayer, batch_mismatch_hint
 from .requests import ENABLE_ATTENTION_HINT, MASK_KEY, OwnMask, attention_kwargs
@@ -29,6 +32,7 @@ ABSORB_BLOCK = 32  # recent tokens beyond the codec's residual join the store th
 # row evicts once every ~EVICTION_SLACK / (1 - ratio) tokens, and still never holds more than its allowance.
 EVICTION_SLACK = 32
 SLACK_SHARE = 8
+EXACT = IdentityCodec()  # how the context's pairs within the codec's residual are stored: as they are
 
 
 class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
@@ -61,11 +65,22 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
                     raise ValueError("the ranking evicted a codec sink token: its policy must protect them")
                 keep.scatter_(2, slots.clamp(min=0), False)
         keys, values = origin._encoded_whole("key"), origin._encoded_whole("value")
-        self.store = RaggedHeads.pack(keys, values, origin.accumulated, keep)
+        # Only what the scored layer has encoded enters the encoded store now; its tail (the context's newest tokens,
+        # within the codec's residual) stays at full precision, as in every other layer, until `_absorb`.
+        split = keep.shape[-1] if self.codec.lossless else origin.n_encoded
+        encoded = keep.clone()
+        encoded[..., split:] = False
+        self.store = RaggedHeads.pack(keys, values, origin.accumulated, encoded)
+        self.exact: RaggedHeads | None = None  # the context's kept pairs within the residual, full precision
+        if split < keep.shape[-1]:
+            self.exact = RaggedHeads.pack(
+                EXACT.encode(origin.tail_keys, "key"), EXACT.encode(origin.tail_values, "value"),
+                origin.accumulated[..., split:], keep[..., split:],
+            )
         self.tail_keys = self.tail_values = None  # [B, H, t, D]: tokens since the ranking, full precision
         self.tail_valid: torch.Tensor | None = None  # [B, t] bool: False once a row evicted the token
         self.allowance = self.held_pairs()  # [B] pairs the row holds now: its share of the total
-        self.share_then = self.policy.kept_per_row(self.real_seen)
+        self.share_then = self.policy.held_per_row(self.real_seen)
         self.own_mask: OwnMask | None = None
         self.finite, self.unchecked_steps = None, 0  # decode steps' deferred NaN/inf check (finite_check.py)
         self.headroom: int | None = None  # pairs every row may still add before one can be over (`_evict`)
@@ -127,7 +142,8 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
     def held_pairs(self) -> torch.Tensor:
         """Pairs each row holds, all heads together, [B]."""
         tail = 0 if self.tail_valid is None else self.tail_valid.sum(-1)
-        return self.store.row_pairs() + self._sink_pairs() + tail * self.kv_heads
+        exact = 0 if self.exact is None else self.exact.row_pairs()
+        return self.store.row_pairs() + exact + self._sink_pairs() + tail * self.kv_heads
 
     def reset(self) -> None:
         """Nothing to clear: `CompressedCache.reset` puts the original layer back."""
@@ -140,6 +156,8 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         if indices.dtype == torch.bool:
             indices = indices.nonzero().flatten()
         self.store.select_rows(indices)
+        if self.exact is not None:
+            self.exact.select_rows(indices)
         for name in self.STATE:
             tensor = getattr(self, name)
             if tensor is not None:
@@ -157,13 +175,16 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
             )
 
     def promised_bytes(self) -> int:
-        """Bytes this layer should hold: stored pairs at the codec's rate with their scores, recent tokens and
-        sinks at full precision, and the per-row bookkeeping. Tests compare it with `measured_kv_bytes`."""
+        """Bytes this layer should hold: stored pairs at the codec's rate with their scores, the context's exact pairs,
+        recent tokens and sinks at full precision, and the per-row bookkeeping. Tests compare it with
+        `measured_kv_bytes`."""
         element = torch.empty((), dtype=self.dtype).element_size()
         pair = self.codec.bytes_per_token(self.head_dim, "key", self.dtype) + self.codec.bytes_per_token(
             self.value_dim, "value", self.dtype
         )
         total = self.store.pairs * (pair + 4) + self.store.lengths.numel() * 8
+        if self.exact is not None:
+            total += self.exact.pairs * ((self.head_dim + self.value_dim) * element + 4) + self.exact.lengths.numel() * 8
         recent = self.batch_size * self.kv_heads * self._tail_length() * (self.head_dim + self.value_dim) * element
         recent += self.batch_size * self._tail_length()  # tail_valid
         total += recent + 3 * self.batch_size * 8  # real_seen, allowance, share_then (int64)
@@ -182,6 +203,8 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         self._flush_finite_check()
         tensors = {f"store.{n}": t for n, t in self.store.state().items()}
+        if self.exact is not None:
+            tensors.update({f"exact.{n}": t for n, t in self.exact.state().items()})
         for name in self.STATE:
             if getattr(self, name) is not None:
                 tensors[name] = getattr(self, name)
@@ -200,6 +223,8 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
             setattr(layer, name, int(meta[name]))
         moved = {n: t.to(layer.device, copy=True) for n, t in tensors.items()}
         layer.store = RaggedHeads.from_state({n[len("store."):]: t for n, t in moved.items() if n.startswith("store.")})
+        exact = {n[len("exact."):]: t for n, t in moved.items() if n.startswith("exact.")}
+        layer.exact = RaggedHeads.from_state(exact) if exact else None
         for name in cls.STATE:
             setattr(layer, name, moved.get(name))
         layer.device = layer.real_seen.device
@@ -222,7 +247,8 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         return 0 if self.sink_valid is None else self.sink_valid.shape[-1]
 
     def _view_length(self) -> int:
-        return self._sink_count() + self.store.most + self._tail_length()
+        exact = 0 if self.exact is None else self.exact.most
+        return self._sink_count() + self.store.most + exact + self._tail_length()
 
     def _full(self, kind: str) -> torch.Tensor:
         tail = self.tail_keys if kind == "key" else self.tail_values
@@ -235,12 +261,16 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
             parts.append((self.sink_keys if kind == "key" else self.sink_values).to(self.dtype))
         if self.store.most:
             parts.append(self.store.padded(self.codec, kind, self.dtype))
+        if self.exact is not None and self.exact.most:
+            parts.append(self.exact.padded(EXACT, kind, self.dtype))
         parts.append(tail)
         return torch.cat(parts, dim=-2)
 
     def _mask(self, new: int, length: int) -> torch.Tensor:
         """[B, H_kv, new, length] bool: each head's slots that hold a pair, causal over the new tokens."""
         valid = [self.store.valid(), self.tail_valid[:, None, :].expand(-1, self.kv_heads, -1)]
+        if self.exact is not None:
+            valid.insert(1, self.exact.valid())
         if self.sink_valid is not None:
             valid.insert(0, self.sink_valid[:, None, :].expand(-1, self.kv_heads, -1))
         valid = torch.cat(valid, dim=-1)
@@ -254,6 +284,8 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         """Move the recent tokens beyond the codec's residual into the store, a block at a time (the schedule
         depends on the tail's length only, the same for every row: a padded row is stored as it is alone)."""
         t = self._tail_length()
+        if self.exact is not None and t >= self.codec.residual_length:
+            self._encode_exact()  # the later tokens fill the residual: the context's pairs are older than all of them
         n = (t - self.codec.residual_length) // ABSORB_BLOCK * ABSORB_BLOCK
         if n <= 0:
             return
@@ -269,24 +301,37 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         self.tail_values = self.tail_values[:, :, n:].clone() if n < t else None
         self.tail_valid = self.tail_valid[:, n:].clone() if n < t else None
 
+    def _encode_exact(self) -> None:
+        """Encode the context's full-precision pairs into the store, after each head's pairs, with their scores."""
+        exact, self.exact = self.exact, None
+        if not exact.most:  # every such pair was evicted
+            return
+        valid = exact.valid()  # [B, H, M]
+        scores = torch.zeros(valid.shape, dtype=torch.float32, device=self.device)
+        scores[valid] = exact.scores  # both in (row, head, pair) order
+        keys, values = exact.padded(EXACT, "key", self.dtype), exact.padded(EXACT, "value", self.dtype)
+        self.store.append(self.codec.encode(keys, "key"), self.codec.encode(values, "value"), scores, valid)
+
     def _evict(self) -> None:
-        """Hold at most the row's allowance (its share at the ranking, moved by the policy's ratio since): the
-        lowest-scored stored pairs of any head go first (the context before later tokens), down to the allowance
-        less the slack; a row whose store has nothing left to give drops just enough of its oldest recent tokens.
+        """Hold at most the row's allowance (its share at the ranking, moved since as the policy's share of the tokens
+        seen moves: a ratio's, or a budget's until the row has seen that many): the lowest-scored stored pairs of any
+        head go first (the context before later tokens), down to the allowance less the slack; a row whose store has
+        nothing left to give drops just enough of its oldest recent tokens.
 
         Each token adds one pair per head and an allowance never shrinks, so after a check no row can be over until
         the rows have added the smallest room left (`headroom`): the steps between skip the check and its host read.
         """
         if self.headroom is not None and self.headroom >= 0:
             return
-        allowance = self.allowance + self.kv_heads * (self.policy.kept_per_row(self.real_seen) - self.share_then)
+        allowance = self.allowance + self.kv_heads * (self.policy.held_per_row(self.real_seen) - self.share_then)
         over = (self.held_pairs() - allowance).clamp(min=0)
         if not bool((over > 0).any()):
             self.headroom = int((allowance - self.held_pairs()).min())
             return
         slack = torch.where(over > 0, (allowance // SLACK_SHARE).clamp(max=EVICTION_SLACK * self.kv_heads), 0)
-        from_store = torch.minimum(over + slack, self.store.evictable())
-        self.store.evict_lowest(from_store.tolist())
+        stores = [self.store] if self.exact is None else [self.store, self.exact]
+        from_store = torch.minimum(over + slack, sum(store.evictable() for store in stores))
+        evict_lowest_across(stores, from_store.tolist())
         rest = (over - from_store).clamp(min=0)  # the slack comes from the store only, never from recent tokens
         if self.tail_valid is not None and bool((rest > 0).any()):
             tokens = (rest + self.kv_heads - 1) // self.kv_heads  # whole tokens: every head of the row

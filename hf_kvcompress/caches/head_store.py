@@ -173,5 +173,29 @@ class RaggedHeads:
         return cls(keys, values, tensors["scores"], tensors["lengths"])
 
 
+def evict_lowest_across(stores: list[RaggedHeads], count: list[int]) -> None:
+    """Drop each row's `count[b]` lowest-scored pairs of all `stores` together (the same rows and heads in each;
+    ties: the store listed first goes first, then as `evict_lowest`)."""
+    if len(stores) == 1:
+        stores[0].evict_lowest(count)
+        return
+    taken = [[0] * len(count) for _ in stores]
+    per_row = [store.row_pairs().tolist() for store in stores]
+    starts = [0] * len(stores)
+    for b, k in enumerate(count):
+        segments = [store.scores[start : start + pairs[b]] for store, start, pairs in zip(stores, starts, per_row)]
+        starts = [start + pairs[b] for start, pairs in zip(starts, per_row)]
+        if k <= 0:
+            continue
+        joined = torch.cat(segments)
+        owner = torch.cat([torch.full((len(seg),), i, device=joined.device) for i, seg in enumerate(segments)])
+        k = min(k, int(torch.isfinite(joined).sum()))
+        lowest = torch.sort(joined, stable=True).indices[:k]
+        for i, n in enumerate(torch.bincount(owner[lowest], minlength=len(stores)).tolist()):
+            taken[i][b] = n
+    for store, n in zip(stores, taken):
+        store.evict_lowest(n)
+
+
 def _select(encoded: Encoded, keep: torch.Tensor) -> Encoded:
     return {name: _index_op(tensor, lambda t: t[keep].contiguous()) for name, tensor in encoded.items()}

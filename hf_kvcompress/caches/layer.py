@@ -113,6 +113,12 @@ class CompressedLayer(
         self.sink_slots: torch.Tensor | None = None
         self.sink_keys: torch.Tensor | None = None
         self.sink_values: torch.Tensor | None = None
+        # Rows of a padded batch that keep more of their newest tokens at full precision than the tail holds (see
+        # `_evict`): row b keeps its `exact_rows[b]` encoded slots just before the tail exactly, as the last of
+        # `exact_keys` / `exact_values` [B, H_kv, X, D]; they overwrite their decoded form (`_restore_exact`).
+        self.exact_rows: torch.Tensor | None = None
+        self.exact_keys: torch.Tensor | None = None
+        self.exact_values: torch.Tensor | None = None
         self.awaiting_attention = False
         self.reconstruction_queries: torch.Tensor | None = None  # [B, q] while a reconstruction pass runs
         self.scored = False  # a reconstruction pass has scored the kept slots (KVzip)
@@ -232,6 +238,7 @@ class CompressedLayer(
         bookkeeping = 2 * self.batch_size * 8  # pads and real_seen, int64 per row
         for extra in (
             self.accumulated, self.positions, self.budget_shift, self.sink_slots, self.sink_keys, self.sink_values,
+            self.exact_rows, self.exact_keys, self.exact_values,
             self.finite, self.recent_queries, self.next_position,
         ):
             if extra is not None:

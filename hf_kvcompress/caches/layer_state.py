@@ -13,7 +13,8 @@ class LayerState:
 
     STATE_TENSORS = (
         "tail_keys", "tail_values", "pads", "real_seen", "accumulated", "positions", "budget_shift",
-        "sink_slots", "sink_keys", "sink_values", "recent_queries", "next_position",
+        "sink_slots", "sink_keys", "sink_values", "exact_rows", "exact_keys", "exact_values", "recent_queries",
+        "next_position",
     )
     STATE_SCALARS = ("seen", "n_encoded", "peak_tokens", "batch_size", "kv_heads", "head_dim", "value_dim", "scored")
 

@@ -59,7 +59,17 @@ class TokenStorage:
         decoded = self.codec.decode(encoded, kind, self.dtype)
         if self.sink_slots is not None:
             decoded = self._restore_sinks(decoded, self.sink_keys if kind == "key" else self.sink_values)
+        if self.exact_keys is not None:
+            decoded = self._restore_exact(decoded, self.exact_keys if kind == "key" else self.exact_values)
         return torch.cat([decoded, tail], dim=-2)
+
+    def _restore_exact(self, decoded: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+        """`decoded` [B, H, n, D] with the last `exact_rows[b]` of its slots given their exact states (the rows of a
+        padded batch that keep more tokens at full precision than the tail holds, see `_evict`)."""
+        extra = exact.shape[-2]
+        mine = torch.arange(extra, device=decoded.device) >= (extra - self.exact_rows)[:, None]  # [B, X]
+        newest = torch.where(mine[:, None, :, None], exact.to(decoded.dtype), decoded[:, :, -extra:])
+        return torch.cat([decoded[:, :, :-extra], newest], dim=-2)
 
     def _encoded_whole(self, kind: str):
         """Every stored token as one token-wise encoding [B, H, T, ...]: the encoded part, then the tail encoded now
@@ -79,6 +89,8 @@ class TokenStorage:
         block = max(self.codec.token_block("key"), self.codec.token_block("value"))
         excess = self.tail_keys.shape[-2] - residual
         n = (excess // block) * block
+        if self.exact_keys is not None:  # a row's exact tokens beyond the residual are encoded, as alone
+            self._trim_exact(residual - (self.tail_keys.shape[-2] - max(n, 0)))
         if n <= 0:
             return
         # Padding grows only with prompt chunks: decode steps after the first encoding need not ask (a host read).
@@ -93,3 +105,14 @@ class TokenStorage:
         self.n_encoded += n
         self.tail_keys = owned(self.tail_keys[:, :, n:])
         self.tail_values = owned(self.tail_values[:, :, n:])
+
+    def _trim_exact(self, room: int) -> None:
+        """Keep exact states for the `room` newest encoded slots at most: older ones were encoded from those states
+        when they joined the store, which is how the row alone stores them once they leave its residual."""
+        extra = min(self.exact_keys.shape[-2], max(room, 0))
+        if extra == 0:
+            self.exact_keys = self.exact_values = self.exact_rows = None
+        elif extra < self.exact_keys.shape[-2]:
+            self.exact_keys = owned(self.exact_keys[:, :, -extra:])
+            self.exact_values = owned(self.exact_values[:, :, -extra:])
+            self.exact_rows = self.exact_rows.clamp(max=extra)

@@ -25,6 +25,7 @@ class StoreOffer:
         return (
             new == 1 and attn_kwargs is not None and self.encoded_keys is not None and self.codec.attends_encoded
             and self.inv_freq is None and self.reconstruction_queries is None
+            and self.exact_keys is None  # exact states over some encoded slots: read through `_full`
         )
 
     def _probe_store(self, attn_kwargs: dict | None, new: int) -> None:

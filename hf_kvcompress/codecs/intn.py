@@ -144,7 +144,7 @@ class IntNCodec(Codec):
             Keys grouped per token (key_axis="token", evicting policies) are left as they are.
         wide_layers: decoder layers (e.g. "7/18/23") stored at `wide_bits` instead of `bits`: per-layer mixed
             precision (KVTuner, arXiv:2502.04420). Some layers' attention suffers far more from 2 bits than others
-            (on SmolLM2 six of 30 layers carry 40% of the error); `benchmarks/quant_attention_error.py --per-layer`
+            (on SmolLM2 six of 30 layers carry 40% of the error); `benchmarks/probes/quant_attention_error.py --per-layer`
             lists each layer's error for a model. Their bytes are counted at their own width.
         wide_bits: the width of `wide_layers` (4).
     """

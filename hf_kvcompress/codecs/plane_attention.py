@@ -3,7 +3,7 @@
 `ops/bitpack.pack` puts code i of each byte in bits [bits*i, bits*(i+1)), so plane i of a [B, H, T, W] byte tensor
 (W = D * bits / 8) holds dims i, i + u, i + 2u, ... (u = 8 // bits codes per byte). On CPU, interleaving the
 planes back into [T, D] order (unpack's `stack`) and scaling every code (`codes * scale + zero` in fresh float32
-buffers) were most of the decode time (benchmarks/NOTES.md); here each plane is converted to float32 once and
+buffers) were most of the decode time (docs/benchmark-notes.md); here each plane is converted to float32 once and
 multiplied by the matching dims of the query. Groups that run along head_dim (values; keys with key_axis="token")
 fold their scale and zero point into small products instead of the codes:
 

@@ -9,7 +9,6 @@ flags change the workload for every section printed. Only configs are read: no w
 from __future__ import annotations
 
 import argparse
-import importlib
 
 from hf_kvcompress import budget
 
@@ -57,17 +56,10 @@ def _check(args) -> None:
 
 
 def _load_config(name: str | None):
-    """A config without weights: `hf_kvcompress.models.load_config` when present, else transformers' AutoConfig."""
-    try:
-        load_config = importlib.import_module("hf_kvcompress.models").load_config
-    except (ImportError, AttributeError):
-        if name is None:
-            raise ValueError("the embedded model needs hf_kvcompress.models.load_config, which this build lacks; "
-                             "pass --model NAME") from None
-        from transformers import AutoConfig
+    """The config alone: an embedded model's GGUF is read, not converted (no weights are loaded or written)."""
+    from ..models import load_config
 
-        return AutoConfig.from_pretrained(name)
-    return load_config(name_or_path=name)
+    return load_config(name, convert=False)
 
 
 def _parameter_count(config) -> int:

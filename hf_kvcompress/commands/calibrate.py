@@ -5,9 +5,12 @@ from __future__ import annotations
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "calibrate", help="fit per-layer, per-head PCA bases of keys and values for the lowrank codec")
+        "calibrate", help="fit per-layer, per-head PCA bases of keys and values for the lowrank codec",
+        description=__doc__ + " The bases are written to OUT/lowrank_bases.safetensors; a cache uses them as "
+        "lowrank:bases=OUT (without `bases`, lowrank reads the bases shipped for the embedded models). The report: "
+        "the share of each layer's key (post- and pre-RoPE) and value variance kept at a few ranks.")
     parser.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--out", required=True, help="directory for lowrank_bases.safetensors")
+    parser.add_argument("--out", required=True, help="directory for lowrank_bases.safetensors (required)")
     parser.add_argument("--tokens", type=int, default=2048, help="calibration tokens (default: %(default)s)")
     parser.add_argument("--max-rank", type=int, default=None,
                         help="components kept per head (default: head_dim // 2); lowrank's rank may not exceed it")

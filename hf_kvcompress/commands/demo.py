@@ -6,8 +6,12 @@ import argparse
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("demo", help="what `make demo` runs: the budget table, then the study")
-    parser.add_argument("--out", default="results/study", help="where the study writes its report and plots")
+    parser = subparsers.add_parser(
+        "demo", help="what `make demo` runs: the budget table, then the study",
+        description=__doc__ + " The same as `hf-kvcompress budget` followed by `hf-kvcompress study --out OUT` "
+        "(the demo preset: every family on the embedded model, 30 samples per plan, on a CPU).")
+    parser.add_argument("--out", default="results/study",
+                        help="where the study writes its report and plots (default: %(default)s)")
     parser.set_defaults(func=run)
 
 

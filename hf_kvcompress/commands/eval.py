@@ -1,7 +1,8 @@
 """`hf-kvcompress eval`: long-context tasks x cache methods, document first, question after compression.
 
 Results append to OUT/results.jsonl (a rerun skips finished method/sample pairs); OUT/summary.md, summary.csv,
-heatmap_<method>.png and quality_vs_memory.png are rewritten at the end. A result is reused only when every
+heatmap_<method>.png and quality_vs_memory.png are rewritten at the end, covering every method in OUT whose results
+match this run's samples and settings (earlier runs' methods included). A result is reused only when every
 setting that changes it matches (model, dtype, device kind, cache spec and what it resolves to on the model,
 protocol, prompt format, chunk size, batch size, max new tokens, the sample's tokens, package version). Split the
 samples over processes with `accelerate launch --multi_gpu --num_processes N -m hf_kvcompress.eval ARGS` (on GPUs

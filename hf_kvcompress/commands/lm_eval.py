@@ -8,8 +8,10 @@ no plugins, so this command registers the model first. `--include_path` defaults
 with hf-kvcompress when it is not given, for `run` and `ls` alike (`hf-kvcompress lm-eval ls tasks` lists kvc_*).
 
 Model `hf-kvcompress`, `--model_args`: `pretrained=` (alias, folder or .gguf; empty: the embedded SmolLM2-135M),
-`cache=SPEC` (any cache spec, e.g. cache=int4 or cache=sink_window:window=256; default dynamic; quote specs that
-hold commas), `query_aware`, `prompt_format` (auto/chat/plain), `chunk_size` (512), `dtype`.
+`cache=SPEC` (any cache spec, e.g. cache=int4 or cache=sink_window:window=256; default dynamic), `query_aware`,
+`prompt_format` (auto/chat/plain), `chunk_size` (512), `dtype`, HFLM's own (batch_size, max_length, ...); any other
+is refused. lm-eval splits --model_args at commas outside quotes, so a spec with commas goes in double quotes within
+single ones: --model_args 'pretrained=,cache="h2o:budget=256,recent=64"' (or JSON: '{"cache": "h2o:budget=256,recent=64"}').
 Tasks shipped: {tasks} (the suite's tasks; the document is compressed before the question).
 """
 
@@ -29,7 +31,7 @@ def add_parser(subparsers) -> None:
         prefix_chars="+",
         add_help=False,
     )
-    parser.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+    parser.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval's own arguments, passed on unchanged")
     parser.set_defaults(func=run)
 
 
@@ -66,12 +68,13 @@ def lm_eval_argv(argv: list[str]) -> list[str]:
 
 
 def run(args) -> int:
-    from ..eval.lm_eval_model import register
-
-    register()
     argv = lm_eval_argv(args.lm_eval_args)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage() + "\nlm-eval's own help follows.\n")
+    else:  # the model (torch, transformers, lm-eval's HFLM) is registered only for a run: help stays fast
+        from ..eval.lm_eval_model import register
+
+        register()
     from lm_eval.__main__ import cli_evaluate
 
     saved = sys.argv

@@ -83,7 +83,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--min-quality", type=float, default=10.0,
                         help="largest loss in score points a plan may have to count as usable (default 10)")
     parser.add_argument("--batch-size", type=int, default=5, help="samples per batch (one shared prefill each)")
-    parser.add_argument("--samples-per-cell", type=int, default=None)
+    parser.add_argument("--samples-per-cell", type=int, default=None,
+                        help="samples per (task, length, depth) cell (default: the preset's, 3)")
     parser.add_argument("--out", default="results/study", help="output directory")
     parser.set_defaults(func=run)
 

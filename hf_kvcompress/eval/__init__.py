@@ -10,21 +10,25 @@
 `hf-kvcompress lm-eval`.
 """
 
-from .prompts import encode, protocol_name, render
-from .report import summarize, write_reports
-from .runner import read_results, run_batch, run_eval
-from .tasks import TASKS, build_samples, parse_task
+import importlib
 
-__all__ = [
-    "TASKS",
-    "build_samples",
-    "encode",
-    "parse_task",
-    "protocol_name",
-    "read_results",
-    "render",
-    "run_batch",
-    "run_eval",
-    "summarize",
-    "write_reports",
-]
+# Each public name and its module, imported on first use (PEP 562): `hf-kvcompress lm-eval --help` and `python -m
+# hf_kvcompress.eval --help` read no torch.
+_EXPORTS = {
+    ".prompts": ["encode", "protocol_name", "render"],
+    ".report": ["summarize", "write_reports"],
+    ".runner": ["read_results", "run_batch", "run_eval"],
+    ".tasks": ["TASKS", "build_samples", "parse_task"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name):
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_MODULE_OF)

@@ -5,8 +5,9 @@
 
 `--model_args`: `pretrained` (alias, folder or .gguf; empty = the embedded SmolLM2-135M-Instruct; from Python,
 also a loaded model with `tokenizer=`), `cache` (a
-registry spec, default `dynamic`), `query_aware` (false), `prompt_format` (auto/chat/plain), `chunk_size` (512),
-`dtype`. The protocol is the suite's: for the kvc_* tasks the document is prefilled (and compressed) first and
+registry spec, default `dynamic`; one with commas in double quotes: `'cache="h2o:budget=256,recent=64"'`),
+`query_aware` (false), `prompt_format` (auto/chat/plain), `chunk_size` (512), `dtype`, and HFLM's own arguments;
+any other is refused (HFLM would ignore it). The protocol is the suite's: for the kvc_* tasks the document is prefilled (and compressed) first and
 the question appended afterwards, with the same tokens `hf-kvcompress eval` uses (rendered from the sample's
 fields, so lm-eval's own prompt string, few-shot examples or chat flag do not apply to them). Any other
 generation task prefills its whole context into the cache before decoding; loglikelihood requests prefill the
@@ -16,6 +17,8 @@ lm-eval's CLI discovers no plugins: call `register()` (the `hf-kvcompress lm-eva
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from lm_eval.api.instance import Instance
@@ -35,6 +38,27 @@ def _flag(value) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
+def _parameters(function) -> list[str]:
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds and p.name != "self"]
+
+
+def _refuse_unknown(kwargs: dict) -> None:
+    """Model arguments that neither this model nor HFLM names are refused: HFLM would drop them without a word."""
+    unknown = [name for name in kwargs if name not in _parameters(HFLM.__init__)]
+    if not unknown:
+        return
+    given = ", ".join(f"{name}={kwargs[name]}" for name in unknown)
+    raise ValueError(
+        f"unknown model argument{'s' if len(unknown) > 1 else ''} {given} for --model {MODEL_NAME}; its own are "
+        f"{', '.join(_parameters(KVCompressLM.__init__))}, and lm-eval's HFLM takes "
+        f"{', '.join(p for p in _parameters(HFLM.__init__) if p not in _parameters(KVCompressLM.__init__))}. "
+        "lm-eval splits --model_args at every comma outside quotes, so a cache spec with commas goes in double "
+        """quotes: --model_args 'pretrained=,cache="h2o:budget=256,recent=64"' (or JSON: --model_args """
+        """'{"cache": "h2o:budget=256,recent=64"}'; from Python, model_args as a dict)"""
+    )
+
+
 class KVCompressLM(HFLM):
     """HFLM that runs every request through `run_batch` with a fresh cache built from `cache`."""
 
@@ -52,6 +76,7 @@ class KVCompressLM(HFLM):
         from ..models import load_model
         from ..registry import parse_spec
 
+        _refuse_unknown(kwargs)  # e.g. `recent=64`, split off an unquoted `cache=h2o:budget=256,recent=64`
         parse_spec(cache)  # a bad spec fails here, before the model loads
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
             device = None  # lm-eval's CLI defaults to cuda:0 even on machines without one

@@ -105,8 +105,8 @@ def _describe(spec: str) -> str | None:
         return None
 
 
-def markdown(summary: dict, records: list[dict]) -> str:
-    """The summary as markdown: the ranking, then one table per task (with scores by context length)."""
+def markdown(summary: dict, records: list[dict], notes: list[str] = ()) -> str:
+    """The summary as markdown: `notes`, the ranking, then one table per task (with scores by context length)."""
     models = sorted({str(r.get("model")) for r in records})
     lines = [
         "# Long-context evaluation",
@@ -116,6 +116,7 @@ def markdown(summary: dict, records: list[dict]) -> str:
         "query_aware: the question is also inside the compressed prompt). "
         f"{len(records)} results. Scores 0-100. KV bytes are measured storage per sample.",
         "",
+        *[line for note in notes for line in (note, "")],
     ]
     described = [(m, _describe(m)) for m in summary["methods"]]
     if any(text for _, text in described):
@@ -226,10 +227,16 @@ def plot_quality_vs_memory(summary: dict, out_dir: str | os.PathLike) -> Path:
             for m in summary["methods"]
         ]  # fmt: skip
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for p in points:
-        ax.scatter(p["kv_bytes_peak"] / MiB, p["score"], s=36, color="tab:red" if p["method"] == BASELINE else "tab:blue")
-        ax.annotate(p["method"], (p["kv_bytes_peak"] / MiB, p["score"]), fontsize=7, xytext=(4, 3),
-                    textcoords="offset points")  # fmt: skip
+    # Methods are named in a legend beside the axes, each with its own marker and colour: labels written at the
+    # points overlapped wherever two methods hold the same memory and score (h2o and sink_window at budget 256).
+    colors = [f"C{k}" for k in range(10) if k != 3]  # red (C3) is the baseline's alone
+    markers = "osD^vP*Xph<>"
+    for i, p in enumerate(points):
+        baseline = p["method"] == BASELINE
+        ax.scatter(p["kv_bytes_peak"] / MiB, p["score"], s=44, label=p["method"], alpha=0.85,
+                   color="tab:red" if baseline else colors[i % len(colors)],
+                   marker="o" if baseline else markers[i % len(markers)])  # fmt: skip
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=7, frameon=False, borderaxespad=0)
     ax.set_xlabel("peak KV cache per sample (MiB, measured)")
     ax.set_ylabel("mean score (0-100)")
     ax.set_ylim(-5, 105)
@@ -241,12 +248,13 @@ def plot_quality_vs_memory(summary: dict, out_dir: str | os.PathLike) -> Path:
     return path
 
 
-def write_reports(records: list[dict], out_dir: str | os.PathLike) -> dict:
-    """summary.md, summary.csv, heatmap_<method>.png and quality_vs_memory.png in `out_dir`; returns the summary."""
+def write_reports(records: list[dict], out_dir: str | os.PathLike, notes: list[str] = ()) -> dict:
+    """summary.md (`notes` under its header), summary.csv, heatmap_<method>.png and quality_vs_memory.png in
+    `out_dir`; returns the summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(records)
-    (out / "summary.md").write_text(markdown(summary, records), encoding="utf-8")
+    (out / "summary.md").write_text(markdown(summary, records, notes), encoding="utf-8")
     write_csv(summary, out / "summary.csv")
     if records:
         plot_heatmaps(records, out)

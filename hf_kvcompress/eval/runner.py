@@ -566,7 +566,26 @@ def run_eval(
     if out is not None and write_reports and is_main:
         from .report import write_reports as _write
 
-        _write(records, out)
+        # The reports cover the folder, not this run alone: methods of earlier runs stay in summary.md when
+        # their records match this run's samples and settings (what a rerun of them would reuse).
+        folder, stored, left_out = read_results(out), [], []
+        for method in dict.fromkeys(r.get("method") for r in folder):
+            if method in methods or not isinstance(method, str):
+                continue
+            try:
+                resolved[method] = resolved_digest(method, model.config)
+            except (ValueError, KeyError, FileNotFoundError):  # a spec this version no longer builds
+                left_out.append(method)
+                continue
+            keys = {resume_key({"method": method, "sample_id": sample_ids[i], **setting(method, i)})
+                    for i in range(len(rows))}  # fmt: skip
+            found = {r["sample_id"]: r for r in folder if resume_key(r) in keys}  # the latest record wins
+            stored += [found[s] for s in sample_ids if s in found]
+            if not found:
+                left_out.append(method)
+        notes = [f"Also in {RESULTS}, made with other settings or samples than this run's and not summarized: "
+                 + ", ".join(f"`{m}`" for m in left_out) + "."] if left_out else []  # fmt: skip
+        _write(records + stored, out, notes=notes)
     return records
 
 

@@ -1,7 +1,7 @@
 // Decode attention over a bit-packed KV store on CPU: one pass over the codes per (batch row, KV head).
 //
 // The PyTorch path (caches/store_attention.py) reads a block in a dozen passes (planes to float32, scale, matmul,
-// folds, exp, matmul), each costing about as much as DynamicCache's whole matmul (benchmarks/NOTES.md, section 5).
+// folds, exp, matmul), each costing about as much as DynamicCache's whole matmul (docs/benchmark-notes.md, section 5).
 // Here a tile of TILE tokens is dequantised into a small buffer that stays in L1, met by the KV head's query rows,
 // folded into a running max and sum (flash-decoding, Dao et al. 2023) and mixed into the values the same way,
 // so every code byte is read once. The output is the softmax partials (max, sum, unnormalised output) that the

@@ -1,7 +1,7 @@
 """Decode attention over a packed int2/int4/int8 or float8 store in one C++ kernel on CPU (cpu_decode.cpp).
 
 In eager PyTorch every pass over a block of the store (planes to float32, scales, matmul, folds) costs about as
-much as DynamicCache's whole matmul (benchmarks/NOTES.md, section 5); the kernel reads each code byte once and keeps
+much as DynamicCache's whole matmul (docs/benchmark-notes.md, section 5); the kernel reads each code byte once and keeps
 the dequantised tile in L1. It is compiled on first use with torch's JIT extension builder (-O3 -march=native, so
 the build belongs to this CPU: its name carries a digest of the CPU's flags) and cached in torch's extensions
 folder under a digest of the source. Without a compiler, `available()` warns once and says False; store

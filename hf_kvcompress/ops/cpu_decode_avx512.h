@@ -3,7 +3,7 @@
 //
 // The portable path dequantises a tile into a buffer and takes one dot product per (query row, token): a
 // horizontal sum of 16 lanes per logit and a store and reload of every dequantised value set its pace
-// (benchmarks/NOTES.md, section 7). Here lane k of a vector is token t + k: the codes of 16 tokens are gathered 4
+// (docs/benchmark-notes.md, section 7). Here lane k of a vector is token t + k: the codes of 16 tokens are gathered 4
 // bytes per token, each channel's codes become one vector, scaled by that channel's scale and zero point (keys per
 // channel: one per group of tokens) and met by the query's channel (a broadcast, or with pre_rope keys the 16
 // offsets' own queries, which sit next to each other), so 16 logits come out of FMAs alone. Values keep the

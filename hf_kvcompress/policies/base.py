@@ -74,6 +74,12 @@ class Policy:
         share = torch.ceil(real_seen.double() * self.ratio).long()
         return torch.maximum(share, floor)
 
+    def held_per_row(self, real_seen: torch.Tensor) -> torch.Tensor:
+        """Real tokens each row holds once evicted, [B]: `kept_per_row`, but never more than it has seen (a budget
+        above the tokens seen keeps them all). A global ranking shares this out between layers and heads, and a
+        layer's allowance grows with it while later tokens arrive, up to the budget."""
+        return torch.minimum(self.kept_per_row(real_seen), real_seen)
+
     def observe(self, accumulated: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """Fold a step's attention statistics [B, H_kv, T] into the running ones (H2O: a running sum)."""
         return accumulated + attention

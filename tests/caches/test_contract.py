@@ -33,7 +33,8 @@ ALL_SPECS = ["dynamic", "int8", "int4:residual_length=0,group_size=8", "int2:res
 # evict at every step (the slot count alone did not say so).
 RATIO_AT_FLOOR = ["tova:ratio=0.5,sink_tokens=4", "h2o:ratio=0.5,recent=2,sink_tokens=2"]
 LARGE_BUDGET = ["sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10", "snapkv:budget=1000", "tova:ratio=1.0",
-                "kvzip:ratio=1.0,budgets=uniform", "kvzip:ratio=1.0", "expected_attention:budget=1000",
+                "kvzip:ratio=1.0,budgets=uniform", "kvzip:ratio=1.0", "kvzip:budget=1000", "kvzip:budget=1000,budgets=layer",
+                "expected_attention:budget=1000",
                 "expected_attention:ratio=1.0"]
 REPEAT = [5, 6, 7]  # KVzip's reconstruction prompt, as token ids of the tiny vocabulary
 

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
@@ -175,7 +175,7 @@ def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(
     assert kv_length == layers[0]._view_length() + 1 and kv_offset == cache.get_seq_length() - layers[0]._view_length()
     for layer, start in zip(layers, at_ranking):
         held = int(layer.held_pairs()[0])
-        allowance = start + int(layer.kv_heads * (cache.policy.kept_per_row(layer.real_seen) - layer.share_then)[0])
+        allowance = start + int(layer.kv_heads * (cache.policy.held_per_row(layer.real_seen) - layer.share_then)[0])
         # Eviction goes down to the allowance less the slack (stored pairs), or drops whole older recent tokens
         # (every head of a row at once) once the store has nothing left to give: never above the allowance.
         slack = min(allowance // SLACK_SHARE, EVICTION_SLACK * layer.kv_heads)
@@ -184,8 +184,8 @@ def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(
 
 
 def _allowance(cache, layer) -> int:
-    """Pairs row 0 of `layer` may hold now: its share at the ranking, moved by the policy's ratio since."""
-    return int((layer.allowance + layer.kv_heads * (cache.policy.kept_per_row(layer.real_seen) - layer.share_then))[0])
+    """Pairs row 0 of `layer` may hold now: its share at the ranking, moved by the policy's share since."""
+    return int((layer.allowance + layer.kv_heads * (cache.policy.held_per_row(layer.real_seen) - layer.share_then))[0])
 
 
 def test_decoding_evicts_a_block_at_a_time_and_never_holds_more_than_the_allowance():
@@ -216,6 +216,10 @@ def _held_pairs(layer, b, h, kind):
     start = ends[i - 1] if i else 0
     encoded = {n: t[start : ends[i]][None, None] for n, t in (layer.store.keys if kind == "key" else layer.store.values).items()}
     parts = [layer.codec.decode(encoded, kind, torch.float32)[0, 0]]
+    if layer.exact is not None:  # the context's pairs still within the codec's residual, as they are
+        ends = layer.exact.lengths.flatten().cumsum(0).tolist()
+        start = ends[i - 1] if i else 0
+        parts.append((layer.exact.keys if kind == "key" else layer.exact.values)["states"][start : ends[i]].float())
     if layer.sink_valid is not None:
         sinks = layer.sink_keys if kind == "key" else layer.sink_values
         parts.insert(0, sinks[b, h][layer.sink_valid[b]].float())
@@ -224,7 +228,8 @@ def _held_pairs(layer, b, h, kind):
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "kvzip:ratio=0.5+int4:residual_length=2,group_size=16"])
+@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "kvzip:ratio=0.5+int4:residual_length=2,group_size=16",
+                                  "kvzip:ratio=0.5+int4:residual_length=40,group_size=16"])
 def test_each_decode_step_attends_over_exactly_the_pairs_each_head_holds(spec):
     model = use_kvcompress_attention(tiny_model("llama"))
     rows = [_ids(300, seed=13)[0], _ids(260, seed=14)[0]]
@@ -270,6 +275,98 @@ def test_budget_spent_by_the_answer_evicts_the_oldest_later_tokens_too():
         assert pairs - pairs // SLACK_SHARE - layer.kv_heads < int(layer.held_pairs()[0]) <= pairs
         assert int(torch.isfinite(layer.store.scores).sum()) == 0 or layer.store.scores.min() >= 2.0  # context gone
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def _left_padded(rows):
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    return ids, mask
+
+
+def _decode_logits(model, ids, mask, cache, new_tokens):
+    """Greedy logits [B, new, V] of model.generate over `cache`, prefilled first by KVzip's pass (but a DynamicCache)."""
+    with torch.inference_mode():  # prefill runs in inference mode: so must the steps that update its tensors
+        if not isinstance(cache, DynamicCache):
+            prefill(model, ids[:, :-1], mask[:, :-1], cache, repeat_prompt_ids=REPEAT)
+        out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return torch.stack(out.logits, 1)
+
+
+def _real_tokens_held(layer) -> list[int]:
+    """Real tokens per KV head each row holds (with head budgets: pairs over the heads)."""
+    if isinstance(layer, HeadBudgetLayer):
+        return (layer.held_pairs() // layer.kv_heads).tolist()
+    return (layer.stored_tokens - layer.pads).tolist()
+
+
+@pytest.mark.parametrize("spec", ["kvzip:budget=100", "kvzip:budget=100,budgets=layer"])
+def test_a_budget_above_prompt_and_answer_keeps_every_token_alone_and_padded(spec):
+    # 27 (or 40) tokens + 12 new ones stay under the budget of 100: the cache must hold every token and answer as
+    # DynamicCache. The head layer's allowance stood at the pairs held at the ranking, and budgets=layer set each
+    # layer's budget to the tokens it held then (padding slots counted in a padded row), so decoding evicted the
+    # document one token per step.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    rows = [_ids(27, seed=3)[0], _ids(40, seed=4)[0]]
+    for batch in ([rows[0]], rows):
+        ids, mask = _left_padded(batch)
+        expected = _decode_logits(model, ids, mask, DynamicCache(), 12)
+        cache = make_cache(spec, model.config)
+        torch.testing.assert_close(_decode_logits(model, ids, mask, cache, 12), expected, rtol=1e-4, atol=1e-4)
+        for layer in cache.layers:  # every token seen (the last new one is not fed back)
+            assert _real_tokens_held(layer) == [len(row) + 11 for row in batch]
+
+
+@pytest.mark.parametrize("spec", ["kvzip:budget=30", "kvzip:budget=30,budgets=layer"])
+def test_a_budget_above_the_prompt_fills_up_with_later_tokens_and_stops_at_the_budget(spec):
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = _ids(20, seed=5)
+    cache = make_cache(spec, model.config)
+    generate(model, ids, None, cache, max_new_tokens=40, repeat_prompt_ids=REPEAT)
+    for layer in cache.layers:
+        held = _real_tokens_held(layer)[0]
+        if isinstance(layer, HeadBudgetLayer):  # evicted down to the budget less the slack: never above it
+            assert 30 - 30 // SLACK_SHARE - 1 <= held <= 30
+        else:
+            assert held == 30
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8"])
+def test_a_context_within_the_codecs_residual_stays_at_full_precision(codec):
+    # 39 context tokens, under int4/int8's residual of 128: nothing is quantized, as with budgets=uniform, so the
+    # answer is DynamicCache's. The ranking used to encode every kept pair of the context into the store.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = _ids(40, seed=1)
+    mask = torch.ones_like(ids)
+    expected = _decode_logits(model, ids, mask, DynamicCache(), 8)
+    cache = make_cache(f"kvzip:ratio=1.0+{codec}", model.config)
+    torch.testing.assert_close(_decode_logits(model, ids, mask, cache, 8), expected, rtol=1e-5, atol=1e-5)
+    assert all(layer.store.pairs == 0 for layer in cache.layers)
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def test_the_contexts_exact_pairs_join_the_store_once_later_tokens_fill_the_residual():
+    model = use_kvcompress_attention(tiny_model("llama"))
+    cache = make_cache("kvzip:ratio=1.0+int4:residual_length=8,group_size=16,sink_tokens=0", model.config)
+    ids = _ids(30, seed=2)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    heads = cache.layers[0].kv_heads
+    # The scored layer had encoded 22 tokens and held the newest 8 at full precision: so does each head now.
+    assert all((layer.store.pairs, layer.exact.pairs) == (22 * heads, 8 * heads) for layer in cache.layers)
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    token = ids[:, -1:]
+    with torch.inference_mode():
+        for step in range(1, 9):
+            token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+            for layer in cache.layers:
+                assert int(layer.held_pairs()[0]) == (30 + step) * heads  # ratio 1.0: nothing evicted
+                # 7 later tokens leave the context's newest token within the residual; the 8th fills it.
+                assert (layer.exact is None) == (step == 8)
+            assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    assert all(layer.store.pairs == 30 * heads for layer in cache.layers)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])

@@ -8,7 +8,7 @@ must never become a row's attention sinks.
 import pytest
 import torch
 
-from hf_kvcompress import make_cache, use_kvcompress_attention
+from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
 from hf_kvcompress.caches.layer import CompressedLayer
 from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.policies.sink_window import SinkWindowPolicy
@@ -121,3 +121,30 @@ def test_per_channel_key_groups_across_padding_are_flagged():
         warnings.simplefilter("error")
         model.generate(input_ids=ids, attention_mask=mask, cache=make_cache("int4:residual_length=0,group_size=8",
                        model.config), max_new_tokens=2, do_sample=False)
+
+
+def _prefilled_logits(model, ids, mask, spec, new_tokens):
+    """Greedy logits [B, new, V] of model.generate after KVzip's pass prefilled the cache with all but the last token."""
+    from hf_kvcompress.generation import prefill
+
+    cache = make_cache(spec, model.config)
+    with torch.inference_mode():  # prefill runs in inference mode: so must the steps that update its tensors
+        prefill(model, ids[:, :-1], mask[:, :-1], cache, repeat_prompt_ids=[5, 6, 7])
+        out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return torch.stack(out.logits, 1), cache
+
+
+@pytest.mark.parametrize("budgets", ["uniform", "layer", "token"])
+def test_a_padded_row_keeps_as_many_tokens_at_full_precision_as_alone(budgets):
+    # After KVzip's ranking each row keeps its newest kept tokens at full precision, the fewest over its heads. The
+    # tail is shared by the batch: it took the fewest over all rows, so other rows decided how many of a row's
+    # residual tokens were quantized (|dlogit| up to 0.3). 40 new tokens cross the residual of 32 (encoding).
+    model = use_kvcompress_attention(tiny_model("llama"))
+    spec = f"kvzip:ratio=0.5,budgets={budgets}+int4:residual_length=32,group_size=16"
+    rows, ids, mask = _padded((120, 60, 90), seed=6)
+    batched, cache = _prefilled_logits(model, ids, mask, spec, 40)
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    for i, row in enumerate(rows):
+        alone, _ = _prefilled_logits(model, row[None], torch.ones(1, len(row), dtype=torch.long), spec, 40)
+        torch.testing.assert_close(batched[i], alone[0], rtol=1e-4, atol=1e-4, msg=f"row {i}")

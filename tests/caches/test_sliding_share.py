@@ -148,6 +148,24 @@ def test_sliding_sets_what_the_sliding_layers_keep_whatever_the_budget(spec, ful
         assert promised_bytes(spec, model.config, 40, 4) == cache.promised_kv_bytes() - 3 * 2 * 8
 
 
+@pytest.mark.parametrize("spec", ["kvzip:budget=12", "kvzip:budget=12,budgets=layer", "kvzip:budget=12+int8"])
+def test_a_kvzip_budget_under_the_window_and_above_prompt_and_answer_evicts_nothing(spec):
+    # The sliding layers keep the budget's 12 newest tokens, the full-attention layer ranks the document: 7 + 4
+    # tokens fit in both, so the answer is DynamicCache's. The full layer used to stop at the 6 tokens it held at
+    # the ranking and evict the document while decoding.
+    model = _model(HYBRID)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(2))
+    logits = []
+    for cache in (transformers.DynamicCache(config=model.config), make_cache(spec, model.config)):
+        with torch.inference_mode():
+            if not isinstance(cache, transformers.DynamicCache):
+                prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=REPEAT)
+            out = model.generate(input_ids=ids, cache=cache, max_new_tokens=5, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        logits.append(torch.stack(out.logits, 1))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("spec", ["dynamic:sliding=2", "kvzip:ratio=0.5,sliding=3", "h2o:ratio=0.5,recent=2,sliding=4+int8",
                                   "int4:residual_length=0,group_size=8,key_axis=token", "kvzip:ratio=0.25+int8"])
 def test_padded_batch_with_shrunk_sliding_layers_matches_rows_alone(spec):

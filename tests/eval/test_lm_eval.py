@@ -52,6 +52,36 @@ def test_bad_cache_spec_fails_before_the_model_loads():
         KVCompressLM(pretrained="", cache="no_such_method")
 
 
+@pytest.mark.parametrize("model_args, spec", [
+    ('pretrained=,cache="h2o:budget=256,recent=64"', "h2o:budget=256,recent=64"),  # the quoting the docs show
+    ('{"cache": "h2o:budget=256,recent=64"}', "h2o:budget=256,recent=64"),  # lm-eval's JSON form
+    ("pretrained=,cache=h2o:budget=256,recent=64", None),  # unquoted: lm-eval makes `recent=64` an argument
+])
+def test_a_spec_with_commas_reaches_the_model_only_quoted(monkeypatch, capsys, model_args, spec):
+    """Through lm-eval's own --model_args parsing; the model stops at its spec check (no weights are loaded)."""
+    from hf_kvcompress import registry
+    from hf_kvcompress.cli import main
+
+    seen = []
+
+    def stop(text):
+        seen.append(text)
+        raise ValueError("stopped before the model loads")
+
+    monkeypatch.setattr(registry, "parse_spec", stop)
+    assert main(["lm-eval", "--model", "hf-kvcompress", "--model_args", model_args, "--tasks", "kvc_needle",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    if spec is not None:
+        assert seen == [spec] and err.endswith("stopped before the model loads")
+    else:
+        assert seen == []  # refused before the spec is even read
+        assert err.startswith("hf-kvcompress lm-eval: error: unknown model argument recent=64 for --model hf-kvcompress")
+        assert "its own are pretrained, cache, query_aware, prompt_format, chunk_size, device, dtype" in err
+        assert "max_length" in err  # HFLM's arguments are named too
+        assert """--model_args 'pretrained=,cache="h2o:budget=256,recent=64"'""" in err
+
+
 def test_loglikelihood_scores_the_continuation_from_the_cache(embedded):
     import torch
     from lm_eval.api.instance import Instance

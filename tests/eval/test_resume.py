@@ -5,6 +5,7 @@ import json
 import pytest
 
 from hf_kvcompress.eval import runner
+from hf_kvcompress.eval.report import slug
 
 from .conftest import count_batches
 
@@ -117,3 +118,28 @@ def test_a_changed_meaning_of_the_spec_reruns_its_pairs(embedded, small_samples,
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stored))
     run()
     assert sorted(counted) == [("dynamic", 1), ("int4", 1)]
+
+
+def test_a_rerun_with_fewer_methods_keeps_the_folders_other_methods_in_the_summary(embedded, small_samples, tmp_path,
+                                                                                   counted):
+    model, tokenizer = embedded
+    samples = small_samples.select([0])
+    out = tmp_path / "run"
+    runner.run_eval(model, tokenizer, [WINDOW, "int4"], samples=samples, out_dir=out, progress=False)
+    counted.clear()
+    records = runner.run_eval(model, tokenizer, ["int4"], samples=samples, out_dir=out, progress=False)
+    assert counted == [] and [r["method"] for r in records] == ["dynamic", "int4"]  # returns this run's methods
+    summary = (out / "summary.md").read_text()
+    assert f"`{WINDOW}`" in summary and "`int4`" in summary and "3 results" in summary
+    assert (out / f"heatmap_{slug(WINDOW)}.png").exists()
+    assert "not summarized" not in summary
+
+    # A method whose records were made with other settings is named, not mixed into the tables.
+    edited = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    for record in edited:
+        if record["method"] == WINDOW:
+            record["dtype"] = "bfloat16"
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edited))
+    runner.run_eval(model, tokenizer, ["int4"], samples=samples, out_dir=out, progress=False)
+    summary = (out / "summary.md").read_text()
+    assert "2 results" in summary and f"not summarized: `{WINDOW}`." in summary

@@ -1,0 +1,117 @@
+"""The cache's own share of a decode step: every layer's `update` plus our attention function, without the model.
+
+Question: how long does each cache's part of a decode step take against DynamicCache's, with the model's weights
+(the same for every cache) left out, and how many host reads (GPU syncs) does a step make?
+Command:
+    python benchmarks/probes/decode_step.py [--tokens 4096] [--batch 1] [--steps 16] [--repeats 5]
+        [--specs "int4;fp8"] [--layers 30] [--clock wall|cpu]
+Written up: docs/benchmark-notes.md, the cache-only tables of "Baseline" and sections 5, 7, 10 and 12.
+
+The model's weights cost the same with every cache, so their time only dilutes the ratios; this isolates what
+the caches change, on the embedded model's shapes (30 layers, 9 query heads on 3 KV heads of 64 dims, float32).
+Each cache is filled with random states of `--tokens` tokens (prefilled in chunks of 512, as our prefill does),
+then decodes `--steps` steps; the figure is the median over interleaved repeats of the mean step time, with the
+host reads of tensor values (syncs on a GPU) per decode step. On a shared machine use `--clock cpu` with
+OMP_NUM_THREADS=1: the process's CPU time does not count the time other processes hold the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from hf_kvcompress import make_cache
+from hf_kvcompress.hf.attention import kvcompress_attention
+from hf_kvcompress.ops.host_syncs import HostSyncCounter
+
+SPECS = [
+    "dynamic", "int8", "int4", "int2", "fp8", "sink_window:sink_tokens=4,window=1020",
+    "h2o:budget=1024,recent=128", "snapkv:budget=1024",
+]
+
+
+class _Module:
+    """What attention functions read from the attention module."""
+
+    def __init__(self, layer_idx: int, groups: int):
+        self.layer_idx, self.num_key_value_groups, self.is_causal = layer_idx, groups, True
+
+
+def _config(layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, num_hidden_layers=layers,
+        intermediate_size=1536, vocab_size=256,
+    )
+
+
+def _step(cache, modules, states, queries, position: torch.Tensor):
+    new = queries.shape[2]
+    for i, module in enumerate(modules):
+        kwargs = {"position_ids": position}
+        k, v = cache.update(states[0][..., :new, :], states[1][..., :new, :], i, kwargs)
+        mask = None
+        if new > 1:  # causal over the new tokens, everything before them visible
+            kv = k.shape[-2]
+            mask = torch.ones(new, kv, dtype=torch.bool).tril(kv - new)[None, None]
+        kvcompress_attention(modules[i], queries, k, v, mask, scaling=64 ** -0.5, **kwargs)
+
+
+@torch.inference_mode()
+def run(spec: str, tokens: int, batch: int, steps: int, layers: int, clock=time.perf_counter) -> tuple[float, float]:
+    """Mean ms per decode step and host reads per decode step."""
+    gen = torch.Generator().manual_seed(0)
+    cache = make_cache(spec, _config(layers))
+    modules = [_Module(i, 3) for i in range(layers)]
+    chunk = 512
+    states = (torch.randn(batch, 3, chunk, 64, generator=gen), torch.randn(batch, 3, chunk, 64, generator=gen))
+    for start in range(0, tokens, chunk):
+        n = min(chunk, tokens - start)
+        position = torch.arange(start, start + n)[None].expand(batch, n)
+        _step(cache, modules, states, torch.randn(batch, 9, n, 64, generator=gen), position)
+    query = torch.randn(batch, 9, 1, 64, generator=gen)
+    counter = HostSyncCounter()
+    begin = clock()
+    for s in range(steps):
+        position = torch.full((batch, 1), tokens + s)
+        if s == steps - 1:
+            with counter:
+                _step(cache, modules, states, query, position)
+        else:
+            _step(cache, modules, states, query, position)
+    return 1000 * (clock() - begin) / steps, counter.count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--specs", default=";".join(SPECS))
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time or process CPU time")
+    args = parser.parse_args()
+    specs = ["dynamic"] + [s for s in args.specs.split(";") if s and s != "dynamic"]
+    times = {s: [] for s in specs}
+    syncs = {}
+    for _ in range(args.repeats):
+        for spec in specs:
+            clock = time.process_time if args.clock == "cpu" else time.perf_counter
+            ms, syncs[spec] = run(spec, args.tokens, args.batch, args.steps, args.layers, clock)
+            times[spec].append(ms)
+    base = statistics.median(times["dynamic"])
+    print(f"{args.tokens} tokens, batch {args.batch}, {args.layers} layers, {args.steps} steps, median of "
+          f"{args.repeats}, torch threads {torch.get_num_threads()}, clock {args.clock}")
+    print(f"{'cache':42s} {'ms/step':>8s} {'x dynamic':>9s} {'host reads/step':>15s}")
+    for spec in specs:
+        ms = statistics.median(times[spec])
+        print(f"{spec:42s} {ms:8.2f} {ms / base:9.2f} {syncs[spec]:15d}")
+
+
+if __name__ == "__main__":
+    main()

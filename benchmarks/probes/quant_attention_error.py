@@ -1,0 +1,168 @@
+"""How much each integer-codec option disturbs attention on real keys, values and queries (a fast proxy for the suite).
+
+Question: for each integer-codec configuration, how far is the attention output from the uncompressed one, and how
+much of the attention on the needle remains (per layer with --per-layer, which picks `wide_layers`)?
+Command:
+    python benchmarks/probes/quant_attention_error.py [--model smollm2-135m] [--length 2000] [--depths 0,50]
+        [--configs "bits=2,rotate=hadamard,key_axis=channel,sink_tokens=4;bits=2,...,pre_rope=true"] [--per-layer]
+Written up: README.md, "Quantization options, and what each one measured" (its introduction and "The suite:
+retention at each width") and "Where each family fits (from the measurements above)".
+
+One needle prompt per depth (the suite's own samples, question after the document) runs once through the model with
+an uncompressed cache while an attention function records every layer's queries, keys and values (sliding-window
+layers attend over their window and store keys per token, as the cache stores them).
+Each codec configuration then stores the keys and values as the cache would (the first `sink_tokens` tokens exact,
+the newest `residual_length` tokens exact, the rest encoded and decoded), and the question's queries attend over
+them. Printed: the relative error of the attention output, mean over layers and prompts, and the attention mass on
+the needle's tokens as a share of the uncompressed mass (1.00 = unchanged).
+
+Two keys in a configuration are not codec options: `key_outliers=N` and `value_outliers=N` keep each token's N
+largest-magnitude key (value) entries exact and encode the rest (dense-and-sparse, KVQuant arXiv:2401.18079), to
+see whether outliers would pay for their bytes (each costs a bfloat16 value and a one-byte index). `--per-layer`
+prints each layer's error too.
+
+`--text calibration` measures on the package's calibration text (HotpotQA paragraphs, `hf_kvcompress.calibration`)
+instead of the needle prompts, with the last 32 tokens as the queries: the layers chosen for `wide_layers` on the
+suite's own prompts can be checked there on text the suite never grades (no needle mass then).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hf_kvcompress import load_model
+from hf_kvcompress.caches.compressed import CompressedCache
+from hf_kvcompress.codecs.intn import IntNCodec
+from hf_kvcompress.registry import _parse_value
+from hf_kvcompress.eval.prompts import encode
+from hf_kvcompress.eval.tasks import build_samples
+
+CONFIGS = [
+    f"bits={b},rotate={r},key_axis={a},sink_tokens={s}"
+    for b in (4, 3, 2) for r in ("none", "hadamard") for a in ("channel", "token") for s in (0, 4)
+]
+
+
+def _record(store: dict, question: int):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        store[module.layer_idx] = (query[:, :, -question:].float(), key.float(), value.float(), kwargs.get("scaling"))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+def _split_outliers(states, count: int):
+    """(dense, sparse): each token's `count` largest-magnitude entries moved into the sparse part."""
+    if count == 0:
+        return states, torch.zeros_like(states)
+    index = states.abs().topk(count, dim=-1).indices
+    sparse = torch.zeros_like(states).scatter(-1, index, states.gather(-1, index))
+    return states - sparse, sparse
+
+
+def _store(states, codec: IntNCodec, kind: str, outliers: int = 0):
+    """The states as the cache holds them after prefill: exact sinks and residual, the middle encoded."""
+    t = states.shape[2]
+    encoded = max(0, (t - codec.residual_length) // codec.group_size * codec.group_size)
+    if encoded == 0:
+        return states
+    out = states.clone()
+    dense, sparse = _split_outliers(states[:, :, :encoded], outliers)
+    out[:, :, :encoded] = codec.decode(codec.encode(dense, kind), kind, states.dtype) + sparse
+    out[:, :, : codec.sink_tokens] = states[:, :, : codec.sink_tokens]
+    return out
+
+
+def _attend(query, key, value, scaling, window=None):
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    logits = query @ key.transpose(-1, -2) * scaling
+    q_len, kv_len = query.shape[2], key.shape[2]
+    distance = torch.arange(kv_len - q_len, kv_len)[:, None] - torch.arange(kv_len)[None, :]
+    allowed = (distance >= 0) & (distance < (window or kv_len + 1))
+    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return probs @ value, probs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=2000)
+    parser.add_argument("--depths", default="0,50")
+    parser.add_argument("--configs", default=";".join(CONFIGS),
+                        help="IntNCodec keyword sets separated by ';' (default: bits x rotate x key_axis x sinks)")
+    parser.add_argument("--per-layer", action="store_true", help="also print each layer's error")
+    parser.add_argument("--text", choices=("needle", "calibration"), default="needle",
+                        help="needle: the suite's prompts; calibration: HotpotQA paragraphs the suite never grades")
+    args = parser.parse_args()
+    configs = args.configs.split(";")
+    model, tokenizer = load_model(args.model, dtype=torch.float32)
+    decoder = model.config.get_text_config(decoder=True)
+    layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
+    # Sliding-window layers (Gemma-3) attend over their window.
+    layers = list(range(len(layer_types)))
+    windows = {i: decoder.sliding_window for i, kind in enumerate(layer_types) if kind == "sliding_attention"}
+    depths = [float(d) for d in args.depths.split(",")]
+    samples = (build_samples(tokenizer, ["needle"], [args.length], depths) if args.text == "needle"
+               else [None])
+    totals = {c: [0.0, 0.0] for c in configs}
+    per_layer = {c: torch.zeros(len(layers)) for c in configs}
+    for sample in samples:
+        if sample is None:
+            from hf_kvcompress.calibration import calibration_text
+
+            text_ids = tokenizer(calibration_text(words=args.length * 2))["input_ids"][: args.length]
+            document, question = text_ids[:-32], text_ids[-32:]
+            needle_slots = None
+        else:
+            document, question = encode(tokenizer, sample)
+            needle_ids = tokenizer(" " + sample["references"][0], add_special_tokens=False)["input_ids"]
+            needle = next(i for i in range(len(document)) if document[i : i + len(needle_ids)] == needle_ids)
+            needle_slots = slice(needle, needle + len(needle_ids))
+        ids = torch.tensor([document + question])
+        store: dict = {}
+        AttentionInterface.register("record_sdpa", _record(store, len(question)))
+        AttentionMaskInterface.register("record_sdpa", sdpa_mask)
+        model.set_attn_implementation("record_sdpa")
+        with torch.no_grad():
+            model(input_ids=ids)
+        for config in configs:
+            kwargs = {k: _parse_value(v) for k, v in (p.split("=") for p in config.split(","))}
+            key_outliers, value_outliers = kwargs.pop("key_outliers", 0), kwargs.pop("value_outliers", 0)
+            # Each layer's codec as the cache builds it: bound to the model (RoPE frequencies, rotate=auto), keys
+            # per token in sliding-window layers.
+            layer_codecs = [layer.codec for layer in CompressedCache(codec=IntNCodec(**kwargs), config=model.config).layers]
+            errors, mass = [], []
+            for i in layers:
+                query, key, value, scaling = store[i]
+                scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+                layered = layer_codecs[i]
+                window = windows.get(i)
+                ref, ref_probs = _attend(query, key, value, scaling, window)
+                out, probs = _attend(query, _store(key, layered, "key", key_outliers),
+                                     _store(value, layered, "value", value_outliers), scaling, window)
+                errors.append(((out - ref).norm() / ref.norm()).item())
+                if needle_slots is not None and ref_probs[..., needle_slots].sum() > 0:  # within this layer's reach
+                    mass.append((probs[..., needle_slots].sum() / ref_probs[..., needle_slots].sum()).item())
+            per_layer[config] += torch.tensor(errors) / len(samples)
+            totals[config][0] += sum(errors) / len(errors) / len(samples)
+            totals[config][1] += sum(mass) / len(mass) / len(samples) if mass else float("nan")
+    where = f"needle at {args.length} tokens, depths {args.depths}" if args.text == "needle" else \
+        f"calibration text, {args.length} tokens, last 32 as queries"
+    print(f"{args.model}, {where}; {len(layers)} layers, {len(windows)} of them sliding-window")
+    print(f"{'codec':50s} {'attn out rel. err':>18s} {'needle mass':>12s}")
+    for config, (error, mass) in totals.items():
+        print(f"{config:50s} {error:18.4f} {mass:12.3f}")
+        if args.per_layer:
+            print("  per layer: " + " ".join(f"{i}:{e:.3f}" for i, e in zip(layers, per_layer[config].tolist())))
+            ranked = per_layer[config].argsort(descending=True).tolist()
+            print("  worst first: " + "/".join(str(layers[i]) for i in ranked))
+
+
+if __name__ == "__main__":
+    main()
