@@ -15,6 +15,7 @@ _EXPORTS = {
     ".codecs.fp8": ["Fp8Codec"],
     ".codecs.identity": ["IdentityCodec"],
     ".codecs.intn": ["IntNCodec"],
+    ".document": ["Document", "compress_document", "load_document"],
     ".generation": ["prefill", "repeat_prompt_ids"],
     ".hf.attention": ["use_kvcompress_attention"],
     ".measure": ["measured_kv_bytes"],

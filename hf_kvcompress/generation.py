@@ -13,7 +13,7 @@ import torch
 
 from .caches.layer import END_ALIGNED_CHUNKS
 from .caches.persist import check_model
-from .hf.compat import cache_kwargs, text_config
+from .hf.compat import assisted_decoding_continues_cache, cache_kwargs, text_config
 from .measure import measured_kv_bytes
 
 
@@ -55,7 +55,9 @@ def repeat_prompt_ids(tokenizer, chat: bool | None = None) -> list[int]:
     return tokenizer("\n\n" + REPEAT_INSTRUCTION + suffix, add_special_tokens=False).input_ids
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: tensors made under inference_mode refuse in-place updates outside it, so a cache
+# prefilled here could not be continued by transformers' generate() (no_grad) or any forward the caller runs.
+@torch.no_grad()
 def prefill(
     model,
     input_ids: torch.Tensor,
@@ -202,7 +204,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # see prefill
 def generate(
     model,
     input_ids: torch.Tensor,
@@ -217,7 +219,9 @@ def generate(
     """generate() with `cache`, timing prefill and decoding separately.
 
     The prompt (whatever part of it the cache has not seen yet) is prefilled first, then generate() continues from
-    the cache, which slices off what the cache already holds. `repeat_prompt_ids`: see `prefill` (KVzip).
+    the cache, which slices off what the cache already holds; so does speculative decoding
+    (`prompt_lookup_num_tokens=`, `assistant_model=`: see `assisted_decoding_continues_cache` in hf/compat.py).
+    `repeat_prompt_ids`: see `prefill` (KVzip).
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive number of tokens, got {max_new_tokens}")
@@ -258,15 +262,16 @@ def generate(
         if isinstance(pad_id, list):
             pad_id = pad_id[0]
     start = time.perf_counter()
-    sequences = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=max_new_tokens,
-        streamer=streamer,
-        pad_token_id=pad_id,
-        **cache_kwargs(cache),
-        **generate_kwargs,
-    )
+    with assisted_decoding_continues_cache(model):  # speculative decoding from the prefilled cache, see there
+        sequences = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            streamer=streamer,
+            pad_token_id=pad_id,
+            **cache_kwargs(cache),
+            **generate_kwargs,
+        )
     sync(device)
     decode_seconds = time.perf_counter() - start
     new_tokens = sequences[:, input_ids.shape[1] :]

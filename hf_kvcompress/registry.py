@@ -175,10 +175,11 @@ def make_cache(spec: str, config=None):
 
 
 def needs_own_prefill(spec: str) -> bool:
-    """Whether the spec's policy must see the prefill itself (attention scores, or KVzip's reconstruction pass), so a
-    cache cannot be filled by replaying another cache's states."""
-    policy = parse_spec(spec)[0]
-    return policy.needs_attention or policy.scores_by_reconstruction
+    """Whether the spec's cache must see the prefill itself (its policy's attention scores, KVzip's reconstruction
+    pass, or a codec whose prompt attention reads the encoded states, fp8), so it cannot be filled by replaying
+    another cache's states."""
+    policy, codec = parse_spec(spec)
+    return policy.needs_attention or policy.scores_by_reconstruction or codec.encodes_on_arrival
 
 
 def needs_attention(spec: str) -> bool:

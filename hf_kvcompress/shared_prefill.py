@@ -2,7 +2,7 @@
 
 A cache whose policy does not score by attention, given the whole document in one chunk, receives exactly the
 key and value states a DynamicCache receives (attention over the document uses the states as they arrive, before
-any encoding or eviction). So the document is prefilled once into a DynamicCache, and each plan's cache is built
+any encoding or eviction; not so fp8's, which encodes them first, see `needs_own_prefill`). So the document is prefilled once into a DynamicCache, and each plan's cache is built
 by handing it those states layer by layer; only the question and the answer run per plan. Plans that score by
 attention (H2O, SnapKV) or by reconstruction (KVzip) need the prefill itself and are prefilled for real. `tests/test_shared_prefill.py` checks the
 answers equal those of a real one-chunk prefill.

@@ -110,3 +110,42 @@ def test_every_readme_command_is_installed_and_its_arguments_parse():
             parser.parse_args(args[args.index("-m") + 2 :])
     assert any(w[0] == "accelerate" for w in commands) and any(w[0] == "torchrun" for w in commands)
     assert "source .venv/bin/activate" in text
+
+
+def _snippet(heading: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index(heading) :]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def _run(snippet: str) -> tuple[dict, list[str]]:
+    printed = io.StringIO()
+    names: dict = {}
+    with contextlib.redirect_stdout(printed):
+        exec(snippet, names)  # noqa: S102  (exactly as printed)
+    return names, printed.getvalue().splitlines()
+
+
+def test_the_document_snippets_run_as_printed_and_answer(tmp_path, monkeypatch):
+    # The recipe they replace closed the user's turn before the question and opened no assistant turn: SmolLM2
+    # ended at once, for every cache, the uncompressed one included.
+    from hf_kvcompress import compress_document
+
+    monkeypatch.chdir(tmp_path)  # the snippet saves doc.safetensors where it runs
+    names, lines = _run(_snippet("### Saved caches (prompt caching)"))
+    assert (tmp_path / "doc.safetensors").exists()
+    assert len(lines) == 1 and lines[0].strip(), lines
+    model, tokenizer = names["model"], names["tokenizer"]
+    uncompressed = compress_document(model, tokenizer, names["text"], "dynamic")
+    assert "Pierre" in uncompressed.ask("Who was Marie Curie's husband?", max_new_tokens=16)
+
+    names, lines = _run(_snippet("### Compress a document once, ask several questions (KVzip)"))
+    assert len(lines) == 3 and lines[0].startswith("Document(") and "kvzip:ratio=0.25+int4" in lines[0], lines
+    assert lines[1].strip()
+    batch = eval(lines[2])  # noqa: S307  (the printed list of two answers)
+    assert len(batch) == 2 and all(answer.strip() for answer in batch), batch
+    uncompressed = compress_document(names["model"], names["tokenizer"], names["text"], "dynamic")
+    questions = ["Who is the tower named after?", "How tall is the tower?",
+                 "Which building became the tallest in 1930?"]
+    named, tall, finished = uncompressed.ask(questions, max_new_tokens=32)
+    assert "Eiffel" in named and "330" in tall and "Chrysler" in finished, (named, tall, finished)

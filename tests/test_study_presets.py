@@ -15,7 +15,8 @@ def test_the_demo_has_every_family_and_the_lessons_stacks_without_an_own_prefill
     for wanted in ("no compression", "quantization", "eviction", "sharing", "low rank", "sharing + quantization",
                    "eviction + quantization", "low rank + quantization"):
         assert wanted in families, wanted
-    assert not [p for p in plans if needs_own_prefill(p)]
+    # fp8 reads its encoded states during the prefill too (codecs/fp8.py), so only it is prefilled on its own.
+    assert [p for p in plans if needs_own_prefill(p)] == ["fp8"]
     budget = min(parse_spec(p)[0].budget or 10**9 for p in plans)
     assert budget == min(lengths) // 4  # eviction keeps a quarter of the shortest document
 

@@ -7,12 +7,13 @@ import math
 import threading
 
 import torch
+import transformers
 from transformers.cache_utils import Cache
 
 from ..codecs.base import Codec, resolve_for_model, resolve_for_policy
 from ..codecs.identity import IdentityCodec
 from ..codecs.reducing import ReducingCodec
-from ..hf.compat import text_config
+from ..hf.compat import ASSISTED_CONTINUES_CACHE, ASSISTED_REFEEDS_PROMPT, text_config
 from ..hf.rope import rope_inv_freq
 from ..policies.base import Policy, check_count
 from ..policies.block_window import BlockWindowPolicy
@@ -222,6 +223,14 @@ class CompressedCache(Cache):
             )
         last = (self.num_layers or len(self.layers)) - 1
         self._owner = None if layer_idx >= last else me
+
+    def activate_past_recording(self) -> None:
+        """Called when assisted decoding starts: refuse to start it on a prefilled cache where it would re-feed the
+        prompt (hf/compat.py: `assisted_decoding_continues_cache`)."""
+        held = self.get_seq_length()
+        if held > 0 and not ASSISTED_CONTINUES_CACHE.get():
+            raise ValueError(ASSISTED_REFEEDS_PROMPT.format(version=transformers.__version__, held=held))
+        super().activate_past_recording()
 
     def reset(self) -> None:
         self._owner = None

@@ -183,6 +183,8 @@ class CompressedLayer(
         self.seen += new
 
         self._append_tail(key_states, value_states)
+        if self.codec.encodes_on_arrival:  # attention reads the step's tokens as stored (codecs/base.py)
+            self._encode_tail()
         length = self.stored_tokens
         self.peak_tokens = max(self.peak_tokens, length)
         if self.inv_freq is not None or self.policy.needs_positions:

@@ -34,8 +34,12 @@ def _architecture(config) -> dict:
     return {k: getattr(decoder, k, None) for k in keys}
 
 
-def save_cache(cache: CompressedCache, path: str | os.PathLike) -> None:
-    """Write `cache` (built with `config=model.config`) to a safetensors file."""
+def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """Write `cache` (built with `config=model.config`) to a safetensors file.
+
+    `metadata`: more string entries for the file's metadata (a Document keeps its text there); they cannot replace
+    the cache's own entries. `safetensors.safe_open(path, "pt").metadata()` reads them back.
+    """
     if not isinstance(cache, CompressedCache):
         raise ValueError(f"cache must be an hf_kvcompress CompressedCache, got {type(cache).__name__}")
     if cache.config is None:
@@ -51,7 +55,8 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike) -> None:
         tensors.update({f"layers.{i}.{name}": t.contiguous() for name, t in layer_tensors.items()})
     if not tensors:
         raise ValueError("the cache is empty: prefill it before saving")
-    metadata = {
+    extra = dict(metadata or {})
+    own = {
         "format": FORMAT,
         "spec": cache.spec,
         "rerotate": json.dumps(cache.rerotate),
@@ -61,7 +66,12 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike) -> None:
         "layers": json.dumps(layers),
         "device": str(next(layer.device for layer in cache.layers if layer.is_initialized)),
     }
-    save_file(tensors, str(path), metadata=metadata)
+    clash = sorted(set(extra) & set(own))
+    if clash or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
+        raise ValueError(
+            f"metadata must map new names to strings (the cache's own entries are {sorted(own)}), got {clash or extra}"
+        )
+    save_file(tensors, str(path), metadata={**extra, **own})
 
 
 def load_cache(path: str | os.PathLike, device: str | torch.device | None = None, model=None) -> CompressedCache:

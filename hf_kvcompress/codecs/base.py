@@ -33,6 +33,11 @@ class Codec(ABC):
     # Attention may read the store a block of tokens at a time through `key_logits` and `mix_values`
     # (caches/store_attention.py)
     attends_encoded: ClassVar[bool] = False
+    # Tokens are encoded as they arrive, before attention reads them, so every query reads every token as stored
+    # (its own step's included, as serving engines' fp8 caches do). Without a residual this makes a step's output
+    # independent of how tokens are grouped into steps: one at a time, prompt chunks, or speculative decoding's
+    # multi-token verification steps answer alike. Otherwise a step's own tokens are read at full precision.
+    encodes_on_arrival: ClassVar[bool] = False
 
     def token_block(self, kind: Kind) -> int:
         """How many tokens are encoded together along the token axis."""

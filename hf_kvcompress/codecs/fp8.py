@@ -35,7 +35,9 @@ class Fp8Codec(Codec):
     """float8_e4m3fn values with one fp16 scale per token and KV head.
 
     The scale maps each head vector's largest magnitude to E4M3's range, so outlier tokens do not saturate and
-    every token is encoded on its own (evicting policies can drop tokens without re-encoding).
+    every token is encoded on its own (evicting policies can drop tokens without re-encoding). Tokens are encoded as
+    they arrive and attention reads them as stored, the step's own included, so the answer does not depend on how
+    tokens are grouped into steps (prompt chunks, speculative decoding).
 
     Args:
         sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps at full precision.
@@ -45,6 +47,9 @@ class Fp8Codec(Codec):
 
     sink_tokens: int = 0
     attends_encoded: ClassVar[bool] = True
+    # With no residual, a step's own tokens read at full precision were the only thing that made a multi-token
+    # step (speculative decoding's verification) answer other tokens than the same tokens fed one at a time.
+    encodes_on_arrival: ClassVar[bool] = True
 
     def __post_init__(self):
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
