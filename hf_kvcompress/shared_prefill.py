@@ -18,10 +18,10 @@ import torch
 from transformers import DynamicCache
 
 from .eval.prompts import encode, protocol_name, uses_chat
-from .eval.runner import _eos_ids, _first, _tokens_stored, left_pad, plan_batches, run_batch
+from .eval.runner import _eos_ids, _first, _tokens_stored, left_pad, plan_batches, run_batch, served_name
 from .eval.scoring import score_all
 from .generation import generate, prefill
-from .measure import measured_kv_bytes
+from .measure import measured_kv_bytes, served_kv_bytes
 from .generation import repeat_prompt_ids
 from .registry import make_cache, needs_own_prefill
 
@@ -64,6 +64,7 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
     eos = _eos_ids(model)
     prompt_kind = "chat" if uses_chat(tokenizer, prompt_format) else "plain"
     repeat_ids = repeat_prompt_ids(tokenizer, chat=prompt_kind == "chat")
+    served = getattr(torch, served_name(model))  # bytes are also counted at the dtype the model is served in
     records = []
     done = 0
     for item in batches:
@@ -78,10 +79,12 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
                 out = run_batch(model, plan, batch, max_new, pad_token_id=pad_id, chunk_size=None,
                                 repeat_prompt_ids=repeat_ids)
                 new_tokens, kv_document, stored = out.new_tokens, out.kv_bytes_document, out.tokens_stored
+                kv_served = out.kv_bytes_document_served
                 prefill_seconds = out.prefill_seconds
             else:
                 cache = replay(plan, model, reference, full_mask[:, :width])
                 kv_document, stored = measured_kv_bytes(cache), _tokens_stored(cache)
+                kv_served = served_kv_bytes(cache, served)
                 result = generate(model, full_ids.to(model.device), full_mask.to(model.device), cache,
                                   max_new_tokens=max_new)
                 new_tokens = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))]
@@ -102,6 +105,8 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
                     "question_tokens": len(encoded[i][1]), "new_tokens": len(new_tokens[k]),
                     "tokens_kept": min(stored, len(encoded[i][0])),
                     "kv_bytes_document": kv_document / share, "kv_bytes_peak": kv_document / share,
+                    "served_dtype": str(served).removeprefix("torch."), "kv_bytes_document_served": kv_served / share,
+                    "kv_bytes_peak_served": kv_served / share,
                     "prefill_seconds": prefill_seconds / share, "decode_seconds": 0.0, "batch_rows": share,
                     "chunk_size": None, "model": model_name,
                     "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
