@@ -26,4 +26,4 @@ def test_per_head_budgets_say_the_whole_kept_prompt_is_encoded():
     # A head-budget KVzip layer encodes every kept pair of the prompt; only later tokens wait in full precision.
     note = residual_note("kvzip:ratio=0.25+int4", 1000)
     assert "every kept pair of the compressed prompt is stored in int4" in note and "most recent" not in note
-    assert "the 128 most recent of 1000" in residual_note("kvzip:ratio=0.25,budgets=uniform+int4", 1000)
+    assert "the 128 most recent of 250 kept" in residual_note("kvzip:ratio=0.25,budgets=uniform+int4", 1000)
