@@ -45,6 +45,14 @@ def replay(spec: str, model, reference: DynamicCache, document_mask: torch.Tenso
     return cache
 
 
+def batch_groups(rows: Sequence[dict], encoded: Sequence[tuple[list[int], list[int]]]) -> list[str]:
+    """Rows batch together only with the same task, answer cap and document length, so no row is padded: the
+    int codecs' per-channel key groups (32 tokens) never span padding, which quantized a padded row in other
+    groups than the row alone (and warned), and KVzip with an int codec stored it at other precision. A document
+    length in tokens varies by a few with the needle, so batches are smaller; a plan's work is mostly per row."""
+    return [f"{r['task']}|{r['max_new_tokens']}|{len(e[0])}" for r, e in zip(rows, encoded)]
+
+
 def rescores(spec: str) -> bool:
     """Whether the plan scores by reconstruction alone (KVzip): its cache keeps every state of the document until
     the reconstruction pass, so the shared prefill's states replayed into it, then that pass, leave what its own
@@ -80,7 +88,7 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
             row["max_new_tokens"] = min(row["max_new_tokens"], max_new_tokens)
     encoded = [encode(tokenizer, r, query_aware=False, prompt_format=prompt_format) for r in rows]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _first(model.generation_config.eos_token_id)
-    groups = [f"{r['task']}|{r['max_new_tokens']}" for r in rows]
+    groups = batch_groups(rows, encoded)
     batches = plan_batches(["all"], encoded, [r["sample_id"] for r in rows], batch_size, None, groups=groups)
     eos = _eos_ids(model)
     prompt_kind = "chat" if uses_chat(tokenizer, prompt_format) else "plain"

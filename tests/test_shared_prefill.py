@@ -75,3 +75,16 @@ def test_kvzip_from_the_shared_prefill_answers_as_its_own_prefill(family):
             got = generate(model, full_ids, full_mask, cache, max_new_tokens=6).new_tokens.tolist()
         assert got == real.new_tokens, plan
     assert not rescores("h2o:budget=128") and not rescores("snapkv:budget=128") and not rescores("int4")
+
+
+def test_the_study_batches_no_padded_rows():
+    """Issue 25.9: `make demo` warned that per-channel key groups span left padding (documents of 2,003-2,008
+    tokens shared batches); rows now batch only with documents of their own length."""
+    from hf_kvcompress.eval.runner import plan_batches
+    from hf_kvcompress.shared_prefill import batch_groups
+
+    rows = [{"task": "needle", "max_new_tokens": 10}] * 6
+    encoded = [([1] * n, [2] * 40) for n in (2008, 2007, 2008, 2003, 2008, 2007)]
+    batches = plan_batches(["all"], encoded, [str(i) for i in range(6)], 5, None, groups=batch_groups(rows, encoded))
+    assert sorted(sorted(len(encoded[i][0]) for i in b.rows) for b in batches) == [[2003], [2007, 2007],
+                                                                                   [2008, 2008, 2008]]
