@@ -428,7 +428,7 @@ __all__ = ["analyse", "recommend", "format_table", "format_users", "recommendati
            "formula_bytes", "model_weight_bytes", "BASELINE_RULE", "EMBEDDED_MODELS"]
 
 
-def plot_study(results: list[PlanResult], out_dir: str | Path) -> Path:
+def plot_study(results: list[PlanResult], out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Score (with its 95% interval) against measured bytes; points are numbered and named in a key beside the
     axes, so no two labels can overlap however close the points sit."""
     import matplotlib
@@ -449,7 +449,7 @@ def plot_study(results: list[PlanResult], out_dir: str | Path) -> Path:
                  family="monospace", transform=key.transAxes)
     key.axis("off")
     ax.set_xscale("log")
-    ax.set_xlabel("KV cache after the document (MiB per sample, measured, log scale)")
+    ax.set_xlabel(f"KV cache after the document (MiB per sample, measured, at {dtype}, log scale)")
     ax.set_ylabel("score (0-100), 95% interval")
     ax.set_ylim(-5, 105)
     ax.grid(alpha=0.3)

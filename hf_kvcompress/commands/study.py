@@ -209,7 +209,7 @@ def run(args) -> int:
     plots = out / Path(name).name
     plots.mkdir(parents=True, exist_ok=True)
     plot_heatmaps(records, plots)
-    study.plot_study(results, plots)
+    study.plot_study(results, plots, served)
     with open(plots / "records.jsonl", "w", encoding="utf-8") as handle:
         for record in records:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -252,7 +252,8 @@ def run(args) -> int:
         results, args.min_quality, args.gpu_memory * GIB, weights, context, served, tokens), "",
         study.recommendation_text(best, results),
         "```", "", "Retention: share of the samples the uncompressed cache answers that the plan still answers. "
-        "Formula: the lesson's 2 x layers x kv_heads x head_dim x bytes x tokens; measured: what the cache held.",
+        f"Formula: the lesson's 2 x layers x kv_heads x head_dim x bytes x tokens at {served}; measured: what the "
+        f"cache held, at {served}; x less: the uncompressed cache's measured bytes / the plan's.",
         f"Plots: {plots}/quality_vs_memory.png and heatmap_<plan>.png; numbers: {plots}/study.json"]
     text = "\n".join(lines)
     out.mkdir(parents=True, exist_ok=True)
