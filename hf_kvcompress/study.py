@@ -258,7 +258,9 @@ def analyse(records: list[dict], config, model_bytes: float, weights_bytes: floa
         cis, counts = band_intervals(rows)
         kept, kept_ci, _ = retention(rows, base)
         policy = parse_spec(method)[0]
-        stretched = kept_tokens(policy, context) / context < kept_tokens(policy, tokens) / tokens - 1e-9
+        # a ratio keeps its share at any length (ceil() only rounds it); a budget keeps a smaller share of more
+        stretched = policy.budget is not None and (
+            kept_tokens(policy, context) / context < 0.99 * kept_tokens(policy, tokens) / tokens)
         results.append(PlanResult(method, formula, measured, base_bytes / measured, depth_bands(rows), score,
                                   score - base_score, per_user, users, len(rows), cis, counts, kept, kept_ci,
                                   {f"{r['task']}/{r['sample_id']}": r["score"] for r in rows}, stretched))

@@ -94,6 +94,10 @@ def test_a_budget_measured_on_short_documents_is_not_recommended_for_long_users(
     records = _records("dynamic", 11.5e6) + _records("int4", 4.2e6) + _records("kvzip:budget=250", 2.9e6)
     results = study.analyse(records, config, 2, 0.25 * 2**30, 80 * 2**30, 8192)
     assert [r.stretched for r in results] == [False, False, True]
+    # a ratio keeps its share at any length: ceil(0.25 x 1,110) / 1,110 is above 2,048 / 8,192 by rounding only
+    ratio = study.analyse(_records("dynamic", 11.5e6, 1110) + _records("kvzip:ratio=0.25", 3e6, 1110), config, 2,
+                          0.25 * 2**30, 80 * 2**30, 8192)
+    assert not ratio[1].stretched and study.recommend(ratio, 10).spec == "kvzip:ratio=0.25"
     assert study.recommend(results, 10).spec == "int4"  # not the budget's 8192/250-fold users
     text = study.format_users(results, 10, 80 * 2**30, 0.25 * 2**30, 8192, "bfloat16", 1000)
     assert "(score 100, +0) *" in text and "250 = 3% instead of 25%" in text
