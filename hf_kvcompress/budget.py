@@ -106,6 +106,31 @@ def dtype_label(bytes_per_value: float, dtype=None) -> str:
     return _DTYPE_LABELS.get(bytes_per_value, f"{bytes_per_value:g}-byte")
 
 
+# What a model's cache is counted in when no dtype is given: models are served in 16-bit, whatever their config
+# says (the embedded models' configs say float32 because their weights were dequantized from GGUF, and a CPU runs
+# them in float32), so every ratio is against the 16-bit cache a user would serve.
+SERVED_DTYPES = ("bfloat16", "float16")
+DEFAULT_SERVED = "bfloat16"
+
+
+def served_dtype(*dtypes) -> tuple[str, str | None]:
+    """The dtype a model is served in: the first 16-bit one of `dtypes` (the dtype it ran in, its config's), else
+    bfloat16; and a note saying why when it was assumed rather than given.
+
+    Args:
+        dtypes: torch dtypes or names, most specific first (e.g. the model's run dtype, then its config's); None
+            entries are skipped.
+    """
+    names = [str(d).lower().removeprefix("torch.") for d in dtypes if d is not None]
+    names = [{"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(n, n) for n in names]
+    for name in names:
+        if name in SERVED_DTYPES:
+            return name, None
+    said = f"{names[0]} here" if names else "no dtype given"
+    return DEFAULT_SERVED, (f"bytes are counted at {DEFAULT_SERVED}, the dtype models are served in ({said}; "
+                            "--dtype to change)")
+
+
 @dataclass(frozen=True)
 class KVShape:
     """The factors of the size formula for one model, plus what each layer really keeps.

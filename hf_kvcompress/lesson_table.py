@@ -25,19 +25,19 @@ def _plain(codec, kind) -> bool:
 def _int(bits: int) -> Callable[[str], bool]:
     def match(spec: str) -> bool:
         policy, codec = parse_spec(spec)
-        return policy.budget is None and isinstance(codec, IntNCodec) and codec.bits == bits
+        return not policy.evicts and isinstance(codec, IntNCodec) and codec.bits == bits
     return match
 
 
 def _evict(spec: str) -> bool:
     policy, codec = parse_spec(spec)
-    return policy.budget is not None and isinstance(codec, IdentityCodec)
+    return policy.evicts and isinstance(codec, IdentityCodec)  # a budget or a ratio
 
 
 def _shared(storage) -> Callable[[str], bool]:
     def match(spec: str) -> bool:
         policy, codec = parse_spec(spec)
-        return (policy.budget is None and isinstance(codec, SharedHeadsCodec)
+        return (not policy.evicts and isinstance(codec, SharedHeadsCodec)
                 and (_plain(codec.storage, IdentityCodec) if storage is None else
                      isinstance(codec.storage, IntNCodec) and codec.storage.bits == storage))
     return match
@@ -45,7 +45,7 @@ def _shared(storage) -> Callable[[str], bool]:
 
 def _lowrank(spec: str) -> bool:
     policy, codec = parse_spec(spec)
-    return policy.budget is None and isinstance(codec, LowRankCodec) and _plain(codec.storage, IdentityCodec)
+    return not policy.evicts and isinstance(codec, LowRankCodec) and _plain(codec.storage, IdentityCodec)
 
 
 # The lesson's rows in its order, each with the test a study plan must pass to stand for it. Low rank prefers the
@@ -79,6 +79,8 @@ def lesson_rows(results: list, config, tokens: float, model_bytes: float) -> lis
         candidates = [r for r in results if match(r.spec)]
         if name.startswith("low-rank"):
             candidates.sort(key=lambda r: parse_spec(r.spec)[1].rank is not None)
+        if name.startswith("evict"):  # the family's best plan stands for it (sinks + window, KVzip, ...)
+            candidates.sort(key=lambda r: (-r.score, r.measured_bytes))
         best = candidates[0] if candidates else None
         formula = base / formula_bytes(best.spec, config, tokens, model_bytes) if best else float("nan")
         rows.append(LessonRow(name, factors[name], best, formula))

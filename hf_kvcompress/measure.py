@@ -54,3 +54,24 @@ def measured_kv_bytes(cache) -> int:
             storage = tensor.untyped_storage()
             storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())
+
+
+def served_kv_bytes(cache, dtype: torch.dtype) -> int:
+    """What `measured_kv_bytes` would read had the model run in `dtype` (the dtype it is served in; a CPU runs it
+    in float32): the measured storage with the keys and values re-counted at `dtype`'s width. Codes, scales,
+    scores and positions keep their own dtypes. A cache with `promised_kv_bytes(dtype)` (this package's) re-counts
+    itself; any other (transformers' DynamicCache) holds only keys and values, so its floating storage scales.
+    tests/test_served_bytes.py checks it against the same caches run in `dtype`."""
+    measured = measured_kv_bytes(cache)
+    promised = getattr(cache, "promised_kv_bytes", None)
+    if promised is not None:
+        return int(measured - promised() + promised(dtype))
+    width = torch.empty((), dtype=dtype).element_size()
+    storages: dict[tuple, tuple[int, torch.dtype]] = {}
+    seen: set[int] = set()
+    for root in getattr(cache, "layers", None) or [cache]:
+        for tensor in _tensors(root, seen):
+            if tensor.device.type != "meta":
+                storages[(tensor.device, tensor.untyped_storage().data_ptr())] = (
+                    tensor.untyped_storage().nbytes(), tensor.dtype)
+    return int(sum(n // t.itemsize * width if t.is_floating_point else n for n, t in storages.values()))

@@ -2,14 +2,17 @@
 
 A cache whose policy does not score by attention, given the whole document in one chunk, receives exactly the
 key and value states a DynamicCache receives (attention over the document uses the states as they arrive, before
-any encoding or eviction; not so fp8's, which encodes them first, see `needs_own_prefill`). So the document is prefilled once into a DynamicCache, and each plan's cache is built
-by handing it those states layer by layer; only the question and the answer run per plan. Plans that score by
-attention (H2O, SnapKV) or by reconstruction (KVzip) need the prefill itself and are prefilled for real. `tests/test_shared_prefill.py` checks the
+any encoding or eviction; not so fp8's, which encodes them first, see `needs_own_prefill`). So the document is
+prefilled once into a DynamicCache, and each plan's cache is built by handing it those states layer by layer; only
+the question and the answer run per plan. KVzip keeps every state until its reconstruction pass scores them, so it
+gets the replayed states too and runs only that pass. Plans that score by attention (H2O, SnapKV) need the prefill
+itself and are prefilled for real. `tests/test_shared_prefill.py` checks the
 answers equal those of a real one-chunk prefill.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -18,12 +21,12 @@ import torch
 from transformers import DynamicCache
 
 from .eval.prompts import encode, protocol_name, uses_chat
-from .eval.runner import _eos_ids, _first, _tokens_stored, left_pad, plan_batches, run_batch
+from .eval.runner import _Attention, _eos_ids, _first, _tokens_stored, left_pad, plan_batches, run_batch, served_name
 from .eval.scoring import score_all
-from .generation import generate, prefill
-from .measure import measured_kv_bytes
+from .generation import _score_by_reconstruction, generate, prefill
+from .measure import measured_kv_bytes, served_kv_bytes
 from .generation import repeat_prompt_ids
-from .registry import make_cache, needs_own_prefill
+from .registry import make_cache, needs_own_prefill, parse_spec
 
 
 @torch.inference_mode()
@@ -43,6 +46,33 @@ def replay(spec: str, model, reference: DynamicCache, document_mask: torch.Tenso
     return cache
 
 
+def batch_groups(rows: Sequence[dict], encoded: Sequence[tuple[list[int], list[int]]]) -> list[str]:
+    """Rows batch together only with the same task, answer cap and document length, so no row is padded: the
+    int codecs' per-channel key groups (32 tokens) never span padding, which quantized a padded row in other
+    groups than the row alone (and warned), and KVzip with an int codec stored it at other precision. A document
+    length in tokens varies by a few with the needle, so batches are smaller; a plan's work is mostly per row."""
+    return [f"{r['task']}|{r['max_new_tokens']}|{len(e[0])}" for r, e in zip(rows, encoded)]
+
+
+def rescores(spec: str) -> bool:
+    """Whether the plan scores by reconstruction alone (KVzip): its cache keeps every state of the document until
+    the reconstruction pass, so the shared prefill's states replayed into it, then that pass, leave what its own
+    prefill would (tests/test_shared_prefill.py); only the pass, about one more prefill, runs per plan."""
+    policy = parse_spec(spec)[0]
+    return policy.scores_by_reconstruction and not policy.needs_attention
+
+
+def replay_and_rescore(spec: str, model, reference: DynamicCache, ids: torch.Tensor, mask: torch.Tensor,
+                       repeat_prompt_ids: list[int]):
+    """`replay`, then KVzip's reconstruction pass over the document (`ids`, `mask`: [B, width]) as `prefill` runs it."""
+    defaults = inspect.signature(prefill).parameters
+    cache = replay(spec, model, reference, mask)
+    _score_by_reconstruction(model, ids.to(model.device), mask.to(model.device), cache, repeat_prompt_ids,
+                             defaults["reconstruction_chunk"].default, defaults["reconstruction_overlap"].default,
+                             None)
+    return cache
+
+
 @torch.inference_mode()
 def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: int = 1, model_name: str,
               prompt_format: str = "auto", max_new_tokens: int | None = None, progress=None) -> list[dict]:
@@ -59,11 +89,12 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
             row["max_new_tokens"] = min(row["max_new_tokens"], max_new_tokens)
     encoded = [encode(tokenizer, r, query_aware=False, prompt_format=prompt_format) for r in rows]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _first(model.generation_config.eos_token_id)
-    groups = [f"{r['task']}|{r['max_new_tokens']}" for r in rows]
+    groups = batch_groups(rows, encoded)
     batches = plan_batches(["all"], encoded, [r["sample_id"] for r in rows], batch_size, None, groups=groups)
     eos = _eos_ids(model)
     prompt_kind = "chat" if uses_chat(tokenizer, prompt_format) else "plain"
     repeat_ids = repeat_prompt_ids(tokenizer, chat=prompt_kind == "chat")
+    served = getattr(torch, served_name(model))  # bytes are also counted at the dtype the model is served in
     records = []
     done = 0
     for item in batches:
@@ -74,14 +105,29 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
         reference = document_states(model, full_ids, full_mask, width)
         shared_seconds = time.perf_counter() - start
         for plan in plans:
-            if needs_own_prefill(plan):
+            if rescores(plan):
+                with _Attention(model, plan):
+                    begin = time.perf_counter()
+                    cache = replay_and_rescore(plan, model, reference, full_ids[:, :width], full_mask[:, :width],
+                                               repeat_ids)
+                    rescored = time.perf_counter() - begin
+                    kv_document, stored = measured_kv_bytes(cache), _tokens_stored(cache)
+                    kv_served = served_kv_bytes(cache, served)
+                    result = generate(model, full_ids.to(model.device), full_mask.to(model.device), cache,
+                                      max_new_tokens=max_new)
+                new_tokens = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))]
+                              for row in result.new_tokens.tolist()]
+                prefill_seconds = shared_seconds + rescored + result.prefill_seconds
+            elif needs_own_prefill(plan):
                 out = run_batch(model, plan, batch, max_new, pad_token_id=pad_id, chunk_size=None,
                                 repeat_prompt_ids=repeat_ids)
                 new_tokens, kv_document, stored = out.new_tokens, out.kv_bytes_document, out.tokens_stored
+                kv_served = out.kv_bytes_document_served
                 prefill_seconds = out.prefill_seconds
             else:
                 cache = replay(plan, model, reference, full_mask[:, :width])
                 kv_document, stored = measured_kv_bytes(cache), _tokens_stored(cache)
+                kv_served = served_kv_bytes(cache, served)
                 result = generate(model, full_ids.to(model.device), full_mask.to(model.device), cache,
                                   max_new_tokens=max_new)
                 new_tokens = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))]
@@ -102,6 +148,8 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
                     "question_tokens": len(encoded[i][1]), "new_tokens": len(new_tokens[k]),
                     "tokens_kept": min(stored, len(encoded[i][0])),
                     "kv_bytes_document": kv_document / share, "kv_bytes_peak": kv_document / share,
+                    "served_dtype": str(served).removeprefix("torch."), "kv_bytes_document_served": kv_served / share,
+                    "kv_bytes_peak_served": kv_served / share,
                     "prefill_seconds": prefill_seconds / share, "decode_seconds": 0.0, "batch_rows": share,
                     "chunk_size": None, "model": model_name,
                     "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -18,6 +18,7 @@ from .codecs.intn import IntNCodec
 from .codecs.lowrank import LowRankCodec
 from .codecs.reducing import ReducingCodec
 from .codecs.shared_heads import SharedHeadsCodec
+from .hf.compat import text_config
 from .registry import STUDY_PLANS, parse_spec, study_specs
 
 # Depth bands of the lesson's warning: questions about the start and the middle are where eviction fails.
@@ -55,29 +56,47 @@ def bytes_per_value(spec: str, model_bytes: float, config=None) -> float:
     raise ValueError(f"no lesson formula for codec {type(codec).__name__} in {spec!r}")
 
 
+def kept_tokens(policy, tokens: float) -> float:
+    """Tokens a full-attention layer keeps per KV head after `tokens`: all of them, a `budget`'s min(budget,
+    tokens), or a `ratio`'s share ceil(ratio x tokens) (never fewer than its sinks + recent), as `kept_per_row`."""
+    if policy.budget is not None:
+        return min(tokens, policy.budget)
+    if policy.ratio is not None:
+        return min(tokens, max(math.ceil(policy.ratio * tokens), policy.sink_tokens + policy.recent))
+    return tokens
+
+
 def formula_bytes(spec: str, config, tokens: float, model_bytes: float) -> float:
     """The lesson's formula for one user of `tokens`: layers x kv_heads x head_dim x 2 x bytes x tokens kept.
 
-    Sliding-window layers hold at most their window; the plan's eviction budget caps the full-attention layers.
+    Each family shrinks its factor and combinations multiply: a codec its bytes (`bytes_per_value`), sharing and low
+    rank their share of the width, eviction the tokens (`kept_tokens`: a ratio keeps its share, a budget caps them).
+    Sliding-window layers hold at most their window (a ratio keeps its share of it, as `sliding_kept`).
     """
+    from .caches.compressed import sliding_kept
+
     shape = kv_shape_from_config(config)
-    budget = parse_spec(spec)[0].budget
+    policy = parse_spec(spec)[0]
     per_token = 2 * shape.kv_heads * shape.head_dim * bytes_per_value(spec, model_bytes, config)
     windows = shape.windows or (None,) * shape.layers
+    layer_types = getattr(text_config(config), "layer_types", None) or ()
     total = 0.0
-    for window in windows:
+    for i, window in enumerate(windows):
         if window == 0:
             continue
-        kept = tokens if window is None else min(tokens, window)
-        if budget is not None and window is None:
-            kept = min(kept, budget)
+        if window is None:
+            kept = kept_tokens(policy, tokens)
+        else:
+            share = sliding_kept(policy, layer_types[i] if i < len(layer_types) else "sliding_attention", window)
+            kept = min(tokens, window if share is None else share)
         total += per_token * kept
     return total
 
 
 def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     """What the plan's cache holds for one user after `tokens` tokens, as `CompressedLayer.promised_bytes` counts
-    it (codec rates, scales, the full-precision residual), without running the model; tested against measured."""
+    it (codec rates, scales, the full-precision residual and sinks; tokens kept as `kept_tokens`), without running
+    the model, with values of `model_bytes` bytes; tested against measured (tests/test_study_bytes.py)."""
     import torch
 
     from .codecs.base import resolve_for_model
@@ -87,10 +106,10 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     shape = kv_shape_from_config(config)
     dtype = {4: torch.float32, 2: torch.bfloat16}.get(int(model_bytes), torch.float32)
     from .caches.compressed import _sliding_layer_codec, _sliding_layer_policy, sliding_kept
-    from .hf.compat import text_config
 
     windows = shape.windows or (None,) * shape.layers
     layer_types = getattr(text_config(config), "layer_types", None) or ()
+    head_store = policy.scores_by_reconstruction and getattr(policy, "budgets", None) == "head" and policy.evicts
     total = 0.0
     for i, window in enumerate(windows):
         if window == 0:
@@ -102,9 +121,28 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
             sliding = _sliding_layer_policy(layer_codec, window, share)
             kept = sliding.held(tokens) if sliding.drops_blocks else min(tokens, sliding.window)
         else:
-            layer_codec = codec.for_policy(policy.budget is not None) if hasattr(codec, "for_policy") else codec
-            kept = tokens if policy.budget is None else min(tokens, policy.budget)
+            layer_codec = codec.for_policy(policy.evicts) if hasattr(codec, "for_policy") else codec
+            kept = kept_tokens(policy, tokens)
         layer_codec = layer_codec.for_layer(i)  # as the cache builds each layer's codec (per-layer widths)
+        if window is None and head_store:
+            # KVzip's per-head store (caches/head_budget_layer.py): kept pairs encoded, each with its float32
+            # score; the codec's sinks exact beside it; one int64 length per head. The kept pairs among the
+            # context's newest tokens, which the scored layer still held at full precision (its residual), stay
+            # exact in a second store: which pairs those are depends on the scores, so they are counted as the kept
+            # share of those slots (an estimate: tests/test_study_bytes.py bounds it).
+            sinks = 0 if layer_codec.lossless else min(layer_codec.sink_tokens, kept)
+            pair = layer_codec.bytes_per_token(shape.head_dim, "key", dtype) + layer_codec.bytes_per_token(
+                shape.head_dim, "value", dtype)
+            exact = 0
+            if not layer_codec.lossless:
+                block = max(layer_codec.token_block("key"), layer_codec.token_block("value"))
+                unencoded = tokens - max(0, (tokens - getattr(layer_codec, "residual_length", 0)) // block * block)
+                exact = round((kept - sinks) * unencoded / max(tokens, 1))
+            full = 2 * shape.head_dim * model_bytes
+            total += shape.kv_heads * ((kept - sinks - exact) * (pair + 4) + exact * (full + 4) + sinks * full + 8)
+            total += shape.kv_heads * 8 if exact else 0
+            total += sinks
+            continue
         if layer_codec.lossless:
             encoded = 0
         else:
@@ -114,6 +152,8 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
         per_encoded = layer_codec.bytes_per_token(shape.head_dim, "key", dtype) + layer_codec.bytes_per_token(
             shape.head_dim, "value", dtype)
         total += shape.kv_heads * (encoded * per_encoded + (kept - encoded) * 2 * shape.head_dim * model_bytes)
+        if window is None and policy.evicts and (policy.needs_attention or policy.scores_by_reconstruction):
+            total += shape.kv_heads * kept * 4  # each kept slot's float32 score (H2O's sums, KVzip's maxima)
         if layer_codec.sink_tokens and (encoded > 0 or kept < tokens):
             # full-precision sinks, copied at the first encoding or eviction: keys, values and an int64 slot each
             total += shape.kv_heads * layer_codec.sink_tokens * (2 * shape.head_dim * model_bytes + 8)
@@ -166,6 +206,9 @@ class PlanResult:
     retention: float = float("nan")  # % of the samples the baseline answers that this plan still answers
     retention_ci: tuple[float, float] = (float("nan"), float("nan"))
     scores: dict[str, float] | None = None  # sample_id -> score, for paired comparisons
+    # kept share of the tokens at --context (users per GPU) below the share its score was measured at: a budget
+    # or window keeps the same tokens of a longer context, so the score does not carry over to those users
+    stretched: bool = False
 
 
 def depth_bands(records: list[dict]) -> dict[str, float]:
@@ -194,28 +237,42 @@ def retention(rows: list[dict], base_rows: list[dict]) -> tuple[float, tuple[flo
 
 def analyse(records: list[dict], config, model_bytes: float, weights_bytes: float, gpu_memory: float,
             context: int, reserve: float = 0.0, usable_tasks: set[str] | None = None) -> list[PlanResult]:
-    """One PlanResult per method, over the tasks in `usable_tasks` (those the baseline passes)."""
+    """One PlanResult per method, over the tasks in `usable_tasks` (those the baseline passes).
+
+    Bytes are at the dtype the model is served in (`model_bytes` per value; the records' served bytes): a CPU runs
+    the model in float32, but the ratios a user sees are against the 16-bit cache. Users per GPU come from
+    `promised_bytes` at `context` tokens, which must not pass the model's max_position_embeddings.
+    """
+    from .eval.report import served_bytes
+
+    longest = getattr(text_config(config), "max_position_embeddings", None)
+    if longest and context > longest:
+        raise ValueError(f"context={context:,} tokens is past this model's max_position_embeddings ({longest:,})")
     if usable_tasks is not None:
         records = [r for r in records if r["task"] in usable_tasks]
     methods = list(dict.fromkeys(r["method"] for r in records))
     free = gpu_memory - weights_bytes - reserve
     by_method = {m: [r for r in records if r["method"] == m] for m in methods}
     base = by_method["dynamic"]
-    base_bytes = sum(r["kv_bytes_document"] for r in base) / len(base)
+    base_bytes = sum(served_bytes(r, "document") for r in base) / len(base)
     base_score = sum(r["score"] for r in base) / len(base)
     results = []
     for method, rows in by_method.items():
         tokens = sum(r["document_tokens"] for r in rows) / len(rows)
-        measured = sum(r["kv_bytes_document"] for r in rows) / len(rows)
+        measured = sum(served_bytes(r, "document") for r in rows) / len(rows)
         formula = formula_bytes(method, config, tokens, model_bytes)
         score = sum(r["score"] for r in rows) / len(rows)
         per_user = promised_bytes(method, config, context, model_bytes)
         users = max(0, math.floor(free / per_user)) if per_user > 0 else 0
         cis, counts = band_intervals(rows)
         kept, kept_ci, _ = retention(rows, base)
+        policy = parse_spec(method)[0]
+        # a ratio keeps its share at any length (ceil() only rounds it); a budget keeps a smaller share of more
+        stretched = policy.budget is not None and (
+            kept_tokens(policy, context) / context < 0.99 * kept_tokens(policy, tokens) / tokens)
         results.append(PlanResult(method, formula, measured, base_bytes / measured, depth_bands(rows), score,
                                   score - base_score, per_user, users, len(rows), cis, counts, kept, kept_ci,
-                                  {f"{r['task']}/{r['sample_id']}": r["score"] for r in rows}))
+                                  {f"{r['task']}/{r['sample_id']}": r["score"] for r in rows}, stretched))
     return results
 
 
@@ -233,8 +290,9 @@ def paired_difference(a: PlanResult, b: PlanResult) -> tuple[float, float, float
 
 
 def recommend(results: list[PlanResult], min_quality: float) -> PlanResult:
-    """The plan serving the most users among those within `min_quality` points of the baseline."""
-    eligible = [r for r in results if r.delta >= -min_quality]
+    """The plan serving the most users among those within `min_quality` points of the baseline whose score holds
+    at the users' context (not `stretched`)."""
+    eligible = [r for r in results if r.delta >= -min_quality and not r.stretched]
     return max(eligible, key=lambda r: (r.users, r.score, -r.measured_bytes))
 
 
@@ -246,14 +304,15 @@ def score_cell(value: float, ci: tuple[float, float] | None) -> str:
     return f"{value:5.0f} [{ci[0]:3.0f}-{ci[1]:3.0f}]"
 
 
-def format_table(results: list[PlanResult], tokens: float) -> str:
+def format_table(results: list[PlanResult], tokens: float, dtype: str = "bfloat16") -> str:
+    """The study's table; bytes (MiB per sample after the document) at `dtype`, the dtype the model is served in."""
     n = results[0].band_n or {} if results else {}
     bands = [(name, n.get(name, 0)) for name, _, _ in BANDS]
     lines = [
         f"{'plan':46s} {'formula':>8s} {'measured':>8s} {'x less':>6s} "
         + " ".join(f"{name + ' (' + str(k) + ')':>13s}" for name, k in bands)
         + f" {'all (' + str(results[0].n if results else 0) + ')':>13s} {'retention':>13s}",
-        f"{'':46s} {'MiB at ' + format(tokens, '.0f') + ' tok':>17s} {'':6s}  score, 95% interval "
+        f"{'':46s} {'MiB, ' + format(tokens, '.0f') + ' tok, ' + dtype:>24s}  score, 95% interval "
         "(bootstrap; Wilson when all agree)",
     ]
     for r in results:
@@ -276,7 +335,7 @@ def residual_note(spec: str, tokens: float) -> str | None:
     residual = getattr(codec, "residual_length", 0)
     if not isinstance(codec, IntNCodec) or residual <= 0:
         return None
-    kept = tokens if policy.budget is None else min(tokens, policy.budget)
+    kept = kept_tokens(policy, tokens)
     name = f"int{codec.bits}"
     if kept <= residual:
         return (f"{spec}: keeps {kept:.0f} tokens per layer, all within {name}'s full-precision residual "
@@ -292,13 +351,27 @@ def residual_notes(results: list[PlanResult], tokens: float) -> str:
                       *(f"  {n}" for n in notes)]) if notes else ""
 
 
-def format_users(results: list[PlanResult], min_quality: float, gpu_memory: float, weights: float, context: int) -> str:
+def format_users(results: list[PlanResult], min_quality: float, gpu_memory: float, weights: float, context: int,
+                 dtype: str = "bfloat16", tokens: float | None = None) -> str:
+    """Users per GPU; each plan's bytes per user are `promised_bytes` at `context` tokens, stated in the heading."""
+    measured = f" (quality measured at {tokens:,.0f} tokens)" if tokens else ""
     lines = [f"Users per GPU ({gpu_memory / GIB:g} GiB GPU, {weights / GIB:.2f} GiB weights, {context:,} tokens per "
-             f"user), plans within {min_quality:g} points of the baseline:"]
+             f"user{measured}), plans within {min_quality:g} points of the baseline.",
+             f"Bytes per user: what the plan's cache holds after {context:,} tokens at {dtype}, per layer: tokens "
+             "kept (all; a ratio's share; at most a budget; at most a sliding layer's window) x 2 x kv_heads x "
+             "head_dim (fewer heads shared, lower rank) x the codec's bytes per value with its scales, plus its "
+             "full-precision residual and sinks:"]
     for r in sorted(results, key=lambda r: -r.users):
         if r.delta >= -min_quality:
             lines.append(f"  {r.spec:46s} {r.bytes_per_user / GIB:8.3f} GiB per user -> {r.users:6d} users "
-                         f"(score {r.score:.0f}, {r.delta:+.0f})")
+                         f"(score {r.score:.0f}, {r.delta:+.0f}){' *' if r.stretched else ''}")
+    stretched = [r for r in results if r.stretched and r.delta >= -min_quality]
+    if stretched and tokens:
+        policy = parse_spec(stretched[0].spec)[0]
+        lines.append(f"  *: keeps fewer of {context:,} tokens than of the {tokens:,.0f} its score was measured at "
+                     f"(e.g. {kept_tokens(policy, context):,.0f} = {100 * kept_tokens(policy, context) / context:.0f}% "
+                     f"instead of {100 * kept_tokens(policy, tokens) / tokens:.0f}%): the score does not carry over, "
+                     "so it is not recommended for these users")
     dropped = [r.spec for r in results if r.delta < -min_quality]
     if dropped:
         lines.append(f"  left out (lost more than {min_quality:g} points): {', '.join(dropped)}")
@@ -308,7 +381,7 @@ def format_users(results: list[PlanResult], min_quality: float, gpu_memory: floa
 def family(spec: str) -> str:
     policy, codec = parse_spec(spec)
     parts = []
-    if policy.budget is not None:
+    if policy.evicts:  # a budget or a ratio
         parts.append("eviction")
     while isinstance(codec, ReducingCodec):
         parts.append("sharing" if isinstance(codec, SharedHeadsCodec) else "low rank")
@@ -320,11 +393,12 @@ def family(spec: str) -> str:
 
 def recommendation_text(best: PlanResult, results: list[PlanResult]) -> str:
     base = next(r for r in results if r.spec == "dynamic")
+    bands = " / ".join(f"{name} {best.bands[name]:.0f}" for name, _, _ in BANDS if not math.isnan(best.bands[name]))
+    retained = f", retention {best.retention:.0f}%" if not math.isnan(best.retention) else ""
     text = (
         f"Recommended: {best.spec} ({family(best.spec)}): {best.users} users instead of {base.users}, "
-        f"{best.factor:.1f}x less KV memory than the uncompressed cache, score {best.score:.0f} vs {base.score:.0f} "
-        f"(start {best.bands['start']:.0f} / middle {best.bands['middle']:.0f} / end {best.bands['end']:.0f}), "
-        f"retention {best.retention:.0f}%."
+        f"{best.factor:.1f}x less KV memory than the uncompressed cache, score {best.score:.0f} vs {base.score:.0f}"
+        + (f" ({bands})" if bands else "") + f"{retained}."
     )
     if best is not base:
         diff, lo, hi = paired_difference(best, base)
@@ -377,7 +451,7 @@ def _label_log_axis(axis, values: list[float]) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-def plot_study(results: list[PlanResult], out_dir: str | Path) -> Path:
+def plot_study(results: list[PlanResult], out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Score (with its 95% interval) against measured bytes; points are numbered and named in a key beside the
     axes, so no two labels can overlap however close the points sit."""
     import matplotlib
@@ -399,7 +473,7 @@ def plot_study(results: list[PlanResult], out_dir: str | Path) -> Path:
     key.axis("off")
     ax.set_xscale("log")
     _label_log_axis(ax.xaxis, [r.measured_bytes / 2**20 for r in results])
-    ax.set_xlabel("KV cache after the document (MiB per sample, measured, log scale)")
+    ax.set_xlabel(f"KV cache after the document (MiB per sample, measured, at {dtype}, log scale)")
     ax.set_ylabel("score (0-100), 95% interval")
     ax.set_ylim(-5, 105)
     ax.grid(alpha=0.3)

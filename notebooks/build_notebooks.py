@@ -32,50 +32,53 @@ NOTEBOOKS = {
         ("md", "## The worked example: how many users fit on an 80 GiB GPU with 16 GiB of weights?"),
         ("code", "print(budget.format_capacity(budget.capacity_plans()))"),
         ("md", "## The same formula for the embedded model, and what real caches hold\n\n"
-               "SmolLM2-135M-Instruct: 30 layers, 3 KV heads, head_dim 64, run here in fp32. "
-               "`measured_kv_bytes` reads the storage of every tensor a cache owns."),
+               "SmolLM2-135M-Instruct: 30 layers, 3 KV heads, head_dim 64, run here in fp32 (a CPU's dtype), served "
+               "in bf16. `measured_kv_bytes` reads the storage of every tensor a cache owns; `served_kv_bytes` "
+               "counts the same storage with keys and values at bf16's width, so every ratio below is against the "
+               "bf16 cache a user serves, not this run's fp32 one."),
         ("code", "import torch\nfrom transformers import DynamicCache\n"
                  "from hf_kvcompress import load_model, make_cache, measured_kv_bytes\n"
+                 "from hf_kvcompress.measure import served_kv_bytes\n"
                  "from hf_kvcompress.hf.compat import cache_kwargs\n"
                  "model, tokenizer = load_model()\ncfg = model.config\n"
                  "shape = budget.kv_shape_from_config(cfg)\nprint(shape)"),
         ("code", "text = ('The KV cache stores a key and a value vector per token, per layer and per KV head. ' * 60)\n"
                  "tokens = 256 if SMALL else 1024\n"
                  "ids = tokenizer(text, return_tensors='pt').input_ids[:, :tokens]\n"
-                 "formula = budget.kv_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, tokens)\n"
+                 "formula = budget.kv_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 2, tokens)\n"
                  "rows = []\n"
                  "for spec in ['dynamic', 'int8', 'int4', 'int2', 'fp8', f'sink_window:window={tokens // 4}', "
                  "f'sink_window:window={tokens // 4}+int4']:\n"
                  "    cache = DynamicCache(config=cfg) if spec == 'transformers' else make_cache(spec, cfg)\n"
                  "    with torch.no_grad():\n"
                  "        model(input_ids=ids, **cache_kwargs(cache))\n"
-                 "    measured = measured_kv_bytes(cache)\n"
+                 "    measured = served_kv_bytes(cache, torch.bfloat16)\n"
                  "    rows.append((spec, measured, measured / formula))\n"
                  "reference = DynamicCache(config=cfg)\n"
                  "with torch.no_grad():\n"
                  "    model(input_ids=ids, **cache_kwargs(reference))\n"
-                 "print(f'{tokens} tokens; formula (fp32): {formula:,} bytes; transformers DynamicCache holds '\n"
-                 "      f'{measured_kv_bytes(reference):,}')\n"
+                 "print(f'{tokens} tokens; formula (bf16): {formula:,} bytes; transformers DynamicCache holds '\n"
+                 "      f'{served_kv_bytes(reference, torch.bfloat16):,} at bf16 ({measured_kv_bytes(reference):,} in this fp32 run)')\n"
                  "for spec, measured, ratio in rows:\n"
                  "    print(f'{spec:32s} {measured:12,d} bytes  {ratio:6.3f} x formula')"),
         ("code", "import matplotlib.pyplot as plt\n"
                  "fig, ax = plt.subplots(figsize=(7, 3.2))\n"
                  "ax.barh([s for s, _, _ in rows], [m / 2**20 for _, m, _ in rows], color='tab:blue')\n"
-                 "ax.axvline(formula / 2**20, color='tab:red', linestyle='--', label='formula, uncompressed fp32')\n"
+                 "ax.axvline(formula / 2**20, color='tab:red', linestyle='--', label='formula, uncompressed bf16')\n"
                  "ax.invert_yaxis()\n"
-                 "ax.set_xlabel(f'MiB held after {tokens} tokens (measured)')\n"
+                 "ax.set_xlabel(f'MiB held after {tokens} tokens (measured, at bf16)')\n"
                  "ax.legend(loc='lower right')\n"
                  "ax.set_title('KV cache bytes per cache spec, SmolLM2-135M')\n"
                  "plt.tight_layout()\nplt.show()"),
         ("md", "The int codecs keep the newest 128 tokens at full precision (KIVI's residual), so at short "
-               "lengths their ratio is above the asymptotic (bits + 32/group_size) / 32 of fp32; eviction caps the "
+               "lengths their ratio is above the asymptotic (bits + 32/group_size) / 16 of bf16; eviction caps the "
                "token count itself."),
         ("md", "## The lesson's table with the column it could not show: quality\n\n"
                "`make demo` (`hf-kvcompress study`) runs each of the lesson's rows on SmolLM2 with 30 needle "
-               "samples of 2,000-2,300 tokens (question after the document) and writes its numbers to "
+               "samples of about 1,000-1,250 tokens (question after the document) and writes its numbers to "
                "`results/study/smollm2-135m/study.json`. This cell reads that file; run `make demo` first. (The "
                "tests run a 3-sample study at 300 tokens instead, `KVC_NOTEBOOK_SMALL=1`.) 'formula' and "
-               "'measured' are how many times less KV memory than the uncompressed cache on this model; SmolLM2 "
+               "'measured' are how many times less KV memory than the uncompressed bf16 cache on this model; SmolLM2 "
                "has 3 KV heads, so head sharing here is all three into one (MQA) and low rank keeps 16 of 64 dims."),
         ("code", "import contextlib, io, json\nfrom pathlib import Path\nfrom hf_kvcompress import study\n"
                  "from hf_kvcompress.cli import main\nfrom hf_kvcompress.lesson_table import format_lesson_table\n"
@@ -182,13 +185,14 @@ NOTEBOOKS = {
     ],
     "tradeoffs": [
         ("md", "# Quality versus memory, measured\n\n"
-               "The study of `make demo` (`hf-kvcompress study`): every family of the lesson (quantization, "
-               "eviction, sharing, low rank) and the stacks it names, on needle recall with the question after "
+               "The study of `make demo` (`hf-kvcompress study`): the best plan of every family of the lesson "
+               "(quantization, eviction by sinks + window and by KVzip, sharing, low rank) and the stacks it names, "
+               "on needle recall with the question after "
                "the document, each document prefilled once and every plan's cache built from that prefill. The "
                "lesson's table with the formula's bytes beside the measured ones, the score by depth band with "
                "95% intervals, the retention, users per GPU and a recommendation that says which plans cannot be "
                "told apart. Without `KVC_NOTEBOOK_SMALL=1` it shows `make demo`'s results "
-               "(`results/study`), running the study first if they are missing (about 8 minutes on 2 cores); "
+               "(`results/study`), running the study first if they are missing (under 10 minutes on 2 cores); "
                "the tests run 3 samples at 300 tokens."),
         ("code", SMALL + "\nimport contextlib, io\nfrom pathlib import Path\nfrom IPython.display import Image, display\n"
                  "from hf_kvcompress.cli import main\n"
@@ -204,7 +208,7 @@ NOTEBOOKS = {
                  "print((out / 'study.md').read_text().split('Plots:')[0])"),
         ("md", "## Quality against memory\n\nEach point is a plan, numbered and named in the key beside the axes "
                "(no two labels can overlap): mean score with its 95% interval against the KV bytes measured "
-               "after the document."),
+               "after the document, counted at bf16 (the dtype the model is served in)."),
         ("code", "display(Image(filename=str(out / name / 'quality_vs_memory.png')))"),
         ("md", "## Where each plan fails: depth x length heatmaps\n\nEviction keeps only what sits in its "
                "window; quantization loses little anywhere; post-hoc sharing and low rank lose everywhere."),

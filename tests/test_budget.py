@@ -349,7 +349,7 @@ def test_command_default_adds_the_embedded_model(capsys, monkeypatch):
     lesson, model = out.split("\n\nEmbedded model (llama)")
     assert LESSON_TABLE in lesson
     assert "30 layers, 3 KV heads for 9 query heads, head_dim 64" in model
-    assert "KV bytes per token (FP16): 22.5 KiB" in model
+    assert "KV bytes per token (BF16): 22.5 KiB" in model
     assert "share heads: MQA 1 KV" in model and "note: already GQA" in model
     assert "parameters x 2 bytes" in model  # weights counted on the meta device
     assert "32,000 tokens is more than this model's max_position_embeddings (128)" in model
@@ -371,8 +371,28 @@ def test_command_reads_a_local_config(tmp_path, capsys):
     assert main(["budget", "--model", str(tmp_path), "--tokens", "1000", "--users", "2", "--weights", "1"]) == 0
     out = capsys.readouterr().out
     assert "4 layers, 2 KV heads for 8 query heads, head_dim 32" in out
-    assert "KV bytes per token (FP32): 2 KiB" in out  # 2 x 4 x 2 x 32 x 4 bytes
+    assert "KV bytes per token (BF16): 1 KiB" in out  # 2 x 4 x 2 x 32 x 2 bytes: served in 16-bit
     assert "80 GiB GPU - 1 GiB weights" in out
+
+
+def test_command_counts_a_float32_config_at_the_served_bfloat16_and_says_so(tmp_path, capsys):
+    """Issue 25.7: the embedded model's config says float32 (dequantized GGUF), so int4 read "8.0x smaller"; a user
+    serving in bf16 sees half that. The default is the served 16-bit dtype, said in a note; --dtype overrides."""
+    transformers.Qwen2Config(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, hidden_size=256,
+                             dtype="float32").save_pretrained(tmp_path)
+    assert main(["budget", "--model", str(tmp_path), "--tokens", "1000", "--weights", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "baseline BF16" in out and "quantize to INT4" in out
+    assert next(line for line in out.splitlines() if line.startswith("quantize to INT4")).endswith("( 4.0x smaller)")
+    assert "note: the config declares float32; counted at bfloat16, the dtype models are served in" in out
+    assert main(["budget", "--model", str(tmp_path), "--tokens", "1000", "--weights", "1", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "KV bytes per token (FP32): 2 KiB" in out and "served in" not in out
+    transformers.Qwen2Config(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, hidden_size=256,
+                             dtype="float16").save_pretrained(tmp_path)
+    assert main(["budget", "--model", str(tmp_path), "--tokens", "1000", "--weights", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "KV bytes per token (FP16): 1 KiB" in out and "served in" not in out
 
 
 def test_command_flags_change_the_lesson(capsys):

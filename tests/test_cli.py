@@ -16,6 +16,14 @@ def test_generate_streams_an_answer_and_reports_speed_and_bytes(capsys):
     assert "Paris" in out
     assert re.search(r"\[cache int4\] prefill \d+ tokens at [\d.]+ tok/s; decode \d+ tokens at [\d.]+ tok/s; "
                      r"KV cache holds [\d,]+ bytes", out)
+    # Issue 25.7: the ratio is against the 16-bit cache the model is served in, not this CPU run's float32 one.
+    served = re.search(r"\[cache int4\] ([\d,]+) bytes at bfloat16, the dtype the model is served in \(it ran in "
+                       r"float32 here; keys and values counted at bfloat16's width\): ([\d.]+) of the ([\d,]+) bytes "
+                       r"an uncompressed bfloat16 cache holds for the same (\d+) tokens", out)
+    assert served, out
+    tokens = int(served[4])
+    assert int(served[3].replace(",", "")) == 2 * 30 * 3 * 64 * 2 * tokens
+    assert float(served[2]) > 0.9  # within the full-precision residual: about the uncompressed bytes (was 1/2 of fp32)
     # A short prompt lies entirely within int4's full-precision residual: the summary says so.
     assert re.search(r"\[cache int4\] int4: keeps \d+ tokens per layer, all within int4's full-precision residual "
                      r"\(residual_length=128\): nothing is quantized", out)

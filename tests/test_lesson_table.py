@@ -19,7 +19,7 @@ PLANS = ["dynamic", "int8", "int4", "fp8", "sink_window:sink_tokens=4,window=508
 def test_each_lesson_row_is_matched_to_its_family():
     config = load_config()  # SmolLM2: 3 KV heads, head_dim 64
     records = [r for i, p in enumerate(PLANS) for r in _records(p, [100] * (30 - i) + [0] * i)]
-    results = study.analyse(records, config, 4, 0.5 * 2**30, 80 * 2**30, 32000)
+    results = study.analyse(records, config, 2, 0.25 * 2**30, 80 * 2**30, 8000)
     rows = lesson_rows(results, config, 2000, 4)
     assert [row.lesson for row in rows] == [name for name, _ in LESSON_ROWS]
     assert [row.result.spec for row in rows] == ["int8", "int4", "sink_window:sink_tokens=4,window=508",
@@ -39,7 +39,7 @@ def test_each_lesson_row_is_matched_to_its_family():
 def test_a_family_the_study_did_not_run_is_said_so():
     config = load_config()
     records = _records("dynamic", [100] * 10) + _records("int8", [100] * 10)
-    results = study.analyse(records, config, 4, 0.5 * 2**30, 80 * 2**30, 32000)
+    results = study.analyse(records, config, 2, 0.25 * 2**30, 80 * 2**30, 8000)
     rows = lesson_rows(results, config, 2000, 4)
     assert [row.result is not None for row in rows] == [True, False, False, False, False, False]
     text = format_lesson_table(rows, results[0])
@@ -49,7 +49,7 @@ def test_a_family_the_study_did_not_run_is_said_so():
 def test_the_table_read_back_from_study_json_prints_as_written(tmp_path):
     config = load_config()
     records = [r for i, p in enumerate(PLANS) for r in _records(p, [100] * (30 - 2 * i) + [0] * (2 * i))]
-    results = study.analyse(records, config, 4, 0.5 * 2**30, 80 * 2**30, 32000)
+    results = study.analyse(records, config, 2, 0.25 * 2**30, 80 * 2**30, 8000)
     rows = lesson_rows(results, config, 2000, 4)
     path = study.write_results(results, rows, tmp_path / "study.json", model="smollm2-135m", tokens=2000)
     about, again, rows_again = study.read_results(path)

@@ -8,7 +8,7 @@ import torch
 
 from hf_kvcompress.eval.runner import run_batch
 from hf_kvcompress.eval.runner import left_pad
-from hf_kvcompress.shared_prefill import document_states, replay
+from hf_kvcompress.shared_prefill import document_states, replay, replay_and_rescore, rescores
 from hf_kvcompress.generation import generate
 from hf_kvcompress.measure import measured_kv_bytes
 
@@ -48,3 +48,43 @@ def test_replayed_caches_answer_as_a_real_prefill(family, tmp_path):
         got = generate(model, full_ids, full_mask, cache, max_new_tokens=6).new_tokens.tolist()
         assert got == real.new_tokens, plan
 
+
+
+KVZIP = ["kvzip:ratio=0.5", "kvzip:ratio=0.25+int4:group_size=16,residual_length=4", "kvzip:budget=12",
+         "kvzip:ratio=0.5,budgets=token", "kvzip:ratio=0.5,budgets=uniform+int8:group_size=16,residual_length=2"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_kvzip_from_the_shared_prefill_answers_as_its_own_prefill(family):
+    """Issue 25.9: KVzip joins the demo from the shared prefill, paying only its reconstruction pass."""
+    from hf_kvcompress.eval.runner import _Attention
+
+    model = tiny_model(family)
+    g = torch.Generator().manual_seed(0)
+    rows = [(torch.randint(3, 128, (n,), generator=g).tolist(), torch.randint(3, 128, (4,), generator=g).tolist())
+            for n in (40, 40)]
+    full_ids, full_mask, width = left_pad(rows, 0)
+    reference = document_states(model, full_ids, full_mask, width)
+    repeat = [5, 6, 7]
+    for plan in KVZIP:
+        assert rescores(plan)
+        real = run_batch(model, plan, rows, 6, pad_token_id=0, chunk_size=None, repeat_prompt_ids=repeat)
+        with _Attention(model, plan), torch.inference_mode():
+            cache = replay_and_rescore(plan, model, reference, full_ids[:, :width], full_mask[:, :width], repeat)
+            assert measured_kv_bytes(cache) == real.kv_bytes_document, plan
+            got = generate(model, full_ids, full_mask, cache, max_new_tokens=6).new_tokens.tolist()
+        assert got == real.new_tokens, plan
+    assert not rescores("h2o:budget=128") and not rescores("snapkv:budget=128") and not rescores("int4")
+
+
+def test_the_study_batches_no_padded_rows():
+    """Issue 25.9: `make demo` warned that per-channel key groups span left padding (documents of 2,003-2,008
+    tokens shared batches); rows now batch only with documents of their own length."""
+    from hf_kvcompress.eval.runner import plan_batches
+    from hf_kvcompress.shared_prefill import batch_groups
+
+    rows = [{"task": "needle", "max_new_tokens": 10}] * 6
+    encoded = [([1] * n, [2] * 40) for n in (2008, 2007, 2008, 2003, 2008, 2007)]
+    batches = plan_batches(["all"], encoded, [str(i) for i in range(6)], 5, None, groups=batch_groups(rows, encoded))
+    assert sorted(sorted(len(encoded[i][0]) for i in b.rows) for b in batches) == [[2003], [2007, 2007],
+                                                                                   [2008, 2008, 2008]]

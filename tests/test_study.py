@@ -24,8 +24,8 @@ def test_plans_without_an_int_codec_have_no_note():
 
 def test_per_head_budgets_keep_the_residual_like_every_other_plan():
     # A head-budget KVzip layer keeps the prompt's kept pairs within the residual in full precision, as the others do.
-    assert "the 128 most recent of 1000" in residual_note("kvzip:ratio=0.25+int4", 1000)
-    assert "the 128 most recent of 1000" in residual_note("kvzip:ratio=0.25,budgets=uniform+int4", 1000)
+    assert "the 128 most recent of 250 kept" in residual_note("kvzip:ratio=0.25+int4", 1000)
+    assert "the 128 most recent of 250 kept" in residual_note("kvzip:ratio=0.25,budgets=uniform+int4", 1000)
     assert "nothing is quantized" in residual_note("kvzip:ratio=0.25+int4", 100)
 
 

@@ -34,7 +34,7 @@ def test_retention_and_a_tie_are_reported():
     base = [100] * 28 + [0, 0]
     records = (_records("dynamic", base) + _records("int8", [100] * 27 + [0, 0, 100])
                + _records("sink_window:sink_tokens=4,window=496", [0] * 30))
-    results = study.analyse(records, config, 4, 0.5 * 2**30, 80 * 2**30, 32000)
+    results = study.analyse(records, config, 2, 0.25 * 2**30, 80 * 2**30, 8000)
     by = {r.spec: r for r in results}
     assert by["int8"].retention == pytest.approx(100 * 27 / 28)
     assert by["sink_window:sink_tokens=4,window=496"].retention == 0

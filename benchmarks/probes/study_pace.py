@@ -18,12 +18,12 @@ import time
 import torch
 
 from hf_kvcompress.eval.prompts import encode
-from hf_kvcompress.eval.runner import left_pad, run_batch
+from hf_kvcompress.eval.runner import _Attention, left_pad, run_batch
 from hf_kvcompress.eval.tasks import build_samples
 from hf_kvcompress.generation import generate, repeat_prompt_ids
 from hf_kvcompress.models import load_model
 from hf_kvcompress.registry import needs_own_prefill
-from hf_kvcompress.shared_prefill import document_states, replay
+from hf_kvcompress.shared_prefill import document_states, replay, replay_and_rescore, rescores
 from hf_kvcompress.study import study_plans
 
 
@@ -56,7 +56,12 @@ def main() -> None:
     print(f"{'shared prefill':50s} cpu {c / batch:7.2f} s/sample  wall {w / batch:7.2f} s/sample", flush=True)
     rp = repeat_prompt_ids(tok)
     for plan in plans:
-        if needs_own_prefill(plan):
+        if rescores(plan):  # KVzip, as the study runs it: the replayed states, then its reconstruction pass
+            def fn(plan=plan):
+                with _Attention(model, plan), torch.no_grad():
+                    cache = replay_and_rescore(plan, model, ref, ids[:, :width], mask[:, :width], rp)
+                    return generate(model, ids, mask, cache, max_new_tokens=max_new)
+        elif needs_own_prefill(plan):
             def fn(plan=plan):
                 return run_batch(model, plan, encoded, max_new, pad_token_id=tok.pad_token_id or 0, chunk_size=None,
                                  repeat_prompt_ids=rp)

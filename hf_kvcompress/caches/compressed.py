@@ -274,9 +274,10 @@ class CompressedCache(Cache):
             if not isinstance(layer, HeadBudgetLayer):
                 layer.end_reconstruction()
 
-    def promised_kv_bytes(self) -> int:
-        """What the method promises to hold now, computed from what each layer keeps (see `measured_kv_bytes`)."""
-        return sum(layer.promised_bytes() for layer in self.layers)
+    def promised_kv_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """What the method promises to hold now, computed from what each layer keeps (see `measured_kv_bytes`);
+        with `dtype`, what it would hold had the model run in that dtype (`measure.served_kv_bytes`)."""
+        return sum(layer.promised_bytes(dtype) for layer in self.layers)
 
     @property
     def stored_tokens(self) -> int:

@@ -174,13 +174,14 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
                 "cannot crop this cache: KVzip has already evicted tokens, so the cropped state cannot be rebuilt"
             )
 
-    def promised_bytes(self) -> int:
-        """Bytes this layer should hold: stored pairs at the codec's rate with their scores, the context's exact pairs,
-        recent tokens and sinks at full precision, and the per-row bookkeeping. Tests compare it with
-        `measured_kv_bytes`."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        pair = self.codec.bytes_per_token(self.head_dim, "key", self.dtype) + self.codec.bytes_per_token(
-            self.value_dim, "value", self.dtype
+    def promised_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes this layer should hold: stored pairs at the codec's rate with their scores, recent tokens and
+        sinks at full precision, and the per-row bookkeeping. Tests compare it with `measured_kv_bytes`. With
+        `dtype`: what it would hold had the model run in that dtype (see `CompressedLayer.promised_bytes`)."""
+        dtype = dtype or self.dtype
+        element = torch.empty((), dtype=dtype).element_size()
+        pair = self.codec.bytes_per_token(self.head_dim, "key", dtype) + self.codec.bytes_per_token(
+            self.value_dim, "value", dtype
         )
         total = self.store.pairs * (pair + 4) + self.store.lengths.numel() * 8
         if self.exact is not None:

@@ -222,27 +222,31 @@ class CompressedLayer(
     def get_max_length(self) -> int:
         return -1 if self.policy.budget is None else self.policy.budget  # a ratio does not bound the length
 
-    def promised_bytes(self) -> int:
+    def promised_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes this layer should hold, from what it keeps: encoded tokens at the codec's rate, the tail at full
         precision, plus its bookkeeping (padding counts, attention scores, positions). Tests compare this with
-        `measured_kv_bytes`, which reads the real storage."""
+        `measured_kv_bytes`, which reads the real storage. With `dtype`: what it would hold had the model run in
+        that dtype (keys and values at its width; codes, scales, scores and positions keep theirs)."""
         if not self.is_initialized:
             return 0
+        dtype = dtype or self.dtype
         rows = self.batch_size * self.kv_heads
         encoded = self.n_encoded * (
-            self.codec.bytes_per_token(self.head_dim, "key", self.dtype)
-            + self.codec.bytes_per_token(self.value_dim, "value", self.dtype)
+            self.codec.bytes_per_token(self.head_dim, "key", dtype)
+            + self.codec.bytes_per_token(self.value_dim, "value", dtype)
         )
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=dtype).element_size()
         tail = (self.stored_tokens - self.n_encoded) * (self.head_dim + self.value_dim) * element
         bookkeeping = 2 * self.batch_size * 8  # pads and real_seen, int64 per row
         for extra in (
-            self.accumulated, self.positions, self.budget_shift, self.sink_slots, self.sink_keys, self.sink_values,
-            self.exact_rows, self.exact_keys, self.exact_values,
-            self.finite, self.recent_queries, self.next_position,
+            self.accumulated, self.positions, self.budget_shift, self.sink_slots, self.exact_rows, self.finite,
+            self.recent_queries, self.next_position,
         ):
             if extra is not None:
                 bookkeeping += extra.numel() * extra.element_size()
+        for exact in (self.sink_keys, self.sink_values, self.exact_keys, self.exact_values):  # full precision
+            if exact is not None:
+                bookkeeping += exact.numel() * element
         return int(rows * (encoded + tail) + bookkeeping)
 
     @property

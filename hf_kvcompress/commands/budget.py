@@ -29,7 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--kept-tokens", type=int, default=None,
                         help="tokens the eviction plan keeps (default: tokens // 8, the lesson's 4k)")
     parser.add_argument("--dtype", default=None, help="cache dtype: float16, bfloat16, float32, fp8, int8, int4 "
-                        "(default: FP16 for the lesson, the config's dtype for a model)")
+                        "(default: FP16 for the lesson; for a model its config's 16-bit dtype, else bfloat16, "
+                        "the dtype models are served in)")
     parser.add_argument("--gpu-memory", type=float, default=float(budget.LESSON_GPU_GIB), metavar="GIB",
                         help="GPU memory in GiB (default: %(default)g)")
     parser.add_argument("--weights", type=float, default=None, metavar="GIB",
@@ -73,12 +74,15 @@ def _parameter_count(config) -> int:
 
 
 def _dtype(args, declared) -> tuple[float, str, str | None]:
-    """Bytes per value, its label, and a note when the config gave no dtype and 16-bit was assumed."""
+    """Bytes per value, its label, and a note when the served dtype was assumed: `--dtype`, else the config's
+    16-bit dtype, else bfloat16 (a config's float32 is how the weights were stored, not how the model is served)."""
     if args.dtype is not None:
         return budget.dtype_bytes(args.dtype), budget.dtype_label(None, args.dtype), None
-    if declared is not None:
-        return budget.dtype_bytes(declared), budget.dtype_label(None, declared), None
-    return 2, "FP16", "the config declares no dtype; 16-bit values assumed (--dtype to change)"
+    name, note = budget.served_dtype(declared)
+    if note is not None:
+        said = f"the config declares {declared}" if declared is not None else "the config declares no dtype"
+        note = f"{said}; counted at {name}, the dtype models are served in (--dtype float32 to count that)"
+    return budget.dtype_bytes(name), budget.dtype_label(None, name), note
 
 
 def _describe(shape: budget.KVShape) -> str:

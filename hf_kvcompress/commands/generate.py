@@ -40,6 +40,27 @@ def render_prompt(tokenizer, text: str, chat: bool = True) -> str:
     return text
 
 
+def served_summary(model, cache) -> str:
+    """The cache's bytes at the dtype the model is served in, against an uncompressed cache of the same tokens in
+    that dtype (`budget.kv_bytes_from_config`): the ratio a user serving in 16-bit sees, whatever this run's dtype."""
+    import torch
+
+    from ..budget import kv_bytes_from_config
+    from ..eval.runner import served_name
+    from ..measure import served_kv_bytes
+
+    served = served_name(model)
+    held = served_kv_bytes(cache, getattr(torch, served))
+    full = kv_bytes_from_config(model.config, max(1, cache.get_seq_length()),
+                                bytes_per_value=torch.empty((), dtype=getattr(torch, served)).element_size())
+    ran = str(model.dtype).removeprefix("torch.")
+    where = (f"in {served}, the dtype the model ran in" if ran == served else
+             f"at {served}, the dtype the model is served in (it ran in {ran} here; keys and values counted at "
+             f"{served}'s width)")
+    return (f"{held:,} bytes {where}: {held / full:.3f} of the {full:,} bytes an uncompressed {served} cache holds "
+            f"for the same {cache.get_seq_length()} tokens")
+
+
 def run(args) -> int:
     from transformers import TextStreamer
 
@@ -77,6 +98,7 @@ def run(args) -> int:
         f"KV cache holds {result.kv_bytes:,} bytes ({cache.stored_tokens} of {cache.get_seq_length()} tokens kept per layer)",
         file=sys.stdout,
     )
+    print(f"[cache {cache.spec}] {served_summary(model, cache)}", file=sys.stdout)
     note = residual_note(args.cache, cache.stored_tokens)
     if note is not None:
         print(f"[cache {cache.spec}] {note}", file=sys.stdout)

@@ -22,15 +22,16 @@ def _ints(text: str, name: str) -> list[int]:
 
 # Each preset: the grid, the plans (a registry tuple, scaled to the shortest length) and the answer's token cap.
 PRESETS = {
-    # make demo on 2 CPU cores: 30 scored samples per plan (2 lengths x 5 depths x 3), documents of 2,000 tokens
-    # and more (a length counts the whole prompt; the question and the chat markup take about 40 of it), one plan
-    # per family and the lesson's stacked ones, every plan from the one shared prefill per document. A 7-digit
-    # needle and its full stop are 9 of SmolLM2's tokens: 10 new tokens are enough and every one is a step of
-    # every plan.
-    "demo": dict(lengths="2048,2304", depths="10,30,50,70,90", tasks="needle", samples_per_cell=3,
+    # make demo on 2 CPU cores: 30 scored samples per plan (2 lengths x 5 depths x 3), documents of about 1,000 and
+    # 1,250 tokens (a length counts the whole prompt; the question and the chat markup take about 40 of it), the
+    # best plan of each family and the lesson's stacked ones, every plan from the one shared prefill per document
+    # (KVzip adds its reconstruction pass). 2,048 and 2,304 tokens cost 3.2 times the CPU time per prefill and
+    # could not fit KVzip into 10 minutes. A 7-digit needle and its full stop are 9 of SmolLM2's tokens: 10 new
+    # tokens are enough and every one is a step of every plan.
+    "demo": dict(lengths="1024,1280", depths="10,30,50,70,90", tasks="needle", samples_per_cell=3,
                  plans="STUDY_PLANS", max_new_tokens=10),
-    # the evictions that must see the prefill (H2O, SnapKV: its attention; KVzip: a second read of the document),
-    # each with its own prefill: about 5 times the demo's time on a CPU.
+    # the evictions that must see the prefill (H2O, SnapKV: its attention), each with its own prefill, beside KVzip
+    # at the same budget, at the former demo's lengths.
     "eviction": dict(lengths="2048,2304", depths="10,30,50,70,90", tasks="needle", samples_per_cell=3,
                      plans="EVICTION_STUDY_PLANS", max_new_tokens=10),
     # a GPU and a long-context model: every plan of both at 4k-32k, needle and multi-needle, the tasks' own caps.
@@ -63,9 +64,10 @@ def add_parser(subparsers) -> None:
                         help="model to study (default: the first embedded model whose uncompressed needle score "
                              "reaches 70; each embedded model's baseline is reported)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="demo",
-                        help="lengths, depths, tasks, samples, plans and answer length: 'demo' (every family on 2 "
-                             "CPU cores in under 10 minutes), 'eviction' (H2O, SnapKV, KVzip: each prefills on its "
-                             "own, about 5 times longer) or 'full' (both sets at 4k-32k, for a GPU)")
+                        help="lengths, depths, tasks, samples, plans and answer length: 'demo' (the best plan of "
+                             "every family, KVzip included, on 2 CPU cores in under 10 minutes), 'eviction' (H2O, "
+                             "SnapKV: each prefills on its own; KVzip beside them) or 'full' (both sets at 4k-32k, "
+                             "for a GPU)")
     parser.add_argument("--lengths", default=None, help="document lengths in the model's tokens (comma-separated)")
     parser.add_argument("--depths", default=None, help="needle depths in percent of the document")
     parser.add_argument("--tasks", default=None, help="evaluation tasks (see hf-kvcompress eval)")
@@ -76,7 +78,9 @@ def add_parser(subparsers) -> None:
                         help="processes that split the samples, one per core on a CPU (default: the cores, at most "
                              "4, on a CPU; 1 on a GPU)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="GPU memory for the users-per-GPU table")
-    parser.add_argument("--context", type=int, default=32000, help="tokens per user for the users-per-GPU table")
+    parser.add_argument("--context", type=int, default=32000,
+                        help="tokens per user for the users-per-GPU table (at most the model's "
+                             "max_position_embeddings: a longer context is cut to it, and the report says so)")
     parser.add_argument("--weights", type=float, default=None, metavar="GIB", help="weights in GiB (default: the model's)")
     parser.add_argument("--reserve", type=float, default=0.0, metavar="GIB",
                         help="GPU memory kept free for activations and the runtime, for the users-per-GPU table")
@@ -119,6 +123,9 @@ def run(args) -> int:
     from ..lesson_table import format_lesson_table, lesson_rows
     from ..models import load_model
     from ..study_workers import default_workers, run_plans_split
+    from ..budget import dtype_bytes, weight_bytes
+    from ..eval.runner import served_name
+    from ..hf.compat import text_config
 
     preset = PRESETS[args.preset]
     lengths = _ints(args.lengths or preset["lengths"], "lengths")
@@ -188,9 +195,14 @@ def run(args) -> int:
     if not usable:
         usable = set(summary["tasks"])
         print("note: every task is under 50 for the uncompressed cache; ranking over all of them anyway")
-    model_bytes = next(model.parameters()).element_size()
-    weights = args.weights * GIB if args.weights is not None else study.model_weight_bytes(model)
-    results = study.analyse(records, model.config, model_bytes, weights, args.gpu_memory * GIB, args.context,
+    # Bytes at the dtype the model is served in (a CPU runs it in float32; the records count bytes at both).
+    served = served_name(model)
+    model_bytes = dtype_bytes(served)
+    params = sum(p.numel() for p in model.parameters())
+    weights = args.weights * GIB if args.weights is not None else weight_bytes(params, served)
+    longest = getattr(text_config(model.config), "max_position_embeddings", None)
+    context = min(args.context, longest) if longest else args.context
+    results = study.analyse(records, model.config, model_bytes, weights, args.gpu_memory * GIB, context,
                             args.reserve * GIB, usable)
     best = study.recommend(results, args.min_quality)
     tokens = sum(r["document_tokens"] for r in records if r["method"] == "dynamic") / max(
@@ -198,13 +210,14 @@ def run(args) -> int:
     plots = out / Path(name).name
     plots.mkdir(parents=True, exist_ok=True)
     plot_heatmaps(records, plots)
-    study.plot_study(results, plots)
+    study.plot_study(results, plots, served)
     with open(plots / "records.jsonl", "w", encoding="utf-8") as handle:
         for record in records:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     lesson = lesson_rows(results, model.config, tokens, model_bytes)
     baseline = next(r for r in results if r.spec == "dynamic")
-    study.write_results(results, lesson, plots / "study.json", model=name, tokens=tokens)
+    study.write_results(results, lesson, plots / "study.json", model=name, tokens=tokens, bytes_dtype=served,
+                        context=context)
     n = len(records) // max(1, len(results))
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     answer = f"answers capped at {max_new} new tokens" if max_new else "the tasks' own answer lengths"
@@ -226,13 +239,22 @@ def run(args) -> int:
                      + ", ".join(f"{t} {s:.0f}" for t, s in summary["too_hard"].items()))
     for plan, why in refused.items():
         lines.append(f"Refused for this model: {plan}: {why}")
+    ran = str(model.dtype).removeprefix("torch.")
+    lines.append(f"Bytes are at {served}, the dtype the model is served in" + (
+        f" (it ran in {ran} here: the measured storage with keys and values counted at {served}'s width; "
+        "tests/test_served_bytes.py checks that against runs in it)." if ran != served else "."))
+    if context < args.context:
+        lines.append(f"Users per GPU at {context:,} tokens, this model's max_position_embeddings "
+                     f"(--context {args.context:,} is past it).")
     notes = study.residual_notes(results, tokens)
-    lines += ["", "```", study.format_table(results, tokens), *(["", notes] if notes else []), "",
+    lines += ["", "```", study.format_table(results, tokens, served), *(["", notes] if notes else []), "",
               "The lesson's table, with the quality it could not show (score and retention measured above):",
               format_lesson_table(lesson, baseline), "", study.format_users(
-        results, args.min_quality, args.gpu_memory * GIB, weights, args.context), "", study.recommendation_text(best, results),
+        results, args.min_quality, args.gpu_memory * GIB, weights, context, served, tokens), "",
+        study.recommendation_text(best, results),
         "```", "", "Retention: share of the samples the uncompressed cache answers that the plan still answers. "
-        "Formula: the lesson's 2 x layers x kv_heads x head_dim x bytes x tokens; measured: what the cache held.",
+        f"Formula: the lesson's 2 x layers x kv_heads x head_dim x bytes x tokens at {served}; measured: what the "
+        f"cache held, at {served}; x less: the uncompressed cache's measured bytes / the plan's.",
         f"Plots: {plots}/quality_vs_memory.png and heatmap_<plan>.png; numbers: {plots}/study.json"]
     text = "\n".join(lines)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,17 +24,34 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def served_bytes(record: dict, kind: str) -> float:
+    """A record's KV bytes (`kind` "document" or "peak") at the dtype the model is served in; records written before
+    that was counted have only the bytes measured in the dtype the model ran in."""
+    return record.get(f"kv_bytes_{kind}_served", record[f"kv_bytes_{kind}"])
+
+
+def bytes_dtypes(records: list[dict]) -> tuple[str, str]:
+    """(the dtype the reports' bytes are counted at, the dtype the model ran in), as one phrase each."""
+    served = sorted({str(r["served_dtype"]) for r in records if r.get("served_dtype")})
+    ran = sorted({str(r["dtype"]) for r in records if r.get("dtype")})
+    if not served:
+        return "/".join(ran) or "the dtype the model ran in", "/".join(ran) or "?"
+    return "/".join(served), "/".join(ran) or "?"
+
+
 def summarize(records: list[dict]) -> dict:
     """Aggregate records per (task, method) and per method.
 
     Returns a dict with:
         rows: one dict per (task, method): n, score, correct (percent), dynamic (the baseline's score on the
-            task), delta, kv_bytes_document, kv_bytes_peak, memory_ratio (peak / dynamic's peak), tokens_kept,
+            task), delta, kv_bytes_document, kv_bytes_peak (at the served dtype, `served_bytes`), memory_ratio
+            (peak / dynamic's peak), tokens_kept,
             prefill_seconds, decode_seconds, too_hard, by_length {length: score}.
         ranking: one dict per method over the tasks that are not too hard, best first: score, dynamic, delta,
             kv_bytes_peak, memory_ratio, tasks.
         too_hard: {task: dynamic score} for the flagged tasks.
         methods, tasks, protocols: in first-seen order.
+        bytes_dtype, run_dtype: the dtype the bytes are counted at (served) and the one the model ran in.
     """
     methods = list(dict.fromkeys(r["method"] for r in records))
     tasks = list(dict.fromkeys(r["task"] for r in records))
@@ -42,7 +59,7 @@ def summarize(records: list[dict]) -> dict:
     for record in records:
         groups[record["task"], record["method"]].append(record)
     baseline = {t: _mean(r["score"] for r in groups.get((t, BASELINE), [])) for t in tasks}
-    baseline_peak = {t: _mean(r["kv_bytes_peak"] for r in groups.get((t, BASELINE), [])) for t in tasks}
+    baseline_peak = {t: _mean(served_bytes(r, "peak") for r in groups.get((t, BASELINE), [])) for t in tasks}
     too_hard = {t: s for t, s in baseline.items() if not math.isnan(s) and s < TOO_HARD_BELOW}
     rows = []
     for task in tasks:
@@ -51,7 +68,7 @@ def summarize(records: list[dict]) -> dict:
             if not group:
                 continue
             score = _mean(r["score"] for r in group)
-            peak = _mean(r["kv_bytes_peak"] for r in group)
+            peak = _mean(served_bytes(r, "peak") for r in group)
             by_length: dict[int, list[float]] = defaultdict(list)
             for r in group:
                 by_length[r["length"]].append(r["score"])
@@ -59,7 +76,7 @@ def summarize(records: list[dict]) -> dict:
                 "task": task, "method": method, "n": len(group), "score": score,
                 "correct": 100 * _mean(float(r["correct"]) for r in group),
                 "dynamic": baseline[task], "delta": score - baseline[task],
-                "kv_bytes_document": _mean(r["kv_bytes_document"] for r in group), "kv_bytes_peak": peak,
+                "kv_bytes_document": _mean(served_bytes(r, "document") for r in group), "kv_bytes_peak": peak,
                 "memory_ratio": peak / baseline_peak[task] if baseline_peak[task] else float("nan"),
                 "tokens_kept": _mean(r["tokens_kept"] for r in group),
                 "prefill_seconds": _mean(r["prefill_seconds"] for r in group),
@@ -80,8 +97,9 @@ def summarize(records: list[dict]) -> dict:
         })  # fmt: skip
     ranking.sort(key=lambda r: (-r["score"], r["kv_bytes_peak"]))
     protocols = list(dict.fromkeys(r.get("protocol", "?") for r in records))
+    bytes_dtype, run_dtype = bytes_dtypes(records)
     return {"rows": rows, "ranking": ranking, "too_hard": too_hard, "methods": methods, "tasks": tasks,
-            "protocols": protocols}  # fmt: skip
+            "protocols": protocols, "bytes_dtype": bytes_dtype, "run_dtype": run_dtype}  # fmt: skip
 
 
 def _f(value, digits: int = 1) -> str:
@@ -105,6 +123,15 @@ def _describe(spec: str) -> str | None:
         return None
 
 
+def _bytes_sentence(summary: dict) -> str:
+    served, ran = summary.get("bytes_dtype", "?"), summary.get("run_dtype", "?")
+    if served == ran:
+        return f"KV bytes are measured storage per sample, in {served}, the dtype the model ran in."
+    return (f"KV bytes are storage per sample at {served}, the dtype the model is served in (it ran in {ran} here: "
+            f"the measured storage with keys and values counted at {served}'s width); memory vs dynamic is "
+            f"against the uncompressed {served} cache.")
+
+
 def markdown(summary: dict, records: list[dict], notes: list[str] = ()) -> str:
     """The summary as markdown: `notes`, the ranking, then one table per task (with scores by context length)."""
     models = sorted({str(r.get("model")) for r in records})
@@ -114,7 +141,7 @@ def markdown(summary: dict, records: list[dict], notes: list[str] = ()) -> str:
         f"Model: {', '.join(models)}. Protocol: {', '.join(summary['protocols'])} "
         "(document_first: the document is prefilled and compressed before the question is appended; "
         "query_aware: the question is also inside the compressed prompt). "
-        f"{len(records)} results. Scores 0-100. KV bytes are measured storage per sample.",
+        f"{len(records)} results. Scores 0-100. {_bytes_sentence(summary)}",
         "",
         *[line for note in notes for line in (note, "")],
     ]
@@ -123,7 +150,8 @@ def markdown(summary: dict, records: list[dict], notes: list[str] = ()) -> str:
         lines += [f"- `{m}`: {text}" for m, text in described if text] + [""]
     lines += [f"## Ranking (tasks where `{BASELINE}` scores >= {TOO_HARD_BELOW:.0f})", ""]
     if summary["ranking"]:
-        lines += ["| rank | method | score | dynamic | delta | KV peak (MiB) | memory vs dynamic | tasks |",
+        lines += [f"| rank | method | score | dynamic | delta | KV peak (MiB, {summary.get('bytes_dtype', '?')}) | "
+                  "memory vs dynamic | tasks |",
                   "|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for n, r in enumerate(summary["ranking"], 1):
             lines.append(f"| {n} | `{r['method']}` | {_f(r['score'])} | {_f(r['dynamic'])} | {_f(r['delta'])} | "
@@ -139,7 +167,7 @@ def markdown(summary: dict, records: list[dict], notes: list[str] = ()) -> str:
         metric = next((r.get("metric") for r in records if r["task"] == task), "")
         lines += ["", f"## `{task}` ({metric}){flag}", ""]
         head = ["method", "score", "dynamic", "delta", "correct %"] + [f"L{length}" for length in lengths]
-        head += ["KV doc (MiB)", "KV peak (MiB)", "memory vs dynamic", "tokens kept", "prefill s", "decode s", "n"]
+        head += [f"KV doc (MiB, {summary.get('bytes_dtype', '?')})", "KV peak (MiB)", "memory vs dynamic", "tokens kept", "prefill s", "decode s", "n"]
         lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         for r in rows:
             cells = [f"`{r['method']}`", _f(r["score"]), _f(r["dynamic"]), _f(r["delta"]), _f(r["correct"])]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..generation import generate, prefill, repeat_prompt_ids, sync
-from ..measure import measured_kv_bytes
+from ..measure import measured_kv_bytes, served_kv_bytes
 from .prompts import encode, protocol_name, uses_chat
 from .resolved import resolved_digest
 from .scoring import score_all
@@ -106,6 +106,8 @@ class BatchOutput:
     new_tokens: list[list[int]]
     kv_bytes_document: int
     kv_bytes_peak: int
+    kv_bytes_document_served: int  # the same, counted at the served dtype (`served_torch_dtype`)
+    kv_bytes_peak_served: int
     tokens_stored: float  # per layer, after the document
     prefill_seconds: float  # document and question
     decode_seconds: float
@@ -126,6 +128,18 @@ def left_pad(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: int):
         mask[i, width - len(document_ids) :] = 1
     questions = torch.tensor([q for _, q in rows], dtype=torch.long)
     return torch.cat([documents, questions], dim=1), torch.cat([mask, torch.ones_like(questions)], dim=1), width
+
+
+def served_name(model) -> str:
+    """The dtype the model is served in, whose bytes the reports compare: the dtype it runs in when that is 16-bit,
+    else its config's 16-bit dtype, else bfloat16 (`budget.served_dtype`); a CPU runs it in float32."""
+    from ..budget import served_dtype
+
+    return served_dtype(model.dtype, getattr(model.config, "dtype", None))[0]
+
+
+def served_torch_dtype(model) -> torch.dtype:
+    return getattr(torch, served_name(model))
 
 
 @torch.inference_mode()
@@ -152,23 +166,27 @@ def run_batch(
 
     cache = make_cache(spec, model.config)
     step = chunk_size if chunk_size and _bounds_memory(spec) else max(width, 1)
-    peak = 0  # the largest storage measured after any prefill chunk or after decoding
+    served = served_torch_dtype(model)
+    peak = peak_served = 0  # the largest storage measured after any prefill chunk or after decoding
     with _Attention(model, spec):
         sync(device)
         start = time.perf_counter()
 
         def measure_peak():
-            nonlocal peak
+            nonlocal peak, peak_served
             peak = max(peak, measured_kv_bytes(cache))
+            peak_served = max(peak_served, served_kv_bytes(cache, served))
 
         prefill(model, full_ids[:, :width], full_mask[:, :width], cache, chunk_size=step,
                 repeat_prompt_ids=repeat_prompt_ids, on_chunk=measure_peak)  # fmt: skip
         sync(device)
         document_seconds = time.perf_counter() - start
         kv_document = measured_kv_bytes(cache)
+        kv_document_served = served_kv_bytes(cache, served)
         stored = _tokens_stored(cache)
         result = generate(model, full_ids, full_mask, cache, max_new_tokens=max_new_tokens, prefill_chunk_size=step)
     peak = max(peak, result.kv_bytes)
+    peak_served = max(peak_served, kv_document_served, served_kv_bytes(cache, served))
     eos = _eos_ids(model)
     new_tokens = []
     for row in result.new_tokens.tolist():
@@ -178,6 +196,8 @@ def run_batch(
         new_tokens=new_tokens,
         kv_bytes_document=kv_document,
         kv_bytes_peak=peak,
+        kv_bytes_document_served=kv_document_served,
+        kv_bytes_peak_served=peak_served,
         tokens_stored=stored,
         prefill_seconds=document_seconds + result.prefill_seconds,
         decode_seconds=result.decode_seconds,
@@ -534,6 +554,9 @@ def run_eval(
                     # The cache serves the whole batch; each row is charged an equal share of it.
                     "kv_bytes_document": output.kv_bytes_document / share,
                     "kv_bytes_peak": output.kv_bytes_peak / share,
+                    "served_dtype": served_name(model),
+                    "kv_bytes_document_served": output.kv_bytes_document_served / share,
+                    "kv_bytes_peak_served": output.kv_bytes_peak_served / share,
                     "prefill_seconds": output.prefill_seconds / share,
                     "decode_seconds": output.decode_seconds / share,
                     "batch_rows": share,
