@@ -42,6 +42,8 @@ from typing import Callable
 
 import torch
 
+from .extras import require
+
 __all__ = [
     "ALIASES",
     "GEMMA3_270M",
@@ -161,6 +163,7 @@ def load_config(name_or_path: str | os.PathLike | None = None, *, convert: bool 
     target = _target_dir(source, sha)
     if _is_complete(target, sha):
         return AutoConfig.from_pretrained(target)
+    require("models", f"reading the GGUF file of {source.label}")
     with tempfile.TemporaryDirectory(prefix="hf-kvcompress-gguf-") as scratch:
         gguf = source.materialize(Path(scratch))  # Gemma-3's parts are assembled (and verified) here
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -438,6 +441,7 @@ def _ensure_converted(source: _GgufSource) -> Path:
     target = _target_dir(source, sha)
     if _is_complete(target, sha):
         return target
+    require("models", f"converting {source.label} from GGUF (once)")
     models = target.parent
     models.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(models)

@@ -12,15 +12,19 @@ ask (a meta-path finder that raises would break those checks instead of answerin
 import json
 import subprocess
 import sys
+import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).parent.parent
 
 # What the lab needs and the library must not import. tqdm is not among them: transformers requires it itself.
 LAB_MODULES = ("datasets", "evaluate", "matplotlib", "gguf", "lm_eval", "accelerate")
+CORE = {"torch", "transformers", "safetensors"}
+DISTRIBUTION = {"lm_eval": "lm-eval"}  # import name -> distribution name, where they differ
 
 BLOCK = """
 import sys
@@ -74,6 +78,10 @@ def run_python(script: str, *args: str, env: dict | None = None) -> subprocess.C
                           env=env, timeout=600)  # fmt: skip
 
 
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
 def test_pyproject_reads_without_setuptools_warnings():
     from setuptools.config.pyprojecttoml import read_configuration
 
@@ -83,6 +91,35 @@ def test_pyproject_reads_without_setuptools_warnings():
     assert [str(w.message) for w in caught] == []
     assert config["project"]["license"] == "Apache-2.0"  # an SPDX expression, not the deprecated table
     assert all((ROOT / name).is_file() for name in config["project"]["license-files"])
+
+
+def test_the_core_dependencies_are_what_a_cache_needs():
+    assert {Requirement(r).name for r in pyproject()["project"]["dependencies"]} == CORE
+
+
+def test_each_extra_installs_the_modules_its_check_asks_for():
+    """extras.EXTRAS (what `require` checks) and pyproject.toml's extras (what pip installs) name the same modules."""
+    from hf_kvcompress.extras import EXTRAS
+
+    declared = pyproject()["project"]["optional-dependencies"]
+
+    def installs(extra: str) -> set[str]:  # distribution names, through the extras an extra names (`[models]`)
+        names = set()
+        for requirement in map(Requirement, declared[extra]):
+            names |= set().union(*map(installs, requirement.extras)) if requirement.name == "hf-kvcompress" else {
+                requirement.name}
+        return names
+
+    for extra, modules in EXTRAS.items():
+        assert {DISTRIBUTION.get(m, m) for m in modules} <= installs(extra), extra
+    assert set(EXTRAS) <= set(declared)
+    lab = set(LAB_MODULES) | {"tqdm"}
+    assert {DISTRIBUTION.get(m, m) for m in lab} <= installs("all")
+
+
+def test_make_setup_installs_every_extra_the_suite_needs():
+    makefile = (ROOT / "Makefile").read_text()
+    assert '-e ".[all,test]"' in makefile
 
 
 @pytest.mark.parametrize("absent", [LAB_MODULES, ()], ids=["core-only", "everything-installed"])
@@ -96,3 +133,61 @@ def test_the_library_path_imports_no_lab_module(absent, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = set(json.loads(done.stdout.splitlines()[-1]))
     assert loaded & set(LAB_MODULES) <= ({"accelerate"} if not absent else set())
+
+
+def test_import_and_cli_help_import_no_torch_and_no_lab_module():
+    script = BLOCK + """
+import json
+import hf_kvcompress
+from hf_kvcompress.cli import build_parser
+build_parser()
+print(json.dumps(sorted({name.split(".")[0] for name, module in sys.modules.items() if module is not None})))
+"""
+    done = run_python(script, ",".join(LAB_MODULES))
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = set(json.loads(done.stdout.splitlines()[-1]))
+    assert not loaded & {*LAB_MODULES, "torch", "transformers"}
+
+
+def test_an_embedded_model_without_gguf_names_the_models_extra(tmp_path):
+    """Converting a GGUF file needs gguf (transformers reads it with that package): the error names the extra."""
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")  # never read: the check comes before the conversion
+    script = BLOCK + """
+from hf_kvcompress import load_model
+from hf_kvcompress.extras import MissingExtraError
+try:
+    load_model(sys.argv[2])
+except MissingExtraError as error:
+    print(error)
+"""
+    env = {**__import__("os").environ, "HF_KVCOMPRESS_CACHE": str(tmp_path / "cache")}
+    done = run_python(script, "gguf", str(gguf), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert 'pip install "hf-kvcompress[models]"' in done.stdout
+    assert "gguf" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, absent, extra",
+    [
+        (["eval", "--out", "OUT", "--methods", "int4"], "datasets", "eval"),
+        (["study", "--out", "OUT"], "matplotlib", "eval"),
+        (["demo", "--out", "OUT"], "evaluate", "eval"),
+        (["lm-eval", "ls", "tasks"], "lm_eval", "lm-eval"),
+    ],
+)
+def test_a_lab_command_without_its_extra_fails_in_one_line(argv, absent, extra, tmp_path):
+    script = BLOCK + """
+import json
+from hf_kvcompress.cli import main
+sys.exit(main(json.loads(sys.argv[2])))
+"""
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    done = run_python(script, absent, json.dumps(argv))
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"hf-kvcompress {argv[0]}: error: ") and absent in line, line
+    assert f'pip install "hf-kvcompress[{extra}]"' in line, line
+    assert not (tmp_path / "out").exists()  # refused before anything ran
