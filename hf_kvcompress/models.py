@@ -42,6 +42,8 @@ from typing import Callable
 
 import torch
 
+from .extras import require
+
 __all__ = [
     "ALIASES",
     "GEMMA3_270M",
@@ -161,6 +163,7 @@ def load_config(name_or_path: str | os.PathLike | None = None, *, convert: bool 
     target = _target_dir(source, sha)
     if _is_complete(target, sha):
         return AutoConfig.from_pretrained(target)
+    require("models", f"reading the GGUF file of {source.label}")
     with tempfile.TemporaryDirectory(prefix="hf-kvcompress-gguf-") as scratch:
         gguf = source.materialize(Path(scratch))  # Gemma-3's parts are assembled (and verified) here
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -188,7 +191,8 @@ def load_model(
             default bf16 on CUDA and fp32 on CPU.
         attn_implementation: passed to ``from_pretrained``; ``"sdpa"`` unless a registered attention function
             is named.
-        device_map: passed to ``from_pretrained`` instead of ``device`` when given.
+        device_map: passed to ``from_pretrained`` instead of ``device`` when given (transformers needs accelerate
+            for it).
         **model_kwargs: passed to ``AutoModelForCausalLM.from_pretrained``.
 
     Returns:
@@ -200,13 +204,16 @@ def load_model(
     path = _resolve_dir(name_or_path)  # a missing model package fails here, before transformers is imported
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # transformers places weights by `device_map` only through accelerate, an optional dependency: without it the
+    # model loads on the CPU and moves to `device` afterwards (the same model; the weights pass through host memory).
+    if device_map is None and importlib.util.find_spec("accelerate") is not None:
+        device_map = str(torch.device(device))
+    placement = {} if device_map is None else {"device_map": device_map}
     model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=torch_dtype,
-        attn_implementation=attn_implementation,
-        device_map=device_map if device_map is not None else str(torch.device(device)),
-        **model_kwargs,
+        path, dtype=torch_dtype, attn_implementation=attn_implementation, **placement, **model_kwargs
     )
+    if device_map is None:
+        model.to(device)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
@@ -434,6 +441,7 @@ def _ensure_converted(source: _GgufSource) -> Path:
     target = _target_dir(source, sha)
     if _is_complete(target, sha):
         return target
+    require("models", f"converting {source.label} from GGUF (once)")
     models = target.parent
     models.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(models)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
+from .caches.compressed import CompressedCache
 from .codecs.base import Codec
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
@@ -171,8 +172,6 @@ def parse_spec(spec: str) -> tuple[Policy, Codec]:
 
 def make_cache(spec: str, config=None):
     """A fresh cache for `spec`; pass the model's config so hybrid sliding-window models are handled."""
-    from .caches.compressed import CompressedCache
-
     policy, codec = parse_spec(spec)
     return CompressedCache(policy, codec, config=config)
 

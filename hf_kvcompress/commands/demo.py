@@ -23,7 +23,10 @@ def _run(module, argv: list[str]) -> int:
 
 
 def run(args) -> int:
+    from ..extras import require
     from . import budget, study
+
+    require("eval", "hf-kvcompress demo")  # its study: before the budget table prints
 
     print("=" * 100 + "\nThe lesson's KV budget, computed (hf-kvcompress budget)\n" + "=" * 100)
     _run(budget, ["budget"])

@@ -101,6 +101,9 @@ def check_arguments(args) -> tuple[list[str], list[str]]:
 
 
 def run(args) -> int:
+    from ..extras import require
+
+    require("eval", "hf-kvcompress eval")
     from ..eval.runner import _state, check_context, run_eval
     from ..models import load_config, load_model
 

@@ -68,6 +68,9 @@ def lm_eval_argv(argv: list[str]) -> list[str]:
 
 
 def run(args) -> int:
+    from ..extras import require
+
+    require("lm-eval", "hf-kvcompress lm-eval")
     argv = lm_eval_argv(args.lm_eval_args)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage() + "\nlm-eval's own help follows.\n")

@@ -116,6 +116,9 @@ def _usable_plans(plans: list[str], config) -> tuple[list[str], dict[str, str]]:
 
 
 def run(args) -> int:
+    from ..extras import require
+
+    require("eval", "hf-kvcompress study")
     from .. import study
     from ..eval.report import plot_heatmaps, summarize
     from ..eval.runner import check_specs

@@ -27,8 +27,9 @@ from lm_eval.models.huggingface import HFLM
 
 from ..generation import prefill, repeat_prompt_ids
 from ..hf.compat import cache_kwargs
+from ..registry import bounds_memory, make_cache, parse_spec
 from .prompts import encode, protocol_name
-from .runner import _bounds_memory, _first, make_cache, run_batch
+from .runner import _first, run_batch
 
 MODEL_NAME = "hf-kvcompress"
 _SAMPLE_FIELDS = ("instruction", "document", "question", "references")
@@ -74,7 +75,6 @@ class KVCompressLM(HFLM):
         **kwargs,
     ) -> None:
         from ..models import load_model
-        from ..registry import parse_spec
 
         _refuse_unknown(kwargs)  # e.g. `recent=64`, split off an unquoted `cache=h2o:budget=256,recent=64`
         parse_spec(cache)  # a bad spec fails here, before the model loads
@@ -139,7 +139,7 @@ class KVCompressLM(HFLM):
             else:
                 context_ids, continuation_ids = self._encode_pair(context, continuation)
             cache = make_cache(self.cache_spec, self.model.config)
-            step = self.chunk_size if self.chunk_size and _bounds_memory(self.cache_spec) else None
+            step = self.chunk_size if self.chunk_size and bounds_memory(self.cache_spec) else None
             device = self.model.device
             ids = torch.tensor([context_ids], device=device)
             last = prefill(self.model, ids, None, cache, chunk_size=step,  # [1, V]: predicts continuation[0]

@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..caches.layer import MASK_KEY, OBSERVER_KEY, STORE_KEY
+from ..caches.requests import MASK_KEY, OBSERVER_KEY, STORE_KEY
 
 ATTENTION_NAME = "kvcompress_sdpa"
 # Queries per block of the statistics: a block's logits are then a few MiB (SmolLM2 at 3k tokens: 3.5 MiB), so

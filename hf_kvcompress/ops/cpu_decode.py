@@ -103,7 +103,8 @@ def _extension(flags: tuple[str, ...] = tuple(FLAGS)):
                     verbose=False)
     except Exception as error:  # no compiler, no headers, a failed build: the PyTorch path still answers
         warnings.warn(f"the CPU decode-attention kernel could not be built ({error}); attention over the encoded "
-                      "store runs in PyTorch (slower)", RuntimeWarning, stacklevel=2)
+                      "store runs in PyTorch (slower). The build needs a C++ compiler and ninja: "
+                      'pip install "hf-kvcompress[cpu-kernel]"', RuntimeWarning, stacklevel=2)
         return None
 
 
