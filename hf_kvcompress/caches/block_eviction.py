@@ -12,8 +12,6 @@ ones; attention paths that build their own mask must honour the window too (padd
 
 from __future__ import annotations
 
-import torch
-
 from ..codecs.base import slice_encoded
 from .storage import owned
 
@@ -48,9 +46,6 @@ class BlockEviction:
             self.tail_keys = owned(self.tail_keys[:, :, from_tail:])
             self.tail_values = owned(self.tail_values[:, :, from_tail:])
         self.pads = (self.pads - drop).clamp(min=0)  # padding is the oldest slots
-        if self.sink_slots is not None:  # a sink whose block is dropped is gone, as when the exact window passes it
-            self.sink_slots = torch.where(self.sink_slots >= drop, self.sink_slots - drop, -1)
-        if self.accumulated is not None:
-            self.accumulated = owned(self.accumulated[..., drop:])
-        if self.positions is not None:
-            self.positions = owned(self.positions[..., drop:])
+        # Every per-slot record loses the same slots; a sink whose block is dropped is gone, as when the exact
+        # window passes it.
+        self.slots.drop(drop)

@@ -94,7 +94,7 @@ def layer_budget_shifts(policy: Policy, layers: list) -> list[torch.Tensor]:
     for layer in layers:
         slot = torch.arange(layer.stored_tokens, device=layer.device)
         padding = (slot[None, :] < layer.pads[:, None])[:, None, :]
-        scores.append(layer.accumulated.masked_fill(padding, float("-inf")).flatten(1))  # [B, H * T]
+        scores.append(layer.slots.accumulated.masked_fill(padding, float("-inf")).flatten(1))  # [B, H * T]
     ranked = torch.cat(scores, dim=1).sort(dim=1, descending=True).values
     real = torch.isfinite(ranked).sum(dim=1)  # [B]: the row's real pairs (a padded row has fewer than the slots)
     wanted = torch.minimum(share * heads * len(layers), real).clamp(min=1) - 1
@@ -254,7 +254,7 @@ class CompressedCache(Cache):
             keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.sink_tokens)
             for layer, (priority, keep) in zip(scored, keeps):
                 layer.reconstruction_queries = None
-                layer.accumulated = priority
+                layer.slots.accumulated = priority
                 self.layers[self.layers.index(layer)] = HeadBudgetLayer(layer, keep)
         elif budgets == "token" and scored:
             share_token_scores([layer for layer in scored if not layer.is_sliding])

@@ -26,7 +26,7 @@ class Eviction:
         fresh = torch.zeros(self.batch_size, self.kv_heads, new, device=self.device, dtype=torch.float32)
         if fill_from is not None:
             fresh += fill_from + torch.arange(new, device=self.device, dtype=torch.float32)
-        self.accumulated = fresh if self.accumulated is None else torch.cat([self.accumulated, fresh], dim=-1)
+        self.slots.append("accumulated", fresh)
 
     def _request_attention(self, attn_kwargs: dict | None, request: AttentionRequest) -> None:
         if attn_kwargs is None:
@@ -39,7 +39,7 @@ class Eviction:
 
     def observe(self, attention: torch.Tensor) -> None:
         """Receive [B, H_kv, kv] attention statistics for this step's queries, then evict and encode."""
-        self.accumulated = self.policy.observe(self.accumulated, attention.to(self.accumulated.dtype))
+        self.slots.accumulated = self.policy.observe(self.slots.accumulated, attention.to(self.slots.accumulated.dtype))
         self.awaiting_attention = False
         self._compress()
 
@@ -116,7 +116,7 @@ class Eviction:
         if self.policy.needs_queries:
             extra["queries"] = self._recent_queries()
         scores = self.policy.score(
-            self.accumulated, length, keys=keys, positions=self.positions, pads=self.pads, **extra
+            self.slots.accumulated, length, keys=keys, positions=self.slots.positions, pads=self.pads, **extra
         )
         scores = agree_within_groups(scores, self.codec.heads_per_store)
         if length == most + 1 and self._fixed_budget:
@@ -126,11 +126,7 @@ class Eviction:
         budget = kept.shape[-1]
         if self.encoded_keys is None:
             self._capture_sinks()
-        self._follow_sinks(kept)
-        if self.accumulated is not None:
-            self.accumulated = torch.gather(self.accumulated, 2, kept)
-        if self.positions is not None:
-            self.positions = torch.gather(self.positions, 2, kept)
+        self.slots.take(kept)  # scores, positions and sink slots follow the kept slots
         self.pads = budget - torch.minimum(keep, length - self.pads)
         n_enc = self.n_encoded
         if self.encoded_keys is None:

@@ -57,8 +57,8 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         self.sink_keys = self.sink_values = self.sink_valid = None
         if self.codec.sink_tokens > 0 and not self.codec.lossless:
             origin._capture_sinks()
-            if origin.sink_slots is not None:
-                slots = origin.sink_slots  # [B, H, S], the same for every head; -1: the row has no such token
+            if origin.slots.sink_slots is not None:
+                slots = origin.slots.sink_slots  # [B, H, S], the same for every head; -1: the row has no such token
                 self.sink_keys, self.sink_values = origin.sink_keys, origin.sink_values
                 self.sink_valid = slots[:, 0] >= 0  # [B, S]
                 if not bool(keep.gather(2, slots.clamp(min=0))[slots >= 0].all()):
@@ -70,12 +70,12 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         split = keep.shape[-1] if self.codec.lossless else origin.n_encoded
         encoded = keep.clone()
         encoded[..., split:] = False
-        self.store = RaggedHeads.pack(keys, values, origin.accumulated, encoded)
+        self.store = RaggedHeads.pack(keys, values, origin.slots.accumulated, encoded)
         self.exact: RaggedHeads | None = None  # the context's kept pairs within the residual, full precision
         if split < keep.shape[-1]:
             self.exact = RaggedHeads.pack(
                 EXACT.encode(origin.tail_keys, "key"), EXACT.encode(origin.tail_values, "value"),
-                origin.accumulated[..., split:], keep[..., split:],
+                origin.slots.accumulated[..., split:], keep[..., split:],
             )
         self.tail_keys = self.tail_values = None  # [B, H, t, D]: tokens since the ranking, full precision
         self.tail_valid: torch.Tensor | None = None  # [B, t] bool: False once a row evicted the token

@@ -26,9 +26,9 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
         length = layer.stored_tokens
         slot = torch.arange(length, device=layer.device)
         codec_sink = (slot[None, :] >= layer.pads[:, None]) & (slot[None, :] < layer.pads[:, None] + codec_sinks)
-        priorities.append(_protected(policy, layer.accumulated, layer, codec_sink))
-        scores = policy.score(layer.accumulated, length)  # KVzip's span: chooses which pairs, not how many
-        chosen_by.append(priorities[-1] if scores is layer.accumulated else _protected(policy, scores, layer, codec_sink))
+        priorities.append(_protected(policy, layer.slots.accumulated, layer, codec_sink))
+        scores = policy.score(layer.slots.accumulated, length)  # KVzip's span: chooses which pairs, not how many
+        chosen_by.append(priorities[-1] if scores is layer.slots.accumulated else _protected(policy, scores, layer, codec_sink))
         # The document's `recent` newest tokens are kept now; later they rank like the newest context, not like
         # sinks (never evicted): above every attention score, below every later token.
         newest.append((slot >= length - policy.recent) & (slot >= layer.pads[:, None] + max(policy.sink_tokens, codec_sinks)))

@@ -30,6 +30,7 @@ from .requests import (
     attention_kwargs,
 )
 from .rerotation import Rerotation
+from .slot_records import SlotRecords, record
 from .storage import TokenStorage, owned
 from .store_offer import StoreOffer
 
@@ -65,6 +66,10 @@ class CompressedLayer(
     """
 
     is_compileable = False
+    # The per-slot records under their names from before `slots` (tests, benchmarks/probes read them).
+    accumulated = record("accumulated")
+    positions = record("positions")
+    sink_slots = record("sink_slots")
 
     def __init__(
         self, policy: Policy, codec: Codec, is_sliding: bool = False, inv_freq: torch.Tensor | None = None,
@@ -102,15 +107,14 @@ class CompressedLayer(
         self.pads: torch.Tensor | None = None  # [B] padding slots kept at the front of each row
         self.real_seen: torch.Tensor | None = None  # [B] real (non-padding) tokens seen per row
         self.padding_unknown = False  # a batch fed without per-row position ids: its padding cannot be counted
-        self.accumulated: torch.Tensor | None = None  # [B, H_kv, T] attention received, for scoring policies
-        self.positions: torch.Tensor | None = None  # [B, H_kv, T] position each kept key is rotated to (rerotate)
+        # Every tensor that follows the slots when they move (attention scores, key positions, sink slots).
+        self.slots = SlotRecords()
         self.recent_queries: torch.Tensor | None = None  # [B, H_q, L, D] newest pre-RoPE queries (needs_queries)
         self.next_position: torch.Tensor | None = None  # [B] position of each row's next query (needs_queries)
         self.query_positions: torch.Tensor | None = None  # [B, n] positions of the queries awaited from attention
         self.peak_tokens = 0  # most tokens held at once, the step's new ones included
-        # The codec's `sink_tokens` first real tokens of each row, kept exactly: slot [B, H_kv, S] (-1: none) and
-        # states [B, H_kv, S, D]; they overwrite their decoded slots (see codec_sinks.py).
-        self.sink_slots: torch.Tensor | None = None
+        # The codec's `sink_tokens` first real tokens of each row, kept exactly: states [B, H_kv, S, D] (their slots
+        # are `slots.sink_slots`); they overwrite their decoded slots (see codec_sinks.py).
         self.sink_keys: torch.Tensor | None = None
         self.sink_values: torch.Tensor | None = None
         # Rows of a padded batch that keep more of their newest tokens at full precision than the tail holds (see
@@ -235,13 +239,13 @@ class CompressedLayer(
         tail = (self.stored_tokens - self.n_encoded) * (self.head_dim + self.value_dim) * element
         bookkeeping = 2 * self.batch_size * 8  # pads and real_seen, int64 per row
         for extra in (
-            self.accumulated, self.positions, self.budget_shift, self.sink_slots, self.sink_keys, self.sink_values,
+            self.budget_shift, self.sink_keys, self.sink_values,
             self.exact_rows, self.exact_keys, self.exact_values,
             self.finite, self.recent_queries, self.next_position,
         ):
             if extra is not None:
                 bookkeeping += extra.numel() * extra.element_size()
-        return int(rows * (encoded + tail) + bookkeeping)
+        return int(rows * (encoded + tail) + bookkeeping + self.slots.nbytes())
 
     @property
     def is_croppable(self) -> bool:
@@ -265,6 +269,7 @@ class CompressedLayer(
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, indices))
+        self.slots.select_rows(indices)
         self.batch_size = indices.numel()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -303,12 +308,7 @@ class CompressedLayer(
         tail_keep = keep - self.n_encoded
         self.tail_keys = owned(self.tail_keys[:, :, :tail_keep])
         self.tail_values = owned(self.tail_values[:, :, :tail_keep])
-        if self.accumulated is not None:
-            self.accumulated = owned(self.accumulated[..., :keep])
-        if self.positions is not None:
-            self.positions = owned(self.positions[..., :keep])
-        if self.sink_slots is not None:
-            self.sink_slots = self.sink_slots.masked_fill(self.sink_slots >= keep, -1)
+        self.slots.crop(keep)
         self._crop_queries(-tokens_to_remove)
         self.seen = keep
         self.pads = self.pads.clamp(max=keep)

@@ -1,6 +1,7 @@
 """A layer's state as named tensors and numbers, for `save_cache` and `load_cache` (caches/persist.py).
 
-`STATE_TENSORS` are also the per-row tensors that beam search and batch selection reorder (`batch_select_indices`).
+`STATE_TENSORS` are also the per-row tensors that beam search and batch selection reorder (`batch_select_indices`);
+the per-slot records (slot_records.py) save, load and reorder themselves, under the same names as before.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ class LayerState:
     """CompressedLayer's persistence (a mixin)."""
 
     STATE_TENSORS = (
-        "tail_keys", "tail_values", "pads", "real_seen", "accumulated", "positions", "budget_shift",
-        "sink_slots", "sink_keys", "sink_values", "exact_rows", "exact_keys", "exact_values", "recent_queries",
-        "next_position",
+        "tail_keys", "tail_values", "pads", "real_seen", "budget_shift", "sink_keys", "sink_values", "exact_rows",
+        "exact_keys", "exact_values", "recent_queries", "next_position",
     )
     STATE_SCALARS = ("seen", "n_encoded", "peak_tokens", "batch_size", "kv_heads", "head_dim", "value_dim", "scored")
 
@@ -24,6 +24,7 @@ class LayerState:
             raise RuntimeError("cannot save a cache layer in the middle of a step (it awaits attention statistics)")
         self._flush_finite_check()
         tensors = {name: getattr(self, name) for name in self.STATE_TENSORS if getattr(self, name) is not None}
+        tensors.update(self.slots.state())
         for kind, encoded in (("key", self.encoded_keys), ("value", self.encoded_values)):
             for name, tensor in (encoded or {}).items():
                 tensors[f"encoded_{kind}.{name}"] = tensor
@@ -42,6 +43,7 @@ class LayerState:
         for name in self.STATE_TENSORS:
             if name in tensors:
                 setattr(self, name, tensors[name].to(self.device, copy=True))
+        self.slots = type(self.slots).from_state(tensors, self.device)  # `_clear` chose the records
         for kind in ("key", "value"):
             prefix = f"encoded_{kind}."
             encoded = {k[len(prefix):]: t.to(self.device, copy=True) for k, t in tensors.items() if k.startswith(prefix)}

@@ -57,7 +57,7 @@ class TokenStorage:
         if encoded is None:
             return tail
         decoded = self.codec.decode(encoded, kind, self.dtype)
-        if self.sink_slots is not None:
+        if self.slots.sink_slots is not None:
             decoded = self._restore_sinks(decoded, self.sink_keys if kind == "key" else self.sink_values)
         if self.exact_keys is not None:
             decoded = self._restore_exact(decoded, self.exact_keys if kind == "key" else self.exact_values)

@@ -88,9 +88,9 @@ def _bias(mask: torch.Tensor | None, groups: int, columns: slice | torch.Tensor)
 
 def _sink_hidden(layer, start: int, end: int) -> torch.Tensor:
     """[B, H_kv, end - start] bool: the slots of [start, end) that hold a sink (attended exactly elsewhere)."""
-    inside = (layer.sink_slots >= start) & (layer.sink_slots < end)
-    hidden = torch.zeros(*layer.sink_slots.shape[:2], end - start + 1, dtype=torch.bool, device=layer.sink_slots.device)
-    hidden.scatter_(2, torch.where(inside, layer.sink_slots - start, end - start), True)
+    inside = (layer.slots.sink_slots >= start) & (layer.slots.sink_slots < end)
+    hidden = torch.zeros(*layer.slots.sink_slots.shape[:2], end - start + 1, dtype=torch.bool, device=layer.slots.sink_slots.device)
+    hidden.scatter_(2, torch.where(inside, layer.slots.sink_slots - start, end - start), True)
     return hidden[:, :, : end - start]
 
 
@@ -108,7 +108,7 @@ def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _Onl
         bias = _bias(attention_mask, groups, slice(start, end))
         if bias is not None:
             logits = logits + bias
-        if layer.sink_slots is not None:  # sinks are attended exactly below, not in their decoded form
+        if layer.slots.sink_slots is not None:  # sinks are attended exactly below, not in their decoded form
             logits = logits.masked_fill(_sink_hidden(layer, start, end)[:, :, None], float("-inf"))
         softmax.add(logits, lambda probs, values=values: codec.mix_values(values, probs), stored_basis=True)
 
@@ -120,7 +120,7 @@ def _store_by_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -
     if attention_mask is not None:
         bias = _bias(attention_mask, 1, slice(0, n_enc))[:, :, 0]  # [B, 1, n_enc]
         bias = bias.expand(stored_q.shape[0], layer.kv_heads, n_enc)
-    if layer.sink_slots is not None:
+    if layer.slots.sink_slots is not None:
         hidden = _sink_hidden(layer, 0, n_enc)
         bias = (torch.zeros(hidden.shape, device=hidden.device) if bias is None else bias).masked_fill(hidden, float("-inf"))
     block_max, total, acc = triton_decode.decode_attention_partials(
@@ -138,7 +138,7 @@ def _store_by_cpu_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftma
     queries = codec.offset_queries(stored_q) if key_layout.offset_queries else stored_q[:, :, :, None]
     block_max, total, acc = cpu_decode.decode_attention_partials(
         queries, layer.encoded_keys, layer.encoded_values, key_layout, value_layout, layer.value_dim, bias,
-        layer.sink_slots,
+        layer.slots.sink_slots,
     )
     softmax.add_partial(block_max, total, acc, stored_basis=True)
 
@@ -202,8 +202,8 @@ def attend_store(
         _store_by_cpu_kernel(layer, stored_q, attention_mask, softmax)
     else:
         _store_by_blocks(layer, stored_q, attention_mask, groups, softmax)
-    if layer.sink_slots is not None:
-        slots = layer.sink_slots
+    if layer.slots.sink_slots is not None:
+        slots = layer.slots.sink_slots
         logits = torch.matmul(plain_q, layer.sink_keys.float().transpose(-1, -2))
         bias = _bias(attention_mask, groups, slots.clamp(min=0))
         if bias is not None:
