@@ -7,7 +7,7 @@ older than the window: the layer holds between `window` and `window + block - 1`
 Dropping a whole number of blocks from slot 0 keeps slot 0 on a block boundary of the row's tokens, so a row left-padded
 by whole blocks is grouped as when run alone. Slots stay the newest tokens in order, so `get_mask_sizes` (stored +
 query, seen - stored) still gives each slot its absolute position and transformers' sliding mask hides the older
-ones; attention paths that build their own mask must honour the window too (padding.py `_own_mask`).
+ones; attention paths that build their own mask must honour the window too (padding.py `RowPadding.mask`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class BlockEviction:
             return
         if self.encoded_keys is None:
             self._capture_sinks()  # while the tail still holds every token seen
-        self.evicted_mid_prompt = self.step_tokens > 1
+        self.padding.evicting()
         from_store = min(drop, self.n_encoded)
         if from_store == self.n_encoded:
             self.encoded_keys = self.encoded_values = None
@@ -45,7 +45,7 @@ class BlockEviction:
         if from_tail:
             self.tail_keys = owned(self.tail_keys[:, :, from_tail:])
             self.tail_values = owned(self.tail_values[:, :, from_tail:])
-        self.pads = (self.pads - drop).clamp(min=0)  # padding is the oldest slots
+        self.padding.drop(drop)  # padding is the oldest slots
         # Every per-slot record loses the same slots; a sink whose block is dropped is gone, as when the exact
         # window passes it.
         self.slots.drop(drop)

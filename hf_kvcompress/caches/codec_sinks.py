@@ -24,7 +24,7 @@ class CodecSinks:
         if sinks == 0 or self.slots.sink_slots is not None or self.stored_tokens != self.seen:
             return
         offset = torch.arange(sinks, device=self.device)
-        slots = torch.where(offset < self.real_seen[:, None], self.pads[:, None] + offset, -1)  # [B, S]
+        slots = torch.where(offset < self.padding.real_seen[:, None], self.padding.pads[:, None] + offset, -1)  # [B, S]
         slots = slots[:, None, :].expand(self.batch_size, self.kv_heads, sinks).contiguous()
         self.slots.sink_slots = slots
         self.sink_keys = gather_states(self.tail_keys, slots.clamp(min=0))

@@ -54,7 +54,7 @@ class Eviction:
             return None
         if not before_scoring and self.policy.scores_by_reconstruction and not self.scored:
             return None
-        keep = self.policy.kept_per_row(self.real_seen)
+        keep = self.policy.kept_per_row(self.padding.real_seen)
         return keep if before_scoring or self.budget_shift is None else (keep + self.budget_shift).clamp(min=1)
 
     def _over_budget(self) -> bool:
@@ -80,7 +80,7 @@ class Eviction:
         slot count decides."""
         if self._fixed_budget:
             return self.policy.budget, False
-        over = ((self.stored_tokens - self.pads) > keep).any()
+        over = ((self.stored_tokens - self.padding.pads) > keep).any()
         both = keep.max() * 2 + over.long()  # one read for both numbers
         value = int(both)
         return value // 2, bool(value % 2)
@@ -100,14 +100,14 @@ class Eviction:
         self._encode_tail()
 
     def _evict(self, keep: torch.Tensor, most: int) -> None:
-        if self.padding_unknown and (self.policy.sink_tokens > 0 or self.policy.needs_attention):
+        if self.padding.unknown and (self.policy.sink_tokens > 0 or self.policy.needs_attention):
             raise ValueError(
                 f"this batch of {self.batch_size} rows was fed without per-row position_ids, so the cache cannot tell "
                 "left padding from tokens and eviction would keep padding as attention sinks: pass "
                 "position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0) with the attention_mask, or use generate() "
                 "or hf_kvcompress.generation.prefill"
             )
-        self.evicted_mid_prompt = self.step_tokens > 1
+        self.padding.evicting()
         length = self.stored_tokens
         keys = self._full("key") if self.policy.needs_keys else None
         extra = {}  # what only some policies read, handed only to them
@@ -116,18 +116,18 @@ class Eviction:
         if self.policy.needs_queries:
             extra["queries"] = self._recent_queries()
         scores = self.policy.score(
-            self.slots.accumulated, length, keys=keys, positions=self.slots.positions, pads=self.pads, **extra
+            self.slots.accumulated, length, keys=keys, positions=self.slots.positions, pads=self.padding.pads, **extra
         )
         scores = agree_within_groups(scores, self.codec.heads_per_store)
         if length == most + 1 and self._fixed_budget:
-            kept = drop_one(self.policy, scores, self.pads, self.kv_heads, length)  # a decode step: one slot over
+            kept = drop_one(self.policy, scores, self.padding.pads, self.kv_heads, length)  # a decode step: one slot over
         else:
-            kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length, keep, most)  # [B, H_kv, budget]
+            kept = select_kept(self.policy, scores, self.padding.pads, self.kv_heads, length, keep, most)  # [B, H_kv, budget]
         budget = kept.shape[-1]
         if self.encoded_keys is None:
             self._capture_sinks()
         self.slots.take(kept)  # scores, positions and sink slots follow the kept slots
-        self.pads = budget - torch.minimum(keep, length - self.pads)
+        self.padding.kept(budget, keep, length)
         n_enc = self.n_encoded
         if self.encoded_keys is None:
             self.tail_keys = gather_states(self.tail_keys, kept)

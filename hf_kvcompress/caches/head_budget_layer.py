@@ -51,7 +51,7 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         self.batch_size, self.kv_heads = origin.batch_size, origin.kv_heads
         self.head_dim, self.value_dim = origin.head_dim, origin.value_dim
         self.seen = origin.seen
-        self.real_seen = origin.real_seen.clone()
+        self.real_seen = origin.padding.real_seen.clone()
         keep = keep.clone()
         # The codec's sinks (its first real tokens at full precision) stay exact, beside the store.
         self.sink_keys = self.sink_values = self.sink_valid = None

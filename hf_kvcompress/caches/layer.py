@@ -1,12 +1,13 @@
 """One decoder layer's compressed cache: a policy (which tokens stay) x a codec (how they are stored).
 
-This module holds transformers' layer contract and the order of a step (`update`); each concern of the layer is a
-mixin in its own module: storage.py (the encoded store and the full-precision tail), eviction.py (how many tokens
-stay and which), block_eviction.py (a sliding window over per-channel key groups), padding.py (left padding per
-row and the masks that follow from it), codec_sinks.py (exact sink tokens of lossy codecs), rerotation.py
-(StreamingLLM's re-rotation), reconstruction.py (KVzip's pass),
-store_offer.py (the fused decode path), finite_check.py (the NaN/inf check), query_window.py (the newest queries,
-for Expected Attention) and layer_state.py (save and load).
+This module holds transformers' layer contract and the order of a step (`update`). Two parts are objects the layer
+owns: `slots` (slot_records.py: every per-slot tensor, moved together when slots move) and `padding` (padding.py:
+each row's left padding and the masks that follow from it). The other concerns are still mixins in their own
+modules: storage.py (the encoded store and the full-precision tail), eviction.py (how many tokens stay and which),
+block_eviction.py (a sliding window over per-channel key groups), codec_sinks.py (exact sink tokens of lossy
+codecs), rerotation.py (StreamingLLM's re-rotation), reconstruction.py (KVzip's pass), store_offer.py (the fused
+decode path), finite_check.py (the NaN/inf check), query_window.py (the newest queries, for Expected Attention) and
+layer_state.py (save and load). docs/architecture.md draws the whole layer.
 What attention functions read from the attention kwargs is in requests.py.
 """
 
@@ -54,8 +55,8 @@ def batch_mismatch_hint(held: int, got: int) -> str:
 
 
 class CompressedLayer(
-    TokenStorage, Eviction, BlockEviction, RowPadding, CodecSinks, Rerotation, Reconstruction, StoreOffer, FiniteCheck,
-    QueryWindow, LayerState, CacheLayerMixin,
+    TokenStorage, Eviction, BlockEviction, CodecSinks, Rerotation, Reconstruction, StoreOffer, FiniteCheck, QueryWindow,
+    LayerState, CacheLayerMixin,
 ):
     """Stores a layer's kept tokens as [encoded store | full-precision tail].
 
@@ -70,6 +71,9 @@ class CompressedLayer(
     accumulated = record("accumulated")
     positions = record("positions")
     sink_slots = record("sink_slots")
+    # Each row's padding counts under their names from before `padding` (tests and probes read them).
+    pads = property(lambda self: None if self.padding is None else self.padding.pads)
+    real_seen = property(lambda self: None if self.padding is None else self.padding.real_seen)
 
     def __init__(
         self, policy: Policy, codec: Codec, is_sliding: bool = False, inv_freq: torch.Tensor | None = None,
@@ -104,9 +108,7 @@ class CompressedLayer(
         self.n_encoded = 0
         self.tail_keys: torch.Tensor | None = None  # [B, H_kv, t, D]
         self.tail_values: torch.Tensor | None = None
-        self.pads: torch.Tensor | None = None  # [B] padding slots kept at the front of each row
-        self.real_seen: torch.Tensor | None = None  # [B] real (non-padding) tokens seen per row
-        self.padding_unknown = False  # a batch fed without per-row position ids: its padding cannot be counted
+        self.padding: RowPadding | None = None  # each row's left padding (padding.py), from the first step on
         # Every tensor that follows the slots when they move (attention scores, key positions, sink slots).
         self.slots = SlotRecords()
         self.recent_queries: torch.Tensor | None = None  # [B, H_q, L, D] newest pre-RoPE queries (needs_queries)
@@ -128,11 +130,8 @@ class CompressedLayer(
         self.scored = False  # a reconstruction pass has scored the kept slots (KVzip)
         self.budget_shift: torch.Tensor | None = None  # [B] tokens this layer keeps beyond the uniform budget
         self.own_mask: OwnMask | None = None  # the mask handed to attention at the last step, if any
-        self.step_tokens = 0  # tokens of the step being stored
-        self.evicted_mid_prompt = False  # evicted after a multi-token step that more prompt chunks may follow
         self.finite: torch.Tensor | None = None  # device flag: decode steps since the last check were finite
         self.unchecked_steps = 0
-        self.mask_misplaced = True  # the last `_shared_mask_misplaces_padding` answer (True: ask again)
         self.store_request: StoreRequest | None = None  # the store offered to attention at the last step
         self.store_confirmed = False  # our attention function took the store at the last step it was offered
 
@@ -145,8 +144,7 @@ class CompressedLayer(
         self.value_dim = value_states.shape[-1]
         self.codec.check_head_dim(self.head_dim)
         self.codec.check_head_dim(self.value_dim)
-        self.pads = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
-        self.real_seen = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        self.padding = RowPadding(self.batch_size, self.device)
         self.is_initialized = True
 
     def _check_shape(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -182,8 +180,8 @@ class CompressedLayer(
             return self._reconstruction_step(key_states, value_states, attn_kwargs)
         new = key_states.shape[-2]
         self._check_reconstructed(new)
-        self._count_padding(attn_kwargs, new)
-        self._check_chunk_alignment(new)
+        self.padding.count(attn_kwargs, new, self.seen)
+        self.padding.check_chunk_alignment(new, self.seen)
         self.seen += new
 
         self._append_tail(key_states, value_states)
@@ -192,7 +190,9 @@ class CompressedLayer(
         if self.inv_freq is not None or self.policy.needs_positions:
             self._track_positions(attn_kwargs, new)
 
-        if self.budget_shift is not None or self._shared_mask_misplaces_padding(length):
+        if self.budget_shift is not None or self.padding.misplaces_shared_mask(
+            self.seen, length, shares_may_change=self.policy.ratio is not None
+        ):
             self._own_mask(attn_kwargs, new, length)
         if self.policy.needs_queries:
             self._request_queries(attn_kwargs, new)
@@ -213,6 +213,27 @@ class CompressedLayer(
         full_keys, full_values = self._full("key"), self._full("value")
         self._compress()
         return full_keys, full_values
+
+    # -- the layer's own mask ---------------------------------------------------------------------------------------
+
+    def _own_mask(self, attn_kwargs: dict | None, new: int, length: int) -> None:
+        """Give attention this layer's [B, 1, new, length] mask (its padding first, causal over the new tokens, within
+        a sliding layer's `attention_window`): transformers' one mask cannot fit when layers keep different numbers
+        of tokens or rows different shares."""
+        if attn_kwargs is None:
+            raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
+        self.own_mask = OwnMask(self.padding.mask(new, length, self.attention_window))
+        attn_kwargs[MASK_KEY] = self.own_mask
+
+    def check_mask_used(self) -> None:
+        """Refuse to go on when the last step's own mask was ignored (the model does not use our attention)."""
+        if self.own_mask is not None and not self.own_mask.used:
+            self.own_mask = None
+            raise RuntimeError(
+                f"{type(self.policy).__name__} with a ratio in a padded batch (or per-layer budgets) keeps what "
+                f"transformers' shared attention mask cannot describe: {ENABLE_ATTENTION_HINT}"
+            )
+        self.own_mask = None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         stored = self.stored_tokens
@@ -237,7 +258,7 @@ class CompressedLayer(
         )
         element = torch.empty((), dtype=self.dtype).element_size()
         tail = (self.stored_tokens - self.n_encoded) * (self.head_dim + self.value_dim) * element
-        bookkeeping = 2 * self.batch_size * 8  # pads and real_seen, int64 per row
+        bookkeeping = self.padding.nbytes()  # pads and real_seen, int64 per row
         for extra in (
             self.budget_shift, self.sink_keys, self.sink_values,
             self.exact_rows, self.exact_keys, self.exact_values,
@@ -270,6 +291,7 @@ class CompressedLayer(
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, indices))
         self.slots.select_rows(indices)
+        self.padding.select_rows(indices)
         self.batch_size = indices.numel()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -311,5 +333,4 @@ class CompressedLayer(
         self.slots.crop(keep)
         self._crop_queries(-tokens_to_remove)
         self.seen = keep
-        self.pads = self.pads.clamp(max=keep)
-        self.real_seen = keep - self.pads
+        self.padding.crop(keep)

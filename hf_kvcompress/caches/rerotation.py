@@ -27,6 +27,6 @@ class Rerotation:
     def _rerotate_kept(self) -> None:
         """Re-rotate kept keys so slot i sits len(kept) - i positions before the row's next query."""
         kept = self.slots.positions.shape[-1]
-        target = self.real_seen[:, None, None] - kept + torch.arange(kept, device=self.device)
+        target = self.padding.real_seen[:, None, None] - kept + torch.arange(kept, device=self.device)
         self.tail_keys = rerotate(self.tail_keys, target - self.slots.positions, self.inv_freq)
         self.slots.positions = target.to(torch.int32).expand_as(self.slots.positions).contiguous()

@@ -96,7 +96,7 @@ class TokenStorage:
         # Padding grows only with prompt chunks: decode steps after the first encoding need not ask (a host read).
         first = self.encoded_keys is None
         block_k = self.codec.token_block("key")
-        if block_k > 1 and (first or self.step_tokens > 1) and bool((self.pads % block_k != 0).any()):
+        if block_k > 1 and (first or self.padding.prompt_step) and bool((self.padding.pads % block_k != 0).any()):
             warnings.warn(PADDING_SPLITS_GROUPS.format(group=self.codec.token_block("key")), stacklevel=2)
         if self.encoded_keys is None:
             self._capture_sinks()
