@@ -12,14 +12,6 @@ ones; attention paths that build their own mask must honour the window too (padd
 
 from __future__ import annotations
 
-from ..codecs.base import slice_encoded
-from .storage import owned
-
-
-def _owned_encoded(encoded: dict, start: int, end: int, tokens: int) -> dict:
-    """Tokens [start, end) of an encoding as tensors of their own (a view would pin the dropped blocks)."""
-    return {name: owned(t) for name, t in slice_encoded(encoded, start, end, tokens).items()}
-
 
 class BlockEviction:
     """CompressedLayer's block window (a mixin), for policies whose `drops_blocks` is True."""
@@ -30,21 +22,10 @@ class BlockEviction:
         drop = self.stored_tokens - self.policy.held(self.stored_tokens)
         if drop == 0:
             return
-        if self.encoded_keys is None:
+        if self.store.encoded_keys is None:
             self._capture_sinks()  # while the tail still holds every token seen
         self.padding.evicting()
-        from_store = min(drop, self.n_encoded)
-        if from_store == self.n_encoded:
-            self.encoded_keys = self.encoded_values = None
-        elif from_store:
-            n = self.n_encoded
-            self.encoded_keys = _owned_encoded(self.encoded_keys, from_store, n, n)
-            self.encoded_values = _owned_encoded(self.encoded_values, from_store, n, n)
-        self.n_encoded -= from_store
-        from_tail = drop - from_store
-        if from_tail:
-            self.tail_keys = owned(self.tail_keys[:, :, from_tail:])
-            self.tail_values = owned(self.tail_values[:, :, from_tail:])
+        self.store.drop(drop)
         self.padding.drop(drop)  # padding is the oldest slots
         # Every per-slot record loses the same slots; a sink whose block is dropped is gone, as when the exact
         # window passes it.

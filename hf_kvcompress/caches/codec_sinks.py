@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .storage import gather_states
-
 
 class CodecSinks:
-    """CompressedLayer's exact sink tokens (a mixin): `slots.sink_slots` [B, H_kv, S] (-1: none), `sink_keys` and
-    `sink_values` [B, H_kv, S, D]."""
+    """CompressedLayer's exact sink tokens (a mixin): which slots they are (`slots.sink_slots` [B, H_kv, S], -1:
+    none); their states [B, H_kv, S, D] are the store's `sink_keys` / `sink_values` (storage.py)."""
 
     def _capture_sinks(self) -> None:
         """Copy each row's first `codec.sink_tokens` real tokens before anything is encoded or evicted, while the
@@ -27,14 +25,4 @@ class CodecSinks:
         slots = torch.where(offset < self.padding.real_seen[:, None], self.padding.pads[:, None] + offset, -1)  # [B, S]
         slots = slots[:, None, :].expand(self.batch_size, self.kv_heads, sinks).contiguous()
         self.slots.sink_slots = slots
-        self.sink_keys = gather_states(self.tail_keys, slots.clamp(min=0))
-        self.sink_values = gather_states(self.tail_values, slots.clamp(min=0))
-
-    def _restore_sinks(self, decoded: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-        """`decoded` [B, H, n, D] with the sink slots it holds replaced by their exact states."""
-        n = decoded.shape[-2]
-        slots = torch.where((self.slots.sink_slots >= 0) & (self.slots.sink_slots < n), self.slots.sink_slots, n)  # n: a spare slot
-        spare = decoded.new_zeros(*decoded.shape[:2], 1, decoded.shape[-1])
-        padded = torch.cat([decoded.expand(*slots.shape[:2], n, -1), spare.expand(*slots.shape[:2], 1, -1)], dim=-2)
-        padded = padded.scatter(2, slots[..., None].expand(*slots.shape, decoded.shape[-1]), exact.to(decoded.dtype))
-        return padded[:, :, :n]
+        self.store.capture_sinks(slots)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs.base import agree_within_groups, gather_encoded
+from ..codecs.base import agree_within_groups
 from ..policies.base import drop_one, select_kept
 from .requests import OBSERVER_KEY, AttentionRequest
-from .storage import gather_states, owned
 
 
 class Eviction:
@@ -124,42 +123,11 @@ class Eviction:
         else:
             kept = select_kept(self.policy, scores, self.padding.pads, self.kv_heads, length, keep, most)  # [B, H_kv, budget]
         budget = kept.shape[-1]
-        if self.encoded_keys is None:
+        if self.store.encoded_keys is None:
             self._capture_sinks()
         self.slots.take(kept)  # scores, positions and sink slots follow the kept slots
         self.padding.kept(budget, keep, length)
-        n_enc = self.n_encoded
-        if self.encoded_keys is None:
-            self.tail_keys = gather_states(self.tail_keys, kept)
-            self.tail_values = gather_states(self.tail_values, kept)
-            if self.inv_freq is not None:
-                self._rerotate_kept()
-            return
-        # Heads keep different numbers of a row's full-precision tokens: each row keeps its `exact` newest kept slots
-        # at full precision (the fewest over its heads, as alone); kept full-precision tokens older than those are
-        # encoded now, for the first and only time. The tail holds the fewest any row keeps, and a row that keeps
-        # more keeps the rest as exact states over its encoded slots just before the tail (`_restore_exact`): other
-        # rows never change a row's precision. Padding slots count as exact: they are older than a row's real
-        # tokens, so a row whose padding reaches its exact slots holds all its real tokens exactly, as alone.
-        first_exact = n_enc - (0 if self.exact_rows is None else self.exact_rows)  # [B] or one slot for every row
-        exact = (kept >= torch.as_tensor(first_exact, device=self.device).view(-1, 1, 1)).sum(-1).amin(-1)  # [B]
-        both = exact.max() * (budget + 1) + exact.min()  # one host read for both numbers
-        most, in_tail = divmod(int(both), budget + 1)
-        to_store = kept[..., : budget - in_tail]
-        self.encoded_keys = gather_encoded(self._encoded_whole("key"), to_store)
-        self.encoded_values = gather_encoded(self._encoded_whole("value"), to_store)
-        self.n_encoded = budget - in_tail
-        # The `most` newest kept slots from [old exact states | tail] (slots n_enc - before ...): a row's slots older
-        # than its own exact ones read another slot (clamped), and `exact_rows` leaves them unused.
-        before = 0 if self.exact_keys is None else self.exact_keys.shape[-2]
-        source = kept[..., budget - most :] - (n_enc - before)
-        sources = [(self.tail_keys, self.exact_keys), (self.tail_values, self.exact_values)]
-        states = [tail if exact_old is None else torch.cat([exact_old, tail], dim=-2) for tail, exact_old in sources]
-        kept_states = [gather_states(s, source.clamp(min=0)) for s in states]
-        extra = most - in_tail
-        self.tail_keys, self.tail_values = (owned(s[:, :, extra:]) for s in kept_states)
-        if extra:
-            self.exact_keys, self.exact_values = (owned(s[:, :, :extra]) for s in kept_states)
-            self.exact_rows = exact - in_tail
-        else:
-            self.exact_keys = self.exact_values = self.exact_rows = None
+        rerotate = self.store.encoded_keys is None and self.inv_freq is not None
+        self.store.take(kept)
+        if rerotate:
+            self._rerotate_kept()

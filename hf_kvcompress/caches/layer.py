@@ -1,22 +1,25 @@
 """One decoder layer's compressed cache: a policy (which tokens stay) x a codec (how they are stored).
 
-This module holds transformers' layer contract and the order of a step (`update`). Two parts are objects the layer
-owns: `slots` (slot_records.py: every per-slot tensor, moved together when slots move) and `padding` (padding.py:
-each row's left padding and the masks that follow from it). The other concerns are still mixins in their own
-modules: storage.py (the encoded store and the full-precision tail), eviction.py (how many tokens stay and which),
-block_eviction.py (a sliding window over per-channel key groups), codec_sinks.py (exact sink tokens of lossy
-codecs), rerotation.py (StreamingLLM's re-rotation), reconstruction.py (KVzip's pass), store_offer.py (the fused
-decode path), finite_check.py (the NaN/inf check), query_window.py (the newest queries, for Expected Attention) and
-layer_state.py (save and load). docs/architecture.md draws the whole layer.
-What attention functions read from the attention kwargs is in requests.py.
+This module holds transformers' layer contract and the order of a step (`update`). Three parts are objects the
+layer owns, each with its own tensors: `store` (storage.py: [encoded | tail], the codec's exact sinks and a padded
+batch's exact rows), `slots` (slot_records.py: every per-slot tensor, moved together when slots move) and `padding`
+(padding.py: each row's left padding and the masks that follow from it). The other concerns are still mixins in
+their own modules: eviction.py (how many tokens stay and which), block_eviction.py (a sliding window over
+per-channel key groups), codec_sinks.py (which slots are the codec's exact sinks), rerotation.py (StreamingLLM's
+re-rotation), reconstruction.py (KVzip's pass), store_offer.py (the fused decode path), finite_check.py (the NaN/inf
+check), query_window.py (the newest queries, for Expected Attention) and layer_state.py (save and load).
+docs/architecture.md draws the whole layer. What attention functions read from the attention kwargs is in
+requests.py.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..codecs.base import Codec, Encoded, gather_encoded, select_batch
+from ..codecs.base import Codec
 from ..policies.base import Policy
 from .block_eviction import BlockEviction
 from .codec_sinks import CodecSinks
@@ -32,7 +35,7 @@ from .requests import (
 )
 from .rerotation import Rerotation
 from .slot_records import SlotRecords, record
-from .storage import TokenStorage, owned
+from .storage import TokenStore, stored
 from .store_offer import StoreOffer
 
 # Importers of this module's names from before the split (generation.py, hf/attention.py, tests) keep working.
@@ -55,7 +58,7 @@ def batch_mismatch_hint(held: int, got: int) -> str:
 
 
 class CompressedLayer(
-    TokenStorage, Eviction, BlockEviction, CodecSinks, Rerotation, Reconstruction, StoreOffer, FiniteCheck, QueryWindow,
+    Eviction, BlockEviction, CodecSinks, Rerotation, Reconstruction, StoreOffer, FiniteCheck, QueryWindow,
     LayerState, CacheLayerMixin,
 ):
     """Stores a layer's kept tokens as [encoded store | full-precision tail].
@@ -74,6 +77,11 @@ class CompressedLayer(
     # Each row's padding counts under their names from before `padding` (tests and probes read them).
     pads = property(lambda self: None if self.padding is None else self.padding.pads)
     real_seen = property(lambda self: None if self.padding is None else self.padding.real_seen)
+    # The store's tensors under their names from before `store` (tests, store_attention's callers read them).
+    encoded_keys, encoded_values, n_encoded = stored("encoded_keys"), stored("encoded_values"), stored("n_encoded", 0)
+    tail_keys, tail_values = stored("tail_keys"), stored("tail_values")
+    sink_keys, sink_values = stored("sink_keys"), stored("sink_values")
+    exact_rows, exact_keys, exact_values = stored("exact_rows"), stored("exact_keys"), stored("exact_values")
 
     def __init__(
         self, policy: Policy, codec: Codec, is_sliding: bool = False, inv_freq: torch.Tensor | None = None,
@@ -103,11 +111,8 @@ class CompressedLayer(
         self.keys = self.values = None  # unused: kept for code that inspects transformers layers
         self.is_initialized = False
         self.seen = 0  # tokens this layer has been given, evicted ones included
-        self.encoded_keys: Encoded | None = None
-        self.encoded_values: Encoded | None = None
-        self.n_encoded = 0
-        self.tail_keys: torch.Tensor | None = None  # [B, H_kv, t, D]
-        self.tail_values: torch.Tensor | None = None
+        # The stored states: [encoded | tail], exact sinks and rows (storage.py), from the first step on.
+        self.store: TokenStore | None = None
         self.padding: RowPadding | None = None  # each row's left padding (padding.py), from the first step on
         # Every tensor that follows the slots when they move (attention scores, key positions, sink slots).
         self.slots = SlotRecords()
@@ -115,16 +120,6 @@ class CompressedLayer(
         self.next_position: torch.Tensor | None = None  # [B] position of each row's next query (needs_queries)
         self.query_positions: torch.Tensor | None = None  # [B, n] positions of the queries awaited from attention
         self.peak_tokens = 0  # most tokens held at once, the step's new ones included
-        # The codec's `sink_tokens` first real tokens of each row, kept exactly: states [B, H_kv, S, D] (their slots
-        # are `slots.sink_slots`); they overwrite their decoded slots (see codec_sinks.py).
-        self.sink_keys: torch.Tensor | None = None
-        self.sink_values: torch.Tensor | None = None
-        # Rows of a padded batch that keep more of their newest tokens at full precision than the tail holds (see
-        # `_evict`): row b keeps its `exact_rows[b]` encoded slots just before the tail exactly, as the last of
-        # `exact_keys` / `exact_values` [B, H_kv, X, D]; they overwrite their decoded form (`_restore_exact`).
-        self.exact_rows: torch.Tensor | None = None
-        self.exact_keys: torch.Tensor | None = None
-        self.exact_values: torch.Tensor | None = None
         self.awaiting_attention = False
         self.reconstruction_queries: torch.Tensor | None = None  # [B, q] while a reconstruction pass runs
         self.scored = False  # a reconstruction pass has scored the kept slots (KVzip)
@@ -145,6 +140,7 @@ class CompressedLayer(
         self.codec.check_head_dim(self.head_dim)
         self.codec.check_head_dim(self.value_dim)
         self.padding = RowPadding(self.batch_size, self.device)
+        self.store = TokenStore(self.codec, self.dtype)
         self.is_initialized = True
 
     def _check_shape(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -214,6 +210,31 @@ class CompressedLayer(
         self._compress()
         return full_keys, full_values
 
+    # -- the store -------------------------------------------------------------------------------------------------
+
+    @property
+    def stored_tokens(self) -> int:
+        return 0 if self.store is None else self.store.stored_tokens
+
+    def _append_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.store.append(key_states, value_states)
+
+    def _full(self, kind: str) -> torch.Tensor:
+        """What attention sees: the decoded store followed by the full-precision tail."""
+        return self.store.full(kind, self.slots.sink_slots)
+
+    def _encode_tail(self) -> None:
+        """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time."""
+        self.store.encode_tail(self._before_encoding)
+
+    def _before_encoding(self, first: bool) -> None:
+        # Padding grows only with prompt chunks: decode steps after the first encoding need not ask (a host read).
+        block_k = self.codec.token_block("key")
+        if block_k > 1 and (first or self.padding.prompt_step) and bool((self.padding.pads % block_k != 0).any()):
+            warnings.warn(PADDING_SPLITS_GROUPS.format(group=block_k), stacklevel=4)
+        if first:
+            self._capture_sinks()
+
     # -- the layer's own mask ---------------------------------------------------------------------------------------
 
     def _own_mask(self, attn_kwargs: dict | None, new: int, length: int) -> None:
@@ -251,22 +272,12 @@ class CompressedLayer(
         `measured_kv_bytes`, which reads the real storage."""
         if not self.is_initialized:
             return 0
-        rows = self.batch_size * self.kv_heads
-        encoded = self.n_encoded * (
-            self.codec.bytes_per_token(self.head_dim, "key", self.dtype)
-            + self.codec.bytes_per_token(self.value_dim, "value", self.dtype)
-        )
-        element = torch.empty((), dtype=self.dtype).element_size()
-        tail = (self.stored_tokens - self.n_encoded) * (self.head_dim + self.value_dim) * element
-        bookkeeping = self.padding.nbytes()  # pads and real_seen, int64 per row
-        for extra in (
-            self.budget_shift, self.sink_keys, self.sink_values,
-            self.exact_rows, self.exact_keys, self.exact_values,
-            self.finite, self.recent_queries, self.next_position,
-        ):
+        stored = self.store.promised_bytes(self.batch_size * self.kv_heads, self.head_dim, self.value_dim)
+        bookkeeping = self.padding.nbytes() + self.slots.nbytes()  # pads and real_seen; scores, positions, sinks
+        for extra in (self.budget_shift, self.finite, self.recent_queries, self.next_position):
             if extra is not None:
                 bookkeeping += extra.numel() * extra.element_size()
-        return int(rows * (encoded + tail) + bookkeeping + self.slots.nbytes())
+        return int(stored + bookkeeping)
 
     @property
     def is_croppable(self) -> bool:
@@ -284,8 +295,7 @@ class CompressedLayer(
         indices = torch.as_tensor(indices, device=self.device)
         if indices.dtype == torch.bool:
             indices = indices.nonzero().flatten()
-        self.encoded_keys = select_batch(self.encoded_keys, indices)
-        self.encoded_values = select_batch(self.encoded_values, indices)
+        self.store.select_rows(indices)
         for name in self.STATE_TENSORS:
             tensor = getattr(self, name)
             if tensor is not None:
@@ -322,14 +332,7 @@ class CompressedLayer(
                 f"cannot crop to {keep} tokens: {self.n_encoded} tokens are already encoded in groups of "
                 f"{self.codec.token_block('key')}; crop only within the last {self.seen - self.n_encoded} tokens"
             )
-        if keep < self.n_encoded:
-            index = torch.arange(keep, device=self.device).expand(self.batch_size, self.kv_heads, keep)
-            self.encoded_keys = gather_encoded(self.encoded_keys, index)
-            self.encoded_values = gather_encoded(self.encoded_values, index)
-            self.n_encoded = keep
-        tail_keep = keep - self.n_encoded
-        self.tail_keys = owned(self.tail_keys[:, :, :tail_keep])
-        self.tail_values = owned(self.tail_values[:, :, :tail_keep])
+        self.store.crop(keep)
         self.slots.crop(keep)
         self._crop_queries(-tokens_to_remove)
         self.seen = keep

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.rerotate import rerotate
-
 
 class Rerotation:
     """CompressedLayer's key positions (a mixin): `positions` [B, H_kv, T], the position each kept key is
@@ -28,5 +26,5 @@ class Rerotation:
         """Re-rotate kept keys so slot i sits len(kept) - i positions before the row's next query."""
         kept = self.slots.positions.shape[-1]
         target = self.padding.real_seen[:, None, None] - kept + torch.arange(kept, device=self.device)
-        self.tail_keys = rerotate(self.tail_keys, target - self.slots.positions, self.inv_freq)
+        self.store.rotate_tail_keys(target - self.slots.positions, self.inv_freq)
         self.slots.positions = target.to(torch.int32).expand_as(self.slots.positions).contiguous()
