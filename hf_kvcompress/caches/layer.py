@@ -3,7 +3,8 @@
 This module holds transformers' layer contract and the order of a step (`update`). Three parts are objects the
 layer owns, each with its own tensors: `store` (storage.py: [encoded | tail], the codec's exact sinks and a padded
 batch's exact rows), `slots` (slot_records.py: every per-slot tensor, moved together when slots move) and `padding`
-(padding.py: each row's left padding and the masks that follow from it). The other concerns are still mixins in
+(padding.py: each row's left padding and the masks that follow from it); `scorer` (scorers.py), chosen once from the
+policy's flags, says how the scores arrive and whether eviction waits for attention. The other concerns are mixins in
 their own modules: eviction.py (how many tokens stay and which), block_eviction.py (a sliding window over
 per-channel key groups), codec_sinks.py (which slots are the codec's exact sinks), rerotation.py (StreamingLLM's
 re-rotation), reconstruction.py (KVzip's pass), store_offer.py (the fused decode path), finite_check.py (the NaN/inf
@@ -34,6 +35,7 @@ from .requests import (
     attention_kwargs,
 )
 from .rerotation import Rerotation
+from .scorers import scorer_for
 from .slot_records import SlotRecords, record
 from .storage import TokenStore, stored
 from .store_offer import StoreOffer
@@ -105,6 +107,7 @@ class CompressedLayer(
         self.query_inv_freq = None if query_inv_freq is None else tuple(query_inv_freq.tolist())
         if inv_freq is not None and not (codec.lossless and policy.evicts):
             raise ValueError("rerotate needs an evicting policy and full-precision keys (codec 'identity')")
+        self.scorer = scorer_for(policy)  # how the policy's scores arrive, chosen once (scorers.py)
         self._clear()
 
     def _clear(self) -> None:
@@ -190,17 +193,8 @@ class CompressedLayer(
             self.seen, length, shares_may_change=self.policy.ratio is not None
         ):
             self._own_mask(attn_kwargs, new, length)
-        if self.policy.needs_queries:
-            self._request_queries(attn_kwargs, new)
+        if self.scorer.begin_step(self, attn_kwargs, new):  # eviction waits for attention (scorers.py)
             return self._full("key"), self._full("value")
-        if self.policy.needs_attention:
-            self._grow_accumulated(new)
-            self._request_attention(attn_kwargs, AttentionRequest(
-                self.observe, self.policy.observed_queries, self.policy.attention_reduction
-            ))
-            return self._full("key"), self._full("value")
-        if self.scored:  # tokens after a reconstruction pass rank above the context, newest first
-            self._grow_accumulated(new, fill_from=2.0 + self.seen)
         if self._may_attend_store(attn_kwargs, new):
             placeholders = self._offer_store(attn_kwargs, length)
             if placeholders is not None:  # our attention function attends and compresses (see store_offer.py)
