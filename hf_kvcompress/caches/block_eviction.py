@@ -7,20 +7,10 @@ older than the window: the layer holds between `window` and `window + block - 1`
 Dropping a whole number of blocks from slot 0 keeps slot 0 on a block boundary of the row's tokens, so a row left-padded
 by whole blocks is grouped as when run alone. Slots stay the newest tokens in order, so `get_mask_sizes` (stored +
 query, seen - stored) still gives each slot its absolute position and transformers' sliding mask hides the older
-ones; attention paths that build their own mask must honour the window too (padding.py `_own_mask`).
+ones; attention paths that build their own mask must honour the window too (padding.py `RowPadding.mask`).
 """
 
 from __future__ import annotations
-
-import torch
-
-from ..codecs.base import slice_encoded
-from .storage import owned
-
-
-def _owned_encoded(encoded: dict, start: int, end: int, tokens: int) -> dict:
-    """Tokens [start, end) of an encoding as tensors of their own (a view would pin the dropped blocks)."""
-    return {name: owned(t) for name, t in slice_encoded(encoded, start, end, tokens).items()}
 
 
 class BlockEviction:
@@ -32,25 +22,11 @@ class BlockEviction:
         drop = self.stored_tokens - self.policy.held(self.stored_tokens)
         if drop == 0:
             return
-        if self.encoded_keys is None:
+        if self.store.encoded_keys is None:
             self._capture_sinks()  # while the tail still holds every token seen
-        self.evicted_mid_prompt = self.step_tokens > 1
-        from_store = min(drop, self.n_encoded)
-        if from_store == self.n_encoded:
-            self.encoded_keys = self.encoded_values = None
-        elif from_store:
-            n = self.n_encoded
-            self.encoded_keys = _owned_encoded(self.encoded_keys, from_store, n, n)
-            self.encoded_values = _owned_encoded(self.encoded_values, from_store, n, n)
-        self.n_encoded -= from_store
-        from_tail = drop - from_store
-        if from_tail:
-            self.tail_keys = owned(self.tail_keys[:, :, from_tail:])
-            self.tail_values = owned(self.tail_values[:, :, from_tail:])
-        self.pads = (self.pads - drop).clamp(min=0)  # padding is the oldest slots
-        if self.sink_slots is not None:  # a sink whose block is dropped is gone, as when the exact window passes it
-            self.sink_slots = torch.where(self.sink_slots >= drop, self.sink_slots - drop, -1)
-        if self.accumulated is not None:
-            self.accumulated = owned(self.accumulated[..., drop:])
-        if self.positions is not None:
-            self.positions = owned(self.positions[..., drop:])
+        self.padding.evicting()
+        self.store.drop(drop)
+        self.padding.drop(drop)  # padding is the oldest slots
+        # Every per-slot record loses the same slots; a sink whose block is dropped is gone, as when the exact
+        # window passes it.
+        self.slots.drop(drop)

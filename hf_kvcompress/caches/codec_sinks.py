@@ -2,47 +2,27 @@
 
 The first tokens draw much of every query's attention, so a lossy codec may keep them exactly beside its encoding
 (IntactKV, arXiv:2403.01241); they are copied before anything is encoded or evicted and overwrite their decoded
-slots whenever the store is read. Eviction moves slots, so the sinks' slot numbers follow it.
+slots whenever the store is read. Eviction moves slots, so the sinks' slot numbers
+are a per-slot record (`slots.sink_slots`, slot_records.py) and follow it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .storage import gather_states
-
 
 class CodecSinks:
-    """CompressedLayer's exact sink tokens (a mixin): `sink_slots` [B, H_kv, S] (-1: none), `sink_keys` and
-    `sink_values` [B, H_kv, S, D]."""
+    """CompressedLayer's exact sink tokens (a mixin): which slots they are (`slots.sink_slots` [B, H_kv, S], -1:
+    none); their states [B, H_kv, S, D] are the store's `sink_keys` / `sink_values` (storage.py)."""
 
     def _capture_sinks(self) -> None:
         """Copy each row's first `codec.sink_tokens` real tokens before anything is encoded or evicted, while the
         tail still holds every token in order; real tokens not seen by then (a row still all padding) are not kept."""
         sinks = self.codec.sink_tokens
-        if sinks == 0 or self.sink_slots is not None or self.stored_tokens != self.seen:
+        if sinks == 0 or self.slots.sink_slots is not None or self.stored_tokens != self.seen:
             return
         offset = torch.arange(sinks, device=self.device)
-        slots = torch.where(offset < self.real_seen[:, None], self.pads[:, None] + offset, -1)  # [B, S]
+        slots = torch.where(offset < self.padding.real_seen[:, None], self.padding.pads[:, None] + offset, -1)  # [B, S]
         slots = slots[:, None, :].expand(self.batch_size, self.kv_heads, sinks).contiguous()
-        self.sink_slots = slots
-        self.sink_keys = gather_states(self.tail_keys, slots.clamp(min=0))
-        self.sink_values = gather_states(self.tail_values, slots.clamp(min=0))
-
-    def _restore_sinks(self, decoded: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-        """`decoded` [B, H, n, D] with the sink slots it holds replaced by their exact states."""
-        n = decoded.shape[-2]
-        slots = torch.where((self.sink_slots >= 0) & (self.sink_slots < n), self.sink_slots, n)  # n: a spare slot
-        spare = decoded.new_zeros(*decoded.shape[:2], 1, decoded.shape[-1])
-        padded = torch.cat([decoded.expand(*slots.shape[:2], n, -1), spare.expand(*slots.shape[:2], 1, -1)], dim=-2)
-        padded = padded.scatter(2, slots[..., None].expand(*slots.shape, decoded.shape[-1]), exact.to(decoded.dtype))
-        return padded[:, :, :n]
-
-    def _follow_sinks(self, kept: torch.Tensor) -> None:
-        """After eviction keeps slots `kept` [B, H, K] (ascending), a sink's new slot is its rank in `kept` (the
-        last match: a padding filler may repeat slot 0 before it, see select_kept)."""
-        if self.sink_slots is None:
-            return
-        match = kept[..., None, :] == self.sink_slots[..., :, None]  # [B, H, S, K]
-        last = kept.shape[-1] - 1 - match.flip(-1).long().argmax(-1)
-        self.sink_slots = torch.where(match.any(-1), last, -1)
+        self.slots.sink_slots = slots
+        self.store.capture_sinks(slots)

@@ -89,13 +89,13 @@ def layer_budget_shifts(policy: Policy, layers: list) -> list[torch.Tensor]:
     `layers x heads x uniform share` pairs, as whole tokens per head (KVzip Sec. 3.3, Ada-KV). Returns each layer's
     share minus the uniform one, [B] per layer: added to the uniform budget, it moves with a ratio and lets a
     budget above the tokens seen keep the tokens that arrive later, up to the budget. Padding never counts."""
-    share = policy.held_per_row(layers[0].real_seen)  # [B]: all the row's tokens when the budget is above them
+    share = policy.held_per_row(layers[0].padding.real_seen)  # [B]: all the row's tokens when the budget is above them
     heads = layers[0].kv_heads
     scores = []
     for layer in layers:
         slot = torch.arange(layer.stored_tokens, device=layer.device)
-        padding = (slot[None, :] < layer.pads[:, None])[:, None, :]
-        scores.append(layer.accumulated.masked_fill(padding, float("-inf")).flatten(1))  # [B, H * T]
+        padding = (slot[None, :] < layer.padding.pads[:, None])[:, None, :]
+        scores.append(layer.slots.accumulated.masked_fill(padding, float("-inf")).flatten(1))  # [B, H * T]
     ranked = torch.cat(scores, dim=1).sort(dim=1, descending=True).values
     real = torch.isfinite(ranked).sum(dim=1)  # [B]: the row's real pairs (a padded row has fewer than the slots)
     wanted = torch.minimum(share * heads * len(layers), real).clamp(min=1) - 1
@@ -263,7 +263,7 @@ class CompressedCache(Cache):
             keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.sink_tokens)
             for layer, (priority, keep) in zip(scored, keeps):
                 layer.reconstruction_queries = None
-                layer.accumulated = priority
+                layer.slots.accumulated = priority
                 self.layers[self.layers.index(layer)] = HeadBudgetLayer(layer, keep)
         elif budgets == "token" and scored:
             share_token_scores([layer for layer in scored if not layer.is_sliding])

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs.base import agree_within_groups, gather_encoded
+from ..codecs.base import agree_within_groups
 from ..policies.base import drop_one, select_kept
 from .requests import OBSERVER_KEY, AttentionRequest
-from .storage import gather_states, owned
 
 
 class Eviction:
@@ -26,7 +25,7 @@ class Eviction:
         fresh = torch.zeros(self.batch_size, self.kv_heads, new, device=self.device, dtype=torch.float32)
         if fill_from is not None:
             fresh += fill_from + torch.arange(new, device=self.device, dtype=torch.float32)
-        self.accumulated = fresh if self.accumulated is None else torch.cat([self.accumulated, fresh], dim=-1)
+        self.slots.append("accumulated", fresh)
 
     def _request_attention(self, attn_kwargs: dict | None, request: AttentionRequest) -> None:
         if attn_kwargs is None:
@@ -39,7 +38,7 @@ class Eviction:
 
     def observe(self, attention: torch.Tensor) -> None:
         """Receive [B, H_kv, kv] attention statistics for this step's queries, then evict and encode."""
-        self.accumulated = self.policy.observe(self.accumulated, attention.to(self.accumulated.dtype))
+        self.slots.accumulated = self.policy.observe(self.slots.accumulated, attention.to(self.slots.accumulated.dtype))
         self.awaiting_attention = False
         self._compress()
 
@@ -54,7 +53,7 @@ class Eviction:
             return None
         if not before_scoring and self.policy.scores_by_reconstruction and not self.scored:
             return None
-        keep = self.policy.kept_per_row(self.real_seen)
+        keep = self.policy.kept_per_row(self.padding.real_seen)
         return keep if before_scoring or self.budget_shift is None else (keep + self.budget_shift).clamp(min=1)
 
     def _over_budget(self) -> bool:
@@ -80,7 +79,7 @@ class Eviction:
         slot count decides."""
         if self._fixed_budget:
             return self.policy.budget, False
-        over = ((self.stored_tokens - self.pads) > keep).any()
+        over = ((self.stored_tokens - self.padding.pads) > keep).any()
         both = keep.max() * 2 + over.long()  # one read for both numbers
         value = int(both)
         return value // 2, bool(value % 2)
@@ -100,14 +99,14 @@ class Eviction:
         self._encode_tail()
 
     def _evict(self, keep: torch.Tensor, most: int) -> None:
-        if self.padding_unknown and (self.policy.sink_tokens > 0 or self.policy.needs_attention):
+        if self.padding.unknown and (self.policy.sink_tokens > 0 or self.policy.needs_attention):
             raise ValueError(
                 f"this batch of {self.batch_size} rows was fed without per-row position_ids, so the cache cannot tell "
                 "left padding from tokens and eviction would keep padding as attention sinks: pass "
                 "position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0) with the attention_mask, or use generate() "
                 "or hf_kvcompress.generation.prefill"
             )
-        self.evicted_mid_prompt = self.step_tokens > 1
+        self.padding.evicting()
         length = self.stored_tokens
         keys = self._full("key") if self.policy.needs_keys else None
         extra = {}  # what only some policies read, handed only to them
@@ -116,54 +115,19 @@ class Eviction:
         if self.policy.needs_queries:
             extra["queries"] = self._recent_queries()
         scores = self.policy.score(
-            self.accumulated, length, keys=keys, positions=self.positions, pads=self.pads, **extra
+            self.slots.accumulated, length, keys=keys, positions=self.slots.positions, pads=self.padding.pads, **extra
         )
         scores = agree_within_groups(scores, self.codec.heads_per_store)
         if length == most + 1 and self._fixed_budget:
-            kept = drop_one(self.policy, scores, self.pads, self.kv_heads, length)  # a decode step: one slot over
+            kept = drop_one(self.policy, scores, self.padding.pads, self.kv_heads, length)  # a decode step: one slot over
         else:
-            kept = select_kept(self.policy, scores, self.pads, self.kv_heads, length, keep, most)  # [B, H_kv, budget]
+            kept = select_kept(self.policy, scores, self.padding.pads, self.kv_heads, length, keep, most)  # [B, H_kv, budget]
         budget = kept.shape[-1]
-        if self.encoded_keys is None:
+        if self.store.encoded_keys is None:
             self._capture_sinks()
-        self._follow_sinks(kept)
-        if self.accumulated is not None:
-            self.accumulated = torch.gather(self.accumulated, 2, kept)
-        if self.positions is not None:
-            self.positions = torch.gather(self.positions, 2, kept)
-        self.pads = budget - torch.minimum(keep, length - self.pads)
-        n_enc = self.n_encoded
-        if self.encoded_keys is None:
-            self.tail_keys = gather_states(self.tail_keys, kept)
-            self.tail_values = gather_states(self.tail_values, kept)
-            if self.inv_freq is not None:
-                self._rerotate_kept()
-            return
-        # Heads keep different numbers of a row's full-precision tokens: each row keeps its `exact` newest kept slots
-        # at full precision (the fewest over its heads, as alone); kept full-precision tokens older than those are
-        # encoded now, for the first and only time. The tail holds the fewest any row keeps, and a row that keeps
-        # more keeps the rest as exact states over its encoded slots just before the tail (`_restore_exact`): other
-        # rows never change a row's precision. Padding slots count as exact: they are older than a row's real
-        # tokens, so a row whose padding reaches its exact slots holds all its real tokens exactly, as alone.
-        first_exact = n_enc - (0 if self.exact_rows is None else self.exact_rows)  # [B] or one slot for every row
-        exact = (kept >= torch.as_tensor(first_exact, device=self.device).view(-1, 1, 1)).sum(-1).amin(-1)  # [B]
-        both = exact.max() * (budget + 1) + exact.min()  # one host read for both numbers
-        most, in_tail = divmod(int(both), budget + 1)
-        to_store = kept[..., : budget - in_tail]
-        self.encoded_keys = gather_encoded(self._encoded_whole("key"), to_store)
-        self.encoded_values = gather_encoded(self._encoded_whole("value"), to_store)
-        self.n_encoded = budget - in_tail
-        # The `most` newest kept slots from [old exact states | tail] (slots n_enc - before ...): a row's slots older
-        # than its own exact ones read another slot (clamped), and `exact_rows` leaves them unused.
-        before = 0 if self.exact_keys is None else self.exact_keys.shape[-2]
-        source = kept[..., budget - most :] - (n_enc - before)
-        sources = [(self.tail_keys, self.exact_keys), (self.tail_values, self.exact_values)]
-        states = [tail if exact_old is None else torch.cat([exact_old, tail], dim=-2) for tail, exact_old in sources]
-        kept_states = [gather_states(s, source.clamp(min=0)) for s in states]
-        extra = most - in_tail
-        self.tail_keys, self.tail_values = (owned(s[:, :, extra:]) for s in kept_states)
-        if extra:
-            self.exact_keys, self.exact_values = (owned(s[:, :, :extra]) for s in kept_states)
-            self.exact_rows = exact - in_tail
-        else:
-            self.exact_keys = self.exact_values = self.exact_rows = None
+        self.slots.take(kept)  # scores, positions and sink slots follow the kept slots
+        self.padding.kept(budget, keep, length)
+        rerotate = self.store.encoded_keys is None and self.inv_freq is not None
+        self.store.take(kept)
+        if rerotate:
+            self._rerotate_kept()

@@ -51,31 +51,31 @@ class HeadBudgetLayer(FiniteCheck, CacheLayerMixin):
         self.batch_size, self.kv_heads = origin.batch_size, origin.kv_heads
         self.head_dim, self.value_dim = origin.head_dim, origin.value_dim
         self.seen = origin.seen
-        self.real_seen = origin.real_seen.clone()
+        self.real_seen = origin.padding.real_seen.clone()
         keep = keep.clone()
         # The codec's sinks (its first real tokens at full precision) stay exact, beside the store.
         self.sink_keys = self.sink_values = self.sink_valid = None
         if self.codec.sink_tokens > 0 and not self.codec.lossless:
             origin._capture_sinks()
-            if origin.sink_slots is not None:
-                slots = origin.sink_slots  # [B, H, S], the same for every head; -1: the row has no such token
-                self.sink_keys, self.sink_values = origin.sink_keys, origin.sink_values
+            if origin.slots.sink_slots is not None:
+                slots = origin.slots.sink_slots  # [B, H, S], the same for every head; -1: the row has no such token
+                self.sink_keys, self.sink_values = origin.store.sink_keys, origin.store.sink_values
                 self.sink_valid = slots[:, 0] >= 0  # [B, S]
                 if not bool(keep.gather(2, slots.clamp(min=0))[slots >= 0].all()):
                     raise ValueError("the ranking evicted a codec sink token: its policy must protect them")
                 keep.scatter_(2, slots.clamp(min=0), False)
-        keys, values = origin._encoded_whole("key"), origin._encoded_whole("value")
+        keys, values = origin.store.encoded_whole("key"), origin.store.encoded_whole("value")
         # Only what the scored layer has encoded enters the encoded store now; its tail (the context's newest tokens,
         # within the codec's residual) stays at full precision, as in every other layer, until `_absorb`.
-        split = keep.shape[-1] if self.codec.lossless else origin.n_encoded
+        split = keep.shape[-1] if self.codec.lossless else origin.store.n_encoded
         encoded = keep.clone()
         encoded[..., split:] = False
-        self.store = RaggedHeads.pack(keys, values, origin.accumulated, encoded)
+        self.store = RaggedHeads.pack(keys, values, origin.slots.accumulated, encoded)
         self.exact: RaggedHeads | None = None  # the context's kept pairs within the residual, full precision
         if split < keep.shape[-1]:
             self.exact = RaggedHeads.pack(
-                EXACT.encode(origin.tail_keys, "key"), EXACT.encode(origin.tail_values, "value"),
-                origin.accumulated[..., split:], keep[..., split:],
+                EXACT.encode(origin.store.tail_keys, "key"), EXACT.encode(origin.store.tail_values, "value"),
+                origin.slots.accumulated[..., split:], keep[..., split:],
             )
         self.tail_keys = self.tail_values = None  # [B, H, t, D]: tokens since the ranking, full precision
         self.tail_valid: torch.Tensor | None = None  # [B, t] bool: False once a row evicted the token

@@ -25,18 +25,18 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
     for layer in layers:
         length = layer.stored_tokens
         slot = torch.arange(length, device=layer.device)
-        codec_sink = (slot[None, :] >= layer.pads[:, None]) & (slot[None, :] < layer.pads[:, None] + codec_sinks)
-        priorities.append(_protected(policy, layer.accumulated, layer, codec_sink))
-        scores = policy.score(layer.accumulated, length)  # KVzip's span: chooses which pairs, not how many
-        chosen_by.append(priorities[-1] if scores is layer.accumulated else _protected(policy, scores, layer, codec_sink))
+        codec_sink = (slot[None, :] >= layer.padding.pads[:, None]) & (slot[None, :] < layer.padding.pads[:, None] + codec_sinks)
+        priorities.append(_protected(policy, layer.slots.accumulated, layer, codec_sink))
+        scores = policy.score(layer.slots.accumulated, length)  # KVzip's span: chooses which pairs, not how many
+        chosen_by.append(priorities[-1] if scores is layer.slots.accumulated else _protected(policy, scores, layer, codec_sink))
         # The document's `recent` newest tokens are kept now; later they rank like the newest context, not like
         # sinks (never evicted): above every attention score, below every later token.
-        newest.append((slot >= length - policy.recent) & (slot >= layer.pads[:, None] + max(policy.sink_tokens, codec_sinks)))
+        newest.append((slot >= length - policy.recent) & (slot >= layer.padding.pads[:, None] + max(policy.sink_tokens, codec_sinks)))
     flat = torch.cat([p.flatten(1) for p in priorities], dim=1)  # [B, L * H * T]
     heads = layers[0].kv_heads
     real = sum((p > float("-inf")).flatten(1).sum(1) for p in priorities)  # [B] real pairs of the row
     protected = sum((p == float("inf")).flatten(1).sum(1) for p in priorities)  # [B] sinks: never evicted
-    total = torch.minimum(torch.maximum(policy.kept_per_row(layers[0].real_seen) * heads * len(layers), protected), real)
+    total = torch.minimum(torch.maximum(policy.kept_per_row(layers[0].padding.real_seen) * heads * len(layers), protected), real)
     keep = ranked_first(flat, total[:, None])
     out, start = [], 0
     for p, chosen, recent in zip(priorities, chosen_by, newest):
@@ -51,5 +51,5 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
 
 def _protected(policy: Policy, scores: torch.Tensor, layer, codec_sink: torch.Tensor) -> torch.Tensor:
     """The policy's priority of a layer's slots (`_priority`), with the codec's sinks protected too."""
-    priority = _priority(policy, scores, layer.pads, layer.kv_heads, layer.stored_tokens)
+    priority = _priority(policy, scores, layer.padding.pads, layer.kv_heads, layer.stored_tokens)
     return priority.masked_fill(codec_sink[:, None, :], float("inf"))

@@ -1,21 +1,26 @@
 """One decoder layer's compressed cache: a policy (which tokens stay) x a codec (how they are stored).
 
-This module holds transformers' layer contract and the order of a step (`update`); each concern of the layer is a
-mixin in its own module: storage.py (the encoded store and the full-precision tail), eviction.py (how many tokens
-stay and which), block_eviction.py (a sliding window over per-channel key groups), padding.py (left padding per
-row and the masks that follow from it), codec_sinks.py (exact sink tokens of lossy codecs), rerotation.py
-(StreamingLLM's re-rotation), reconstruction.py (KVzip's pass),
-store_offer.py (the fused decode path), finite_check.py (the NaN/inf check), query_window.py (the newest queries,
-for Expected Attention) and layer_state.py (save and load).
-What attention functions read from the attention kwargs is in requests.py.
+This module holds transformers' layer contract and the order of a step (`update`). Three parts are objects the
+layer owns, each with its own tensors: `store` (storage.py: [encoded | tail], the codec's exact sinks and a padded
+batch's exact rows), `slots` (slot_records.py: every per-slot tensor, moved together when slots move) and `padding`
+(padding.py: each row's left padding and the masks that follow from it); `scorer` (scorers.py), chosen once from the
+policy's flags, says how the scores arrive and whether eviction waits for attention. The other concerns are mixins in
+their own modules: eviction.py (how many tokens stay and which), block_eviction.py (a sliding window over
+per-channel key groups), codec_sinks.py (which slots are the codec's exact sinks), rerotation.py (StreamingLLM's
+re-rotation), reconstruction.py (KVzip's pass), store_offer.py (the fused decode path), finite_check.py (the NaN/inf
+check), query_window.py (the newest queries, for Expected Attention) and layer_state.py (save and load).
+docs/architecture.md draws the whole layer. What attention functions read from the attention kwargs is in
+requests.py.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..codecs.base import Codec, Encoded, gather_encoded, select_batch
+from ..codecs.base import Codec
 from ..policies.base import Policy
 from .block_eviction import BlockEviction
 from .codec_sinks import CodecSinks
@@ -30,7 +35,9 @@ from .requests import (
     attention_kwargs,
 )
 from .rerotation import Rerotation
-from .storage import TokenStorage, owned
+from .scorers import scorer_for
+from .slot_records import SlotRecords, record
+from .storage import TokenStore, stored
 from .store_offer import StoreOffer
 
 # Importers of this module's names from before the split (generation.py, hf/attention.py, tests) keep working.
@@ -53,8 +60,8 @@ def batch_mismatch_hint(held: int, got: int) -> str:
 
 
 class CompressedLayer(
-    TokenStorage, Eviction, BlockEviction, RowPadding, CodecSinks, Rerotation, Reconstruction, StoreOffer, FiniteCheck,
-    QueryWindow, LayerState, CacheLayerMixin,
+    Eviction, BlockEviction, CodecSinks, Rerotation, Reconstruction, StoreOffer, FiniteCheck, QueryWindow,
+    LayerState, CacheLayerMixin,
 ):
     """Stores a layer's kept tokens as [encoded store | full-precision tail].
 
@@ -65,6 +72,18 @@ class CompressedLayer(
     """
 
     is_compileable = False
+    # The per-slot records under their names from before `slots` (tests, benchmarks/probes read them).
+    accumulated = record("accumulated")
+    positions = record("positions")
+    sink_slots = record("sink_slots")
+    # Each row's padding counts under their names from before `padding` (tests and probes read them).
+    pads = property(lambda self: None if self.padding is None else self.padding.pads)
+    real_seen = property(lambda self: None if self.padding is None else self.padding.real_seen)
+    # The store's tensors under their names from before `store` (tests, store_attention's callers read them).
+    encoded_keys, encoded_values, n_encoded = stored("encoded_keys"), stored("encoded_values"), stored("n_encoded", 0)
+    tail_keys, tail_values = stored("tail_keys"), stored("tail_values")
+    sink_keys, sink_values = stored("sink_keys"), stored("sink_values")
+    exact_rows, exact_keys, exact_values = stored("exact_rows"), stored("exact_keys"), stored("exact_values")
 
     def __init__(
         self, policy: Policy, codec: Codec, is_sliding: bool = False, inv_freq: torch.Tensor | None = None,
@@ -88,47 +107,29 @@ class CompressedLayer(
         self.query_inv_freq = None if query_inv_freq is None else tuple(query_inv_freq.tolist())
         if inv_freq is not None and not (codec.lossless and policy.evicts):
             raise ValueError("rerotate needs an evicting policy and full-precision keys (codec 'identity')")
+        self.scorer = scorer_for(policy)  # how the policy's scores arrive, chosen once (scorers.py)
         self._clear()
 
     def _clear(self) -> None:
         self.keys = self.values = None  # unused: kept for code that inspects transformers layers
         self.is_initialized = False
         self.seen = 0  # tokens this layer has been given, evicted ones included
-        self.encoded_keys: Encoded | None = None
-        self.encoded_values: Encoded | None = None
-        self.n_encoded = 0
-        self.tail_keys: torch.Tensor | None = None  # [B, H_kv, t, D]
-        self.tail_values: torch.Tensor | None = None
-        self.pads: torch.Tensor | None = None  # [B] padding slots kept at the front of each row
-        self.real_seen: torch.Tensor | None = None  # [B] real (non-padding) tokens seen per row
-        self.padding_unknown = False  # a batch fed without per-row position ids: its padding cannot be counted
-        self.accumulated: torch.Tensor | None = None  # [B, H_kv, T] attention received, for scoring policies
-        self.positions: torch.Tensor | None = None  # [B, H_kv, T] position each kept key is rotated to (rerotate)
+        # The stored states: [encoded | tail], exact sinks and rows (storage.py), from the first step on.
+        self.store: TokenStore | None = None
+        self.padding: RowPadding | None = None  # each row's left padding (padding.py), from the first step on
+        # Every tensor that follows the slots when they move (attention scores, key positions, sink slots).
+        self.slots = SlotRecords()
         self.recent_queries: torch.Tensor | None = None  # [B, H_q, L, D] newest pre-RoPE queries (needs_queries)
         self.next_position: torch.Tensor | None = None  # [B] position of each row's next query (needs_queries)
         self.query_positions: torch.Tensor | None = None  # [B, n] positions of the queries awaited from attention
         self.peak_tokens = 0  # most tokens held at once, the step's new ones included
-        # The codec's `sink_tokens` first real tokens of each row, kept exactly: slot [B, H_kv, S] (-1: none) and
-        # states [B, H_kv, S, D]; they overwrite their decoded slots (see codec_sinks.py).
-        self.sink_slots: torch.Tensor | None = None
-        self.sink_keys: torch.Tensor | None = None
-        self.sink_values: torch.Tensor | None = None
-        # Rows of a padded batch that keep more of their newest tokens at full precision than the tail holds (see
-        # `_evict`): row b keeps its `exact_rows[b]` encoded slots just before the tail exactly, as the last of
-        # `exact_keys` / `exact_values` [B, H_kv, X, D]; they overwrite their decoded form (`_restore_exact`).
-        self.exact_rows: torch.Tensor | None = None
-        self.exact_keys: torch.Tensor | None = None
-        self.exact_values: torch.Tensor | None = None
         self.awaiting_attention = False
         self.reconstruction_queries: torch.Tensor | None = None  # [B, q] while a reconstruction pass runs
         self.scored = False  # a reconstruction pass has scored the kept slots (KVzip)
         self.budget_shift: torch.Tensor | None = None  # [B] tokens this layer keeps beyond the uniform budget
         self.own_mask: OwnMask | None = None  # the mask handed to attention at the last step, if any
-        self.step_tokens = 0  # tokens of the step being stored
-        self.evicted_mid_prompt = False  # evicted after a multi-token step that more prompt chunks may follow
         self.finite: torch.Tensor | None = None  # device flag: decode steps since the last check were finite
         self.unchecked_steps = 0
-        self.mask_misplaced = True  # the last `_shared_mask_misplaces_padding` answer (True: ask again)
         self.store_request: StoreRequest | None = None  # the store offered to attention at the last step
         self.store_confirmed = False  # our attention function took the store at the last step it was offered
 
@@ -141,8 +142,8 @@ class CompressedLayer(
         self.value_dim = value_states.shape[-1]
         self.codec.check_head_dim(self.head_dim)
         self.codec.check_head_dim(self.value_dim)
-        self.pads = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
-        self.real_seen = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        self.padding = RowPadding(self.batch_size, self.device)
+        self.store = TokenStore(self.codec, self.dtype)
         self.is_initialized = True
 
     def _check_shape(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -178,8 +179,8 @@ class CompressedLayer(
             return self._reconstruction_step(key_states, value_states, attn_kwargs)
         new = key_states.shape[-2]
         self._check_reconstructed(new)
-        self._count_padding(attn_kwargs, new)
-        self._check_chunk_alignment(new)
+        self.padding.count(attn_kwargs, new, self.seen)
+        self.padding.check_chunk_alignment(new, self.seen)
         self.seen += new
 
         self._append_tail(key_states, value_states)
@@ -190,19 +191,12 @@ class CompressedLayer(
         if self.inv_freq is not None or self.policy.needs_positions:
             self._track_positions(attn_kwargs, new)
 
-        if self.budget_shift is not None or self._shared_mask_misplaces_padding(length):
+        if self.budget_shift is not None or self.padding.misplaces_shared_mask(
+            self.seen, length, shares_may_change=self.policy.ratio is not None
+        ):
             self._own_mask(attn_kwargs, new, length)
-        if self.policy.needs_queries:
-            self._request_queries(attn_kwargs, new)
+        if self.scorer.begin_step(self, attn_kwargs, new):  # eviction waits for attention (scorers.py)
             return self._full("key"), self._full("value")
-        if self.policy.needs_attention:
-            self._grow_accumulated(new)
-            self._request_attention(attn_kwargs, AttentionRequest(
-                self.observe, self.policy.observed_queries, self.policy.attention_reduction
-            ))
-            return self._full("key"), self._full("value")
-        if self.scored:  # tokens after a reconstruction pass rank above the context, newest first
-            self._grow_accumulated(new, fill_from=2.0 + self.seen)
         if self._may_attend_store(attn_kwargs, new):
             placeholders = self._offer_store(attn_kwargs, length)
             if placeholders is not None:  # our attention function attends and compresses (see store_offer.py)
@@ -211,6 +205,52 @@ class CompressedLayer(
         full_keys, full_values = self._full("key"), self._full("value")
         self._compress()
         return full_keys, full_values
+
+    # -- the store -------------------------------------------------------------------------------------------------
+
+    @property
+    def stored_tokens(self) -> int:
+        return 0 if self.store is None else self.store.stored_tokens
+
+    def _append_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.store.append(key_states, value_states)
+
+    def _full(self, kind: str) -> torch.Tensor:
+        """What attention sees: the decoded store followed by the full-precision tail."""
+        return self.store.full(kind, self.slots.sink_slots)
+
+    def _encode_tail(self) -> None:
+        """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time."""
+        self.store.encode_tail(self._before_encoding)
+
+    def _before_encoding(self, first: bool) -> None:
+        # Padding grows only with prompt chunks: decode steps after the first encoding need not ask (a host read).
+        block_k = self.codec.token_block("key")
+        if block_k > 1 and (first or self.padding.prompt_step) and bool((self.padding.pads % block_k != 0).any()):
+            warnings.warn(PADDING_SPLITS_GROUPS.format(group=block_k), stacklevel=4)
+        if first:
+            self._capture_sinks()
+
+    # -- the layer's own mask ---------------------------------------------------------------------------------------
+
+    def _own_mask(self, attn_kwargs: dict | None, new: int, length: int) -> None:
+        """Give attention this layer's [B, 1, new, length] mask (its padding first, causal over the new tokens, within
+        a sliding layer's `attention_window`): transformers' one mask cannot fit when layers keep different numbers
+        of tokens or rows different shares."""
+        if attn_kwargs is None:
+            raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
+        self.own_mask = OwnMask(self.padding.mask(new, length, self.attention_window))
+        attn_kwargs[MASK_KEY] = self.own_mask
+
+    def check_mask_used(self) -> None:
+        """Refuse to go on when the last step's own mask was ignored (the model does not use our attention)."""
+        if self.own_mask is not None and not self.own_mask.used:
+            self.own_mask = None
+            raise RuntimeError(
+                f"{type(self.policy).__name__} with a ratio in a padded batch (or per-layer budgets) keeps what "
+                f"transformers' shared attention mask cannot describe: {ENABLE_ATTENTION_HINT}"
+            )
+        self.own_mask = None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         stored = self.stored_tokens
@@ -229,25 +269,12 @@ class CompressedLayer(
         that dtype (keys and values at its width; codes, scales, scores and positions keep theirs)."""
         if not self.is_initialized:
             return 0
-        dtype = dtype or self.dtype
-        rows = self.batch_size * self.kv_heads
-        encoded = self.n_encoded * (
-            self.codec.bytes_per_token(self.head_dim, "key", dtype)
-            + self.codec.bytes_per_token(self.value_dim, "value", dtype)
-        )
-        element = torch.empty((), dtype=dtype).element_size()
-        tail = (self.stored_tokens - self.n_encoded) * (self.head_dim + self.value_dim) * element
-        bookkeeping = 2 * self.batch_size * 8  # pads and real_seen, int64 per row
-        for extra in (
-            self.accumulated, self.positions, self.budget_shift, self.sink_slots, self.exact_rows, self.finite,
-            self.recent_queries, self.next_position,
-        ):
+        stored = self.store.promised_bytes(self.batch_size * self.kv_heads, self.head_dim, self.value_dim, dtype)
+        bookkeeping = self.padding.nbytes() + self.slots.nbytes()  # pads and real_seen; scores, positions, sinks
+        for extra in (self.budget_shift, self.finite, self.recent_queries, self.next_position):
             if extra is not None:
                 bookkeeping += extra.numel() * extra.element_size()
-        for exact in (self.sink_keys, self.sink_values, self.exact_keys, self.exact_values):  # full precision
-            if exact is not None:
-                bookkeeping += exact.numel() * element
-        return int(rows * (encoded + tail) + bookkeeping)
+        return int(stored + bookkeeping)
 
     @property
     def is_croppable(self) -> bool:
@@ -265,12 +292,13 @@ class CompressedLayer(
         indices = torch.as_tensor(indices, device=self.device)
         if indices.dtype == torch.bool:
             indices = indices.nonzero().flatten()
-        self.encoded_keys = select_batch(self.encoded_keys, indices)
-        self.encoded_values = select_batch(self.encoded_values, indices)
+        self.store.select_rows(indices)
         for name in self.STATE_TENSORS:
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, indices))
+        self.slots.select_rows(indices)
+        self.padding.select_rows(indices)
         self.batch_size = indices.numel()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -301,21 +329,8 @@ class CompressedLayer(
                 f"cannot crop to {keep} tokens: {self.n_encoded} tokens are already encoded in groups of "
                 f"{self.codec.token_block('key')}; crop only within the last {self.seen - self.n_encoded} tokens"
             )
-        if keep < self.n_encoded:
-            index = torch.arange(keep, device=self.device).expand(self.batch_size, self.kv_heads, keep)
-            self.encoded_keys = gather_encoded(self.encoded_keys, index)
-            self.encoded_values = gather_encoded(self.encoded_values, index)
-            self.n_encoded = keep
-        tail_keep = keep - self.n_encoded
-        self.tail_keys = owned(self.tail_keys[:, :, :tail_keep])
-        self.tail_values = owned(self.tail_values[:, :, :tail_keep])
-        if self.accumulated is not None:
-            self.accumulated = owned(self.accumulated[..., :keep])
-        if self.positions is not None:
-            self.positions = owned(self.positions[..., :keep])
-        if self.sink_slots is not None:
-            self.sink_slots = self.sink_slots.masked_fill(self.sink_slots >= keep, -1)
+        self.store.crop(keep)
+        self.slots.crop(keep)
         self._crop_queries(-tokens_to_remove)
         self.seen = keep
-        self.pads = self.pads.clamp(max=keep)
-        self.real_seen = keep - self.pads
+        self.padding.crop(keep)

@@ -1,22 +1,23 @@
 """A layer's state as named tensors and numbers, for `save_cache` and `load_cache` (caches/persist.py).
 
-`STATE_TENSORS` are also the per-row tensors that beam search and batch selection reorder (`batch_select_indices`).
+`STATE_TENSORS` are also the per-row tensors that beam search and batch selection reorder (`batch_select_indices`);
+the store (storage.py), the per-slot records (slot_records.py) and the padding counts (padding.py) save, load and
+reorder themselves, under the same names as before (files saved before these parts existed still load).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .padding import RowPadding
+from .storage import TokenStore
+
 
 class LayerState:
     """CompressedLayer's persistence (a mixin)."""
 
-    STATE_TENSORS = (
-        "tail_keys", "tail_values", "pads", "real_seen", "accumulated", "positions", "budget_shift",
-        "sink_slots", "sink_keys", "sink_values", "exact_rows", "exact_keys", "exact_values", "recent_queries",
-        "next_position",
-    )
-    STATE_SCALARS = ("seen", "n_encoded", "peak_tokens", "batch_size", "kv_heads", "head_dim", "value_dim", "scored")
+    STATE_TENSORS = ("budget_shift", "recent_queries", "next_position")
+    STATE_SCALARS = ("seen", "peak_tokens", "batch_size", "kv_heads", "head_dim", "value_dim", "scored")
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """This layer's tensors by name, and the numbers that describe them, for `save_cache`."""
@@ -24,11 +25,12 @@ class LayerState:
             raise RuntimeError("cannot save a cache layer in the middle of a step (it awaits attention statistics)")
         self._flush_finite_check()
         tensors = {name: getattr(self, name) for name in self.STATE_TENSORS if getattr(self, name) is not None}
-        for kind, encoded in (("key", self.encoded_keys), ("value", self.encoded_values)):
-            for name, tensor in (encoded or {}).items():
-                tensors[f"encoded_{kind}.{name}"] = tensor
+        tensors.update(self.store.state())
+        tensors.update(self.slots.state())
+        tensors.update(self.padding.state())
         meta = {name: getattr(self, name) for name in self.STATE_SCALARS}
-        meta.update(dtype=str(self.dtype).removeprefix("torch."), padding_unknown=self.padding_unknown)
+        meta["n_encoded"] = self.store.n_encoded
+        meta.update(dtype=str(self.dtype).removeprefix("torch."), padding_unknown=self.padding.unknown)
         return tensors, meta
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict, device: torch.device) -> None:
@@ -37,14 +39,12 @@ class LayerState:
         for name in self.STATE_SCALARS:
             setattr(self, name, int(meta[name]))
         self.dtype = getattr(torch, meta["dtype"])
-        self.padding_unknown = bool(meta["padding_unknown"])
         self.device = torch.device(device)
         for name in self.STATE_TENSORS:
             if name in tensors:
                 setattr(self, name, tensors[name].to(self.device, copy=True))
-        for kind in ("key", "value"):
-            prefix = f"encoded_{kind}."
-            encoded = {k[len(prefix):]: t.to(self.device, copy=True) for k, t in tensors.items() if k.startswith(prefix)}
-            setattr(self, f"encoded_{kind}s", encoded or None)
-        self.device = self.pads.device  # "cuda" resolves to "cuda:0", as the model's states will say
+        self.store = TokenStore.from_state(self.codec, self.dtype, tensors, int(meta["n_encoded"]), self.device)
+        self.slots = type(self.slots).from_state(tensors, self.device)  # `_clear` chose the records
+        self.padding = RowPadding.from_state(tensors, bool(meta["padding_unknown"]), self.device)
+        self.device = self.padding.pads.device  # "cuda" resolves to "cuda:0", as the model's states will say
         self.is_initialized = True

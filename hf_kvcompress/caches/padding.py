@@ -2,8 +2,8 @@
 
 Slots stay in token order with each row's padding first, so transformers' shared mask lines up with what a layer
 keeps as long as every padded row keeps all its real tokens; when it cannot (a ratio in a padded batch, per-layer
-budgets) the layer hands attention its own mask. Chunked prefills and per-channel key groups can make a padded row
-differ from the row alone: those cases warn.
+budgets) the layer hands attention its own mask (`RowPadding.mask`). Chunked prefills and per-channel key groups
+can make a padded row differ from the row alone: those cases warn.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from contextvars import ContextVar
 
 import torch
 
-from .requests import ENABLE_ATTENTION_HINT, MASK_KEY, OwnMask
 
 # Set by generation.prefill while it feeds a prompt in chunks aligned to the prompt's end (see there).
 END_ALIGNED_CHUNKS: ContextVar[bool] = ContextVar("END_ALIGNED_CHUNKS", default=False)
@@ -34,10 +33,37 @@ PADDING_SPLITS_GROUPS = (
 
 
 class RowPadding:
-    """CompressedLayer's padding bookkeeping (a mixin): `pads` and `real_seen` per row, and its own masks."""
+    """One layer's padding bookkeeping, owned by the layer (`layer.padding`, built at its first step).
 
-    def _count_padding(self, attn_kwargs: dict | None, new: int) -> None:
-        """Count each row's left padding from its position ids: real tokens count up from 0, padding comes first.
+    `pads` [B]: padding slots kept at the front of each row; `real_seen` [B]: real (non-padding) tokens each row has
+    seen; `unknown`: a batch fed without per-row position ids, whose padding cannot be counted; `step_tokens`: the
+    tokens of the step being stored. Eviction and the block window move `pads` through `kept` and `drop`, crop
+    through `crop`, beam search through `select_rows`.
+    """
+
+    def __init__(
+        self, batch: int, device: torch.device, pads: torch.Tensor | None = None,
+        real_seen: torch.Tensor | None = None, unknown: bool = False,
+    ):
+        self.pads = torch.zeros(batch, dtype=torch.long, device=device) if pads is None else pads
+        self.real_seen = torch.zeros(batch, dtype=torch.long, device=device) if real_seen is None else real_seen
+        self.unknown = unknown
+        self.step_tokens = 0
+        self.evicted_mid_prompt = False  # evicted after a multi-token step that more prompt chunks may follow
+        self.mask_misplaced = True  # the last `misplaces_shared_mask` answer (True: ask again)
+
+    @property
+    def batch_size(self) -> int:
+        return self.pads.shape[0]
+
+    @property
+    def prompt_step(self) -> bool:
+        """The step being stored brings more than one token (a prompt or a chunk of one), which may add padding."""
+        return self.step_tokens > 1
+
+    def count(self, attn_kwargs: dict | None, new: int, seen: int) -> None:
+        """Count each row's left padding from its position ids (`seen`: tokens the layer saw before this step): real
+        tokens count up from 0, padding comes first.
 
         Padding sits at position 0 in transformers 5.24's generate() and at 1 in our prefill. With 0, a chunk that
         ends in padding looks like padding + a row's first token, so a row's only token stays provisional until the
@@ -48,11 +74,11 @@ class RowPadding:
             position_ids = None
         if position_ids is None or (position_ids.shape[0] == 1 and self.batch_size > 1):
             # No per-row positions (a forward without position_ids): padding, if any, cannot be told apart.
-            if self.seen == 0 and self.batch_size > 1:
-                self.padding_unknown = True
+            if seen == 0 and self.batch_size > 1:
+                self.unknown = True
             self.real_seen += new
             return
-        positions = position_ids.to(self.device).long()
+        positions = position_ids.to(self.pads.device).long()
         if new == 1:  # a decode step: the general case below, for one token, in a few operations
             at_zero = positions[:, 0] == 0
             was_padding = ((self.real_seen == 1) & at_zero).long()
@@ -76,55 +102,81 @@ class RowPadding:
         self.pads += new - real
         self.real_seen += real
 
-    def _check_chunk_alignment(self, new: int) -> None:
-        """Warn when a padded batch's prompt chunks, counted from its start, split rows unlike the rows alone."""
+    def check_chunk_alignment(self, new: int, seen: int) -> None:
+        """Start a step of `new` tokens; warn when a padded batch's prompt chunks, counted from its start, split
+        rows unlike the rows alone."""
         self.step_tokens = new
         if new == 1:
             self.evicted_mid_prompt = False
             return
         if not self.evicted_mid_prompt or END_ALIGNED_CHUNKS.get() or self.batch_size == 1:
             return
-        padding = self.seen - self.real_seen
+        padding = seen - self.real_seen
         if bool((padding != padding[0]).any()):
             warnings.warn(CHUNKS_SPLIT_PADDED_ROWS, UserWarning, stacklevel=3)
         self.evicted_mid_prompt = False
 
-    def _shared_mask_misplaces_padding(self, length: int) -> bool:
+    def evicting(self) -> None:
+        """The layer evicts now: after a prompt step, more chunks may follow (`check_chunk_alignment`)."""
+        self.evicted_mid_prompt = self.prompt_step
+
+    def misplaces_shared_mask(self, seen: int, length: int, shares_may_change: bool) -> bool:
         """Whether transformers' mask, built from the 2-D padding mask and one offset for the whole batch, masks
-        other slots than the padding this layer keeps. It fits while each padded row keeps all its real tokens (a
-        fixed budget); a ratio makes a padded row keep a share of them and some padding, which it cannot express."""
-        if self.budget_shift is None and self.policy.ratio is None and self.step_tokens == 1 and not self.mask_misplaced:
+        other slots than the padding this layer keeps (`length` slots, `seen` tokens). It fits while each padded row
+        keeps all its real tokens (a fixed budget); a ratio (or a per-layer shift: `shares_may_change`) makes a
+        padded row keep a share of them and some padding, which it cannot express."""
+        if not shares_may_change and self.step_tokens == 1 and not self.mask_misplaced:
             # A decode step adds one slot and one token seen to every row (offset unchanged) and moves padding and
             # real counts alike, so the answer holds from the last step; a fixed budget (or none) also keeps it
             # false through eviction (each row keeps min(budget, real) real slots behind its padding). Not asking
             # again saves a host read per layer per step.
             return False
-        offset = self.seen - length  # tokens seen minus slots attention sees, the same for every row
-        expected = (self.seen - self.real_seen - offset).clamp(min=0, max=length)
+        offset = seen - length  # tokens seen minus slots attention sees, the same for every row
+        expected = (seen - self.real_seen - offset).clamp(min=0, max=length)
         self.mask_misplaced = bool((expected != self.pads).any())
         return self.mask_misplaced
 
-    def _own_mask(self, attn_kwargs: dict | None, new: int, length: int) -> None:
-        """Give attention this layer's [B, 1, new, length] mask (its padding first, causal over the new tokens, within
-        a sliding layer's `attention_window`): transformers' one mask cannot fit when layers keep different numbers
-        of tokens or rows different shares."""
-        if attn_kwargs is None:
-            raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
-        slot = torch.arange(length, device=self.device)
-        query_slot = length - new + torch.arange(new, device=self.device)
+    def mask(self, new: int, length: int, window: int | None) -> torch.Tensor:
+        """[B, 1, new, length] bool: each row's slots after its padding, causal over the `new` newest slots, and
+        within a sliding layer's attention `window` (slots stay the newest tokens in order, so a distance in slots
+        is one in tokens)."""
+        device = self.pads.device
+        slot = torch.arange(length, device=device)
+        query_slot = length - new + torch.arange(new, device=device)
         visible = slot[None, :] <= query_slot[:, None]  # [new, length]
-        if self.attention_window is not None:  # slots stay the newest tokens in order: distance in slots is in tokens
-            visible = visible & (slot[None, :] > query_slot[:, None] - self.attention_window)
+        if window is not None:
+            visible = visible & (slot[None, :] > query_slot[:, None] - window)
         allowed = visible[None] & (slot[None, :] >= self.pads[:, None])[:, None, :]
-        self.own_mask = OwnMask(allowed[:, None])
-        attn_kwargs[MASK_KEY] = self.own_mask
+        return allowed[:, None]
 
-    def check_mask_used(self) -> None:
-        """Refuse to go on when the last step's own mask was ignored (the model does not use our attention)."""
-        if self.own_mask is not None and not self.own_mask.used:
-            self.own_mask = None
-            raise RuntimeError(
-                f"{type(self.policy).__name__} with a ratio in a padded batch (or per-layer budgets) keeps what "
-                f"transformers' shared attention mask cannot describe: {ENABLE_ATTENTION_HINT}"
-            )
-        self.own_mask = None
+    # -- moves: the padding slots follow the slots --------------------------------------------------------------
+
+    def kept(self, budget: int, keep: torch.Tensor, length: int) -> None:
+        """After eviction keeps `budget` slots of `length`, each row `keep[b]` real tokens at most behind padding."""
+        self.pads = budget - torch.minimum(keep, length - self.pads)
+
+    def drop(self, n: int) -> None:
+        """The `n` oldest slots are dropped (a block window): padding is the oldest slots."""
+        self.pads = (self.pads - n).clamp(min=0)
+
+    def crop(self, keep: int) -> None:
+        """Only the `keep` oldest slots (every token seen, nothing evicted) remain."""
+        self.pads = self.pads.clamp(max=keep)
+        self.real_seen = keep - self.pads
+
+    def select_rows(self, indices: torch.Tensor) -> None:
+        self.pads = self.pads.index_select(0, indices)
+        self.real_seen = self.real_seen.index_select(0, indices)
+
+    # -- saving, loading and bytes ----------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"pads": self.pads, "real_seen": self.real_seen}
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], unknown: bool, device: torch.device) -> "RowPadding":
+        pads, real_seen = (tensors[name].to(device, copy=True) for name in ("pads", "real_seen"))
+        return cls(pads.shape[0], pads.device, pads=pads, real_seen=real_seen, unknown=unknown)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.pads, self.real_seen))

@@ -51,7 +51,7 @@ class QueryWindow:
         real and past the row's sink tokens (padding comes first in a row; entries a row never filled lie before)."""
         held = self.recent_queries.shape[2]
         entry = torch.arange(held, device=self.device)
-        counted = entry[None, :] >= (held - self.real_seen + self.policy.sink_tokens)[:, None]
+        counted = entry[None, :] >= (held - self.padding.real_seen + self.policy.sink_tokens)[:, None]
         inv_freq = torch.tensor(self.query_inv_freq, dtype=torch.float32, device=self.device)
         return RecentQueries(self.recent_queries, counted, self.next_position, inv_freq)
 

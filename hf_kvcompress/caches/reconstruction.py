@@ -29,7 +29,7 @@ class Reconstruction:
 
     def begin_reconstruction(self) -> None:
         if self.is_initialized and self.policy.scores_by_reconstruction:
-            self.accumulated = torch.zeros(
+            self.slots.accumulated = torch.zeros(
                 self.batch_size, self.kv_heads, self.stored_tokens, device=self.device, dtype=torch.float32
             )
 
@@ -46,8 +46,8 @@ class Reconstruction:
         return full_keys, full_values
 
     def _observe_reconstruction(self, attention: torch.Tensor) -> None:
-        stored = self.accumulated.shape[-1]
-        self.accumulated = torch.maximum(self.accumulated, attention[..., :stored].to(torch.float32))
+        stored = self.slots.accumulated.shape[-1]
+        self.slots.accumulated = torch.maximum(self.slots.accumulated, attention[..., :stored].to(torch.float32))
         self.awaiting_attention = False
 
     def check_attention_served(self) -> None:
@@ -63,7 +63,7 @@ class Reconstruction:
         self.awaiting_attention = False
         if not evict:
             if self.policy.scores_by_reconstruction:
-                self.accumulated = None
+                self.slots.accumulated = None
             return
         if self.is_initialized and self.policy.scores_by_reconstruction:
             self.scored = True

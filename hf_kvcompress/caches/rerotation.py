@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.rerotate import rerotate
-
 
 class Rerotation:
     """CompressedLayer's key positions (a mixin): `positions` [B, H_kv, T], the position each kept key is
@@ -22,11 +20,11 @@ class Rerotation:
             start = self.seen - new
             position_ids = torch.arange(start, start + new, device=self.device)[None, :]
         fresh = position_ids.to(self.device, torch.int32)[:, None, :].expand(self.batch_size, self.kv_heads, new)
-        self.positions = fresh if self.positions is None else torch.cat([self.positions, fresh], dim=-1)
+        self.slots.append("positions", fresh)
 
     def _rerotate_kept(self) -> None:
         """Re-rotate kept keys so slot i sits len(kept) - i positions before the row's next query."""
-        kept = self.positions.shape[-1]
-        target = self.real_seen[:, None, None] - kept + torch.arange(kept, device=self.device)
-        self.tail_keys = rerotate(self.tail_keys, target - self.positions, self.inv_freq)
-        self.positions = target.to(torch.int32).expand_as(self.positions).contiguous()
+        kept = self.slots.positions.shape[-1]
+        target = self.padding.real_seen[:, None, None] - kept + torch.arange(kept, device=self.device)
+        self.store.rotate_tail_keys(target - self.slots.positions, self.inv_freq)
+        self.slots.positions = target.to(torch.int32).expand_as(self.slots.positions).contiguous()

@@ -1,17 +1,18 @@
-"""A layer's kept tokens as [encoded store | full-precision tail]: appending, encoding and reading them back.
+"""A layer's kept tokens as [encoded store | full-precision tail]: the store that owns them (`TokenStore`).
 
 New tokens join the tail at full precision; tail tokens beyond the codec's residual are encoded a block at a time
-and never re-encoded. Attention sees the decoded store followed by the tail.
+and never re-encoded. Attention sees the decoded store followed by the tail; the codec's exact sink tokens
+(codec_sinks.py) and a padded batch's exact rows (eviction.py) overwrite their decoded slots when it is read.
 """
 
 from __future__ import annotations
 
-import warnings
+from typing import Callable
 
 import torch
 
-from ..codecs.base import cat_encoded
-from .padding import PADDING_SPLITS_GROUPS
+from ..codecs.base import Codec, Encoded, cat_encoded, gather_encoded, select_batch, slice_encoded
+from ..ops.rerotate import rerotate
 
 
 def owned(view: torch.Tensor) -> torch.Tensor:
@@ -35,43 +36,75 @@ def gather_states(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return states.reshape(-1, dim).index_select(0, rows.reshape(-1)).view(*index.shape, dim)
 
 
-class TokenStorage:
-    """CompressedLayer's store and tail (a mixin: the layer's attributes are set in `CompressedLayer._clear`)."""
+def _owned_encoded(encoded: Encoded, start: int, end: int, tokens: int) -> Encoded:
+    """Tokens [start, end) of an encoding as tensors of their own (a view would pin the dropped blocks)."""
+    return {name: owned(t) for name, t in slice_encoded(encoded, start, end, tokens).items()}
+
+
+class TokenStore:
+    """One layer's stored states; only this object assigns them (the layer builds it at its first step).
+
+    `encoded_keys` / `encoded_values`: the codec's encoding of the `n_encoded` oldest slots (None: nothing encoded);
+    `tail_keys` / `tail_values` [B, H_kv, t, D]: the newest slots, at full precision;
+    `sink_keys` / `sink_values` [B, H_kv, S, D]: the codec's exact sink tokens (their slots are the layer's
+    `slots.sink_slots`, which move with the slots; codec_sinks.py);
+    `exact_rows` [B] and `exact_keys` / `exact_values` [B, H_kv, X, D]: rows of a padded batch that keep more of their
+    newest tokens at full precision than the tail holds: row b's last `exact_rows[b]` encoded slots before the tail,
+    as the last of `exact_keys` / `exact_values`, overwrite their decoded form (`take`).
+    """
+
+    # Saved (and reordered by batch row) under these names; the encodings as `encoded_key.*`, `encoded_value.*`.
+    TENSORS = ("tail_keys", "tail_values", "sink_keys", "sink_values", "exact_rows", "exact_keys", "exact_values")
+
+    def __init__(self, codec: Codec, dtype: torch.dtype):
+        self.codec = codec
+        self.dtype = dtype
+        self.encoded_keys: Encoded | None = None
+        self.encoded_values: Encoded | None = None
+        self.n_encoded = 0
+        for name in self.TENSORS:
+            setattr(self, name, None)
 
     @property
     def stored_tokens(self) -> int:
         tail = 0 if self.tail_keys is None else self.tail_keys.shape[-2]
         return self.n_encoded + tail
 
-    def _append_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        # The model's states may be views of a fused QKV buffer (GPT-2, Phi-3): keep copies, not the buffer.
+    @property
+    def tail_tokens(self) -> int:
+        return 0 if self.tail_keys is None else self.tail_keys.shape[-2]
+
+    # -- new tokens and what attention reads ----------------------------------------------------------------------
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """New states join the tail. The model's states may be views of a fused QKV buffer (GPT-2, Phi-3): keep
+        copies, not the buffer."""
         self.tail_keys = owned(key_states) if self.tail_keys is None else torch.cat([self.tail_keys, key_states], dim=-2)
         self.tail_values = (
             owned(value_states) if self.tail_values is None else torch.cat([self.tail_values, value_states], dim=-2)
         )
 
-    def _full(self, kind: str) -> torch.Tensor:
-        """What attention sees: the decoded store followed by the full-precision tail."""
+    def full(self, kind: str, sink_slots: torch.Tensor | None) -> torch.Tensor:
+        """What attention sees: the decoded store (exact sinks at `sink_slots`, exact rows) followed by the tail."""
         encoded = self.encoded_keys if kind == "key" else self.encoded_values
         tail = self.tail_keys if kind == "key" else self.tail_values
         if encoded is None:
             return tail
         decoded = self.codec.decode(encoded, kind, self.dtype)
-        if self.sink_slots is not None:
-            decoded = self._restore_sinks(decoded, self.sink_keys if kind == "key" else self.sink_values)
+        if sink_slots is not None:
+            decoded = _restore_sinks(decoded, self.sink_keys if kind == "key" else self.sink_values, sink_slots)
         if self.exact_keys is not None:
             decoded = self._restore_exact(decoded, self.exact_keys if kind == "key" else self.exact_values)
         return torch.cat([decoded, tail], dim=-2)
 
     def _restore_exact(self, decoded: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-        """`decoded` [B, H, n, D] with the last `exact_rows[b]` of its slots given their exact states (the rows of a
-        padded batch that keep more tokens at full precision than the tail holds, see `_evict`)."""
+        """`decoded` [B, H, n, D] with the last `exact_rows[b]` of its slots given their exact states."""
         extra = exact.shape[-2]
         mine = torch.arange(extra, device=decoded.device) >= (extra - self.exact_rows)[:, None]  # [B, X]
         newest = torch.where(mine[:, None, :, None], exact.to(decoded.dtype), decoded[:, :, -extra:])
         return torch.cat([decoded[:, :, :-extra], newest], dim=-2)
 
-    def _encoded_whole(self, kind: str):
+    def encoded_whole(self, kind: str) -> Encoded | None:
         """Every stored token as one token-wise encoding [B, H, T, ...]: the encoded part, then the tail encoded now
         (for eviction, which gathers from both at once; the tail itself is left as it is)."""
         encoded = self.encoded_keys if kind == "key" else self.encoded_values
@@ -81,8 +114,16 @@ class TokenStorage:
             return fresh
         return encoded if fresh is None else cat_encoded(encoded, fresh)
 
-    def _encode_tail(self) -> None:
-        """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time."""
+    def capture_sinks(self, slots: torch.Tensor) -> None:
+        """Copy the exact states of the tail's `slots` [B, H_kv, S] (-1: none), the codec's sink tokens."""
+        self.sink_keys = gather_states(self.tail_keys, slots.clamp(min=0))
+        self.sink_values = gather_states(self.tail_values, slots.clamp(min=0))
+
+    # -- encoding ---------------------------------------------------------------------------------------------------
+
+    def encode_tail(self, before_encoding: Callable[[bool], None]) -> None:
+        """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time.
+        `before_encoding(first)` runs before any tokens are encoded (`first`: none were before)."""
         if self.codec.lossless and self.encoded_keys is None:
             return  # full precision: the tail is the store
         residual = getattr(self.codec, "residual_length", 0)
@@ -93,13 +134,7 @@ class TokenStorage:
             self._trim_exact(residual - (self.tail_keys.shape[-2] - max(n, 0)))
         if n <= 0:
             return
-        # Padding grows only with prompt chunks: decode steps after the first encoding need not ask (a host read).
-        first = self.encoded_keys is None
-        block_k = self.codec.token_block("key")
-        if block_k > 1 and (first or self.step_tokens > 1) and bool((self.pads % block_k != 0).any()):
-            warnings.warn(PADDING_SPLITS_GROUPS.format(group=self.codec.token_block("key")), stacklevel=2)
-        if self.encoded_keys is None:
-            self._capture_sinks()
+        before_encoding(self.encoded_keys is None)
         self.encoded_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys[:, :, :n], "key"))
         self.encoded_values = cat_encoded(self.encoded_values, self.codec.encode(self.tail_values[:, :, :n], "value"))
         self.n_encoded += n
@@ -116,3 +151,141 @@ class TokenStorage:
             self.exact_keys = owned(self.exact_keys[:, :, -extra:])
             self.exact_values = owned(self.exact_values[:, :, -extra:])
             self.exact_rows = self.exact_rows.clamp(max=extra)
+
+    # -- moves --------------------------------------------------------------------------------------------------------
+
+    def take(self, kept: torch.Tensor) -> None:
+        """Keep the slots `kept` [B, H_kv, K] (ascending), which become slots 0..K-1 (eviction)."""
+        budget = kept.shape[-1]
+        n_enc = self.n_encoded
+        if self.encoded_keys is None:
+            self.tail_keys = gather_states(self.tail_keys, kept)
+            self.tail_values = gather_states(self.tail_values, kept)
+            return
+        # Heads keep different numbers of a row's full-precision tokens: each row keeps its `exact` newest kept slots
+        # at full precision (the fewest over its heads, as alone); kept full-precision tokens older than those are
+        # encoded now, for the first and only time. The tail holds the fewest any row keeps, and a row that keeps
+        # more keeps the rest as exact states over its encoded slots just before the tail (`_restore_exact`): other
+        # rows never change a row's precision. Padding slots count as exact: they are older than a row's real
+        # tokens, so a row whose padding reaches its exact slots holds all its real tokens exactly, as alone.
+        first_exact = n_enc - (0 if self.exact_rows is None else self.exact_rows)  # [B] or one slot for every row
+        exact = (kept >= torch.as_tensor(first_exact, device=kept.device).view(-1, 1, 1)).sum(-1).amin(-1)  # [B]
+        both = exact.max() * (budget + 1) + exact.min()  # one host read for both numbers
+        most, in_tail = divmod(int(both), budget + 1)
+        to_store = kept[..., : budget - in_tail]
+        self.encoded_keys = gather_encoded(self.encoded_whole("key"), to_store)
+        self.encoded_values = gather_encoded(self.encoded_whole("value"), to_store)
+        self.n_encoded = budget - in_tail
+        # The `most` newest kept slots from [old exact states | tail] (slots n_enc - before ...): a row's slots older
+        # than its own exact ones read another slot (clamped), and `exact_rows` leaves them unused.
+        before = 0 if self.exact_keys is None else self.exact_keys.shape[-2]
+        source = kept[..., budget - most :] - (n_enc - before)
+        sources = [(self.tail_keys, self.exact_keys), (self.tail_values, self.exact_values)]
+        states = [tail if exact_old is None else torch.cat([exact_old, tail], dim=-2) for tail, exact_old in sources]
+        kept_states = [gather_states(s, source.clamp(min=0)) for s in states]
+        extra = most - in_tail
+        self.tail_keys, self.tail_values = (owned(s[:, :, extra:]) for s in kept_states)
+        if extra:
+            self.exact_keys, self.exact_values = (owned(s[:, :, :extra]) for s in kept_states)
+            self.exact_rows = exact - in_tail
+        else:
+            self.exact_keys = self.exact_values = self.exact_rows = None
+
+    def rotate_tail_keys(self, delta: torch.Tensor, inv_freq: torch.Tensor) -> None:
+        """Re-rotate the tail's keys by `delta` [B, H_kv, t] positions (StreamingLLM, rerotation.py)."""
+        self.tail_keys = rerotate(self.tail_keys, delta, inv_freq)
+
+    def drop(self, n: int) -> None:
+        """Forget the `n` oldest slots, from the encoded store (whole encoded blocks, cut without decoding) and then
+        from the tail (a block window, block_eviction.py)."""
+        from_store = min(n, self.n_encoded)
+        if from_store == self.n_encoded:
+            self.encoded_keys = self.encoded_values = None
+        elif from_store:
+            held = self.n_encoded
+            self.encoded_keys = _owned_encoded(self.encoded_keys, from_store, held, held)
+            self.encoded_values = _owned_encoded(self.encoded_values, from_store, held, held)
+        self.n_encoded -= from_store
+        from_tail = n - from_store
+        if from_tail:
+            self.tail_keys = owned(self.tail_keys[:, :, from_tail:])
+            self.tail_values = owned(self.tail_values[:, :, from_tail:])
+
+    def crop(self, keep: int) -> None:
+        """Keep the `keep` oldest slots (crop; the caller checked that encoded groups allow it)."""
+        if keep < self.n_encoded:
+            batch, heads = self.tail_keys.shape[:2]
+            index = torch.arange(keep, device=self.tail_keys.device).expand(batch, heads, keep)
+            self.encoded_keys = gather_encoded(self.encoded_keys, index)
+            self.encoded_values = gather_encoded(self.encoded_values, index)
+            self.n_encoded = keep
+        tail_keep = keep - self.n_encoded
+        self.tail_keys = owned(self.tail_keys[:, :, :tail_keep])
+        self.tail_values = owned(self.tail_values[:, :, :tail_keep])
+
+    def select_rows(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows `indices` [B'] (long), in that order (beam search, batch selection)."""
+        self.encoded_keys = select_batch(self.encoded_keys, indices)
+        self.encoded_values = select_batch(self.encoded_values, indices)
+        for name in self.TENSORS:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, indices))
+
+    # -- saving, loading and bytes ----------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, torch.Tensor]:
+        tensors = {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
+        for kind, encoded in (("key", self.encoded_keys), ("value", self.encoded_values)):
+            for name, tensor in (encoded or {}).items():
+                tensors[f"encoded_{kind}.{name}"] = tensor
+        return tensors
+
+    @classmethod
+    def from_state(
+        cls, codec: Codec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], n_encoded: int, device: torch.device
+    ) -> "TokenStore":
+        """The store `state()` described (other names in `tensors` are ignored), copied to `device`."""
+        store = cls(codec, dtype)
+        store.n_encoded = n_encoded
+        for name in cls.TENSORS:
+            if name in tensors:
+                setattr(store, name, tensors[name].to(device, copy=True))
+        for kind in ("key", "value"):
+            prefix = f"encoded_{kind}."
+            encoded = {k[len(prefix):]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith(prefix)}
+            setattr(store, f"encoded_{kind}s", encoded or None)
+        return store
+
+    def promised_bytes(self, rows: int, head_dim: int, value_dim: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes the store should hold for `rows` (batch x KV heads) rows: encoded tokens at the codec's rate, the
+        tail at full precision, plus the exact sinks and rows. With `dtype`: had the model run in that dtype (keys
+        and values at its width; codes, scales and slot indices keep theirs)."""
+        dtype = dtype or self.dtype
+        encoded = self.n_encoded * (
+            self.codec.bytes_per_token(head_dim, "key", dtype) + self.codec.bytes_per_token(value_dim, "value", dtype)
+        )
+        element = torch.empty((), dtype=dtype).element_size()
+        tail = self.tail_tokens * (head_dim + value_dim) * element
+        extra = sum(t.numel() * element for t in (self.sink_keys, self.sink_values, self.exact_keys, self.exact_values)
+                    if t is not None)
+        if self.exact_rows is not None:
+            extra += self.exact_rows.numel() * self.exact_rows.element_size()
+        return rows * (encoded + tail) + extra
+
+
+def _restore_sinks(decoded: torch.Tensor, exact: torch.Tensor, sink_slots: torch.Tensor) -> torch.Tensor:
+    """`decoded` [B, H, n, D] with the sink slots it holds replaced by their exact states."""
+    n = decoded.shape[-2]
+    slots = torch.where((sink_slots >= 0) & (sink_slots < n), sink_slots, n)  # n: a spare slot
+    spare = decoded.new_zeros(*decoded.shape[:2], 1, decoded.shape[-1])
+    padded = torch.cat([decoded.expand(*slots.shape[:2], n, -1), spare.expand(*slots.shape[:2], 1, -1)], dim=-2)
+    padded = padded.scatter(2, slots[..., None].expand(*slots.shape, decoded.shape[-1]), exact.to(decoded.dtype))
+    return padded[:, :, :n]
+
+
+def stored(name: str, empty=None) -> property:
+    """A read-only layer attribute for the store's `name` (`empty` before the first step), for code that reads it
+    by its name from before `store` (`layer.tail_keys`, `layer.n_encoded`, ...)."""
+    return property(lambda layer: empty if layer.store is None else getattr(layer.store, name),
+                    doc=f"`store.{name}` (see caches/storage.py).")

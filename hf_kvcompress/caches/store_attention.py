@@ -88,43 +88,44 @@ def _bias(mask: torch.Tensor | None, groups: int, columns: slice | torch.Tensor)
 
 def _sink_hidden(layer, start: int, end: int) -> torch.Tensor:
     """[B, H_kv, end - start] bool: the slots of [start, end) that hold a sink (attended exactly elsewhere)."""
-    inside = (layer.sink_slots >= start) & (layer.sink_slots < end)
-    hidden = torch.zeros(*layer.sink_slots.shape[:2], end - start + 1, dtype=torch.bool, device=layer.sink_slots.device)
-    hidden.scatter_(2, torch.where(inside, layer.sink_slots - start, end - start), True)
+    sink_slots = layer.slots.sink_slots
+    inside = (sink_slots >= start) & (sink_slots < end)
+    hidden = torch.zeros(*sink_slots.shape[:2], end - start + 1, dtype=torch.bool, device=sink_slots.device)
+    hidden.scatter_(2, torch.where(inside, sink_slots - start, end - start), True)
     return hidden[:, :, : end - start]
 
 
 def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _OnlineSoftmax) -> None:
     """The store segment in PyTorch, `STORE_BLOCK` tokens at a time (the reference for the kernel)."""
-    codec, n_enc = layer.codec, layer.n_encoded
+    codec, n_enc = layer.codec, layer.store.n_encoded
     unit = max(codec.token_block("key"), codec.token_block("value"))
     batch, heads, _, dim = stored_q.shape
     tokens = min(STORE_BLOCK, max(1, STORE_BLOCK_VALUES // (batch * heads * dim)))
     block = -(-tokens // unit) * unit
     for start in range(0, n_enc, block):
         end = min(start + block, n_enc)
-        logits = codec.key_logits(slice_encoded(layer.encoded_keys, start, end, n_enc), stored_q)
-        values = slice_encoded(layer.encoded_values, start, end, n_enc)
+        logits = codec.key_logits(slice_encoded(layer.store.encoded_keys, start, end, n_enc), stored_q)
+        values = slice_encoded(layer.store.encoded_values, start, end, n_enc)
         bias = _bias(attention_mask, groups, slice(start, end))
         if bias is not None:
             logits = logits + bias
-        if layer.sink_slots is not None:  # sinks are attended exactly below, not in their decoded form
+        if layer.slots.sink_slots is not None:  # sinks are attended exactly below, not in their decoded form
             logits = logits.masked_fill(_sink_hidden(layer, start, end)[:, :, None], float("-inf"))
         softmax.add(logits, lambda probs, values=values: codec.mix_values(values, probs), stored_basis=True)
 
 
 def _store_by_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -> None:
     """The store segment through the Triton kernel (one query per row: the bias is shared by the groups)."""
-    n_enc = layer.n_encoded
+    n_enc = layer.store.n_encoded
     bias = None
     if attention_mask is not None:
         bias = _bias(attention_mask, 1, slice(0, n_enc))[:, :, 0]  # [B, 1, n_enc]
         bias = bias.expand(stored_q.shape[0], layer.kv_heads, n_enc)
-    if layer.sink_slots is not None:
+    if layer.slots.sink_slots is not None:
         hidden = _sink_hidden(layer, 0, n_enc)
         bias = (torch.zeros(hidden.shape, device=hidden.device) if bias is None else bias).masked_fill(hidden, float("-inf"))
     block_max, total, acc = triton_decode.decode_attention_partials(
-        stored_q, layer.encoded_keys, layer.encoded_values, layer.value_dim, bias
+        stored_q, layer.store.encoded_keys, layer.store.encoded_values, layer.value_dim, bias
     )
     softmax.add_partial(block_max, total, acc, stored_basis=True)
 
@@ -132,13 +133,13 @@ def _store_by_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -
 def _store_by_cpu_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -> None:
     """The store segment through the C++ kernel: it takes the mask rows as they are (row m of a KV head's
     groups * q query rows reads mask row m % q) and leaves the sinks' slots out itself."""
-    codec, n_enc = layer.codec, layer.n_encoded
+    codec, n_enc = layer.codec, layer.store.n_encoded
     key_layout, value_layout = codec.kernel_layout("key"), codec.kernel_layout("value")
     bias = None if attention_mask is None else _bias(attention_mask, 1, slice(0, n_enc))  # [B, 1 or H_kv, q, T]
     queries = codec.offset_queries(stored_q) if key_layout.offset_queries else stored_q[:, :, :, None]
     block_max, total, acc = cpu_decode.decode_attention_partials(
-        queries, layer.encoded_keys, layer.encoded_values, key_layout, value_layout, layer.value_dim, bias,
-        layer.sink_slots,
+        queries, layer.store.encoded_keys, layer.store.encoded_values, key_layout, value_layout, layer.value_dim, bias,
+        layer.slots.sink_slots,
     )
     softmax.add_partial(block_max, total, acc, stored_basis=True)
 
@@ -155,7 +156,7 @@ def store_kernel(layer, query: torch.Tensor, backend: str) -> str | None:
         # PyTorch, and so are pre-RoPE keys (one query per offset in a key group, codecs/plane_attention.py).
         uniform = getattr(layer.codec, "codebook", "uniform") == "uniform" and not getattr(layer.codec, "pre_rope", False)
         fits = uniform and triton_decode.supports(
-            layer.encoded_keys, layer.encoded_values, layer.n_encoded, layer.head_dim, layer.value_dim
+            layer.store.encoded_keys, layer.store.encoded_values, layer.store.n_encoded, layer.head_dim, layer.value_dim
         )
         if fits and (backend == "triton" or query.is_cuda):
             return "triton"
@@ -188,7 +189,7 @@ def attend_store(
     batch, q_heads, q_len, dim = query.shape
     kv_heads = layer.kv_heads
     groups = q_heads // kv_heads
-    n_enc = layer.n_encoded
+    n_enc = layer.store.n_encoded
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] not in (1, kv_heads):
         attention_mask = attention_mask[:, :1]  # one mask for every head
     # Query heads h = k * groups + g share KV head k: [B, H_kv, groups * q, D].
@@ -202,21 +203,21 @@ def attend_store(
         _store_by_cpu_kernel(layer, stored_q, attention_mask, softmax)
     else:
         _store_by_blocks(layer, stored_q, attention_mask, groups, softmax)
-    if layer.sink_slots is not None:
-        slots = layer.sink_slots
-        logits = torch.matmul(plain_q, layer.sink_keys.float().transpose(-1, -2))
+    if layer.slots.sink_slots is not None:
+        slots = layer.slots.sink_slots
+        logits = torch.matmul(plain_q, layer.store.sink_keys.float().transpose(-1, -2))
         bias = _bias(attention_mask, groups, slots.clamp(min=0))
         if bias is not None:
             logits = logits + bias
         absent = (slots < 0) | (slots >= n_enc)  # no sink, or one still in the tail (attended there)
         logits = logits.masked_fill(absent[:, :, None, :], float("-inf"))
-        softmax.add(logits, layer.sink_values.float(), stored_basis=False)
-    if layer.tail_keys is not None and layer.tail_keys.shape[-2] > 0:
-        logits = torch.matmul(plain_q, layer.tail_keys.float().transpose(-1, -2))
-        bias = _bias(attention_mask, groups, slice(n_enc, n_enc + layer.tail_keys.shape[-2]))
+        softmax.add(logits, layer.store.sink_values.float(), stored_basis=False)
+    if layer.store.tail_keys is not None and layer.store.tail_keys.shape[-2] > 0:
+        logits = torch.matmul(plain_q, layer.store.tail_keys.float().transpose(-1, -2))
+        bias = _bias(attention_mask, groups, slice(n_enc, n_enc + layer.store.tail_keys.shape[-2]))
         if bias is not None:
             logits = logits + bias
-        softmax.add(logits, layer.tail_values.float(), stored_basis=False)
+        softmax.add(logits, layer.store.tail_values.float(), stored_basis=False)
     out = softmax.plain if softmax.plain is not None else 0
     if softmax.stored is not None:
         out = out + codec.from_basis(softmax.stored, "value")

@@ -23,9 +23,9 @@ class StoreOffer:
     def _may_attend_store(self, attn_kwargs: dict | None, new: int) -> bool:
         """Whether this decode step can let attention read the encoded store itself (caches/store_attention.py)."""
         return (
-            new == 1 and attn_kwargs is not None and self.encoded_keys is not None and self.codec.attends_encoded
+            new == 1 and attn_kwargs is not None and self.store.encoded_keys is not None and self.codec.attends_encoded
             and self.inv_freq is None and self.reconstruction_queries is None
-            and self.exact_keys is None  # exact states over some encoded slots: read through `_full`
+            and self.store.exact_keys is None  # exact states over some encoded slots: read through `_full`
         )
 
     def _probe_store(self, attn_kwargs: dict | None, new: int) -> None:

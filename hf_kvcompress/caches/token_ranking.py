@@ -18,9 +18,9 @@ def share_token_scores(layers: list) -> None:
     """Give every layer's slots (`accumulated`, [B, H, T]) the best score of their token over all `layers`."""
     if not layers:
         return
-    shapes = {tuple(layer.accumulated.shape[::2]) for layer in layers}
+    shapes = {tuple(layer.slots.accumulated.shape[::2]) for layer in layers}
     if len(shapes) != 1:
         raise RuntimeError(f"budgets=token needs the same slots in every full-attention layer, got {sorted(shapes)}")
-    best = torch.stack([layer.accumulated.amax(dim=1) for layer in layers]).amax(dim=0)  # [B, T]
+    best = torch.stack([layer.slots.accumulated.amax(dim=1) for layer in layers]).amax(dim=0)  # [B, T]
     for layer in layers:
-        layer.accumulated = best[:, None, :].expand_as(layer.accumulated).clone()
+        layer.slots.accumulated = best[:, None, :].expand_as(layer.slots.accumulated).clone()
