@@ -220,7 +220,9 @@ def test_budget_reads_an_unconverted_model_from_its_gguf_without_converting(conv
     assert {k: v for k, v in config.items() if k not in skip} == {k: v for k, v in expected.items() if k not in skip}
     assert main(["budget", "--model", "smollm2-135m", "--tokens", "8000"]) == 0
     out = capsys.readouterr().out
-    assert "30 layers, 3 KV heads for 9 query heads, head_dim 64" in out and "parameters x 4 bytes" in out
+    # the config (float32, from the GGUF) is read; budget counts it at the served bfloat16 and says so
+    assert "30 layers, 3 KV heads for 9 query heads, head_dim 64" in out and "parameters x 2 bytes" in out
+    assert "the config declares float32" in out
     assert not (tmp_path / "models").exists()
 
 
