@@ -1,7 +1,7 @@
 """PCA bases of a model's keys and values, per layer and KV head, fitted on calibration text (for `lowrank`).
 
 Keys are fitted as the cache receives them, after RoPE: `hf-kvcompress calibrate` also reports the variance that
-pre-RoPE keys would keep at the same rank, the measurement behind that choice (see README).
+pre-RoPE keys would keep at the same rank, the measurement behind that choice (see docs/methods.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ log-probability margin of the answer's tokens), where a retention count only say
 Command:
     python benchmarks/probes/answer_margin.py --model gemma-3-270m --task multi_needle --length 2000 \\
         --depths 0,25,50,75,100 --samples 3 --specs "int4;int4:codebook=gaussian;int3"
-Written up: README.md, "The suite: retention at each width" (the int3 and codebook margins).
+Written up: docs/results.md, "The suite: retention at each width" (the int3 and codebook margins).
 
 A retention count of 15 samples moves by one answer when one prompt flips, and some prompts sit on a knife's edge
 even uncompressed. For each sample this greedily decodes the uncompressed answer, then feeds the same question and

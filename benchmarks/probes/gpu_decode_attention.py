@@ -4,7 +4,7 @@ Question: on a GPU, how fast is one decode query over int4 and int2 stores (Trit
 path) against bf16 SDPA over the full cache, as a share of the HBM bandwidth, and how far is its output from SDPA's?
 Command:
     python benchmarks/probes/gpu_decode_attention.py [--lengths 8192,32768,131072] [--batches 1,8] [--repeats 50]
-Written up: not yet measured; docs/benchmark-notes.md section 4 ("Triton kernel (GPU)") and README.md,
+Written up: not yet measured; docs/benchmark-notes.md section 4 ("Triton kernel (GPU)") and docs/speed.md,
 "Speed (`make bench`)", say it is still to be run.
 
 NOT RUN in the session that wrote it (no GPU was lent to it): its figures are still to be measured. Written for

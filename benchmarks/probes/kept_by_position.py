@@ -5,7 +5,7 @@ needle's tokens?
 Command:
     python benchmarks/probes/kept_by_position.py gemma-3-270m "h2o:ratio=0.5" "tova:ratio=0.5" \\
         "snapkv:ratio=0.5" "kvzip:ratio=0.5"
-Written up: README.md, "Eviction policies side by side (question
+Written up: docs/results.md, "Eviction policies side by side (question
 after the document)", and its "Expected Attention" part.
 
 Runs each policy with ratio=1.0 (nothing evicted, scores kept), then applies the policy's own selection at 0.5 and

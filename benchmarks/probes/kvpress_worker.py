@@ -5,7 +5,7 @@ prompt, and how many bytes does its cache hold?
 Command: kvpress_side_by_side.py runs it; by hand, with the python of the environment it builds:
     benchmarks/.venv-kvpress/bin/python benchmarks/probes/kvpress_worker.py --model-dir DIR \\
         --prompts OUT/prompts.jsonl --presses snapkv,kvzip --keep 0.5,0.25 --out OUT/kvpress.jsonl
-Written up: with kvpress_side_by_side.py's table (README.md, "Eviction policies side by side (question after the
+Written up: with kvpress_side_by_side.py's table (docs/results.md, "Eviction policies side by side (question after the
 document)").
 
 Not importable from hf_kvcompress (it must not import it: another transformers). Reads prompts.jsonl (document and

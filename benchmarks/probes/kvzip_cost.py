@@ -3,7 +3,7 @@
 Question: how many plain prefills does KVzip's prefill (with its reconstruction pass) cost?
 Command:
     python benchmarks/probes/kvzip_cost.py smollm2-135m 2000
-Written up: README.md, "Eviction policies side by side (question
+Written up: docs/results.md, "Eviction policies side by side (question
 after the document)" (the cost of the reconstruction pass).
 """
 

@@ -6,7 +6,7 @@ change of the ranking (pooling, chunks, per-layer floors) brings it back?
 Command:
     python benchmarks/probes/kvzip_layer_probe.py [--model gemma-3-270m] [--depths 0 50] [--ratio 0.25]
         [--variants global head oracle:11 whole:11 share:11:0.35 back:3]
-Written up: README.md, "Eviction policies side by side (question
+Written up: docs/results.md, "Eviction policies side by side (question
 after the document)" (why the quarter fails on Gemma-3-270M).
 
 Like benchmarks/probes/kvzip_budget_allocation.py (whose masks it reuses): each needle document is scored once with

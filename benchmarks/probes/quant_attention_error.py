@@ -5,7 +5,7 @@ much of the attention on the needle remains (per layer with --per-layer, which p
 Command:
     python benchmarks/probes/quant_attention_error.py [--model smollm2-135m] [--length 2000] [--depths 0,50]
         [--configs "bits=2,rotate=hadamard,key_axis=channel,sink_tokens=4;bits=2,...,pre_rope=true"] [--per-layer]
-Written up: README.md, "Quantization options, and what each one measured" (its introduction and "The suite:
+Written up: docs/results.md, "Quantization options, and what each one measured" (its introduction and "The suite:
 retention at each width") and "Where each family fits (from the measurements above)".
 
 One needle prompt per depth (the suite's own samples, question after the document) runs once through the model with

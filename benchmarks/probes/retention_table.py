@@ -5,7 +5,7 @@ Question: of the samples the uncompressed cache answers, how many does each meth
 still answer, overall and by depth, and at what share of the bytes?
 Command:
     python benchmarks/probes/retention_table.py OUT_DIR [OUT_DIR ...]   # folders written by `hf-kvcompress eval`
-Written up: the README.md retention tables in "The suite: retention at each width", "Eviction policies side by side
+Written up: the docs/results.md retention tables in "The suite: retention at each width", "Eviction policies side by side
 (question after the document)", "Expected Attention" and "Gemma-3's sliding layers under eviction (0.4.0)".
 
 Bytes are the method's mean measured document bytes over the uncompressed cache's, on the same samples. Records

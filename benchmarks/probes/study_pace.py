@@ -3,7 +3,7 @@
 Question: how many CPU seconds per sample do the study's shared document prefill and each plan's own work take?
 Command:
     python benchmarks/probes/study_pace.py smollm2-135m 2000 3 [max_new_tokens] ["plan;plan;..."]
-Written up: README.md, "The study (`make demo`)", "Where the time went, and what made it fit".
+Written up: docs/study.md, "The study (`make demo`)", "Where the time went, and what made it fit".
 
 CPU seconds of this process (the machine is shared, so wall time is inflated by the neighbours' load) and wall
 seconds, for one batch of needle samples. The load average is printed beside them.

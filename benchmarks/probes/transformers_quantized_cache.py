@@ -5,7 +5,7 @@ Command:
     python benchmarks/probes/transformers_quantized_cache.py [--model smollm2-135m] [--tasks needle]
         [--lengths 2000] [--depths 0,50,100] [--samples 1] [--venv ~/.cache/hf-kvcompress/bench-quantized-venv]
         [--out results/transformers-quantized]
-Written up: README.md, "Beside transformers' own QuantizedCache"; its environment is the bench's
+Written up: docs/results.md, "Beside transformers' own QuantizedCache"; its environment is the bench's
 (docs/benchmark-notes.md section 11).
 
 The backends need `optimum-quanto` and `hqq`, which are not dependencies of this package, so the script creates a

@@ -37,7 +37,7 @@ def sliding_kept(policy: Policy, layer_type: str, window: int) -> int | None:
     it attends locally, and KVzip's reconstruction queries, a window away, cannot score it. Chunked-attention
     layers keep their chunk. A policy's `sliding=N` sets the count itself (`dynamic:sliding=127` shrinks only the
     sliding layers): on Gemma-3-270M at 2,000 tokens they kept every answer at 127 of their 511 tokens, and lost 5 of
-    30 at 63 (README)."""
+    30 at 63 (docs/results.md)."""
     if layer_type != "sliding_attention":
         return None
     whole = max(window - 1, 1)

@@ -2,7 +2,7 @@
 
 While the model repeats the context, the layers that copy it attend to a number's digits and the others need not;
 yet answering a question later may read those digits in another layer. On Gemma-3-270M the needle's digits rank
-in the best 5-25% of its first global layer's scores and in the worst half of its last (README, "Gemma-3 at a
+in the best 5-25% of its first global layer's scores and in the worst half of its last (docs/results.md, "Gemma-3 at a
 quarter of the bytes"), so per-layer or per-head rankings keep the needle in one layer and lose it in the others.
 Scoring each token by its best over layers and heads keeps what any layer needs to rebuild the context in all of
 them, with the same number of tokens per layer and head (the memory of `budgets=uniform`). With many heads the best

@@ -22,18 +22,18 @@ KEY_AXES = ("channel", "token")
 ROTATIONS = ("none", "hadamard", "per_token", "auto")
 CODEBOOKS = ("uniform", "gaussian")
 _TINY = torch.finfo(torch.bfloat16).tiny
-# What the plain names int4/int3/int2 mean: the best configuration measured at that width (README, "Quantization
+# What the plain names int4/int3/int2 mean: the best configuration measured at that width (docs/results.md, "Quantization
 # options"): the rotation measured best for the model's family (`auto`) + 4 full-precision sinks + per-channel keys.
 # `rotate=none,sink_tokens=0` is plain KIVI.
 BEST_LOW_BIT = {"rotate": "auto", "sink_tokens": 4}
-# What `rotate=auto` (the plain names) means per model family: measured, not derived (README, "Rotating keys"). On
+# What `rotate=auto` (the plain names) means per model family: measured, not derived (docs/results.md, "Rotating keys"). On
 # Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers on the
 # suite; on SmolLM2 (Llama) it lowered them. Families not listed rotate everything, as QuaRot does.
 ROTATION_BY_MODEL_TYPE = {"gemma3_text": "per_token", "gemma3": "per_token"}
 # At 2 bits the attention error was three times int3's: Lloyd-Max levels for the head_dim groups and pre-RoPE keys
 # cut it from 0.170 to 0.134 on SmolLM2 for no bytes. On the needle suite they kept 12 of 15 on SmolLM2 (rotation
 # and sinks alone: 10) and 11 of 15 on Gemma-3 (alone: 12), within noise. 32 sinks cut the error further (0.115)
-# but kept the very same 12 answers on SmolLM2, for 9% more bytes, so int2 keeps 4 (README).
+# but kept the very same 12 answers on SmolLM2, for 9% more bytes, so int2 keeps 4 (docs/results.md).
 BEST_TWO_BIT = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True}
 PLAIN_NAME_DEFAULTS = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
 
@@ -125,7 +125,7 @@ class IntNCodec(Codec):
             vector's coordinates alike, and leaves per-channel key groups their own channels' scales: on Gemma-3,
             whose global layers' key channels differ widely in spread (the widest ~23 times the median, ~2 on
             SmolLM2), rotating per-channel keys raised their attention error at every width, while on SmolLM2 it
-            lowered it (README, "Rotating keys"). "auto" (the plain names) picks per model family from
+            lowered it (docs/results.md, "Rotating keys"). "auto" (the plain names) picks per model family from
             measurements (ROTATION_BY_MODEL_TYPE; "hadamard" for families not measured or without a config). "none"
             quantizes the raw vectors.
         sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps at full precision

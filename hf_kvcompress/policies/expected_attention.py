@@ -35,7 +35,7 @@ class ExpectedAttentionPolicy(Policy):
         epsilon: added to the normalised expectation before the value weighting. The expectations average 1 / T
             over T kept slots, so 0.01 (kvpress's leaderboard setting; its class default is 0) ranks most slots
             by value norm and lifts those the future queries are expected to attend to well above average; 0
-            ranks by expected attention alone, which on the needle documents keeps mostly the end (README).
+            ranks by expected attention alone, which on the needle documents keeps mostly the end (docs/results.md).
         recent: newest tokens always kept.
         sink_tokens: first tokens always kept; their queries are also left out of the statistics (outliers, as
             the attention sinks' queries are).

@@ -30,7 +30,7 @@ class KVzipPolicy(Policy):
         ratio: share of the tokens seen that is kept, instead of `budget`.
         sink_tokens: first tokens always kept (0 in KVzip).
         recent: newest tokens always kept (0 in KVzip): the end of the document, whatever its score. 128 gained
-            two of 15 needles at each share on Gemma-3-270M and none on SmolLM2 (README); not the default, since
+            two of 15 needles at each share on Gemma-3-270M and none on SmolLM2 (docs/results.md); not the default, since
             it is kept whatever the ratio and would refuse token budgets of 128 or less.
         budgets: how the kept pairs are shared out. "uniform": every KV head of every full-attention layer keeps
             the same number; "layer": one ranking of all layers' pairs sets each layer's number, as whole tokens per
@@ -39,14 +39,14 @@ class KVzipPolicy(Policy):
             needs the 'kvcompress_sdpa' attention for its per-head masks; the codec's full-precision sinks are
             always kept); "token": one ranking of the context's tokens, each scored by its best over every
             full-attention layer and KV head, so every such layer keeps the same tokens (caches/token_ranking.py).
-            Measured (README): on Gemma-3-270M (3 full-attention layers, 1 KV head each) "token" kept 20 of 30
+            Measured (docs/results.md): on Gemma-3-270M (3 full-attention layers, 1 KV head each) "token" kept 20 of 30
             answers at a quarter where "head" kept 4; on SmolLM2 (30 layers x 3 KV heads) it kept 0 of 8 where
             "head" kept 3, so "head" stays the default.
         span: each pair also takes the best score of the `span` pairs after it in its head (0: its own score
             only, as in KVzip). While the model repeats the context, the first tokens of a span it copies (a
             number's first digits) draw little attention and the rest a lot, so a budget can keep a number's tail
             and lose its start. The raw scores still decide how many pairs each layer and head keeps; `span` only
-            decides which. Default 4, measured (README): on Gemma-3-270M half of the document kept 11 of 15
+            decides which. Default 4, measured (docs/results.md): on Gemma-3-270M half of the document kept 11 of 15
             needles instead of 10, a quarter 3 instead of 0; on SmolLM2 the same answers as span 0.
     """
 

@@ -212,7 +212,7 @@ def test_per_token_rotation_turns_only_the_groups_along_head_dim():
 
 
 def test_rotating_keys_raises_the_error_when_a_few_tokens_spike_in_single_channels():
-    """One case where rotating per-channel keys hurts (what `rotate=per_token` avoids; on Gemma-3's keys the README
+    """One case where rotating per-channel keys hurts (what `rotate=per_token` avoids; on Gemma-3's keys docs/results.md
     measures another): a per-channel group confines one token's spike in one channel to that channel's scale, the
     rotation spreads it over every channel and widens every channel's range in that group."""
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ def overlapping_texts(monkeypatch, draw) -> list[tuple[str, str]]:
 
 
 def test_quality_vs_memory_names_methods_of_the_same_memory_and_score_apart(monkeypatch, tmp_path):
-    # The README's eval table: h2o and sink_window at a budget of 256 sit on one point.
+    # docs/results.md's first eval table: h2o and sink_window at a budget of 256 sit on one point.
     rows = [("dynamic", 100, 44.3), ("int4", 83.3, 12.4), ("h2o:budget=256", 33.3, 11.3),
             ("sink_window:window=256", 33.3, 11.4)]  # fmt: skip
     summary = {"ranking": [{"method": m, "score": s, "kv_bytes_peak": b * MiB} for m, s, b in rows], "rows": [],
