@@ -104,6 +104,16 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
         start = time.perf_counter()
         reference = document_states(model, full_ids, full_mask, width)
         shared_seconds = time.perf_counter() - start
+
+        def answer(cache):
+            """The cache's bytes after the document, then its answers (cut at the end of sequence) and the
+            prefill seconds of the question."""
+            kv = measured_kv_bytes(cache), _tokens_stored(cache), served_kv_bytes(cache, served)
+            result = generate(model, full_ids.to(model.device), full_mask.to(model.device), cache,
+                              max_new_tokens=max_new)
+            new = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))] for row in result.new_tokens.tolist()]
+            return (*kv, new, result.prefill_seconds)
+
         for plan in plans:
             if rescores(plan):
                 with _Attention(model, plan):
@@ -111,13 +121,8 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
                     cache = replay_and_rescore(plan, model, reference, full_ids[:, :width], full_mask[:, :width],
                                                repeat_ids)
                     rescored = time.perf_counter() - begin
-                    kv_document, stored = measured_kv_bytes(cache), _tokens_stored(cache)
-                    kv_served = served_kv_bytes(cache, served)
-                    result = generate(model, full_ids.to(model.device), full_mask.to(model.device), cache,
-                                      max_new_tokens=max_new)
-                new_tokens = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))]
-                              for row in result.new_tokens.tolist()]
-                prefill_seconds = shared_seconds + rescored + result.prefill_seconds
+                    kv_document, stored, kv_served, new_tokens, seconds = answer(cache)
+                prefill_seconds = shared_seconds + rescored + seconds
             elif needs_own_prefill(plan):
                 out = run_batch(model, plan, batch, max_new, pad_token_id=pad_id, chunk_size=None,
                                 repeat_prompt_ids=repeat_ids)
@@ -125,14 +130,9 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
                 kv_served = out.kv_bytes_document_served
                 prefill_seconds = out.prefill_seconds
             else:
-                cache = replay(plan, model, reference, full_mask[:, :width])
-                kv_document, stored = measured_kv_bytes(cache), _tokens_stored(cache)
-                kv_served = served_kv_bytes(cache, served)
-                result = generate(model, full_ids.to(model.device), full_mask.to(model.device), cache,
-                                  max_new_tokens=max_new)
-                new_tokens = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))]
-                              for row in result.new_tokens.tolist()]
-                prefill_seconds = shared_seconds + result.prefill_seconds
+                kv_document, stored, kv_served, new_tokens, seconds = answer(
+                    replay(plan, model, reference, full_mask[:, :width]))
+                prefill_seconds = shared_seconds + seconds
             predictions = [tokenizer.decode(t, skip_special_tokens=True) for t in new_tokens]
             scores = score_all(predictions, [rows[i]["references"] for i in item.rows])
             share = len(item.rows)
