@@ -6,12 +6,13 @@ when the model itself runs in bfloat16, for every family the study and the eval 
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
 from hf_kvcompress.generation import prefill
 from hf_kvcompress.hf.attention import use_kvcompress_attention
 from hf_kvcompress.measure import measured_kv_bytes, served_kv_bytes
 from hf_kvcompress.registry import make_cache
+from tests.caches.tiny_models import bytes_config
 
 # lowrank needs a calibrated model (tests/codecs/test_lowrank.py); its bytes follow the same per-token rate
 SPECS = ["dynamic", "int8", "int4", "fp8", "sink_window:sink_tokens=4,window=60", "shared_heads", "shared_heads+int8", "sink_window:sink_tokens=4,window=60+int4",
@@ -29,9 +30,7 @@ def _rel(spec: str) -> float:
 @pytest.fixture(scope="module")
 def models():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=200, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = bytes_config()
     full = use_kvcompress_attention(LlamaForCausalLM(config).eval())
     half = use_kvcompress_attention(LlamaForCausalLM(config).eval())
     half.load_state_dict(full.state_dict())

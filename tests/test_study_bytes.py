@@ -9,13 +9,14 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from hf_kvcompress import study
 from hf_kvcompress.generation import prefill
 from hf_kvcompress.hf.attention import use_kvcompress_attention
 from hf_kvcompress.measure import measured_kv_bytes
 from hf_kvcompress.registry import make_cache
+from tests.caches.tiny_models import bytes_config
 
 TOKENS = 600
 SPECS = ["dynamic", "int8", "int4", "sink_window:sink_tokens=4,window=124", "shared_heads+int8",
@@ -27,9 +28,7 @@ SPECS = ["dynamic", "int8", "int4", "sink_window:sink_tokens=4,window=124", "sha
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=200, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = bytes_config()
     return use_kvcompress_attention(LlamaForCausalLM(config).eval().to(torch.bfloat16))
 
 

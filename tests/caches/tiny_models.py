@@ -19,6 +19,17 @@ CONFIGS = {
 }
 
 
+def bytes_config() -> transformers.LlamaConfig:
+    """The byte tests' model (tests/test_served_bytes.py, tests/test_study_bytes.py): 2 KV heads of 32 dims, a
+    vocabulary with room for the reconstruction prompt's ids, positions for 600-token prompts. Not in CONFIGS: the
+    contract suite runs on every model there."""
+    return transformers.LlamaConfig(
+        vocab_size=200, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
 def tiny_model(name: str):
     torch.manual_seed(0)
     config = CONFIGS[name]()
