@@ -2,8 +2,9 @@
 
 This module holds transformers' layer contract and the order of a step (`update`). Three parts are objects the
 layer owns, each with its own tensors: `store` (storage.py: [encoded | tail], the codec's exact sinks and a padded
-batch's exact rows), `slots` (slot_records.py: every per-slot tensor, moved together when slots move) and `padding`
-(padding.py: each row's left padding and the masks that follow from it); `scorer` (scorers.py), chosen once from the
+batch's exact rows; after KVzip's head ranking a `HeadStore`, head_store.py, see `rank_heads`), `slots`
+(slot_records.py: every per-slot tensor, moved together when slots move) and `padding` (padding.py: each row's left
+padding and the masks that follow from it); `scorer` (scorers.py), chosen once from the
 policy's flags, says how the scores arrive and whether eviction waits for attention. The other concerns are mixins in
 their own modules: eviction.py (how many tokens stay and which), block_eviction.py (a sliding window over
 per-channel key groups), codec_sinks.py (which slots are the codec's exact sinks), rerotation.py (StreamingLLM's
