@@ -125,7 +125,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
             kept = kept_tokens(policy, tokens)
         layer_codec = layer_codec.for_layer(i)  # as the cache builds each layer's codec (per-layer widths)
         if window is None and head_store:
-            # KVzip's per-head store (caches/head_budget_layer.py): kept pairs encoded, each with its float32
+            # KVzip's per-head store (caches/head_store.py): kept pairs encoded, each with its float32
             # score; the codec's sinks exact beside it; one int64 length per head. The kept pairs among the
             # context's newest tokens, which the scored layer still held at full precision (its residual), stay
             # exact in a second store: which pairs those are depends on the scores, so they are counted as the kept

@@ -19,7 +19,6 @@ from ..policies.base import Policy, check_count
 from ..policies.block_window import BlockWindowPolicy
 from ..policies.keep_all import KeepAllPolicy
 from ..policies.sink_window import SinkWindowPolicy
-from .head_budget_layer import HeadBudgetLayer
 from .head_ranking import head_budget_keep
 from .layer import CompressedLayer
 from .token_ranking import share_token_scores
@@ -234,7 +233,6 @@ class CompressedCache(Cache):
 
     def reset(self) -> None:
         self._owner = None
-        self.layers = [layer.origin if isinstance(layer, HeadBudgetLayer) else layer for layer in self.layers]
         super().reset()
 
     # -- the reconstruction pass (KVzip), driven by generation.prefill: the cache cannot call the model itself --
@@ -262,16 +260,14 @@ class CompressedCache(Cache):
         if budgets == "head" and scored:
             keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.sink_tokens)
             for layer, (priority, keep) in zip(scored, keeps):
-                layer.reconstruction_queries = None
-                layer.slots.accumulated = priority
-                self.layers[self.layers.index(layer)] = HeadBudgetLayer(layer, keep)
+                layer.rank_heads(priority, keep)
         elif budgets == "token" and scored:
             share_token_scores([layer for layer in scored if not layer.is_sliding])
         elif budgets == "layer" and len(scored) > 1:
             for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored)):
                 layer.budget_shift = shift
         for layer in self.layers:
-            if not isinstance(layer, HeadBudgetLayer):
+            if not layer.per_head:
                 layer.end_reconstruction()
 
     def promised_kv_bytes(self, dtype: torch.dtype | None = None) -> int:
@@ -283,7 +279,7 @@ class CompressedCache(Cache):
     def stored_tokens(self) -> int:
         """Tokens per KV head held by the first full-attention layer (with KVzip's head budgets, whose layers keep
         different shares: the mean over the full-attention layers)."""
-        ranked = [layer.stored_tokens for layer in self.layers if isinstance(layer, HeadBudgetLayer)]
+        ranked = [layer.stored_tokens for layer in self.layers if layer.per_head]
         if ranked:
             return round(sum(ranked) / len(ranked))
         for layer in self.layers:

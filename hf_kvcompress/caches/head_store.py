@@ -7,6 +7,11 @@ would hold slots for the most any head keeps; here the pairs of row 0 head 0, ro
 mask of the slots that hold a pair; the view is transient. Each head's pairs are one contiguous slice of the store,
 so the view is one `torch.cat` of [zeros, head's pairs] pieces (the zeros one expanded row): a single copy, with the
 per-head lengths read to the host only when the pairs change (evicting, appending), not at every step.
+
+`HeadStore` is the store of a layer after KVzip's global ranking (`CompressedLayer.rank_heads`): the kept pairs in
+`RaggedHeads`, the context's pairs still within the codec's residual in a second one (full precision), the tokens
+since the ranking in a full-precision tail, and the codec's exact sinks, with the interface `TokenStore`
+(storage.py) offers the layer.
 """
 
 from __future__ import annotations
@@ -14,6 +19,19 @@ from __future__ import annotations
 import torch
 
 from ..codecs.base import Codec, Encoded, Kind, _index_op
+from ..codecs.identity import IdentityCodec
+from ..policies.base import Policy
+from .storage import TokenStore
+
+LATER_TOKENS = 2.0  # scores of tokens after the ranking start here: above any attention probability
+ABSORB_BLOCK = 32  # recent tokens beyond the codec's residual join the store this many at a time
+# Pairs per KV head a row over its allowance gives up beyond the excess (at most an eighth of the allowance, so a
+# small budget is not emptied). Each decoded token adds a pair per head while a ratio's allowance grows by a fraction
+# of one, so evicting only the excess sorted and copied the whole store on nearly every step; with this slack a
+# row evicts once every ~EVICTION_SLACK / (1 - ratio) tokens, and still never holds more than its allowance.
+EVICTION_SLACK = 32
+SLACK_SHARE = 8
+EXACT = IdentityCodec()  # how the context's pairs within the codec's residual are stored: as they are
 
 
 class RaggedHeads:
@@ -199,3 +217,284 @@ def evict_lowest_across(stores: list[RaggedHeads], count: list[int]) -> None:
 
 def _select(encoded: Encoded, keep: torch.Tensor) -> Encoded:
     return {name: _index_op(tensor, lambda t: t[keep].contiguous()) for name, tensor in encoded.items()}
+
+
+class HeadStore:
+    """A layer's stored states once each KV head keeps its own number of context pairs (KVzip's head budgets).
+
+    `encoded` (`RaggedHeads`): the kept pairs at the codec's rate, each with the score it was kept by; `exact`
+    (`RaggedHeads` or None): the context's kept pairs that were still within the codec's residual at the ranking, at
+    full precision until later tokens fill the residual (`absorb`); `tail_keys` / `tail_values` [B, H_kv, t, D]: the
+    tokens since the ranking, full precision, and `tail_valid` [B, t] (False once a row evicted the token);
+    `sink_keys` / `sink_values` [B, H_kv, S, D] and `sink_valid` [B, S]: the codec's exact sinks, beside the store;
+    `real_seen` [B]: real tokens each row has seen (padding only ever leads a row's prompt, and no padding pair is
+    kept); `allowance` [B]: the pairs a row held at the ranking, its share of the total, and `share_then` [B]: the
+    policy's share of the tokens seen then (`evict` moves the allowance with it).
+
+    Tokens since the ranking rank above the context (newest first); when a row holds more than its allowance the
+    lowest-scored pairs of any head go, the context's first, a block at a time: down to the allowance less some slack
+    (`EVICTION_SLACK`), so that eviction runs every few dozen steps instead of nearly every step; the row never holds
+    more than its allowance after a step. Attention reads [sinks | padded encoded view | padded exact view | tail]
+    with the per-head `mask`, through 'kvcompress_sdpa' (`use_kvcompress_attention`).
+    """
+
+    per_head = True  # heads hold different numbers of pairs: attention needs the layer's own, per-head mask
+    KIND = "head_budgets"  # a saved layer's meta `kind` (persist.py): this store, under the names below
+    # Saved (and reordered by batch row) under these names; the pairs as `store.*` and `exact.*`.
+    TENSORS = ("tail_keys", "tail_values", "tail_valid", "sink_keys", "sink_values", "sink_valid", "real_seen",
+               "allowance", "share_then")
+
+    def __init__(self, codec: Codec, dtype: torch.dtype, encoded: RaggedHeads, exact: RaggedHeads | None,
+                 **tensors: torch.Tensor | None):
+        self.codec = codec
+        self.dtype = dtype
+        self.encoded = encoded
+        self.exact = exact
+        for name in self.TENSORS:
+            setattr(self, name, tensors.get(name))
+        self.headroom: int | None = None  # pairs every row may still add before one can be over (`evict`)
+
+    @classmethod
+    def rank(
+        cls, store: TokenStore, scores: torch.Tensor, keep: torch.Tensor, sink_slots: torch.Tensor | None,
+        real_seen: torch.Tensor, policy: Policy,
+    ) -> "HeadStore":
+        """The pairs `keep` [B, H, T] (bool) of a token store's slots, scored `scores` [B, H, T]. `sink_slots`
+        [B, H, S] (-1: none): the codec's exact sinks, captured in `store`, which stay exact beside the pairs."""
+        keep = keep.clone()
+        sinks = {}
+        if sink_slots is not None:  # the same for every head
+            sinks = dict(sink_keys=store.sink_keys, sink_values=store.sink_values, sink_valid=sink_slots[:, 0] >= 0)
+            if not bool(keep.gather(2, sink_slots.clamp(min=0))[sink_slots >= 0].all()):
+                raise ValueError("the ranking evicted a codec sink token: its policy must protect them")
+            keep.scatter_(2, sink_slots.clamp(min=0), False)
+        codec = store.codec
+        keys, values = store.encoded_whole("key"), store.encoded_whole("value")
+        # Only what the token store has encoded enters the encoded pairs now; its tail (the context's newest tokens,
+        # within the codec's residual) stays at full precision, as in every other layer, until `absorb`.
+        split = keep.shape[-1] if codec.lossless else store.n_encoded
+        encoded = keep.clone()
+        encoded[..., split:] = False
+        exact = None
+        if split < keep.shape[-1]:
+            exact = RaggedHeads.pack(
+                EXACT.encode(store.tail_keys, "key"), EXACT.encode(store.tail_values, "value"),
+                scores[..., split:], keep[..., split:],
+            )
+        head = cls(codec, store.dtype, RaggedHeads.pack(keys, values, scores, encoded), exact,
+                   real_seen=real_seen.clone(), **sinks)
+        head.allowance = head.held_pairs()  # [B] pairs the row holds now: its share of the total
+        head.share_then = policy.held_per_row(head.real_seen)
+        return head
+
+    # -- what the layer reads -----------------------------------------------------------------------------------------
+
+    @property
+    def kv_heads(self) -> int:
+        return self.encoded.lengths.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.real_seen.device
+
+    @property
+    def stored_tokens(self) -> int:
+        """Pairs held per KV head, on average over rows and heads (heads differ)."""
+        return round(float(self.held_pairs().float().mean()) / self.kv_heads)
+
+    @property
+    def view_tokens(self) -> int:
+        """Slots attention reads (`full`): the codec's sinks, the widest head's pairs of each part, the tail."""
+        exact = 0 if self.exact is None else self.exact.most
+        return self._sink_count() + self.encoded.most + exact + self.tail_tokens
+
+    @property
+    def tail_tokens(self) -> int:
+        return 0 if self.tail_keys is None else self.tail_keys.shape[-2]
+
+    def held_pairs(self) -> torch.Tensor:
+        """Pairs each row holds, all heads together, [B]."""
+        tail = 0 if self.tail_valid is None else self.tail_valid.sum(-1)
+        exact = 0 if self.exact is None else self.exact.row_pairs()
+        return self.encoded.row_pairs() + exact + self._sink_pairs() + tail * self.kv_heads
+
+    def _sink_pairs(self):
+        """The codec's exact sink pairs per row, all heads together ([B], or 0 without sinks)."""
+        return 0 if self.sink_valid is None else self.sink_valid.sum(-1) * self.kv_heads
+
+    def _sink_count(self) -> int:
+        return 0 if self.sink_valid is None else self.sink_valid.shape[-1]
+
+    # -- new tokens and what attention reads ----------------------------------------------------------------------
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """New states join the tail, as tokens every row keeps for now."""
+        batch, _, new, _ = key_states.shape
+        if self.headroom is not None:
+            self.headroom -= new * self.kv_heads
+        self.real_seen = self.real_seen + new  # padding only ever leads a row's prompt
+        self.tail_keys = key_states.clone() if self.tail_keys is None else torch.cat([self.tail_keys, key_states], -2)
+        self.tail_values = (
+            value_states.clone() if self.tail_values is None else torch.cat([self.tail_values, value_states], -2)
+        )
+        fresh = torch.ones(batch, new, dtype=torch.bool, device=self.device)
+        self.tail_valid = fresh if self.tail_valid is None else torch.cat([self.tail_valid, fresh], -1)
+
+    def full(self, kind: str, sink_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """What attention sees: [sinks | padded encoded view | padded exact view | tail] (slots that hold no pair
+        are zeros, masked by `mask`). `sink_slots` is the token store's (a layer's slots): the sinks here sit first."""
+        tail = self.tail_keys if kind == "key" else self.tail_values
+        if self.codec.lossless and self.sink_valid is None:
+            # A lossless codec gives the recent tokens back as they are: they join each head's pairs in the view's
+            # one copy, instead of a second copy of the whole view by `cat`.
+            return self.encoded.padded(self.codec, kind, self.dtype, after=self.codec.encode(tail, kind))
+        parts = []
+        if self.sink_valid is not None:
+            parts.append((self.sink_keys if kind == "key" else self.sink_values).to(self.dtype))
+        if self.encoded.most:
+            parts.append(self.encoded.padded(self.codec, kind, self.dtype))
+        if self.exact is not None and self.exact.most:
+            parts.append(self.exact.padded(EXACT, kind, self.dtype))
+        parts.append(tail)
+        return torch.cat(parts, dim=-2)
+
+    def mask(self, new: int, length: int) -> torch.Tensor:
+        """[B, H_kv, new, length] bool: each head's slots of `full` that hold a pair, causal over the new tokens."""
+        heads = self.kv_heads
+        valid = [self.encoded.valid(), self.tail_valid[:, None, :].expand(-1, heads, -1)]
+        if self.exact is not None:
+            valid.insert(1, self.exact.valid())
+        if self.sink_valid is not None:
+            valid.insert(0, self.sink_valid[:, None, :].expand(-1, heads, -1))
+        valid = torch.cat(valid, dim=-1)
+        if new == 1:  # a decode step: its token is the newest slot, and every earlier slot is causal to it
+            return valid[:, :, None, :]
+        slot = torch.arange(length, device=self.device)
+        causal = slot[None, :] <= (length - new + torch.arange(new, device=self.device))[:, None]  # [new, length]
+        return valid[:, :, None, :] & causal[None, None]
+
+    # -- after attention read the step: absorb and evict --------------------------------------------------------
+
+    def compress(self, policy: Policy, seen: int) -> None:
+        """Move recent tokens beyond the codec's residual into the pairs (`absorb`), then hold the allowance
+        (`evict`). `seen`: the tokens the layer has been given, this step's included."""
+        self.absorb(seen)
+        self.evict(policy)
+
+    def absorb(self, seen: int) -> None:
+        """Move the recent tokens beyond the codec's residual into the encoded pairs, a block at a time (the schedule
+        depends on the tail's length only, the same for every row: a padded row is stored as it is alone)."""
+        t = self.tail_tokens
+        if self.exact is not None and t >= self.codec.residual_length:
+            self._encode_exact()  # the later tokens fill the residual: the context's pairs are older than all of them
+        n = (t - self.codec.residual_length) // ABSORB_BLOCK * ABSORB_BLOCK
+        if n <= 0:
+            return
+        first = seen - t  # the oldest recent token's index among the tokens seen: newer ranks higher
+        scores = LATER_TOKENS + first + torch.arange(n, device=self.device, dtype=torch.float32)
+        scores = scores.expand(self.tail_valid.shape[0], self.kv_heads, n)
+        keep = self.tail_valid[:, None, :n].expand(-1, self.kv_heads, -1)
+        self.encoded.append(
+            self.codec.encode(self.tail_keys[:, :, :n], "key"), self.codec.encode(self.tail_values[:, :, :n], "value"),
+            scores, keep,
+        )
+        self.tail_keys = self.tail_keys[:, :, n:].clone() if n < t else None
+        self.tail_values = self.tail_values[:, :, n:].clone() if n < t else None
+        self.tail_valid = self.tail_valid[:, n:].clone() if n < t else None
+
+    def _encode_exact(self) -> None:
+        """Encode the context's full-precision pairs into the encoded pairs, after each head's, with their scores."""
+        exact, self.exact = self.exact, None
+        if not exact.most:  # every such pair was evicted
+            return
+        valid = exact.valid()  # [B, H, M]
+        scores = torch.zeros(valid.shape, dtype=torch.float32, device=self.device)
+        scores[valid] = exact.scores  # both in (row, head, pair) order
+        keys, values = exact.padded(EXACT, "key", self.dtype), exact.padded(EXACT, "value", self.dtype)
+        self.encoded.append(self.codec.encode(keys, "key"), self.codec.encode(values, "value"), scores, valid)
+
+    def evict(self, policy: Policy) -> None:
+        """Hold at most the row's allowance (its share at the ranking, moved since as the policy's share of the tokens
+        seen moves: a ratio's, or a budget's until the row has seen that many): the lowest-scored stored pairs of any
+        head go first (the context before later tokens), down to the allowance less the slack; a row whose pairs
+        have nothing left to give drops just enough of its oldest recent tokens.
+
+        Each token adds one pair per head and an allowance never shrinks, so after a check no row can be over until
+        the rows have added the smallest room left (`headroom`): the steps between skip the check and its host read.
+        """
+        if self.headroom is not None and self.headroom >= 0:
+            return
+        heads = self.kv_heads
+        allowance = self.allowance + heads * (policy.held_per_row(self.real_seen) - self.share_then)
+        over = (self.held_pairs() - allowance).clamp(min=0)
+        if not bool((over > 0).any()):
+            self.headroom = int((allowance - self.held_pairs()).min())
+            return
+        slack = torch.where(over > 0, (allowance // SLACK_SHARE).clamp(max=EVICTION_SLACK * heads), 0)
+        stores = [self.encoded] if self.exact is None else [self.encoded, self.exact]
+        from_store = torch.minimum(over + slack, sum(store.evictable() for store in stores))
+        evict_lowest_across(stores, from_store.tolist())
+        rest = (over - from_store).clamp(min=0)  # the slack comes from the stored pairs only, never from recent tokens
+        if self.tail_valid is not None and bool((rest > 0).any()):
+            tokens = (rest + heads - 1) // heads  # whole tokens: every head of the row
+            oldest = self.tail_valid & (self.tail_valid.long().cumsum(-1) <= tokens[:, None])
+            self.tail_valid = self.tail_valid & ~oldest
+        self.headroom = int((allowance - self.held_pairs()).min())
+
+    # -- moves --------------------------------------------------------------------------------------------------------
+
+    def crop(self, keep: int) -> None:
+        raise ValueError(
+            "cannot crop this cache: KVzip has already evicted tokens, so the cropped state cannot be rebuilt"
+        )
+
+    def select_rows(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows `indices` [B'] (long), in that order (beam search, batch selection)."""
+        self.encoded.select_rows(indices)
+        if self.exact is not None:
+            self.exact.select_rows(indices)
+        for name in self.TENSORS:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, indices))
+        self.headroom = None
+
+    # -- saving, loading and bytes ----------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, torch.Tensor]:
+        tensors = {f"store.{n}": t for n, t in self.encoded.state().items()}
+        if self.exact is not None:
+            tensors.update({f"exact.{n}": t for n, t in self.exact.state().items()})
+        tensors.update({name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None})
+        return tensors
+
+    @classmethod
+    def from_state(
+        cls, codec: Codec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], device: torch.device
+    ) -> "HeadStore":
+        """The store `state()` described (other names in `tensors` are ignored), copied to `device`."""
+        moved = {n: t.to(device, copy=True) for n, t in tensors.items()}
+        encoded = RaggedHeads.from_state({n[len("store."):]: t for n, t in moved.items() if n.startswith("store.")})
+        exact = {n[len("exact."):]: t for n, t in moved.items() if n.startswith("exact.")}
+        exact = RaggedHeads.from_state(exact) if exact else None
+        return cls(codec, dtype, encoded, exact, **{name: moved.get(name) for name in cls.TENSORS})
+
+    def promised_bytes(self, rows: int, head_dim: int, value_dim: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes the store should hold for `rows` (batch x KV heads) rows: the encoded pairs at the codec's rate with
+        their scores, the exact pairs, tail and sinks at full precision, and the per-row counts. With `dtype`: had
+        the model run in that dtype (see `TokenStore.promised_bytes`)."""
+        dtype = dtype or self.dtype
+        element = torch.empty((), dtype=dtype).element_size()
+        pair = self.codec.bytes_per_token(head_dim, "key", dtype) + self.codec.bytes_per_token(
+            value_dim, "value", dtype
+        )
+        total = self.encoded.pairs * (pair + 4) + self.encoded.lengths.numel() * 8
+        if self.exact is not None:
+            total += self.exact.pairs * ((head_dim + value_dim) * element + 4) + self.exact.lengths.numel() * 8
+        batch = self.real_seen.shape[0]
+        total += rows * self.tail_tokens * (head_dim + value_dim) * element
+        total += batch * self.tail_tokens  # tail_valid
+        total += 3 * batch * 8  # real_seen, allowance, share_then (int64)
+        if self.sink_valid is not None:
+            total += self.sink_valid.numel() + 2 * self.sink_keys.numel() * element
+        return int(total)

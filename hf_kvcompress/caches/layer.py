@@ -2,8 +2,9 @@
 
 This module holds transformers' layer contract and the order of a step (`update`). Three parts are objects the
 layer owns, each with its own tensors: `store` (storage.py: [encoded | tail], the codec's exact sinks and a padded
-batch's exact rows), `slots` (slot_records.py: every per-slot tensor, moved together when slots move) and `padding`
-(padding.py: each row's left padding and the masks that follow from it); `scorer` (scorers.py), chosen once from the
+batch's exact rows; after KVzip's head ranking a `HeadStore`, head_store.py, see `rank_heads`), `slots`
+(slot_records.py: every per-slot tensor, moved together when slots move) and `padding` (padding.py: each row's left
+padding and the masks that follow from it); `scorer` (scorers.py), chosen once from the
 policy's flags, says how the scores arrive and whether eviction waits for attention. The other concerns are mixins in
 their own modules: eviction.py (how many tokens stay and which), block_eviction.py (a sliding window over
 per-channel key groups), codec_sinks.py (which slots are the codec's exact sinks), rerotation.py (StreamingLLM's
@@ -26,6 +27,7 @@ from .block_eviction import BlockEviction
 from .codec_sinks import CodecSinks
 from .eviction import Eviction
 from .finite_check import FINITE_CHECK_EVERY, NON_FINITE, FiniteCheck
+from .head_store import HeadStore
 from .layer_state import LayerState
 from .padding import CHUNKS_SPLIT_PADDED_ROWS, END_ALIGNED_CHUNKS, PADDING_SPLITS_GROUPS, RowPadding
 from .query_window import QueryWindow
@@ -178,6 +180,8 @@ class CompressedLayer(
         if self.reconstruction_queries is not None:
             return self._reconstruction_step(key_states, value_states, attn_kwargs)
         new = key_states.shape[-2]
+        if self.per_head:  # KVzip's head budgets (`rank_heads`): the store evicts by its own scores
+            return self._per_head_step(key_states, value_states, attn_kwargs)
         self._check_reconstructed(new)
         self.padding.count(attn_kwargs, new, self.seen)
         self.padding.check_chunk_alignment(new, self.seen)
@@ -211,6 +215,41 @@ class CompressedLayer(
     @property
     def stored_tokens(self) -> int:
         return 0 if self.store is None else self.store.stored_tokens
+
+    @property
+    def per_head(self) -> bool:
+        """Each KV head keeps its own number of pairs: the store is a `HeadStore` (`rank_heads`)."""
+        return self.store is not None and self.store.per_head
+
+    def rank_heads(self, scores: torch.Tensor, keep: torch.Tensor) -> None:
+        """Keep the pairs `keep` [B, H_kv, T] (bool) of this layer's slots, scored `scores` [B, H_kv, T]: KVzip's
+        head budgets (one ranking of every layer's pairs, head_ranking.py) give each KV head its own number. The
+        store becomes a `HeadStore` (head_store.py), which keeps the codec's sinks exact beside the pairs, counts
+        each row's real tokens (no padding pair is kept: the layer's padding goes) and evicts by those scores."""
+        self.reconstruction_queries = None
+        self.awaiting_attention = False
+        sink_slots = None
+        if self.codec.sink_tokens > 0 and not self.codec.lossless:
+            self._capture_sinks()  # before the pairs are packed: the sinks are the row's first real tokens
+            sink_slots = self.slots.sink_slots
+        self.store = HeadStore.rank(self.store, scores, keep, sink_slots, self.padding.real_seen, self.policy)
+        self.slots = type(self.slots)()  # the store holds each pair's score
+        self.padding = None
+        self.scored = True
+
+    def _per_head_step(self, key_states: torch.Tensor, value_states: torch.Tensor, attn_kwargs: dict | None):
+        """A step over a `HeadStore`: the new tokens join its tail, attention reads each head's pairs through this
+        layer's per-head mask, then the store absorbs and evicts (head_store.py)."""
+        if attn_kwargs is None:
+            raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
+        new = key_states.shape[-2]
+        self.seen += new
+        self.store.append(key_states, value_states)
+        full_keys, full_values = self._full("key"), self._full("value")
+        self.own_mask = OwnMask(self.store.mask(new, full_keys.shape[-2]))
+        attn_kwargs[MASK_KEY] = self.own_mask
+        self.store.compress(self.policy, self.seen)
+        return full_keys, full_values
 
     def _append_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.store.append(key_states, value_states)
@@ -246,6 +285,10 @@ class CompressedLayer(
         """Refuse to go on when the last step's own mask was ignored (the model does not use our attention)."""
         if self.own_mask is not None and not self.own_mask.used:
             self.own_mask = None
+            if self.per_head:
+                raise RuntimeError(
+                    f"KVzip with head budgets keeps a different number of pairs per head: {ENABLE_ATTENTION_HINT}"
+                )
             raise RuntimeError(
                 f"{type(self.policy).__name__} with a ratio in a padded batch (or per-layer budgets) keeps what "
                 f"transformers' shared attention mask cannot describe: {ENABLE_ATTENTION_HINT}"
@@ -253,14 +296,17 @@ class CompressedLayer(
         self.own_mask = None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        stored = self.stored_tokens
+        stored = 0 if self.store is None else self.store.view_tokens  # a head store's: the widest head's
         return stored + query_length, self.seen - stored
 
     def get_seq_length(self) -> int:
         return self.seen
 
     def get_max_length(self) -> int:
-        return -1 if self.policy.budget is None else self.policy.budget  # a ratio does not bound the length
+        # A ratio does not bound the length, nor does a row's budget bound a head's (head budgets).
+        if self.policy.budget is None or self.per_head:
+            return -1
+        return self.policy.budget
 
     def promised_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes this layer should hold, from what it keeps: encoded tokens at the codec's rate, the tail at full
@@ -270,7 +316,9 @@ class CompressedLayer(
         if not self.is_initialized:
             return 0
         stored = self.store.promised_bytes(self.batch_size * self.kv_heads, self.head_dim, self.value_dim, dtype)
-        bookkeeping = self.padding.nbytes() + self.slots.nbytes()  # pads and real_seen; scores, positions, sinks
+        bookkeeping = self.slots.nbytes()  # scores, positions, sinks
+        if self.padding is not None:  # pads and real_seen (a head store counts its rows' real tokens itself)
+            bookkeeping += self.padding.nbytes()
         for extra in (self.budget_shift, self.finite, self.recent_queries, self.next_position):
             if extra is not None:
                 bookkeeping += extra.numel() * extra.element_size()
@@ -278,7 +326,7 @@ class CompressedLayer(
 
     @property
     def is_croppable(self) -> bool:
-        return self.seen == self.stored_tokens
+        return self.seen == self.stored_tokens and not self.per_head
 
     def reset(self) -> None:
         self._clear()
@@ -298,7 +346,8 @@ class CompressedLayer(
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, indices))
         self.slots.select_rows(indices)
-        self.padding.select_rows(indices)
+        if self.padding is not None:
+            self.padding.select_rows(indices)
         self.batch_size = indices.numel()
 
     def batch_repeat_interleave(self, repeats: int) -> None:

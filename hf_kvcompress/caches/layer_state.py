@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .head_store import HeadStore
 from .padding import RowPadding
 from .storage import TokenStore
 
@@ -18,12 +19,15 @@ class LayerState:
 
     STATE_TENSORS = ("budget_shift", "recent_queries", "next_position")
     STATE_SCALARS = ("seen", "peak_tokens", "batch_size", "kv_heads", "head_dim", "value_dim", "scored")
+    HEAD_STORE_SCALARS = ("seen", "batch_size", "kv_heads", "head_dim", "value_dim")  # with meta `kind`
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """This layer's tensors by name, and the numbers that describe them, for `save_cache`."""
         if self.awaiting_attention:
             raise RuntimeError("cannot save a cache layer in the middle of a step (it awaits attention statistics)")
         self._flush_finite_check()
+        if self.per_head:
+            return self._export_head_store()
         tensors = {name: getattr(self, name) for name in self.STATE_TENSORS if getattr(self, name) is not None}
         tensors.update(self.store.state())
         tensors.update(self.slots.state())
@@ -36,6 +40,9 @@ class LayerState:
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict, device: torch.device) -> None:
         """Restore what `export_state` returned, on `device`."""
         self._clear()
+        if meta.get("kind") == HeadStore.KIND:
+            self._import_head_store(tensors, meta, device)
+            return
         for name in self.STATE_SCALARS:
             setattr(self, name, int(meta[name]))
         self.dtype = getattr(torch, meta["dtype"])
@@ -47,4 +54,21 @@ class LayerState:
         self.slots = type(self.slots).from_state(tensors, self.device)  # `_clear` chose the records
         self.padding = RowPadding.from_state(tensors, bool(meta["padding_unknown"]), self.device)
         self.device = self.padding.pads.device  # "cuda" resolves to "cuda:0", as the model's states will say
+        self.is_initialized = True
+
+    def _export_head_store(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """A head store's layer (KVzip's head budgets): the store's tensors, and meta `kind` that selects it on load
+        with the numbers that describe it (the names and meta such layers were always saved with)."""
+        meta = {"kind": self.store.KIND, **{name: getattr(self, name) for name in self.HEAD_STORE_SCALARS}}
+        meta["dtype"] = str(self.dtype).removeprefix("torch.")
+        return self.store.state(), meta
+
+    def _import_head_store(self, tensors: dict[str, torch.Tensor], meta: dict, device: torch.device) -> None:
+        for name in self.HEAD_STORE_SCALARS:
+            setattr(self, name, int(meta[name]))
+        self.dtype = getattr(torch, meta["dtype"])
+        self.store = HeadStore.from_state(self.codec, self.dtype, tensors, torch.device(device))
+        self.padding = None  # the store counts each row's real tokens
+        self.device = self.store.device  # "cuda" resolves to "cuda:0", as the model's states will say
+        self.scored = True
         self.is_initialized = True

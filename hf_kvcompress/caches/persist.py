@@ -16,7 +16,6 @@ from safetensors.torch import load_file, save_file
 
 from ..hf.compat import text_config
 from .compressed import CompressedCache
-from .head_budget_layer import HeadBudgetLayer
 
 FORMAT = "hf-kvcompress-cache/1"
 
@@ -108,10 +107,7 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
         prefix = f"layers.{i}."
         layer_tensors = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
         target = torch.device(device if device is not None else metadata["device"])
-        if meta.get("kind") == HeadBudgetLayer.KIND:
-            cache.layers[i] = HeadBudgetLayer.from_state(layer, layer_tensors, meta, target)
-        else:
-            layer.import_state(layer_tensors, meta, target)
+        layer.import_state(layer_tensors, meta, target)  # meta `kind` selects the store kind (layer_state.py)
     return cache
 
 

@@ -53,6 +53,7 @@ class TokenStore:
     as the last of `exact_keys` / `exact_values`, overwrite their decoded form (`take`).
     """
 
+    per_head = False  # every KV head holds the same slots (a head store's heads differ: head_store.py)
     # Saved (and reordered by batch row) under these names; the encodings as `encoded_key.*`, `encoded_value.*`.
     TENSORS = ("tail_keys", "tail_values", "sink_keys", "sink_values", "exact_rows", "exact_keys", "exact_values")
 
@@ -69,6 +70,11 @@ class TokenStore:
     def stored_tokens(self) -> int:
         tail = 0 if self.tail_keys is None else self.tail_keys.shape[-2]
         return self.n_encoded + tail
+
+    @property
+    def view_tokens(self) -> int:
+        """Slots attention reads (`full`): every stored slot."""
+        return self.stored_tokens
 
     @property
     def tail_tokens(self) -> int:

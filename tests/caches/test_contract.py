@@ -279,7 +279,7 @@ def test_kvzip_compresses_once_and_answers_several_questions():
     cache = make_cache("kvzip:ratio=0.5", model.config)
     prefill(model, document, None, cache, repeat_prompt_ids=REPEAT)
     assert cache.get_seq_length() == 30  # half of the pairs of every layer and head, wherever they rank best:
-    assert sum(int(layer.held_pairs()[0]) for layer in cache.layers) == 15 * model.config.num_key_value_heads * 2
+    assert sum(int(layer.store.held_pairs()[0]) for layer in cache.layers) == 15 * model.config.num_key_value_heads * 2
     answers = []
     for question in ([9, 10, 11], [12, 13, 14]):
         asked = copy.deepcopy(cache)

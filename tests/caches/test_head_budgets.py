@@ -8,8 +8,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
-from hf_kvcompress.caches.head_budget_layer import EVICTION_SLACK, SLACK_SHARE, HeadBudgetLayer
-from hf_kvcompress.caches.head_store import RaggedHeads
+from hf_kvcompress.caches.head_store import EVICTION_SLACK, SLACK_SHARE, HeadStore, RaggedHeads
 from hf_kvcompress.caches.layer import CompressedLayer
 from hf_kvcompress.caches.requests import MASK_KEY
 from hf_kvcompress.codecs.identity import IdentityCodec
@@ -92,8 +91,8 @@ def test_head_budgets_keep_each_rows_best_pairs_of_all_layers_and_heads():
 
     cache = make_cache("kvzip:ratio=0.25,budgets=head,span=0", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
-    assert all(isinstance(layer, HeadBudgetLayer) for layer in cache.layers)
-    lengths = [layer.store.lengths[0] for layer in cache.layers]
+    assert all(isinstance(layer.store, HeadStore) for layer in cache.layers)
+    lengths = [layer.store.encoded.lengths[0] for layer in cache.layers]
     assert [l.tolist() for l in lengths] == [e.view(heads, -1).sum(-1).tolist() for e in expected]
     assert len({n for l in lengths for n in l.tolist()}) > 1  # heads really keep different numbers of pairs
     assert sum(int(l.sum()) for l in lengths) == 10 * heads * len(scores)
@@ -114,9 +113,9 @@ def test_span_chooses_which_pairs_each_head_keeps_but_not_how_many():
     cache = make_cache("kvzip:ratio=0.25,span=3", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     for layer, s, n in zip(cache.layers, scores, counts):
-        assert torch.equal(layer.store.lengths[0], n)
+        assert torch.equal(layer.store.encoded.lengths[0], n)
         spanned = torch.stack([s[:, t : t + 4].amax(-1) for t in range(40)], dim=-1)
-        held = layer.store.scores.split(n.tolist())  # flat, head by head, oldest first
+        held = layer.store.encoded.scores.split(n.tolist())  # flat, head by head, oldest first
         for h in range(heads):
             kept = spanned[h].sort(descending=True, stable=True).indices[: int(n[h])].sort().values
             assert torch.equal(held[h], spanned[h, kept])
@@ -167,15 +166,17 @@ def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(
     cache = make_cache(spec, model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     layers = cache.layers
-    at_ranking = [int(layer.held_pairs()[0]) for layer in layers]
+    at_ranking = [int(layer.store.held_pairs()[0]) for layer in layers]
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
     generate(model, torch.cat([ids, _ids(6, seed=6)], 1), None, cache, max_new_tokens=40)
     assert cache.get_seq_length() == 40 + 6 + 39
     kv_length, kv_offset = cache.get_mask_sizes(1, 0)  # what transformers sizes its mask by: the padded view + 1
-    assert kv_length == layers[0]._view_length() + 1 and kv_offset == cache.get_seq_length() - layers[0]._view_length()
+    view = layers[0].store.view_tokens
+    assert kv_length == view + 1 and kv_offset == cache.get_seq_length() - view
     for layer, start in zip(layers, at_ranking):
-        held = int(layer.held_pairs()[0])
-        allowance = start + int(layer.kv_heads * (cache.policy.held_per_row(layer.real_seen) - layer.share_then)[0])
+        held = int(layer.store.held_pairs()[0])
+        store = layer.store
+        allowance = start + int(layer.kv_heads * (cache.policy.held_per_row(store.real_seen) - store.share_then)[0])
         # Eviction goes down to the allowance less the slack (stored pairs), or drops whole older recent tokens
         # (every head of a row at once) once the store has nothing left to give: never above the allowance.
         slack = min(allowance // SLACK_SHARE, EVICTION_SLACK * layer.kv_heads)
@@ -185,7 +186,8 @@ def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(
 
 def _allowance(cache, layer) -> int:
     """Pairs row 0 of `layer` may hold now: its share at the ranking, moved by the policy's share since."""
-    return int((layer.allowance + layer.kv_heads * (cache.policy.held_per_row(layer.real_seen) - layer.share_then))[0])
+    store = layer.store
+    return int((store.allowance + layer.kv_heads * (cache.policy.held_per_row(store.real_seen) - store.share_then))[0])
 
 
 def test_decoding_evicts_a_block_at_a_time_and_never_holds_more_than_the_allowance():
@@ -193,14 +195,14 @@ def test_decoding_evicts_a_block_at_a_time_and_never_holds_more_than_the_allowan
     ids = _ids(600, seed=12)
     cache = make_cache("kvzip:ratio=0.5", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
-    held = [[int(layer.held_pairs()[0])] for layer in cache.layers]
+    held = [[int(layer.store.held_pairs()[0])] for layer in cache.layers]
     assert all(h[0] == _allowance(cache, layer) for h, layer in zip(held, cache.layers))  # the ranking: exactly
     token = ids[:, -1:]
     with torch.inference_mode():
         for _ in range(80):
             token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
             for h, layer in zip(held, cache.layers):
-                h.append(int(layer.held_pairs()[0]))
+                h.append(int(layer.store.held_pairs()[0]))
                 assert h[-1] <= _allowance(cache, layer)
     for h, layer in zip(held, cache.layers):
         evicted = [before + layer.kv_heads - after for before, after in zip(h, h[1:]) if after < before + layer.kv_heads]
@@ -211,20 +213,22 @@ def test_decoding_evicts_a_block_at_a_time_and_never_holds_more_than_the_allowan
 
 def _held_pairs(layer, b, h, kind):
     """What head h of row b holds, read from the flat store, the sinks and the recent tokens (no padded view)."""
-    ends = layer.store.lengths.flatten().cumsum(0).tolist()
+    pairs = layer.store.encoded
+    ends = pairs.lengths.flatten().cumsum(0).tolist()
     i = b * layer.kv_heads + h
     start = ends[i - 1] if i else 0
-    encoded = {n: t[start : ends[i]][None, None] for n, t in (layer.store.keys if kind == "key" else layer.store.values).items()}
+    encoded = {n: t[start : ends[i]][None, None] for n, t in (pairs.keys if kind == "key" else pairs.values).items()}
     parts = [layer.codec.decode(encoded, kind, torch.float32)[0, 0]]
-    if layer.exact is not None:  # the context's pairs still within the codec's residual, as they are
-        ends = layer.exact.lengths.flatten().cumsum(0).tolist()
+    if layer.store.exact is not None:  # the context's pairs still within the codec's residual, as they are
+        ends = layer.store.exact.lengths.flatten().cumsum(0).tolist()
         start = ends[i - 1] if i else 0
-        parts.append((layer.exact.keys if kind == "key" else layer.exact.values)["states"][start : ends[i]].float())
-    if layer.sink_valid is not None:
+        exact = layer.store.exact
+        parts.append((exact.keys if kind == "key" else exact.values)["states"][start : ends[i]].float())
+    if layer.store.sink_valid is not None:
         sinks = layer.sink_keys if kind == "key" else layer.sink_values
-        parts.insert(0, sinks[b, h][layer.sink_valid[b]].float())
-    if layer.tail_valid is not None:
-        parts.append((layer.tail_keys if kind == "key" else layer.tail_values)[b, h][layer.tail_valid[b]])
+        parts.insert(0, sinks[b, h][layer.store.sink_valid[b]].float())
+    if layer.store.tail_valid is not None:
+        parts.append((layer.tail_keys if kind == "key" else layer.tail_values)[b, h][layer.store.tail_valid[b]])
     return torch.cat(parts)
 
 
@@ -246,12 +250,12 @@ def test_each_decode_step_attends_over_exactly_the_pairs_each_head_holds(spec):
         key, value, query = (torch.randn(2, layer.kv_heads, 1, layer.head_dim, generator=g) for _ in range(3))
         held = [[(_held_pairs(layer, b, h, "key"), _held_pairs(layer, b, h, "value")) for h in range(layer.kv_heads)]
                 for b in range(2)]
-        pairs_before = layer.store.pairs
+        pairs_before = layer.store.encoded.pairs
         kwargs = {}
         keys, values = layer.update(key, value, kwargs)
         allowed = kwargs[MASK_KEY].mask
         kwargs[MASK_KEY].used = True
-        evictions += layer.store.pairs < pairs_before
+        evictions += layer.store.encoded.pairs < pairs_before
         for b in range(2):
             for h in range(layer.kv_heads):
                 logits = (keys[b, h] @ query[b, h, 0]) * scale
@@ -268,12 +272,13 @@ def test_budget_spent_by_the_answer_evicts_the_oldest_later_tokens_too():
     ids = _ids(12, seed=7)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     layers = cache.layers
-    allocated = [int(layer.held_pairs()[0]) for layer in layers]
+    allocated = [int(layer.store.held_pairs()[0]) for layer in layers]
     assert sum(allocated) == 6 * layers[0].kv_heads * len(layers)
     generate(model, torch.cat([ids, _ids(2, seed=1)], 1), None, cache, max_new_tokens=30)  # many more than the budget
     for layer, pairs in zip(layers, allocated):
-        assert pairs - pairs // SLACK_SHARE - layer.kv_heads < int(layer.held_pairs()[0]) <= pairs
-        assert int(torch.isfinite(layer.store.scores).sum()) == 0 or layer.store.scores.min() >= 2.0  # context gone
+        assert pairs - pairs // SLACK_SHARE - layer.kv_heads < int(layer.store.held_pairs()[0]) <= pairs
+        scores = layer.store.encoded.scores
+        assert int(torch.isfinite(scores).sum()) == 0 or scores.min() >= 2.0  # context gone
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
 
 
@@ -298,8 +303,8 @@ def _decode_logits(model, ids, mask, cache, new_tokens):
 
 def _real_tokens_held(layer) -> list[int]:
     """Real tokens per KV head each row holds (with head budgets: pairs over the heads)."""
-    if isinstance(layer, HeadBudgetLayer):
-        return (layer.held_pairs() // layer.kv_heads).tolist()
+    if isinstance(layer.store, HeadStore):
+        return (layer.store.held_pairs() // layer.kv_heads).tolist()
     return (layer.stored_tokens - layer.pads).tolist()
 
 
@@ -328,7 +333,7 @@ def test_a_budget_above_the_prompt_fills_up_with_later_tokens_and_stops_at_the_b
     generate(model, ids, None, cache, max_new_tokens=40, repeat_prompt_ids=REPEAT)
     for layer in cache.layers:
         held = _real_tokens_held(layer)[0]
-        if isinstance(layer, HeadBudgetLayer):  # evicted down to the budget less the slack: never above it
+        if isinstance(layer.store, HeadStore):  # evicted down to the budget less the slack: never above it
             assert 30 - 30 // SLACK_SHARE - 1 <= held <= 30
         else:
             assert held == 30
@@ -344,7 +349,7 @@ def test_a_context_within_the_codecs_residual_stays_at_full_precision(codec):
     expected = _decode_logits(model, ids, mask, DynamicCache(), 8)
     cache = make_cache(f"kvzip:ratio=1.0+{codec}", model.config)
     torch.testing.assert_close(_decode_logits(model, ids, mask, cache, 8), expected, rtol=1e-5, atol=1e-5)
-    assert all(layer.store.pairs == 0 for layer in cache.layers)
+    assert all(layer.store.encoded.pairs == 0 for layer in cache.layers)
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
 
 
@@ -355,18 +360,19 @@ def test_the_contexts_exact_pairs_join_the_store_once_later_tokens_fill_the_resi
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     heads = cache.layers[0].kv_heads
     # The scored layer had encoded 22 tokens and held the newest 8 at full precision: so does each head now.
-    assert all((layer.store.pairs, layer.exact.pairs) == (22 * heads, 8 * heads) for layer in cache.layers)
+    assert all((layer.store.encoded.pairs, layer.store.exact.pairs) == (22 * heads, 8 * heads)
+               for layer in cache.layers)
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
     token = ids[:, -1:]
     with torch.inference_mode():
         for step in range(1, 9):
             token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
             for layer in cache.layers:
-                assert int(layer.held_pairs()[0]) == (30 + step) * heads  # ratio 1.0: nothing evicted
+                assert int(layer.store.held_pairs()[0]) == (30 + step) * heads  # ratio 1.0: nothing evicted
                 # 7 later tokens leave the context's newest token within the residual; the 8th fills it.
-                assert (layer.exact is None) == (step == 8)
+                assert (layer.store.exact is None) == (step == 8)
             assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
-    assert all(layer.store.pairs == 30 * heads for layer in cache.layers)
+    assert all(layer.store.encoded.pairs == 30 * heads for layer in cache.layers)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])
@@ -409,7 +415,7 @@ def test_save_load_reset_and_beams(tmp_path):
     full = torch.cat([ids, question], 1)
     expected = generate(model, full, None, copy.deepcopy(cache), max_new_tokens=5).new_tokens
     loaded = load_cache(path)
-    assert isinstance(loaded.layers[0], HeadBudgetLayer)
+    assert isinstance(loaded.layers[0].store, HeadStore)
     assert torch.equal(generate(model, full, None, loaded, max_new_tokens=5).new_tokens, expected)
     # What beam search does to a cache: repeat each row, then reorder the rows.
     repeated = copy.deepcopy(cache)
@@ -418,7 +424,8 @@ def test_save_load_reset_and_beams(tmp_path):
     both = generate(model, full.repeat(2, 1), None, repeated, max_new_tokens=5).new_tokens
     assert torch.equal(both, expected.repeat(2, 1))
     cache.reset()
-    assert all(isinstance(layer, CompressedLayer) for layer in cache.layers) and cache.get_seq_length() == 0
+    assert all(isinstance(layer, CompressedLayer) and layer.store is None for layer in cache.layers)
+    assert cache.get_seq_length() == 0
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     assert torch.equal(generate(model, full, None, cache, max_new_tokens=5).new_tokens, expected)
 
@@ -443,12 +450,12 @@ def test_recent_tokens_of_the_document_are_kept_and_later_give_way_before_later_
     cache = make_cache("kvzip:budget=10,recent=4", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     for layer in cache.layers:
-        view = layer.store.padded(layer.codec, "key", torch.float32)
-        assert int(layer.store.lengths.min()) >= 4
+        view = layer.store.encoded.padded(layer.codec, "key", torch.float32)
+        assert int(layer.store.encoded.lengths.min()) >= 4
         newest = _scored(model, ids).layers[cache.layers.index(layer)].tail_keys[:, :, -4:]
         for h in range(layer.kv_heads):
             assert torch.equal(view[0, h, -4:], newest[0, h])  # each head ends with the document's last 4 tokens
-        assert bool((layer.store.scores == 1.5).sum() == 4 * layer.kv_heads)
+        assert bool((layer.store.encoded.scores == 1.5).sum() == 4 * layer.kv_heads)
     with pytest.raises(ValueError, match="recent must be an integer >= 0"):
         make_cache("kvzip:recent=-1", model.config)
 
@@ -462,7 +469,7 @@ def test_a_non_finite_decode_step_is_refused_within_the_check_interval():
     cache = make_cache("kvzip:ratio=0.5", model.config)
     prefill(model, _ids(20), None, cache, repeat_prompt_ids=REPEAT)
     layer = cache.layers[0]
-    assert isinstance(layer, HeadBudgetLayer)
+    assert isinstance(layer.store, HeadStore)
     shape = (1, layer.kv_heads, 1, layer.head_dim)
     bad = torch.randn(shape)
     bad[0, 0, 0, 1] = float("nan")

@@ -1,6 +1,8 @@
 """Saved caches: the same bytes and the same answers after loading, and a clear error for another model."""
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +11,8 @@ from hf_kvcompress import SinkWindowCache, load_cache, make_cache, measured_kv_b
 from hf_kvcompress.generation import generate, prefill
 
 from .tiny_models import tiny_model
+
+DATA = Path(__file__).parent / "data"
 
 SPECS = ["dynamic", "int4:residual_length=4,group_size=8", "fp8", "int2:group_size=16,residual_length=0",
          "sink_window:sink_tokens=2,window=6+int8:residual_length=2", "h2o:budget=8,recent=3",
@@ -99,3 +103,23 @@ def test_save_refuses_what_it_cannot_restore(tmp_path):
     (tmp_path / "y.safetensors").write_bytes(b"not a cache")
     with pytest.raises(Exception):
         load_cache(tmp_path / "y.safetensors")
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_head_budget_files_saved_before_still_load_and_answer_the_same(name):
+    # Written by tests/caches/data/make_head_budget_files.py at a5d86e5 (KVzip's head budgets were then a layer
+    # class of their own): a padded batch with int4 (codec sinks, the context's pairs within the residual, a
+    # question's recent tokens) and Gemma-3 (sliding layers saved as the other layers are, the full one ranked).
+    from safetensors import safe_open
+
+    path = DATA / f"head_budgets_{name}.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        expected = json.loads(handle.metadata()["expected"])
+    model = use_kvcompress_attention(tiny_model(name))
+    loaded = load_cache(path)
+    assert measured_kv_bytes(loaded) == loaded.promised_kv_bytes() == expected["bytes_loaded"]
+    ids, mask = torch.tensor(expected["ids"]), torch.tensor(expected["mask"])
+    tokens = generate(model, ids, mask, loaded, max_new_tokens=6).new_tokens
+    assert tokens.tolist() == expected["new_tokens"]
+    assert measured_kv_bytes(loaded) == loaded.promised_kv_bytes() == expected["bytes_after"]
+    assert (loaded.stored_tokens, loaded.get_seq_length()) == (expected["stored_tokens_after"], expected["seq_length_after"])

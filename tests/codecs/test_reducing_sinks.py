@@ -7,7 +7,7 @@ import transformers
 from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes, parse_spec, use_kvcompress_attention
-from hf_kvcompress.caches.head_budget_layer import HeadBudgetLayer
+from hf_kvcompress.caches.head_store import HeadStore
 from hf_kvcompress.calibration import calibrate, save_bases
 from hf_kvcompress.generation import generate, prefill
 
@@ -115,7 +115,7 @@ def test_head_budgets_keep_lowranks_sinks_exact_beside_the_ranked_store(llama, l
     cache = make_cache(f"kvzip:ratio=0.25,budgets=head+{lowrank}+int4:residual_length=2,group_size=16", llama.config)
     prefill(llama, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
     for layer, exact in zip(cache.layers, reference.layers):
-        assert isinstance(layer, HeadBudgetLayer) and layer.sink_valid.tolist() == [[True] * 4]
+        assert isinstance(layer.store, HeadStore) and layer.store.sink_valid.tolist() == [[True] * 4]
         assert torch.equal(layer.sink_keys, exact.keys[:, :, :4])
         assert torch.equal(layer.sink_values, exact.values[:, :, :4])
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
