@@ -54,8 +54,7 @@ def main() -> None:
             T = layer.stored_tokens
             keys = layer._full("key") if policy.needs_keys else None
             extra = {"values": layer._full("value")} if policy.needs_values else {}
-            if policy.needs_queries:  # Expected Attention: the queries the layer kept (the spec's window)
-                extra["queries"] = layer._recent_queries()
+            extra.update(layer.scorer.score_inputs(layer))  # Expected Attention: the queries the layer kept
             scores = policy.score(layer.accumulated, T, keys=keys, positions=layer.positions, pads=layer.pads, **extra)
             kept = select_kept(policy, scores, layer.pads, layer.kv_heads, T, policy.kept_per_row(layer.real_seen))
             mask = torch.zeros(layer.kv_heads, T)

@@ -1,7 +1,8 @@
 """Eviction: how many real tokens each row keeps, which slots those are, and the scores that rank them.
 
-A policy evicts down to its budget right away, or after attention when it scores by attention (H2O: the layer asks
-the attention function for statistics and evicts when they arrive) or after a reconstruction pass (KVzip). Kept
+A policy evicts down to its budget right away, or after attention when it scores by attention (H2O: the layer's
+scorer asks the attention function for statistics and the layer evicts when they arrive, scorers.py) or after a
+reconstruction pass (KVzip). Kept
 slots stay in token order with each row's padding first; kept tail tokens older than the full-precision tail are
 encoded then, for the first and only time.
 """
@@ -12,35 +13,11 @@ import torch
 
 from ..codecs.base import agree_within_groups
 from ..policies.base import drop_one, select_kept
-from .requests import OBSERVER_KEY, AttentionRequest
 
 
 class Eviction:
-    """CompressedLayer's eviction (a mixin): keep counts, `_compress` after each step, and `accumulated`
-    [B, H_kv, T], the attention each kept slot received, for policies that score by it."""
-
-    # -- scores from attention ---------------------------------------------------------------------------------
-
-    def _grow_accumulated(self, new: int, fill_from: float | None = None) -> None:
-        fresh = torch.zeros(self.batch_size, self.kv_heads, new, device=self.device, dtype=torch.float32)
-        if fill_from is not None:
-            fresh += fill_from + torch.arange(new, device=self.device, dtype=torch.float32)
-        self.slots.append("accumulated", fresh)
-
-    def _request_attention(self, attn_kwargs: dict | None, request: AttentionRequest) -> None:
-        if attn_kwargs is None:
-            raise RuntimeError(
-                f"{type(self.policy).__name__} needs the attention kwargs that transformers passes to cache "
-                "layers; this model does not pass them"
-            )
-        attn_kwargs[OBSERVER_KEY] = request
-        self.awaiting_attention = True
-
-    def observe(self, attention: torch.Tensor) -> None:
-        """Receive [B, H_kv, kv] attention statistics for this step's queries, then evict and encode."""
-        self.slots.accumulated = self.policy.observe(self.slots.accumulated, attention.to(self.slots.accumulated.dtype))
-        self.awaiting_attention = False
-        self._compress()
+    """CompressedLayer's eviction (a mixin): keep counts and `_compress` after each step, by the scores the
+    layer's scorer provides (scorers.py)."""
 
     # -- how many tokens stay -----------------------------------------------------------------------------------
 
@@ -51,12 +28,12 @@ class Eviction:
         (a per-layer shift comes with the pass's scores), instead of None."""
         if not self.policy.evicts:
             return None
-        if not before_scoring and self.policy.scores_by_reconstruction and not self.scored:
+        if not before_scoring and not self.scorer.has_scores:
             return None
         keep = self.policy.kept_per_row(self.padding.real_seen)
         return keep if before_scoring or self.budget_shift is None else (keep + self.budget_shift).clamp(min=1)
 
-    def _over_budget(self) -> bool:
+    def over_budget(self) -> bool:
         """Whether this layer holds more than its policy keeps, even before a reconstruction pass scored it."""
         keep = self._keep_per_row(before_scoring=True)
         return keep is not None and self.stored_tokens > self._most_kept(keep)
@@ -109,11 +86,9 @@ class Eviction:
         self.padding.evicting()
         length = self.stored_tokens
         keys = self._full("key") if self.policy.needs_keys else None
-        extra = {}  # what only some policies read, handed only to them
+        extra = self.scorer.score_inputs(self)  # what the scorer keeps for the policy (queries=), handed only to it
         if self.policy.needs_values:
             extra["values"] = self._full("value")
-        if self.policy.needs_queries:
-            extra["queries"] = self._recent_queries()
         scores = self.policy.score(
             self.slots.accumulated, length, keys=keys, positions=self.slots.positions, pads=self.padding.pads, **extra
         )

@@ -4,12 +4,12 @@ This module holds transformers' layer contract and the order of a step (`update`
 layer owns, each with its own tensors: `store` (storage.py: [encoded | tail], the codec's exact sinks and a padded
 batch's exact rows; after KVzip's head ranking a `HeadStore`, head_store.py, see `rank_heads`), `slots`
 (slot_records.py: every per-slot tensor, moved together when slots move) and `padding` (padding.py: each row's left
-padding and the masks that follow from it); `scorer` (scorers.py), chosen once from the
-policy's flags, says how the scores arrive and whether eviction waits for attention. The other concerns are mixins in
-their own modules: eviction.py (how many tokens stay and which), block_eviction.py (a sliding window over
-per-channel key groups), codec_sinks.py (which slots are the codec's exact sinks), rerotation.py (StreamingLLM's
-re-rotation), reconstruction.py (KVzip's pass), store_offer.py (the fused decode path), finite_check.py (the NaN/inf
-check), query_window.py (the newest queries, for Expected Attention) and layer_state.py (save and load).
+padding and the masks that follow from it); `scorer` (scorers.py), chosen once from the policy's flags, owns what it
+scores with (Expected Attention's newest queries, KVzip's reconstruction pass) and says how the scores arrive and
+whether eviction waits for attention. The other concerns are mixins in their own modules: eviction.py (how many
+tokens stay and which), block_eviction.py (a sliding window over per-channel key groups), codec_sinks.py (which
+slots are the codec's exact sinks), rerotation.py (StreamingLLM's re-rotation), store_offer.py (the fused decode
+path), finite_check.py (the NaN/inf check) and layer_state.py (save and load).
 docs/architecture.md draws the whole layer. What attention functions read from the attention kwargs is in
 requests.py.
 """
@@ -30,14 +30,12 @@ from .finite_check import FINITE_CHECK_EVERY, NON_FINITE, FiniteCheck
 from .head_store import HeadStore
 from .layer_state import LayerState
 from .padding import CHUNKS_SPLIT_PADDED_ROWS, END_ALIGNED_CHUNKS, PADDING_SPLITS_GROUPS, RowPadding
-from .query_window import QueryWindow
-from .reconstruction import Reconstruction
 from .requests import (
     ENABLE_ATTENTION_HINT, MASK_KEY, OBSERVER_KEY, STORE_KEY, AttentionRequest, OwnMask, StoreRequest,
     attention_kwargs,
 )
 from .rerotation import Rerotation
-from .scorers import scorer_for
+from .scorers import Scorer, scorer_for
 from .slot_records import SlotRecords, record
 from .storage import TokenStore, stored
 from .store_offer import StoreOffer
@@ -61,9 +59,22 @@ def batch_mismatch_hint(held: int, got: int) -> str:
     return hint
 
 
+def scorer_state(name: str, writable: bool = False) -> property:
+    """A layer attribute that reads (and, `writable`, writes) its scorer's `name`, for code that reads it by its name
+    from before the scorer owned it (tests, probes; CompressedCache sets `reconstruction_queries`). None when the
+    layer's scorer has no such state."""
+
+    def get(layer):
+        return getattr(layer.scorer, name, None)
+
+    def set_(layer, value):
+        setattr(layer.scorer, name, value)
+
+    return property(get, set_ if writable else None, doc=f"`scorer.{name}` (see caches/scorers.py).")
+
+
 class CompressedLayer(
-    Eviction, BlockEviction, CodecSinks, Rerotation, Reconstruction, StoreOffer, FiniteCheck, QueryWindow,
-    LayerState, CacheLayerMixin,
+    Eviction, BlockEviction, CodecSinks, Rerotation, StoreOffer, FiniteCheck, LayerState, CacheLayerMixin,
 ):
     """Stores a layer's kept tokens as [encoded store | full-precision tail].
 
@@ -86,6 +97,10 @@ class CompressedLayer(
     tail_keys, tail_values = stored("tail_keys"), stored("tail_values")
     sink_keys, sink_values = stored("sink_keys"), stored("sink_values")
     exact_rows, exact_keys, exact_values = stored("exact_rows"), stored("exact_keys"), stored("exact_values")
+    # The scorer's state under its names from before `scorer` (see `scorer_state`).
+    awaiting_attention, scored = scorer_state("awaiting_attention"), scorer_state("scored")
+    recent_queries, next_position = scorer_state("recent_queries"), scorer_state("next_position")
+    reconstruction_queries = scorer_state("reconstruction_queries", writable=True)
 
     def __init__(
         self, policy: Policy, codec: Codec, is_sliding: bool = False, inv_freq: torch.Tensor | None = None,
@@ -103,13 +118,10 @@ class CompressedLayer(
         self.codec = codec
         self.is_sliding = is_sliding
         self.inv_freq = inv_freq
-        if policy.needs_queries and query_inv_freq is None:
-            raise ValueError(f"{policy.name} keeps queries before RoPE: give the layer the model's RoPE frequencies")
         # Numbers, not a tensor: a configuration, not cache storage (measured_kv_bytes counts every tensor it finds).
         self.query_inv_freq = None if query_inv_freq is None else tuple(query_inv_freq.tolist())
         if inv_freq is not None and not (codec.lossless and policy.evicts):
             raise ValueError("rerotate needs an evicting policy and full-precision keys (codec 'identity')")
-        self.scorer = scorer_for(policy)  # how the policy's scores arrive, chosen once (scorers.py)
         self._clear()
 
     def _clear(self) -> None:
@@ -121,13 +133,10 @@ class CompressedLayer(
         self.padding: RowPadding | None = None  # each row's left padding (padding.py), from the first step on
         # Every tensor that follows the slots when they move (attention scores, key positions, sink slots).
         self.slots = SlotRecords()
-        self.recent_queries: torch.Tensor | None = None  # [B, H_q, L, D] newest pre-RoPE queries (needs_queries)
-        self.next_position: torch.Tensor | None = None  # [B] position of each row's next query (needs_queries)
-        self.query_positions: torch.Tensor | None = None  # [B, n] positions of the queries awaited from attention
+        # How the policy's scores arrive and what it scores with besides the stored state (the newest queries,
+        # KVzip's pass): the same kind for the layer's life (the policy's flags), fresh state at each reset.
+        self.scorer: Scorer = scorer_for(self.policy, self.query_inv_freq)
         self.peak_tokens = 0  # most tokens held at once, the step's new ones included
-        self.awaiting_attention = False
-        self.reconstruction_queries: torch.Tensor | None = None  # [B, q] while a reconstruction pass runs
-        self.scored = False  # a reconstruction pass has scored the kept slots (KVzip)
         self.budget_shift: torch.Tensor | None = None  # [B] tokens this layer keeps beyond the uniform budget
         self.own_mask: OwnMask | None = None  # the mask handed to attention at the last step, if any
         self.finite: torch.Tensor | None = None  # device flag: decode steps since the last check were finite
@@ -172,17 +181,17 @@ class CompressedLayer(
         self._check_finite(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.awaiting_attention:
+        if self.scorer.awaiting_attention:
             raise RuntimeError(f"{type(self.policy).__name__} scores tokens by attention: {ENABLE_ATTENTION_HINT}")
         self.check_mask_used()
         self.check_store_used()
         attn_kwargs = attention_kwargs(args, kwargs)
-        if self.reconstruction_queries is not None:
+        if self.scorer.reconstruction_queries is not None:
             return self._reconstruction_step(key_states, value_states, attn_kwargs)
         new = key_states.shape[-2]
         if self.per_head:  # KVzip's head budgets (`rank_heads`): the store evicts by its own scores
             return self._per_head_step(key_states, value_states, attn_kwargs)
-        self._check_reconstructed(new)
+        self.scorer.check_step(self, new)
         self.padding.count(attn_kwargs, new, self.seen)
         self.padding.check_chunk_alignment(new, self.seen)
         self.seen += new
@@ -210,6 +219,37 @@ class CompressedLayer(
         self._compress()
         return full_keys, full_values
 
+    def observe(self, delivered: torch.Tensor) -> None:
+        """Called by attention (the scorer's `AttentionRequest.deliver`) with what the scorer asked for: statistics
+        [B, H_kv, kv] or the newest queries [B, H_q, n, D]. The scorer keeps them; then the layer evicts and encodes,
+        unless a reconstruction pass runs (its end evicts)."""
+        if self.scorer.observe(self, delivered):
+            self._compress()
+
+    # -- KVzip's reconstruction pass, driven by generation.prefill through CompressedCache (scorers.py) ---------
+
+    def begin_reconstruction(self) -> None:
+        if self.is_initialized:
+            self.scorer.begin_reconstruction(self)
+
+    def _reconstruction_step(self, key_states, value_states, attn_kwargs):
+        """Attend over kept + reconstruction tokens and keep nothing new; the scorer may ask attention to score."""
+        self._check_shape(key_states, value_states)
+        full_keys = torch.cat([self._full("key"), key_states], dim=-2)
+        full_values = torch.cat([self._full("value"), value_states], dim=-2)
+        self.peak_tokens = max(self.peak_tokens, full_keys.shape[-2])
+        self.scorer.reconstruction_step(self, attn_kwargs)
+        return full_keys, full_values
+
+    def check_attention_served(self) -> None:
+        """After a reconstruction step: refuse when the statistics it asked for never arrived (scorers.py)."""
+        self.scorer.check_attention_served(self)
+
+    def end_reconstruction(self, evict: bool = True) -> None:
+        """Evict the lowest-scored slots down to the budget (`evict=False`: the pass failed; keep every slot unscored)."""
+        if self.scorer.end_reconstruction(self, evict):
+            self._compress()
+
     # -- the store -------------------------------------------------------------------------------------------------
 
     @property
@@ -226,8 +266,8 @@ class CompressedLayer(
         head budgets (one ranking of every layer's pairs, head_ranking.py) give each KV head its own number. The
         store becomes a `HeadStore` (head_store.py), which keeps the codec's sinks exact beside the pairs, counts
         each row's real tokens (no padding pair is kept: the layer's padding goes) and evicts by those scores."""
-        self.reconstruction_queries = None
-        self.awaiting_attention = False
+        self.scorer.reconstruction_queries = None
+        self.scorer.awaiting_attention = False
         sink_slots = None
         if self.codec.sink_tokens > 0 and not self.codec.lossless:
             self._capture_sinks()  # before the pairs are packed: the sinks are the row's first real tokens
@@ -235,7 +275,7 @@ class CompressedLayer(
         self.store = HeadStore.rank(self.store, scores, keep, sink_slots, self.padding.real_seen, self.policy)
         self.slots = type(self.slots)()  # the store holds each pair's score
         self.padding = None
-        self.scored = True
+        self.scorer.scored = True
 
     def _per_head_step(self, key_states: torch.Tensor, value_states: torch.Tensor, attn_kwargs: dict | None):
         """A step over a `HeadStore`: the new tokens join its tail, attention reads each head's pairs through this
@@ -316,10 +356,11 @@ class CompressedLayer(
         if not self.is_initialized:
             return 0
         stored = self.store.promised_bytes(self.batch_size * self.kv_heads, self.head_dim, self.value_dim, dtype)
-        bookkeeping = self.slots.nbytes()  # scores, positions, sinks
+        # scores, positions, sinks; the scorer's own (the newest queries)
+        bookkeeping = self.slots.nbytes() + self.scorer.nbytes()
         if self.padding is not None:  # pads and real_seen (a head store counts its rows' real tokens itself)
             bookkeeping += self.padding.nbytes()
-        for extra in (self.budget_shift, self.finite, self.recent_queries, self.next_position):
+        for extra in (self.budget_shift, self.finite):
             if extra is not None:
                 bookkeeping += extra.numel() * extra.element_size()
         return int(stored + bookkeeping)
@@ -348,6 +389,7 @@ class CompressedLayer(
         self.slots.select_rows(indices)
         if self.padding is not None:
             self.padding.select_rows(indices)
+        self.scorer.select_rows(indices)
         self.batch_size = indices.numel()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -380,6 +422,6 @@ class CompressedLayer(
             )
         self.store.crop(keep)
         self.slots.crop(keep)
-        self._crop_queries(-tokens_to_remove)
+        self.scorer.crop(keep, self.seen)
         self.seen = keep
         self.padding.crop(keep)

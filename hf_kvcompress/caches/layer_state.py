@@ -1,8 +1,9 @@
 """A layer's state as named tensors and numbers, for `save_cache` and `load_cache` (caches/persist.py).
 
 `STATE_TENSORS` are also the per-row tensors that beam search and batch selection reorder (`batch_select_indices`);
-the store (storage.py), the per-slot records (slot_records.py) and the padding counts (padding.py) save, load and
-reorder themselves, under the same names as before (files saved before these parts existed still load).
+the store (storage.py), the per-slot records (slot_records.py), the padding counts (padding.py) and the scorer
+(scorers.py: the newest queries, whether a reconstruction pass scored the slots) save, load and reorder themselves,
+under the same names as before (files saved before these parts existed still load).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from .storage import TokenStore
 class LayerState:
     """CompressedLayer's persistence (a mixin)."""
 
-    STATE_TENSORS = ("budget_shift", "recent_queries", "next_position")
-    STATE_SCALARS = ("seen", "peak_tokens", "batch_size", "kv_heads", "head_dim", "value_dim", "scored")
+    STATE_TENSORS = ("budget_shift",)
+    STATE_SCALARS = ("seen", "peak_tokens", "batch_size", "kv_heads", "head_dim", "value_dim")
     HEAD_STORE_SCALARS = ("seen", "batch_size", "kv_heads", "head_dim", "value_dim")  # with meta `kind`
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """This layer's tensors by name, and the numbers that describe them, for `save_cache`."""
-        if self.awaiting_attention:
+        if self.scorer.awaiting_attention:
             raise RuntimeError("cannot save a cache layer in the middle of a step (it awaits attention statistics)")
         self._flush_finite_check()
         if self.per_head:
@@ -32,7 +33,10 @@ class LayerState:
         tensors.update(self.store.state())
         tensors.update(self.slots.state())
         tensors.update(self.padding.state())
+        scorer_tensors, scorer_meta = self.scorer.state()
+        tensors.update(scorer_tensors)
         meta = {name: getattr(self, name) for name in self.STATE_SCALARS}
+        meta.update(scorer_meta)
         meta["n_encoded"] = self.store.n_encoded
         meta.update(dtype=str(self.dtype).removeprefix("torch."), padding_unknown=self.padding.unknown)
         return tensors, meta
@@ -50,6 +54,7 @@ class LayerState:
         for name in self.STATE_TENSORS:
             if name in tensors:
                 setattr(self, name, tensors[name].to(self.device, copy=True))
+        self.scorer.load_state(tensors, meta, self.device)  # `_clear` gave it a fresh state
         self.store = TokenStore.from_state(self.codec, self.dtype, tensors, int(meta["n_encoded"]), self.device)
         self.slots = type(self.slots).from_state(tensors, self.device)  # `_clear` chose the records
         self.padding = RowPadding.from_state(tensors, bool(meta["padding_unknown"]), self.device)
@@ -70,5 +75,5 @@ class LayerState:
         self.store = HeadStore.from_state(self.codec, self.dtype, tensors, torch.device(device))
         self.padding = None  # the store counts each row's real tokens
         self.device = self.store.device  # "cuda" resolves to "cuda:0", as the model's states will say
-        self.scored = True
+        self.scorer.scored = True
         self.is_initialized = True

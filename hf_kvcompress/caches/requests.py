@@ -9,12 +9,9 @@ so that the attention function imports the protocol, not the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .layer import CompressedLayer
 
 # The key under which a layer asks the attention function for statistics (see hf/attention.py).
 OBSERVER_KEY = "kvcompress_observer"
@@ -41,12 +38,18 @@ class AttentionRequest:
     queries: bool = False  # deliver the newest queries as attention uses them (RoPE applied, scaled), float32
 
 
+class AttendsStore(Protocol):
+    """What offers its store (a CompressedLayer): attention over what it holds, then its step's eviction."""
+
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor: ...
+
+
 @dataclass
 class StoreRequest:
     """A layer offers attention its encoded store (see caches/store_attention.py): `fused` once our attention
     function has taken an offer before (what update returned is then a placeholder); `used` is set by it."""
 
-    layer: "CompressedLayer"
+    layer: AttendsStore
     fused: bool
     used: bool = False
 

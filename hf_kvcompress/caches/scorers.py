@@ -1,69 +1,317 @@
-"""How a layer learns the scores its policy ranks slots by, chosen once when the layer is built.
+"""How a layer learns the scores its policy ranks slots by: a scorer, chosen once from the policy's flags, that owns
+what it keeps to score with.
 
-Each scorer does its part of a step after the new tokens are stored (`begin_step`) and says whether eviction waits
-for attention: a policy that scores by attention statistics (H2O, SnapKV, TOVA) or by the newest queries (Expected
-Attention) evicts when our attention function delivers them (`CompressedLayer.observe`, `observe_queries`), the
-others right away. `CompressedLayer.update` runs the same pipeline for every policy and asks its scorer.
+`CompressedLayer.update` runs the same pipeline for every policy and asks its scorer at fixed points: before the
+step's tokens are stored (`check_step`), after (`begin_step`: True when eviction waits for attention), when
+attention delivers what was asked (`observe`: True when the layer evicts now) and when it scores the slots
+(`score_inputs`: what the scorer hands `policy.score` besides the stored state). A policy that scores by attention
+statistics (H2O, SnapKV, TOVA) or by the newest queries (Expected Attention) asks our attention function for them
+through the attention kwargs (requests.py), and the layer evicts when they arrive; KVzip's scores come from a
+reconstruction pass (below); the other policies read only what is stored.
+
+Every layer of a cache takes part in KVzip's reconstruction pass (`reconstruction_queries` set: it attends over
+what it keeps plus the step's tokens and keeps nothing new); only `ReconstructionScores` asks attention for the most
+each kept slot receives, and evicts by it at the pass's end.
+
+A scorer's own tensors move with the layer's rows (`select_rows`), are cut by `crop`, counted by `nbytes` and saved
+and loaded by `state` / `load_state`, under the names they had on the layer (saved caches keep loading). Methods
+that take `layer` take the CompressedLayer that owns the scorer; the scorer keeps no reference to it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import torch
 
+from ..ops.rerotate import rerotate
 from ..policies.base import Policy
-from .requests import AttentionRequest
-
-if TYPE_CHECKING:
-    from .layer import CompressedLayer
+from ..policies.base import RecentQueries as QueryWindow
+from .requests import ENABLE_ATTENTION_HINT, OBSERVER_KEY, AttentionRequest
 
 # Scores of tokens that arrive after a reconstruction pass start here: above any attention probability, newest first.
 AFTER_RECONSTRUCTION = 2.0
 
 
-class NoScores:
+def grow_accumulated(layer, new: int, fill_from: float | None = None) -> None:
+    """Give the `new` slots just stored their entries in `slots.accumulated`: 0, or `fill_from` counting up."""
+    fresh = torch.zeros(layer.batch_size, layer.kv_heads, new, device=layer.device, dtype=torch.float32)
+    if fill_from is not None:
+        fresh += fill_from + torch.arange(new, device=layer.device, dtype=torch.float32)
+    layer.slots.append("accumulated", fresh)
+
+
+class Scorer:
+    """What every scorer does: by default nothing (everything `policy.score` reads is stored already), the requests
+    to attention, and the part of the reconstruction pass every layer takes.
+
+    `awaiting_attention`: a request is out, and attention must deliver before the next step; `reconstruction_queries`
+    [B, q] bool: the queries of the reconstruction step that count (padding inside a chunk does not), set while a
+    pass runs.
+    """
+
+    scored = False  # a reconstruction pass has scored the kept slots (set by ReconstructionScores only)
+
+    def __init__(self):
+        self.awaiting_attention = False
+        self.reconstruction_queries: torch.Tensor | None = None
+
+    # -- a step --------------------------------------------------------------------------------------------------
+
+    def check_step(self, layer, new: int) -> None:
+        """Refuse a step of `new` tokens before anything is stored."""
+
+    def begin_step(self, layer, attn_kwargs: dict | None, new: int) -> bool:
+        """Do this scorer's part of a step of `new` tokens, once they are stored; True: eviction waits for
+        attention to deliver (`observe`)."""
+        return False
+
+    def observe(self, layer, delivered: torch.Tensor) -> bool:
+        """Receive what attention delivered for this scorer's request; True: the layer evicts and encodes now."""
+        raise RuntimeError(f"{type(self).__name__} asks attention for nothing")
+
+    @property
+    def has_scores(self) -> bool:
+        """Whether `policy.score` can rank the slots now (KVzip's only once its pass has run)."""
+        return True
+
+    def score_inputs(self, layer) -> dict:
+        """The keywords this scorer hands `policy.score` besides the stored state (keys, positions, pads)."""
+        return {}
+
+    def request(self, layer, attn_kwargs: dict | None, request: AttentionRequest) -> None:
+        """Ask the attention function, through the attention kwargs, for what `request` names."""
+        if attn_kwargs is None:
+            raise RuntimeError(
+                f"{type(layer.policy).__name__} needs the attention kwargs that transformers passes to cache "
+                "layers; this model does not pass them"
+            )
+        attn_kwargs[OBSERVER_KEY] = request
+        self.awaiting_attention = True
+
+    # -- the reconstruction pass (KVzip; generation.prefill drives it through CompressedCache) ---------------------
+
+    def begin_reconstruction(self, layer) -> None:
+        """A pass begins over the initialized `layer`."""
+
+    def reconstruction_step(self, layer, attn_kwargs: dict | None) -> None:
+        """A step of the pass: the layer attends over what it keeps plus the step's tokens and keeps nothing new."""
+
+    def check_attention_served(self, layer) -> None:
+        """Refuse a reconstruction step whose attention statistics never arrived (the model runs another attention
+        function): the pass would end with every score 0 and evict arbitrary slots."""
+        if self.reconstruction_queries is not None and self.awaiting_attention:
+            self.awaiting_attention = False
+            raise RuntimeError(f"{type(layer.policy).__name__} scores tokens by attention: {ENABLE_ATTENTION_HINT}")
+
+    def end_reconstruction(self, layer, evict: bool) -> bool:
+        """The pass ends (`evict=False`: it failed); True: the layer evicts now, by the pass's scores."""
+        self.reconstruction_queries = None
+        self.awaiting_attention = False
+        return False
+
+    # -- its own state --------------------------------------------------------------------------------------------
+
+    def select_rows(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows `indices` [B'] (long), in that order (beam search, batch selection)."""
+
+    def crop(self, keep: int, seen: int) -> None:
+        """Of the `seen` tokens, only the `keep` oldest remain (crop)."""
+
+    def nbytes(self) -> int:
+        """Bytes this scorer's tensors hold (between steps)."""
+        return 0
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Its tensors and numbers by name, as a saved cache stores them."""
+        return {}, {"scored": self.scored}
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict, device: torch.device) -> None:
+        """Restore what `state` returned (other names are ignored), on `device`."""
+
+
+class NoScores(Scorer):
     """Recency, keys, values or positions: everything `policy.score` reads is stored already."""
 
-    def begin_step(self, layer: "CompressedLayer", attn_kwargs: dict | None, new: int) -> bool:
-        """Do this scorer's part of a step of `new` tokens; True: eviction waits for attention to deliver."""
-        return False
 
-
-class AttentionStatistics(NoScores):
-    """`policy.needs_attention`: each new slot starts at 0 in `slots.accumulated`; attention delivers the step's
-    statistics to `layer.observe`, which folds them in (`policy.observe`) and evicts."""
+class AttentionStatistics(Scorer):
+    """`policy.needs_attention`: each new slot starts at 0 in `slots.accumulated` (a per-slot record, moved with
+    the slots); attention delivers the step's statistics [B, H_kv, kv], which `policy.observe` folds in."""
 
     def begin_step(self, layer, attn_kwargs, new) -> bool:
-        layer._grow_accumulated(new)
+        grow_accumulated(layer, new)
         policy = layer.policy
-        layer._request_attention(attn_kwargs, AttentionRequest(
-            layer.observe, policy.observed_queries, policy.attention_reduction
-        ))
+        self.request(layer, attn_kwargs, AttentionRequest(layer.observe, policy.observed_queries, policy.attention_reduction))
+        return True
+
+    def observe(self, layer, delivered) -> bool:
+        accumulated = layer.slots.accumulated
+        layer.slots.accumulated = layer.policy.observe(accumulated, delivered.to(accumulated.dtype))
+        self.awaiting_attention = False
         return True
 
 
-class RecentQueries(NoScores):
-    """`policy.needs_queries` (Expected Attention): attention delivers the step's newest queries to
-    `layer.observe_queries`, which keeps them (query_window.py) and evicts."""
+class RecentQueries(Scorer):
+    """`policy.needs_queries` (Expected Attention): the newest queries, which model the next ones.
+
+    A step's queries exist only inside attention: the scorer asks our attention function for the step's newest ones,
+    turns them back to before RoPE with the model's frequencies (the policy turns them to the positions ahead
+    itself) and keeps the last `policy.observed_queries` per row. Padding queries are kept in place and left out
+    when scored, so a padded row's window holds the same counted queries as the row alone.
+
+    `recent_queries` [B, H_q, L, D]: the pre-RoPE queries of each row's newest L <= window tokens (zeros where a row
+    has had fewer); `next_position` [B]: the position of each row's next query; `query_positions` [B, n]: the
+    positions of the queries awaited from attention, during a step.
+    """
+
+    def __init__(self, policy: Policy, inv_freq: tuple[float, ...] | None):
+        """`inv_freq`: the RoPE frequencies the queries are turned back with (empty: the model does not rotate them);
+        numbers, not a tensor: a configuration, not cache storage (measured_kv_bytes counts every tensor it finds)."""
+        super().__init__()
+        if inv_freq is None:
+            raise ValueError(f"{policy.name} keeps queries before RoPE: give the layer the model's RoPE frequencies")
+        self.inv_freq = inv_freq
+        self.recent_queries: torch.Tensor | None = None
+        self.next_position: torch.Tensor | None = None
+        self.query_positions: torch.Tensor | None = None
 
     def begin_step(self, layer, attn_kwargs, new) -> bool:
-        layer._request_queries(attn_kwargs, new)
+        """Ask attention for this step's newest queries; remember their positions to undo their rotation."""
+        newest = min(new, layer.policy.observed_queries)
+        position_ids = None if attn_kwargs is None else attn_kwargs.get("position_ids")
+        if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != new:
+            start = layer.seen - new
+            position_ids = torch.arange(start, start + new, device=layer.device)[None, :]
+        self.query_positions = (
+            position_ids[:, new - newest :].to(layer.device, torch.long).expand(layer.batch_size, newest)
+        )
+        self.request(layer, attn_kwargs, AttentionRequest(layer.observe, newest, queries=True))
         return True
 
+    def observe(self, layer, delivered) -> bool:
+        """Keep the step's newest queries [B, H_q, n, D] (rotated and scaled)."""
+        queries = delivered
+        batch, heads, newest, dim = queries.shape
+        if self.inv_freq:
+            back = -self.query_positions[:, None, :].expand(batch, heads, newest)
+            queries = rerotate(queries, back, torch.tensor(self.inv_freq, dtype=torch.float32))
+        window = layer.policy.observed_queries
+        if self.recent_queries is None:
+            self.recent_queries = torch.zeros(batch, heads, window, dim, dtype=layer.dtype, device=layer.device)
+        held = self.recent_queries.shape[2]
+        older = self.recent_queries[:, :, held - min(held, window - newest) :]
+        self.recent_queries = torch.cat([older, queries.to(layer.dtype)], dim=2)
+        self.next_position = self.query_positions[:, -1] + 1
+        self.query_positions = None
+        self.awaiting_attention = False
+        return True
 
-class ReconstructionScores(NoScores):
-    """`policy.scores_by_reconstruction` (KVzip): the pass scores the slots (reconstruction.py); tokens after it
-    rank above the context, newest first."""
+    def score_inputs(self, layer) -> dict:
+        return {"queries": self.window(layer)}
+
+    def window(self, layer) -> QueryWindow:
+        """The window as the policy reads it: entry e of L is the row's token seen - L + e, counted when it is
+        real and past the row's sink tokens (padding comes first in a row; entries a row never filled lie before)."""
+        held = self.recent_queries.shape[2]
+        entry = torch.arange(held, device=layer.device)
+        counted = entry[None, :] >= (held - layer.padding.real_seen + layer.policy.sink_tokens)[:, None]
+        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32, device=layer.device)
+        return QueryWindow(self.recent_queries, counted, self.next_position, inv_freq)
+
+    def select_rows(self, indices) -> None:
+        if self.recent_queries is not None:
+            self.recent_queries = self.recent_queries.index_select(0, indices)
+            self.next_position = self.next_position.index_select(0, indices)
+
+    def crop(self, keep, seen) -> None:
+        """Forget the queries of the newest tokens that go: the window holds fewer until refilled."""
+        if self.recent_queries is None:
+            return
+        removed = seen - keep
+        held = self.recent_queries.shape[2]
+        self.recent_queries = self.recent_queries[:, :, : held - min(removed, held)].clone(
+            memory_format=torch.contiguous_format
+        )
+        self.next_position = self.next_position - removed
+
+    def _held(self) -> dict[str, torch.Tensor]:
+        return {
+            name: tensor for name, tensor in (("recent_queries", self.recent_queries), ("next_position", self.next_position))
+            if tensor is not None
+        }
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._held().values())
+
+    def state(self):
+        tensors, meta = super().state()
+        return {**tensors, **self._held()}, meta
+
+    def load_state(self, tensors, meta, device) -> None:
+        for name in ("recent_queries", "next_position"):
+            if name in tensors:
+                setattr(self, name, tensors[name].to(device, copy=True))
+
+
+class ReconstructionScores(Scorer):
+    """`policy.scores_by_reconstruction` (KVzip): after the prompt, the model reads it again, and the most
+    attention each kept slot receives from the pass's queries becomes its score in `slots.accumulated`.
+
+    The cache cannot call the model itself: generation.prefill feeds the repeated prompt between
+    `begin_reconstruction` and `end_reconstruction` (through CompressedCache), and the pass's end evicts by those
+    scores (`scored` from then on). Tokens after the pass rank above the context, newest first.
+    """
+
+    @property
+    def has_scores(self) -> bool:
+        return self.scored
+
+    def check_step(self, layer, new) -> None:
+        """Refuse to decode past the budget before the pass has run (model.generate alone)."""
+        if not self.scored and new == 1 and layer.over_budget():
+            raise RuntimeError(
+                f"{type(layer.policy).__name__} compresses a prompt after reading it again: prefill it with "
+                "hf_kvcompress.prefill(model, input_ids, attention_mask, cache, repeat_prompt_ids=...) (or "
+                "hf_kvcompress.generation.generate), not with model.generate alone"
+            )
 
     def begin_step(self, layer, attn_kwargs, new) -> bool:
-        if layer.scored:
-            layer._grow_accumulated(new, fill_from=AFTER_RECONSTRUCTION + layer.seen)
+        if self.scored:
+            grow_accumulated(layer, new, fill_from=AFTER_RECONSTRUCTION + layer.seen)
         return False
 
+    def observe(self, layer, delivered) -> bool:
+        """Take the most attention [B, H_kv, kv] each kept slot received in a step of the pass; evict at its end."""
+        stored = layer.slots.accumulated.shape[-1]
+        layer.slots.accumulated = torch.maximum(layer.slots.accumulated, delivered[..., :stored].to(torch.float32))
+        self.awaiting_attention = False
+        return False
 
-def scorer_for(policy: Policy) -> NoScores:
-    """The scorer a layer with `policy` uses (the queries first: Expected Attention sets both attention flags)."""
+    def begin_reconstruction(self, layer) -> None:
+        layer.slots.accumulated = torch.zeros(
+            layer.batch_size, layer.kv_heads, layer.stored_tokens, device=layer.device, dtype=torch.float32
+        )
+
+    def reconstruction_step(self, layer, attn_kwargs) -> None:
+        self.request(layer, attn_kwargs, AttentionRequest(layer.observe, None, "max", self.reconstruction_queries))
+
+    def end_reconstruction(self, layer, evict) -> bool:
+        super().end_reconstruction(layer, evict)
+        if not evict:  # keep every slot unscored: decoding past the budget refuses as if the pass never ran
+            layer.slots.accumulated = None
+            return False
+        if layer.is_initialized:
+            self.scored = True
+            return True
+        return False
+
+    def load_state(self, tensors, meta, device) -> None:
+        self.scored = bool(int(meta["scored"]))
+
+
+def scorer_for(policy: Policy, query_inv_freq: tuple[float, ...] | None = None) -> Scorer:
+    """The scorer a layer with `policy` uses (the queries first: Expected Attention sets both attention flags);
+    `query_inv_freq`: the model's RoPE frequencies, for a policy that keeps queries."""
     if policy.needs_queries:
-        return RecentQueries()
+        return RecentQueries(policy, query_inv_freq)
     if policy.needs_attention:
         return AttentionStatistics()
     if policy.scores_by_reconstruction:

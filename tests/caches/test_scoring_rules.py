@@ -230,7 +230,7 @@ def test_expected_attention_models_the_pre_rope_queries_and_scores_by_them(name)
         reference = reference_scores(keys, values, layer.recent_queries.double(), counted, torch.tensor([tokens]),
                                      inv_freq, torch.tensor([0]), future, epsilon=cache.policy.epsilon)
         got = cache.policy.score(None, tokens, keys=keys, pads=torch.zeros(1, dtype=torch.long), values=values,
-                                 queries=layer._recent_queries())
+                                 queries=layer.scorer.window(layer))
         torch.testing.assert_close(got.double(), reference, rtol=1e-4, atol=1e-6)
 
 
