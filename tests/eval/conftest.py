@@ -10,10 +10,11 @@ def tokenizer(embedded):
 
 @pytest.fixture(scope="session")
 def small_samples(tokenizer):
-    """Four needle samples of ~300 tokens: depths 0 and 100, two lengths."""
+    """Four needle samples of ~300 tokens: depths 0 and 100, two lengths (index 0 of each cell, `split="all"`:
+    the samples these tests were written on; the order of the runner's batches follows their lengths)."""
     from hf_kvcompress.eval import build_samples
 
-    return build_samples(tokenizer, ["needle"], [300, 360], [0, 100], seed=0)
+    return build_samples(tokenizer, ["needle"], [300, 360], [0, 100], seed=0, split="all")
 
 
 def count_batches(monkeypatch) -> list:
