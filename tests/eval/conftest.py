@@ -30,3 +30,21 @@ def count_batches(monkeypatch) -> list:
 
     monkeypatch.setattr(runner, "run_batch", count)
     return calls
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tokenizer):
+    """A 2-layer random Llama over the embedded tokenizer's vocabulary: fast runs of the runner on real samples
+    (its answers are arbitrary but deterministic, and no token ends them)."""
+    import torch
+    import transformers
+    from hf_kvcompress import use_kvcompress_attention
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=8192)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = None
+    return use_kvcompress_attention(model)
