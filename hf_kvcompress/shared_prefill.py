@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from .eval.prompts import encode, protocol_name, uses_chat
 from .eval.runner import _Attention, _eos_ids, _first, _tokens_stored, left_pad, plan_batches, run_batch, served_name
 from .eval.scoring import score_all
+from .eval.tasks import sample_split
 from .generation import _score_by_reconstruction, generate, prefill
 from .measure import measured_kv_bytes, served_kv_bytes
 from .generation import repeat_prompt_ids
@@ -141,7 +142,8 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
                 primary = scores[row["metric"]][k]
                 records.append({
                     "method": plan, "sample_id": row["sample_id"], "task": row["task"], "length": row["length"],
-                    "depth": row["depth"], "index": row["index"], "seed": row["seed"], "metric": row["metric"],
+                    "depth": row["depth"], "index": row["index"], "seed": row["seed"],
+                    "split": row.get("split") or sample_split(row["index"]), "metric": row["metric"],
                     "score": primary, "correct": primary >= 100.0, "prediction": predictions[k],
                     "references": list(row["references"]), "protocol": protocol_name(False),
                     "prompt_format": prompt_kind, "document_tokens": len(encoded[i][0]),

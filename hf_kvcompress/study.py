@@ -18,11 +18,11 @@ from .codecs.intn import IntNCodec
 from .codecs.lowrank import LowRankCodec
 from .codecs.reducing import ReducingCodec
 from .codecs.shared_heads import SharedHeadsCodec
+from .eval.tasks import BANDS
 from .hf.compat import text_config
 from .registry import STUDY_PLANS, parse_spec, study_specs
 
 # Depth bands of the lesson's warning: questions about the start and the middle are where eviction fails.
-BANDS = (("start", 0, 33.4), ("middle", 33.4, 66.7), ("end", 66.7, 100.1))
 EMBEDDED_MODELS = ("smollm2-135m", "gemma-3-270m")
 # A model whose uncompressed needle score is below this shows no losses worth ranking.
 BASELINE_RULE = 70.0

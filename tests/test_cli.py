@@ -1,6 +1,7 @@
 """The command line: generate with any cache, the study at a tiny size, and one-line errors for bad input."""
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -94,6 +95,10 @@ def test_study_reports_formula_measured_bytes_bands_and_a_recommendation(tmp_pat
     assert "Full-precision residual" in text and "int8: the 128 most recent of" in text
     # 3 plans (the baseline is always added) x 3 samples, each plan from the same shared document prefill.
     assert re.search(r"1 samples per cell: 3 scored samples per plan; .*; 9 runs in \d+ s", text)
+    # The study reports the test half, and says so.
+    assert "Split: test (the held-out half" in text
+    assert json.loads((out / "smollm2-135m" / "study.json").read_text())["split"] == "test"
+    assert {json.loads(line)["split"] for line in (out / "smollm2-135m" / "records.jsonl").open()} == {"test"}
 
 
 @pytest.mark.parametrize(

@@ -39,14 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='comma-separated cache specs, e.g. "dynamic,int4,sink_window:window=256,h2o:budget=256"; '
                              "dynamic (uncompressed) is always added as the baseline")  # fmt: skip
     parser.add_argument("--tasks", default=None,
-                        help="comma-separated tasks: needle, multi_needle, kv_retrieval, doc_qa, user_needle, "
-                             "user_recall; parameters as in needle:kind=passkey or multi_needle:keys=4,values=2 "
+                        help="comma-separated tasks: needle, multi_needle, kv_retrieval, doc_qa, multi_question, "
+                             "user_needle, user_recall; parameters as in needle:kind=passkey or multi_needle:keys=4,values=2 "
                              "(default: needle, plus user_needle,user_recall with --documents)")  # fmt: skip
     parser.add_argument("--lengths", type=_ints, default=[1000, 2000, 3000], help="prompt lengths in the model's tokens (default 1000,2000,3000)")
     parser.add_argument("--depths", type=_floats, default=[0, 25, 50, 75, 100], help="depths in percent of the document (default 0,25,50,75,100)")
     parser.add_argument("--samples", type=int, default=1, help="samples per (task, length, depth) cell (default 1)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many samples per task (quick runs)")
     parser.add_argument("--seed", type=int, default=0, help="sample generation seed (default 0); decoding is greedy")
+    parser.add_argument("--split", choices=("dev", "test", "all"), default="test",
+                        help="which half of each cell's samples: test (the default: the half to report), dev (the "
+                             "half to tune methods and defaults on) or all (both); --samples counts that half's")  # fmt: skip
     parser.add_argument("--documents", default=None, help="a folder of .txt, .md, .jsonl files for user_needle and user_recall")
     parser.add_argument("--query-aware", action="store_true", help="also put the question before the document, inside the compressed prompt")
     parser.add_argument("--prompt-format", choices=("auto", "chat", "plain"), default="auto",
@@ -120,7 +123,8 @@ def run(args) -> int:
     counts: dict = {}
     records = run_eval(
         model, tokenizer, methods, tasks, args.lengths, args.depths, args.out,
-        samples_per_cell=args.samples, seed=args.seed, documents=args.documents, query_aware=args.query_aware,
+        samples_per_cell=args.samples, seed=args.seed, split=args.split, documents=args.documents,
+        query_aware=args.query_aware,
         prompt_format=args.prompt_format, batch_size=args.batch_size, chunk_size=args.chunk_size, limit=args.limit,
         model_name=args.model or "smollm2-135m", progress=not args.no_progress, counts=counts,
     )  # fmt: skip

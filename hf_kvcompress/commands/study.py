@@ -89,6 +89,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--batch-size", type=int, default=5, help="samples per batch (one shared prefill each)")
     parser.add_argument("--samples-per-cell", type=int, default=None,
                         help="samples per (task, length, depth) cell (default: the preset's, 3)")
+    parser.add_argument("--split", choices=("dev", "test", "all"), default="test",
+                        help="which half of each cell's samples: test (the half the study reports), dev (the half "
+                             "methods are tuned on) or all")
     parser.add_argument("--out", default="results/study", help="output directory")
     parser.set_defaults(func=run)
 
@@ -120,7 +123,7 @@ def run(args) -> int:
 
     require("eval", "hf-kvcompress study")
     from .. import study
-    from ..eval.report import plot_heatmaps, summarize
+    from ..eval.report import plot_heatmaps, splits_sentence, summarize
     from ..eval.runner import check_specs
     from ..eval.tasks import build_samples, parse_task
     from ..lesson_table import format_lesson_table, lesson_rows
@@ -171,7 +174,7 @@ def run(args) -> int:
         model, tokenizer = load_model(name)
         plans = requested or preset_plans(args.preset, lengths, model.config)
         plans, refused = _usable_plans(list(dict.fromkeys(["dynamic", *plans])), model.config)
-        samples = build_samples(tokenizer, tasks, lengths, depths, samples_per_cell=per_cell, seed=0)
+        samples = build_samples(tokenizer, tasks, lengths, depths, samples_per_cell=per_cell, seed=0, split=args.split)
         workers = args.workers or default_workers(model.device.type)
         workers_used = min(workers, len(samples))
 
@@ -220,7 +223,7 @@ def run(args) -> int:
     lesson = lesson_rows(results, model.config, tokens, model_bytes)
     baseline = next(r for r in results if r.spec == "dynamic")
     study.write_results(results, lesson, plots / "study.json", model=name, tokens=tokens, bytes_dtype=served,
-                        context=context)
+                        context=context, split=args.split)
     n = len(records) // max(1, len(results))
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     answer = f"answers capped at {max_new} new tokens" if max_new else "the tasks' own answer lengths"
@@ -232,6 +235,7 @@ def run(args) -> int:
         f"{', '.join(summary['protocols'])}); {answer}; {len(records)} runs in {seconds:.0f} s with {workers_used} "
         f"process(es) ({cpu:.0f} s of this process's CPU time; {seconds / max(1, n):.1f} s per sample for all "
         f"{len(results)} plans).",
+        splits_sentence(summary["splits"]),
     ]
     if not args.model:
         lines.append("Uncompressed needle score per embedded model: "

@@ -18,7 +18,7 @@ _EXPORTS = {
     ".prompts": ["encode", "protocol_name", "render"],
     ".report": ["summarize", "write_reports"],
     ".runner": ["read_results", "run_batch", "run_eval"],
-    ".tasks": ["TASKS", "build_samples", "parse_task"],
+    ".tasks": ["SPLITS", "TASKS", "build_samples", "parse_task", "sample_split"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

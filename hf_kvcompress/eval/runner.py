@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from copy import deepcopy
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -142,7 +143,74 @@ def served_torch_dtype(model) -> torch.dtype:
     return getattr(torch, served_name(model))
 
 
-@torch.inference_mode()
+class CompressedDocument:
+    """The document parts of a batch's rows prefilled (and compressed) into one fresh cache, with what it cost.
+
+    `answer` appends the questions to this cache (or to an untouched copy of it, `copy=True`, so the next
+    question finds the document as compressed) and decodes. The document goes through `generation.prefill`, in
+    chunks of `chunk_size` for methods with bounded memory (the others at once), which also runs KVzip's
+    reconstruction pass (with `repeat_prompt_ids`) for the policies that score that way.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, model, spec: str, documents: Sequence[list[int]], *, pad_token_id: int,
+                 chunk_size: int | None = 512, repeat_prompt_ids: list[int] | None = None):
+        self.model, self.spec = model, spec
+        ids, mask, self.width = left_pad([(d, []) for d in documents], pad_token_id)
+        self.ids, self.mask = ids.to(model.device), mask.to(model.device)
+        self.cache = make_cache(spec, model.config)
+        self.step = chunk_size if chunk_size and _bounds_memory(spec) else max(self.width, 1)
+        self.served = served_torch_dtype(model)
+        self.peak = self.peak_served = 0  # the largest storage measured after any prefill chunk
+
+        def measure_peak():
+            self.peak = max(self.peak, measured_kv_bytes(self.cache))
+            self.peak_served = max(self.peak_served, served_kv_bytes(self.cache, self.served))
+
+        with _Attention(model, spec):
+            sync(model.device)
+            start = time.perf_counter()
+            prefill(model, self.ids, self.mask, self.cache, chunk_size=self.step, repeat_prompt_ids=repeat_prompt_ids,
+                    on_chunk=measure_peak)  # fmt: skip
+            sync(model.device)
+            self.seconds = time.perf_counter() - start
+        self.kv_bytes = measured_kv_bytes(self.cache)
+        self.kv_bytes_served = served_kv_bytes(self.cache, self.served)
+        self.tokens_stored = _tokens_stored(self.cache)
+
+    @torch.inference_mode()
+    def answer(self, questions: Sequence[list[int]], max_new_tokens: int, *, copy: bool = False,
+               document_share: float = 1.0) -> BatchOutput:
+        """Append one question per row (all of one length) and decode; `document_share` of the document's
+        prefill seconds is charged to this answer."""
+        if len({len(q) for q in questions}) != 1:
+            raise ValueError(f"a batch needs questions of one length, got {sorted({len(q) for q in questions})}")
+        if len(questions) != self.ids.shape[0]:
+            raise ValueError(f"{len(questions)} questions for a document batch of {self.ids.shape[0]} rows")
+        cache = deepcopy(self.cache) if copy else self.cache
+        question_ids = torch.tensor(list(questions), dtype=torch.long, device=self.ids.device)
+        full_ids = torch.cat([self.ids, question_ids], dim=1)
+        full_mask = torch.cat([self.mask, torch.ones_like(question_ids)], dim=1)
+        with _Attention(self.model, self.spec):
+            result = generate(self.model, full_ids, full_mask, cache, max_new_tokens=max_new_tokens,
+                              prefill_chunk_size=self.step)  # fmt: skip
+        eos = _eos_ids(self.model)
+        new_tokens = []
+        for row in result.new_tokens.tolist():
+            cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+            new_tokens.append(row[:cut])
+        return BatchOutput(
+            new_tokens=new_tokens,
+            kv_bytes_document=self.kv_bytes,
+            kv_bytes_peak=max(self.peak, result.kv_bytes),
+            kv_bytes_document_served=self.kv_bytes_served,
+            kv_bytes_peak_served=max(self.peak_served, self.kv_bytes_served, served_kv_bytes(cache, self.served)),
+            tokens_stored=self.tokens_stored,
+            prefill_seconds=self.seconds * document_share + result.prefill_seconds,
+            decode_seconds=result.decode_seconds,
+        )
+
+
 def run_batch(
     model,
     spec: str,
@@ -157,51 +225,12 @@ def run_batch(
 
     Rows are left-padded; all rows must have question parts of the same length (padding between document and
     question would reach a cache after it has evicted). `chunk_size` applies to methods with bounded memory;
-    the others prefill the document at once. The document goes through `generation.prefill`, which also runs
-    KVzip's reconstruction pass (with `repeat_prompt_ids`) for the policies that score that way.
+    the others prefill the document at once (`CompressedDocument`).
     """
-    full_ids, full_mask, width = left_pad(rows, pad_token_id)
-    device = model.device
-    full_ids, full_mask = full_ids.to(device), full_mask.to(device)
-
-    cache = make_cache(spec, model.config)
-    step = chunk_size if chunk_size and _bounds_memory(spec) else max(width, 1)
-    served = served_torch_dtype(model)
-    peak = peak_served = 0  # the largest storage measured after any prefill chunk or after decoding
-    with _Attention(model, spec):
-        sync(device)
-        start = time.perf_counter()
-
-        def measure_peak():
-            nonlocal peak, peak_served
-            peak = max(peak, measured_kv_bytes(cache))
-            peak_served = max(peak_served, served_kv_bytes(cache, served))
-
-        prefill(model, full_ids[:, :width], full_mask[:, :width], cache, chunk_size=step,
-                repeat_prompt_ids=repeat_prompt_ids, on_chunk=measure_peak)  # fmt: skip
-        sync(device)
-        document_seconds = time.perf_counter() - start
-        kv_document = measured_kv_bytes(cache)
-        kv_document_served = served_kv_bytes(cache, served)
-        stored = _tokens_stored(cache)
-        result = generate(model, full_ids, full_mask, cache, max_new_tokens=max_new_tokens, prefill_chunk_size=step)
-    peak = max(peak, result.kv_bytes)
-    peak_served = max(peak_served, kv_document_served, served_kv_bytes(cache, served))
-    eos = _eos_ids(model)
-    new_tokens = []
-    for row in result.new_tokens.tolist():
-        cut = next((i for i, t in enumerate(row) if t in eos), len(row))
-        new_tokens.append(row[:cut])
-    return BatchOutput(
-        new_tokens=new_tokens,
-        kv_bytes_document=kv_document,
-        kv_bytes_peak=peak,
-        kv_bytes_document_served=kv_document_served,
-        kv_bytes_peak_served=peak_served,
-        tokens_stored=stored,
-        prefill_seconds=document_seconds + result.prefill_seconds,
-        decode_seconds=result.decode_seconds,
-    )
+    left_pad(rows, pad_token_id)  # questions of one length, checked before any work
+    document = CompressedDocument(model, spec, [d for d, _ in rows], pad_token_id=pad_token_id, chunk_size=chunk_size,
+                                  repeat_prompt_ids=repeat_prompt_ids)  # fmt: skip
+    return document.answer([q for _, q in rows], max_new_tokens)
 
 
 def _eos_ids(model) -> set[int]:
@@ -216,10 +245,24 @@ def _eos_ids(model) -> set[int]:
 
 @dataclass
 class WorkItem:
-    """One batch: a method and the indices (into the samples) of the rows it runs."""
+    """One batch: a method and the indices (into the samples) of the rows it runs.
+
+    `shared_document`: the rows are questions about one document, which is prefilled once; each question is
+    answered on an untouched copy of that compressed cache.
+    """
 
     method: str
     rows: list[int]
+    shared_document: bool = False
+
+
+def shared_documents(encoded: Sequence[tuple[list[int], list[int]]], groups: Sequence[str]) -> list[list[int]]:
+    """The rows that ask about the same document (one task, identical document tokens), for each such document
+    with more than one question, in sample order."""
+    by_document: dict[tuple, list[int]] = {}
+    for i, (document_ids, _) in enumerate(encoded):
+        by_document.setdefault((groups[i].split("|")[0], tuple(document_ids)), []).append(i)
+    return [rows for rows in by_document.values() if len(rows) > 1]
 
 
 def plan_batches(
@@ -400,6 +443,7 @@ def run_eval(
     samples=None,
     samples_per_cell: int = 1,
     seed: int = 0,
+    split: str = "test",
     documents: str | None = None,
     query_aware: bool = False,
     prompt_format: str = "auto",
@@ -418,13 +462,18 @@ def run_eval(
     summaries then have no baseline column values and flag nothing as too hard). With
     `out_dir`, records are appended to out_dir/results.jsonl as batches finish, (method, sample_id) pairs
     already there are skipped, and summary.md, summary.csv and the plots are written at the end (by the main
-    process). `samples` (a Dataset from `build_samples`) replaces tasks/lengths/depths/seed/documents/limit.
+    process). `split` is the half of the samples (`test`, the default: what is reported; `dev`: what methods and
+    defaults are tuned on; `all`: both; see tasks.sample_split), and every record names its sample's half.
+    `samples` (a Dataset from `build_samples`) replaces tasks/lengths/depths/seed/split/documents/limit.
+    Questions that share a document (multi_question) are answered from one prefill of it, each on an untouched
+    copy of the compressed cache.
     Under `accelerate launch --multi_gpu` or `torchrun`, batches are split between processes and every process
     returns all records. Specs, sizes and the model's context are checked before any work; `counts`, when
     given, receives how many pairs were reused from out_dir and how many this run evaluates.
     """
-    from .tasks import build_samples
+    from .tasks import build_samples, check_split, sample_split
 
+    check_split(split)
     methods = list(dict.fromkeys([BASELINE, *methods] if baseline else methods))
     if not methods:
         raise ValueError("no methods to evaluate")
@@ -441,7 +490,7 @@ def run_eval(
     is_main = state is None or state.is_main_process
     if samples is None:
         samples = build_samples(
-            tokenizer, tasks, lengths, depths, samples_per_cell=samples_per_cell, seed=seed,
+            tokenizer, tasks, lengths, depths, samples_per_cell=samples_per_cell, seed=seed, split=split,
             documents=documents, prompt_format=prompt_format, limit=limit,
         )  # fmt: skip
     rows = [dict(row) for row in samples]
@@ -493,7 +542,12 @@ def run_eval(
     previous = [r for r in previous if resume_key(r) in wanted]
     done = {(r["method"], r["sample_id"]) for r in previous}
     groups = [f"{row['task']}|{row['max_new_tokens']}" for row in rows]
-    plan = plan_batches(methods, encoded, sample_ids, batch_size, chunk_size, done, groups)
+    shared = shared_documents(encoded, groups)
+    # A shared document's questions run as one item per method (below), not in the padded batches.
+    in_shared = {(m, sample_ids[i]) for m in methods for rows_of_document in shared for i in rows_of_document}
+    plan = plan_batches(methods, encoded, sample_ids, batch_size, chunk_size, done | in_shared, groups)
+    plan += [WorkItem(method, todo, shared_document=True) for method in methods for rows_of_document in shared
+             if (todo := [i for i in rows_of_document if (method, sample_ids[i]) not in done])]  # fmt: skip
     mine = plan
     if state is not None:
         with state.split_between_processes(plan) as share:
@@ -520,16 +574,23 @@ def run_eval(
     new_records: list[dict] = []
     try:  # the bar closes before an error or Ctrl-C message is printed, not after it
         for item in mine:
-            batch = [encoded[i] for i in item.rows]
-            max_new = max(rows[i]["max_new_tokens"] for i in item.rows)
-            output = run_batch(model, item.method, batch, max_new, pad_token_id=pad_id, chunk_size=chunk_size,
-                               repeat_prompt_ids=repeat_ids)  # fmt: skip
-            predictions = [tokenizer.decode(t, skip_special_tokens=True) for t in output.new_tokens]
+            if item.shared_document:  # one prefill of the document; each question on its own copy of the cache
+                document = CompressedDocument(model, item.method, [encoded[item.rows[0]][0]], pad_token_id=pad_id,
+                                              chunk_size=chunk_size, repeat_prompt_ids=repeat_ids)  # fmt: skip
+                answers = [(document.answer([encoded[i][1]], rows[i]["max_new_tokens"], copy=True,
+                                            document_share=1 / len(item.rows)), 0, 1) for i in item.rows]  # fmt: skip
+            else:
+                batch = [encoded[i] for i in item.rows]
+                max_new = max(rows[i]["max_new_tokens"] for i in item.rows)
+                output = run_batch(model, item.method, batch, max_new, pad_token_id=pad_id, chunk_size=chunk_size,
+                                   repeat_prompt_ids=repeat_ids)  # fmt: skip
+                answers = [(output, k, len(item.rows)) for k in range(len(item.rows))]
+            predictions = [tokenizer.decode(out.new_tokens[k], skip_special_tokens=True) for out, k, _ in answers]
             scores = score_all(predictions, [rows[i]["references"] for i in item.rows])
-            share = len(item.rows)
             records = []
             for k, i in enumerate(item.rows):
                 row = rows[i]
+                output, row_in_batch, share = answers[k]
                 document_ids, question_ids = encoded[i]
                 primary = scores[row["metric"]][k]
                 records.append({
@@ -540,6 +601,7 @@ def run_eval(
                     "depth": row["depth"],
                     "index": row["index"],
                     "seed": row["seed"],
+                    "split": row.get("split") or sample_split(row["index"]),
                     "metric": row["metric"],
                     "score": primary,
                     "correct": primary >= 100.0,
@@ -549,9 +611,10 @@ def run_eval(
                     "document_tokens": len(document_ids),
                     "question_tokens": len(question_ids),
                     "prompt_tokens": len(document_ids) + len(question_ids),
-                    "new_tokens": len(output.new_tokens[k]),
+                    "new_tokens": len(output.new_tokens[row_in_batch]),
                     "tokens_kept": min(output.tokens_stored, len(document_ids)),
-                    # The cache serves the whole batch; each row is charged an equal share of it.
+                    # The cache serves the whole batch; each row is charged an equal share of it. Questions about
+                    # one document are each served by a copy of its whole compressed cache.
                     "kv_bytes_document": output.kv_bytes_document / share,
                     "kv_bytes_peak": output.kv_bytes_peak / share,
                     "served_dtype": served_name(model),
@@ -560,6 +623,7 @@ def run_eval(
                     "prefill_seconds": output.prefill_seconds / share,
                     "decode_seconds": output.decode_seconds / share,
                     "batch_rows": share,
+                    "document_questions": len(item.rows) if item.shared_document else 1,
                     **setting(item.method, i),
                     "process_index": process_index,
                     "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -5,6 +5,13 @@ Lengths are counted in the model's own tokens (the whole prompt, as `prompts.enc
 dataclass whose fields are its parameters, named in specs as `multi_needle:keys=4,values=2`.
 Formats follow RULER (arXiv:2404.06654) for the needles and QA, and Lost in the Middle (arXiv:2307.03172) for
 key-value retrieval.
+
+Every task's samples come in two disjoint halves, a development half to tune methods and defaults on and a test
+half to report (`sample_split`): sample `index` i of a cell is in `dev` when i is even and in `test` when it is
+odd. A sample's half is thus a pure function of its identity, the same for every task, seed and cell, so asking for
+more samples per cell only adds samples to each half and never moves one; and each half has exactly half of
+every cell. The samples themselves are drawn from (seed, task, length, depth, index) as before, so `split="all"`
+(indices 0, 1, 2, ...) gives the samples the suite always gave.
 """
 
 from __future__ import annotations
@@ -34,6 +41,37 @@ _NOUNS = (
 ).split()
 
 Measure = Callable[[dict], int]  # fields of a sample -> tokens of its whole prompt
+
+SPLITS = ("dev", "test", "all")
+# Depth bands of a document (percent of it before the fact), for scores per band.
+BANDS = (("start", 0, 33.4), ("middle", 33.4, 66.7), ("end", 66.7, 100.1))
+
+
+def check_split(split: str) -> str:
+    """`split` itself, or a ValueError naming the allowed values."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)} (dev: tune on it; test: report it; all: both), "
+                         f"got {split!r}")  # fmt: skip
+    return split
+
+
+def sample_split(index: int) -> str:
+    """The half a sample belongs to: `dev` for an even index within its cell, `test` for an odd one."""
+    return "dev" if index % 2 == 0 else "test"
+
+
+def split_indices(split: str, count: int) -> list[int]:
+    """The indices of the first `count` samples of a cell that belong to `split`."""
+    check_split(split)
+    if split == "all":
+        return list(range(count))
+    first = 0 if split == "dev" else 1
+    return [first + 2 * k for k in range(count)]
+
+
+def band_of(depth: float) -> str:
+    """The band (`start`, `middle` or `end`) of a depth in percent."""
+    return next(name for name, low, high in BANDS if low <= depth < high)
 
 
 def _key(rng: random.Random) -> str:
@@ -110,6 +148,9 @@ class Task:
     name: ClassVar[str]
     metric: ClassVar[str] = "string_match_all"
     uses_documents: ClassVar[bool] = False
+    # True: `build_document` makes one document per (length, index) holding a fact at every depth, one sample
+    # per depth; False: `build` makes one sample per (length, depth, index).
+    asks_per_document: ClassVar[bool] = False
     documents: str | None = field(default=None, repr=False, compare=False)  # --documents folder, user_* only
 
     @property
@@ -365,8 +406,133 @@ class UserRecallTask(Task):
         return fit(make, measure, length, hi=length)
 
 
+# The multi_question task's facts: invented places and people, so a model cannot know them from its training.
+_FOUNDERS = ("Harwick Ellery Corbin Fairholt Greyhaven Kestrel Linford Marlow Norcastle Oakhurst Pellam Redmayne "
+             "Saltash Thornbury Upwell Varley Westcombe Yardley Ambrose Blackwood").split()  # fmt: skip
+_BUILDINGS = ("lighthouse|observatory|clock tower|paper mill|rope works|glassworks|bell foundry|botanical garden|"
+              "ferry pier|railway bridge|grain exchange|music hall|printing house|canal lock|public library|"
+              "orphanage|tannery|brewery").split("|")  # fmt: skip
+_FIRST_NAMES = ("Eleanor Tobias Margaret Silas Beatrice Ambrose Cordelia Jasper Harriet Ezekiel Lavinia Barnaby "
+                "Philippa Cornelius Rosamund Thaddeus Winifred Lucius Imogen Percival").split()  # fmt: skip
+_LAST_NAMES = ("Whitcombe Ashdown Penhallow Quarrington Fennimore Dunstable Hollingsworth Merriweather Brackenbury "
+               "Ravenscroft Tillinghast Wetherell Cavendish Pettigrew Stanbridge Larkspur Winterbourne "
+               "Oddington").split()  # fmt: skip
+_MONTHS = "January February March April May June July August September October November December".split()
+_PLACES = ("Brindlecombe Caddington Dunwold Eastmere Farrowdale Glenbarrow Ivelmoor Kettleby Lowerbrook Moorcastle "
+           "Nettlecombe Pendleford Quenby Rushmere Stallingford Tarrowby Wendlebury Ashby Cross").split()  # fmt: skip
+_MOTTOS = (
+    "patience outlasts the storm", "light for every traveller", "we build for our grandchildren",
+    "steady hands and honest work", "the river remembers", "strength in small things", "no tide without a turn",
+    "order brings its own reward", "every voice a song", "the lamp is never late", "wisdom waits at the door",
+    "bread before glory", "seeds of a second spring", "the bell calls us home", "slow paper holds the truth",
+    "rope and courage bind", "through fire comes clarity", "green is the oldest colour",
+)
+# kind -> (fact sentence, question, answer prefix); {subject} is "the <founder> <building>", {Subject} the same
+# capitalised; each fact's answer is made by `_fact_value` and given to the templates as {value} (and {month},
+# {year} for a date).
+_FACTS = {
+    "number": ("Exactly {value} workers were hired to build {subject}.",
+               "How many workers were hired to build {subject}?",
+               "The number of workers hired to build {subject} was"),
+    "name": ("{Subject} was designed by an architect named {value}.",
+             "What was the name of the architect who designed {subject}?",
+             "The architect who designed {subject} was named"),
+    "date": ("{Subject} opened to the public in {month} {year}.",
+             "In which month and year did {subject} open to the public?",
+             "{Subject} opened to the public in"),
+    "place": ("The stone for {subject} was brought by cart from the quarry at {value}.",
+              "From the quarry at which place was the stone for {subject} brought?",
+              "The stone for {subject} was brought from the quarry at"),
+    "phrase": ('Above the door of {subject}, the builders carved the words "{value}".',
+               "What words did the builders carve above the door of {subject}?",
+               'The builders carved the words "'),
+}
+
+
+def _fact(rng: random.Random, kind: str, subject: str, used: set[str]) -> tuple[str, str, str, list[str]]:
+    """(fact sentence, question, answer prefix, references) of one fact of `kind` about `subject`; a value in
+    `used` is drawn again, so no two facts of a document share an answer."""
+    while True:
+        month, year = rng.choice(_MONTHS), str(rng.randint(1720, 1899))
+        value = {"number": lambda: str(rng.randint(1000, 9999)),
+                 "name": lambda: f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}",
+                 "date": lambda: f"{month} {year}", "place": lambda: rng.choice(_PLACES),
+                 "phrase": lambda: rng.choice(_MOTTOS)}[kind]()  # fmt: skip
+        if value not in used:
+            used.add(value)
+            break
+    fields = {"subject": subject, "Subject": subject[0].upper() + subject[1:], "value": value, "month": month,
+              "year": year}  # fmt: skip
+    fact, question, prefix = (text.format(**fields) for text in _FACTS[kind])
+    return fact, question, prefix, [month, year] if kind == "date" else [value]
+
+
+@dataclass(frozen=True)
+class MultiQuestionTask(Task):
+    """A long document of real prose holding one fact at each depth of the grid, asked one question per fact.
+
+    The facts are of different kinds (a number, a name, a month and year, a place, a short phrase), each about its
+    own invented building, in a public-domain novel (data.book_words: the development half's documents come from
+    its first chapters, the test half's from the rest). All questions of a document share its prompt up to the end
+    of the document, so the runner prefills and compresses it once and answers each question on an untouched
+    copy of that cache; each question is a sample of its own (its depth is its fact's), scored per band. `kinds`
+    chooses the kinds (joined by `+`), used in turn from a shuffled start.
+    """
+
+    name: ClassVar[str] = "multi_question"
+    asks_per_document: ClassVar[bool] = True
+    kinds: str = "number+name+date+place+phrase"
+
+    def __post_init__(self):
+        unknown = [k for k in self.kinds.split("+") if k not in _FACTS]
+        if unknown or not self.kinds:
+            raise ValueError(f"multi_question: kinds must be some of {'+'.join(_FACTS)} joined by '+', got {self.kinds!r}")
+
+    def haystack(self, half: str = "test") -> Sequence[str]:
+        return data.book_words(half)
+
+    def build_document(self, rng: random.Random, length: int, depths: Sequence[float], half: str,
+                       measure: Measure) -> list[dict]:
+        """One sample per depth, all on one document of at most `length` tokens with each prompt."""
+        words = self.haystack(half)
+        starts = _sentence_starts(words)[:-1]
+        start = rng.choice([s for s in starts if s <= len(words) - length] or starts)
+        kinds = self.kinds.split("+")
+        offset = rng.randrange(len(kinds))
+        pairs = [(f, b) for f in _FOUNDERS for b in _BUILDINGS]
+        chosen: list[tuple[str, str]] = []
+        while len(chosen) < len(depths):  # every fact about another founder's name and another kind of building
+            founder, building = rng.choice(pairs)
+            if all(founder != f and building != b for f, b in chosen) or len(chosen) >= min(len(_FOUNDERS), len(_BUILDINGS)):
+                chosen.append((founder, building))
+        used: set[str] = set()
+        facts = [_fact(rng, kinds[(offset + k) % len(kinds)], f"the {founder} {building}", used)
+                 for k, (founder, building) in enumerate(chosen)]  # fmt: skip
+        instruction = "Read the following text carefully. I will ask you a question about it afterwards."
+
+        def make(n: int) -> list[dict]:
+            document = _insert(_cyclic(words, start, n), [(depth, fact[0]) for depth, fact in zip(depths, facts)])
+            return [{"instruction": instruction, "document": document, "question": question, "answer_prefix": prefix,
+                     "references": references, "max_new_tokens": 16}
+                    for _, question, prefix, references in facts]  # fmt: skip
+
+        longest = lambda rows: max(measure(row) for row in rows)  # noqa: E731
+        lo, hi, best = 0, length, None
+        while lo <= hi:  # the longest n whose every prompt fits `length` (the prompts grow with n)
+            mid = (lo + hi) // 2
+            rows = make(mid)
+            if longest(rows) <= length:
+                best, lo = rows, mid + 1
+            else:
+                hi = mid - 1
+        rows = best if best is not None else make(0)
+        return [{**row, "n_tokens": measure(row)} for row in rows]
+
+
 TASKS: dict[str, type[Task]] = {
-    cls.name: cls for cls in (NeedleTask, MultiNeedleTask, KVRetrievalTask, DocQATask, UserNeedleTask, UserRecallTask)
+    cls.name: cls
+    for cls in (NeedleTask, MultiNeedleTask, KVRetrievalTask, DocQATask, UserNeedleTask, UserRecallTask,
+                MultiQuestionTask)
 }
 
 
@@ -406,6 +572,15 @@ def sample_rng(seed: int, task: Task, length: int, depth: float, index: int) -> 
     return random.Random(f"{seed}|{task.sample_prefix}|{length}|{depth}|{index}")
 
 
+def document_rng(seed: int, task: Task, length: int, depths: Sequence[float], index: int) -> random.Random:
+    """One generator per document of a task that asks several questions of it (one per depth)."""
+    return random.Random(f"{seed}|{task.sample_prefix}|{length}|{','.join(f'{d:g}' for d in depths)}|{index}")
+
+
+COLUMNS = ("sample_id", "task", "metric", "length", "depth", "index", "seed", "split", "instruction", "document",
+           "question", "answer_prefix", "references", "max_new_tokens", "n_tokens")  # fmt: skip
+
+
 def build_samples(
     tokenizer,
     tasks: Sequence[str | Task],
@@ -414,6 +589,7 @@ def build_samples(
     *,
     samples_per_cell: int = 1,
     seed: int = 0,
+    split: str = "test",
     documents: str | None = None,
     prompt_format: str = "auto",
     limit: int | None = None,
@@ -421,43 +597,60 @@ def build_samples(
     """The evaluation samples as a `datasets.Dataset`, one row per (task, length, depth, index).
 
     Lengths count `tokenizer`'s tokens of the whole prompt (document and question, rendered with
-    `prompt_format`); `limit` keeps the first `limit` samples of each task.
+    `prompt_format`); `split` chooses the half (`dev`, `test` or `all`, see `sample_split`) and
+    `samples_per_cell` counts the samples of that half in each cell; `limit` keeps the first `limit` samples of
+    each task. Each row records its `split`.
     """
     import datasets
 
     from .prompts import encode
 
+    check_split(split)
+
     def measure(sample: dict) -> int:
         document_ids, question_ids = encode(tokenizer, sample, prompt_format=prompt_format)
         return len(document_ids) + len(question_ids)
 
+    def checked(task: Task, length: int, sample: dict) -> dict:
+        if sample["n_tokens"] > length:  # the scaffolding alone is longer: the length would be a lie
+            raise ValueError(
+                f"--lengths {length} is too short for task {task.spec}: its instruction, question, "
+                f"needed facts and prompt format already take {sample['n_tokens']} tokens; use lengths "
+                f"of at least {sample['n_tokens']} (a few hundred leave room for a document)"
+            )
+        return sample
+
+    def row(task: Task, length: int, depth: float, index: int, sample: dict) -> dict:
+        depth_label = int(depth) if float(depth).is_integer() else depth
+        return {"sample_id": f"{task.sample_prefix}/L{length}/d{depth_label}/i{index}/s{seed}", "task": task.spec,
+                "metric": task.metric, "length": int(length), "depth": float(depth), "index": index, "seed": seed,
+                "split": sample_split(index), **sample}  # fmt: skip
+
+    for depth in depths:
+        if not 0 <= depth <= 100:
+            raise ValueError(f"depths are percents of the document, 0 to 100; got {depth}")
+    indices = split_indices(split, samples_per_cell)
     rows = []
     for task in tasks:
         task = parse_task(task, documents) if isinstance(task, str) else task
         if task.uses_documents and task.documents is None and documents is not None:
             task = replace(task, documents=str(documents))
-        count = 0
+        made: list[dict] = []
+        full = lambda: limit is not None and len(made) >= limit  # noqa: E731
         for length in lengths:
-            for depth in depths:
-                for index in range(samples_per_cell):
-                    if limit is not None and count >= limit:
+            if task.asks_per_document:
+                for index in indices:
+                    if full():
                         break
-                    if not 0 <= depth <= 100:
-                        raise ValueError(f"depths are percents of the document, 0 to 100; got {depth}")
+                    rng = document_rng(seed, task, length, depths, index)
+                    questions = task.build_document(rng, length, depths, sample_split(index), measure)
+                    made += [row(task, length, d, index, checked(task, length, q)) for d, q in zip(depths, questions)]
+                continue
+            for depth in depths:
+                for index in indices:
+                    if full():
+                        break
                     sample = task.build(sample_rng(seed, task, length, depth, index), length, depth, measure)
-                    if sample["n_tokens"] > length:  # the scaffolding alone is longer: the length would be a lie
-                        raise ValueError(
-                            f"--lengths {length} is too short for task {task.spec}: its instruction, question, "
-                            f"needed facts and prompt format already take {sample['n_tokens']} tokens; use lengths "
-                            f"of at least {sample['n_tokens']} (a few hundred leave room for a document)"
-                        )
-                    depth_label = int(depth) if float(depth).is_integer() else depth
-                    rows.append({
-                        "sample_id": f"{task.sample_prefix}/L{length}/d{depth_label}/i{index}/s{seed}",
-                        "task": task.spec, "metric": task.metric, "length": int(length), "depth": float(depth),
-                        "index": index, "seed": seed, **sample,
-                    })  # fmt: skip
-                    count += 1
-    columns = ["sample_id", "task", "metric", "length", "depth", "index", "seed", "instruction", "document",
-               "question", "answer_prefix", "references", "max_new_tokens", "n_tokens"]  # fmt: skip
-    return datasets.Dataset.from_list([{c: row[c] for c in columns} for row in rows])
+                    made.append(row(task, length, depth, index, checked(task, length, sample)))
+        rows += made[:limit] if limit is not None else made
+    return datasets.Dataset.from_list([{c: r[c] for c in COLUMNS} for r in rows])
