@@ -11,7 +11,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .budget import GIB, kv_shape_from_config, model_weight_bytes
+from .caches.plan import plan_layers, sliding_kept
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
 from .codecs.intn import IntNCodec
@@ -73,8 +76,6 @@ def formula_bytes(spec: str, config, tokens: float, model_bytes: float) -> float
     rank their share of the width, eviction the tokens (`kept_tokens`: a ratio keeps its share, a budget caps them).
     Sliding-window layers hold at most their window (a ratio keeps its share of it, as `sliding_kept`).
     """
-    from .caches.compressed import sliding_kept
-
     shape = kv_shape_from_config(config)
     policy = parse_spec(spec)[0]
     per_token = 2 * shape.kv_heads * shape.head_dim * bytes_per_value(spec, model_bytes, config)
@@ -97,34 +98,22 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     """What the plan's cache holds for one user after `tokens` tokens, as `CompressedLayer.promised_bytes` counts
     it (codec rates, scales, the full-precision residual and sinks; tokens kept as `kept_tokens`), without running
     the model, with values of `model_bytes` bytes; tested against measured (tests/test_study_bytes.py)."""
-    import torch
-
-    from .codecs.base import resolve_for_model
-
     policy, codec = parse_spec(spec)
-    codec = resolve_for_model(codec, config) if hasattr(codec, "for_model") else codec
     shape = kv_shape_from_config(config)
     dtype = {4: torch.float32, 2: torch.bfloat16}.get(int(model_bytes), torch.float32)
-    from .caches.compressed import _sliding_layer_codec, _sliding_layer_policy, sliding_kept
-
     windows = shape.windows or (None,) * shape.layers
-    layer_types = getattr(text_config(config), "layer_types", None) or ()
     head_store = policy.scores_by_reconstruction and getattr(policy, "budgets", None) == "head" and policy.evicts
     total = 0.0
-    for i, window in enumerate(windows):
-        if window == 0:
+    for plan, held in zip(plan_layers(policy, codec, config), windows):  # the layers CompressedCache builds
+        if held == 0:  # a layer that stores no keys and values (budget.py: shared or not attention)
             continue
-        if window is not None:  # as CompressedCache builds a sliding layer (block window or exact window)
-            kind = layer_types[i] if i < len(layer_types) else "sliding_attention"
-            share = sliding_kept(policy, kind, window)
-            layer_codec = _sliding_layer_codec(codec, kind, share is not None)
-            sliding = _sliding_layer_policy(layer_codec, window, share)
+        layer_codec = plan.codec
+        if plan.is_sliding:  # a block window or an exact window
+            sliding = plan.policy
             kept = sliding.held(tokens) if sliding.drops_blocks else min(tokens, sliding.window)
         else:
-            layer_codec = codec.for_policy(policy.evicts) if hasattr(codec, "for_policy") else codec
             kept = kept_tokens(policy, tokens)
-        layer_codec = layer_codec.for_layer(i)  # as the cache builds each layer's codec (per-layer widths)
-        if window is None and head_store:
+        if not plan.is_sliding and head_store:
             # KVzip's per-head store (caches/head_budget_layer.py): kept pairs encoded, each with its float32
             # score; the codec's sinks exact beside it; one int64 length per head. The kept pairs among the
             # context's newest tokens, which the scored layer still held at full precision (its residual), stay
@@ -152,7 +141,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
         per_encoded = layer_codec.bytes_per_token(shape.head_dim, "key", dtype) + layer_codec.bytes_per_token(
             shape.head_dim, "value", dtype)
         total += shape.kv_heads * (encoded * per_encoded + (kept - encoded) * 2 * shape.head_dim * model_bytes)
-        if window is None and policy.evicts and (policy.needs_attention or policy.scores_by_reconstruction):
+        if not plan.is_sliding and policy.evicts and (policy.needs_attention or policy.scores_by_reconstruction):
             total += shape.kv_heads * kept * 4  # each kept slot's float32 score (H2O's sums, KVzip's maxima)
         if layer_codec.sink_tokens and (encoded > 0 or kept < tokens):
             # full-precision sinks, copied at the first encoding or eviction: keys, values and an int64 slot each
@@ -209,6 +198,16 @@ class PlanResult:
     # kept share of the tokens at --context (users per GPU) below the share its score was measured at: a budget
     # or window keeps the same tokens of a longer context, so the score does not carry over to those users
     stretched: bool = False
+
+
+@dataclass(frozen=True)
+class LessonRow:
+    """A row of the lesson's table (lesson_table.py builds them) as the study's results file keeps it."""
+
+    lesson: str  # the lesson's row
+    lesson_factor: float  # how many times smaller at the lesson's 8B shape, 32k tokens
+    result: PlanResult | None  # the study's plan standing for it, None when no plan of the study matches
+    formula_factor: float = float("nan")  # the uncompressed formula's bytes / this plan's, on the studied model
 
 
 def depth_bands(records: list[dict]) -> dict[str, float]:
@@ -506,8 +505,6 @@ def write_results(results: list[PlanResult], lesson: list, path: str | Path, **a
 def read_results(path: str | Path) -> tuple[dict, list[PlanResult], list]:
     """What `write_results` wrote: (what was studied, the PlanResults, the lesson's rows as LessonRows)."""
     import json
-
-    from .lesson_table import LessonRow
 
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     results = []
