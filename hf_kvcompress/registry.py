@@ -86,7 +86,7 @@ EVICTION_STUDY_PLANS: tuple[str, ...] = (
 )
 
 
-def _parse_value(text: str):
+def parse_value(text: str):
     lowered = text.lower()
     if lowered in ("none", "null"):
         return None
@@ -107,7 +107,7 @@ def _parse_part(part: str) -> tuple[str, dict]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"spec arguments must be key=value, got {item!r} in {part!r}")
-        kwargs[key.strip()] = _parse_value(value.strip())
+        kwargs[key.strip()] = parse_value(value.strip())
     return name.strip().lower(), kwargs
 
 

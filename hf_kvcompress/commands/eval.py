@@ -104,12 +104,12 @@ def run(args) -> int:
     from ..extras import require
 
     require("eval", "hf-kvcompress eval")
-    from ..eval.runner import _state, check_context, run_eval
+    from ..eval.runner import distributed_state, check_context, run_eval
     from ..models import load_config, load_model
 
     tasks, methods = check_arguments(args)
     check_context(load_config(args.model), args.lengths)  # before the weights load
-    state = _state()
+    state = distributed_state()
     if state is None and os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":
         print("note: `accelerate launch --cpu` starts a single process; to split the samples use "
               "`accelerate launch --multi_gpu --num_processes N` (CPU processes without a GPU) or `torchrun`",

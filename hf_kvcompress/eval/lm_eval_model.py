@@ -29,7 +29,7 @@ from ..generation import prefill, repeat_prompt_ids
 from ..hf.compat import cache_kwargs
 from ..registry import bounds_memory, make_cache, parse_spec
 from .prompts import encode, protocol_name
-from .runner import _first, run_batch
+from .runner import first_item, run_batch
 
 MODEL_NAME = "hf-kvcompress"
 _SAMPLE_FIELDS = ("instruction", "document", "question", "references")
@@ -110,7 +110,7 @@ class KVCompressLM(HFLM):
 
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:
-            pad_id = _first(self.model.generation_config.eos_token_id)
+            pad_id = first_item(self.model.generation_config.eos_token_id)
         results = []
         for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc=f"generate ({self.cache_spec})"):
             context, gen_kwargs = request.args

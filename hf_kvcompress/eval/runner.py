@@ -64,7 +64,7 @@ def _needs_attention(spec: str) -> bool:
     return bool(check(spec)) if check is not None else False
 
 
-def _tokens_stored(cache) -> float:
+def tokens_per_layer(cache) -> float:
     """Tokens a cache holds per layer (mean over layers), padding included."""
     counts = []
     for layer in getattr(cache, "layers", []):
@@ -77,7 +77,7 @@ def _tokens_stored(cache) -> float:
     return sum(counts) / len(counts) if counts else float("nan")
 
 
-class _Attention:
+class AttentionSwitch:
     """Switch the model to the attention function that reports attention scores while a method needs it."""
 
     def __init__(self, model, spec: str):
@@ -168,7 +168,7 @@ def run_batch(
     step = chunk_size if chunk_size and _bounds_memory(spec) else max(width, 1)
     served = served_torch_dtype(model)
     peak = peak_served = 0  # the largest storage measured after any prefill chunk or after decoding
-    with _Attention(model, spec):
+    with AttentionSwitch(model, spec):
         sync(device)
         start = time.perf_counter()
 
@@ -183,11 +183,11 @@ def run_batch(
         document_seconds = time.perf_counter() - start
         kv_document = measured_kv_bytes(cache)
         kv_document_served = served_kv_bytes(cache, served)
-        stored = _tokens_stored(cache)
+        stored = tokens_per_layer(cache)
         result = generate(model, full_ids, full_mask, cache, max_new_tokens=max_new_tokens, prefill_chunk_size=step)
     peak = max(peak, result.kv_bytes)
     peak_served = max(peak_served, kv_document_served, served_kv_bytes(cache, served))
-    eos = _eos_ids(model)
+    eos = eos_ids(model)
     new_tokens = []
     for row in result.new_tokens.tolist():
         cut = next((i for i, t in enumerate(row) if t in eos), len(row))
@@ -204,7 +204,8 @@ def run_batch(
     )
 
 
-def _eos_ids(model) -> set[int]:
+def eos_ids(model) -> set[int]:
+    """The model's end-of-sequence token ids (its generation config may give one or several)."""
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:
         return set()
@@ -328,7 +329,7 @@ def export_samples(samples, out_dir: str | os.PathLike) -> list[Path]:
 # ------------------------------------------------------------------------------------------------ the run
 
 
-def _state():
+def distributed_state():
     """accelerate's PartialState when launched with several processes, else None (no distributed set-up).
 
     `accelerate launch --multi_gpu` and `torchrun` start the processes and set WORLD_SIZE; without a GPU the
@@ -437,7 +438,7 @@ def run_eval(
         raise ValueError(f"--chunk-size must be a positive number of tokens, got {chunk_size}")
     if samples is None:
         check_context(model.config, lengths)
-    state = _state()
+    state = distributed_state()
     is_main = state is None or state.is_main_process
     if samples is None:
         samples = build_samples(
@@ -455,7 +456,9 @@ def run_eval(
     encoded = [encode(tokenizer, row, query_aware=query_aware, prompt_format=prompt_format) for row in rows]
     protocol = protocol_name(query_aware)
     chat = uses_chat(tokenizer, prompt_format)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _first(model.generation_config.eos_token_id)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = first_item(model.generation_config.eos_token_id)
     repeat_ids = repeat_prompt_ids(tokenizer, chat=chat)
 
     out = Path(out_dir) if out_dir is not None else None
@@ -636,5 +639,6 @@ def _merge_shards(out: Path) -> None:
         shard.unlink()
 
 
-def _first(value):
+def first_item(value):
+    """`value`'s first element when it is a list or tuple (a config's several EOS ids), else `value`."""
     return value[0] if isinstance(value, (list, tuple)) else value
