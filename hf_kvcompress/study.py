@@ -7,6 +7,8 @@ into the lesson's table, its "users per GPU" worked example, and a recommendatio
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ from .codecs.intn import IntNCodec
 from .codecs.lowrank import LowRankCodec
 from .codecs.reducing import ReducingCodec
 from .codecs.shared_heads import SharedHeadsCodec
+from .eval.report import served_bytes
 from .hf.compat import text_config
 from .registry import STUDY_PLANS, parse_spec, study_specs
 
@@ -164,8 +167,6 @@ def wilson(successes: int, n: int) -> tuple[float, float]:
 
 def bootstrap_mean(values: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% percentile-bootstrap interval of a mean (scores can be partial, so not a proportion)."""
-    import torch
-
     if not values:
         return float("nan"), float("nan")
     x = torch.tensor(values, dtype=torch.float64)
@@ -242,8 +243,6 @@ def analyse(records: list[dict], config, model_bytes: float, weights_bytes: floa
     the model in float32, but the ratios a user sees are against the 16-bit cache. Users per GPU come from
     `promised_bytes` at `context` tokens, which must not pass the model's max_position_embeddings.
     """
-    from .eval.report import served_bytes
-
     longest = getattr(text_config(config), "max_position_embeddings", None)
     if longest and context > longest:
         raise ValueError(f"context={context:,} tokens is past this model's max_position_embeddings ({longest:,})")
@@ -440,7 +439,7 @@ def _label_log_axis(axis, values: list[float]) -> None:
     matplotlib's default labels every minor tick of a span under a decade or two as 2x10^0, 3x10^0, 4x10^0...,
     which overlap; here the labels sit at 1-9, 1-2-5 or the powers of ten of each decade, by the span.
     """
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # the eval extra's: plots only
 
     values = [v for v in values if v > 0 and math.isfinite(v)]
     decades = math.log10(max(values) / min(values)) if values else 3.0
@@ -453,7 +452,7 @@ def _label_log_axis(axis, values: list[float]) -> None:
 def plot_study(results: list[PlanResult], out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Score (with its 95% interval) against measured bytes; points are numbered and named in a key beside the
     axes, so no two labels can overlap however close the points sit."""
-    import matplotlib
+    import matplotlib  # the eval extra's: plots only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -485,9 +484,6 @@ def plot_study(results: list[PlanResult], out_dir: str | Path, dtype: str = "bfl
 
 def write_results(results: list[PlanResult], lesson: list, path: str | Path, **about) -> Path:
     """The study's numbers as JSON (every plan, then the lesson's rows by plan), for notebooks and other reports."""
-    import dataclasses
-    import json
-
     def plan(r: PlanResult) -> dict:
         row = dataclasses.asdict(r)
         row.pop("scores")
@@ -504,8 +500,6 @@ def write_results(results: list[PlanResult], lesson: list, path: str | Path, **a
 
 def read_results(path: str | Path) -> tuple[dict, list[PlanResult], list]:
     """What `write_results` wrote: (what was studied, the PlanResults, the lesson's rows as LessonRows)."""
-    import json
-
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     results = []
     for row in data.pop("plans"):

@@ -37,7 +37,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_kvcompress import load_model
 from hf_kvcompress.caches.compressed import CompressedCache
+from hf_kvcompress.caches.plan import plan_layers
+from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.codecs.intn import IntNCodec
+from hf_kvcompress.policies.keep_all import KeepAllPolicy
 from hf_kvcompress.registry import parse_value
 from hf_kvcompress.eval.prompts import encode
 from hf_kvcompress.eval.tasks import build_samples
@@ -102,11 +105,10 @@ def main() -> None:
     args = parser.parse_args()
     configs = args.configs.split(";")
     model, tokenizer = load_model(args.model, dtype=torch.float32)
-    decoder = model.config.get_text_config(decoder=True)
-    layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
-    # Sliding-window layers (Gemma-3) attend over their window.
-    layers = list(range(len(layer_types)))
-    windows = {i: decoder.sliding_window for i, kind in enumerate(layer_types) if kind == "sliding_attention"}
+    plans = plan_layers(KeepAllPolicy(), IdentityCodec(), model.config)
+    # Sliding-window layers (Gemma-3) attend over their window, as the cache plans them.
+    layers = list(range(len(plans)))
+    windows = {p.index: p.attention_window for p in plans if p.attention_window is not None}
     depths = [float(d) for d in args.depths.split(",")]
     samples = (build_samples(tokenizer, ["needle"], [args.length], depths) if args.text == "needle"
                else [None])

@@ -24,7 +24,10 @@ import torch
 from quant_attention_error import (AttentionInterface, AttentionMaskInterface, IntNCodec, as_stored, attend,
                                    build_samples, encode, load_model, parse_value, recording_attention,
                                    sdpa_mask)  # fmt: skip
+from hf_kvcompress.caches.plan import plan_layers
 from hf_kvcompress.codecs.base import resolve_for_model
+from hf_kvcompress.codecs.identity import IdentityCodec
+from hf_kvcompress.policies.keep_all import KeepAllPolicy
 
 
 def main() -> None:
@@ -37,9 +40,9 @@ def main() -> None:
                         help="IntNCodec keyword sets separated by ';' (key_axis is set by the script)")
     args = parser.parse_args()
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu")
-    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
-    windows = {i: model.config.get_text_config().sliding_window for i, kind in enumerate(layer_types)
-               if kind == "sliding_attention"}  # fmt: skip
+    # the sliding_attention layers and their windows, as the cache plans them
+    windows = {p.index: p.attention_window for p in plan_layers(KeepAllPolicy(), IdentityCodec(), model.config)
+               if p.attention_window is not None}  # fmt: skip
     if not windows:
         parser.error(f"--model {args.model} has no sliding-window layers")
     configs = [c for c in args.configs.split(";") if c]

@@ -17,6 +17,9 @@ import os
 import sys
 import time
 
+from ..extras import require
+from .checks import check_device
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -73,10 +76,10 @@ def add_parser(subparsers) -> None:
 
 def check_arguments(args) -> tuple[list[str], list[str]]:
     """(tasks, methods) with every spec parsed and every size checked: bad input fails before the model loads."""
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
     from ..eval.data import read_user_documents
     from ..eval.runner import check_specs
     from ..eval.tasks import parse_task, split_specs
-    from .checks import check_device
 
     if args.tasks is None:
         tasks = ["needle"] + (["user_needle", "user_recall"] if args.documents else [])
@@ -101,9 +104,8 @@ def check_arguments(args) -> tuple[list[str], list[str]]:
 
 
 def run(args) -> int:
-    from ..extras import require
-
-    require("eval", "hf-kvcompress eval")
+    require("eval", "hf-kvcompress eval")  # before any of the eval extra's modules is imported
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
     from ..eval.runner import distributed_state, check_context, run_eval
     from ..models import load_config, load_model
 

@@ -41,7 +41,7 @@ def dataset(
     **_ignored,
 ):
     """A DatasetDict with one `test` split of the suite's samples of `task` (a task name from tasks.TASKS)."""
-    import datasets
+    import datasets  # the eval extra's
 
     if data_dir:
         folder = Path(data_dir)
@@ -53,6 +53,8 @@ def dataset(
         if limit is not None:
             rows = rows[: int(limit)]
         return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+    # lm-eval imports every task folder's utils when it lists tasks: the model and the sample builder load only
+    # when a task's samples are built
     from ..models import load_model
     from .tasks import build_samples
 

@@ -21,12 +21,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from .. import __version__, registry
+from ..budget import served_dtype
 from ..generation import generate, prefill, repeat_prompt_ids, sync
+from ..hf.attention import use_kvcompress_attention
 from ..measure import measured_kv_bytes, served_kv_bytes
+from . import report
 from .prompts import encode, protocol_name, uses_chat
 from .resolved import resolved_digest
 from .scoring import score_all
+from .tasks import build_samples
 
 BASELINE = "dynamic"
 RESULTS = "results.jsonl"
@@ -45,21 +51,15 @@ SETTING_FIELDS = ("model", "dtype", "device", "protocol", "prompt_format", "chun
 
 
 def make_cache(spec: str, config):
-    """A fresh cache for `spec` from the registry (imported here, so this module loads without it)."""
-    from .. import registry
-
+    """A fresh cache for `spec` from the registry."""
     return registry.make_cache(spec, config)
 
 
 def _bounds_memory(spec: str) -> bool:
-    from .. import registry
-
     return registry.bounds_memory(spec)
 
 
 def _needs_attention(spec: str) -> bool:
-    from .. import registry
-
     check = getattr(registry, "needs_attention", None)
     return bool(check(spec)) if check is not None else False
 
@@ -86,8 +86,6 @@ class AttentionSwitch:
 
     def __enter__(self):
         if self.needed:
-            from ..hf.attention import use_kvcompress_attention
-
             use_kvcompress_attention(self.model)
         return self
 
@@ -133,8 +131,6 @@ def left_pad(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: int):
 def served_name(model) -> str:
     """The dtype the model is served in, whose bytes the reports compare: the dtype it runs in when that is 16-bit,
     else its config's 16-bit dtype, else bfloat16 (`budget.served_dtype`); a CPU runs it in float32."""
-    from ..budget import served_dtype
-
     return served_dtype(model.dtype, getattr(model.config, "dtype", None))[0]
 
 
@@ -339,7 +335,7 @@ def distributed_state():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
-    from accelerate import PartialState
+    from accelerate import PartialState  # the eval extra's; a single process never needs it
 
     state = PartialState(cpu=not torch.cuda.is_available())
     if state.num_processes != world:
@@ -350,8 +346,6 @@ def distributed_state():
 def package_version() -> str:
     """The source's version: an editable install's metadata keeps the version it was installed at, and a stale
     version would let the runner reuse results made by other code."""
-    from .. import __version__
-
     return __version__
 
 
@@ -383,8 +377,6 @@ def check_context(config, lengths: Sequence[int], max_new_tokens: int = 0) -> No
 
 def check_specs(methods: Sequence[str]) -> None:
     """Parse every cache spec before any work, so a typo fails at once with the registry's message."""
-    from .. import registry
-
     for spec in methods:
         registry.parse_spec(spec)
 
@@ -424,8 +416,6 @@ def run_eval(
     returns all records. Specs, sizes and the model's context are checked before any work; `counts`, when
     given, receives how many pairs were reused from out_dir and how many this run evaluates.
     """
-    from .tasks import build_samples
-
     methods = list(dict.fromkeys([BASELINE, *methods] if baseline else methods))
     if not methods:
         raise ValueError("no methods to evaluate")
@@ -514,8 +504,6 @@ def run_eval(
             print(f"eval: all {len(done)} results are already in {out / RESULTS} (same settings); nothing to run",
                   file=sys.stderr)  # fmt: skip
         else:
-            from tqdm.auto import tqdm
-
             where = f" [process 0 of {state.num_processes}: its share]" if state is not None else ""
             earlier = f", {len(done)} done before" if done else ""
             bar = tqdm(total=sum(len(item.rows) for item in mine), desc=f"eval{where}{earlier}", unit=" samples",
@@ -577,7 +565,7 @@ def run_eval(
             bar.close()
 
     if state is not None:
-        from accelerate.utils import gather_object
+        from accelerate.utils import gather_object  # the eval extra's, as in distributed_state
 
         state.wait_for_everyone()
         gathered = gather_object(new_records)
@@ -590,8 +578,6 @@ def run_eval(
     by_key.update({(r["method"], r["sample_id"]): r for r in new_records})
     records = [by_key[(m, s)] for m in methods for s in sample_ids if (m, s) in by_key]
     if out is not None and write_reports and is_main:
-        from .report import write_reports as _write
-
         # The reports cover the folder, not this run alone: methods of earlier runs stay in summary.md when
         # their records match this run's samples and settings (what a rerun of them would reuse).
         folder, stored, left_out = read_results(out), [], []
@@ -611,7 +597,7 @@ def run_eval(
                 left_out.append(method)
         notes = [f"Also in {RESULTS}, made with other settings or samples than this run's and not summarized: "
                  + ", ".join(f"`{m}`" for m in left_out) + "."] if left_out else []  # fmt: skip
-        _write(records + stored, out, notes=notes)
+        report.write_reports(records + stored, out, notes=notes)
     return records
 
 

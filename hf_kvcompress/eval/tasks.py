@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 from . import data
+from .prompts import encode
 
 # A small built-in vocabulary for needle keys (RULER draws adjective-noun pairs from wonderwords' lists).
 _ADJECTIVES = (
@@ -423,9 +424,7 @@ def build_samples(
     Lengths count `tokenizer`'s tokens of the whole prompt (document and question, rendered with
     `prompt_format`); `limit` keeps the first `limit` samples of each task.
     """
-    import datasets
-
-    from .prompts import encode
+    import datasets  # the eval extra's: the samples are built only by the lab
 
     def measure(sample: dict) -> int:
         document_ids, question_ids = encode(tokenizer, sample, prompt_format=prompt_format)
