@@ -10,6 +10,13 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import DynamicCache
+
+from .hf.compat import text_config
+from .hf.rope import rope_inv_freq
+from .ops.rerotate import rerotate
 
 BASES_FILE = "lowrank_bases.safetensors"
 PACKAGED_DIR = Path(__file__).parent / "calibrations"
@@ -26,7 +33,7 @@ def model_identity(config) -> str:
 
 def calibration_text(words: int = 4000) -> str:
     """HotpotQA paragraphs (Wikipedia): not the essays the needle tasks hide their needles in."""
-    from .eval.data import hotpotqa_questions
+    from .eval.data import hotpotqa_questions  # the lab's data: loading bases (the library's path) never reads it
 
     _, paragraphs = hotpotqa_questions()
     picked, count = [], 0
@@ -56,8 +63,6 @@ def explained(variances: torch.Tensor, rank: int) -> float:
 @torch.inference_mode()
 def layer_states(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(keys, values) [H, T, D] of every layer for one sequence, keys post-RoPE as a cache receives them."""
-    from transformers import DynamicCache
-
     cache = DynamicCache()  # no config: every layer keeps every token, sliding ones included
     model(input_ids=input_ids, cache=cache, use_cache=True)
     return [(layer.keys[0].float(), layer.values[0].float()) for layer in cache.layers]
@@ -65,10 +70,6 @@ def layer_states(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, tor
 
 def unrotated(keys: torch.Tensor, config, layer_idx: int) -> torch.Tensor:
     """Keys [H, T, D] with RoPE undone (position t rotated back by t): what pre-RoPE keys look like."""
-    from .hf.compat import text_config
-    from .hf.rope import rope_inv_freq
-    from .ops.rerotate import rerotate
-
     decoder = text_config(config)
     layer_types = getattr(decoder, "layer_types", None)
     inv_freq = rope_inv_freq(config, layer_types[layer_idx] if layer_types else None)
@@ -110,8 +111,6 @@ def calibrate(model, input_ids: torch.Tensor, max_rank: int | None = None,
 
 
 def save_bases(tensors: dict, metadata: dict, out_dir: str | os.PathLike) -> Path:
-    from safetensors.torch import save_file
-
     path = Path(out_dir) / BASES_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.half() if k.endswith("_basis") or k.endswith("_mean") else v for k, v in tensors.items()},
@@ -128,10 +127,6 @@ def packaged_bases(config) -> Path | None:
 def load_bases(source: str | os.PathLike | None, config) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read bases for `config`'s model from `source` (a file or a directory holding one; None: the packaged ones),
     refusing bases fitted on another model or shape."""
-    from safetensors import safe_open
-
-    from .hf.compat import text_config
-
     if source is None:
         path = packaged_bases(config)
         if path is None:

@@ -24,11 +24,13 @@ import os
 from collections.abc import Sequence
 
 import torch
+from safetensors import safe_open
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from .caches.compressed import CompressedCache
 from .caches.persist import load_cache, save_cache
 from .eval.prompts import PROMPT_FORMATS, encode, uses_chat
+from .hf.attention import ATTENTION_NAME
 from .generation import generate, prefill, repeat_prompt_ids
 from .measure import measured_kv_bytes
 from .registry import make_cache, needs_attention
@@ -188,8 +190,6 @@ def _eos_ids(model, tokenizer, given=None) -> set[int]:
 
 
 def _check_attention(model, spec: str) -> None:
-    from .hf.attention import ATTENTION_NAME
-
     if needs_attention(spec) and getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
         raise ValueError(
             f"spec {spec!r} scores tokens by attention (or by KVzip's reconstruction pass): call "
@@ -228,8 +228,6 @@ def compress_document(model, tokenizer, text: str, spec: str = "dynamic", *, ins
 
 def load_document(path: str | os.PathLike, model, tokenizer, device: str | torch.device | None = None) -> Document:
     """The `Document` that `Document.save` wrote to `path`, on `device` (default: the model's)."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
     if _METADATA_KEY not in metadata:

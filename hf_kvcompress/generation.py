@@ -132,7 +132,7 @@ def prefill(
     finally:
         END_ALIGNED_CHUNKS.reset(marker)
     if reconstruct:
-        _score_by_reconstruction(
+        score_by_reconstruction(
             model, input_ids, attention_mask, cache, repeat_prompt_ids, reconstruction_chunk, reconstruction_overlap,
             on_chunk,
         )
@@ -150,7 +150,7 @@ def _check_absolute_positions(config, total: int) -> None:
         )
 
 
-def _score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids, chunk, overlap, on_chunk) -> None:
+def score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids, chunk, overlap, on_chunk) -> None:
     """KVzip's scoring pass (arXiv:2505.23416, Sec. 3.2): each row repeats its own real tokens, chunk by chunk.
 
     Rows of a padded batch are split at the same offsets from their first real token as they would be alone; a

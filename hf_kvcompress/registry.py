@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
-from .caches.compressed import CompressedCache
+# cache_spec (a cache's spec string) lives beside the cache, which names itself by it and never imports the registry.
+from .caches.compressed import CompressedCache, cache_spec  # noqa: F401 (re-exported)
 from .codecs.base import Codec
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
@@ -85,7 +86,7 @@ EVICTION_STUDY_PLANS: tuple[str, ...] = (
 )
 
 
-def _parse_value(text: str):
+def parse_value(text: str):
     lowered = text.lower()
     if lowered in ("none", "null"):
         return None
@@ -106,7 +107,7 @@ def _parse_part(part: str) -> tuple[str, dict]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"spec arguments must be key=value, got {item!r} in {part!r}")
-        kwargs[key.strip()] = _parse_value(value.strip())
+        kwargs[key.strip()] = parse_value(value.strip())
     return name.strip().lower(), kwargs
 
 
@@ -201,15 +202,6 @@ def policy_spec(policy: Policy) -> str:
 
 def codec_spec(codec: Codec) -> str:
     return codec.spec()
-
-
-def cache_spec(policy: Policy, codec: Codec) -> str:
-    base = policy_spec(policy)
-    if isinstance(codec, IdentityCodec):
-        return base
-    if isinstance(policy, KeepAllPolicy) and base == KeepAllPolicy.name:  # `int4`, not `dynamic+int4`
-        return codec_spec(codec)
-    return f"{base}+{codec_spec(codec)}"
 
 
 def study_specs(context_tokens: int, head_dim: int = 64, plans: tuple[str, ...] = STUDY_PLANS) -> list[str]:

@@ -12,7 +12,9 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 
 from ..hf.compat import text_config
 from .compressed import CompressedCache
@@ -79,9 +81,7 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     Pass `model` to have its name and architecture checked against the saved ones now; `generate` in this package
     checks them in any case before using the cache.
     """
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
+    # The saved spec string is read by the registry, which imports the caches (registry.py -> compressed.py).
     from ..registry import parse_spec
 
     with safe_open(str(path), framework="pt") as handle:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import ClassVar, Literal
 
 import torch
 
+from ..hf.compat import text_config
+from ..hf.rope import rope_inv_freq
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
 from ..ops.cpu_decode import KernelLayout
 from ..ops.hadamard import rotate_batch_rows, rotate_rows
@@ -203,8 +205,6 @@ class IntNCodec(Codec):
         """Settle `rotate=auto` for the model's family, and read the full-attention layers' RoPE frequencies from
         the config (pre_rope only). A model without RoPE stores its keys unrotated already, so pre_rope has nothing
         to undo there (no frequencies, no change)."""
-        from ..hf.compat import text_config
-
         codec = self
         if codec.rotate == "auto":  # the spec keeps saying `auto`; the copy knows what it means for this model
             codec = copy.copy(codec)
@@ -217,8 +217,6 @@ class IntNCodec(Codec):
                                  f"got {codec.wide_layers!r}")
         if not codec.pre_rope:
             return codec
-        from ..hf.rope import rope_inv_freq
-
         has_rope = getattr(text_config(config), "rope_parameters", None) is not None
         bound = copy.copy(codec)
         inv_freq = tuple(rope_inv_freq(config, "full_attention").tolist()) if has_rope else ()
@@ -245,8 +243,6 @@ class IntNCodec(Codec):
 
     def for_policy(self, evicts: bool) -> "IntNCodec":
         """Settle `key_axis`: per-channel key groups cannot lose single tokens, so eviction needs per-token keys."""
-        from dataclasses import replace
-
         if self.key_axis is None:
             settled = replace(self, key_axis="token" if evicts else "channel")
             for bound in ("inv_freq", "settled_rotation"):  # replace() resets init=False fields

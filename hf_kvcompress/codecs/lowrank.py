@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from ..calibration import load_bases
 from .base import Kind
 from .reducing import ReducingCodec
 
@@ -53,8 +54,6 @@ class LowRankCodec(ReducingCodec):
 
     def reduction_for_model(self, config) -> "LowRankCodec":
         """Load and check the bases for this model; settle `rank`."""
-        from ..calibration import load_bases
-
         tensors, meta = load_bases(self.bases, config)
         head_dim, max_rank = int(meta["head_dim"]), int(meta["max_rank"])
         rank = self.rank if self.rank is not None else head_dim // 4

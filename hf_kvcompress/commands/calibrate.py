@@ -18,6 +18,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
     from ..calibration import calibrate, calibration_ids, save_bases
     from ..models import load_model
 

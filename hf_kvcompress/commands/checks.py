@@ -18,7 +18,7 @@ def check_device(device: str | None, flag: str = "--device") -> None:
     """A CUDA device asked of a torch without CUDA (or without a visible GPU) fails here, in one line."""
     if device is None:
         return
-    import torch
+    import torch  # only when a device is asked for: --help reads no torch (tests/test_cli.py)
 
     try:
         kind = torch.device(device).type

@@ -17,6 +17,9 @@ import os
 import sys
 import time
 
+from ..extras import require
+from .checks import check_device
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -76,10 +79,10 @@ def add_parser(subparsers) -> None:
 
 def check_arguments(args) -> tuple[list[str], list[str]]:
     """(tasks, methods) with every spec parsed and every size checked: bad input fails before the model loads."""
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
     from ..eval.data import read_user_documents
     from ..eval.runner import check_specs
     from ..eval.tasks import parse_task, split_specs
-    from .checks import check_device
 
     if args.tasks is None:
         tasks = ["needle"] + (["user_needle", "user_recall"] if args.documents else [])
@@ -104,15 +107,14 @@ def check_arguments(args) -> tuple[list[str], list[str]]:
 
 
 def run(args) -> int:
-    from ..extras import require
-
-    require("eval", "hf-kvcompress eval")
-    from ..eval.runner import _state, check_context, run_eval
+    require("eval", "hf-kvcompress eval")  # before any of the eval extra's modules is imported
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
+    from ..eval.runner import distributed_state, check_context, run_eval
     from ..models import load_config, load_model
 
     tasks, methods = check_arguments(args)
     check_context(load_config(args.model), args.lengths)  # before the weights load
-    state = _state()
+    state = distributed_state()
     if state is None and os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":
         print("note: `accelerate launch --cpu` starts a single process; to split the samples use "
               "`accelerate launch --multi_gpu --num_processes N` (CPU processes without a GPU) or `torchrun`",

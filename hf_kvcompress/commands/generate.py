@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..budget import kv_bytes_from_config
+from .checks import DefaultsHelpFormatter, check_device
+
 
 def add_parser(subparsers) -> None:
-    from .checks import DefaultsHelpFormatter
-
     parser = subparsers.add_parser(
         "generate",
         help="answer a prompt with a (compressed) KV cache",
@@ -43,9 +44,9 @@ def render_prompt(tokenizer, text: str, chat: bool = True) -> str:
 def served_summary(model, cache) -> str:
     """The cache's bytes at the dtype the model is served in, against an uncompressed cache of the same tokens in
     that dtype (`budget.kv_bytes_from_config`): the ratio a user serving in 16-bit sees, whatever this run's dtype."""
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
     import torch
 
-    from ..budget import kv_bytes_from_config
     from ..eval.runner import served_name
     from ..measure import served_kv_bytes
 
@@ -62,6 +63,7 @@ def served_summary(model, cache) -> str:
 
 
 def run(args) -> int:
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
     from transformers import TextStreamer
 
     from ..generation import generate, repeat_prompt_ids
@@ -69,7 +71,6 @@ def run(args) -> int:
     from ..models import load_model
     from ..registry import bounds_memory, make_cache, needs_attention, parse_spec
     from ..study import residual_note
-    from .checks import check_device
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be a positive number of tokens, got {args.max_new_tokens}")

@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from ..eval.scoring import metrics_dir
+from ..extras import require
 
 
 def add_parser(subparsers) -> None:
@@ -37,8 +41,6 @@ def add_parser(subparsers) -> None:
 
 
 def _default_include_path() -> str | None:
-    from ..eval.scoring import metrics_dir
-
     try:
         return str(metrics_dir().parent)
     except FileNotFoundError:
@@ -47,8 +49,6 @@ def _default_include_path() -> str | None:
 
 def shipped_tasks() -> list[str]:
     """The kvc_* task folders in the eval_tasks shipped with hf-kvcompress."""
-    from pathlib import Path
-
     include = _default_include_path()
     return sorted(p.name for p in Path(include).glob("kvc_*") if p.is_dir()) if include else []
 
@@ -69,8 +69,6 @@ def lm_eval_argv(argv: list[str]) -> list[str]:
 
 
 def run(args) -> int:
-    from ..extras import require
-
     require("lm-eval", "hf-kvcompress lm-eval")
     argv = lm_eval_argv(args.lm_eval_args)
     if not argv or argv[0] in ("-h", "--help"):
@@ -79,7 +77,7 @@ def run(args) -> int:
         from ..eval.lm_eval_model import register
 
         register()
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.__main__ import cli_evaluate  # the lm-eval extra's, checked by require above
 
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]

@@ -7,7 +7,9 @@ import json
 import time
 from pathlib import Path
 
-from ..budget import GIB
+from ..budget import GIB, dtype_bytes, weight_bytes
+from ..extras import require
+from .checks import DefaultsHelpFormatter
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -42,7 +44,7 @@ PRESETS = {
 
 def preset_plans(preset: str, lengths: list[int], config) -> list[str]:
     """The preset's plans, scaled to the shortest length and the model's head_dim, each once."""
-    from .. import registry, study
+    from .. import registry, study  # the registry reads torch: imported when a study runs, not for --help
 
     plans = []
     for name in PRESETS[preset]["plans"].split(","):
@@ -51,8 +53,6 @@ def preset_plans(preset: str, lengths: list[int], config) -> list[str]:
 
 
 def add_parser(subparsers) -> None:
-    from .checks import DefaultsHelpFormatter
-
     parser = subparsers.add_parser(
         "study",
         help="quality versus memory of every plan on long-context recall",
@@ -105,7 +105,7 @@ def _baseline(records: list[dict], task: str = "needle") -> float:
 
 def _usable_plans(plans: list[str], config) -> tuple[list[str], dict[str, str]]:
     """The plans this model can run, and why each other one is refused (e.g. sharing on a one-KV-head model)."""
-    from ..registry import make_cache
+    from ..registry import make_cache  # as in preset_plans
 
     usable, refused = [], {}
     for plan in plans:
@@ -119,9 +119,8 @@ def _usable_plans(plans: list[str], config) -> tuple[list[str], dict[str, str]]:
 
 
 def run(args) -> int:
-    from ..extras import require
-
-    require("eval", "hf-kvcompress study")
+    require("eval", "hf-kvcompress study")  # before any of the eval extra's modules is imported
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
     from .. import study
     from ..eval.report import plot_heatmaps, splits_sentence, summarize
     from ..eval.runner import check_specs
@@ -129,7 +128,6 @@ def run(args) -> int:
     from ..lesson_table import format_lesson_table, lesson_rows
     from ..models import load_model
     from ..study_workers import default_workers, run_plans_split
-    from ..budget import dtype_bytes, weight_bytes
     from ..eval.runner import served_name
     from ..hf.compat import text_config
 

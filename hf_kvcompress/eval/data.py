@@ -48,7 +48,7 @@ BOOK_TEST_FROM_CHAPTER = "VII"
 
 def cache_dir() -> Path:
     """The package's per-user cache root (the same one the converted models live in)."""
-    from ..models import cache_dir as models_cache_dir
+    from ..models import cache_dir as models_cache_dir  # models.py imports torch; the data readers need none
 
     return models_cache_dir()
 

@@ -24,14 +24,16 @@ import inspect
 
 import torch
 from lm_eval.api.instance import Instance
-from lm_eval.api.registry import register_model
+from lm_eval.api.registry import model_registry, register_model
 from lm_eval.models.huggingface import HFLM
+from tqdm.auto import tqdm
 
 from ..generation import prefill, repeat_prompt_ids
 from ..hf.compat import cache_kwargs
+from ..models import load_model
 from ..registry import bounds_memory, make_cache, parse_spec
 from .prompts import encode, protocol_name
-from .runner import CompressedDocument, _first
+from .runner import CompressedDocument, first_item
 
 MODEL_NAME = "hf-kvcompress"
 _SAMPLE_FIELDS = ("instruction", "document", "question", "references")
@@ -77,8 +79,6 @@ class KVCompressLM(HFLM):
         dtype: str | None = None,
         **kwargs,
     ) -> None:
-        from ..models import load_model
-
         _refuse_unknown(kwargs)  # e.g. `recent=64`, split off an unquoted `cache=h2o:budget=256,recent=64`
         parse_spec(cache)  # a bad spec fails here, before the model loads
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -119,11 +119,9 @@ class KVCompressLM(HFLM):
         return ids[:-1], ids[-1:], None
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        from tqdm.auto import tqdm
-
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:
-            pad_id = _first(self.model.generation_config.eos_token_id)
+            pad_id = first_item(self.model.generation_config.eos_token_id)
         results = []
         for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc=f"generate ({self.cache_spec})"):
             context, gen_kwargs = request.args
@@ -141,8 +139,6 @@ class KVCompressLM(HFLM):
 
     @torch.inference_mode()
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        from tqdm.auto import tqdm
-
         results = []
         for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc=f"loglikelihood ({self.cache_spec})"):
             context, continuation = request.args
@@ -184,8 +180,6 @@ class KVCompressLM(HFLM):
 
 def register() -> str:
     """Register `hf-kvcompress` with lm-eval's model registry (idempotent); returns the name."""
-    from lm_eval.api.registry import model_registry
-
     if model_registry.get(MODEL_NAME, None) is not KVCompressLM:
         register_model(MODEL_NAME)(KVCompressLM)
     return MODEL_NAME

@@ -45,9 +45,9 @@ def dataset(
 ):
     """A DatasetDict with one `test` split (lm-eval's name for what it scores) holding the suite's samples of `task`
     (a task name from tasks.TASKS) from the half `split`."""
-    import datasets
+    import datasets  # the eval extra's
 
-    from .tasks import check_split, sample_split
+    from .tasks import check_split, sample_split  # as below: lm-eval lists tasks without building samples
 
     check_split(split)
 
@@ -67,6 +67,8 @@ def dataset(
         if limit is not None:
             rows = rows[: int(limit)]
         return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+    # lm-eval imports every task folder's utils when it lists tasks: the model and the sample builder load only
+    # when a task's samples are built
     from ..models import load_model
     from .tasks import build_samples
 

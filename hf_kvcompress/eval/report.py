@@ -14,6 +14,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from .. import registry
 from .tasks import BANDS, band_of, sample_split
 
 BASELINE = "dynamic"
@@ -141,8 +142,6 @@ def _mib(value) -> str:
 def _describe(spec: str) -> str | None:
     """The registry's one-line description of a method, when the registry offers one."""
     try:
-        from .. import registry
-
         describer = getattr(registry, "describe", None)
         return describer(spec) if describer is not None else None
     except Exception:  # a description is a courtesy; a spec the registry no longer parses still gets its table
@@ -227,7 +226,7 @@ def slug(text: str) -> str:
 
 def plot_heatmaps(records: list[dict], out_dir: str | os.PathLike) -> list[Path]:
     """One PNG per method: for each task, the mean score on a depth (rows) x length (columns) grid."""
-    import matplotlib
+    import matplotlib  # the eval extra's: plots only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -270,7 +269,7 @@ def plot_heatmaps(records: list[dict], out_dir: str | os.PathLike) -> list[Path]
 
 def plot_quality_vs_memory(summary: dict, out_dir: str | os.PathLike) -> Path:
     """Mean score against mean peak KV memory per method (ranked tasks, or all tasks if none is rankable)."""
-    import matplotlib
+    import matplotlib  # the eval extra's: plots only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

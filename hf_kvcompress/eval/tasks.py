@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 from . import data
+from .prompts import encode
 
 # A small built-in vocabulary for needle keys (RULER draws adjective-noun pairs from wonderwords' lists).
 _ADJECTIVES = (
@@ -601,9 +602,7 @@ def build_samples(
     `samples_per_cell` counts the samples of that half in each cell; `limit` keeps the first `limit` samples of
     each task. Each row records its `split`.
     """
-    import datasets
-
-    from .prompts import encode
+    import datasets  # the eval extra's: the samples are built only by the lab
 
     check_split(split)
 

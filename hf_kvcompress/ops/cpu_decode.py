@@ -89,7 +89,7 @@ def _extension(flags: tuple[str, ...] = tuple(FLAGS)):
         library = folder / f"{name}.so"
         if library.exists():
             return _load_built(name, library)
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import load  # heavy, and needs the cpu-kernel extra (ninja): only to build
 
         folder.mkdir(parents=True, exist_ok=True)
         source = folder / SOURCE.name  # compiled from a copy at a path that only this source's digest names

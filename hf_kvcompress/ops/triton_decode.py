@@ -28,7 +28,7 @@ def available() -> bool:
 def _kernel():
     """The jitted kernel, built on first use (importing triton then, not with the package)."""
     global triton, tl, _dequantise  # jitted kernels find the functions they call among the module's globals
-    import triton
+    import triton  # the triton extra, imported when the kernel is first built
     import triton.language as tl
 
     @triton.jit

@@ -17,7 +17,7 @@ def _spy(monkeypatch):
 
     def generate(model, input_ids, attention_mask, cache, **kwargs):
         seen = cache.get_seq_length()
-        log["at_question"] = (seen, runner._tokens_stored(cache), input_ids[0, seen:].tolist())
+        log["at_question"] = (seen, runner.tokens_per_layer(cache), input_ids[0, seen:].tolist())
         return real_generate(model, input_ids, attention_mask, cache, **kwargs)
 
     monkeypatch.setattr(runner, "prefill", prefill)
