@@ -517,12 +517,11 @@ class MultiQuestionTask(Task):
                      "references": references, "max_new_tokens": 16}
                     for _, question, prefix, references in facts]  # fmt: skip
 
-        longest = lambda rows: max(measure(row) for row in rows)  # noqa: E731
         lo, hi, best = 0, length, None
         while lo <= hi:  # the longest n whose every prompt fits `length` (the prompts grow with n)
             mid = (lo + hi) // 2
             rows = make(mid)
-            if longest(rows) <= length:
+            if max(measure(row) for row in rows) <= length:
                 best, lo = rows, mid + 1
             else:
                 hi = mid - 1
@@ -635,7 +634,10 @@ def build_samples(
         if task.uses_documents and task.documents is None and documents is not None:
             task = replace(task, documents=str(documents))
         made: list[dict] = []
-        full = lambda: limit is not None and len(made) >= limit  # noqa: E731
+
+        def full() -> bool:
+            return limit is not None and len(made) >= limit
+
         for length in lengths:
             if task.asks_per_document:
                 for index in indices:
