@@ -5,7 +5,7 @@ evaluation does (eval/prompts.py: the chat template for an instruct model, "docu
 model, split where the document ends), prefills the document part into a cache of any spec (KVzip's reconstruction
 pass included) and returns a `Document`; `Document.ask` appends each question's part (the end of the user's turn and
 the start of the assistant's, for a chat model) to a copy of that cache and decodes the answer. Several questions are
-asked as one batch. A `Document` is saved and loaded like any cache (caches/persist.py), its text beside it.
+asked as one batch. A `Document` is saved and loaded like any cache (persist.py), its text beside it.
 
 Example::
 
@@ -28,7 +28,7 @@ from safetensors import safe_open
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from .caches.compressed import CompressedCache
-from .caches.persist import load_cache, save_cache
+from .persist import load_cache, save_cache
 from .eval.prompts import PROMPT_FORMATS, encode, uses_chat
 from .hf.attention import ATTENTION_NAME
 from .generation import generate, prefill, repeat_prompt_ids

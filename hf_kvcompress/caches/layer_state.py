@@ -1,4 +1,4 @@
-"""A layer's state as named tensors and numbers, for `save_cache` and `load_cache` (caches/persist.py).
+"""A layer's state as named tensors and numbers, for `save_cache` and `load_cache` (hf_kvcompress/persist.py).
 
 `STATE_TENSORS` are also the per-row tensors that beam search and batch selection reorder (`batch_select_indices`);
 the store (storage.py), the per-slot records (slot_records.py), the padding counts (padding.py) and the scorer

@@ -16,8 +16,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from ..hf.compat import text_config
-from .compressed import CompressedCache
+from .caches.compressed import CompressedCache
+from .hf.compat import text_config
+from .registry import parse_spec
 
 FORMAT = "hf-kvcompress-cache/1"
 
@@ -81,9 +82,6 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     Pass `model` to have its name and architecture checked against the saved ones now; `generate` in this package
     checks them in any case before using the cache.
     """
-    # The saved spec string is read by the registry, which imports the caches (registry.py -> compressed.py).
-    from ..registry import parse_spec
-
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
     if metadata.get("format") != FORMAT:
