@@ -30,8 +30,8 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from .caches.compressed import CompressedCache
 from .caches.persist import load_cache, save_cache
 from .eval.prompts import PROMPT_FORMATS, encode, uses_chat
-from .hf.attention import ATTENTION_NAME
 from .generation import generate, prefill, repeat_prompt_ids
+from .hf.attention import ATTENTION_NAME
 from .measure import measured_kv_bytes
 from .registry import make_cache, needs_attention
 

@@ -21,8 +21,16 @@ import torch
 from transformers import DynamicCache
 
 from .eval.prompts import encode, protocol_name, uses_chat
-from .eval.runner import (AttentionSwitch, eos_ids, first_item, left_pad, plan_batches, run_batch, served_name,
-                          tokens_per_layer)
+from .eval.runner import (
+    AttentionSwitch,
+    eos_ids,
+    first_item,
+    left_pad,
+    plan_batches,
+    run_batch,
+    served_name,
+    tokens_per_layer,
+)
 from .eval.scoring import score_all
 from .eval.tasks import sample_split
 from .generation import generate, prefill, repeat_prompt_ids, score_by_reconstruction

@@ -23,8 +23,8 @@ from .codecs.intn import IntNCodec
 from .codecs.lowrank import LowRankCodec
 from .codecs.reducing import ReducingCodec
 from .codecs.shared_heads import SharedHeadsCodec
-from .eval.tasks import BANDS
 from .eval.report import served_bytes
+from .eval.tasks import BANDS
 from .hf.compat import text_config
 from .registry import STUDY_PLANS, parse_spec, study_specs
 

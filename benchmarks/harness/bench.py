@@ -69,9 +69,9 @@ def worker(spec: str, length: int, batch: int, new_tokens: int, model_name: str 
     """One prefill and `new_tokens` greedy decode steps with cache `spec`; what they cost."""
     import torch
     import transformers
+    from bench_measure import prompt_ids, timed_run
 
     import hf_kvcompress
-    from bench_measure import prompt_ids, timed_run
     from hf_kvcompress import load_model, make_cache, measured_kv_bytes, use_kvcompress_attention
     from hf_kvcompress.generation import prefill, repeat_prompt_ids
     from hf_kvcompress.hf.compat import cache_kwargs

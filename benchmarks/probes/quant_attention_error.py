@@ -40,10 +40,10 @@ from hf_kvcompress.caches.compressed import CompressedCache
 from hf_kvcompress.caches.plan import plan_layers
 from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.codecs.intn import IntNCodec
-from hf_kvcompress.policies.keep_all import KeepAllPolicy
-from hf_kvcompress.registry import parse_value
 from hf_kvcompress.eval.prompts import encode
 from hf_kvcompress.eval.tasks import build_samples
+from hf_kvcompress.policies.keep_all import KeepAllPolicy
+from hf_kvcompress.registry import parse_value
 
 CONFIGS = [
     f"bits={b},rotate={r},key_axis={a},sink_tokens={s}"

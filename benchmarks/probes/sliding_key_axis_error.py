@@ -20,10 +20,20 @@ from __future__ import annotations
 import argparse
 
 import torch
+from quant_attention_error import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    IntNCodec,
+    as_stored,
+    attend,
+    build_samples,
+    encode,
+    load_model,
+    parse_value,
+    recording_attention,
+    sdpa_mask,
+)
 
-from quant_attention_error import (AttentionInterface, AttentionMaskInterface, IntNCodec, as_stored, attend,
-                                   build_samples, encode, load_model, parse_value, recording_attention,
-                                   sdpa_mask)  # fmt: skip
 from hf_kvcompress.caches.plan import plan_layers
 from hf_kvcompress.codecs.base import resolve_for_model
 from hf_kvcompress.codecs.identity import IdentityCodec

@@ -94,11 +94,12 @@ def main() -> None:
     if args.child:
         return _child(args.child)
 
+    from transformers import AutoTokenizer
+
     from hf_kvcompress.eval.prompts import encode
     from hf_kvcompress.eval.scoring import score_all
     from hf_kvcompress.eval.tasks import build_samples
     from hf_kvcompress.models import ensure_converted, load_config
-    from transformers import AutoTokenizer
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

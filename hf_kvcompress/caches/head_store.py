@@ -50,7 +50,7 @@ class RaggedHeads:
         self._counts: list[int] | None = None  # `lengths` flattened, on the host (no tensor: bytes stay exact)
 
     @classmethod
-    def pack(cls, keys: Encoded, values: Encoded, scores: torch.Tensor, keep: torch.Tensor) -> "RaggedHeads":
+    def pack(cls, keys: Encoded, values: Encoded, scores: torch.Tensor, keep: torch.Tensor) -> RaggedHeads:
         """The pairs `keep` [B, H, T] (bool) of token-wise encodings whose tensors are [B, H, T, ...]."""
         heads = keep.shape[1]
         for name, tensor in [*keys.items(), *values.items()]:
@@ -185,7 +185,7 @@ class RaggedHeads:
         return tensors
 
     @classmethod
-    def from_state(cls, tensors: dict[str, torch.Tensor]) -> "RaggedHeads":
+    def from_state(cls, tensors: dict[str, torch.Tensor]) -> RaggedHeads:
         keys = {n[len("key."):]: t for n, t in tensors.items() if n.startswith("key.")}
         values = {n[len("value."):]: t for n, t in tensors.items() if n.startswith("value.")}
         return cls(keys, values, tensors["scores"], tensors["lengths"])
@@ -258,7 +258,7 @@ class HeadStore:
     def rank(
         cls, store: TokenStore, scores: torch.Tensor, keep: torch.Tensor, sink_slots: torch.Tensor | None,
         real_seen: torch.Tensor, policy: Policy,
-    ) -> "HeadStore":
+    ) -> HeadStore:
         """The pairs `keep` [B, H, T] (bool) of a token store's slots, scored `scores` [B, H, T]. `sink_slots`
         [B, H, S] (-1: none): the codec's exact sinks, captured in `store`, which stay exact beside the pairs."""
         keep = keep.clone()
@@ -471,7 +471,7 @@ class HeadStore:
     @classmethod
     def from_state(
         cls, codec: Codec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], device: torch.device
-    ) -> "HeadStore":
+    ) -> HeadStore:
         """The store `state()` described (other names in `tensors` are ignored), copied to `device`."""
         moved = {n: t.to(device, copy=True) for n, t in tensors.items()}
         encoded = RaggedHeads.from_state({n[len("store."):]: t for n, t in moved.items() if n.startswith("store.")})

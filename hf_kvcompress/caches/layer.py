@@ -31,7 +31,13 @@ from .head_store import HeadStore
 from .layer_state import LayerState
 from .padding import CHUNKS_SPLIT_PADDED_ROWS, END_ALIGNED_CHUNKS, PADDING_SPLITS_GROUPS, RowPadding
 from .requests import (
-    ENABLE_ATTENTION_HINT, MASK_KEY, OBSERVER_KEY, STORE_KEY, AttentionRequest, OwnMask, StoreRequest,
+    ENABLE_ATTENTION_HINT,
+    MASK_KEY,
+    OBSERVER_KEY,
+    STORE_KEY,
+    AttentionRequest,
+    OwnMask,
+    StoreRequest,
     attention_kwargs,
 )
 from .rerotation import Rerotation

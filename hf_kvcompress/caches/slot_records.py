@@ -90,7 +90,7 @@ class SlotRecords:
         return dict(self._present(self.FIELDS))
 
     @classmethod
-    def from_state(cls, tensors: dict[str, torch.Tensor], device: torch.device) -> "SlotRecords":
+    def from_state(cls, tensors: dict[str, torch.Tensor], device: torch.device) -> SlotRecords:
         """The records among `tensors` (other names are ignored), copied to `device`."""
         return cls(**{name: tensors[name].to(device, copy=True) for name in cls.FIELDS if name in tensors})
 

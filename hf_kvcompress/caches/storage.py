@@ -7,7 +7,7 @@ and never re-encoded. Attention sees the decoded store followed by the tail; the
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -250,7 +250,7 @@ class TokenStore:
     @classmethod
     def from_state(
         cls, codec: Codec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], n_encoded: int, device: torch.device
-    ) -> "TokenStore":
+    ) -> TokenStore:
         """The store `state()` described (other names in `tensors` are ignored), copied to `device`."""
         store = cls(codec, dtype)
         store.n_encoded = n_encoded

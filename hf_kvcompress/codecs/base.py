@@ -53,7 +53,7 @@ class Codec(ABC):
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
         """Bytes one encoded token takes per KV head, scales included: the promise `measured_kv_bytes` checks."""
 
-    def for_layer(self, layer_idx: int) -> "Codec":
+    def for_layer(self, layer_idx: int) -> Codec:
         """The codec as it runs in decoder layer `layer_idx`; codecs with per-layer state override this."""
         return self
 

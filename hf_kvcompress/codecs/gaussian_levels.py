@@ -9,7 +9,7 @@ better than an evenly spaced grid: at 2 bits they are +-0.453 and +-1.510 standa
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -22,7 +22,7 @@ def _cdf(x: float) -> float:
     return 0.5 * (1 + math.erf(x / math.sqrt(2)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def lloyd_max_levels(bits: int) -> tuple[float, ...]:
     """The 2**bits Lloyd-Max levels of N(0, 1), ascending and symmetric about 0."""
     if not isinstance(bits, int) or not 1 <= bits <= 8:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 
@@ -16,8 +16,8 @@ from ..ops.cpu_decode import KernelLayout
 from ..ops.hadamard import rotate_batch_rows, rotate_rows
 from ..ops.rerotate import rerotate, rope_table, turn
 from ..spec_text import changed_fields, join_spec
-from .base import Codec, Encoded, Kind
 from . import plane_attention
+from .base import Codec, Encoded, Kind
 from .gaussian_levels import levels_tensor, lloyd_max_levels, thresholds_tensor
 
 KEY_AXES = ("channel", "token")
@@ -201,7 +201,7 @@ class IntNCodec(Codec):
         """pre_rope reads the model's config (its RoPE frequencies); wide_layers checks its layer count."""
         return self.pre_rope or bool(self.wide_layers)
 
-    def for_model(self, config) -> "IntNCodec":
+    def for_model(self, config) -> IntNCodec:
         """Settle `rotate=auto` for the model's family, and read the full-attention layers' RoPE frequencies from
         the config (pre_rope only). A model without RoPE stores its keys unrotated already, so pre_rope has nothing
         to undo there (no frequencies, no change)."""
@@ -241,7 +241,7 @@ class IntNCodec(Codec):
         defaults = PLAIN_NAME_DEFAULTS.get(self.bits, {})
         return join_spec(f"int{self.bits}", changed_fields(self, skip=("bits", "key_axis"), defaults=defaults))
 
-    def for_policy(self, evicts: bool) -> "IntNCodec":
+    def for_policy(self, evicts: bool) -> IntNCodec:
         """Settle `key_axis`: per-channel key groups cannot lose single tokens, so eviction needs per-token keys."""
         if self.key_axis is None:
             settled = replace(self, key_axis="token" if evicts else "channel")
@@ -255,7 +255,7 @@ class IntNCodec(Codec):
             )
         return self
 
-    def for_layer(self, layer_idx: int) -> "IntNCodec":
+    def for_layer(self, layer_idx: int) -> IntNCodec:
         wide = layer_idx in self.widened
         if self.rotate == "none" and not wide:
             return self

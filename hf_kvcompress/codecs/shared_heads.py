@@ -44,7 +44,7 @@ class SharedHeadsCodec(ReducingCodec):
     def heads_per_store(self) -> int:  # type: ignore[override]
         return self.heads_per_group or 1
 
-    def reduction_for_model(self, config) -> "SharedHeadsCodec":
+    def reduction_for_model(self, config) -> SharedHeadsCodec:
         """Settle the group for this model's KV heads; refuse models with one KV head or groups that do not divide."""
         heads = kv_head_count(config)
         self.check_kv_heads(heads)

@@ -109,7 +109,7 @@ def check_arguments(args) -> tuple[list[str], list[str]]:
 def run(args) -> int:
     require("eval", "hf-kvcompress eval")  # before any of the eval extra's modules is imported
     # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
-    from ..eval.runner import distributed_state, check_context, run_eval
+    from ..eval.runner import check_context, distributed_state, run_eval
     from ..models import load_config, load_model
 
     tasks, methods = check_arguments(args)

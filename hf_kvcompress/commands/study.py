@@ -123,13 +123,12 @@ def run(args) -> int:
     # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
     from .. import study
     from ..eval.report import plot_heatmaps, splits_sentence, summarize
-    from ..eval.runner import check_specs
+    from ..eval.runner import check_specs, served_name
     from ..eval.tasks import build_samples, parse_task
+    from ..hf.compat import text_config
     from ..lesson_table import format_lesson_table, lesson_rows
     from ..models import load_model
     from ..study_workers import default_workers, run_plans_split
-    from ..eval.runner import served_name
-    from ..hf.compat import text_config
 
     preset = PRESETS[args.preset]
     lengths = _ints(args.lengths or preset["lengths"], "lengths")

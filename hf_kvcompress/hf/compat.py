@@ -5,12 +5,12 @@ from __future__ import annotations
 import inspect
 from contextlib import contextmanager
 from contextvars import ContextVar
-from functools import lru_cache
+from functools import cache
 
 import transformers
 
 
-@lru_cache(maxsize=None)
+@cache
 def cache_argument_name() -> str:
     """Name of generate()'s cache argument: `cache` since transformers 5.24, `past_key_values` before."""
     params = inspect.signature(transformers.GenerationMixin.generate).parameters

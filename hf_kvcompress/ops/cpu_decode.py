@@ -18,7 +18,7 @@ import shutil
 import sys
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -79,7 +79,7 @@ def _load_built(name: str, library: Path):
     return module
 
 
-@lru_cache(maxsize=None)
+@cache
 def _extension(flags: tuple[str, ...] = tuple(FLAGS)):
     """The compiled module, or None (with one warning) when it cannot be built here. Other `flags` build another
     copy (the tests build one with -mno-avx512f, to run the AVX2 paths on an AVX-512 CPU)."""

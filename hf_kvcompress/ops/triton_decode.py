@@ -11,7 +11,7 @@ only under TRITON_INTERPRET=1 (the tests).
 from __future__ import annotations
 
 import importlib.util
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -24,7 +24,7 @@ def available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel():
     """The jitted kernel, built on first use (importing triton then, not with the package)."""
     global triton, tl, _dequantise  # jitted kernels find the functions they call among the module's globals

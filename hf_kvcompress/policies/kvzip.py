@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from .base import Policy, check_count, check_kept_tokens
 
-
 BUDGETS = ("uniform", "layer", "head", "token")
 
 

@@ -9,7 +9,12 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import (
-    CompressedCache, IntNCodec, SinkWindowPolicy, make_cache, measured_kv_bytes, use_kvcompress_attention,
+    CompressedCache,
+    IntNCodec,
+    SinkWindowPolicy,
+    make_cache,
+    measured_kv_bytes,
+    use_kvcompress_attention,
 )
 from hf_kvcompress.generation import generate, prefill
 

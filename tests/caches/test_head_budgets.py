@@ -13,8 +13,8 @@ from hf_kvcompress.caches.layer import CompressedLayer
 from hf_kvcompress.caches.requests import MASK_KEY
 from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.generation import generate, prefill
-from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.hf.attention import kvcompress_attention
+from hf_kvcompress.hf.compat import cache_kwargs
 
 from .tiny_models import tiny_model
 

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_kvcompress import SinkWindowCache, load_cache, make_cache, measured_kv_bytes, save_cache, use_kvcompress_attention
+from hf_kvcompress import (
+    SinkWindowCache,
+    load_cache,
+    make_cache,
+    measured_kv_bytes,
+    save_cache,
+    use_kvcompress_attention,
+)
 from hf_kvcompress.generation import generate, prefill
 
 from .tiny_models import tiny_model

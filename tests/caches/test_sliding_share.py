@@ -70,8 +70,6 @@ def test_a_sliding_layer_under_a_budget_attends_as_a_full_layer_with_that_budget
 
 @pytest.mark.parametrize("ratio", [0.25, 0.5, 0.8])
 def test_a_ratio_keeps_that_share_of_the_sliding_window_and_bytes_match_the_promise(ratio):
-    from hf_kvcompress.study import promised_bytes
-
     model = _model(HYBRID)
     spec = f"kvzip:ratio={ratio}"
     cache = make_cache(spec, model.config)

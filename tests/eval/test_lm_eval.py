@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from hf_kvcompress.eval import build_samples, run_eval
 from hf_kvcompress.eval.scoring import metrics_dir
 
@@ -10,9 +11,10 @@ WINDOW = "sink_window:sink_tokens=4,window=64"
 
 
 def test_lm_eval_and_the_runner_agree_on_the_same_samples(embedded, tmp_path):
-    from hf_kvcompress.eval.lm_eval_model import KVCompressLM, register
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
+
+    from hf_kvcompress.eval.lm_eval_model import KVCompressLM, register
 
     model, tokenizer = embedded
     samples = build_samples(tokenizer, ["needle"], [300], [0, 100])

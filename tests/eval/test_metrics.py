@@ -1,6 +1,7 @@
 """The local evaluate metric modules on hand-made cases (RULER's formulas, SQuAD's normalisation)."""
 
 import pytest
+
 from hf_kvcompress.eval.scoring import clean_prediction, load_metric, score_all
 
 

@@ -1,6 +1,7 @@
 """The protocol: the cache holds exactly the document (already compressed) when the question arrives."""
 
 import pytest
+
 from hf_kvcompress.eval import encode, runner
 
 WINDOW = "sink_window:sink_tokens=4,window=64"

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from hf_kvcompress.eval import build_samples, run_eval, summarize
 from hf_kvcompress.eval.lm_eval_tasks import dataset
 from hf_kvcompress.eval.report import markdown
@@ -70,8 +71,9 @@ def test_records_reports_and_lm_eval_name_the_half(tiny_lm, tokenizer, tmp_path)
 
 
 def test_the_dev_variants_of_the_lm_eval_tasks_read_the_dev_half(tiny_lm, tokenizer, tmp_path):
-    from hf_kvcompress.eval.scoring import metrics_dir
     from lm_eval.tasks import TaskManager
+
+    from hf_kvcompress.eval.scoring import metrics_dir
 
     run_eval(tiny_lm, tokenizer, [], ["kv_retrieval"], [200], [50], tmp_path, samples_per_cell=2, split="all",
              progress=False)  # fmt: skip

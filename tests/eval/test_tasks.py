@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from hf_kvcompress.eval import build_samples, data, encode, parse_task, render
 from hf_kvcompress.eval.tasks import split_specs
 
