@@ -225,7 +225,7 @@ def _layer_windows(config, layers: int) -> tuple[int | None, ...]:
         raise ValueError(f"config.layer_types lists {len(layer_types)} layers but num_hidden_layers is {layers}")
     sharing = getattr(config, "kv_sharing_modes", None) or [None] * layers
     windows = []
-    for kind, mode in zip(layer_types, sharing):
+    for kind, mode in zip(layer_types, sharing, strict=False):
         if mode == "reuse" or kind in _NO_KV_TYPES:
             windows.append(0)
         elif kind in _FULL_TYPES:

@@ -115,7 +115,7 @@ def prefill(
     logits = None
     marker = END_ALIGNED_CHUNKS.set(True)
     try:
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             out = model(
                 input_ids=input_ids[:, start:end],
                 attention_mask=attention_mask[:, : past + end],
@@ -160,7 +160,7 @@ def score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids,
     if chunk <= 0 or overlap < 0:
         raise ValueError(f"reconstruction_chunk must be > 0 and reconstruction_overlap >= 0, got {chunk}, {overlap}")
     device = input_ids.device
-    rows = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask[:, -input_ids.shape[1] :])]
+    rows = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask[:, -input_ids.shape[1] :], strict=True)]
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     real_seen = attention_mask.long().sum(-1)  # [B] real tokens in the cache: positions continue from there
     pad_id = 0

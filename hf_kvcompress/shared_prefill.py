@@ -60,7 +60,7 @@ def batch_groups(rows: Sequence[dict], encoded: Sequence[tuple[list[int], list[i
     int codecs' per-channel key groups (32 tokens) never span padding, which quantized a padded row in other
     groups than the row alone (and warned), and KVzip with an int codec stored it at other precision. A document
     length in tokens varies by a few with the needle, so batches are smaller; a plan's work is mostly per row."""
-    return [f"{r['task']}|{r['max_new_tokens']}|{len(e[0])}" for r, e in zip(rows, encoded)]
+    return [f"{r['task']}|{r['max_new_tokens']}|{len(e[0])}" for r, e in zip(rows, encoded, strict=True)]
 
 
 def rescores(spec: str) -> bool:
@@ -116,7 +116,7 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
         reference = document_states(model, full_ids, full_mask, width)
         shared_seconds = time.perf_counter() - start
 
-        def answer(cache):
+        def answer(cache, full_ids=full_ids, full_mask=full_mask, max_new=max_new):
             """The cache's bytes after the document, then its answers (cut at the end of sequence) and the
             prefill seconds of the question."""
             kv = measured_kv_bytes(cache), tokens_per_layer(cache), served_kv_bytes(cache, served)

@@ -107,7 +107,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     windows = shape.windows or (None,) * shape.layers
     head_store = policy.scores_by_reconstruction and getattr(policy, "budgets", None) == "head" and policy.evicts
     total = 0.0
-    for plan, held in zip(plan_layers(policy, codec, config), windows):  # the layers CompressedCache builds
+    for plan, held in zip(plan_layers(policy, codec, config), windows, strict=True):  # the layers CompressedCache builds
         if held == 0:  # a layer that stores no keys and values (budget.py: shared or not attention)
             continue
         layer_codec = plan.codec

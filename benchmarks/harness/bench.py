@@ -218,7 +218,7 @@ def plot(results: dict, rows: list[Row], grid: list[tuple[int, int]], path: Path
                     if value is not None and base is not None and base[key] > 0:
                         points.append((n, value[key] / base[key]))
                 if points:
-                    ax.plot(*zip(*points), marker="o", ls="-" if row.env == "ours" else "--", color=colors[row.label],
+                    ax.plot(*zip(*points, strict=True), marker="o", ls="-" if row.env == "ours" else "--", color=colors[row.label],
                             label=row.label if (line, col) == (0, 0) else None)
             ax.axhline(1.0, color="grey", lw=0.8)
             ax.set_xscale("log", base=2)

@@ -92,7 +92,7 @@ def main() -> None:
     print(f"\n{args.model}, {args.task} at {args.length} tokens, {len(base)} samples answered uncompressed")
     print(f"{'spec':45s} {'flips':>5s} {'min':>7s} {'median':>7s} {'mean drop vs uncompressed':>26s}")
     for spec, values in margins.items():
-        drop = statistics.mean(b - v for b, v in zip(base, values))
+        drop = statistics.mean(b - v for b, v in zip(base, values, strict=False))
         print(f"{spec:45s} {sum(v < 0 for v in values):5d} {min(values):7.2f} {statistics.median(values):7.2f} {drop:26.2f}")
 
 

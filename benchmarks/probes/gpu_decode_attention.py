@@ -84,8 +84,8 @@ def main() -> None:
             layer = dynamic.layers[0]
             keys, values = layer._full("key"), layer._full("value")
 
-            def sdpa(k=keys, v=values):
-                return torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=True)
+            def sdpa(q=query, k=keys, v=values):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
             rows = [("sdpa bf16", _time(sdpa, args.repeats), measured_kv_bytes(dynamic), 0.0)]
             del dynamic, keys, values, layer
@@ -98,7 +98,7 @@ def main() -> None:
                 for backend in ("triton", "torch"):
                     out = attend_store(layer, query, None, scale, backend=backend)
                     error = (out.float() - reference).abs().max().item()
-                    seconds = _time(lambda b=backend: attend_store(layer, query, None, scale, backend=b), args.repeats)
+                    seconds = _time(lambda b=backend, layer=layer, q=query: attend_store(layer, q, None, scale, backend=b), args.repeats)
                     rows.append((f"{codec} {backend}", seconds, measured_kv_bytes(cache), error))
                 del cache, layer
                 torch.cuda.empty_cache()

@@ -161,7 +161,7 @@ def main() -> None:
     for config, (error, mass) in totals.items():
         print(f"{config:50s} {error:18.4f} {mass:12.3f}")
         if args.per_layer:
-            print("  per layer: " + " ".join(f"{i}:{e:.3f}" for i, e in zip(layers, per_layer[config].tolist())))
+            print("  per layer: " + " ".join(f"{i}:{e:.3f}" for i, e in zip(layers, per_layer[config].tolist(), strict=False)))
             ranked = per_layer[config].argsort(descending=True).tolist()
             print("  worst first: " + "/".join(str(layers[i]) for i in ranked))
 

@@ -166,12 +166,12 @@ class CompressedCache(Cache):
         budgets = getattr(self.policy, "budgets", "uniform")
         if budgets == "head" and scored:
             keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.sink_tokens)
-            for layer, (priority, keep) in zip(scored, keeps):
+            for layer, (priority, keep) in zip(scored, keeps, strict=True):
                 layer.rank_heads(priority, keep)
         elif budgets == "token" and scored:
             share_token_scores([layer for layer in scored if not layer.is_sliding])
         elif budgets == "layer" and len(scored) > 1:
-            for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored)):
+            for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored), strict=True):
                 layer.budget_shift = shift
         for layer in self.layers:
             if not layer.per_head:

@@ -39,7 +39,7 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
     total = torch.minimum(torch.maximum(policy.kept_per_row(layers[0].padding.real_seen) * heads * len(layers), protected), real)
     keep = ranked_first(flat, total[:, None])
     out, start = [], 0
-    for p, chosen, recent in zip(priorities, chosen_by, newest):
+    for p, chosen, recent in zip(priorities, chosen_by, newest, strict=True):
         size = p[0].numel()
         layer_keep = keep[:, start : start + size].view_as(p)
         if chosen is not p:  # the raw ranking sets how many pairs each head keeps, the policy's score which

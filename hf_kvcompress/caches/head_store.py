@@ -201,8 +201,8 @@ def evict_lowest_across(stores: list[RaggedHeads], count: list[int]) -> None:
     per_row = [store.row_pairs().tolist() for store in stores]
     starts = [0] * len(stores)
     for b, k in enumerate(count):
-        segments = [store.scores[start : start + pairs[b]] for store, start, pairs in zip(stores, starts, per_row)]
-        starts = [start + pairs[b] for start, pairs in zip(starts, per_row)]
+        segments = [store.scores[start : start + pairs[b]] for store, start, pairs in zip(stores, starts, per_row, strict=True)]
+        starts = [start + pairs[b] for start, pairs in zip(starts, per_row, strict=True)]
         if k <= 0:
             continue
         joined = torch.cat(segments)
@@ -211,7 +211,7 @@ def evict_lowest_across(stores: list[RaggedHeads], count: list[int]) -> None:
         lowest = torch.sort(joined, stable=True).indices[:k]
         for i, n in enumerate(torch.bincount(owner[lowest], minlength=len(stores)).tolist()):
             taken[i][b] = n
-    for store, n in zip(stores, taken):
+    for store, n in zip(stores, taken, strict=True):
         store.evict_lowest(n)
 
 

@@ -101,7 +101,7 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     layers = json.loads(metadata["layers"])
     if len(layers) != len(cache.layers):
         raise ValueError(f"{path} holds {len(layers)} layers, its spec and config build {len(cache.layers)}")
-    for i, (layer, meta) in enumerate(zip(cache.layers, layers)):
+    for i, (layer, meta) in enumerate(zip(cache.layers, layers, strict=True)):
         if meta is None:
             continue
         prefix = f"layers.{i}."

@@ -30,13 +30,13 @@ def lloyd_max_levels(bits: int) -> tuple[float, ...]:
     n = 1 << bits
     levels = [(2 * i + 1 - n) / n * 3 for i in range(n)]  # start evenly over [-3, 3]
     for _ in range(2000):
-        edges = [-math.inf] + [(a + b) / 2 for a, b in zip(levels, levels[1:])] + [math.inf]
+        edges = [-math.inf] + [(a + b) / 2 for a, b in zip(levels, levels[1:], strict=False)] + [math.inf]
         updated = []
-        for lo, hi in zip(edges, edges[1:]):
+        for lo, hi in zip(edges, edges[1:], strict=False):
             mass = _cdf(hi) - _cdf(lo)
             # Centroid of N(0, 1) on [lo, hi]: (pdf(lo) - pdf(hi)) / (cdf(hi) - cdf(lo)).
             updated.append((_pdf(lo) - _pdf(hi)) / mass)
-        if max(abs(a - b) for a, b in zip(levels, updated)) < 1e-12:
+        if max(abs(a - b) for a, b in zip(levels, updated, strict=True)) < 1e-12:
             break
         levels = updated
     return tuple(levels)
@@ -50,4 +50,4 @@ def levels_tensor(bits: int, device: torch.device | str = "cpu") -> torch.Tensor
 def thresholds_tensor(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The decision boundaries between neighbouring levels (their midpoints), float32."""
     levels = lloyd_max_levels(bits)
-    return torch.tensor([(a + b) / 2 for a, b in zip(levels, levels[1:])], dtype=torch.float32, device=device)
+    return torch.tensor([(a + b) / 2 for a, b in zip(levels, levels[1:], strict=False)], dtype=torch.float32, device=device)

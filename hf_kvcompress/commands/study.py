@@ -175,7 +175,8 @@ def run(args) -> int:
         workers = args.workers or default_workers(model.device.type)
         workers_used = min(workers, len(samples))
 
-        def progress(done: int, share: int, name: str = name, total: int = len(samples)) -> None:
+        def progress(done: int, share: int, name: str = name, total: int = len(samples), workers_used: int = workers_used,
+                     plans: list[str] = plans) -> None:
             part = f" (this process's share of {total}; {workers_used - 1} more processes)" if share < total else ""
             print(f"  {name}: {done}/{share} samples{part} x {len(plans)} plans, "
                   f"{time.perf_counter() - started:.0f} s", flush=True)

@@ -457,7 +457,7 @@ def _fact(rng: random.Random, kind: str, subject: str, used: set[str]) -> tuple[
         month, year = rng.choice(_MONTHS), str(rng.randint(1720, 1899))
         value = {"number": lambda: str(rng.randint(1000, 9999)),
                  "name": lambda: f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}",
-                 "date": lambda: f"{month} {year}", "place": lambda: rng.choice(_PLACES),
+                 "date": lambda month=month, year=year: f"{month} {year}", "place": lambda: rng.choice(_PLACES),
                  "phrase": lambda: rng.choice(_MOTTOS)}[kind]()  # fmt: skip
         if value not in used:
             used.add(value)
@@ -512,7 +512,7 @@ class MultiQuestionTask(Task):
         instruction = "Read the following text carefully. I will ask you a question about it afterwards."
 
         def make(n: int) -> list[dict]:
-            document = _insert(_cyclic(words, start, n), [(depth, fact[0]) for depth, fact in zip(depths, facts)])
+            document = _insert(_cyclic(words, start, n), [(depth, fact[0]) for depth, fact in zip(depths, facts, strict=True)])
             return [{"instruction": instruction, "document": document, "question": question, "answer_prefix": prefix,
                      "references": references, "max_new_tokens": 16}
                     for _, question, prefix, references in facts]  # fmt: skip
@@ -635,7 +635,7 @@ def build_samples(
             task = replace(task, documents=str(documents))
         made: list[dict] = []
 
-        def full() -> bool:
+        def full(made: list[dict] = made) -> bool:
             return limit is not None and len(made) >= limit
 
         for length in lengths:
@@ -645,7 +645,7 @@ def build_samples(
                         break
                     rng = document_rng(seed, task, length, depths, index)
                     questions = task.build_document(rng, length, depths, sample_split(index), measure)
-                    made += [row(task, length, d, index, checked(task, length, q)) for d, q in zip(depths, questions)]
+                    made += [row(task, length, d, index, checked(task, length, q)) for d, q in zip(depths, questions, strict=False)]
                 continue
             for depth in depths:
                 for index in indices:

@@ -78,7 +78,7 @@ def test_crop_forgets_the_queries_of_the_removed_tokens():
         model(input_ids=ids, cache=cache)
         model(input_ids=ids[:, :9], cache=shorter)
     cache.crop(-3)
-    for cropped, fresh in zip(cache.layers, shorter.layers):
+    for cropped, fresh in zip(cache.layers, shorter.layers, strict=True):
         assert cropped.next_position.tolist() == fresh.next_position.tolist() == [9]
         torch.testing.assert_close(cropped.recent_queries[:, :, -9:], fresh.recent_queries[:, :, -9:])
         counted = [layer.scorer.window(layer).counted.sum() for layer in (cropped, fresh)]

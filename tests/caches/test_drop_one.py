@@ -25,5 +25,7 @@ def test_drop_one_keeps_what_select_kept_keeps(policy, seed):
     fast = drop_one(policy, scores, pads, heads, length)
     assert fast.shape == reference.shape == (batch, heads, policy.budget)
     assert (fast.diff(dim=-1) > 0).all()
-    real = lambda kept: [[sorted(s for s in kept[b, h].tolist() if s >= pads[b]) for h in range(heads)] for b in range(batch)]
+    def real(kept):
+        return [[sorted(s for s in kept[b, h].tolist() if s >= pads[b]) for h in range(heads)] for b in range(batch)]
+
     assert real(fast) == real(reference)  # the same real slots; padding is masked whichever padding slot stays

@@ -93,9 +93,9 @@ def test_head_budgets_keep_each_rows_best_pairs_of_all_layers_and_heads():
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     assert all(isinstance(layer.store, HeadStore) for layer in cache.layers)
     lengths = [layer.store.encoded.lengths[0] for layer in cache.layers]
-    assert [l.tolist() for l in lengths] == [e.view(heads, -1).sum(-1).tolist() for e in expected]
-    assert len({n for l in lengths for n in l.tolist()}) > 1  # heads really keep different numbers of pairs
-    assert sum(int(l.sum()) for l in lengths) == 10 * heads * len(scores)
+    assert [per_layer.tolist() for per_layer in lengths] == [e.view(heads, -1).sum(-1).tolist() for e in expected]
+    assert len({n for per_layer in lengths for n in per_layer.tolist()}) > 1  # heads really keep different numbers of pairs
+    assert sum(int(per_layer.sum()) for per_layer in lengths) == 10 * heads * len(scores)
     assert cache.stored_tokens == 10  # what `generate` reports per layer: the mean of the layers' shares
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
     # The memory follows the pairs kept, not the head that keeps the most.
@@ -112,7 +112,7 @@ def test_span_chooses_which_pairs_each_head_keeps_but_not_how_many():
     counts = [e.view(heads, -1).sum(-1) for e in _reference_keep(scores, 10, heads)]
     cache = make_cache("kvzip:ratio=0.25,span=3", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
-    for layer, s, n in zip(cache.layers, scores, counts):
+    for layer, s, n in zip(cache.layers, scores, counts, strict=True):
         assert torch.equal(layer.store.encoded.lengths[0], n)
         spanned = torch.stack([s[:, t : t + 4].amax(-1) for t in range(40)], dim=-1)
         held = layer.store.encoded.scores.split(n.tolist())  # flat, head by head, oldest first
@@ -173,7 +173,7 @@ def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(
     kv_length, kv_offset = cache.get_mask_sizes(1, 0)  # what transformers sizes its mask by: the padded view + 1
     view = layers[0].store.view_tokens
     assert kv_length == view + 1 and kv_offset == cache.get_seq_length() - view
-    for layer, start in zip(layers, at_ranking):
+    for layer, start in zip(layers, at_ranking, strict=True):
         held = int(layer.store.held_pairs()[0])
         store = layer.store
         allowance = start + int(layer.kv_heads * (cache.policy.held_per_row(store.real_seen) - store.share_then)[0])
@@ -196,16 +196,16 @@ def test_decoding_evicts_a_block_at_a_time_and_never_holds_more_than_the_allowan
     cache = make_cache("kvzip:ratio=0.5", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     held = [[int(layer.store.held_pairs()[0])] for layer in cache.layers]
-    assert all(h[0] == _allowance(cache, layer) for h, layer in zip(held, cache.layers))  # the ranking: exactly
+    assert all(h[0] == _allowance(cache, layer) for h, layer in zip(held, cache.layers, strict=True))  # the ranking: exactly
     token = ids[:, -1:]
     with torch.inference_mode():
         for _ in range(80):
             token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-            for h, layer in zip(held, cache.layers):
+            for h, layer in zip(held, cache.layers, strict=True):
                 h.append(int(layer.store.held_pairs()[0]))
                 assert h[-1] <= _allowance(cache, layer)
-    for h, layer in zip(held, cache.layers):
-        evicted = [before + layer.kv_heads - after for before, after in zip(h, h[1:]) if after < before + layer.kv_heads]
+    for h, layer in zip(held, cache.layers, strict=True):
+        evicted = [before + layer.kv_heads - after for before, after in zip(h, h[1:], strict=False) if after < before + layer.kv_heads]
         # A ratio of a half grows the allowance by a pair per head every other token while each token adds one:
         # evicting only the excess would run 40 times here; with the slack (64 pairs of 300 x 2) it runs twice.
         assert len(evicted) == 2 and all(n > EVICTION_SLACK * layer.kv_heads for n in evicted)
@@ -275,7 +275,7 @@ def test_budget_spent_by_the_answer_evicts_the_oldest_later_tokens_too():
     allocated = [int(layer.store.held_pairs()[0]) for layer in layers]
     assert sum(allocated) == 6 * layers[0].kv_heads * len(layers)
     generate(model, torch.cat([ids, _ids(2, seed=1)], 1), None, cache, max_new_tokens=30)  # many more than the budget
-    for layer, pairs in zip(layers, allocated):
+    for layer, pairs in zip(layers, allocated, strict=True):
         assert pairs - pairs // SLACK_SHARE - layer.kv_heads < int(layer.store.held_pairs()[0]) <= pairs
         scores = layer.store.encoded.scores
         assert int(torch.isfinite(scores).sum()) == 0 or scores.min() >= 2.0  # context gone

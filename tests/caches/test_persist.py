@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from hf_kvcompress import (
     SinkWindowCache,
@@ -108,7 +109,7 @@ def test_save_refuses_what_it_cannot_restore(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         save_cache(make_cache("int8", tiny_model("llama").config), tmp_path / "x.safetensors")
     (tmp_path / "y.safetensors").write_bytes(b"not a cache")
-    with pytest.raises(Exception):
+    with pytest.raises(SafetensorError):
         load_cache(tmp_path / "y.safetensors")
 
 

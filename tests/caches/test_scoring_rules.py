@@ -81,7 +81,7 @@ def test_kvzip_scores_are_the_max_attention_of_the_repeated_context(name):
         attentions = _eager_attentions(name, torch.cat([IDS[0], piece])[None])
         per_layer = [_per_kv_head(a[:, :, context:, :context], a.shape[1] // model.config.num_attention_heads
                                   * model.config.num_key_value_heads, "max") for a in attentions]  # fmt: skip
-        expected = per_layer if expected is None else [torch.maximum(e, p) for e, p in zip(expected, per_layer)]
+        expected = per_layer if expected is None else [torch.maximum(e, p) for e, p in zip(expected, per_layer, strict=True)]
     for i, layer in _full_layers(cache):
         torch.testing.assert_close(layer.accumulated, expected[i], rtol=1e-4, atol=1e-5)
 
@@ -179,12 +179,12 @@ def test_kvzip_token_budgets_keep_in_every_layer_the_tokens_with_the_best_score_
         assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
         return [cache.layers[i]._full("key") for i, _ in full]
 
-    for (i, layer), keys in zip(full, kept_keys("kvzip:ratio=0.25,budgets=token,span=0")):
+    for (_, layer), keys in zip(full, kept_keys("kvzip:ratio=0.25,budgets=token,span=0"), strict=True):
         torch.testing.assert_close(keys, layer._full("key")[..., kept, :])
     if len(full) * model.config.num_key_value_heads > 1:
         # Each layer and head ranking its own tokens keeps others somewhere: the shared ranking is not that one.
         uniform = kept_keys("kvzip:ratio=0.25,budgets=uniform,span=0")
-        assert any(not torch.equal(keys, layer._full("key")[..., kept, :]) for (_, layer), keys in zip(full, uniform))
+        assert any(not torch.equal(keys, layer._full("key")[..., kept, :]) for (_, layer), keys in zip(full, uniform, strict=True))
 
 
 def _pre_rope_queries(attention, hidden):
