@@ -23,6 +23,10 @@ class SlotRecords:
     slots of the codec's exact sink tokens, see codec_sinks.py).
     """
 
+    accumulated: torch.Tensor | None
+    positions: torch.Tensor | None
+    sink_slots: torch.Tensor | None
+
     PER_SLOT = ("accumulated", "positions")
     SLOT_NUMBERS = ("sink_slots",)
     FIELDS = PER_SLOT + SLOT_NUMBERS
