@@ -45,7 +45,8 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
         raise ValueError(f"cache must be an hf_kvcompress CompressedCache, got {type(cache).__name__}")
     if cache.config is None:
         raise ValueError("save_cache needs a cache built with config=model.config (make_cache(spec, model.config))")
-    tensors, layers = {}, []
+    tensors: dict[str, torch.Tensor] = {}
+    layers: list[dict | None] = []  # None: a layer that never saw a step
     for i, layer in enumerate(cache.layers):
         if not layer.is_initialized:
             layers.append(None)

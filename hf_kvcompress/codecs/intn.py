@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -27,7 +27,7 @@ _TINY = torch.finfo(torch.bfloat16).tiny
 # What the plain names int4/int3/int2 mean: the best configuration measured at that width (docs/results.md, "Quantization
 # options"): the rotation measured best for the model's family (`auto`) + 4 full-precision sinks + per-channel keys.
 # `rotate=none,sink_tokens=0` is plain KIVI.
-BEST_LOW_BIT = {"rotate": "auto", "sink_tokens": 4}
+BEST_LOW_BIT: dict[str, Any] = {"rotate": "auto", "sink_tokens": 4}
 # What `rotate=auto` (the plain names) means per model family: measured, not derived (docs/results.md, "Rotating keys"). On
 # Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers on the
 # suite; on SmolLM2 (Llama) it lowered them. Families not listed rotate everything, as QuaRot does.
@@ -36,8 +36,8 @@ ROTATION_BY_MODEL_TYPE = {"gemma3_text": "per_token", "gemma3": "per_token"}
 # cut it from 0.170 to 0.134 on SmolLM2 for no bytes. On the needle suite they kept 12 of 15 on SmolLM2 (rotation
 # and sinks alone: 10) and 11 of 15 on Gemma-3 (alone: 12), within noise. 32 sinks cut the error further (0.115)
 # but kept the very same 12 answers on SmolLM2, for 9% more bytes, so int2 keeps 4 (docs/results.md).
-BEST_TWO_BIT = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True}
-PLAIN_NAME_DEFAULTS = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
+BEST_TWO_BIT: dict[str, Any] = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True}
+PLAIN_NAME_DEFAULTS: dict[int, dict[str, Any]] = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
 
 
 @lru_cache(maxsize=64)
