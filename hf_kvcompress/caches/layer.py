@@ -21,7 +21,7 @@ import warnings
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..codecs.base import Codec
+from ..codecs.base import Codec, Kind
 from ..policies.base import Policy
 from .block_eviction import BlockEviction
 from .codec_sinks import CodecSinks
@@ -307,7 +307,7 @@ class CompressedLayer(
         assert isinstance(self.store, TokenStore)  # a token layer's step
         self.store.append(key_states, value_states)
 
-    def _full(self, kind: str) -> torch.Tensor:
+    def _full(self, kind: Kind) -> torch.Tensor:
         """What attention sees: the decoded store followed by the full-precision tail."""
         assert self.store is not None  # read from the first step on
         return self.store.full(kind, self.slots.sink_slots)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..codecs.base import Codec
+    from ..codecs.base import Codec, Kind
     from ..policies.base import Policy
     from .head_store import HeadStore
     from .padding import RowPadding
@@ -59,7 +59,7 @@ class LayerFields:
 
         def _clear(self) -> None: ...
 
-        def _full(self, kind: str) -> torch.Tensor: ...
+        def _full(self, kind: Kind) -> torch.Tensor: ...
 
         def _encode_tail(self) -> None: ...
 
