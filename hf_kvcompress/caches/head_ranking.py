@@ -8,6 +8,8 @@ share kept per head loses every needle in the document's first tenth on SmolLM2;
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from ..policies.base import Policy, _priority, ranked_first
@@ -34,8 +36,9 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
         newest.append((slot >= length - policy.recent) & (slot >= layer.padding.pads[:, None] + max(policy.sink_tokens, codec_sinks)))
     flat = torch.cat([p.flatten(1) for p in priorities], dim=1)  # [B, L * H * T]
     heads = layers[0].kv_heads
-    real = sum((p > float("-inf")).flatten(1).sum(1) for p in priorities)  # [B] real pairs of the row
-    protected = sum((p == float("inf")).flatten(1).sum(1) for p in priorities)  # [B] sinks: never evicted
+    # Sums of one tensor per layer (at least one): tensors.
+    real = cast(torch.Tensor, sum((p > float("-inf")).flatten(1).sum(1) for p in priorities))  # [B] real pairs of the row
+    protected = cast(torch.Tensor, sum((p == float("inf")).flatten(1).sum(1) for p in priorities))  # [B] sinks: never evicted
     total = torch.minimum(torch.maximum(policy.kept_per_row(layers[0].padding.real_seen) * heads * len(layers), protected), real)
     keep = ranked_first(flat, total[:, None])
     out, start = [], 0
@@ -49,7 +52,7 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
     return out
 
 
-def _protected(policy: Policy, scores: torch.Tensor, layer, codec_sink: torch.Tensor) -> torch.Tensor:
+def _protected(policy: Policy, scores: torch.Tensor | None, layer, codec_sink: torch.Tensor) -> torch.Tensor:
     """The policy's priority of a layer's slots (`_priority`), with the codec's sinks protected too."""
     priority = _priority(policy, scores, layer.padding.pads, layer.kv_heads, layer.stored_tokens)
     return priority.masked_fill(codec_sink[:, None, :], float("inf"))

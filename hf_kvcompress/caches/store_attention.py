@@ -13,6 +13,8 @@ C++ on CPU (ops/cpu_decode.py); the PyTorch loop stays the reference (`backend="
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from ..codecs.base import slice_encoded
@@ -69,6 +71,12 @@ class _OnlineSoftmax:
             self.plain = part if self.plain is None else self.plain + part
 
 
+@overload
+def _bias(mask: torch.Tensor, groups: int, columns: slice | torch.Tensor) -> torch.Tensor: ...
+@overload
+def _bias(mask: None, groups: int, columns: slice | torch.Tensor) -> None: ...
+@overload
+def _bias(mask: torch.Tensor | None, groups: int, columns: slice | torch.Tensor) -> torch.Tensor | None: ...
 def _bias(mask: torch.Tensor | None, groups: int, columns: slice | torch.Tensor) -> torch.Tensor | None:
     """The attention mask's `columns` as an additive float32 bias [B, 1 or H_kv, groups * q, k]."""
     if mask is None:

@@ -31,7 +31,7 @@ BEST_LOW_BIT: dict[str, Any] = {"rotate": "auto", "sink_tokens": 4}
 # What `rotate=auto` (the plain names) means per model family: measured, not derived (docs/results.md, "Rotating keys"). On
 # Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers on the
 # suite; on SmolLM2 (Llama) it lowered them. Families not listed rotate everything, as QuaRot does.
-ROTATION_BY_MODEL_TYPE = {"gemma3_text": "per_token", "gemma3": "per_token"}
+ROTATION_BY_MODEL_TYPE: dict[str | None, str] = {"gemma3_text": "per_token", "gemma3": "per_token"}
 # At 2 bits the attention error was three times int3's: Lloyd-Max levels for the head_dim groups and pre-RoPE keys
 # cut it from 0.170 to 0.134 on SmolLM2 for no bytes. On the needle suite they kept 12 of 15 on SmolLM2 (rotation
 # and sinks alone: 10) and 11 of 15 on Gemma-3 (alone: 12), within noise. 32 sinks cut the error further (0.115)
@@ -153,10 +153,10 @@ class IntNCodec(Codec):
 
     bits: int = 4
     group_size: int = 32
-    residual_length: int = 128
+    residual_length: int = 128  # type: ignore[misc]  # a field here; the base's class default serves codecs without one
     key_axis: Literal["channel", "token"] | None = field(default=None)
     rotate: Literal["none", "hadamard", "per_token", "auto"] = "none"
-    sink_tokens: int = 0
+    sink_tokens: int = 0  # type: ignore[misc]  # a field here; the base's class default serves codecs without one
     codebook: Literal["uniform", "gaussian"] = "uniform"
     pre_rope: bool = False
     wide_layers: str = ""

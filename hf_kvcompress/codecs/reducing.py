@@ -88,7 +88,7 @@ class ReducingCodec(Codec):
         if not self.keeps_rope and getattr(innermost, "pre_rope", False):
             raise ValueError(
                 f"pre_rope must be false for a codec stored after {self.name}: its reduced states are not the "
-                f"model's RoPE-turned head vectors; write {self.name}+{replace(innermost, pre_rope=False).spec()}"
+                f"model's RoPE-turned head vectors; write {self.name}+{replace(innermost, pre_rope=False).spec()}"  # type: ignore[call-arg]  # a codec with pre_rope: checked
             )
 
     def for_policy(self, evicts: bool) -> ReducingCodec:

@@ -70,6 +70,7 @@ class Policy:
         """Real tokens each row may keep, [B], from the real tokens it has seen (never fewer than sinks + recent)."""
         if self.budget is not None:
             return torch.full_like(real_seen, self.budget)
+        assert self.ratio is not None  # an evicting policy without a budget has a ratio (check_budget_or_ratio)
         floor = torch.clamp(real_seen, max=self.sink_tokens + self.recent)
         share = torch.ceil(real_seen.double() * self.ratio).long()
         return torch.maximum(share, floor)
@@ -171,6 +172,7 @@ def select_kept(
     batch = pads.shape[0]
     device = pads.device
     if keep is None:
+        assert policy.budget is not None  # callers give `keep` unless the budget is fixed
         keep = torch.full((batch,), policy.budget, dtype=torch.long, device=device)
     total = int(keep.max()) if most is None else most
     keep = torch.minimum(keep, length - pads)  # real slots kept per row
