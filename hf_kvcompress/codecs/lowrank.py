@@ -66,6 +66,7 @@ class LowRankCodec(ReducingCodec):
     def for_layer(self, layer_idx: int) -> LowRankCodec:
         if self._tensors is None:
             raise ValueError("lowrank needs the model's config to load its bases (make_cache(spec, model.config))")
+        assert self.rank is not None  # settled with the bases (`reduction_for_model`)
         # replace() keeps the layer's bases only, not every layer's; the storage is bound to the layer too.
         bound = replace(self, storage=self.storage.for_layer(layer_idx))
         object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self.rank))
