@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .eval.prompts import encode, protocol_name, uses_chat
 from .eval.runner import (
@@ -51,6 +52,8 @@ def replay(spec: str, model, reference: DynamicCache, document_mask: torch.Tenso
     cache = make_cache(spec, model.config)
     positions = (document_mask.long().cumsum(-1) - 1).masked_fill(document_mask == 0, 1).to(model.device)
     for i, layer in enumerate(reference.layers):
+        # `document_states` filled every layer of its DynamicCache, made without a config: DynamicLayers.
+        assert isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None
         cache.update(layer.keys, layer.values, i, kwargs={"position_ids": positions})
     return cache
 

@@ -74,6 +74,8 @@ def _load_built(name: str, library: Path):
     """Import an extension already built: importing torch.utils.cpp_extension to ask costs 0.2 s of CPU (setuptools),
     a fifth of a decode step's time at 4k tokens if paid at the first step of a short generation."""
     spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the built extension {library}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

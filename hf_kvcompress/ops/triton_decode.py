@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import importlib.util
 from functools import cache
+from typing import Any
 
 import torch
 
 SUPPORTED_BITS = (2, 4, 8)
-triton = tl = _dequantise = None  # built on first use: Triton reads TRITON_INTERPRET when it is imported
+# Built on first use: Triton reads TRITON_INTERPRET when it is imported (the triton extra ships no types: Any).
+triton: Any = None
+tl: Any = None
+_dequantise: Any = None
 
 
 def available() -> bool:
