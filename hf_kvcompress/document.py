@@ -29,7 +29,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 from .caches.compressed import CompressedCache
 from .caches.persist import load_cache, save_cache
-from .eval.prompts import PROMPT_FORMATS, encode, uses_chat
+from .eval.prompts import PROMPT_FORMATS, PromptFormat, encode, uses_chat
 from .generation import generate, prefill, repeat_prompt_ids
 from .hf.attention import ATTENTION_NAME
 from .measure import measured_kv_bytes
@@ -53,7 +53,7 @@ class Document:
     """
 
     def __init__(self, model, tokenizer, cache: CompressedCache, text: str, input_ids: list[int], *,
-                 instruction: str = "", prompt_format: str = "auto"):
+                 instruction: str = "", prompt_format: PromptFormat = "auto"):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.text, self.input_ids = text, list(input_ids)
         self.instruction, self.prompt_format = instruction, prompt_format
@@ -198,7 +198,7 @@ def _check_attention(model, spec: str) -> None:
 
 
 def compress_document(model, tokenizer, text: str, spec: str = "dynamic", *, instruction: str = "",
-                      prompt_format: str = "auto", chunk_size: int | None = None) -> Document:
+                      prompt_format: PromptFormat = "auto", chunk_size: int | None = None) -> Document:
     """Prefill `text` into a fresh cache of `spec` (compressing it) and return a `Document` to ask questions.
 
     Args:

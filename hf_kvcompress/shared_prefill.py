@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .eval.prompts import encode, protocol_name, uses_chat
+from .eval.prompts import PromptFormat, encode, protocol_name, uses_chat
 from .eval.runner import (
     AttentionSwitch,
     eos_ids,
@@ -87,7 +87,7 @@ def replay_and_rescore(spec: str, model, reference: DynamicCache, ids: torch.Ten
 
 @torch.inference_mode()
 def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: int = 1, model_name: str,
-              prompt_format: str = "auto", max_new_tokens: int | None = None, progress=None) -> list[dict]:
+              prompt_format: PromptFormat = "auto", max_new_tokens: int | None = None, progress=None) -> list[dict]:
     """One record per (plan, sample), in the eval runner's record format, with one document prefill per batch.
 
     `max_new_tokens` caps every sample's answer (the tasks allow 16 tokens for a needle's 7 digits; every decoded

@@ -32,7 +32,7 @@ from ..generation import prefill, repeat_prompt_ids
 from ..hf.compat import cache_kwargs
 from ..models import load_model
 from ..registry import bounds_memory, make_cache, parse_spec
-from .prompts import encode, protocol_name
+from .prompts import PromptFormat, encode, protocol_name
 from .runner import CompressedDocument, first_item
 
 MODEL_NAME = "hf-kvcompress"
@@ -73,7 +73,7 @@ class KVCompressLM(HFLM):
         pretrained=None,
         cache: str = "dynamic",
         query_aware: bool | str = False,
-        prompt_format: str = "auto",
+        prompt_format: PromptFormat = "auto",
         chunk_size: int | str | None = 512,
         device: str | None = None,
         dtype: str | None = None,

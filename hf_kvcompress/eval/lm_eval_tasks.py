@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .prompts import plain_text
+from .prompts import PromptFormat, plain_text
 from .scoring import score_all
 
 
@@ -39,7 +39,7 @@ def dataset(
     split: str = "test",
     limit: int | None = None,
     documents: str | None = None,
-    prompt_format: str = "auto",
+    prompt_format: PromptFormat = "auto",
     task_args: dict | None = None,
     **_ignored,
 ):

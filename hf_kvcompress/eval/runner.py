@@ -30,7 +30,7 @@ from ..generation import generate, prefill, repeat_prompt_ids, sync
 from ..hf.attention import use_kvcompress_attention
 from ..measure import measured_kv_bytes, served_kv_bytes
 from . import report
-from .prompts import encode, protocol_name, uses_chat
+from .prompts import PromptFormat, encode, protocol_name, uses_chat
 from .resolved import resolved_digest
 from .scoring import score_all
 from .tasks import build_samples, check_split, sample_split
@@ -439,7 +439,7 @@ def run_eval(
     split: str = "test",
     documents: str | None = None,
     query_aware: bool = False,
-    prompt_format: str = "auto",
+    prompt_format: PromptFormat = "auto",
     batch_size: int = 1,
     chunk_size: int | None = 512,
     limit: int | None = None,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 from . import data
-from .prompts import encode
+from .prompts import PromptFormat, encode
 
 # A small built-in vocabulary for needle keys (RULER draws adjective-noun pairs from wonderwords' lists).
 _ADJECTIVES = (
@@ -591,7 +591,7 @@ def build_samples(
     seed: int = 0,
     split: str = "test",
     documents: str | None = None,
-    prompt_format: str = "auto",
+    prompt_format: PromptFormat = "auto",
     limit: int | None = None,
 ):
     """The evaluation samples as a `datasets.Dataset`, one row per (task, length, depth, index).
