@@ -169,13 +169,23 @@ class Task:
         """What identifies this task's samples: the spec, plus a digest of the user's documents if it reads them."""
         if not self.uses_documents:
             return self.spec
-        digest = hashlib.sha256(" ".join(data.user_document_words(self.documents)).encode()).hexdigest()[:10]
+        digest = hashlib.sha256(" ".join(data.user_document_words(self._documents())).encode()).hexdigest()[:10]
         return f"{self.spec}@{digest}"
 
     def haystack(self) -> Sequence[str]:
-        return data.user_document_words(self.documents) if self.uses_documents else data.essay_words()
+        return data.user_document_words(self._documents()) if self.uses_documents else data.essay_words()
+
+    def _documents(self) -> str:
+        if self.documents is None:
+            raise ValueError(f"task {self.name!r} reads the user's documents: give their folder (--documents)")
+        return self.documents
 
     def build(self, rng: random.Random, length: int, depth: float, measure: Measure) -> dict:
+        raise NotImplementedError
+
+    def build_document(self, rng: random.Random, length: int, depths: Sequence[float], half: str,
+                       measure: Measure) -> list[dict]:
+        """The samples of one document, one per depth (tasks whose `asks_per_document` is True)."""
         raise NotImplementedError
 
 
@@ -450,15 +460,20 @@ _FACTS = {
 }
 
 
+def _fact_value(rng: random.Random, kind: str, month: str, year: str) -> str:
+    """A value of `kind` for a fact; draws from `rng` only what that kind needs (a date is `month year`)."""
+    return {"number": lambda: str(rng.randint(1000, 9999)),
+            "name": lambda: f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}",
+            "date": lambda: f"{month} {year}", "place": lambda: rng.choice(_PLACES),
+            "phrase": lambda: rng.choice(_MOTTOS)}[kind]()  # fmt: skip
+
+
 def _fact(rng: random.Random, kind: str, subject: str, used: set[str]) -> tuple[str, str, str, list[str]]:
     """(fact sentence, question, answer prefix, references) of one fact of `kind` about `subject`; a value in
     `used` is drawn again, so no two facts of a document share an answer."""
     while True:
         month, year = rng.choice(_MONTHS), str(rng.randint(1720, 1899))
-        value = {"number": lambda: str(rng.randint(1000, 9999)),
-                 "name": lambda: f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}",
-                 "date": lambda month=month, year=year: f"{month} {year}", "place": lambda: rng.choice(_PLACES),
-                 "phrase": lambda: rng.choice(_MOTTOS)}[kind]()  # fmt: skip
+        value = _fact_value(rng, kind, month, year)
         if value not in used:
             used.add(value)
             break
