@@ -81,7 +81,7 @@ class Document:
             **generate_kwargs: passed to `model.generate` (greedy by default; `do_sample=True, temperature=...`).
         """
         single = isinstance(question, str)
-        questions = [question] if single else list(question)
+        questions = [question] if isinstance(question, str) else list(question)
         if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
             raise ValueError(f"question must be a non-empty string or a non-empty list of them, got {question!r}")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -177,7 +177,8 @@ class _Answered(StoppingCriteria):
         forced = self.forced.to(input_ids.device)
         answered = new - forced  # tokens of the answer so far
         ended = torch.isin(input_ids[:, -1], self.eos.to(input_ids.device)) & (answered > 0)
-        return ended | (answered >= self.max_new_tokens)
+        # A bool tensor, as StoppingCriteria declares; torch types BoolTensor as a class of its own.
+        return ended | (answered >= self.max_new_tokens)  # type: ignore[return-value]
 
 
 def _eos_ids(model, tokenizer, given=None) -> set[int]:

@@ -6,6 +6,7 @@ import gc
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from ..budget import GIB, dtype_bytes, weight_bytes
 from ..extras import require
@@ -23,7 +24,7 @@ def _ints(text: str, name: str) -> list[int]:
 
 
 # Each preset: the grid, the plans (a registry tuple, scaled to the shortest length) and the answer's token cap.
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     # make demo on 2 CPU cores: 30 scored samples per plan (2 lengths x 5 depths x 3), documents of about 1,000 and
     # 1,250 tokens (a length counts the whole prompt; the question and the chat markup take about 40 of it), the
     # best plan of each family and the lesson's stacked ones, every plan from the one shared prefill per document
@@ -192,7 +193,7 @@ def run(args) -> int:
         gc.collect()
     name = max(runs, key=lambda n: (baselines[n] >= study.BASELINE_RULE, baselines[n])) if not args.model else args.model
     if len(runs) > 1 and baselines[name] < study.BASELINE_RULE:
-        name = max(baselines, key=baselines.get)
+        name = max(baselines, key=lambda n: baselines[n])
     model, records, refused = runs[name]
     summary = summarize(records)
     usable = {t for t in summary["tasks"] if t not in summary["too_hard"]}

@@ -12,6 +12,7 @@ import math
 import os
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from .. import registry
@@ -157,7 +158,7 @@ def _bytes_sentence(summary: dict) -> str:
             f"against the uncompressed {served} cache.")
 
 
-def markdown(summary: dict, records: list[dict], notes: list[str] = ()) -> str:
+def markdown(summary: dict, records: list[dict], notes: Sequence[str] = ()) -> str:
     """The summary as markdown: `notes`, the ranking, then one table per task (with scores by context length)."""
     models = sorted({str(r.get("model")) for r in records})
     lines = [
@@ -305,7 +306,7 @@ def plot_quality_vs_memory(summary: dict, out_dir: str | os.PathLike) -> Path:
     return path
 
 
-def write_reports(records: list[dict], out_dir: str | os.PathLike, notes: list[str] = ()) -> dict:
+def write_reports(records: list[dict], out_dir: str | os.PathLike, notes: Sequence[str] = ()) -> dict:
     """summary.md (`notes` under its header), summary.csv, heatmap_<method>.png and quality_vs_memory.png in
     `out_dir`; returns the summary."""
     out = Path(out_dir)

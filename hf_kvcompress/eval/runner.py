@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -268,7 +268,7 @@ def plan_batches(
     sample_ids: Sequence[str],
     batch_size: int,
     chunk_size: int | None,
-    done: set[tuple[str, str]] = frozenset(),
+    done: Collection[tuple[str, str]] = frozenset(),
     groups: Sequence[str] | None = None,
 ) -> list[WorkItem]:
     """The batches of a run, the same whatever the number of processes.
@@ -555,7 +555,8 @@ def run_eval(
     bar = None
     if progress and is_main:
         if not plan:
-            print(f"eval: all {len(done)} results are already in {out / RESULTS} (same settings); nothing to run",
+            where = "" if out is None else f" in {out / RESULTS}"  # without an output folder: no samples
+            print(f"eval: all {len(done)} results are already{where} (same settings); nothing to run",
                   file=sys.stderr)  # fmt: skip
         else:
             where = f" [process 0 of {state.num_processes}: its share]" if state is not None else ""
