@@ -146,7 +146,9 @@ def load_bases(source: str | os.PathLike | None, config) -> tuple[dict[str, torc
         if path.is_dir():
             path = path / BASES_FILE
         if not path.exists():
-            raise FileNotFoundError(f"bases={str(source)!r}: no {BASES_FILE} there (write it with hf-kvcompress calibrate)")
+            raise FileNotFoundError(
+                f"bases={str(source)!r}: no {BASES_FILE} there (write it with hf-kvcompress calibrate)"
+            )
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}

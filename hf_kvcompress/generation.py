@@ -101,7 +101,8 @@ def prefill(
         attention_mask = torch.ones(input_ids.shape[0], total, dtype=torch.long, device=input_ids.device)
     if attention_mask.shape[1] != total:
         raise ValueError(
-            f"attention_mask must cover the cached tokens plus input_ids ({total} positions), got {attention_mask.shape[1]}"
+            f"attention_mask must cover the cached tokens plus input_ids ({total} positions), "
+            f"got {attention_mask.shape[1]}"
         )
     # Positions count real tokens only; padding sits at position 1 (generate() in transformers 5.24 puts it at 0:
     # the caches read padding from either layout).

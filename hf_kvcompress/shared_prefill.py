@@ -125,7 +125,8 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
             kv = measured_kv_bytes(cache), tokens_per_layer(cache), served_kv_bytes(cache, served)
             result = generate(model, full_ids.to(model.device), full_mask.to(model.device), cache,
                               max_new_tokens=max_new)
-            new = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))] for row in result.new_tokens.tolist()]
+            new = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))]
+                   for row in result.new_tokens.tolist()]
             return (*kv, new, result.prefill_seconds)
 
         for plan in plans:

@@ -109,7 +109,8 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     windows = shape.windows or (None,) * shape.layers
     head_store = policy.scores_by_reconstruction and getattr(policy, "budgets", None) == "head" and policy.evicts
     total = 0.0
-    for plan, held in zip(plan_layers(policy, codec, config), windows, strict=True):  # the layers CompressedCache builds
+    # The layers CompressedCache builds.
+    for plan, held in zip(plan_layers(policy, codec, config), windows, strict=True):
         if held == 0:  # a layer that stores no keys and values (budget.py: shared or not attention)
             continue
         layer_codec = plan.codec
@@ -349,7 +350,8 @@ def residual_note(spec: str, tokens: float) -> str | None:
         return (f"{spec}: keeps {kept:.0f} tokens per layer, all within {name}'s full-precision residual "
                 f"(residual_length={residual}): nothing is quantized, so it costs what it would without {name}")
     return (f"{spec}: the {residual} most recent of {kept:.0f} kept tokens stay in full precision "
-            f"(residual_length={residual}); the saving approaches what {codec.bits} bits promise only on much longer prompts")
+            f"(residual_length={residual}); the saving approaches what {codec.bits} bits promise only on much longer "
+            "prompts")
 
 
 def residual_notes(results: list[PlanResult], tokens: float) -> str:

@@ -102,9 +102,12 @@ class Eviction(LayerFields):
         )
         scores = agree_within_groups(scores, self.codec.heads_per_store)
         if length == most + 1 and self._fixed_budget:
-            kept = drop_one(self.policy, scores, self.padding.pads, self.kv_heads, length)  # a decode step: one slot over
+            # A decode step: one slot over.
+            kept = drop_one(self.policy, scores, self.padding.pads, self.kv_heads, length)
         else:
-            kept = select_kept(self.policy, scores, self.padding.pads, self.kv_heads, length, keep, most)  # [B, H_kv, budget]
+            kept = select_kept(
+                self.policy, scores, self.padding.pads, self.kv_heads, length, keep, most
+            )  # [B, H_kv, budget]
         budget = kept.shape[-1]
         if self.store.encoded_keys is None:
             self._capture_sinks()

@@ -203,7 +203,8 @@ def evict_lowest_across(stores: list[RaggedHeads], count: list[int]) -> None:
     per_row = [store.row_pairs().tolist() for store in stores]
     starts = [0] * len(stores)
     for b, k in enumerate(count):
-        segments = [store.scores[start : start + pairs[b]] for store, start, pairs in zip(stores, starts, per_row, strict=True)]
+        segments = [store.scores[start : start + pairs[b]]
+                    for store, start, pairs in zip(stores, starts, per_row, strict=True)]
         starts = [start + pairs[b] for start, pairs in zip(starts, per_row, strict=True)]
         if k <= 0:
             continue

@@ -177,7 +177,8 @@ class CompressedLayer(
             )
         if batch != self.batch_size:
             raise ValueError(
-                f"this cache holds a batch of {self.batch_size} rows, got {batch}: {batch_mismatch_hint(self.batch_size, batch)}"
+                f"this cache holds a batch of {self.batch_size} rows, got {batch}: "
+                f"{batch_mismatch_hint(self.batch_size, batch)}"
             )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -255,7 +256,8 @@ class CompressedLayer(
         self.scorer.check_attention_served(self)
 
     def end_reconstruction(self, evict: bool = True) -> None:
-        """Evict the lowest-scored slots down to the budget (`evict=False`: the pass failed; keep every slot unscored)."""
+        """Evict the lowest-scored slots down to the budget (`evict=False`: the pass failed; keep every slot
+        unscored)."""
         if self.scorer.end_reconstruction(self, evict):
             self._compress()
 
@@ -422,7 +424,8 @@ class CompressedLayer(
         `crop(0)` when every draft token was accepted). Only possible while nothing was evicted."""
         if tokens_to_remove > 0:
             raise ValueError(
-                f"tokens_to_remove must be 0 or negative (minus the number of newest tokens to drop), got {tokens_to_remove}"
+                "tokens_to_remove must be 0 or negative (minus the number of newest tokens to drop), "
+                f"got {tokens_to_remove}"
             )
         if not self.is_initialized or tokens_to_remove == 0:
             return

@@ -121,4 +121,6 @@ def check_model(cache, model) -> None:
     if name != saved:
         raise ValueError(f"this cache was saved from model {saved!r}; it cannot serve {name!r}")
     if _architecture(model.config) != cache.architecture:
-        raise ValueError(f"this cache was saved from a model with {cache.architecture}, not {_architecture(model.config)}")
+        raise ValueError(
+            f"this cache was saved from a model with {cache.architecture}, not {_architecture(model.config)}"
+        )

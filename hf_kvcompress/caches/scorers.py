@@ -139,7 +139,8 @@ class AttentionStatistics(Scorer):
     def begin_step(self, layer, attn_kwargs, new) -> bool:
         grow_accumulated(layer, new)
         policy = layer.policy
-        self.request(layer, attn_kwargs, AttentionRequest(layer.observe, policy.observed_queries, policy.attention_reduction))
+        request = AttentionRequest(layer.observe, policy.observed_queries, policy.attention_reduction)
+        self.request(layer, attn_kwargs, request)
         return True
 
     def observe(self, layer, delivered) -> bool:
@@ -238,7 +239,8 @@ class RecentQueries(Scorer):
 
     def _held(self) -> dict[str, torch.Tensor]:
         return {
-            name: tensor for name, tensor in (("recent_queries", self.recent_queries), ("next_position", self.next_position))
+            name: tensor
+            for name, tensor in (("recent_queries", self.recent_queries), ("next_position", self.next_position))
             if tensor is not None
         }
 

@@ -93,7 +93,9 @@ class TokenStore:
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """New states join the tail. The model's states may be views of a fused QKV buffer (GPT-2, Phi-3): keep
         copies, not the buffer."""
-        self.tail_keys = owned(key_states) if self.tail_keys is None else torch.cat([self.tail_keys, key_states], dim=-2)
+        self.tail_keys = (
+            owned(key_states) if self.tail_keys is None else torch.cat([self.tail_keys, key_states], dim=-2)
+        )
         self.tail_values = (
             owned(value_states) if self.tail_values is None else torch.cat([self.tail_values, value_states], dim=-2)
         )

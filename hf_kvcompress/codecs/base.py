@@ -179,4 +179,5 @@ def agree_within_groups(scores: torch.Tensor | None, group: int) -> torch.Tensor
     if scores is None or group == 1 or scores.shape[1] == 1:
         return scores
     b, h, t = scores.shape
-    return scores.reshape(b, h // group, group, t).mean(2, keepdim=True).expand(b, h // group, group, t).reshape(b, h, t)
+    mean = scores.reshape(b, h // group, group, t).mean(2, keepdim=True)
+    return mean.expand(b, h // group, group, t).reshape(b, h, t)

@@ -50,4 +50,5 @@ def levels_tensor(bits: int, device: torch.device | str = "cpu") -> torch.Tensor
 def thresholds_tensor(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The decision boundaries between neighbouring levels (their midpoints), float32."""
     levels = lloyd_max_levels(bits)
-    return torch.tensor([(a + b) / 2 for a, b in zip(levels, levels[1:], strict=False)], dtype=torch.float32, device=device)
+    edges = [(a + b) / 2 for a, b in zip(levels, levels[1:], strict=False)]
+    return torch.tensor(edges, dtype=torch.float32, device=device)

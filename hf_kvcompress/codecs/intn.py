@@ -24,13 +24,14 @@ KEY_AXES = ("channel", "token")
 ROTATIONS = ("none", "hadamard", "per_token", "auto")
 CODEBOOKS = ("uniform", "gaussian")
 _TINY = torch.finfo(torch.bfloat16).tiny
-# What the plain names int4/int3/int2 mean: the best configuration measured at that width (docs/results.md, "Quantization
-# options"): the rotation measured best for the model's family (`auto`) + 4 full-precision sinks + per-channel keys.
+# What the plain names int4/int3/int2 mean: the best configuration measured at that width (docs/results.md,
+# "Quantization options"): the rotation measured best for the model's family (`auto`) + 4 full-precision sinks +
+# per-channel keys.
 # `rotate=none,sink_tokens=0` is plain KIVI.
 BEST_LOW_BIT: dict[str, Any] = {"rotate": "auto", "sink_tokens": 4}
-# What `rotate=auto` (the plain names) means per model family: measured, not derived (docs/results.md, "Rotating keys"). On
-# Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers on the
-# suite; on SmolLM2 (Llama) it lowered them. Families not listed rotate everything, as QuaRot does.
+# What `rotate=auto` (the plain names) means per model family: measured, not derived (docs/results.md, "Rotating
+# keys"). On Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers
+# on the suite; on SmolLM2 (Llama) it lowered them. Families not listed rotate everything, as QuaRot does.
 ROTATION_BY_MODEL_TYPE: dict[str | None, str] = {"gemma3_text": "per_token", "gemma3": "per_token"}
 # At 2 bits the attention error was three times int3's: Lloyd-Max levels for the head_dim groups and pre-RoPE keys
 # cut it from 0.170 to 0.134 on SmolLM2 for no bytes. On the needle suite they kept 12 of 15 on SmolLM2 (rotation
@@ -146,8 +147,9 @@ class IntNCodec(Codec):
             Keys grouped per token (key_axis="token", evicting policies) are left as they are.
         wide_layers: decoder layers (e.g. "7/18/23") stored at `wide_bits` instead of `bits`: per-layer mixed
             precision (KVTuner, arXiv:2502.04420). Some layers' attention suffers far more from 2 bits than others
-            (on SmolLM2 six of 30 layers carry 40% of the error); `benchmarks/probes/quant_attention_error.py --per-layer`
-            lists each layer's error for a model. Their bytes are counted at their own width.
+            (on SmolLM2 six of 30 layers carry 40% of the error);
+            `benchmarks/probes/quant_attention_error.py --per-layer` lists each layer's error for a model. Their
+            bytes are counted at their own width.
         wide_bits: the width of `wide_layers` (4).
     """
 
@@ -282,7 +284,9 @@ class IntNCodec(Codec):
     def check_head_dim(self, head_dim: int) -> None:
         unit = values_per_unit(self.bits)
         if head_dim % unit:
-            raise ValueError(f"head_dim {head_dim} cannot be packed at {self.bits} bits: it must be a multiple of {unit}")
+            raise ValueError(
+                f"head_dim {head_dim} cannot be packed at {self.bits} bits: it must be a multiple of {unit}"
+            )
         # Values are always grouped along head_dim (keys too, unless key_axis="channel"), so the group must divide it.
         if head_dim % self.group_size:
             raise ValueError(f"group_size must divide head_dim ({head_dim}), got {self.group_size}")
@@ -347,9 +351,11 @@ class IntNCodec(Codec):
         scale, zero = encoded["scale"].float(), encoded["zero"].float()
         if self._per_channel(kind):
             g = self.group_size
-            out = self._levels(codes, kind).reshape(b, h, t // g, g, d) * scale[:, :, :, None, :] + zero[:, :, :, None, :]
+            levels = self._levels(codes, kind).reshape(b, h, t // g, g, d)
+            out = levels * scale[:, :, :, None, :] + zero[:, :, :, None, :]
         else:
-            out = self._levels(codes, kind).reshape(b, h, t, d // self.group_size, self.group_size) * scale[..., None] + zero[..., None]
+            levels = self._levels(codes, kind).reshape(b, h, t, d // self.group_size, self.group_size)
+            out = levels * scale[..., None] + zero[..., None]
         return out.reshape(b, h, t, d).to(dtype)
 
     def _folded_levels(self, kind: Kind) -> tuple[float, float, float] | None:

@@ -50,7 +50,9 @@ class LowRankCodec(ReducingCodec):
 
     def __post_init__(self):
         if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
-            raise ValueError(f"rank must be a positive integer below head_dim, or None (head_dim // 4), got {self.rank!r}")
+            raise ValueError(
+                f"rank must be a positive integer below head_dim, or None (head_dim // 4), got {self.rank!r}"
+            )
 
     def reduction_for_model(self, config) -> LowRankCodec:
         """Load and check the bases for this model; settle `rank`."""

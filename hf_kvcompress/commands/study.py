@@ -78,11 +78,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="processes that split the samples, one per core on a CPU (default: the cores, at most "
                              "4, on a CPU; 1 on a GPU)")
-    parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="GPU memory for the users-per-GPU table")
+    parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB",
+                        help="GPU memory for the users-per-GPU table")
     parser.add_argument("--context", type=int, default=32000,
                         help="tokens per user for the users-per-GPU table (at most the model's "
                              "max_position_embeddings: a longer context is cut to it, and the report says so)")
-    parser.add_argument("--weights", type=float, default=None, metavar="GIB", help="weights in GiB (default: the model's)")
+    parser.add_argument("--weights", type=float, default=None, metavar="GIB",
+                        help="weights in GiB (default: the model's)")
     parser.add_argument("--reserve", type=float, default=0.0, metavar="GIB",
                         help="GPU memory kept free for activations and the runtime, for the users-per-GPU table")
     parser.add_argument("--min-quality", type=float, default=10.0,
@@ -176,8 +178,8 @@ def run(args) -> int:
         workers = args.workers or default_workers(model.device.type)
         workers_used = min(workers, len(samples))
 
-        def progress(done: int, share: int, name: str = name, total: int = len(samples), workers_used: int = workers_used,
-                     plans: list[str] = plans) -> None:
+        def progress(done: int, share: int, name: str = name, total: int = len(samples),
+                     workers_used: int = workers_used, plans: list[str] = plans) -> None:
             part = f" (this process's share of {total}; {workers_used - 1} more processes)" if share < total else ""
             print(f"  {name}: {done}/{share} samples{part} x {len(plans)} plans, "
                   f"{time.perf_counter() - started:.0f} s", flush=True)
@@ -191,7 +193,10 @@ def run(args) -> int:
             break
         del model
         gc.collect()
-    name = max(runs, key=lambda n: (baselines[n] >= study.BASELINE_RULE, baselines[n])) if not args.model else args.model
+    if args.model:
+        name = args.model
+    else:
+        name = max(runs, key=lambda n: (baselines[n] >= study.BASELINE_RULE, baselines[n]))
     if len(runs) > 1 and baselines[name] < study.BASELINE_RULE:
         name = max(baselines, key=lambda n: baselines[n])
     model, records, refused = runs[name]

@@ -55,7 +55,9 @@ def dataset(
         folder = Path(data_dir)
         path = next((p for p in (folder / "data" / f"{task}.jsonl", folder / f"{task}.jsonl") if p.exists()), None)
         if path is None:
-            raise FileNotFoundError(f"no {task}.jsonl in {folder}/data or {folder}: run `hf-kvcompress eval --tasks {task}` first")
+            raise FileNotFoundError(
+                f"no {task}.jsonl in {folder}/data or {folder}: run `hf-kvcompress eval --tasks {task}` first"
+            )
         with open(path, encoding="utf-8") as handle:
             rows = [json.loads(line) for line in handle if line.strip()]
         if split != "all":

@@ -196,14 +196,16 @@ def markdown(summary: dict, records: list[dict], notes: Sequence[str] = ()) -> s
         metric = next((r.get("metric") for r in records if r["task"] == task), "")
         lines += ["", f"## `{task}` ({metric}){flag}", ""]
         head = ["method", "score", "dynamic", "delta", "correct %"] + [f"L{length}" for length in lengths] + bands
-        head += [f"KV doc (MiB, {summary.get('bytes_dtype', '?')})", "KV peak (MiB)", "memory vs dynamic", "tokens kept", "prefill s", "decode s", "n"]
+        head += [f"KV doc (MiB, {summary.get('bytes_dtype', '?')})", "KV peak (MiB)", "memory vs dynamic",
+                 "tokens kept", "prefill s", "decode s", "n"]
         lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         for r in rows:
             cells = [f"`{r['method']}`", _f(r["score"]), _f(r["dynamic"]), _f(r["delta"]), _f(r["correct"])]
             cells += [_f(r["by_length"].get(length)) for length in lengths]
             cells += [_f(r.get("by_band", {}).get(name)) for name in bands]
             cells += [_mib(r["kv_bytes_document"]), _mib(r["kv_bytes_peak"]), _f(r["memory_ratio"], 3),
-                      _f(r["tokens_kept"], 0), _f(r["prefill_seconds"], 2), _f(r["decode_seconds"], 2), str(r["n"])]  # fmt: skip
+                      _f(r["tokens_kept"], 0), _f(r["prefill_seconds"], 2), _f(r["decode_seconds"], 2),
+                      str(r["n"])]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

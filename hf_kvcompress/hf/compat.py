@@ -16,7 +16,8 @@ def cache_argument_name() -> str:
     params = inspect.signature(transformers.GenerationMixin.generate).parameters
     if "cache" in params:
         return "cache"
-    # 5.24 takes `cache` through a deprecation decorator that renames `past_key_values`; older 5.x only knows the latter.
+    # 5.24 takes `cache` through a deprecation decorator that renames `past_key_values`; older 5.x only knows the
+    # latter.
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
     return "cache" if (major, minor) >= (5, 24) else "past_key_values"
 

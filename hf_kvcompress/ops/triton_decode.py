@@ -107,11 +107,13 @@ def _layout(encoded: dict, tokens: int, dim: int) -> tuple[int, int, int]:
 
 def supports(encoded_keys: dict, encoded_values: dict, tokens: int, dim: int, value_dim: int) -> bool:
     """Whether the kernel reads this store: packed codes with a scale and zero per group, power-of-two dims."""
-    if not available() or set(encoded_keys) != {"codes", "scale", "zero"} or set(encoded_values) != {"codes", "scale", "zero"}:
+    packed = {"codes", "scale", "zero"}
+    if not available() or set(encoded_keys) != packed or set(encoded_values) != packed:
         return False
     if dim & (dim - 1) or value_dim & (value_dim - 1) or dim < 16 or value_dim < 16:
         return False
-    return _layout(encoded_keys, tokens, dim)[0] in SUPPORTED_BITS and _layout(encoded_values, tokens, value_dim)[0] in SUPPORTED_BITS
+    return (_layout(encoded_keys, tokens, dim)[0] in SUPPORTED_BITS
+            and _layout(encoded_values, tokens, value_dim)[0] in SUPPORTED_BITS)
 
 
 def decode_attention_partials(

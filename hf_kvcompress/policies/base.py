@@ -128,7 +128,9 @@ def check_budget_or_ratio(policy, default_budget: int, floor: int) -> None:
     """Validate a policy's `budget` / `ratio` fields: exactly one of them (`default_budget` when neither is given)."""
     budget, ratio = policy.budget, policy.ratio
     if budget is not None and ratio is not None:
-        raise ValueError(f"give either budget (tokens) or ratio (share of the tokens seen), not both: got {budget!r}, {ratio!r}")
+        raise ValueError(
+            f"give either budget (tokens) or ratio (share of the tokens seen), not both: got {budget!r}, {ratio!r}"
+        )
     if ratio is not None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1 or math.isnan(ratio):
             raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
