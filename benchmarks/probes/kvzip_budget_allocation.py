@@ -5,7 +5,8 @@ ranking, shared tokens) keeps the most answers, by depth band?
 Command:
     python benchmarks/probes/kvzip_budget_allocation.py [--model gemma-3-270m] [--lengths 2000]
         [--depths 0 25 50 75 100] [--samples 2] [--ratios 0.5 0.25] [--sinks 0 4]
-Written up: docs/results.md, "Eviction policies side by side (question after the document)" (how KVzip's budget is split).
+Written up: docs/results.md, "Eviction policies side by side (question after the document)" (how KVzip's budget is
+split).
 
 A measurement to decide what to build, not a cache: each document is prefilled once with `kvzip:ratio=1.0` (the
 reconstruction pass scores every pair, nothing is evicted), then each allocation of the same number of kept pairs

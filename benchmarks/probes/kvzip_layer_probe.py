@@ -87,7 +87,8 @@ def masks_for(variant: str, scores: dict, ratio: float, needle: slice | None) ->
     elif name == "share":
         masks[layer] = kba.allocate({layer: scores[layer]}, float(args[1]), 4, "head")[layer]
     else:
-        raise ValueError(f"variant must be global, head, whole:L, oracle:L, share:L:S, back:K, backlayer:K, pool:K or poollayer:K, got {variant!r}")
+        raise ValueError("variant must be global, head, whole:L, oracle:L, share:L:S, back:K, backlayer:K, pool:K or "
+                         f"poollayer:K, got {variant!r}")
     return masks
 
 
@@ -109,7 +110,8 @@ def main():
     model.set_attn_implementation("kvzip_masked")
     repeat = repeat_prompt_ids(tok)
     tally: dict[str, list[bool]] = {}
-    rows = [dict(r) for r in build_samples(tok, ["needle"], [args.length], args.depths, samples_per_cell=args.samples, seed=0)]
+    samples = build_samples(tok, ["needle"], [args.length], args.depths, samples_per_cell=args.samples, seed=0)
+    rows = [dict(r) for r in samples]
     for row in rows:
         doc, question = encode(tok, row)
         answer_ids = tok(row["references"][0], add_special_tokens=False).input_ids
