@@ -12,7 +12,8 @@ from hf_kvcompress import SinkWindowCache, make_cache, use_kvcompress_attention
 
 from .tiny_models import tiny_model
 
-LOSSLESS = ["dynamic", "sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10", "expected_attention:budget=1000"]
+LOSSLESS = ["dynamic", "sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10",
+            "expected_attention:budget=1000"]
 LOSSY = ["int8", "int4:residual_length=16,group_size=8", "fp8", "h2o:budget=1000,recent=10+int8"]
 
 

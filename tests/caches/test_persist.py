@@ -42,7 +42,8 @@ def _same(a, b):
     for key in sa:
         x, y = sa[key], sb[key]
         if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), key
+            same = x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+            assert same, key
         else:
             assert x == y, key
 
@@ -130,4 +131,5 @@ def test_head_budget_files_saved_before_still_load_and_answer_the_same(name):
     tokens = generate(model, ids, mask, loaded, max_new_tokens=6).new_tokens
     assert tokens.tolist() == expected["new_tokens"]
     assert measured_kv_bytes(loaded) == loaded.promised_kv_bytes() == expected["bytes_after"]
-    assert (loaded.stored_tokens, loaded.get_seq_length()) == (expected["stored_tokens_after"], expected["seq_length_after"])
+    lengths = (expected["stored_tokens_after"], expected["seq_length_after"])
+    assert (loaded.stored_tokens, loaded.get_seq_length()) == lengths

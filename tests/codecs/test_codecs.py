@@ -286,7 +286,8 @@ def test_plain_names_settle_the_rotation_per_model_family():
         assert not full._rotates("key") and not sliding._rotates("key") and full._rotates("value")
         assert sliding.key_axis == "channel" and sliding.settled_rotation == "per_token"
         # An explicit choice is kept on every model.
-        assert CompressedCache(codec=parse_spec(f"int{bits}:rotate=hadamard")[1], config=gemma).codec.settled_rotation == ""
+        explicit = CompressedCache(codec=parse_spec(f"int{bits}:rotate=hadamard")[1], config=gemma)
+        assert explicit.codec.settled_rotation == ""
     # Without a config (int4 needs none) `auto` rotates everything, as hadamard does, bit for bit.
     unbound, hadamard = parse_spec("int4")[1].for_layer(1), IntNCodec(bits=4, rotate="hadamard", sink_tokens=4).for_layer(1)
     for kind in ("key", "value"):
