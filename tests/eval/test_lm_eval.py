@@ -78,7 +78,9 @@ def test_a_spec_with_commas_reaches_the_model_only_quoted(monkeypatch, capsys, m
         assert seen == [spec] and err.endswith("stopped before the model loads")
     else:
         assert seen == []  # refused before the spec is even read
-        assert err.startswith("hf-kvcompress lm-eval: error: unknown model argument recent=64 for --model hf-kvcompress")
+        assert err.startswith(
+            "hf-kvcompress lm-eval: error: unknown model argument recent=64 for --model hf-kvcompress"
+        )
         assert "its own are pretrained, cache, query_aware, prompt_format, chunk_size, device, dtype" in err
         assert "max_length" in err  # HFLM's arguments are named too
         assert """--model_args 'pretrained=,cache="h2o:budget=256,recent=64"'""" in err

@@ -52,7 +52,8 @@ def test_split_rule_and_its_check():
 
 def test_test_is_the_default_half(tokenizer):
     default = build_samples(tokenizer, ["kv_retrieval"], [300], [50], samples_per_cell=2)
-    assert ids(default) == ids(build_samples(tokenizer, ["kv_retrieval"], [300], [50], samples_per_cell=2, split="test"))
+    test = build_samples(tokenizer, ["kv_retrieval"], [300], [50], samples_per_cell=2, split="test")
+    assert ids(default) == ids(test)
 
 
 def test_records_reports_and_lm_eval_name_the_half(tiny_lm, tokenizer, tmp_path):
