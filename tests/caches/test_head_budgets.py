@@ -480,8 +480,8 @@ def test_a_non_finite_decode_step_is_refused_within_the_check_interval():
     bad = torch.randn(shape)
     bad[0, 0, 0, 1] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
-        shape = (1, layer.kv_heads, 3, layer.head_dim)
-        layer.update(torch.randn(shape), torch.randn(shape).fill_(float("inf")), {})
+        prompt = (1, layer.kv_heads, 3, layer.head_dim)
+        layer.update(torch.randn(prompt), torch.randn(prompt).fill_(float("inf")), {})
     layer = cache.layers[1]
     with pytest.raises(ValueError, match="NaN or inf"):
         for step in range(FINITE_CHECK_EVERY):
