@@ -84,6 +84,13 @@ class CompressedCache(Cache):
             scaling are read from it) and full-precision keys.
     """
 
+    # Every layer is one: built from a plan, or by `_LayerFactory` without a config (list is invariant, so the
+    # narrower element type is an override mypy refuses although no other layer is ever stored).
+    layers: list[CompressedLayer]  # type: ignore[assignment]
+    # Only on a cache that `load_cache` (persist.py) returned: the model it was saved from.
+    model_name: str
+    architecture: dict
+
     def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False):
         self.policy = policy if policy is not None else KeepAllPolicy()
         requested = codec if codec is not None else IdentityCodec()
@@ -94,7 +101,8 @@ class CompressedCache(Cache):
             _check_head_budgets(self.policy, self.codec, rerotate)
         if config is None:
             check_without_config(self.policy, rerotate)
-            super().__init__(layer_class_to_replicate=_LayerFactory(self.policy, self.codec))
+            # transformers only calls `layer_class_to_replicate()`: a factory that numbers the layers serves.
+            super().__init__(layer_class_to_replicate=_LayerFactory(self.policy, self.codec))  # type: ignore[arg-type]
             self.num_layers = None
             return
         plans = plan_layers(self.policy, requested, config, rerotate, full_codec=self.codec)
@@ -166,12 +174,12 @@ class CompressedCache(Cache):
         budgets = getattr(self.policy, "budgets", "uniform")
         if budgets == "head" and scored:
             keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.sink_tokens)
-            for layer, (priority, keep) in zip(scored, keeps):
+            for layer, (priority, keep) in zip(scored, keeps, strict=True):
                 layer.rank_heads(priority, keep)
         elif budgets == "token" and scored:
             share_token_scores([layer for layer in scored if not layer.is_sliding])
         elif budgets == "layer" and len(scored) > 1:
-            for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored)):
+            for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored), strict=True):
                 layer.budget_shift = shift
         for layer in self.layers:
             if not layer.per_head:

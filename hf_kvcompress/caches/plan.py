@@ -103,7 +103,7 @@ def _keys_per_token(codec: Codec) -> Codec:
     if isinstance(codec, ReducingCodec):
         return codec.with_storage(_keys_per_token(codec.storage))
     if getattr(codec, "key_axis", None) == "channel":
-        return dataclasses.replace(codec, key_axis="token")
+        return dataclasses.replace(codec, key_axis="token")  # type: ignore[call-arg]  # a codec with key_axis: checked
     return codec
 
 
@@ -166,9 +166,15 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
                 f"sliding={policy.sliding!r} sets what sliding-window layers keep, and this model has none "
                 f"(layer types: {sorted(set(layer_types))}); leave sliding unset"
             )
-    windows = {"sliding_attention": getattr(decoder, "sliding_window", None),
-               "chunked_attention": getattr(decoder, "attention_chunk_size", None)}
-    kept = {kind: sliding_kept(policy, kind, windows[kind]) for kind in SLIDING_LAYER_TYPES if kind in layer_types}
+    # The window of each sliding or chunked layer type the model has (transformers reads the same two fields).
+    windows: dict[str, int] = {}
+    for kind, name in zip(SLIDING_LAYER_TYPES, ("sliding_window", "attention_chunk_size"), strict=True):
+        if kind in layer_types:
+            window = getattr(decoder, name, None)
+            if window is None:
+                raise ValueError(f"the config lists {kind} layers but sets no {name}")
+            windows[kind] = window
+    kept = {kind: sliding_kept(policy, kind, window) for kind, window in windows.items()}
     if policy.sliding is not None and policy.sliding > windows["sliding_attention"] - 1:
         raise ValueError(
             f"sliding={policy.sliding} is more than this model's sliding layers hold "

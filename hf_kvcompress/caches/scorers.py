@@ -139,7 +139,8 @@ class AttentionStatistics(Scorer):
     def begin_step(self, layer, attn_kwargs, new) -> bool:
         grow_accumulated(layer, new)
         policy = layer.policy
-        self.request(layer, attn_kwargs, AttentionRequest(layer.observe, policy.observed_queries, policy.attention_reduction))
+        request = AttentionRequest(layer.observe, policy.observed_queries, policy.attention_reduction)
+        self.request(layer, attn_kwargs, request)
         return True
 
     def observe(self, layer, delivered) -> bool:
@@ -190,6 +191,7 @@ class RecentQueries(Scorer):
         """Keep the step's newest queries [B, H_q, n, D] (rotated and scaled)."""
         queries = delivered
         batch, heads, newest, dim = queries.shape
+        assert self.query_positions is not None  # set by `begin_step`, which asked for these queries
         if self.inv_freq:
             back = -self.query_positions[:, None, :].expand(batch, heads, newest)
             queries = rerotate(queries, back, torch.tensor(self.inv_freq, dtype=torch.float32))
@@ -210,6 +212,8 @@ class RecentQueries(Scorer):
     def window(self, layer) -> QueryWindow:
         """The window as the policy reads it: entry e of L is the row's token seen - L + e, counted when it is
         real and past the row's sink tokens (padding comes first in a row; entries a row never filled lie before)."""
+        # Read for an eviction, which follows the queries' arrival (`observe` sets both).
+        assert self.recent_queries is not None and self.next_position is not None
         held = self.recent_queries.shape[2]
         entry = torch.arange(held, device=layer.device)
         counted = entry[None, :] >= (held - layer.padding.real_seen + layer.policy.sink_tokens)[:, None]
@@ -218,6 +222,7 @@ class RecentQueries(Scorer):
 
     def select_rows(self, indices) -> None:
         if self.recent_queries is not None:
+            assert self.next_position is not None  # set with `recent_queries`
             self.recent_queries = self.recent_queries.index_select(0, indices)
             self.next_position = self.next_position.index_select(0, indices)
 
@@ -234,7 +239,8 @@ class RecentQueries(Scorer):
 
     def _held(self) -> dict[str, torch.Tensor]:
         return {
-            name: tensor for name, tensor in (("recent_queries", self.recent_queries), ("next_position", self.next_position))
+            name: tensor
+            for name, tensor in (("recent_queries", self.recent_queries), ("next_position", self.next_position))
             if tensor is not None
         }
 

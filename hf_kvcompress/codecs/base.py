@@ -53,7 +53,7 @@ class Codec(ABC):
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
         """Bytes one encoded token takes per KV head, scales included: the promise `measured_kv_bytes` checks."""
 
-    def for_layer(self, layer_idx: int) -> "Codec":
+    def for_layer(self, layer_idx: int) -> Codec:
         """The codec as it runs in decoder layer `layer_idx`; codecs with per-layer state override this."""
         return self
 
@@ -89,7 +89,7 @@ class Codec(ABC):
         """Inverse of `to_basis`."""
         return x
 
-    def check_head_dim(self, head_dim: int) -> None:
+    def check_head_dim(self, head_dim: int) -> None:  # noqa: B027  (a hook: by default every head_dim fits)
         """Raise ValueError if this codec cannot store vectors of `head_dim` values."""
 
     def spec(self) -> str:
@@ -112,7 +112,8 @@ def cat_encoded(first: Encoded | None, second: Encoded) -> Encoded:
     if first is None:
         return second
     return {
-        name: _index_op(first[name], lambda t: torch.cat([t, second[name].view(t.dtype)], dim=2)) for name in first
+        name: _index_op(first[name], lambda t, name=name: torch.cat([t, second[name].view(t.dtype)], dim=2))
+        for name in first
     }
 
 
@@ -136,7 +137,7 @@ def gather_encoded(encoded: Encoded, index: torch.Tensor) -> Encoded:
             heads = index[:, :: index.shape[1] // tensor.shape[1]]
         shape = list(heads.shape) + list(tensor.shape[3:])
         idx = heads.view(*heads.shape, *([1] * (tensor.dim() - 3))).expand(shape)
-        out[name] = _index_op(tensor, lambda t: torch.gather(t, 2, idx).contiguous())
+        out[name] = _index_op(tensor, lambda t, idx=idx: torch.gather(t, 2, idx).contiguous())
     return out
 
 
@@ -178,4 +179,5 @@ def agree_within_groups(scores: torch.Tensor | None, group: int) -> torch.Tensor
     if scores is None or group == 1 or scores.shape[1] == 1:
         return scores
     b, h, t = scores.shape
-    return scores.reshape(b, h // group, group, t).mean(2, keepdim=True).expand(b, h // group, group, t).reshape(b, h, t)
+    mean = scores.reshape(b, h // group, group, t).mean(2, keepdim=True)
+    return mean.expand(b, h // group, group, t).reshape(b, h, t)

@@ -127,7 +127,8 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
         store.used = True
         if store.fused:  # read the encoded store a block at a time (caches/store_attention.py)
             return store.layer.attend(query, attention_mask, scale), None
-    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                       **kwargs)
     if request is not None and request.queries:  # Expected Attention models the next queries from these
         newest = query.shape[2] if request.newest_queries is None else min(request.newest_queries, query.shape[2])
         request.deliver(query[:, :, query.shape[2] - newest :].float() * scale)

@@ -47,7 +47,7 @@ def _blockwise(x: torch.Tensor) -> torch.Tensor:
     blocks = power_of_two_blocks(x.shape[-1])
     if len(blocks) == 1:
         return fwht(x)
-    return torch.cat([fwht(part) for part in torch.split(x, blocks, dim=-1)], dim=-1)
+    return torch.cat([fwht(part) for part in torch.split(x, list(blocks), dim=-1)], dim=-1)
 
 
 def rotate(x: torch.Tensor, seed: int) -> torch.Tensor:

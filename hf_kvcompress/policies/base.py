@@ -70,6 +70,7 @@ class Policy:
         """Real tokens each row may keep, [B], from the real tokens it has seen (never fewer than sinks + recent)."""
         if self.budget is not None:
             return torch.full_like(real_seen, self.budget)
+        assert self.ratio is not None  # an evicting policy without a budget has a ratio (check_budget_or_ratio)
         floor = torch.clamp(real_seen, max=self.sink_tokens + self.recent)
         share = torch.ceil(real_seen.double() * self.ratio).long()
         return torch.maximum(share, floor)
@@ -127,7 +128,9 @@ def check_budget_or_ratio(policy, default_budget: int, floor: int) -> None:
     """Validate a policy's `budget` / `ratio` fields: exactly one of them (`default_budget` when neither is given)."""
     budget, ratio = policy.budget, policy.ratio
     if budget is not None and ratio is not None:
-        raise ValueError(f"give either budget (tokens) or ratio (share of the tokens seen), not both: got {budget!r}, {ratio!r}")
+        raise ValueError(
+            f"give either budget (tokens) or ratio (share of the tokens seen), not both: got {budget!r}, {ratio!r}"
+        )
     if ratio is not None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1 or math.isnan(ratio):
             raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
@@ -171,6 +174,7 @@ def select_kept(
     batch = pads.shape[0]
     device = pads.device
     if keep is None:
+        assert policy.budget is not None  # callers give `keep` unless the budget is fixed
         keep = torch.full((batch,), policy.budget, dtype=torch.long, device=device)
     total = int(keep.max()) if most is None else most
     keep = torch.minimum(keep, length - pads)  # real slots kept per row

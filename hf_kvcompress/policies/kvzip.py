@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from .base import Policy, check_count, check_kept_tokens
 
-
 BUDGETS = ("uniform", "layer", "head", "token")
 
 
@@ -30,8 +29,8 @@ class KVzipPolicy(Policy):
         ratio: share of the tokens seen that is kept, instead of `budget`.
         sink_tokens: first tokens always kept (0 in KVzip).
         recent: newest tokens always kept (0 in KVzip): the end of the document, whatever its score. 128 gained
-            two of 15 needles at each share on Gemma-3-270M and none on SmolLM2 (docs/results.md); not the default, since
-            it is kept whatever the ratio and would refuse token budgets of 128 or less.
+            two of 15 needles at each share on Gemma-3-270M and none on SmolLM2 (docs/results.md); not the default,
+            since it is kept whatever the ratio and would refuse token budgets of 128 or less.
         budgets: how the kept pairs are shared out. "uniform": every KV head of every full-attention layer keeps
             the same number; "layer": one ranking of all layers' pairs sets each layer's number, as whole tokens per
             head (KVzip Sec. 3.3 across layers only); "head": one ranking of every (layer, KV head, token) pair (KVzip's
