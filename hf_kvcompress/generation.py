@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from .caches.layer import END_ALIGNED_CHUNKS
-from .persist import check_model
 from .hf.compat import assisted_decoding_continues_cache, cache_kwargs, text_config
 from .measure import measured_kv_bytes
+from .persist import check_model
 
 
 @dataclass
