@@ -24,6 +24,7 @@ _EXPORTS = {
     ".policies.keep_all": ["KeepAllPolicy"],
     ".policies.keydiff": ["KeyDiffPolicy"],
     ".policies.kvzip": ["KVzipPolicy"],
+    ".policies.kvzap": ["KVzapPolicy"],
     ".policies.random": ["RandomPolicy"],
     ".policies.sink_window": ["SinkWindowPolicy"],
     ".policies.snapkv": ["SnapKVPolicy"],

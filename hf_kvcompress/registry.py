@@ -25,6 +25,7 @@ from .policies.heavy_hitter import HeavyHitterPolicy
 from .policies.keep_all import KeepAllPolicy
 from .policies.keydiff import KeyDiffPolicy
 from .policies.kvzip import KVzipPolicy
+from .policies.kvzap import KVzapPolicy
 from .policies.random import RandomPolicy
 from .policies.sink_window import SinkWindowPolicy
 from .policies.snapkv import SnapKVPolicy
@@ -40,6 +41,7 @@ POLICIES: dict[str, type[Policy]] = {
     "expected_attention": ExpectedAttentionPolicy,
     "random": RandomPolicy,
     "kvzip": KVzipPolicy,
+    "kvzap": KVzapPolicy,
 }
 POLICY_ALIASES = {"keep_all": "dynamic", "full": "dynamic", "streaming_llm": "sink_window", "heavy_hitter": "h2o"}
 
@@ -185,13 +187,15 @@ def needs_own_prefill(spec: str) -> bool:
     pass, or a codec whose prompt attention reads the encoded states, fp8), so it cannot be filled by replaying
     another cache's states."""
     policy, codec = parse_spec(spec)
-    return policy.needs_attention or policy.scores_by_reconstruction or codec.encodes_on_arrival
+    return (policy.needs_attention or policy.scores_by_reconstruction or policy.needs_hidden_states
+            or codec.encodes_on_arrival)
 
 
 def needs_attention(spec: str) -> bool:
-    """Whether the spec's policy scores tokens by attention (the model must use `use_kvcompress_attention`)."""
+    """Whether the spec's policy scores tokens by attention or from hidden states (the model must use
+    `use_kvcompress_attention`)."""
     policy = parse_spec(spec)[0]
-    return policy.needs_attention or policy.scores_by_reconstruction
+    return policy.needs_attention or policy.scores_by_reconstruction or policy.needs_hidden_states
 
 
 def bounds_memory(spec: str) -> bool:

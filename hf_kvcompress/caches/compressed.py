@@ -33,7 +33,8 @@ def cache_spec(policy: Policy, codec: Codec) -> str:
 def layer_from_plan(plan: LayerPlan) -> CompressedLayer:
     """The layer a plan describes (plan.py: `plan_layers`)."""
     return CompressedLayer(plan.policy, plan.codec, is_sliding=plan.is_sliding, inv_freq=plan.inv_freq,
-                           query_inv_freq=plan.query_inv_freq, attention_window=plan.attention_window)
+                           query_inv_freq=plan.query_inv_freq, attention_window=plan.attention_window,
+                           probe=plan.probe)
 
 
 def layer_budget_shifts(policy: Policy, layers: list) -> list[torch.Tensor]:
@@ -124,6 +125,12 @@ class CompressedCache(Cache):
                     "by a model with a different layer count; call cache.reset() or create a new cache"
                 )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def reads_hidden_states(self) -> bool:
+        """Whether the layers score tokens from the hidden state entering attention (KVzap): the hooks of
+        hf/hidden_states.py then hand it over in the attention kwargs."""
+        return self.policy.needs_hidden_states
 
     def _claim_for_this_thread(self, layer_idx: int) -> None:
         """Refuse a second thread while one thread's forward pass is between this cache's first and last layer:

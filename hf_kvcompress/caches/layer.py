@@ -110,14 +110,15 @@ class CompressedLayer(
 
     def __init__(
         self, policy: Policy, codec: Codec, is_sliding: bool = False, inv_freq: torch.Tensor | None = None,
-        query_inv_freq: torch.Tensor | None = None, attention_window: int | None = None,
+        query_inv_freq: torch.Tensor | None = None, attention_window: int | None = None, probe=None,
     ):
         """`inv_freq` (RoPE frequencies) turns on StreamingLLM's re-rotation: after each eviction, kept keys are
         re-rotated so that their distances to the next query are their distances in the cache. `query_inv_freq`:
         the RoPE frequencies a policy that keeps queries (`needs_queries`) undoes their rotation with (empty: the
         model does not rotate them). `attention_window`: a sliding_attention layer's window (the model's
         `sliding_window`): a query sees only keys less than that many positions back, which the layer's own mask
-        must say too, since a block window holds older tokens (block_eviction.py)."""
+        must say too, since a block window holds older tokens (block_eviction.py). `probe`: the layer's score
+        probe (probes.py), for a policy that scores tokens from their hidden states (KVzap)."""
         super().__init__()
         self.attention_window = attention_window
         self.policy = policy
@@ -126,6 +127,7 @@ class CompressedLayer(
         self.inv_freq = inv_freq
         # Numbers, not a tensor: a configuration, not cache storage (measured_kv_bytes counts every tensor it finds).
         self.query_inv_freq = None if query_inv_freq is None else tuple(query_inv_freq.tolist())
+        self.probe = probe  # model weights (a torch Module, shared by every cache of the model), not cache storage
         if inv_freq is not None and not (codec.lossless and policy.evicts):
             raise ValueError("rerotate needs an evicting policy and full-precision keys (codec 'identity')")
         self._clear()
@@ -141,7 +143,7 @@ class CompressedLayer(
         self.slots = SlotRecords()
         # How the policy's scores arrive and what it scores with besides the stored state (the newest queries,
         # KVzip's pass): the same kind for the layer's life (the policy's flags), fresh state at each reset.
-        self.scorer: Scorer = scorer_for(self.policy, self.query_inv_freq)
+        self.scorer: Scorer = scorer_for(self.policy, self.query_inv_freq, self.probe)
         self.peak_tokens = 0  # most tokens held at once, the step's new ones included
         self.budget_shift: torch.Tensor | None = None  # [B] tokens this layer keeps beyond the uniform budget
         self.own_mask: OwnMask | None = None  # the mask handed to attention at the last step, if any

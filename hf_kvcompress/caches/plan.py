@@ -21,6 +21,7 @@ from ..hf.rope import rope_inv_freq
 from ..policies.base import Policy, check_count
 from ..policies.block_window import BlockWindowPolicy
 from ..policies.sink_window import SinkWindowPolicy
+from ..probes import load_probes
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
@@ -32,7 +33,8 @@ class LayerPlan:
     `window`: the layer's `sliding_window` or `attention_chunk_size` (None: full attention). `attention_window`:
     how far back a query sees, for the layer's own mask (sliding_attention layers only). `inv_freq`: RoPE
     frequencies of StreamingLLM's re-rotation (rerotate); `query_inv_freq`: those a policy that keeps queries
-    undoes their rotation with (empty: the model does not rotate them).
+    undoes their rotation with (empty: the model does not rotate them). `probe`: the layer's score probe, for a
+    policy that scores tokens from their hidden states (KVzap).
     """
 
     index: int
@@ -43,6 +45,7 @@ class LayerPlan:
     attention_window: int | None = None
     inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
     query_inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    probe: object | None = field(default=None, compare=False, repr=False)  # KVzap's score probe (probes.py)
 
     @property
     def is_sliding(self) -> bool:
@@ -132,6 +135,10 @@ def check_without_config(policy: Policy, rerotate: bool) -> None:
     if rerotate:
         raise ValueError("rerotate=True needs config=model.config (RoPE parameters are read from it)")
     query_rope(policy, None)
+    if policy.needs_hidden_states:
+        raise ValueError(
+            f"{policy.name} needs config=model.config (make_cache(spec, model.config)): its score probe is per model"
+        )
     if policy.sliding is not None:
         raise ValueError("sliding= needs config=model.config: it applies to the model's sliding-window layers")
 
@@ -155,6 +162,7 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
         full_codec = cache_codec(policy, codec, config)
     inv_freq = rope_inv_freq(config, "full_attention") if rerotate else None
     query_inv_freq = query_rope(policy, config)
+    probes = load_probes(policy.probe, config) if policy.needs_hidden_states else {}
     decoder = text_config(config)
     head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
     full_codec.check_head_dim(head_dim)  # refuse a codec that cannot store this model now, not mid-generation
@@ -195,6 +203,8 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
                 window=window, attention_window=window if layer_type == "sliding_attention" else None,
             ))
         else:
+            if policy.needs_hidden_states and i not in probes:
+                raise ValueError(f"the KVzap probe for this model has no probe for layer {i} ({layer_type})")
             plans.append(LayerPlan(i, layer_type, policy, full_codec.for_layer(i), inv_freq=inv_freq,
-                                   query_inv_freq=query_inv_freq))
+                                   query_inv_freq=query_inv_freq, probe=probes.get(i)))
     return plans

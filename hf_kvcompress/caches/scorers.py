@@ -25,7 +25,7 @@ import torch
 from ..ops.rerotate import rerotate
 from ..policies.base import Policy
 from ..policies.base import RecentQueries as QueryWindow
-from .requests import ENABLE_ATTENTION_HINT, OBSERVER_KEY, AttentionRequest
+from .requests import ENABLE_ATTENTION_HINT, HIDDEN_KEY, HIDDEN_STATES_HINT, OBSERVER_KEY, AttentionRequest
 
 # Scores of tokens that arrive after a reconstruction pass start here: above any attention probability, newest first.
 AFTER_RECONSTRUCTION = 2.0
@@ -313,9 +313,44 @@ class ReconstructionScores(Scorer):
         self.scored = bool(int(meta["scored"]))
 
 
-def scorer_for(policy: Policy, query_inv_freq: tuple[float, ...] | None = None) -> Scorer:
+class ProbeScores(Scorer):
+    """`policy.needs_hidden_states` (KVzap): each new slot's score in `slots.accumulated` is the layer's probe
+    applied to the hidden state entering attention, which the hook on the attention module hands over in the
+    attention kwargs (hf/hidden_states.py). A token is scored once, when it arrives, by what it is: the same
+    scores at prefill, in chunks or at once, and at decode; eviction follows in the same step.
+
+    `probe`: the layer's probe (probes.py), [B, n, hidden] -> [B, H_kv, n]; model weights shared by every cache of
+    the model, not this cache's storage (nbytes counts none of it).
+    """
+
+    def __init__(self, policy: Policy, probe):
+        super().__init__()
+        if probe is None:
+            raise ValueError(
+                f"{policy.name} scores tokens with a per-model probe: build the cache with the model's config "
+                "(make_cache(spec, model.config)), on a model with a probe (hf-kvcompress calibrate --probe)"
+            )
+        self.probe = probe
+
+    def begin_step(self, layer, attn_kwargs, new) -> bool:
+        hidden = None if attn_kwargs is None else attn_kwargs.get(HIDDEN_KEY)
+        if hidden is None:
+            raise RuntimeError(f"{type(layer.policy).__name__} scores tokens from their hidden states: {HIDDEN_STATES_HINT}")
+        if hidden.shape[:2] != (layer.batch_size, new):
+            raise RuntimeError(
+                f"the hidden state handed to this layer is for {tuple(hidden.shape[:2])} (rows, tokens), the step "
+                f"stores ({layer.batch_size}, {new})"
+            )
+        layer.slots.append("accumulated", self.probe(hidden))
+        return False
+
+
+def scorer_for(policy: Policy, query_inv_freq: tuple[float, ...] | None = None, probe=None) -> Scorer:
     """The scorer a layer with `policy` uses (the queries first: Expected Attention sets both attention flags);
-    `query_inv_freq`: the model's RoPE frequencies, for a policy that keeps queries."""
+    `query_inv_freq`: the model's RoPE frequencies, for a policy that keeps queries; `probe`: the layer's score
+    probe, for a policy that scores from hidden states."""
+    if policy.needs_hidden_states:
+        return ProbeScores(policy, probe)
     if policy.needs_queries:
         return RecentQueries(policy, query_inv_freq)
     if policy.needs_attention:

@@ -14,6 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..caches.requests import MASK_KEY, OBSERVER_KEY, STORE_KEY
+from .hidden_states import offer_hidden_states
 
 ATTENTION_NAME = "kvcompress_sdpa"
 # Queries per block of the statistics: a block's logits are then a few MiB (SmolLM2 at 3k tokens: 3.5 MiB), so
@@ -151,7 +152,8 @@ def register() -> str:
 
 
 def use_kvcompress_attention(model):
-    """Switch `model` to the attention function that feeds attention-scored policies (H2O); returns the model."""
+    """Switch `model` to the attention function that feeds attention-scored policies (H2O), and hook its attention
+    modules to hand probe-scored policies (KVzap) their hidden states (hidden_states.py); returns the model."""
     register()
     model.set_attn_implementation(ATTENTION_NAME)
-    return model
+    return offer_hidden_states(model)

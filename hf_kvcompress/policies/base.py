@@ -33,6 +33,7 @@ class Policy:
     scores_by_reconstruction: ClassVar[bool] = False  # KVzip: scored by generation.prefill's reconstruction pass
     needs_queries: ClassVar[bool] = False  # score() reads the newest queries (RecentQueries), not attention statistics
     needs_values: ClassVar[bool] = False  # score() reads the kept values
+    needs_hidden_states: ClassVar[bool] = False  # scored from the hidden state entering attention (KVzap's probe)
 
     @property
     def budget(self) -> int | None:
