@@ -53,7 +53,9 @@ def full_attention_layers(config) -> list[int]:
 
 
 @torch.no_grad()
-def kvzip_targets(model, input_ids: torch.Tensor, prompt_ids: list[int]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+def kvzip_targets(
+    model, input_ids: torch.Tensor, prompt_ids: list[int]
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """(hidden, targets) of one document [1, T], per full-attention layer: the hidden state entering attention
     [T, hidden] at prefill, and log KVzip score [T, H_kv] (this package's KVzip: the most attention each pair
     receives while the model repeats the document after `prompt_ids`, its reconstruction prompt; span 0, nothing
@@ -77,7 +79,10 @@ def kvzip_targets(model, input_ids: torch.Tensor, prompt_ids: list[int]) -> tupl
     finally:
         for handle in handles:
             handle.remove()
-    targets = {i: cache.layers[i].slots.accumulated[0].T.float().clamp(min=SCORE_FLOOR).log().cpu() for i in layers}
+    # the pass scored every slot: each scored layer holds its accumulated scores
+    targets = {
+        i: _scores(cache.layers[i].slots.accumulated)[0].T.float().clamp(min=SCORE_FLOOR).log().cpu() for i in layers
+    }
     return hidden, targets
 
 
@@ -125,6 +130,7 @@ def fit_layer(train: list[tuple[torch.Tensor, torch.Tensor]], test: list[tuple[t
         score = r_squared(tx.double() @ weight + bias, ty.double())
         if best is None or score > best[0]:
             best = (score, alpha, weight, bias)
+    assert best is not None  # `alphas` is never empty
     score, alpha, weight, bias = best
     train_r2 = r_squared(x.double() @ weight + bias, y.double())
     rho = sum(spearman(h.double() @ weight + bias, t) for h, t in test) / len(test)
@@ -139,7 +145,9 @@ def calibrate_probe(model, tokenizer, tokens: int = 1024, documents: int = 12, h
         raise ValueError(f"held_out must be between 1 and documents - 1 ({documents - 1}), got {held_out}")
     docs = calibration_documents(tokenizer, tokens, documents)
     if len(docs) <= held_out:
-        raise ValueError(f"the calibration text gives {len(docs)} documents of {tokens} tokens; need more than {held_out}")
+        raise ValueError(
+            f"the calibration text gives {len(docs)} documents of {tokens} tokens; need more than {held_out}"
+        )
     per_doc, prompt_ids = [], repeat_prompt_ids(tokenizer)
     for n, ids in enumerate(docs):
         per_doc.append(kvzip_targets(model, ids, prompt_ids))
@@ -165,3 +173,9 @@ def calibrate_probe(model, tokenizer, tokens: int = 1024, documents: int = 12, h
         "text": CALIBRATION_TEXT,
     }
     return tensors, metadata, report
+
+
+def _scores(accumulated: torch.Tensor | None) -> torch.Tensor:
+    if accumulated is None:
+        raise RuntimeError("KVzip's pass left a layer without scores: nothing to fit the probe on")
+    return accumulated

@@ -28,6 +28,9 @@ PACKAGED_SUFFIX = ".kvzap.safetensors"
 class LinearProbe(torch.nn.Module):
     """scores = hidden @ weight + bias, in float32: [B, n, hidden] -> [B, H_kv, n]."""
 
+    weight: torch.Tensor  # buffers, declared for the type checker
+    bias: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
         super().__init__()
         self.register_buffer("weight", weight.float().contiguous())  # [hidden, H_kv]
@@ -71,7 +74,9 @@ def probe_path(source: str | os.PathLike | None, config) -> Path:
     if path.is_dir():
         path = path / PROBE_FILE
     if not path.exists():
-        raise FileNotFoundError(f"probe={str(source)!r}: no {PROBE_FILE} there (write it with hf-kvcompress calibrate --probe)")
+        raise FileNotFoundError(
+            f"probe={str(source)!r}: no {PROBE_FILE} there (write it with hf-kvcompress calibrate --probe)"
+        )
     return path
 
 

@@ -24,8 +24,8 @@ from .policies.expected_attention import ExpectedAttentionPolicy
 from .policies.heavy_hitter import HeavyHitterPolicy
 from .policies.keep_all import KeepAllPolicy
 from .policies.keydiff import KeyDiffPolicy
-from .policies.kvzip import KVzipPolicy
 from .policies.kvzap import KVzapPolicy
+from .policies.kvzip import KVzipPolicy
 from .policies.random import RandomPolicy
 from .policies.sink_window import SinkWindowPolicy
 from .policies.snapkv import SnapKVPolicy

@@ -162,7 +162,7 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
         full_codec = cache_codec(policy, codec, config)
     inv_freq = rope_inv_freq(config, "full_attention") if rerotate else None
     query_inv_freq = query_rope(policy, config)
-    probes = load_probes(policy.probe, config) if policy.needs_hidden_states else {}
+    probes = load_probes(getattr(policy, "probe", None), config) if policy.needs_hidden_states else {}
     decoder = text_config(config)
     head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
     full_codec.check_head_dim(head_dim)  # refuse a codec that cannot store this model now, not mid-generation

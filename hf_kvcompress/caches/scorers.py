@@ -335,7 +335,9 @@ class ProbeScores(Scorer):
     def begin_step(self, layer, attn_kwargs, new) -> bool:
         hidden = None if attn_kwargs is None else attn_kwargs.get(HIDDEN_KEY)
         if hidden is None:
-            raise RuntimeError(f"{type(layer.policy).__name__} scores tokens from their hidden states: {HIDDEN_STATES_HINT}")
+            raise RuntimeError(
+                f"{type(layer.policy).__name__} scores tokens from their hidden states: {HIDDEN_STATES_HINT}"
+            )
         if hidden.shape[:2] != (layer.batch_size, new):
             raise RuntimeError(
                 f"the hidden state handed to this layer is for {tuple(hidden.shape[:2])} (rows, tokens), the step "

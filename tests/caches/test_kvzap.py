@@ -16,11 +16,15 @@ from hf_kvcompress.generation import generate, prefill
 from hf_kvcompress.hf.hidden_states import attention_modules
 from hf_kvcompress.policies.kvzap import KVzapPolicy
 from hf_kvcompress.probe_calibration import (
-    full_attention_layers, kvzip_targets, r_squared, ridge, spearman,
+    full_attention_layers,
+    kvzip_targets,
+    r_squared,
+    ridge,
+    spearman,
 )
 from hf_kvcompress.probes import PROBE_FORMAT, load_probes, save_probe
 
-from .tiny_models import CONFIGS, tiny_model
+from .tiny_models import tiny_model
 
 REPEAT = [5, 6, 7]
 
@@ -86,7 +90,8 @@ def _hidden_states(model, ids):
 def test_ridge_equals_the_least_squares_reference():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200, 12, generator=g, dtype=torch.float64)
-    y = x @ torch.randn(12, 3, generator=g, dtype=torch.float64) + 0.1 * torch.randn(200, 3, generator=g, dtype=torch.float64)
+    noise = 0.1 * torch.randn(200, 3, generator=g, dtype=torch.float64)
+    y = x @ torch.randn(12, 3, generator=g, dtype=torch.float64) + noise
     weight, bias = ridge(x, y, 0.0)
     reference = torch.linalg.lstsq(torch.cat([x, torch.ones(200, 1, dtype=x.dtype)], 1), y).solution
     torch.testing.assert_close(weight, reference[:-1], rtol=1e-9, atol=1e-9)
