@@ -12,7 +12,7 @@ from typing import cast
 
 import torch
 
-from ..policies.base import Policy, _priority, ranked_first
+from ..policies.base import Policy, ranked_first, slot_priority
 
 RECENT_SCORE = 1.5  # attention probabilities are at most 1; tokens after the ranking score 2 and more
 
@@ -56,6 +56,6 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
 
 
 def _protected(policy: Policy, scores: torch.Tensor | None, layer, codec_sink: torch.Tensor) -> torch.Tensor:
-    """The policy's priority of a layer's slots (`_priority`), with the codec's sinks protected too."""
-    priority = _priority(policy, scores, layer.padding.pads, layer.kv_heads, layer.stored_tokens)
+    """The policy's priority of a layer's slots (`slot_priority`), with the codec's sinks protected too."""
+    priority = slot_priority(policy, scores, layer.padding.pads, layer.kv_heads, layer.stored_tokens)
     return priority.masked_fill(codec_sink[:, None, :], float("inf"))

@@ -20,7 +20,7 @@ from typing import cast
 
 import torch
 
-from ..codecs.base import Codec, Encoded, Kind, _index_op
+from ..codecs.base import Codec, Encoded, Kind, index_op
 from ..codecs.identity import IdentityCodec
 from ..policies.base import Policy
 from .storage import TokenStore
@@ -98,7 +98,7 @@ class RaggedHeads:
                 joined = torch.cat(pieces) if pieces else t[:0]  # no rows at all
                 return joined.view(batch, heads, width, *t.shape[1:])
 
-            encoded[name] = _index_op(tensor, assemble)
+            encoded[name] = index_op(tensor, assemble)
         return codec.decode(encoded, kind, dtype)
 
     def valid(self) -> torch.Tensor:
@@ -131,8 +131,8 @@ class RaggedHeads:
             start += n_row
         head = torch.repeat_interleave(torch.arange(batch * heads, device=keep.device), self.lengths.flatten())
         dropped = torch.bincount(head[~keep], minlength=batch * heads).view(batch, heads)
-        self.keys = {n: _index_op(t, lambda x: x[keep]) for n, t in self.keys.items()}
-        self.values = {n: _index_op(t, lambda x: x[keep]) for n, t in self.values.items()}
+        self.keys = {n: index_op(t, lambda x: x[keep]) for n, t in self.keys.items()}
+        self.values = {n: index_op(t, lambda x: x[keep]) for n, t in self.values.items()}
         self.scores = self.scores[keep]
         self.lengths = self.lengths - dropped
         self._changed()
@@ -158,9 +158,9 @@ class RaggedHeads:
             out.index_copy_(0, old_to, old)
             return out.index_copy_(0, new_to, fresh.reshape(batch * heads * new, *old.shape[1:])[flat_keep])
 
-        self.keys = {n: _index_op(t, lambda x, n=n: merge(x, keys[n].view(x.dtype))) for n, t in self.keys.items()}
+        self.keys = {n: index_op(t, lambda x, n=n: merge(x, keys[n].view(x.dtype))) for n, t in self.keys.items()}
         self.values = {
-            n: _index_op(t, lambda x, n=n: merge(x, values[n].view(x.dtype))) for n, t in self.values.items()
+            n: index_op(t, lambda x, n=n: merge(x, values[n].view(x.dtype))) for n, t in self.values.items()
         }
         self.scores = merge(self.scores, scores.float())
         self.lengths = self.lengths + added.view(batch, heads)
@@ -173,8 +173,8 @@ class RaggedHeads:
         index = torch.cat([
             torch.arange(int(starts[r]), int(starts[r] + per_row[r]), device=per_row.device) for r in rows.tolist()
         ])
-        self.keys = {n: _index_op(t, lambda x: x.index_select(0, index)) for n, t in self.keys.items()}
-        self.values = {n: _index_op(t, lambda x: x.index_select(0, index)) for n, t in self.values.items()}
+        self.keys = {n: index_op(t, lambda x: x.index_select(0, index)) for n, t in self.keys.items()}
+        self.values = {n: index_op(t, lambda x: x.index_select(0, index)) for n, t in self.values.items()}
         self.scores = self.scores.index_select(0, index)
         self.lengths = self.lengths.index_select(0, rows)
         self._changed()
@@ -219,7 +219,7 @@ def evict_lowest_across(stores: list[RaggedHeads], count: list[int]) -> None:
 
 
 def _select(encoded: Encoded, keep: torch.Tensor) -> Encoded:
-    return {name: _index_op(tensor, lambda t: t[keep].contiguous()) for name, tensor in encoded.items()}
+    return {name: index_op(tensor, lambda t: t[keep].contiguous()) for name, tensor in encoded.items()}
 
 
 class HeadStore:

@@ -100,7 +100,7 @@ class Codec(ABC):
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 
 
-def _index_op(tensor: torch.Tensor, op) -> torch.Tensor:
+def index_op(tensor: torch.Tensor, op) -> torch.Tensor:
     """Apply an indexing op; float8 tensors go through a uint8 view, since CPU kernels lack float8 gathers."""
     if tensor.dtype in _FLOAT8:
         return op(tensor.view(torch.uint8)).view(tensor.dtype)
@@ -112,7 +112,7 @@ def cat_encoded(first: Encoded | None, second: Encoded) -> Encoded:
     if first is None:
         return second
     return {
-        name: _index_op(first[name], lambda t, name=name: torch.cat([t, second[name].view(t.dtype)], dim=2))
+        name: index_op(first[name], lambda t, name=name: torch.cat([t, second[name].view(t.dtype)], dim=2))
         for name in first
     }
 
@@ -137,7 +137,7 @@ def gather_encoded(encoded: Encoded, index: torch.Tensor) -> Encoded:
             heads = index[:, :: index.shape[1] // tensor.shape[1]]
         shape = list(heads.shape) + list(tensor.shape[3:])
         idx = heads.view(*heads.shape, *([1] * (tensor.dim() - 3))).expand(shape)
-        out[name] = _index_op(tensor, lambda t, idx=idx: torch.gather(t, 2, idx).contiguous())
+        out[name] = index_op(tensor, lambda t, idx=idx: torch.gather(t, 2, idx).contiguous())
     return out
 
 
@@ -146,7 +146,7 @@ def select_batch(encoded: Encoded | None, index: torch.Tensor) -> Encoded | None
     if encoded is None:
         return None
     return {
-        name: _index_op(tensor, lambda t: t.index_select(0, index.to(t.device))) for name, tensor in encoded.items()
+        name: index_op(tensor, lambda t: t.index_select(0, index.to(t.device))) for name, tensor in encoded.items()
     }
 
 

@@ -181,7 +181,7 @@ def select_kept(
     keep = torch.minimum(keep, length - pads)  # real slots kept per row
     slot = torch.arange(length, device=device)
     is_pad = slot[None, :] < pads[:, None]  # [B, T]
-    priority = _priority(policy, scores, pads, heads, length)
+    priority = slot_priority(policy, scores, pads, heads, length)
     chosen = ranked_first(priority, keep[:, None, None]) & ~is_pad[:, None, :]
     # Chosen real slots first, then padding to fill each row up to `total` slots, never unchosen real slots.
     level = chosen.to(torch.float32) * 2 + is_pad[:, None, :].to(torch.float32)
@@ -202,7 +202,9 @@ def ranked_first(priority: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return rank < counts
 
 
-def _priority(policy: Policy, scores: torch.Tensor | None, pads: torch.Tensor, heads: int, length: int) -> torch.Tensor:
+def slot_priority(
+    policy: Policy, scores: torch.Tensor | None, pads: torch.Tensor, heads: int, length: int
+) -> torch.Tensor:
     """[B, H_kv, T] float32: the score (recency: the slot), +inf for protected real slots, -inf for padding."""
     batch = pads.shape[0]
     slot = torch.arange(length, device=pads.device)
@@ -223,7 +225,7 @@ def drop_one(policy: Policy, scores: torch.Tensor | None, pads: torch.Tensor, he
     Each row and head drops its lowest-priority slot (a padding slot while it has one, else the newest of the
     lowest-scored real slots, as select_kept's stable sort does), found by one argmin instead of a sort and a top-k.
     """
-    priority = _priority(policy, scores, pads, heads, length)
+    priority = slot_priority(policy, scores, pads, heads, length)
     drop = (length - 1) - priority.flip(-1).argmin(-1)  # argmin returns the first minimum: flipped, the newest
     slot = torch.arange(length - 1, device=pads.device)
     return slot + (slot >= drop[..., None]).long()
