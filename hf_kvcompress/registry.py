@@ -60,10 +60,8 @@ CODECS: dict[str, Callable[..., Codec]] = {  # a codec class, or a partial of on
 # `{budget}`, `{window}` and `{half_dim}` are filled in from the context length and the model, so new policies and
 # codecs join the study by adding a line here. None of these plans scores by attention, so all of them reuse the
 # study's one shared prefill per document (`shared_prefill.py`); KVzip adds only its reconstruction pass (about 1.8
-# prefills on SmolLM2). Its share, a quarter, is sinks + window's, so the two rules compare at the same bytes;
-# chosen on the eval suite's samples (docs/results.md, "Eviction policies side by side": 14 of 15 needles at 2,000
-# tokens), not on the study's. Low rank at half of head_dim (alone and + int8) left with 0.5.0: like the quarter, it
-# answered no needle alone, and it cost a tenth of the demo.
+# prefills). Its share, a quarter, is sinks + window's, so the two rules compare at the same bytes; chosen on the
+# eval suite's samples (docs/results.md, "Eviction policies side by side"), not on the study's.
 STUDY_PLANS: tuple[str, ...] = (
     "dynamic",
     "int8",

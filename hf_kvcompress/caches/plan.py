@@ -61,8 +61,7 @@ def sliding_kept(policy: Policy, layer_type: str, window: int) -> int | None:
     window), so the cache's bytes follow the ratio on hybrid models too. A sliding layer keeps its newest tokens:
     it attends locally, and KVzip's reconstruction queries, a window away, cannot score it. Chunked-attention
     layers keep their chunk. A policy's `sliding=N` sets the count itself (`dynamic:sliding=127` shrinks only the
-    sliding layers): on Gemma-3-270M at 2,000 tokens they kept every answer at 127 of their 511 tokens, and lost 5 of
-    30 at 63 (docs/results.md)."""
+    sliding layers; what such counts keep is measured in docs/results.md)."""
     if layer_type != "sliding_attention":
         return None
     whole = max(window - 1, 1)
@@ -80,11 +79,10 @@ def sliding_kept(policy: Policy, layer_type: str, window: int) -> int | None:
 def sliding_layer_codec(codec: Codec, layer_type: str, exact_window: bool = False) -> Codec:
     """How a sliding layer stores keys. Its window evicts, but per-channel key groups (KIVI) only need to lose whole
     groups, which a block window does (policies/block_window.py): keys are grouped as without eviction (per channel
-    for int4/int3/int2 and key_axis='channel'), and an explicit key_axis='token' keeps them per token. Measured on
-    Gemma-3-270M (windowed attention error of the 15 sliding layers at 2000 tokens), per-channel keys cut it from
-    0.040 / 0.116 / 0.290 to 0.026 / 0.057 / 0.169 at 4 / 3 / 2 bits. Chunked-attention layers, and sliding layers
-    that keep fewer tokens than their window (`exact_window`, see `sliding_kept`), keep per-token keys and an exact
-    window: transformers' mask would show the older tokens of a block."""
+    for int4/int3/int2 and key_axis='channel'), and an explicit key_axis='token' keeps them per token: per-channel
+    keys lowered the sliding layers' windowed attention error at every width (docs/results.md). Chunked-attention
+    layers, and sliding layers that keep fewer tokens than their window (`exact_window`, see `sliding_kept`), keep
+    per-token keys and an exact window: transformers' mask would show the older tokens of a block."""
     if layer_type == "sliding_attention" and not exact_window:
         return resolve_for_policy(codec, False)
     return resolve_for_policy(_keys_per_token(codec), True)

@@ -36,8 +36,8 @@ class StoreOffer(LayerFields):
 
     def _probe_store(self, attn_kwargs: dict | None, new: int) -> None:
         """A prompt step asks, without relying on the answer, whether our attention function runs here (it marks
-        the request used and attends as usual): then the first decode step is already fused. Before, that step
-        only confirmed, and decoding the whole store for it cost as much as four fused steps (benchmarks/NOTES.md)."""
+        the request used and attends as usual): then the first decode step is already fused instead of decoding
+        the whole store once to find out (docs/benchmark-notes.md)."""
         if new > 1 and attn_kwargs is not None and self.codec.attends_encoded and self.inv_freq is None:
             self.store_request = StoreRequest(self, fused=False)
             attn_kwargs[STORE_KEY] = self.store_request

@@ -33,10 +33,9 @@ BEST_LOW_BIT: dict[str, Any] = {"rotate": "auto", "sink_tokens": 4}
 # keys"). On Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers
 # on the suite; on SmolLM2 (Llama) it lowered them. Families not listed rotate everything, as QuaRot does.
 ROTATION_BY_MODEL_TYPE: dict[str | None, str] = {"gemma3_text": "per_token", "gemma3": "per_token"}
-# At 2 bits the attention error was three times int3's: Lloyd-Max levels for the head_dim groups and pre-RoPE keys
-# cut it from 0.170 to 0.134 on SmolLM2 for no bytes. On the needle suite they kept 12 of 15 on SmolLM2 (rotation
-# and sinks alone: 10) and 11 of 15 on Gemma-3 (alone: 12), within noise. 32 sinks cut the error further (0.115)
-# but kept the very same 12 answers on SmolLM2, for 9% more bytes, so int2 keeps 4 (docs/results.md).
+# At 2 bits the attention error is far above int3's: Lloyd-Max levels for the head_dim groups and pre-RoPE keys lower
+# it for no bytes; more sinks lowered it further but kept no more answers for their bytes, so int2 keeps 4
+# (docs/results.md, "Quantization options").
 BEST_TWO_BIT: dict[str, Any] = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True}
 PLAIN_NAME_DEFAULTS: dict[int, dict[str, Any]] = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
 

@@ -17,8 +17,8 @@ from ..caches.requests import MASK_KEY, OBSERVER_KEY, STORE_KEY
 from .hidden_states import offer_hidden_states
 
 ATTENTION_NAME = "kvcompress_sdpa"
-# Queries per block of the statistics: a block's logits are then a few MiB (SmolLM2 at 3k tokens: 3.5 MiB), so
-# softmax and the sum read them back from cache; 32 took 2/3 of 256's time at 3k x 1 and 4/5 at 2k x 8.
+# Queries per block of the statistics: a block's logits stay a few MiB, so softmax and the sum read them back from
+# cache instead of memory (timings in docs/benchmark-notes.md).
 QUERY_BLOCK = 32
 
 
