@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from .base import Policy, check_count, check_kept_tokens
+from .kvzip import best_ahead
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,4 @@ class KVzapPolicy(Policy):
         check_kept_tokens(self)
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
-        if self.span == 0:
-            return accumulated
-        batch, heads, slots = accumulated.shape
-        ahead = F.pad(accumulated.reshape(batch * heads, 1, slots), (0, self.span), value=float("-inf"))
-        return F.max_pool1d(ahead, self.span + 1, 1).reshape(batch, heads, slots)
+        return best_ahead(accumulated, self.span)

@@ -64,8 +64,14 @@ class KVzipPolicy(Policy):
         check_kept_tokens(self)
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
-        if self.span == 0:
-            return accumulated
-        batch, heads, slots = accumulated.shape
-        ahead = F.pad(accumulated.reshape(batch * heads, 1, slots), (0, self.span), value=float("-inf"))
-        return F.max_pool1d(ahead, self.span + 1, 1).reshape(batch, heads, slots)
+        return best_ahead(accumulated, self.span)
+
+
+def best_ahead(scores: torch.Tensor, span: int) -> torch.Tensor:
+    """Each pair of `scores` [B, H, T] takes the best score of itself and the `span` pairs after it in its head
+    (KVzip's and KVzap's `span`; 0: the scores as they are)."""
+    if span == 0:
+        return scores
+    batch, heads, slots = scores.shape
+    ahead = F.pad(scores.reshape(batch * heads, 1, slots), (0, span), value=float("-inf"))
+    return F.max_pool1d(ahead, span + 1, 1).reshape(batch, heads, slots)
