@@ -106,7 +106,7 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
         prefix = f"layers.{i}."
         layer_tensors = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
         target = torch.device(device if device is not None else metadata["device"])
-        layer.import_state(layer_tensors, meta, target)  # meta `kind` selects the store kind (layer_state.py)
+        layer.import_state(layer_tensors, meta, target)  # meta `kind` selects the store kind (layer.py `import_state`)
     return cache
 
 

@@ -187,7 +187,7 @@ class CompressedCache(Cache):
             share_token_scores([layer for layer in scored if not layer.is_sliding])
         elif budgets == "layer" and len(scored) > 1:
             for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored), strict=True):
-                layer.budget_shift = shift
+                layer.eviction.budget_shift = shift
         for layer in self.layers:
             if not layer.per_head:
                 layer.end_reconstruction()

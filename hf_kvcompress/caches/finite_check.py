@@ -9,26 +9,25 @@ from __future__ import annotations
 
 import torch
 
-from .layer_fields import LayerFields
-
 NON_FINITE = (
     "the model produced NaN or inf keys/values (fp16 overflow?); the cache refuses to store them, and its earlier "
     "layers already hold this step (and, for a decode step, up to {every} steps before it: decode steps are checked "
     "in batches): call cache.reset() before reusing it"
 )
-# Decode steps between two host reads of the deferred NaN/inf check (see FiniteCheck._check_finite).
+# Decode steps between two host reads of the deferred NaN/inf check (see FiniteCheck.check).
 FINITE_CHECK_EVERY = 64
 NON_FINITE = NON_FINITE.format(every=FINITE_CHECK_EVERY)
 
 
-class FiniteCheck(LayerFields):
-    """CompressedLayer's NaN/inf check (a mixin): `finite`, the device flag of the decode steps since the last
-    read, and `unchecked_steps`, their number."""
+class FiniteCheck:
+    """A layer's NaN/inf check: `finite`, the device flag of the decode steps since the last read, and
+    `unchecked_steps`, their number."""
 
-    finite: torch.Tensor | None
-    unchecked_steps: int
+    def __init__(self) -> None:
+        self.finite: torch.Tensor | None = None
+        self.unchecked_steps = 0
 
-    def _check_finite(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse NaN/inf states: a prompt at once, decode steps every `FINITE_CHECK_EVERY` steps (see above)."""
         if key_states.element_size() == 1:  # float8 states: no inf, and NaN checks are not implemented for them
             return
@@ -43,9 +42,13 @@ class FiniteCheck(LayerFields):
         if not bool(finite):
             raise ValueError(NON_FINITE)
 
-    def _flush_finite_check(self) -> None:
+    def flush(self) -> None:
         """Read the deferred decode-step check now."""
         if self.finite is not None:
             finite, self.finite, self.unchecked_steps = self.finite, None, 0
             if not bool(finite):
                 raise ValueError(NON_FINITE)
+
+    def nbytes(self) -> int:
+        """The device flag's bytes (it lives on the layer's device, so it counts as the layer's)."""
+        return 0 if self.finite is None else self.finite.numel() * self.finite.element_size()

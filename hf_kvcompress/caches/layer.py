@@ -1,17 +1,19 @@
 """One decoder layer's compressed cache: a policy (which tokens stay) x a codec (how they are stored).
 
-This module holds transformers' layer contract and the order of a step (`update`). Three parts are objects the
-layer owns, each with its own tensors: `store` (storage.py: [encoded | tail], the codec's exact sinks and a padded
-batch's exact rows; after KVzip's head ranking a `HeadStore`, head_store.py, see `rank_heads`), `slots`
-(slot_records.py: every per-slot tensor, moved together when slots move) and `padding` (padding.py: each row's left
-padding and the masks that follow from it); `scorer` (scorers.py), chosen once from the policy's flags, owns what it
-scores with (Expected Attention's newest queries, KVzip's reconstruction pass) and says how the scores arrive and
-whether eviction waits for attention. The other concerns are mixins in their own modules: eviction.py (how many
-tokens stay and which), block_eviction.py (a sliding window over per-channel key groups), codec_sinks.py (which
-slots are the codec's exact sinks), rerotation.py (StreamingLLM's re-rotation), store_offer.py (the fused decode
-path), finite_check.py (the NaN/inf check) and layer_state.py (save and load).
-docs/architecture.md draws the whole layer. What attention functions read from the attention kwargs is in
-requests.py.
+This module holds transformers' layer contract and the order of a step (`update`); the layer's state lives in
+parts it owns, each with its own tensors and methods:
+- `store` (storage.py): [encoded | tail], the codec's exact sinks and a padded batch's exact rows; after KVzip's head
+  ranking a `HeadStore` (head_store.py, see `rank_heads`);
+- `slots` (slot_records.py): every per-slot tensor, moved together when slots move;
+- `padding` (padding.py): each row's left padding and the masks that follow from it;
+- `scorer` (scorers.py), chosen once from the policy's flags: what it scores with (Expected Attention's newest
+  queries, KVzip's reconstruction pass), how the scores arrive and whether eviction waits for attention;
+- `eviction` (eviction.py): how many tokens each row keeps (and a pass's per-layer shift) and which slots stay;
+- `offers` (store_offer.py): the fused decode path's offer of the encoded store to attention;
+- `finite` (finite_check.py): the deferred NaN/inf check.
+Functions without state: codec_sinks.py (which slots are the codec's exact sinks), rerotation.py (StreamingLLM's
+re-rotation). docs/architecture.md draws the whole layer. What attention functions read from the attention kwargs is
+in requests.py.
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..codecs.base import Codec, Kind
 from ..policies.base import Policy
-from .block_eviction import BlockEviction
-from .codec_sinks import CodecSinks
+from ..policies.block_window import BlockWindowPolicy
+from .codec_sinks import first_real_slots
 from .eviction import Eviction
 from .finite_check import FINITE_CHECK_EVERY, NON_FINITE, FiniteCheck
 from .head_store import HeadStore
-from .layer_state import LayerState
 from .padding import CHUNKS_SPLIT_PADDED_ROWS, END_ALIGNED_CHUNKS, PADDING_SPLITS_GROUPS, RowPadding
 from .requests import (
     ENABLE_ATTENTION_HINT,
@@ -40,11 +41,12 @@ from .requests import (
     StoreRequest,
     attention_kwargs,
 )
-from .rerotation import Rerotation
+from .rerotation import rerotate_kept, step_positions
 from .scorers import Scorer, scorer_for
 from .slot_records import SlotRecords, record
 from .storage import TokenStore, stored
-from .store_offer import StoreOffer
+from .store_attention import attend_store
+from .store_offer import StoreOffers
 
 # Importers of this module's names from before the split (generation.py, hf/attention.py, tests) keep working.
 __all__ = [
@@ -79,9 +81,7 @@ def scorer_state(name: str, writable: bool = False) -> property:
     return property(get, set_ if writable else None, doc=f"`scorer.{name}` (see caches/scorers.py).")
 
 
-class CompressedLayer(
-    Eviction, BlockEviction, CodecSinks, Rerotation, StoreOffer, FiniteCheck, LayerState, CacheLayerMixin,
-):
+class CompressedLayer(CacheLayerMixin):
     """Stores a layer's kept tokens as [encoded store | full-precision tail].
 
     New tokens join the tail; the policy evicts down to its budget (right away, or after attention when it
@@ -117,7 +117,7 @@ class CompressedLayer(
         the RoPE frequencies a policy that keeps queries (`needs_queries`) undoes their rotation with (empty: the
         model does not rotate them). `attention_window`: a sliding_attention layer's window (the model's
         `sliding_window`): a query sees only keys less than that many positions back, which the layer's own mask
-        must say too, since a block window holds older tokens (block_eviction.py). `probe`: the layer's score
+        must say too, since a block window holds older tokens (`_drop_old_blocks`). `probe`: the layer's score
         probe (probes.py), for a policy that scores tokens from their hidden states (KVzap)."""
         super().__init__()
         self.attention_window = attention_window
@@ -145,12 +145,10 @@ class CompressedLayer(
         # KVzip's pass): the same kind for the layer's life (the policy's flags), fresh state at each reset.
         self.scorer: Scorer = scorer_for(self.policy, self.query_inv_freq, self.probe)
         self.peak_tokens = 0  # most tokens held at once, the step's new ones included
-        self.budget_shift: torch.Tensor | None = None  # [B] tokens this layer keeps beyond the uniform budget
+        self.eviction = Eviction(self.policy, self.codec.heads_per_store)  # keep counts, a pass's per-layer shift
         self.own_mask: OwnMask | None = None  # the mask handed to attention at the last step, if any
-        self.finite: torch.Tensor | None = None  # device flag: decode steps since the last check were finite
-        self.unchecked_steps = 0
-        self.store_request: StoreRequest | None = None  # the store offered to attention at the last step
-        self.store_confirmed = False  # our attention function took the store at the last step it was offered
+        self.finite = FiniteCheck()
+        self.offers = StoreOffers(self.codec, rerotates=self.inv_freq is not None)
 
     # -- transformers' layer contract -------------------------------------------------------------------------
 
@@ -187,13 +185,13 @@ class CompressedLayer(
         """Append the new states; return everything attention may see this step (kept before + new)."""
         if self.is_initialized:
             self._check_shape(key_states, value_states)  # device, heads and batch first: the check below reads values
-        self._check_finite(key_states, value_states)
+        self.finite.check(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.scorer.awaiting_attention:
             raise RuntimeError(f"{type(self.policy).__name__} scores tokens by attention: {ENABLE_ATTENTION_HINT}")
         self.check_mask_used()
-        self.check_store_used()
+        self.offers.check_used()
         attn_kwargs = attention_kwargs(args, kwargs)
         if self.scorer.reconstruction_queries is not None:
             return self._reconstruction_step(key_states, value_states, attn_kwargs)
@@ -213,23 +211,34 @@ class CompressedLayer(
         length = self.stored_tokens
         self.peak_tokens = max(self.peak_tokens, length)
         if self.inv_freq is not None or self.policy.needs_positions:
-            self._track_positions(attn_kwargs, new)
+            fresh = step_positions(attn_kwargs, self.seen - new, new, self.batch_size, self.kv_heads, self.device)
+            self.slots.append("positions", fresh)
 
-        if self.budget_shift is not None or self.padding.misplaces_shared_mask(
+        if self.eviction.budget_shift is not None or self.padding.misplaces_shared_mask(
             self.seen, length, shares_may_change=self.policy.ratio is not None
         ):
             self._own_mask(attn_kwargs, new, length)
         if self.scorer.begin_step(self, attn_kwargs, new):  # eviction waits for attention (scorers.py)
             return self._full("key"), self._full("value")
-        if self._may_attend_store(attn_kwargs, new):
-            assert attn_kwargs is not None  # `_may_attend_store` says no without them
-            placeholders = self._offer_store(attn_kwargs, length)
-            if placeholders is not None:  # our attention function attends and compresses (see store_offer.py)
+        if self.offers.may_attend(self.store, attn_kwargs, new):
+            assert attn_kwargs is not None  # `may_attend` says no without them
+            placeholders = self.offers.offer(
+                self, attn_kwargs, (self.batch_size, self.kv_heads, length, self.head_dim),
+                (self.batch_size, self.kv_heads, length, self.value_dim), self.dtype, self.device,
+            )
+            if placeholders is not None:  # our attention function attends and compresses (`attend`)
                 return placeholders
-        self._probe_store(attn_kwargs, new)
+        self.offers.probe(self, attn_kwargs, new)
         full_keys, full_values = self._full("key"), self._full("value")
         self._compress()
         return full_keys, full_values
+
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Called by our attention function for a fused step (store_offer.py): attention over what this layer
+        holds, then the step's eviction and encoding."""
+        output = attend_store(self, query, attention_mask, scaling)
+        self._compress()
+        return output
 
     def observe(self, delivered: torch.Tensor) -> None:
         """Called by attention (the scorer's `AttentionRequest.deliver`) with what the scorer asked for: statistics
@@ -330,6 +339,133 @@ class CompressedLayer(
         if first:
             self._capture_sinks()
 
+    # -- eviction ---------------------------------------------------------------------------------------------------
+
+    def over_budget(self) -> bool:
+        """Whether this layer holds more than its policy keeps, even before a reconstruction pass scored it."""
+        return self.padding is not None and self.eviction.over_budget(self.padding, self.stored_tokens)
+
+    def _compress(self) -> None:
+        """After a step's attention: evict down to the budget (when due), then encode the tail beyond the codec's
+        residual."""
+        if self.policy.drops_blocks:  # a sliding window over per-channel key groups
+            self._drop_old_blocks()
+        else:
+            assert self.padding is not None  # a token layer after a step (a head store evicts by itself)
+            due = self.eviction.due(self.padding, self.scorer.has_scores, self.stored_tokens)
+            if due is not None:
+                self._evict(*due)
+        self._encode_tail()
+
+    def _evict(self, keep: torch.Tensor, most: int) -> None:
+        """Keep each row's `keep` best-scored real tokens (`most` of them at the most), and move every part along."""
+        # A token layer after its first step: a head store (`rank_heads`) evicts by itself (head_store.py).
+        assert isinstance(self.store, TokenStore) and self.padding is not None
+        self.eviction.refuse_unknown_padding(self.padding)
+        self.padding.evicting()
+        length = self.stored_tokens
+        keys = self._full("key") if self.policy.needs_keys else None
+        extra = self.scorer.score_inputs(self)  # what the scorer keeps for the policy (queries=), handed only to it
+        if self.policy.needs_values:
+            extra["values"] = self._full("value")
+        scores = self.policy.score(
+            self.slots.accumulated, length, keys=keys, positions=self.slots.positions, pads=self.padding.pads, **extra
+        )
+        kept = self.eviction.choose(self.padding, scores, self.kv_heads, length, keep, most)  # [B, H_kv, budget]
+        if self.store.encoded_keys is None:
+            self._capture_sinks()
+        self.slots.take(kept)  # scores, positions and sink slots follow the kept slots
+        self.padding.kept(kept.shape[-1], keep, length)
+        rerotate = self.store.encoded_keys is None and self.inv_freq is not None
+        self.store.take(kept)
+        if rerotate:
+            assert self.inv_freq is not None
+            rerotate_kept(self.store, self.slots, self.padding.real_seen, self.inv_freq)
+
+    def _drop_old_blocks(self) -> None:
+        """A block window (policies/block_window.py): drop the oldest whole blocks of `policy.block` tokens that lie
+        entirely before the newest `policy.window` tokens, from the encoded store (whole encoded blocks, cut
+        without decoding) and then from the tail, and move every per-slot record along.
+
+        Per-channel key groups (KIVI) quantize a block of tokens together, so such a layer cannot drop one token per
+        step as the exact window does: it holds between `window` and `window + block - 1` tokens. Dropping a whole
+        number of blocks from slot 0 keeps slot 0 on a block boundary of the row's tokens, so a row left-padded by
+        whole blocks is grouped as when run alone. Slots stay the newest tokens in order, so `get_mask_sizes`
+        still gives each slot its absolute position and transformers' sliding mask hides the older ones; attention
+        paths that build their own mask honour the window too (padding.py `RowPadding.mask`)."""
+        assert isinstance(self.policy, BlockWindowPolicy)  # the only policy whose `drops_blocks` is True
+        # A token layer after its first step: a block window is never ranked into a head store.
+        assert isinstance(self.store, TokenStore) and self.padding is not None
+        drop = self.stored_tokens - self.policy.held(self.stored_tokens)
+        if drop == 0:
+            return
+        if self.store.encoded_keys is None:
+            self._capture_sinks()  # while the tail still holds every token seen
+        self.padding.evicting()
+        self.store.drop(drop)
+        self.padding.drop(drop)  # padding is the oldest slots
+        # Every per-slot record loses the same slots; a sink whose block is dropped is gone, as when the exact
+        # window passes it.
+        self.slots.drop(drop)
+
+    def _capture_sinks(self) -> None:
+        """Copy each row's first `codec.sink_tokens` real tokens (codec_sinks.py) before anything is encoded or
+        evicted, while the tail still holds every token in order."""
+        sinks = self.codec.sink_tokens
+        if sinks == 0 or self.slots.sink_slots is not None or self.stored_tokens != self.seen:
+            return
+        # A token layer after its first step: sinks are captured before anything is encoded, evicted or ranked.
+        assert isinstance(self.store, TokenStore) and self.padding is not None
+        self.slots.sink_slots = first_real_slots(sinks, self.padding, self.kv_heads)
+        self.store.capture_sinks(self.slots.sink_slots)
+
+    # -- save and load (persist.py), under the names files were always saved with ---------------------------------
+
+    STATE_SCALARS = ("seen", "peak_tokens", "batch_size", "kv_heads", "head_dim", "value_dim")
+    HEAD_STORE_SCALARS = ("seen", "batch_size", "kv_heads", "head_dim", "value_dim")  # with meta `kind`
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """This layer's tensors by name, and the numbers that describe them, for `save_cache`: each part's own."""
+        if self.scorer.awaiting_attention:
+            raise RuntimeError("cannot save a cache layer in the middle of a step (it awaits attention statistics)")
+        self.finite.flush()
+        meta: dict = {"dtype": str(self.dtype).removeprefix("torch.")}
+        if self.per_head:  # KVzip's head budgets: meta `kind` selects the store kind on load
+            assert isinstance(self.store, HeadStore)
+            meta.update(kind=self.store.KIND, **{name: getattr(self, name) for name in self.HEAD_STORE_SCALARS})
+            return self.store.state(), meta
+        # An initialized token layer: persist.py exports only layers that have seen a step.
+        assert isinstance(self.store, TokenStore) and self.padding is not None
+        tensors = {**self.eviction.state(), **self.store.state(), **self.slots.state(), **self.padding.state()}
+        scorer_tensors, scorer_meta = self.scorer.state()
+        tensors.update(scorer_tensors)
+        meta.update({name: getattr(self, name) for name in self.STATE_SCALARS}, **scorer_meta)
+        meta.update(n_encoded=self.store.n_encoded, padding_unknown=self.padding.unknown)
+        return tensors, meta
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict, device: torch.device) -> None:
+        """Restore what `export_state` returned, on `device`."""
+        self._clear()
+        self.dtype = getattr(torch, meta["dtype"])
+        if meta.get("kind") == HeadStore.KIND:
+            for name in self.HEAD_STORE_SCALARS:
+                setattr(self, name, int(meta[name]))
+            self.store = HeadStore.from_state(self.codec, self.dtype, tensors, torch.device(device))
+            self.padding = None  # the store counts each row's real tokens
+            self.device = self.store.device  # "cuda" resolves to "cuda:0", as the model's states will say
+            self.scorer.scored = True
+            self.is_initialized = True
+            return
+        for name in self.STATE_SCALARS:
+            setattr(self, name, int(meta[name]))
+        self.padding = RowPadding.from_state(tensors, bool(meta["padding_unknown"]), torch.device(device))
+        self.device = self.padding.pads.device  # "cuda" resolves to "cuda:0", as the model's states will say
+        self.eviction.load_state(tensors, self.device)
+        self.scorer.load_state(tensors, meta, self.device)  # `_clear` gave it a fresh state
+        self.store = TokenStore.from_state(self.codec, self.dtype, tensors, int(meta["n_encoded"]), self.device)
+        self.slots = type(self.slots).from_state(tensors, self.device)  # `_clear` chose the records
+        self.is_initialized = True
+
     # -- the layer's own mask ---------------------------------------------------------------------------------------
 
     def _own_mask(self, attn_kwargs: dict | None, new: int, length: int) -> None:
@@ -382,9 +518,7 @@ class CompressedLayer(
         bookkeeping = self.slots.nbytes() + self.scorer.nbytes()
         if self.padding is not None:  # pads and real_seen (a head store counts its rows' real tokens itself)
             bookkeeping += self.padding.nbytes()
-        for extra in (self.budget_shift, self.finite):
-            if extra is not None:
-                bookkeeping += extra.numel() * extra.element_size()
+        bookkeeping += self.eviction.nbytes() + self.finite.nbytes()
         return int(stored + bookkeeping)
 
     @property
@@ -405,10 +539,7 @@ class CompressedLayer(
             indices = indices.nonzero().flatten()
         assert self.store is not None  # set with `is_initialized`
         self.store.select_rows(indices)
-        for name in self.STATE_TENSORS:
-            tensor = getattr(self, name)
-            if tensor is not None:
-                setattr(self, name, tensor.index_select(0, indices))
+        self.eviction.select_rows(indices)
         self.slots.select_rows(indices)
         if self.padding is not None:
             self.padding.select_rows(indices)

@@ -226,7 +226,7 @@ class TokenStore:
 
     def drop(self, n: int) -> None:
         """Forget the `n` oldest slots, from the encoded store (whole encoded blocks, cut without decoding) and then
-        from the tail (a block window, block_eviction.py)."""
+        from the tail (a block window, layer.py `_drop_old_blocks`)."""
         from_store = min(n, self.n_encoded)
         if from_store == self.n_encoded:
             self.encoded_keys = self.encoded_values = None

@@ -4,7 +4,7 @@ Our attention function (hf/attention.py) takes the offer and reads the store a b
 (caches/store_attention.py); the layer evicts and encodes only after that attention ran. Once an offer has been
 taken, `update` returns NaN placeholders instead of the decoded cache, so the layer must learn at the next step
 whether the offer was taken again, and refuse to go on when it was not. Prompt steps ask without relying on the
-answer (`_probe_store`), so the first decode step is already fused, and a prompt run through another attention
+answer (`StoreOffers.probe`), so the first decode step is already fused, and a prompt run through another attention
 function withdraws the confirmation instead of leaving a decode step to fail.
 """
 
@@ -12,69 +12,60 @@ from __future__ import annotations
 
 import torch
 
-from .layer_fields import LayerFields
-from .requests import STORE_KEY, StoreRequest
+from ..codecs.base import Codec
+from .requests import STORE_KEY, AttendsStore, StoreRequest
 from .storage import TokenStore
-from .store_attention import attend_store
 
 
-class StoreOffer(LayerFields):
-    """CompressedLayer's store offers (a mixin): `store_request` offered at the last step, and `store_confirmed`
-    once our attention function has taken one."""
+class StoreOffers:
+    """A layer's store offers: `request`, offered at the last step, and `confirmed` once our attention function has
+    taken one."""
 
-    store_request: StoreRequest | None
-    store_confirmed: bool
+    def __init__(self, codec: Codec, rerotates: bool) -> None:
+        # A re-rotating layer rotates its kept keys after attention, so attention must read them decoded.
+        self.offered = codec.attends_encoded and not rerotates
+        self.request: StoreRequest | None = None
+        self.confirmed = False
 
-    def _may_attend_store(self, attn_kwargs: dict | None, new: int) -> bool:
+    def may_attend(self, store: TokenStore, attn_kwargs: dict | None, new: int) -> bool:
         """Whether this decode step can let attention read the encoded store itself (caches/store_attention.py)."""
-        assert isinstance(self.store, TokenStore)  # a token layer's step (a head store steps in `_per_head_step`)
         return (
-            new == 1 and attn_kwargs is not None and self.store.encoded_keys is not None and self.codec.attends_encoded
-            and self.inv_freq is None and self.reconstruction_queries is None
-            and self.store.exact_keys is None  # exact states over some encoded slots: read through `_full`
+            self.offered and new == 1 and attn_kwargs is not None and store.encoded_keys is not None
+            and store.exact_keys is None  # exact states over some encoded slots: read decoded
         )
 
-    def _probe_store(self, attn_kwargs: dict | None, new: int) -> None:
+    def probe(self, layer: AttendsStore, attn_kwargs: dict | None, new: int) -> None:
         """A prompt step asks, without relying on the answer, whether our attention function runs here (it marks
         the request used and attends as usual): then the first decode step is already fused instead of decoding
         the whole store once to find out (docs/benchmark-notes.md)."""
-        if new > 1 and attn_kwargs is not None and self.codec.attends_encoded and self.inv_freq is None:
-            self.store_request = StoreRequest(self, fused=False)
-            attn_kwargs[STORE_KEY] = self.store_request
+        if self.offered and new > 1 and attn_kwargs is not None:
+            self.request = StoreRequest(layer, fused=False)
+            attn_kwargs[STORE_KEY] = self.request
 
-    def _offer_store(self, attn_kwargs: dict, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Offer attention the store; the placeholders `update` returns when our attention function takes it."""
-        self.store_request = StoreRequest(self, fused=self.store_confirmed)
-        attn_kwargs[STORE_KEY] = self.store_request
-        if not self.store_confirmed:
+    def offer(self, layer: AttendsStore, attn_kwargs: dict, shape_keys: tuple, shape_values: tuple, dtype, device):
+        """Offer attention the store; the placeholders `update` returns when our attention function takes it (None:
+        it has not taken one yet, so `update` returns the decoded store as well)."""
+        self.request = StoreRequest(layer, fused=self.confirmed)
+        attn_kwargs[STORE_KEY] = self.request
+        if not self.confirmed:
             return None
-        # Our attention function reads the store block by block and then calls `_compress` (the step's
+        # Our attention function reads the store block by block and then calls the layer's eviction (the step's
         # attention must see the state before eviction and encoding). What update returns is never read:
         # placeholders that cost nothing and are NaN, so that any other attention function fails loudly
         # (and the next update raises).
-        placeholder = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
-        return (
-            placeholder.expand(self.batch_size, self.kv_heads, length, self.head_dim),
-            placeholder.expand(self.batch_size, self.kv_heads, length, self.value_dim),
-        )
+        placeholder = torch.full((), float("nan"), dtype=dtype, device=device)
+        return placeholder.expand(*shape_keys), placeholder.expand(*shape_values)
 
-    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        """Called by our attention function for a fused step: attention over what this layer holds, then the
-        step's eviction and encoding."""
-        output = attend_store(self, query, attention_mask, scaling)
-        self._compress()
-        return output
-
-    def check_store_used(self) -> None:
+    def check_used(self) -> None:
         """After a step that offered attention the store: learn whether our attention function took it."""
-        request, self.store_request = self.store_request, None
+        request, self.request = self.request, None
         if request is None:
             return
         if request.fused and not request.used:
-            self.store_confirmed = False
+            self.confirmed = False
             raise RuntimeError(
                 "the last decode step's attention did not run through 'kvcompress_sdpa', which this cache had "
                 "relied on (the attention implementation changed mid-generation?): that step's output is invalid; "
                 "call cache.reset() and generate again"
             )
-        self.store_confirmed = request.used
+        self.confirmed = request.used

@@ -16,7 +16,7 @@ class BlockWindowPolicy(Policy):
     layer that stores them drops the oldest whole group(s) once every token of the group is older than the window.
     The layer then holds between `window` and `window + block - 1` tokens; the ones older than the window stay
     invisible because transformers' sliding mask hides them by absolute position (`get_mask_sizes`). Layers with
-    this policy drop blocks in caches/block_eviction.py instead of ranking slots.
+    this policy drop blocks in caches/layer.py `_drop_old_blocks` instead of ranking slots.
 
     Args:
         window: newest tokens always kept (transformers keeps `sliding_window - 1` between steps).

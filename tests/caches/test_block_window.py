@@ -103,7 +103,7 @@ def test_tokens_older_than_the_window_are_invisible(attention, monkeypatch):
     hidden, corrupted = _stepwise_logits(model, cache, corrupt=True)
     assert corrupted > 0
     if attention.startswith("fused"):
-        assert all(layer.store_confirmed for layer in cache.layers)  # decode steps read the encoded store
+        assert all(layer.offers.confirmed for layer in cache.layers)  # decode steps read the encoded store
     assert torch.equal(hidden, clean)
     seen, corrupted = _stepwise_logits(model, make_cache(SPEC, model.config), corrupt=True, inside=True)
     assert corrupted > 0 and not torch.allclose(seen, clean)

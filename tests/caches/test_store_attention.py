@@ -67,7 +67,7 @@ def test_fused_decode_attention_matches_sdpa_over_the_decoded_cache(spec, monkey
         pads = layer.pads.clone()
         k, v = cache_out = cache.update(key, value, 0, kwargs)
         mask = _mask(pads, 1, k.shape[-2])  # what transformers' mask says once each row's padding is counted
-        fused = layer.store_request is not None and layer.store_request.fused
+        fused = layer.offers.request is not None and layer.offers.request.fused
         if fused:  # update returned placeholders and left eviction and encoding to attention: decode the cache now
             assert k.isnan().all()
             k, v = layer._full("key"), layer._full("value")
@@ -105,7 +105,7 @@ def test_a_foreign_attention_function_after_fused_steps_is_refused():
     cache = make_cache("int4:residual_length=0,group_size=8", model.config)
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
     model.generate(input_ids=ids, cache=cache, max_new_tokens=4, do_sample=False)
-    assert cache.layers[0].store_confirmed
+    assert cache.layers[0].offers.confirmed
     model.set_attn_implementation("sdpa")
     with torch.inference_mode():
         model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # a decode step the cache relied on us for
@@ -122,7 +122,7 @@ def test_a_prompt_through_another_attention_function_withdraws_the_confirmation(
     model.set_attn_implementation("sdpa")
     out = model.generate(input_ids=torch.cat([ids, ids[:, :8]], 1), cache=cache, max_new_tokens=4, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
-    assert not cache.layers[0].store_confirmed
+    assert not cache.layers[0].offers.confirmed
     assert torch.stack(out.logits).isfinite().all()
 
 
@@ -133,7 +133,7 @@ def test_the_first_decode_step_is_fused_after_a_prompt_through_our_attention():
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
-        assert not cache.layers[0].store_confirmed
+        assert not cache.layers[0].offers.confirmed
         k, _ = cache.layers[0].update(torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32), {})
     # Under transformers' own SDPA the prompt confirms nothing: the first decode step returns the decoded cache.
     plain = tiny_model("llama")

@@ -282,7 +282,7 @@ def test_plain_names_settle_the_rotation_per_model_family():
         explicit = CompressedCache(codec=parse_spec(f"int{bits}:rotate=per_token")[1], config=gemma).layers[1].codec
         for kind in ("key", "value"):
             assert torch.equal(full.encode(x, kind)["codes"], explicit.encode(x, kind)["codes"])
-        # Sliding layers keep per-channel keys too (a block window, caches/block_eviction.py): unrotated there too.
+        # Sliding layers keep per-channel keys too (a block window, layer.py `_drop_old_blocks`): unrotated there too.
         assert not full._rotates("key") and not sliding._rotates("key") and full._rotates("value")
         assert sliding.key_axis == "channel" and sliding.settled_rotation == "per_token"
         # An explicit choice is kept on every model.

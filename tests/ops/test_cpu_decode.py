@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig
 
 from hf_kvcompress import make_cache
-from hf_kvcompress.caches import store_attention, store_offer
+from hf_kvcompress.caches import layer as layer_module
+from hf_kvcompress.caches import store_attention
 from hf_kvcompress.caches.store_attention import attend_store, store_kernel
 from hf_kvcompress.codecs.fp8 import Fp8Codec
 from hf_kvcompress.codecs.intn import IntNCodec
@@ -218,7 +219,7 @@ def test_a_layer_through_the_kernel_equals_the_pytorch_path(spec, dtype):
         new = torch.randn(2, KV_HEADS, 1, DIM, generator=g).to(dtype)
         k, v = cache.update(new, -new, 0, kwargs)
         mask = (torch.arange(k.shape[-2]) >= layer.pads[:, None])[:, None, None, :]
-        if layer.store_request.fused:
+        if layer.offers.request.fused:
             # fp8 encodes each step's tokens on arrival (codecs/fp8.py), so its tail is empty; every other codec
             # here has one for the kernel to cover
             assert layer.n_encoded > 0 and (layer.tail_keys.shape[-2] > 0) != layer.codec.encodes_on_arrival
@@ -282,8 +283,8 @@ def test_generate_on_the_embedded_model_gives_the_pytorch_paths_tokens(embedded,
     tokens = {}
     for backend in ("torch", "cpu"):
         forced = functools.partial(store_attention.attend_store, backend=backend)
-        monkeypatch.setattr(store_offer, "attend_store", forced)
+        monkeypatch.setattr(layer_module, "attend_store", forced)  # what `CompressedLayer.attend` calls
         cache = make_cache(spec, model.config)
         tokens[backend] = generate(model, ids, None, cache, max_new_tokens=12).new_tokens
-        assert cache.layers[0].store_confirmed and cache.layers[0].n_encoded >= 32
+        assert cache.layers[0].offers.confirmed and cache.layers[0].n_encoded >= 32
     assert torch.equal(tokens["cpu"], tokens["torch"])

@@ -80,13 +80,13 @@ def test_attention_through_the_kernel_equals_the_pytorch_path(spec):
         k, v = cache.update(new, -new, 0, kwargs)
         query = torch.randn(2, kv_heads * groups, 1, dim, generator=g).to(DEVICE)
         mask = (torch.arange(k.shape[-2], device=DEVICE) >= layer.pads[:, None])[:, None, None, :]
-        if layer.store_request.fused:
+        if layer.offers.request.fused:
             assert layer.n_encoded > 0 and layer.sink_slots is not None
             reference = attend_store(layer, query, mask, 0.2, backend="torch")
             tolerance = dict(atol=1e-5, rtol=1e-5) if INTERPRETED else dict(atol=2e-2, rtol=2e-2)  # GPU dots in tf32
             torch.testing.assert_close(attend_store(layer, query, mask, 0.2, backend="triton"), reference, **tolerance)
         kvcompress_attention(module, query, k, v, mask, scaling=0.2, **kwargs)
-    assert layer.store_confirmed
+    assert layer.offers.confirmed
 
 
 def test_the_kernel_leaves_a_lloyd_max_codebook_to_pytorch():
