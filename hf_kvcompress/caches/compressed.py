@@ -64,6 +64,11 @@ def _check_head_budgets(policy: Policy, codec: Codec, rerotate: bool) -> None:
         )
     if rerotate:
         raise ValueError("rerotate re-rotates a window of whole tokens; budgets=head keeps other tokens per head")
+    if codec.needs_positions:
+        raise ValueError(
+            f"budgets=head keeps no per-slot positions, and codec {codec.spec()!r} decodes keys at theirs: use "
+            "budgets=layer with it"
+        )
 
 
 class CompressedCache(Cache):

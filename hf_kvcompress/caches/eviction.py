@@ -100,9 +100,10 @@ class Eviction:
         budget = kept.shape[-1]
         if self.store.encoded_keys is None:
             self._capture_sinks()
+        positions = self.slots.positions  # before the move: the store encodes kept tail keys at them
         self.slots.take(kept)  # scores, positions and sink slots follow the kept slots
         self.padding.kept(budget, keep, length)
         rerotate = self.store.encoded_keys is None and self.inv_freq is not None
-        self.store.take(kept)
+        self.store.take(kept, positions)
         if rerotate:
             self._rerotate_kept()

@@ -201,7 +201,7 @@ class CompressedLayer(
             self._encode_tail()
         length = self.stored_tokens
         self.peak_tokens = max(self.peak_tokens, length)
-        if self.inv_freq is not None or self.policy.needs_positions:
+        if self.inv_freq is not None or self.policy.needs_positions or self.codec.needs_positions:
             self._track_positions(attn_kwargs, new)
 
         if self.budget_shift is not None or self.padding.misplaces_shared_mask(
@@ -296,11 +296,11 @@ class CompressedLayer(
 
     def _full(self, kind: str) -> torch.Tensor:
         """What attention sees: the decoded store followed by the full-precision tail."""
-        return self.store.full(kind, self.slots.sink_slots)
+        return self.store.full(kind, self.slots.sink_slots, self.slots.positions)
 
     def _encode_tail(self) -> None:
         """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time."""
-        self.store.encode_tail(self._before_encoding)
+        self.store.encode_tail(self._before_encoding, self.slots.positions)
 
     def _before_encoding(self, first: bool) -> None:
         # Padding grows only with prompt chunks: decode steps after the first encoding need not ask (a host read).
