@@ -363,7 +363,7 @@ class CompressedLayer(
         for extra in (self.budget_shift, self.finite):
             if extra is not None:
                 bookkeeping += extra.numel() * extra.element_size()
-        return int(stored + bookkeeping)
+        return round(stored + bookkeeping)  # a per-token rate may be a fraction (a latent shared by KV heads)
 
     @property
     def is_croppable(self) -> bool:

@@ -20,7 +20,7 @@ class Rerotation:
             start = self.seen - new
             position_ids = torch.arange(start, start + new, device=self.device)[None, :]
         fresh = position_ids.to(self.device, torch.int32)[:, None, :].expand(self.batch_size, self.kv_heads, new)
-        self.slots.append("positions", fresh)
+        self.slots.append("positions", fresh.contiguous())  # owned: the record's bytes are what it holds
 
     def _rerotate_kept(self) -> None:
         """Re-rotate kept keys so slot i sits len(kept) - i positions before the row's next query."""
