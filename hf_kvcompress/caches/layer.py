@@ -296,7 +296,9 @@ class CompressedLayer(
 
     def _full(self, kind: str) -> torch.Tensor:
         """What attention sees: the decoded store followed by the full-precision tail."""
-        return self.store.full(kind, self.slots.sink_slots, self.slots.positions)
+        if self.codec.needs_positions:  # keys decode at their positions (a head store never holds such a codec)
+            return self.store.full(kind, self.slots.sink_slots, self.slots.positions)
+        return self.store.full(kind, self.slots.sink_slots)
 
     def _encode_tail(self) -> None:
         """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time."""
