@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .hf.compat import text_config
 from .hf.rope import rope_inv_freq
@@ -70,7 +72,12 @@ def layer_states(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, tor
     """(keys, values) [H, T, D] of every layer for one sequence, keys post-RoPE as a cache receives them."""
     cache = DynamicCache()  # no config: every layer keeps every token, sliding ones included
     model(input_ids=input_ids, cache=cache, use_cache=True)
-    return [(layer.keys[0].float(), layer.values[0].float()) for layer in cache.layers]
+    states = []
+    for layer in cache.layers:
+        # A DynamicCache without a config: DynamicLayers, each filled by the forward pass.
+        assert isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None
+        states.append((layer.keys[0].float(), layer.values[0].float()))
+    return states
 
 
 def rope_frequencies(config) -> tuple[tuple[float, ...], ...]:
@@ -93,7 +100,9 @@ def calibration_ids(tokenizer, tokens: int = 2048) -> torch.Tensor:
     return tokenizer(calibration_text(words=tokens), return_tensors="pt").input_ids[:, :tokens]
 
 
-def calibrate(model, input_ids: torch.Tensor, max_rank: int | None = None, text: str = CALIBRATION_TEXT) -> tuple[dict, dict, list[dict]]:
+def calibrate(
+    model, input_ids: torch.Tensor, max_rank: int | None = None, text: str = CALIBRATION_TEXT
+) -> tuple[dict, dict, list[dict]]:
     """Fit the bases on `input_ids` [1, T]; returns (tensors, metadata, report rows per layer)."""
     states = layer_states(model, input_ids.to(model.device))
     kv_heads, _, head_dim = states[0][0].shape
@@ -103,7 +112,7 @@ def calibrate(model, input_ids: torch.Tensor, max_rank: int | None = None, text:
         raise ValueError(f"max_rank must be between 1 and head_dim ({head_dim}), got {max_rank}")
     tensors, report = {}, []
     for i, (keys, values) in enumerate(states):
-        row = {"layer": i}
+        row: dict[str, Any] = {"layer": i}
         for kind, x in (("key", keys), ("value", values)):
             mean, basis, variances = pca(x)
             tensors[f"layers.{i}.{kind}_mean"] = mean.contiguous()
@@ -145,11 +154,12 @@ def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
     tensors, report = {}, []
     shares = (width // 4, width // 2)
     for i, (keys, values) in enumerate(states):
-        row = {"layer": i}
+        row: dict = {"layer": i}
         for kind, x in (("key", unrotated(keys, model.config, i)), ("value", values)):
             mean, basis, variances = pca(concatenated(x))
             tensors[f"layers.{i}.{kind}_mean"] = mean.reshape(kv_heads, head_dim).contiguous()
-            tensors[f"layers.{i}.{kind}_basis"] = basis[0, :, :max_rank].reshape(kv_heads, head_dim, max_rank).contiguous()
+            kept = basis[0, :, :max_rank]
+            tensors[f"layers.{i}.{kind}_basis"] = kept.reshape(kv_heads, head_dim, max_rank).contiguous()
             tensors[f"layers.{i}.{kind}_variance"] = variances[0].contiguous()
             row[kind] = {r: explained(variances, r) for r in shares}
             row[f"{kind}_per_head"] = {r: explained(pca(x)[2], r // kv_heads) for r in shares}
@@ -190,7 +200,9 @@ def load_bases(source: str | os.PathLike | None, config) -> tuple[dict[str, torc
         if path.is_dir():
             path = path / BASES_FILE
         if not path.exists():
-            raise FileNotFoundError(f"bases={str(source)!r}: no {BASES_FILE} there (write it with hf-kvcompress calibrate)")
+            raise FileNotFoundError(
+                f"bases={str(source)!r}: no {BASES_FILE} there (write it with hf-kvcompress calibrate)"
+            )
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}

@@ -68,7 +68,7 @@ def lesson_rows(results: list, config, tokens: float, model_bytes: float) -> lis
     for name, match in LESSON_ROWS:
         candidates = [r for r in results if match(r.spec)]
         if name.startswith("low-rank"):
-            candidates.sort(key=lambda r: parse_spec(r.spec)[1].rank is not None)
+            candidates.sort(key=lambda r: getattr(parse_spec(r.spec)[1], "rank", None) is not None)  # LowRankCodecs
         if name.startswith("evict"):  # the family's best plan stands for it (sinks + window, KVzip, ...)
             candidates.sort(key=lambda r: (-r.score, r.measured_bytes))
         best = candidates[0] if candidates else None

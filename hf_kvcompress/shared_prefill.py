@@ -19,10 +19,19 @@ from datetime import datetime, timezone
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from .eval.prompts import encode, protocol_name, uses_chat
-from .eval.runner import (AttentionSwitch, eos_ids, first_item, left_pad, plan_batches, run_batch, served_name,
-                          tokens_per_layer)
+from .eval.prompts import PromptFormat, encode, protocol_name, uses_chat
+from .eval.runner import (
+    AttentionSwitch,
+    eos_ids,
+    first_item,
+    left_pad,
+    plan_batches,
+    run_batch,
+    served_name,
+    tokens_per_layer,
+)
 from .eval.scoring import score_all
 from .eval.tasks import sample_split
 from .generation import generate, prefill, repeat_prompt_ids, score_by_reconstruction
@@ -43,6 +52,8 @@ def replay(spec: str, model, reference: DynamicCache, document_mask: torch.Tenso
     cache = make_cache(spec, model.config)
     positions = (document_mask.long().cumsum(-1) - 1).masked_fill(document_mask == 0, 1).to(model.device)
     for i, layer in enumerate(reference.layers):
+        # `document_states` filled every layer of its DynamicCache, made without a config: DynamicLayers.
+        assert isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None
         cache.update(layer.keys, layer.values, i, kwargs={"position_ids": positions})
     return cache
 
@@ -52,7 +63,7 @@ def batch_groups(rows: Sequence[dict], encoded: Sequence[tuple[list[int], list[i
     int codecs' per-channel key groups (32 tokens) never span padding, which quantized a padded row in other
     groups than the row alone (and warned), and KVzip with an int codec stored it at other precision. A document
     length in tokens varies by a few with the needle, so batches are smaller; a plan's work is mostly per row."""
-    return [f"{r['task']}|{r['max_new_tokens']}|{len(e[0])}" for r, e in zip(rows, encoded)]
+    return [f"{r['task']}|{r['max_new_tokens']}|{len(e[0])}" for r, e in zip(rows, encoded, strict=True)]
 
 
 def rescores(spec: str) -> bool:
@@ -76,7 +87,7 @@ def replay_and_rescore(spec: str, model, reference: DynamicCache, ids: torch.Ten
 
 @torch.inference_mode()
 def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: int = 1, model_name: str,
-              prompt_format: str = "auto", max_new_tokens: int | None = None, progress=None) -> list[dict]:
+              prompt_format: PromptFormat = "auto", max_new_tokens: int | None = None, progress=None) -> list[dict]:
     """One record per (plan, sample), in the eval runner's record format, with one document prefill per batch.
 
     `max_new_tokens` caps every sample's answer (the tasks allow 16 tokens for a needle's 7 digits; every decoded
@@ -108,13 +119,14 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
         reference = document_states(model, full_ids, full_mask, width)
         shared_seconds = time.perf_counter() - start
 
-        def answer(cache):
+        def answer(cache, full_ids=full_ids, full_mask=full_mask, max_new=max_new):
             """The cache's bytes after the document, then its answers (cut at the end of sequence) and the
             prefill seconds of the question."""
             kv = measured_kv_bytes(cache), tokens_per_layer(cache), served_kv_bytes(cache, served)
             result = generate(model, full_ids.to(model.device), full_mask.to(model.device), cache,
                               max_new_tokens=max_new)
-            new = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))] for row in result.new_tokens.tolist()]
+            new = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))]
+                   for row in result.new_tokens.tolist()]
             return (*kv, new, result.prefill_seconds)
 
         for plan in plans:

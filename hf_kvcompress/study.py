@@ -23,9 +23,11 @@ from .codecs.intn import IntNCodec
 from .codecs.lowrank import LowRankCodec
 from .codecs.reducing import ReducingCodec
 from .codecs.shared_heads import SharedHeadsCodec
-from .eval.tasks import BANDS
 from .eval.report import served_bytes
+from .eval.tasks import BANDS
 from .hf.compat import text_config
+from .policies.block_window import BlockWindowPolicy
+from .policies.sink_window import SinkWindowPolicy
 from .registry import STUDY_PLANS, parse_spec, study_specs
 
 # Depth bands of the lesson's warning: questions about the start and the middle are where eviction fails.
@@ -110,13 +112,19 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     windows = shape.windows or (None,) * shape.layers
     head_store = policy.scores_by_reconstruction and getattr(policy, "budgets", None) == "head" and policy.evicts
     total = 0.0
-    for plan, held in zip(plan_layers(policy, codec, config), windows):  # the layers CompressedCache builds
+    # The layers CompressedCache builds.
+    for plan, held in zip(plan_layers(policy, codec, config), windows, strict=True):
         if held == 0:  # a layer that stores no keys and values (budget.py: shared or not attention)
             continue
         layer_codec = plan.codec
-        if plan.is_sliding:  # a block window or an exact window
+        kept: float  # tokens per KV head: whole for a window, a share of them for a ratio (`kept_tokens`)
+        if plan.is_sliding:  # a block window or an exact window (plan.py: `sliding_layer_policy`)
             sliding = plan.policy
-            kept = sliding.held(tokens) if sliding.drops_blocks else min(tokens, sliding.window)
+            if isinstance(sliding, BlockWindowPolicy):
+                kept = sliding.held(tokens)
+            else:
+                assert isinstance(sliding, SinkWindowPolicy) and sliding.window is not None
+                kept = min(tokens, sliding.window)
         else:
             kept = kept_tokens(policy, tokens)
         if not plan.is_sliding and head_store:
@@ -138,6 +146,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
             total += shape.kv_heads * 8 if exact else 0
             total += sinks
             continue
+        encoded: float  # tokens held encoded (`kept` may be a share of a token)
         if layer_codec.lossless:
             encoded = 0
         else:
@@ -281,6 +290,8 @@ def analyse(records: list[dict], config, model_bytes: float, weights_bytes: floa
 
 def paired_difference(a: PlanResult, b: PlanResult) -> tuple[float, float, float]:
     """Mean score difference a - b over the samples both ran, with its 95% bootstrap interval."""
+    if a.scores is None or b.scores is None:
+        raise ValueError("paired_difference needs each plan's per-sample scores (PlanResult.scores)")
     common = [k for k in a.scores if k in b.scores]
     diffs = [a.scores[k] - b.scores[k] for k in common]
     if not diffs:
@@ -344,7 +355,8 @@ def residual_note(spec: str, tokens: float) -> str | None:
         return (f"{spec}: keeps {kept:.0f} tokens per layer, all within {name}'s full-precision residual "
                 f"(residual_length={residual}): nothing is quantized, so it costs what it would without {name}")
     return (f"{spec}: the {residual} most recent of {kept:.0f} kept tokens stay in full precision "
-            f"(residual_length={residual}); the saving approaches what {codec.bits} bits promise only on much longer prompts")
+            f"(residual_length={residual}); the saving approaches what {codec.bits} bits promise only on much longer "
+            "prompts")
 
 
 def residual_notes(results: list[PlanResult], tokens: float) -> str:

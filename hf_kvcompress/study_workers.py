@@ -3,8 +3,8 @@
 On a CPU, most of a plan's work after the shared prefill is small matrix products (a question of 40 tokens, then
 one token per step) that a second thread barely speeds up; two processes that each take half the samples use both
 cores for all of it. On a machine whose cores are also busy with other work, threads of one process wait for each
-other at every product (measured: 16 ms instead of 0.24 ms for one of SmolLM2's projections at a load of 13 on 2
-cores), which single-threaded workers never do. Records come back in the order one process would have made them.
+other at every product (docs/benchmark-notes.md), which single-threaded workers never do. Records come back in the
+order one process would have made them.
 """
 
 from __future__ import annotations

@@ -6,11 +6,10 @@ the step's own states at full precision, so encoding the finished full-precision
 import pytest
 import torch
 
-from hf_kvcompress.eval.runner import run_batch
-from hf_kvcompress.eval.runner import left_pad
-from hf_kvcompress.shared_prefill import document_states, replay, replay_and_rescore, rescores
+from hf_kvcompress.eval.runner import left_pad, run_batch
 from hf_kvcompress.generation import generate
 from hf_kvcompress.measure import measured_kv_bytes
+from hf_kvcompress.shared_prefill import document_states, replay, replay_and_rescore, rescores
 
 from .caches.tiny_models import tiny_model
 

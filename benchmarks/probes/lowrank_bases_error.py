@@ -50,7 +50,7 @@ def main() -> None:
     for share in (0.25, 0.5):
         rank = int(dim * share)
         sums = [0.0] * 5
-        for i, ((kf, vf), (kt, vt)) in enumerate(zip(fit, test)):
+        for i, ((kf, vf), (kt, vt)) in enumerate(zip(fit, test, strict=True)):
             pf, pt = unrotated(kf, model.config, i), unrotated(kt, model.config, i)
             sums[0] += sum(lost(kf[h], kt[h], rank) for h in range(heads)) / heads
             sums[1] += sum(lost(pf[h], pt[h], rank) for h in range(heads)) / heads

@@ -40,10 +40,10 @@ from hf_kvcompress.caches.compressed import CompressedCache
 from hf_kvcompress.caches.plan import plan_layers
 from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.codecs.intn import IntNCodec
-from hf_kvcompress.policies.keep_all import KeepAllPolicy
-from hf_kvcompress.registry import parse_value
 from hf_kvcompress.eval.prompts import encode
 from hf_kvcompress.eval.tasks import build_samples
+from hf_kvcompress.policies.keep_all import KeepAllPolicy
+from hf_kvcompress.registry import parse_value
 
 CONFIGS = [
     f"bits={b},rotate={r},key_axis={a},sink_tokens={s}"
@@ -138,7 +138,8 @@ def main() -> None:
             key_outliers, value_outliers = kwargs.pop("key_outliers", 0), kwargs.pop("value_outliers", 0)
             # Each layer's codec as the cache builds it: bound to the model (RoPE frequencies, rotate=auto), keys
             # per token in sliding-window layers.
-            layer_codecs = [layer.codec for layer in CompressedCache(codec=IntNCodec(**kwargs), config=model.config).layers]
+            built = CompressedCache(codec=IntNCodec(**kwargs), config=model.config)
+            layer_codecs = [layer.codec for layer in built.layers]
             errors, mass = [], []
             for i in layers:
                 query, key, value, scaling = store[i]
@@ -161,7 +162,8 @@ def main() -> None:
     for config, (error, mass) in totals.items():
         print(f"{config:50s} {error:18.4f} {mass:12.3f}")
         if args.per_layer:
-            print("  per layer: " + " ".join(f"{i}:{e:.3f}" for i, e in zip(layers, per_layer[config].tolist())))
+            errors = zip(layers, per_layer[config].tolist(), strict=False)
+            print("  per layer: " + " ".join(f"{i}:{e:.3f}" for i, e in errors))
             ranked = per_layer[config].argsort(descending=True).tolist()
             print("  worst first: " + "/".join(str(layers[i]) for i in ranked))
 

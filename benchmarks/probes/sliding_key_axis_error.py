@@ -5,7 +5,8 @@ per token, at each width?
 Command:
     python benchmarks/probes/sliding_key_axis_error.py --model gemma-3-270m --task multi_needle --length 2000 \\
         --depths 0,25,50,75 --configs "bits=4;bits=3;bits=2,codebook=gaussian,pre_rope=true"
-Written up: docs/methods.md, "Sliding-window layers (Gemma 3)", and docs/results.md, "The suite: retention at each width".
+Written up: docs/methods.md, "Sliding-window layers (Gemma 3)", and docs/results.md, "The suite: retention at each
+width".
 
 Before 0.3.0 a sliding layer stored its keys per token (an exact window must drop single tokens); since then it keeps
 per-channel key groups under a window that drops whole groups (policies/block_window.py). This measures what that
@@ -20,10 +21,20 @@ from __future__ import annotations
 import argparse
 
 import torch
+from quant_attention_error import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    IntNCodec,
+    as_stored,
+    attend,
+    build_samples,
+    encode,
+    load_model,
+    parse_value,
+    recording_attention,
+    sdpa_mask,
+)
 
-from quant_attention_error import (AttentionInterface, AttentionMaskInterface, IntNCodec, as_stored, attend,
-                                   build_samples, encode, load_model, parse_value, recording_attention,
-                                   sdpa_mask)  # fmt: skip
 from hf_kvcompress.caches.plan import plan_layers
 from hf_kvcompress.codecs.base import resolve_for_model
 from hf_kvcompress.codecs.identity import IdentityCodec

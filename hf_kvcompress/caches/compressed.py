@@ -33,7 +33,8 @@ def cache_spec(policy: Policy, codec: Codec) -> str:
 def layer_from_plan(plan: LayerPlan) -> CompressedLayer:
     """The layer a plan describes (plan.py: `plan_layers`)."""
     return CompressedLayer(plan.policy, plan.codec, is_sliding=plan.is_sliding, inv_freq=plan.inv_freq,
-                           query_inv_freq=plan.query_inv_freq, attention_window=plan.attention_window)
+                           query_inv_freq=plan.query_inv_freq, attention_window=plan.attention_window,
+                           probe=plan.probe)
 
 
 def layer_budget_shifts(policy: Policy, layers: list) -> list[torch.Tensor]:
@@ -89,6 +90,13 @@ class CompressedCache(Cache):
             scaling are read from it) and full-precision keys.
     """
 
+    # Every layer is one: built from a plan, or by `_LayerFactory` without a config (list is invariant, so the
+    # narrower element type is an override mypy refuses although no other layer is ever stored).
+    layers: list[CompressedLayer]  # type: ignore[assignment]
+    # Only on a cache that `load_cache` (persist.py) returned: the model it was saved from.
+    model_name: str
+    architecture: dict
+
     def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False):
         self.policy = policy if policy is not None else KeepAllPolicy()
         requested = codec if codec is not None else IdentityCodec()
@@ -99,7 +107,8 @@ class CompressedCache(Cache):
             _check_head_budgets(self.policy, self.codec, rerotate)
         if config is None:
             check_without_config(self.policy, rerotate)
-            super().__init__(layer_class_to_replicate=_LayerFactory(self.policy, self.codec))
+            # transformers only calls `layer_class_to_replicate()`: a factory that numbers the layers serves.
+            super().__init__(layer_class_to_replicate=_LayerFactory(self.policy, self.codec))  # type: ignore[arg-type]
             self.num_layers = None
             return
         plans = plan_layers(self.policy, requested, config, rerotate, full_codec=self.codec)
@@ -121,6 +130,12 @@ class CompressedCache(Cache):
                     "by a model with a different layer count; call cache.reset() or create a new cache"
                 )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def reads_hidden_states(self) -> bool:
+        """Whether the layers score tokens from the hidden state entering attention (KVzap): the hooks of
+        hf/hidden_states.py then hand it over in the attention kwargs."""
+        return self.policy.needs_hidden_states
 
     def _claim_for_this_thread(self, layer_idx: int) -> None:
         """Refuse a second thread while one thread's forward pass is between this cache's first and last layer:
@@ -171,12 +186,12 @@ class CompressedCache(Cache):
         budgets = getattr(self.policy, "budgets", "uniform")
         if budgets == "head" and scored:
             keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.sink_tokens)
-            for layer, (priority, keep) in zip(scored, keeps):
+            for layer, (priority, keep) in zip(scored, keeps, strict=True):
                 layer.rank_heads(priority, keep)
         elif budgets == "token" and scored:
             share_token_scores([layer for layer in scored if not layer.is_sliding])
         elif budgets == "layer" and len(scored) > 1:
-            for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored)):
+            for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored), strict=True):
                 layer.budget_shift = shift
         for layer in self.layers:
             if not layer.per_head:

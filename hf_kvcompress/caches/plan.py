@@ -21,6 +21,7 @@ from ..hf.rope import rope_inv_freq
 from ..policies.base import Policy, check_count
 from ..policies.block_window import BlockWindowPolicy
 from ..policies.sink_window import SinkWindowPolicy
+from ..probes import load_probes
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
@@ -32,7 +33,8 @@ class LayerPlan:
     `window`: the layer's `sliding_window` or `attention_chunk_size` (None: full attention). `attention_window`:
     how far back a query sees, for the layer's own mask (sliding_attention layers only). `inv_freq`: RoPE
     frequencies of StreamingLLM's re-rotation (rerotate); `query_inv_freq`: those a policy that keeps queries
-    undoes their rotation with (empty: the model does not rotate them).
+    undoes their rotation with (empty: the model does not rotate them). `probe`: the layer's score probe, for a
+    policy that scores tokens from their hidden states (KVzap).
     """
 
     index: int
@@ -43,6 +45,7 @@ class LayerPlan:
     attention_window: int | None = None
     inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
     query_inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    probe: object | None = field(default=None, compare=False, repr=False)  # KVzap's score probe (probes.py)
 
     @property
     def is_sliding(self) -> bool:
@@ -58,8 +61,7 @@ def sliding_kept(policy: Policy, layer_type: str, window: int) -> int | None:
     window), so the cache's bytes follow the ratio on hybrid models too. A sliding layer keeps its newest tokens:
     it attends locally, and KVzip's reconstruction queries, a window away, cannot score it. Chunked-attention
     layers keep their chunk. A policy's `sliding=N` sets the count itself (`dynamic:sliding=127` shrinks only the
-    sliding layers): on Gemma-3-270M at 2,000 tokens they kept every answer at 127 of their 511 tokens, and lost 5 of
-    30 at 63 (docs/results.md)."""
+    sliding layers; what such counts keep is measured in docs/results.md)."""
     if layer_type != "sliding_attention":
         return None
     whole = max(window - 1, 1)
@@ -77,11 +79,10 @@ def sliding_kept(policy: Policy, layer_type: str, window: int) -> int | None:
 def sliding_layer_codec(codec: Codec, layer_type: str, exact_window: bool = False) -> Codec:
     """How a sliding layer stores keys. Its window evicts, but per-channel key groups (KIVI) only need to lose whole
     groups, which a block window does (policies/block_window.py): keys are grouped as without eviction (per channel
-    for int4/int3/int2 and key_axis='channel'), and an explicit key_axis='token' keeps them per token. Measured on
-    Gemma-3-270M (windowed attention error of the 15 sliding layers at 2000 tokens), per-channel keys cut it from
-    0.040 / 0.116 / 0.290 to 0.026 / 0.057 / 0.169 at 4 / 3 / 2 bits. Chunked-attention layers, and sliding layers
-    that keep fewer tokens than their window (`exact_window`, see `sliding_kept`), keep per-token keys and an exact
-    window: transformers' mask would show the older tokens of a block."""
+    for int4/int3/int2 and key_axis='channel'), and an explicit key_axis='token' keeps them per token: per-channel
+    keys lowered the sliding layers' windowed attention error at every width (docs/results.md). Chunked-attention
+    layers, and sliding layers that keep fewer tokens than their window (`exact_window`, see `sliding_kept`), keep
+    per-token keys and an exact window: transformers' mask would show the older tokens of a block."""
     if layer_type == "sliding_attention" and not exact_window:
         return resolve_for_policy(codec, False)
     return resolve_for_policy(_keys_per_token(codec), True)
@@ -103,7 +104,7 @@ def _keys_per_token(codec: Codec) -> Codec:
     if isinstance(codec, ReducingCodec):
         return codec.with_storage(_keys_per_token(codec.storage))
     if getattr(codec, "key_axis", None) == "channel":
-        return dataclasses.replace(codec, key_axis="token")
+        return dataclasses.replace(codec, key_axis="token")  # type: ignore[call-arg]  # a codec with key_axis: checked
     return codec
 
 
@@ -132,6 +133,10 @@ def check_without_config(policy: Policy, rerotate: bool) -> None:
     if rerotate:
         raise ValueError("rerotate=True needs config=model.config (RoPE parameters are read from it)")
     query_rope(policy, None)
+    if policy.needs_hidden_states:
+        raise ValueError(
+            f"{policy.name} needs config=model.config (make_cache(spec, model.config)): its score probe is per model"
+        )
     if policy.sliding is not None:
         raise ValueError("sliding= needs config=model.config: it applies to the model's sliding-window layers")
 
@@ -155,6 +160,7 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
         full_codec = cache_codec(policy, codec, config)
     inv_freq = rope_inv_freq(config, "full_attention") if rerotate else None
     query_inv_freq = query_rope(policy, config)
+    probes = load_probes(getattr(policy, "probe", None), config) if policy.needs_hidden_states else {}
     decoder = text_config(config)
     head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
     full_codec.check_head_dim(head_dim)  # refuse a codec that cannot store this model now, not mid-generation
@@ -166,9 +172,15 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
                 f"sliding={policy.sliding!r} sets what sliding-window layers keep, and this model has none "
                 f"(layer types: {sorted(set(layer_types))}); leave sliding unset"
             )
-    windows = {"sliding_attention": getattr(decoder, "sliding_window", None),
-               "chunked_attention": getattr(decoder, "attention_chunk_size", None)}
-    kept = {kind: sliding_kept(policy, kind, windows[kind]) for kind in SLIDING_LAYER_TYPES if kind in layer_types}
+    # The window of each sliding or chunked layer type the model has (transformers reads the same two fields).
+    windows: dict[str, int] = {}
+    for kind, name in zip(SLIDING_LAYER_TYPES, ("sliding_window", "attention_chunk_size"), strict=True):
+        if kind in layer_types:
+            window = getattr(decoder, name, None)
+            if window is None:
+                raise ValueError(f"the config lists {kind} layers but sets no {name}")
+            windows[kind] = window
+    kept = {kind: sliding_kept(policy, kind, window) for kind, window in windows.items()}
     if policy.sliding is not None and policy.sliding > windows["sliding_attention"] - 1:
         raise ValueError(
             f"sliding={policy.sliding} is more than this model's sliding layers hold "
@@ -189,6 +201,8 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
                 window=window, attention_window=window if layer_type == "sliding_attention" else None,
             ))
         else:
+            if policy.needs_hidden_states and i not in probes:
+                raise ValueError(f"the KVzap probe for this model has no probe for layer {i} ({layer_type})")
             plans.append(LayerPlan(i, layer_type, policy, full_codec.for_layer(i), inv_freq=inv_freq,
-                                   query_inv_freq=query_inv_freq))
+                                   query_inv_freq=query_inv_freq, probe=probes.get(i)))
     return plans

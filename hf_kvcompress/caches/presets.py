@@ -47,5 +47,6 @@ class HeavyHitterCache(CompressedCache):
     Needs attention statistics: call `hf_kvcompress.use_kvcompress_attention(model)` once.
     """
 
-    def __init__(self, budget: int = 512, recent: int = 64, sink_tokens: int = 0, codec: Codec | None = None, config=None):
+    def __init__(self, budget: int = 512, recent: int = 64, sink_tokens: int = 0, codec: Codec | None = None,
+                 config=None):
         super().__init__(HeavyHitterPolicy(budget=budget, recent=recent, sink_tokens=sink_tokens), codec, config)

@@ -33,9 +33,13 @@ class LayerBases:
     """
 
     __slots__ = ("key_mean", "key_basis", "value_mean", "value_basis")
+    key_mean: torch.Tensor
+    key_basis: torch.Tensor
+    value_mean: torch.Tensor
+    value_basis: torch.Tensor
 
     def __init__(self, tensors: dict[str, torch.Tensor], layer_idx: int, ranks: tuple[int, int], joint: bool):
-        for kind, rank in zip(("key", "value"), ranks):
+        for kind, rank in zip(("key", "value"), ranks, strict=True):
             mean = tensors[f"layers.{layer_idx}.{kind}_mean"].float()
             basis = tensors[f"layers.{layer_idx}.{kind}_basis"][..., :rank].float()
             if joint:
@@ -59,7 +63,7 @@ def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: fl
     width = variances[0][0].numel()
     steps = width // step
     total = round(ratio * len(variances) * 2 * steps)
-    gains = []
+    gains: list[tuple[float, int, int, int]] = []
     for layer, pair in enumerate(variances):
         for k, v in enumerate(pair):
             share = v.double().clamp(min=0) / v.double().clamp(min=0).sum().clamp(min=1e-30)
@@ -70,7 +74,7 @@ def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: fl
     # Shares fall along each (layer, kind), so the largest gains anywhere are prefixes of each.
     for _, layer, k, _ in sorted(gains, key=lambda g: (-g[0], g[1], g[2], g[3]))[:picked]:
         ranks[layer][k] += step
-    return [tuple(r) for r in ranks]
+    return [(key, value) for key, value in ranks]
 
 
 @dataclass(frozen=True)
@@ -103,15 +107,17 @@ class LowRankCodec(ReducingCodec):
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
     _joint: bool = field(default=False, init=False, repr=False, compare=False)
-    _ranks: tuple | None = field(default=None, init=False, repr=False, compare=False)
-    _inv_freqs: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _ranks: tuple[tuple[int, int], ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _inv_freqs: tuple[tuple[float, ...], ...] | None = field(default=None, init=False, repr=False, compare=False)
     _kv_heads: int = field(default=1, init=False, repr=False, compare=False)
     _layer: LayerBases | None = field(default=None, init=False, repr=False, compare=False)
     _layer_idx: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
-            raise ValueError(f"rank must be a positive integer below head_dim, or None (head_dim // 4), got {self.rank!r}")
+            raise ValueError(
+                f"rank must be a positive integer below head_dim, or None (head_dim // 4), got {self.rank!r}"
+            )
         if self.ratio is not None:
             if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
                 raise ValueError(f"ratio must be a number in (0, 1] (the share of dimensions kept), got {self.ratio!r}")
@@ -128,7 +134,7 @@ class LowRankCodec(ReducingCodec):
     def heads_per_store(self) -> int:  # type: ignore[override]
         return self._kv_heads if self._joint else 1
 
-    def reduction_for_model(self, config) -> "LowRankCodec":
+    def reduction_for_model(self, config) -> LowRankCodec:
         """Load and check the bases for this model; settle each layer's ranks."""
         tensors, meta = load_bases(self.bases, config)
         head_dim, max_rank, heads = int(meta["head_dim"]), int(meta["max_rank"]), int(meta["kv_heads"])
@@ -167,11 +173,12 @@ class LowRankCodec(ReducingCodec):
         step = getattr(self.storage, "group_size", 8)
         return math.gcd(width, step) if width % step else step
 
-    def for_layer(self, layer_idx: int) -> "LowRankCodec":
+    def for_layer(self, layer_idx: int) -> LowRankCodec:
         if self._tensors is None:
             raise ValueError("lowrank needs the model's config to load its bases (make_cache(spec, model.config))")
         # The copy keeps the layer's bases only, not every layer's; the storage is bound to the layer too.
         bound = copy.copy(self)  # keeps what binding set (init=False fields), as `with_storage` does
+        assert self._ranks is not None  # settled with the bases (`reduction_for_model`)
         object.__setattr__(bound, "storage", self.storage.for_layer(layer_idx))
         object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self._ranks[layer_idx], self._joint))
         object.__setattr__(bound, "_layer_idx", layer_idx)
@@ -190,9 +197,12 @@ class LowRankCodec(ReducingCodec):
 
     def _head_shape(self) -> tuple[int, int]:
         if self._layer is not None:
-            return tuple(self._layer.key_mean.shape)
-        mean = self._tensors["layers.0.key_mean"]
-        return tuple(mean.shape)
+            mean = self._layer.key_mean
+        else:
+            assert self._tensors is not None  # bound to a model (checked by the callers)
+            mean = self._tensors["layers.0.key_mean"]
+        heads, dim = mean.shape
+        return int(heads), int(dim)
 
     # -- encoding ---------------------------------------------------------------------------------------------------
 
@@ -231,6 +241,8 @@ class LowRankCodec(ReducingCodec):
         return (torch.einsum("bhtr,hdr->bhtd", reduced.float(), basis) + mean[None, :, None, :]).to(dtype)
 
     def _inv_freq(self) -> torch.Tensor:
+        # Joint bases only, and the codec runs per layer (`for_layer`): both are set.
+        assert self._inv_freqs is not None and self._layer_idx is not None
         return torch.tensor(self._inv_freqs[self._layer_idx], dtype=torch.float32)
 
     def encode(self, states: torch.Tensor, kind: Kind, positions: torch.Tensor | None = None) -> Encoded:
@@ -258,6 +270,7 @@ class LowRankCodec(ReducingCodec):
         if self._joint:
             if self._layer_idx is None:
                 raise ValueError("lowrank with joint bases stores a rank per layer: ask the layer's codec (for_layer)")
+            assert self._ranks is not None  # settled with the joint bases
             rank = self._ranks[self._layer_idx][0]
             return rank, self._kv_heads
         return (self.rank if self.rank is not None else head_dim // 4), 1
@@ -267,5 +280,6 @@ class LowRankCodec(ReducingCodec):
             return super().bytes_per_token(head_dim, kind, dtype)
         if self._layer_idx is None:
             raise ValueError("lowrank with joint bases stores a rank per layer: ask the layer's codec (for_layer)")
+        assert self._ranks is not None  # settled with the joint bases
         rank = self._ranks[self._layer_idx][0 if kind == "key" else 1]
         return self.storage.bytes_per_token(rank, kind, dtype) / self._kv_heads

@@ -12,6 +12,7 @@ import argparse
 
 from hf_kvcompress import budget
 
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `budget`; `run` is its entry point."""
     parser = subparsers.add_parser(

@@ -22,7 +22,8 @@ def add_parser(subparsers) -> None:
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path, help="a file holding the prompt text")
     parser.add_argument("--model", default=None, help="alias, Hub id or local path (default: the embedded SmolLM2)")
-    parser.add_argument("--cache", default="dynamic", help="cache spec, e.g. int4, sink_window:window=256, h2o:budget=256+int4")
+    parser.add_argument("--cache", default="dynamic",
+                        help="cache spec, e.g. int4, sink_window:window=256, h2o:budget=256+int4")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (greedy)")
     parser.add_argument("--prefill-chunk-size", type=int, default=None,
                         help="prefill in chunks of this many tokens (default: 512 for caches with bounded memory, "
@@ -37,7 +38,8 @@ def add_parser(subparsers) -> None:
 def render_prompt(tokenizer, text: str, chat: bool = True) -> str:
     """The prompt as the model expects it: through its chat template when it has one."""
     if chat and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text
 
 
@@ -94,9 +96,11 @@ def run(args) -> int:
         repeat_prompt_ids=repeat_prompt_ids(tokenizer, chat=False if args.no_chat_template else None),
     )
     print(
-        f"\n[cache {cache.spec}] prefill {result.prefill_tokens} tokens at {result.prefill_tokens_per_second:.1f} tok/s; "
+        f"\n[cache {cache.spec}] prefill {result.prefill_tokens} tokens at "
+        f"{result.prefill_tokens_per_second:.1f} tok/s; "
         f"decode {result.decode_tokens} tokens at {result.decode_tokens_per_second:.1f} tok/s; "
-        f"KV cache holds {result.kv_bytes:,} bytes ({cache.stored_tokens} of {cache.get_seq_length()} tokens kept per layer)",
+        f"KV cache holds {result.kv_bytes:,} bytes ({cache.stored_tokens} of {cache.get_seq_length()} tokens kept "
+        "per layer)",
         file=sys.stdout,
     )
     print(f"[cache {cache.spec}] {served_summary(model, cache)}", file=sys.stdout)

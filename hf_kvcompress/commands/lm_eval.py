@@ -11,7 +11,8 @@ Model `hf-kvcompress`, `--model_args`: `pretrained=` (alias, folder or .gguf; em
 `cache=SPEC` (any cache spec, e.g. cache=int4 or cache=sink_window:window=256; default dynamic), `query_aware`,
 `prompt_format` (auto/chat/plain), `chunk_size` (512), `dtype`, HFLM's own (batch_size, max_length, ...); any other
 is refused. lm-eval splits --model_args at commas outside quotes, so a spec with commas goes in double quotes within
-single ones: --model_args 'pretrained=,cache="h2o:budget=256,recent=64"' (or JSON: '{"cache": "h2o:budget=256,recent=64"}').
+single ones: --model_args 'pretrained=,cache="h2o:budget=256,recent=64"'
+(or JSON: '{"cache": "h2o:budget=256,recent=64"}').
 Tasks shipped: {tasks} (the suite's tasks, the test half of their samples; each has a `_dev` variant, the half to
 tune on, and `--metadata '{"split": "dev"}'` does the same; the document is compressed before the question).
 """

@@ -7,9 +7,10 @@
 also a loaded model with `tokenizer=`), `cache` (a
 registry spec, default `dynamic`; one with commas in double quotes: `'cache="h2o:budget=256,recent=64"'`),
 `query_aware` (false), `prompt_format` (auto/chat/plain), `chunk_size` (512), `dtype`, and HFLM's own arguments;
-any other is refused (HFLM would ignore it). The protocol is the suite's: for the kvc_* tasks the document is prefilled (and compressed) first and
-the question appended afterwards, with the same tokens `hf-kvcompress eval` uses (rendered from the sample's
-fields, so lm-eval's own prompt string, few-shot examples or chat flag do not apply to them); consecutive
+any other is refused (HFLM would ignore it). The protocol is the suite's: for the kvc_* tasks the document is
+prefilled (and compressed) first and the question appended afterwards, with the same tokens `hf-kvcompress eval`
+uses (rendered from the sample's fields, so lm-eval's own prompt string, few-shot examples or chat flag do not apply
+to them); consecutive
 requests about one document (kvc_multi_question's questions) share one prefill of it, each answered on an
 untouched copy of the compressed cache, as `hf-kvcompress eval` answers them. Any other
 generation task prefills its whole context into the cache before decoding; loglikelihood requests prefill the
@@ -32,7 +33,7 @@ from ..generation import prefill, repeat_prompt_ids
 from ..hf.compat import cache_kwargs
 from ..models import load_model
 from ..registry import bounds_memory, make_cache, parse_spec
-from .prompts import encode, protocol_name
+from .prompts import PromptFormat, encode, protocol_name
 from .runner import CompressedDocument, first_item
 
 MODEL_NAME = "hf-kvcompress"
@@ -73,7 +74,7 @@ class KVCompressLM(HFLM):
         pretrained=None,
         cache: str = "dynamic",
         query_aware: bool | str = False,
-        prompt_format: str = "auto",
+        prompt_format: PromptFormat = "auto",
         chunk_size: int | str | None = 512,
         device: str | None = None,
         dtype: str | None = None,
@@ -140,7 +141,8 @@ class KVCompressLM(HFLM):
     @torch.inference_mode()
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         results = []
-        for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc=f"loglikelihood ({self.cache_spec})"):
+        progress = tqdm(requests, disable=disable_tqdm or self.rank != 0, desc=f"loglikelihood ({self.cache_spec})")
+        for request in progress:
             context, continuation = request.args
             if context == "":
                 context_ids, continuation_ids = [self.prefix_token_id], self.tok_encode(continuation)

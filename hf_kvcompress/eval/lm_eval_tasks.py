@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .prompts import plain_text
+from .prompts import PromptFormat, plain_text
 from .scoring import score_all
 
 
@@ -39,7 +39,7 @@ def dataset(
     split: str = "test",
     limit: int | None = None,
     documents: str | None = None,
-    prompt_format: str = "auto",
+    prompt_format: PromptFormat = "auto",
     task_args: dict | None = None,
     **_ignored,
 ):
@@ -55,7 +55,9 @@ def dataset(
         folder = Path(data_dir)
         path = next((p for p in (folder / "data" / f"{task}.jsonl", folder / f"{task}.jsonl") if p.exists()), None)
         if path is None:
-            raise FileNotFoundError(f"no {task}.jsonl in {folder}/data or {folder}: run `hf-kvcompress eval --tasks {task}` first")
+            raise FileNotFoundError(
+                f"no {task}.jsonl in {folder}/data or {folder}: run `hf-kvcompress eval --tasks {task}` first"
+            )
         with open(path, encoding="utf-8") as handle:
             rows = [json.loads(line) for line in handle if line.strip()]
         if split != "all":

@@ -27,7 +27,7 @@ def resolved_digest(spec: str, config) -> str:
 def _fields(obj) -> dict:
     """The class name and every field, init=False ones included; values that are not plain data (loaded
     calibration tensors) are left out: what they were loaded from is a field."""
-    out = {"class": type(obj).__name__}
+    out: dict[str, object] = {"class": type(obj).__name__}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -30,7 +30,7 @@ from ..generation import generate, prefill, repeat_prompt_ids, sync
 from ..hf.attention import use_kvcompress_attention
 from ..measure import measured_kv_bytes, served_kv_bytes
 from . import report
-from .prompts import encode, protocol_name, uses_chat
+from .prompts import PromptFormat, encode, protocol_name, uses_chat
 from .resolved import resolved_digest
 from .scoring import score_all
 from .tasks import build_samples, check_split, sample_split
@@ -268,7 +268,7 @@ def plan_batches(
     sample_ids: Sequence[str],
     batch_size: int,
     chunk_size: int | None,
-    done: set[tuple[str, str]] = frozenset(),
+    done: Collection[tuple[str, str]] = frozenset(),
     groups: Sequence[str] | None = None,
 ) -> list[WorkItem]:
     """The batches of a run, the same whatever the number of processes.
@@ -439,7 +439,7 @@ def run_eval(
     split: str = "test",
     documents: str | None = None,
     query_aware: bool = False,
-    prompt_format: str = "auto",
+    prompt_format: PromptFormat = "auto",
     batch_size: int = 1,
     chunk_size: int | None = 512,
     limit: int | None = None,
@@ -555,7 +555,8 @@ def run_eval(
     bar = None
     if progress and is_main:
         if not plan:
-            print(f"eval: all {len(done)} results are already in {out / RESULTS} (same settings); nothing to run",
+            where = "" if out is None else f" in {out / RESULTS}"  # without an output folder: no samples
+            print(f"eval: all {len(done)} results are already{where} (same settings); nothing to run",
                   file=sys.stderr)  # fmt: skip
         else:
             where = f" [process 0 of {state.num_processes}: its share]" if state is not None else ""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 METRICS = ("string_match_all", "string_match_part", "exact_match")
@@ -23,7 +23,7 @@ def metrics_dir() -> Path:
     raise FileNotFoundError("eval_tasks/metrics/ was not found next to hf_kvcompress")
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_metric(name: str):
     """`evaluate.load` of one local metric module: `string_match_all`, `string_match_part` or `exact_match`."""
     if name not in METRICS:

@@ -76,7 +76,7 @@ def test_the_cache_builds_its_layers_from_the_plan(name, spec):
     cache = CompressedCache(policy, codec, config=config)
     planned = plan_layers(policy, codec, config)
     assert len(cache.layers) == len(planned)
-    for layer, plan in zip(cache.layers, planned):
+    for layer, plan in zip(cache.layers, planned, strict=True):
         assert layer.policy == plan.policy
         assert layer.codec == plan.codec and layer.codec.spec() == plan.codec.spec()
         assert layer.is_sliding == plan.is_sliding

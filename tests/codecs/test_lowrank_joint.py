@@ -91,7 +91,8 @@ def test_ranks_follow_the_variances_and_keep_the_ratio():
     assert allocate_ranks([(steep, flat)], ratio=1.0, step=8, max_rank=32) == [(32, 32)]
 
 
-@pytest.mark.parametrize("spec", ["lowrank:ratio=0.5", "lowrank:ratio=0.5+int4:group_size=16,residual_length=2,key_axis=token",
+@pytest.mark.parametrize("spec", ["lowrank:ratio=0.5",
+                                  "lowrank:ratio=0.5+int4:group_size=16,residual_length=2,key_axis=token",
                                   "h2o:budget=8,recent=2+lowrank:ratio=0.5", "tova:ratio=0.5+lowrank:ratio=0.25"])
 def test_bytes_are_exact_and_padded_rows_match_rows_alone(fitted, spec):
     model, bases = fitted["llama"]
