@@ -1,4 +1,4 @@
-"""Exact attention sinks for lossy codecs: each row's first `codec.sink_tokens` real tokens, kept at full precision.
+"""Exact attention sinks for lossy codecs: each row's first `codec.exact_sinks` real tokens, kept at full precision.
 
 The first tokens draw much of every query's attention, so a lossy codec may keep them exactly beside its encoding
 (IntactKV, arXiv:2403.01241); they are copied before anything is encoded or evicted and overwrite their decoded
@@ -19,9 +19,9 @@ class CodecSinks(LayerFields):
     none); their states [B, H_kv, S, D] are the store's `sink_keys` / `sink_values` (storage.py)."""
 
     def _capture_sinks(self) -> None:
-        """Copy each row's first `codec.sink_tokens` real tokens before anything is encoded or evicted, while the
+        """Copy each row's first `codec.exact_sinks` real tokens before anything is encoded or evicted, while the
         tail still holds every token in order; real tokens not seen by then (a row still all padding) are not kept."""
-        sinks = self.codec.sink_tokens
+        sinks = self.codec.exact_sinks
         if sinks == 0 or self.slots.sink_slots is not None or self.stored_tokens != self.seen:
             return
         # A token layer after its first step: sinks are captured before anything is encoded, evicted or ranked.

@@ -185,7 +185,7 @@ class CompressedCache(Cache):
         scored = [layer for layer in self.layers if layer.policy.scores_by_reconstruction and layer.is_initialized]
         budgets = getattr(self.policy, "budgets", "uniform")
         if budgets == "head" and scored:
-            keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.sink_tokens)
+            keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.exact_sinks)
             for layer, (priority, keep) in zip(scored, keeps, strict=True):
                 layer.rank_heads(priority, keep)
         elif budgets == "token" and scored:

@@ -282,7 +282,7 @@ class CompressedLayer(
         self.scorer.reconstruction_queries = None
         self.scorer.awaiting_attention = False
         sink_slots = None
-        if self.codec.sink_tokens > 0 and not self.codec.lossless:
+        if self.codec.exact_sinks > 0 and not self.codec.lossless:
             self._capture_sinks()  # before the pairs are packed: the sinks are the row's first real tokens
             sink_slots = self.slots.sink_slots
         # Ranked once, after the reconstruction pass over a token layer (CompressedCache.end_reconstruction).

@@ -43,6 +43,12 @@ class Codec(ABC):
     # (lowrank's joint bases project keys with RoPE undone). The layer then tracks each slot's position.
     needs_positions: ClassVar[bool] = False
 
+    @property
+    def exact_sinks(self) -> int:
+        """The first real tokens of each row the layer keeps exact beside the store (caches/codec_sinks.py): the
+        codec's `sink_tokens`; a stack of codecs (`lowrank+int4`) keeps the most any of them asks for."""
+        return self.sink_tokens
+
     def token_block(self, kind: Kind) -> int:
         """How many tokens are encoded together along the token axis."""
         return 1

@@ -94,6 +94,10 @@ class LowRankCodec(ReducingCodec):
         ratio: the share of all layers' key and value dimensions kept, spread over the layers and kinds by their
             calibrated variances (joint bases only). Neither: ratio 0.25 (joint bases) or rank head_dim // 4.
         bases: a directory (or file) written by `hf-kvcompress calibrate`; None: the bases shipped for the model.
+        sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps exact beside the
+            store, bypassing the bases and the storage (caches/codec_sinks.py): the attention sinks' keys are the
+            states the bases, fitted to typical tokens, reconstruct worst. With a storage that has sinks of its own
+            (`+int4`), the most either asks for; 0: none.
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
 
@@ -103,6 +107,7 @@ class LowRankCodec(ReducingCodec):
     rank: int | None = None
     ratio: float | None = None
     bases: str | None = None
+    sink_tokens: int = 4  # type: ignore[assignment]  # lowrank's own; the base's property reads the storage's
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
@@ -123,6 +128,10 @@ class LowRankCodec(ReducingCodec):
                 raise ValueError(f"ratio must be a number in (0, 1] (the share of dimensions kept), got {self.ratio!r}")
             if self.rank is not None:
                 raise ValueError("give rank or ratio, not both")
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(
+                f"sink_tokens must be an integer >= 0 (the first real tokens kept exact), got {self.sink_tokens!r}"
+            )
 
     # -- binding --------------------------------------------------------------------------------------------------
 
