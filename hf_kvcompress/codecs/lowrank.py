@@ -107,7 +107,7 @@ class LowRankCodec(ReducingCodec):
     rank: int | None = None
     ratio: float | None = None
     bases: str | None = None
-    sink_tokens: int = 4  # type: ignore[assignment]  # lowrank's own; the base's property reads the storage's
+    sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
