@@ -1,7 +1,9 @@
-"""PCA bases of a model's keys and values, per layer and KV head, fitted on calibration text (for `lowrank`).
+"""PCA bases of a model's keys and values, fitted on calibration text (for `lowrank`).
 
-Keys are fitted as the cache receives them, after RoPE: `hf-kvcompress calibrate` also reports the variance that
-pre-RoPE keys would keep at the same rank, the measurement behind that choice (see docs/methods.md).
+`calibrate_joint` (what `hf-kvcompress calibrate` writes and the package ships) fits one basis per layer and kind over
+the layer's KV heads concatenated, keys before RoPE: on held-out text that loses less than half the variance that
+per-head bases of post-RoPE keys lose at the same number of dimensions (docs/methods.md, the measurement behind the
+choice). `calibrate` fits one basis per KV head, keys after RoPE as the cache receives them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from .ops.rerotate import rerotate
 BASES_FILE = "lowrank_bases.safetensors"
 PACKAGED_DIR = Path(__file__).parent / "calibrations"
 FORMAT = "hf-kvcompress-lowrank-1"
+JOINT = "joint"  # metadata `heads`: one basis over a layer's KV heads (keys pre-RoPE); absent: one per head
+CALIBRATION_TEXT = "HotpotQA paragraphs (RULER data, CC BY-SA 4.0)"
 
 
 def model_identity(config) -> str:
@@ -34,7 +38,8 @@ def model_identity(config) -> str:
 
 
 def calibration_text(words: int = 4000) -> str:
-    """HotpotQA paragraphs (Wikipedia): not the essays the needle tasks hide their needles in."""
+    """HotpotQA paragraphs (Wikipedia), the last of the sorted distinct paragraphs: none of the eval suite's
+    haystacks (the needle tasks' essays, multi_question's novel); only doc_qa with source=hotpotqa reads them."""
     from .eval.data import hotpotqa_questions  # the lab's data: loading bases (the library's path) never reads it
 
     _, paragraphs = hotpotqa_questions()
@@ -75,11 +80,17 @@ def layer_states(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, tor
     return states
 
 
+def rope_frequencies(config) -> tuple[tuple[float, ...], ...]:
+    """Each decoder layer's RoPE inverse frequencies (its layer type's), as numbers."""
+    decoder = text_config(config)
+    layer_types = getattr(decoder, "layer_types", None) or [None] * decoder.num_hidden_layers
+    by_type = {kind: tuple(rope_inv_freq(config, kind).tolist()) for kind in set(layer_types)}
+    return tuple(by_type[kind] for kind in layer_types)
+
+
 def unrotated(keys: torch.Tensor, config, layer_idx: int) -> torch.Tensor:
     """Keys [H, T, D] with RoPE undone (position t rotated back by t): what pre-RoPE keys look like."""
-    decoder = text_config(config)
-    layer_types = getattr(decoder, "layer_types", None)
-    inv_freq = rope_inv_freq(config, layer_types[layer_idx] if layer_types else None)
+    inv_freq = torch.tensor(rope_frequencies(config)[layer_idx])
     positions = torch.arange(keys.shape[1], dtype=torch.float32).expand(keys.shape[0], -1)
     return rerotate(keys[None], -positions[None], inv_freq)[0]
 
@@ -89,8 +100,9 @@ def calibration_ids(tokenizer, tokens: int = 2048) -> torch.Tensor:
     return tokenizer(calibration_text(words=tokens), return_tensors="pt").input_ids[:, :tokens]
 
 
-def calibrate(model, input_ids: torch.Tensor, max_rank: int | None = None,
-              text: str = "HotpotQA paragraphs (RULER data, CC BY-SA 4.0)") -> tuple[dict, dict, list[dict]]:
+def calibrate(
+    model, input_ids: torch.Tensor, max_rank: int | None = None, text: str = CALIBRATION_TEXT
+) -> tuple[dict, dict, list[dict]]:
     """Fit the bases on `input_ids` [1, T]; returns (tensors, metadata, report rows per layer)."""
     states = layer_states(model, input_ids.to(model.device))
     kv_heads, _, head_dim = states[0][0].shape
@@ -113,6 +125,48 @@ def calibrate(model, input_ids: torch.Tensor, max_rank: int | None = None,
     metadata = {"format": FORMAT, "model": model_identity(model.config), "layers": str(len(states)),
                 "kv_heads": str(kv_heads), "head_dim": str(head_dim), "value_dim": str(value_dim),
                 "max_rank": str(max_rank), "keys": "post_rope", "tokens": str(input_ids.shape[1]),
+                "text": text}
+    return tensors, metadata, report
+
+
+def concatenated(states: torch.Tensor) -> torch.Tensor:
+    """[H, T, D] -> [1, T, H * D]: each token's heads side by side (row h * D + d of a joint basis is head h's d)."""
+    heads, tokens, dim = states.shape
+    return states.permute(1, 0, 2).reshape(1, tokens, heads * dim)
+
+
+def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
+                    text: str = CALIBRATION_TEXT) -> tuple[dict, dict, list[dict]]:
+    """Fit one basis per layer and kind over the layer's KV heads on `input_ids` [1, T], keys with RoPE undone.
+
+    Tensors per layer i: `layers.i.{key,value}_mean` [H, D], `_basis` [H, D, max_rank] (the [H * D, max_rank]
+    basis, row h * D + d as [h, d]), `_variance` [H * D] (every component's variance, for choosing ranks). Returns
+    (tensors, metadata, report rows per layer: the share of variance kept at a quarter and a half of the
+    dimensions, jointly and, for comparison, per head)."""
+    states = layer_states(model, input_ids.to(model.device))
+    kv_heads, _, head_dim = states[0][0].shape
+    if states[0][1].shape[-1] != head_dim:
+        raise ValueError("joint bases need keys and values of one width (head_dim)")
+    width = kv_heads * head_dim
+    max_rank = max_rank or width
+    if not 1 <= max_rank <= width:
+        raise ValueError(f"max_rank must be between 1 and KV heads x head_dim ({width}), got {max_rank}")
+    tensors, report = {}, []
+    shares = (width // 4, width // 2)
+    for i, (keys, values) in enumerate(states):
+        row: dict = {"layer": i}
+        for kind, x in (("key", unrotated(keys, model.config, i)), ("value", values)):
+            mean, basis, variances = pca(concatenated(x))
+            tensors[f"layers.{i}.{kind}_mean"] = mean.reshape(kv_heads, head_dim).contiguous()
+            kept = basis[0, :, :max_rank]
+            tensors[f"layers.{i}.{kind}_basis"] = kept.reshape(kv_heads, head_dim, max_rank).contiguous()
+            tensors[f"layers.{i}.{kind}_variance"] = variances[0].contiguous()
+            row[kind] = {r: explained(variances, r) for r in shares}
+            row[f"{kind}_per_head"] = {r: explained(pca(x)[2], r // kv_heads) for r in shares}
+        report.append(row)
+    metadata = {"format": FORMAT, "model": model_identity(model.config), "layers": str(len(states)),
+                "kv_heads": str(kv_heads), "head_dim": str(head_dim), "value_dim": str(head_dim),
+                "max_rank": str(max_rank), "keys": "pre_rope", "heads": JOINT, "tokens": str(input_ids.shape[1]),
                 "text": text}
     return tensors, metadata, report
 

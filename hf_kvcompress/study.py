@@ -51,9 +51,12 @@ def bytes_per_value(spec: str, model_bytes: float, config=None) -> float:
             fraction /= codec.heads_per_group or kv_shape_from_config(config).kv_heads
         elif isinstance(codec, LowRankCodec):
             head_dim = kv_shape_from_config(config).head_dim if config is not None else None
-            if codec.rank is None and head_dim is None:
+            if codec.ratio is not None:  # the share of all layers' key and value dimensions kept
+                fraction *= codec.ratio
+            elif codec.rank is None and head_dim is None:
                 raise ValueError(f"{spec!r}: lowrank's default rank needs the model's config for the formula")
-            fraction *= (codec.rank or head_dim // 4) / head_dim if head_dim else 1.0
+            else:
+                fraction *= (codec.rank or head_dim // 4) / head_dim if head_dim else 1.0
         codec = codec.storage
     if isinstance(codec, IdentityCodec):
         return model_bytes * fraction
@@ -130,7 +133,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
             # context's newest tokens, which the scored layer still held at full precision (its residual), stay
             # exact in a second store: which pairs those are depends on the scores, so they are counted as the kept
             # share of those slots (an estimate: tests/test_study_bytes.py bounds it).
-            sinks = 0 if layer_codec.lossless else min(layer_codec.sink_tokens, kept)
+            sinks = 0 if layer_codec.lossless else min(layer_codec.exact_sinks, kept)
             pair = layer_codec.bytes_per_token(shape.head_dim, "key", dtype) + layer_codec.bytes_per_token(
                 shape.head_dim, "value", dtype)
             exact = 0
@@ -155,9 +158,11 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
         total += shape.kv_heads * (encoded * per_encoded + (kept - encoded) * 2 * shape.head_dim * model_bytes)
         if not plan.is_sliding and policy.evicts and (policy.needs_attention or policy.scores_by_reconstruction):
             total += shape.kv_heads * kept * 4  # each kept slot's float32 score (H2O's sums, KVzip's maxima)
-        if layer_codec.sink_tokens and (encoded > 0 or kept < tokens):
+        if layer_codec.needs_positions:  # each slot's int32 key position (lowrank's joint bases decode at it)
+            total += shape.kv_heads * kept * 4
+        if layer_codec.exact_sinks and (encoded > 0 or kept < tokens):
             # full-precision sinks, copied at the first encoding or eviction: keys, values and an int64 slot each
-            total += shape.kv_heads * layer_codec.sink_tokens * (2 * shape.head_dim * model_bytes + 8)
+            total += shape.kv_heads * layer_codec.exact_sinks * (2 * shape.head_dim * model_bytes + 8)
     return total
 
 

@@ -1,4 +1,4 @@
-"""Exact attention sinks for lossy codecs: each row's first `codec.sink_tokens` real tokens, kept at full precision.
+"""Exact attention sinks for lossy codecs: each row's first `codec.exact_sinks` real tokens, kept exact.
 
 The first tokens draw much of every query's attention, so a lossy codec may keep them exactly beside its encoding
 (IntactKV, arXiv:2403.01241); they are copied before anything is encoded or evicted and overwrite their decoded

@@ -65,6 +65,11 @@ def _check_head_budgets(policy: Policy, codec: Codec, rerotate: bool) -> None:
         )
     if rerotate:
         raise ValueError("rerotate re-rotates a window of whole tokens; budgets=head keeps other tokens per head")
+    if codec.needs_positions:
+        raise ValueError(
+            f"budgets=head keeps no per-slot positions, and codec {codec.spec()!r} decodes keys at theirs: use "
+            "budgets=layer with it"
+        )
 
 
 class CompressedCache(Cache):
@@ -180,7 +185,7 @@ class CompressedCache(Cache):
         scored = [layer for layer in self.layers if layer.policy.scores_by_reconstruction and layer.is_initialized]
         budgets = getattr(self.policy, "budgets", "uniform")
         if budgets == "head" and scored:
-            keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.sink_tokens)
+            keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.exact_sinks)
             for layer, (priority, keep) in zip(scored, keeps, strict=True):
                 layer.rank_heads(priority, keep)
         elif budgets == "token" and scored:

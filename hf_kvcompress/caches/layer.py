@@ -210,7 +210,7 @@ class CompressedLayer(CacheLayerMixin):
             self._encode_tail()
         length = self.stored_tokens
         self.peak_tokens = max(self.peak_tokens, length)
-        if self.inv_freq is not None or self.policy.needs_positions:
+        if self.inv_freq is not None or self.policy.needs_positions or self.codec.needs_positions:
             fresh = step_positions(attn_kwargs, self.seen - new, new, self.batch_size, self.kv_heads, self.device)
             self.slots.append("positions", fresh)
 
@@ -291,7 +291,7 @@ class CompressedLayer(CacheLayerMixin):
         self.scorer.reconstruction_queries = None
         self.scorer.awaiting_attention = False
         sink_slots = None
-        if self.codec.sink_tokens > 0 and not self.codec.lossless:
+        if self.codec.exact_sinks > 0 and not self.codec.lossless:
             self._capture_sinks()  # before the pairs are packed: the sinks are the row's first real tokens
             sink_slots = self.slots.sink_slots
         # Ranked once, after the reconstruction pass over a token layer (CompressedCache.end_reconstruction).
@@ -323,12 +323,15 @@ class CompressedLayer(CacheLayerMixin):
     def _full(self, kind: Kind) -> torch.Tensor:
         """What attention sees: the decoded store followed by the full-precision tail."""
         assert self.store is not None  # read from the first step on
+        if self.codec.needs_positions:  # keys decode at their positions (a head store never holds such a codec)
+            assert isinstance(self.store, TokenStore)
+            return self.store.full(kind, self.slots.sink_slots, self.slots.positions)
         return self.store.full(kind, self.slots.sink_slots)
 
     def _encode_tail(self) -> None:
         """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time."""
         assert isinstance(self.store, TokenStore)  # a token layer's step (a head store encodes in `compress`)
-        self.store.encode_tail(self._before_encoding)
+        self.store.encode_tail(self._before_encoding, self.slots.positions)
 
     def _before_encoding(self, first: bool) -> None:
         # Padding grows only with prompt chunks: decode steps after the first encoding need not ask (a host read).
@@ -374,10 +377,11 @@ class CompressedLayer(CacheLayerMixin):
         kept = self.eviction.choose(self.padding, scores, self.kv_heads, length, keep, most)  # [B, H_kv, budget]
         if self.store.encoded_keys is None:
             self._capture_sinks()
+        positions = self.slots.positions  # before the move: the store encodes kept tail keys at them
         self.slots.take(kept)  # scores, positions and sink slots follow the kept slots
         self.padding.kept(kept.shape[-1], keep, length)
         rerotate = self.store.encoded_keys is None and self.inv_freq is not None
-        self.store.take(kept)
+        self.store.take(kept, positions)
         if rerotate:
             assert self.inv_freq is not None
             rerotate_kept(self.store, self.slots, self.padding.real_seen, self.inv_freq)
@@ -409,9 +413,9 @@ class CompressedLayer(CacheLayerMixin):
         self.slots.drop(drop)
 
     def _capture_sinks(self) -> None:
-        """Copy each row's first `codec.sink_tokens` real tokens (codec_sinks.py) before anything is encoded or
+        """Copy each row's first `codec.exact_sinks` real tokens (codec_sinks.py) before anything is encoded or
         evicted, while the tail still holds every token in order."""
-        sinks = self.codec.sink_tokens
+        sinks = self.codec.exact_sinks
         if sinks == 0 or self.slots.sink_slots is not None or self.stored_tokens != self.seen:
             return
         # A token layer after its first step: sinks are captured before anything is encoded, evicted or ranked.
@@ -519,7 +523,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.padding is not None:  # pads and real_seen (a head store counts its rows' real tokens itself)
             bookkeeping += self.padding.nbytes()
         bookkeeping += self.eviction.nbytes() + self.finite.nbytes()
-        return int(stored + bookkeeping)
+        return round(stored + bookkeeping)  # a per-token rate may be a fraction (a latent shared by KV heads)
 
     @property
     def is_croppable(self) -> bool:  # type: ignore[override]  # transformers' class flag; here it depends on the state

@@ -20,7 +20,8 @@ def step_positions(attn_kwargs: dict | None, first: int, new: int, batch: int, h
     position_ids = None if attn_kwargs is None else attn_kwargs.get("position_ids")
     if position_ids is None or position_ids.dim() != 2:
         position_ids = torch.arange(first, first + new, device=device)[None, :]
-    return position_ids.to(device, torch.int32)[:, None, :].expand(batch, heads, new)
+    # owned, not an expanded view: the record's bytes are what it holds
+    return position_ids.to(device, torch.int32)[:, None, :].expand(batch, heads, new).contiguous()
 
 
 def rerotate_kept(store: TokenStore, slots: SlotRecords, real_seen: torch.Tensor, inv_freq: torch.Tensor) -> None:

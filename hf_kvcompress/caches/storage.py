@@ -100,14 +100,23 @@ class TokenStore:
             owned(value_states) if self.tail_values is None else torch.cat([self.tail_values, value_states], dim=-2)
         )
 
-    def full(self, kind: Kind, sink_slots: torch.Tensor | None) -> torch.Tensor:
-        """What attention sees: the decoded store (exact sinks at `sink_slots`, exact rows) followed by the tail."""
+    def _at(self, kind: Kind, positions: torch.Tensor | None, start: int, end: int) -> dict[str, torch.Tensor]:
+        """The keywords a codec that `needs_positions` encodes or decodes slots [start, end) of `kind` with."""
+        if kind != "key" or not self.codec.needs_positions:
+            return {}
+        if positions is None:
+            raise RuntimeError(f"{type(self.codec).__name__} stores keys with their positions: pass positions=")
+        return {"positions": positions[:, :, start:end]}
+
+    def full(self, kind: Kind, sink_slots: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """What attention sees: the decoded store (exact sinks at `sink_slots`, exact rows) followed by the tail.
+        `positions` [B, H_kv, slots]: each slot's key position, for a codec that `needs_positions`."""
         encoded = self.encoded_keys if kind == "key" else self.encoded_values
         tail = self.tail_keys if kind == "key" else self.tail_values
         assert tail is not None  # appended at the layer's first step, before attention reads
         if encoded is None:
             return tail
-        decoded = self.codec.decode(encoded, kind, self.dtype)
+        decoded = self.codec.decode(encoded, kind, self.dtype, **self._at(kind, positions, 0, self.n_encoded))
         if sink_slots is not None:
             sinks = self.sink_keys if kind == "key" else self.sink_values
             assert sinks is not None  # captured with `sink_slots` (codec_sinks.py)
@@ -125,12 +134,13 @@ class TokenStore:
         newest = torch.where(mine[:, None, :, None], exact.to(decoded.dtype), decoded[:, :, -extra:])
         return torch.cat([decoded[:, :, :-extra], newest], dim=-2)
 
-    def encoded_whole(self, kind: Kind) -> Encoded | None:
+    def encoded_whole(self, kind: Kind, positions: torch.Tensor | None = None) -> Encoded | None:
         """Every stored token as one token-wise encoding [B, H, T, ...]: the encoded part, then the tail encoded now
         (for eviction, which gathers from both at once; the tail itself is left as it is)."""
         encoded = self.encoded_keys if kind == "key" else self.encoded_values
         tail = self.tail_keys if kind == "key" else self.tail_values
-        fresh = self.codec.encode(tail, kind) if tail is not None and tail.shape[-2] else None
+        at = self._at(kind, positions, self.n_encoded, self.stored_tokens)
+        fresh = self.codec.encode(tail, kind, **at) if tail is not None and tail.shape[-2] else None
         if encoded is None:
             return fresh
         return encoded if fresh is None else cat_encoded(encoded, fresh)
@@ -143,9 +153,10 @@ class TokenStore:
 
     # -- encoding ---------------------------------------------------------------------------------------------------
 
-    def encode_tail(self, before_encoding: Callable[[bool], None]) -> None:
+    def encode_tail(self, before_encoding: Callable[[bool], None], positions: torch.Tensor | None = None) -> None:
         """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time.
-        `before_encoding(first)` runs before any tokens are encoded (`first`: none were before)."""
+        `before_encoding(first)` runs before any tokens are encoded (`first`: none were before); `positions`
+        [B, H_kv, slots]: each slot's key position, for a codec that `needs_positions`."""
         if self.codec.lossless and self.encoded_keys is None:
             return  # full precision: the tail is the store
         assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
@@ -158,7 +169,8 @@ class TokenStore:
         if n <= 0:
             return
         before_encoding(self.encoded_keys is None)
-        self.encoded_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys[:, :, :n], "key"))
+        at = self._at("key", positions, self.n_encoded, self.n_encoded + n)
+        self.encoded_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys[:, :, :n], "key", **at))
         self.encoded_values = cat_encoded(self.encoded_values, self.codec.encode(self.tail_values[:, :, :n], "value"))
         self.n_encoded += n
         self.tail_keys = owned(self.tail_keys[:, :, n:])
@@ -179,8 +191,9 @@ class TokenStore:
 
     # -- moves --------------------------------------------------------------------------------------------------------
 
-    def take(self, kept: torch.Tensor) -> None:
-        """Keep the slots `kept` [B, H_kv, K] (ascending), which become slots 0..K-1 (eviction)."""
+    def take(self, kept: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Keep the slots `kept` [B, H_kv, K] (ascending), which become slots 0..K-1 (eviction). `positions`
+        [B, H_kv, slots]: each slot's key position before the eviction, for a codec that `needs_positions`."""
         budget = kept.shape[-1]
         n_enc = self.n_encoded
         assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
@@ -199,7 +212,7 @@ class TokenStore:
         both = exact.max() * (budget + 1) + exact.min()  # one host read for both numbers
         most, in_tail = divmod(int(both), budget + 1)
         to_store = kept[..., : budget - in_tail]
-        whole_keys, whole_values = self.encoded_whole("key"), self.encoded_whole("value")
+        whole_keys, whole_values = self.encoded_whole("key", positions), self.encoded_whole("value")
         assert whole_keys is not None and whole_values is not None  # something is encoded (checked above)
         self.encoded_keys = gather_encoded(whole_keys, to_store)
         self.encoded_values = gather_encoded(whole_values, to_store)

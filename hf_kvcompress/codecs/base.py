@@ -38,6 +38,16 @@ class Codec(ABC):
     # independent of how tokens are grouped into steps: one at a time, prompt chunks, or speculative decoding's
     # multi-token verification steps answer alike. Otherwise a step's own tokens are read at full precision.
     encodes_on_arrival: ClassVar[bool] = False
+    # Keys are encoded and decoded with their positions: `encode(states, "key", positions=...)` and
+    # `decode(encoded, "key", dtype, positions=...)`, positions [B, H_kv, T] the position each key was rotated to
+    # (lowrank's joint bases project keys with RoPE undone). The layer then tracks each slot's position.
+    needs_positions: ClassVar[bool] = False
+
+    @property
+    def exact_sinks(self) -> int:
+        """The first real tokens of each row the layer keeps exact beside the store (caches/codec_sinks.py): the
+        codec's `sink_tokens`; a stack of codecs (`lowrank+int4`) keeps the most any of them asks for."""
+        return self.sink_tokens
 
     def token_block(self, kind: Kind) -> int:
         """How many tokens are encoded together along the token axis."""

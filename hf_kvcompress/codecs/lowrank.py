@@ -1,42 +1,103 @@
-"""Low rank: keys and values stored as their coordinates on a per-layer, per-head PCA basis (r < head_dim)."""
+"""Low rank: keys and values stored as their coordinates on calibrated PCA bases (fewer numbers than head_dim).
+
+Two kinds of bases (`hf-kvcompress calibrate` writes the first; `calibration.calibrate` the second):
+- joint: one basis per layer and kind over the layer's KV heads concatenated, keys before RoPE (the codec undoes
+  RoPE at each key's position before projecting and turns the decoded key back), ranks per layer chosen from the
+  calibrated variances (`ratio`);
+- per head: one basis per KV head, keys after RoPE as the cache receives them, one `rank` in every layer.
+"""
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
 
-from ..calibration import load_bases
-from .base import Kind
+from ..calibration import JOINT, load_bases, rope_frequencies
+from ..ops.rerotate import rerotate
+from .base import Encoded, Kind
 from .reducing import ReducingCodec
+
+DEFAULT_RATIO = 0.25  # the lesson's 128 -> 32
 
 
 class LayerBases:
-    """One layer's means [H, D] and bases [H, D, r], shared by every cache of the model like its weights.
+    """One layer's means [H, D] and bases [H, D, r] (a joint basis: row h * D + d of the [H * D, r] matrix is
+    [h, d]), shared by every cache of the model like its weights.
 
-    No `__dict__`: `measured_kv_bytes` counts what each user's cache holds, and these are per model, not per user.
+    No `__dict__`: `measured_kv_bytes` counts what each user's cache holds, and these are per model, not per user
+    (`LowRankCodec.model_bytes` counts them, once per model).
     """
 
     __slots__ = ("key_mean", "key_basis", "value_mean", "value_basis")
+    key_mean: torch.Tensor
+    key_basis: torch.Tensor
+    value_mean: torch.Tensor
+    value_basis: torch.Tensor
 
-    def __init__(self, tensors: dict[str, torch.Tensor], layer_idx: int, rank: int):
-        for kind in ("key", "value"):
-            setattr(self, f"{kind}_mean", tensors[f"layers.{layer_idx}.{kind}_mean"].float())
-            setattr(self, f"{kind}_basis", tensors[f"layers.{layer_idx}.{kind}_basis"][..., :rank].float().contiguous())
+    def __init__(self, tensors: dict[str, torch.Tensor], layer_idx: int, ranks: tuple[int, int], joint: bool):
+        for kind, rank in zip(("key", "value"), ranks, strict=True):
+            mean = tensors[f"layers.{layer_idx}.{kind}_mean"].float()
+            basis = tensors[f"layers.{layer_idx}.{kind}_basis"][..., :rank].float()
+            if joint:
+                # The file holds the basis in half precision: orthonormalise it again, so that a full-rank basis
+                # reconstructs every state exactly and a lower rank is an exact projection onto its span.
+                heads, dim, _ = basis.shape
+                q, r = torch.linalg.qr(basis.reshape(heads * dim, rank).double())
+                basis = (q * torch.sign(torch.diagonal(r))[None]).float().reshape(heads, dim, rank)
+            setattr(self, f"{kind}_mean", mean.contiguous())
+            setattr(self, f"{kind}_basis", basis.contiguous())
+
+
+def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: float, step: int,
+                   max_rank: int) -> list[tuple[int, int]]:
+    """Per-layer (key rank, value rank) keeping `ratio` of all layers' dimensions, in steps of `step`.
+
+    Each (layer, kind) ranks its components by the share of its own variance they hold; the kept dimensions go to
+    the steps that hold the largest shares anywhere (so every layer stops at about the same share of its variance
+    left, the variance target that `ratio` stands for). Every layer and kind keeps at least one step and at most
+    `max_rank` (what the bases hold)."""
+    width = variances[0][0].numel()
+    steps = width // step
+    total = round(ratio * len(variances) * 2 * steps)
+    gains: list[tuple[float, int, int, int]] = []
+    for layer, pair in enumerate(variances):
+        for k, v in enumerate(pair):
+            share = v.double().clamp(min=0) / v.double().clamp(min=0).sum().clamp(min=1e-30)
+            chunks = share[: steps * step].reshape(steps, step).sum(-1)
+            gains.extend((float(chunks[c]), layer, k, c) for c in range(1, min(steps, max_rank // step)))
+    ranks = [[step, step] for _ in variances]
+    picked = max(0, total - 2 * len(variances))
+    # Shares fall along each (layer, kind), so the largest gains anywhere are prefixes of each.
+    for _, layer, k, _ in sorted(gains, key=lambda g: (-g[0], g[1], g[2], g[3]))[:picked]:
+        ranks[layer][k] += step
+    return [(key, value) for key, value in ranks]
 
 
 @dataclass(frozen=True)
 class LowRankCodec(ReducingCodec):
-    """Stores each head's key and value as `rank` coordinates on that head's calibrated PCA basis (Palu,
-    arXiv:2407.21118, and Eigen Attention compress the same way; MLA trains it in).
+    """Stores keys and values as coordinates on calibrated PCA bases (Palu, arXiv:2407.21118; ShadowKV,
+    arXiv:2410.21465, projects pre-RoPE keys; Eigen Attention and LoRC choose ranks per layer; MLA trains it in).
 
-    Keys are projected after RoPE, as the cache receives them: the basis then needs no positions, and on the
-    embedded models post-RoPE keys keep nearly as much variance as pre-RoPE ones (see `hf-kvcompress calibrate`).
+    With joint bases (what `hf-kvcompress calibrate` writes and the package ships), a layer's KV heads are
+    projected together, keys before RoPE: encoding turns each key back by its position, decoding turns it forward
+    again, so the layer tracks each slot's position (`needs_positions`) and eviction may keep any tokens. The KV
+    heads of a layer then store one latent per token, so an evicting policy keeps one selection per layer (its
+    scores averaged over the heads, as for `shared_heads`). With per-head bases (`calibration.calibrate`), keys are
+    projected as the cache receives them, after RoPE.
 
     Args:
-        rank: coordinates stored per head (< head_dim); None: head_dim // 4, the lesson's 128 -> 32.
+        rank: coordinates per KV head in every layer (< head_dim; a joint basis keeps rank x KV heads per layer).
+        ratio: the share of all layers' key and value dimensions kept, spread over the layers and kinds by their
+            calibrated variances (joint bases only). Neither: ratio 0.25 (joint bases) or rank head_dim // 4.
         bases: a directory (or file) written by `hf-kvcompress calibrate`; None: the bases shipped for the model.
+        sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps exact beside the
+            store, bypassing the bases and the storage (caches/codec_sinks.py): the attention sinks' keys are the
+            states the bases, fitted to typical tokens, reconstruct worst. With a storage that has sinks of its own
+            (`+int4`), the most either asks for; 0: none.
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
 
@@ -44,35 +105,115 @@ class LowRankCodec(ReducingCodec):
     keeps_rope: ClassVar[bool] = False  # coordinates on a basis: the storage cannot undo RoPE on them (pre_rope)
 
     rank: int | None = None
+    ratio: float | None = None
     bases: str | None = None
+    sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
+    # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
+    # frequencies (joint only) and the model's KV-head count.
+    _joint: bool = field(default=False, init=False, repr=False, compare=False)
+    _ranks: tuple[tuple[int, int], ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _inv_freqs: tuple[tuple[float, ...], ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _kv_heads: int = field(default=1, init=False, repr=False, compare=False)
     _layer: LayerBases | None = field(default=None, init=False, repr=False, compare=False)
+    _layer_idx: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
+        if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
             raise ValueError(
                 f"rank must be a positive integer below head_dim, or None (head_dim // 4), got {self.rank!r}"
             )
+        if self.ratio is not None:
+            if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio <= 1:
+                raise ValueError(f"ratio must be a number in (0, 1] (the share of dimensions kept), got {self.ratio!r}")
+            if self.rank is not None:
+                raise ValueError("give rank or ratio, not both")
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(
+                f"sink_tokens must be an integer >= 0 (the first real tokens kept exact), got {self.sink_tokens!r}"
+            )
+
+    # -- binding --------------------------------------------------------------------------------------------------
+
+    @property
+    def needs_positions(self) -> bool:  # type: ignore[override]
+        return self._joint
+
+    @property
+    def heads_per_store(self) -> int:  # type: ignore[override]
+        return self._kv_heads if self._joint else 1
 
     def reduction_for_model(self, config) -> LowRankCodec:
-        """Load and check the bases for this model; settle `rank`."""
+        """Load and check the bases for this model; settle each layer's ranks."""
         tensors, meta = load_bases(self.bases, config)
-        head_dim, max_rank = int(meta["head_dim"]), int(meta["max_rank"])
-        rank = self.rank if self.rank is not None else head_dim // 4
-        if rank > max_rank:
-            raise ValueError(f"rank must be at most {max_rank} (the components these bases hold), got {rank}")
-        bound = replace(self, rank=rank)
-        object.__setattr__(bound, "_tensors", tensors)
+        head_dim, max_rank, heads = int(meta["head_dim"]), int(meta["max_rank"]), int(meta["kv_heads"])
+        joint = meta.get("heads") == JOINT
+        if not joint and self.ratio is not None:
+            raise ValueError(
+                "ratio needs joint bases (one per layer over its KV heads, keys before RoPE), which `hf-kvcompress "
+                "calibrate` writes; these hold one basis per head: give rank="
+            )
+        layers = int(meta["layers"])
+        if joint:
+            if self.rank is not None:
+                if self.rank >= head_dim:
+                    raise ValueError(f"rank must be below head_dim ({head_dim}), got {self.rank}")
+                ranks = [(self.rank * heads, self.rank * heads)] * layers
+            else:
+                ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
+                variances = [(tensors[f"layers.{i}.key_variance"], tensors[f"layers.{i}.value_variance"])
+                             for i in range(layers)]
+                ranks = allocate_ranks(variances, ratio, self._rank_step(heads * head_dim), max_rank)
+        else:
+            rank = self.rank if self.rank is not None else head_dim // 4
+            ranks = [(rank, rank)] * layers
+        most = max(max(r) for r in ranks)
+        if most > max_rank:
+            unit = " x KV heads" if joint else ""
+            raise ValueError(f"rank{unit} must be at most {max_rank} (the components these bases hold), got {most}")
+        bound = replace(self, rank=None if joint and self.rank is None else (self.rank or ranks[0][0]))
+        for name, value in (("_tensors", tensors), ("_joint", joint), ("_ranks", tuple(ranks)), ("_kv_heads", heads),
+                            ("_inv_freqs", rope_frequencies(config) if joint else None)):
+            object.__setattr__(bound, name, value)
         return bound
+
+    def _rank_step(self, width: int) -> int:
+        """The granularity of a joint layer's rank: the storage's value groups must divide it (int4's group_size)."""
+        step = getattr(self.storage, "group_size", 8)
+        return math.gcd(width, step) if width % step else step
 
     def for_layer(self, layer_idx: int) -> LowRankCodec:
         if self._tensors is None:
             raise ValueError("lowrank needs the model's config to load its bases (make_cache(spec, model.config))")
-        assert self.rank is not None  # settled with the bases (`reduction_for_model`)
-        # replace() keeps the layer's bases only, not every layer's; the storage is bound to the layer too.
-        bound = replace(self, storage=self.storage.for_layer(layer_idx))
-        object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self.rank))
+        # The copy keeps the layer's bases only, not every layer's; the storage is bound to the layer too.
+        bound = copy.copy(self)  # keeps what binding set (init=False fields), as `with_storage` does
+        assert self._ranks is not None  # settled with the bases (`reduction_for_model`)
+        object.__setattr__(bound, "storage", self.storage.for_layer(layer_idx))
+        object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self._ranks[layer_idx], self._joint))
+        object.__setattr__(bound, "_layer_idx", layer_idx)
+        object.__setattr__(bound, "_tensors", None)
         return bound
+
+    def model_bytes(self, layers: int | None = None) -> int:
+        """Bytes of the bases every cache of the model reads (means and bases of keys and values, float32 as held),
+        counted once per model, not per cache: `measured_kv_bytes` does not count them."""
+        if self._ranks is None:
+            raise ValueError("lowrank counts its bases once bound to a model (make_cache(spec, model.config))")
+        head_dim = int(self._head_shape()[1])
+        width = self._kv_heads * head_dim
+        ranks = self._ranks if layers is None else self._ranks[:layers]
+        return sum(4 * width * (r + 1) for pair in ranks for r in pair)
+
+    def _head_shape(self) -> tuple[int, int]:
+        if self._layer is not None:
+            mean = self._layer.key_mean
+        else:
+            assert self._tensors is not None  # bound to a model (checked by the callers)
+            mean = self._tensors["layers.0.key_mean"]
+        heads, dim = mean.shape
+        return int(heads), int(dim)
+
+    # -- encoding ---------------------------------------------------------------------------------------------------
 
     def _bases(self, kind: Kind, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._layer is None:
@@ -85,18 +226,69 @@ class LowRankCodec(ReducingCodec):
     def check_head_dim(self, head_dim: int) -> None:
         if self.rank is not None and self.rank >= head_dim:
             raise ValueError(f"rank must be below head_dim ({head_dim}), got {self.rank}")
+        if self._ranks is not None and self._joint:
+            for pair in (self._ranks if self._layer_idx is None else [self._ranks[self._layer_idx]]):
+                for rank in pair:
+                    self.storage.check_head_dim(rank)
+            return
         super().check_head_dim(head_dim)
 
     def reduce(self, states: torch.Tensor, kind: Kind) -> torch.Tensor:
         mean, basis = self._bases(kind, states.shape[1])
         mean, basis = mean.to(states.device), basis.to(states.device)
         centered = states.float() - mean[None, :, None, :]
+        if self._joint:  # [B, 1, T, r]: one latent per token for all of the layer's KV heads
+            return torch.einsum("bhtd,hdr->btr", centered, basis)[:, None].to(states.dtype)
         return torch.einsum("bhtd,hdr->bhtr", centered, basis).to(states.dtype)
 
     def expand(self, reduced: torch.Tensor, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
-        mean, basis = self._bases(kind, reduced.shape[1])
+        heads = self._kv_heads if self._joint else reduced.shape[1]
+        mean, basis = self._bases(kind, heads)
         mean, basis = mean.to(reduced.device), basis.to(reduced.device)
+        if self._joint:
+            return (torch.einsum("btr,hdr->bhtd", reduced[:, 0].float(), basis) + mean[None, :, None, :]).to(dtype)
         return (torch.einsum("bhtr,hdr->bhtd", reduced.float(), basis) + mean[None, :, None, :]).to(dtype)
 
-    def stored_fraction(self, head_dim: int) -> tuple[int, int]:
+    def _inv_freq(self) -> torch.Tensor:
+        # Joint bases only, and the codec runs per layer (`for_layer`): both are set.
+        assert self._inv_freqs is not None and self._layer_idx is not None
+        return torch.tensor(self._inv_freqs[self._layer_idx], dtype=torch.float32)
+
+    def encode(self, states: torch.Tensor, kind: Kind, positions: torch.Tensor | None = None) -> Encoded:
+        """`positions` [B, H_kv, T]: the position each key was rotated to (joint bases: keys are projected with
+        RoPE undone)."""
+        if self._joint and kind == "key":
+            states = rerotate(states.float(), -self._positions(positions, states), self._inv_freq())
+        return self.storage.encode(self.reduce(states, kind), kind)
+
+    def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype, positions: torch.Tensor | None = None):
+        if self._joint and kind == "key":
+            unrotated = self.expand(self.storage.decode(encoded, kind, torch.float32), kind, torch.float32)
+            return rerotate(unrotated, self._positions(positions, unrotated), self._inv_freq()).to(dtype)
+        return self.expand(self.storage.decode(encoded, kind, dtype), kind, dtype)
+
+    @staticmethod
+    def _positions(positions: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
+        if positions is None:
+            raise ValueError("lowrank with joint bases stores keys before RoPE: encode and decode need positions=")
+        if positions.shape != states.shape[:3]:
+            raise ValueError(f"positions must be [B, H_kv, T] = {list(states.shape[:3])}, got {list(positions.shape)}")
+        return positions
+
+    def stored_fraction(self, head_dim: int) -> tuple[int, float]:
+        if self._joint:
+            if self._layer_idx is None:
+                raise ValueError("lowrank with joint bases stores a rank per layer: ask the layer's codec (for_layer)")
+            assert self._ranks is not None  # settled with the joint bases
+            rank = self._ranks[self._layer_idx][0]
+            return rank, self._kv_heads
         return (self.rank if self.rank is not None else head_dim // 4), 1
+
+    def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
+        if not self._joint:
+            return super().bytes_per_token(head_dim, kind, dtype)
+        if self._layer_idx is None:
+            raise ValueError("lowrank with joint bases stores a rank per layer: ask the layer's codec (for_layer)")
+        assert self._ranks is not None  # settled with the joint bases
+        rank = self._ranks[self._layer_idx][0 if kind == "key" else 1]
+        return self.storage.bytes_per_token(rank, kind, dtype) / self._kv_heads

@@ -47,7 +47,8 @@ class ReducingCodec(Codec):
 
     @property
     def sink_tokens(self) -> int:  # type: ignore[override]
-        """The storage's full-precision sinks (`lowrank+int4` keeps int4's 4, as plain `int4` does).
+        """The storage's full-precision sinks (`shared_heads+int4` keeps int4's 4, as plain `int4` does; `lowrank`
+        has its own, `LowRankCodec.sink_tokens`).
 
         A sink bypasses the whole codec, reduction included: the cache copies the model's own states before
         anything is encoded and puts them back over their decoded slots (caches/codec_sinks.py), so a sink reads
@@ -56,6 +57,12 @@ class ReducingCodec(Codec):
         the most attention; the exact copy costs sink_tokens x KV heads x (key + value dims) per row and layer,
         stored and counted as such (`promised_bytes`, `measured_kv_bytes`)."""
         return getattr(self.storage, "sink_tokens", 0)
+
+    @property
+    def exact_sinks(self) -> int:
+        """Each codec of the stack asks for its first tokens to bypass the whole stack, so the stack keeps the most
+        any asks for: `lowrank+int4:sink_tokens=8` keeps 8, `lowrank:sink_tokens=0+int4:sink_tokens=0` none."""
+        return max(self.sink_tokens, self.storage.exact_sinks)
 
     def token_block(self, kind: Kind) -> int:
         return self.storage.token_block(kind)

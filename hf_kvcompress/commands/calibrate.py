@@ -6,27 +6,33 @@ from __future__ import annotations
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "calibrate", help="fit per-layer, per-head PCA bases of keys and values for the lowrank codec",
-        description=__doc__ + " The bases are written to OUT/lowrank_bases.safetensors; a cache uses them as "
-        "lowrank:bases=OUT (without `bases`, lowrank reads the bases shipped for the embedded models). The report: "
-        "the share of each layer's key (post- and pre-RoPE) and value variance kept at a few ranks.")
+        "calibrate", help="fit PCA bases of keys and values for the lowrank codec",
+        description=__doc__ + " The bases are written to OUT/lowrank_bases.safetensors (the model's name and shapes "
+        "in its metadata: other models refuse it); a cache uses them as lowrank:bases=OUT (without `bases`, "
+        "lowrank reads the bases shipped for the embedded models). By default one basis per layer and kind over "
+        "the layer's KV heads, keys with RoPE undone (`--heads each`: one per KV head, keys after RoPE). The "
+        "report: the share of each layer's key and value variance kept at a quarter and a half of the dimensions.")
     parser.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2-135M)")
     parser.add_argument("--out", required=True, help="directory for lowrank_bases.safetensors (required)")
     parser.add_argument("--tokens", type=int, default=2048,
                         help="calibration tokens (default: %(default)s; with --probe: tokens per document, 1024)")
+    parser.add_argument("--heads", choices=("joint", "each"), default="joint",
+                        help="one basis over a layer's KV heads, keys pre-RoPE (joint, default), or one per KV head, "
+                        "keys post-RoPE (each)")
     parser.add_argument("--probe", action="store_true",
                         help="fit KVzap's score probes instead (kvzap policy): OUT/kvzap_probe.safetensors, or OUT "
                         "itself when it ends in .safetensors; a cache uses them as kvzap:probe=OUT")
     parser.add_argument("--documents", type=int, default=12,
                         help="with --probe: calibration documents, the last 2 held out (default: %(default)s)")
     parser.add_argument("--max-rank", type=int, default=None,
-                        help="components kept per head (default: head_dim // 2); lowrank's rank may not exceed it")
+                        help="components kept per basis (default: all of a joint basis, head_dim // 2 per head); "
+                        "lowrank's ranks may not exceed it")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
-    from ..calibration import calibrate, calibration_ids, save_bases
+    from ..calibration import calibrate, calibrate_joint, calibration_ids, save_bases
     from ..models import load_model
 
     if args.tokens < 16:
@@ -34,12 +40,36 @@ def run(args) -> int:
     if args.probe:
         return run_probe(args)
     model, tokenizer = load_model(args.model)
-    tensors, metadata, report = calibrate(model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank)
+    fit = calibrate_joint if args.heads == "joint" else calibrate
+    tensors, metadata, report = fit(model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank)
     path = save_bases(tensors, metadata, args.out)
-    ranks = list(report[0]["key"])
     print(f"Bases for {metadata['model']} ({metadata['layers']} layers x {metadata['kv_heads']} KV heads x "
-          f"head_dim {metadata['head_dim']}, {metadata['max_rank']} components kept) from {metadata['tokens']} "
-          f"tokens of {metadata['text']}: {path}")
+          f"head_dim {metadata['head_dim']}, {metadata['max_rank']} components kept per basis, "
+          f"{args.heads}) from {metadata['tokens']} tokens of {metadata['text']}: {path}")
+    if args.heads == "joint":
+        _joint_report(report)
+    else:
+        _per_head_report(report)
+    return 0
+
+
+def _joint_report(report: list[dict]) -> None:
+    ranks = list(report[0]["key"])
+    print("Share of variance kept at " + "/".join(map(str, ranks)) + " dimensions of the layer's KV heads "
+          "(jointly; one basis per head with the same dimensions in all):")
+    print(f"{'layer':>5s}  {'keys (pre-RoPE)':>16s}  {'per head':>12s}  {'values':>12s}  {'per head':>12s}")
+    for row in report:
+        kinds = ("key", "key_per_head", "value", "value_per_head")
+        cells = ["/".join(f"{row[k][r]:.2f}" for r in ranks) for k in kinds]
+        print(f"{row['layer']:5d}  {cells[0]:>16s}  {cells[1]:>12s}  {cells[2]:>12s}  {cells[3]:>12s}")
+    mean = {k: sum(row[k][ranks[0]] for row in report) / len(report)
+            for k in ("key", "key_per_head", "value", "value_per_head")}
+    print(f"mean at a quarter: keys {mean['key']:.3f} (per head {mean['key_per_head']:.3f}), values "
+          f"{mean['value']:.3f} (per head {mean['value_per_head']:.3f})")
+
+
+def _per_head_report(report: list[dict]) -> None:
+    ranks = list(report[0]["key"])
     print("Share of variance kept at rank " + "/".join(map(str, ranks)) + " (keys post-RoPE as cached; pre-RoPE "
           "for comparison; values):")
     print(f"{'layer':>5s}  {'keys (post-RoPE)':>20s}  {'keys (pre-RoPE)':>20s}  {'values':>20s}")
@@ -49,7 +79,6 @@ def run(args) -> int:
     mean = {k: sum(row[k][ranks[1]] for row in report) / len(report) for k in ("key", "key_pre_rope", "value")}
     print(f"mean at rank {ranks[1]}: keys post-RoPE {mean['key']:.3f}, pre-RoPE {mean['key_pre_rope']:.3f}, "
           f"values {mean['value']:.3f}")
-    return 0
 
 
 def run_probe(args) -> int:

@@ -26,10 +26,12 @@ def llama():
 
 @pytest.fixture(scope="module")
 def lowrank(llama, tmp_path_factory):
-    """`lowrank:...` on bases fitted here (no bases ship for the tiny model)."""
+    """`lowrank:...` on bases fitted here (no bases ship for the tiny model), without sinks of its own: the sinks
+    here are the storage's (lowrank's own: tests/codecs/test_lowrank_sinks.py)."""
     ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(0))
     tensors, metadata, _ = calibrate(llama, ids, max_rank=16, text="random ids")
-    return f"lowrank:rank=16,bases={save_bases(tensors, metadata, tmp_path_factory.mktemp('bases')).parent}"
+    bases = save_bases(tensors, metadata, tmp_path_factory.mktemp("bases")).parent
+    return f"lowrank:rank=16,sink_tokens=0,bases={bases}"
 
 
 @pytest.fixture(params=["shared_heads", "lowrank"])

@@ -1,0 +1,168 @@
+"""lowrank on joint bases (one per layer over its KV heads, keys before RoPE): full rank equals DynamicCache, the
+reconstruction is the plain PCA projection, RoPE after the latent equals RoPE before it, ranks follow the variances,
+bytes are exact, the bases are tied to their model."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvcompress import CompressedCache, make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress.calibration import JOINT, calibrate_joint, concatenated, load_bases, save_bases
+from hf_kvcompress.codecs.lowrank import LowRankCodec, allocate_ranks
+from hf_kvcompress.generation import generate
+from hf_kvcompress.ops.rerotate import rerotate
+from hf_kvcompress.study import promised_bytes
+
+from ..caches.tiny_models import tiny_model
+
+
+def _model(family):
+    model = use_kvcompress_attention(tiny_model(family))
+    model.config._name_or_path = f"tiny-{family}"
+    return model
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """{family: (model, bases dir)}: every component kept, so ratio=1.0 is full rank."""
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for family in ("llama", "gemma3"):
+        model = _model(family)
+        tensors, metadata, report = calibrate_joint(model, ids, text="random ids")
+        assert metadata["heads"] == JOINT and metadata["keys"] == "pre_rope" and len(report) == len(model.model.layers)
+        out[family] = model, save_bases(tensors, metadata, tmp_path_factory.mktemp(family)).parent
+    return out
+
+
+def _steps(model, cache, prompt=30, steps=5, batch=2):
+    """Logits of a prompt and then `steps` single-token steps, which read the encoded store."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (batch, prompt + steps), generator=g)
+    positions = torch.arange(prompt + steps)[None].expand(batch, -1)
+    with torch.no_grad():
+        outs = [model(input_ids=ids[:, :prompt], cache=cache, position_ids=positions[:, :prompt]).logits]
+        for j in range(prompt, prompt + steps):
+            outs.append(model(input_ids=ids[:, j:j + 1], cache=cache, position_ids=positions[:, j:j + 1]).logits)
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("policy", ["", "sink_window:sink_tokens=2,window=1000+"])
+def test_full_rank_equals_dynamic_cache(fitted, family, policy):
+    model, bases = fitted[family]
+    cache = make_cache(f"{policy}lowrank:ratio=1.0,bases={bases}", model.config)
+    delta = (_steps(model, cache) - _steps(model, DynamicCache())).abs().max()
+    assert cache.layers[-1].n_encoded == 35  # every token was read back from its latent
+    assert delta < 1e-4
+
+
+def test_reconstruction_is_the_pca_projection_and_rope_commutes(fitted):
+    model, bases = fitted["llama"]
+    codec = make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config).layers[1].codec
+    tensors, _ = load_bases(bases, model.config)
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(1, 2, 7, 32, generator=g)  # post-RoPE, as the cache receives them
+    positions = torch.randint(0, 500, (1, 2, 7), generator=g).to(torch.int32)
+    inv_freq = codec._inv_freq()
+    unrotated = rerotate(keys, -positions, inv_freq)
+    # The reference: a plain projection of the concatenated pre-RoPE heads on the file's first r components.
+    rank = codec._ranks[1][0]
+    basis, _ = torch.linalg.qr(tensors["layers.1.key_basis"][..., :rank].double().reshape(64, rank))
+    mean = tensors["layers.1.key_mean"].double().reshape(64)
+    flat = concatenated(unrotated[0].double())[0]  # [T, H * D]
+    projected = ((flat - mean) @ basis @ basis.T + mean).reshape(7, 2, 32).permute(1, 0, 2)[None]
+    expected = rerotate(projected.float(), positions, inv_freq)
+    decoded = codec.decode(codec.encode(keys, "key", positions=positions), "key", torch.float32, positions=positions)
+    assert torch.allclose(decoded, expected, atol=1e-4)
+    # Turning every key by the same extra positions before encoding turns the decoded keys by as much.
+    shifted = codec.decode(codec.encode(rerotate(keys, positions * 0 + 9, inv_freq), "key", positions=positions + 9),
+                           "key", torch.float32, positions=positions + 9)
+    assert torch.allclose(shifted, rerotate(decoded, positions * 0 + 9, inv_freq), atol=1e-4)
+    assert codec.encode(keys, "key", positions=positions)["states"].shape == (1, 1, 7, rank)  # one latent per token
+
+
+def test_ranks_follow_the_variances_and_keep_the_ratio():
+    flat, steep = torch.ones(64), torch.tensor([2.0 ** -i for i in range(64)])
+    ranks = allocate_ranks([(steep, flat), (steep, steep)], ratio=0.5, step=8, max_rank=64)
+    assert sum(sum(r) for r in ranks) == 0.5 * 4 * 64
+    assert ranks[0][1] > ranks[0][0] and ranks[0][1] > ranks[1][1]  # the flat spectrum needs the most dimensions
+    assert all(8 <= r <= 64 and r % 8 == 0 for pair in ranks for r in pair)
+    assert allocate_ranks([(steep, flat)], ratio=1.0, step=8, max_rank=32) == [(32, 32)]
+
+
+@pytest.mark.parametrize("spec", ["lowrank:ratio=0.5",
+                                  "lowrank:ratio=0.5+int4:group_size=16,residual_length=2,key_axis=token",
+                                  "h2o:budget=8,recent=2+lowrank:ratio=0.5", "tova:ratio=0.5+lowrank:ratio=0.25"])
+def test_bytes_are_exact_and_padded_rows_match_rows_alone(fitted, spec):
+    model, bases = fitted["llama"]
+    spec = spec.replace("lowrank:", f"lowrank:bases={bases},")
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 128, (n,), generator=g) for n in (5, 13)]
+    ids, mask = torch.zeros(2, 13, dtype=torch.long), torch.zeros(2, 13, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, 13 - len(row):], mask[i, 13 - len(row):] = row, 1
+    cache = make_cache(spec, model.config)
+    batched = generate(model, ids, mask, cache, max_new_tokens=6).new_tokens
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    for layer in cache.layers:
+        encoded = sum(t.numel() * t.element_size() for t in layer.encoded_keys.values())
+        assert encoded == 2 * layer.n_encoded * layer.codec.bytes_per_token(32, "key", torch.float32) * 2
+        assert layer.positions.shape == (2, 2, layer.stored_tokens)  # the positions the keys decode at
+    for i, row in enumerate(rows):
+        alone = generate(model, row[None], torch.ones(1, len(row), dtype=torch.long), make_cache(spec, model.config),
+                         max_new_tokens=6).new_tokens
+        assert torch.equal(batched[i], alone[0])
+
+
+def test_the_study_counts_the_latents_and_positions(fitted):
+    model, bases = fitted["llama"]
+    spec = f"lowrank:ratio=0.5,bases={bases}"
+    cache = make_cache(spec, model.config)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    bookkeeping = model.config.num_hidden_layers * 2 * 8  # each layer's pads and real_seen
+    assert promised_bytes(spec, model.config, 40, 4) == pytest.approx(cache.promised_kv_bytes() - bookkeeping)
+
+
+def test_bases_count_once_per_model_not_per_cache(fitted):
+    model, bases = fitted["llama"]
+    first, second = (make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config) for _ in range(2))
+    assert measured_kv_bytes(first) == measured_kv_bytes(second) == 0  # nothing held before the first token
+    codec = first.codec
+    # float32 means and bases of keys and values: 2 layers x 2 kinds x 64 x (32 + 1)
+    assert codec.model_bytes() == 2 * 2 * 64 * (32 + 1) * 4
+
+
+def test_bases_are_refused_for_another_model_and_bad_input(fitted):
+    model, bases = fitted["llama"]
+    other = tiny_model("qwen2").config
+    other._name_or_path = "tiny-qwen2"
+    with pytest.raises(ValueError, match="model='tiny-llama'"):
+        make_cache(f"lowrank:ratio=0.5,bases={bases}", other)
+    for bad in (0, 1.5, -0.1, True, "half"):
+        with pytest.raises(ValueError, match="ratio"):
+            LowRankCodec(ratio=bad)
+    with pytest.raises(ValueError, match="rank or ratio"):
+        LowRankCodec(rank=8, ratio=0.5)
+    with pytest.raises(ValueError, match="budgets=layer"):
+        make_cache(f"kvzip:ratio=0.5,budgets=head+lowrank:ratio=0.5,bases={bases}", model.config)
+    with pytest.raises(ValueError, match="config"):
+        CompressedCache(codec=LowRankCodec(ratio=0.5, bases=str(bases)))
+    codec = make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config).layers[0].codec
+    with pytest.raises(ValueError, match="positions="):
+        codec.encode(torch.randn(1, 2, 3, 32), "key")
+    with pytest.raises(ValueError, match=r"positions must be \[B, H_kv, T\]"):
+        codec.encode(torch.randn(1, 2, 3, 32), "key", positions=torch.zeros(1, 2, 4, dtype=torch.int32))
+
+
+def test_per_head_bases_refuse_a_ratio(tmp_path):
+    from hf_kvcompress.calibration import calibrate
+
+    model = _model("llama")
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(0))
+    tensors, metadata, _ = calibrate(model, ids, max_rank=16, text="random ids")
+    bases = save_bases(tensors, metadata, tmp_path).parent
+    with pytest.raises(ValueError, match="ratio needs joint bases"):
+        make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config)
