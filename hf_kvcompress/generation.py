@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from .caches.layer import END_ALIGNED_CHUNKS
-from .caches.persist import check_model
 from .hf.compat import assisted_decoding_continues_cache, cache_kwargs, text_config
 from .measure import measured_kv_bytes
+from .persist import check_model
 
 
 @dataclass
@@ -118,7 +118,8 @@ def prefill(
         attention_mask = torch.ones(input_ids.shape[0], total, dtype=torch.long, device=input_ids.device)
     if attention_mask.shape[1] != total:
         raise ValueError(
-            f"attention_mask must cover the cached tokens plus input_ids ({total} positions), got {attention_mask.shape[1]}"
+            f"attention_mask must cover the cached tokens plus input_ids ({total} positions), "
+            f"got {attention_mask.shape[1]}"
         )
     # Positions count real tokens only; padding sits at position 1 (generate() in transformers 5.24 puts it at 0:
     # the caches read padding from either layout).
@@ -132,7 +133,7 @@ def prefill(
     logits = None
     marker = END_ALIGNED_CHUNKS.set(True)
     try:
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             out = model(
                 input_ids=input_ids[:, start:end],
                 attention_mask=attention_mask[:, : past + end],
@@ -149,7 +150,7 @@ def prefill(
     finally:
         END_ALIGNED_CHUNKS.reset(marker)
     if reconstruct:
-        _score_by_reconstruction(
+        score_by_reconstruction(
             model, input_ids, attention_mask, cache, repeat_prompt_ids, reconstruction_chunk, reconstruction_overlap,
             on_chunk,
         )
@@ -167,7 +168,7 @@ def _check_absolute_positions(config, total: int) -> None:
         )
 
 
-def _score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids, chunk, overlap, on_chunk) -> None:
+def score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids, chunk, overlap, on_chunk) -> None:
     """KVzip's scoring pass (arXiv:2505.23416, Sec. 3.2): each row repeats its own real tokens, chunk by chunk,
     from after the chat template's prefix when the row starts with it (`prompt_ids.context_prefix`, RepeatPrompt).
 
@@ -178,11 +179,13 @@ def _score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids
     if chunk <= 0 or overlap < 0:
         raise ValueError(f"reconstruction_chunk must be > 0 and reconstruction_overlap >= 0, got {chunk}, {overlap}")
     device = input_ids.device
-    rows = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask[:, -input_ids.shape[1] :])]
+    rows = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask[:, -input_ids.shape[1] :], strict=True)]
     prefix = torch.as_tensor(getattr(prompt_ids, "context_prefix", ()), dtype=torch.long, device=device)
     if len(prefix):  # a row that starts with the template's prefix repeats only what follows it
-        rows = [row[len(prefix) :] if len(row) > len(prefix) and torch.equal(row[: len(prefix)], prefix) else row
-                for row in rows]
+        rows = [
+            row[len(prefix) :] if len(row) > len(prefix) and torch.equal(row[: len(prefix)], prefix) else row
+            for row in rows
+        ]
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     real_seen = attention_mask.long().sum(-1)  # [B] real tokens in the cache: positions continue from there
     pad_id = 0

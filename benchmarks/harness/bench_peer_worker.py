@@ -74,7 +74,6 @@ def _versions(peer: str) -> dict[str, str]:
 def run_model(model, peer: str, vocab_size: int, length: int, batch: int, new_tokens: int, clock: str) -> dict:
     """One prefill and `new_tokens` greedy decode steps of `model` with `peer`'s cache; what they cost."""
     import torch
-
     from bench_measure import held_bytes, prompt_ids, timed_run
 
     ids = prompt_ids(vocab_size, length, batch).to(model.device)

@@ -52,12 +52,12 @@ def our_scores(model, tokenizer, document_ids: list[int], spec: str, skip: int =
 
     cache = make_cache(spec, model.config)
     if skip:
-        original = generation._score_by_reconstruction
+        original = generation.score_by_reconstruction
 
         def from_text(model, input_ids, attention_mask, cache, *args):
             return original(model, input_ids[:, skip:], attention_mask, cache, *args)
 
-        generation._score_by_reconstruction = from_text
+        generation.score_by_reconstruction = from_text
     captured = []
     end = cache.end_reconstruction
 
@@ -71,8 +71,15 @@ def our_scores(model, tokenizer, document_ids: list[int], spec: str, skip: int =
         prefill(model, torch.tensor([document_ids]), None, cache, repeat_prompt_ids=repeat_prompt_ids(tokenizer))
     finally:
         if skip:
-            generation._score_by_reconstruction = original
+            generation.score_by_reconstruction = original
     return torch.stack(captured)
+
+
+def mean_rank_correlation(ours: torch.Tensor, theirs: torch.Tensor, span: slice, layers) -> float:
+    """Spearman's rank correlation of two [L, H, T] score tensors over `span`, averaged over `layers` and every head."""
+    heads = range(theirs.shape[1])
+    pairs = [(i, h) for i in layers for h in heads]
+    return sum(spearman(ours[i, h, span], theirs[i, h, span]) for i, h in pairs) / len(pairs)
 
 
 def global_keep(scores: torch.Tensor, share: float, span: int = 0, sinks: int = 0) -> torch.Tensor:
@@ -154,10 +161,10 @@ def main() -> None:
     tenth = (tokens - prefix) // 10
     for name, ours in variants.items():
         print(f"{name} vs kvpress, rank correlation per layer over the user's text (mean over heads):")
-        print(" ".join(f"{sum(spearman(ours[l, h, text], kv[l, h, text]) for h in range(kv.shape[1])) / kv.shape[1]:.2f}"
-                       for l in range(kv.shape[0])))
+        layers = range(kv.shape[0])
+        print(" ".join(f"{mean_rank_correlation(ours, kv, text, [i]):.2f}" for i in layers))
         print("  per tenth (mean over layers and heads):", " ".join(
-            f"{sum(spearman(ours[l, h, prefix + t * tenth: prefix + (t + 1) * tenth], kv[l, h, prefix + t * tenth: prefix + (t + 1) * tenth]) for l in range(kv.shape[0]) for h in range(kv.shape[1])) / kv.shape[0] / kv.shape[1]:.2f}"
+            f"{mean_rank_correlation(ours, kv, slice(prefix + t * tenth, prefix + (t + 1) * tenth), layers):.2f}"
             for t in range(10)))
     for name, s in (*variants.items(), ("kvpress", kv)):
         mass = s.sum((0, 1))

@@ -8,8 +8,9 @@ so that the attention function imports the protocol, not the cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -19,10 +20,17 @@ OBSERVER_KEY = "kvcompress_observer"
 MASK_KEY = "kvcompress_mask"
 # The key under which a layer offers attention its encoded store, to read a block at a time.
 STORE_KEY = "kvcompress_store"
+# The other way round: the key under which the hook on each attention module (hf/hidden_states.py) hands the
+# layer the hidden state entering attention, [B, new, hidden], for a policy that scores from it (KVzap's probe).
+HIDDEN_KEY = "kvcompress_hidden"
 
 ENABLE_ATTENTION_HINT = (
     "call `hf_kvcompress.use_kvcompress_attention(model)` once before generating (it registers the "
     "'kvcompress_sdpa' attention function with transformers and switches the model to it)"
+)
+HIDDEN_STATES_HINT = (
+    "call `hf_kvcompress.use_kvcompress_attention(model)` once before generating (it also hooks each attention "
+    "module so that the cache receives the hidden state entering it)"
 )
 
 
