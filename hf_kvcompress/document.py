@@ -5,14 +5,15 @@ evaluation does (eval/prompts.py: the chat template for an instruct model, "docu
 model, split where the document ends), prefills the document part into a cache of any spec (KVzip's reconstruction
 pass included) and returns a `Document`; `Document.ask` appends each question's part (the end of the user's turn and
 the start of the assistant's, for a chat model) to a copy of that cache and decodes the answer. Several questions are
-asked as one batch. A `Document` is saved and loaded like any cache (persist.py), its text beside it.
+asked in batches, one per question length, each question answered as it is alone. A `Document` is saved and loaded
+like any cache (persist.py), its text beside it.
 
 Example::
 
     model, tokenizer = load_model()
     doc = compress_document(model, tokenizer, text, "kvzip:ratio=0.25+int4")
     doc.ask("Who founded the company?")            # -> "The company was founded by ..."
-    doc.ask(["Who?", "When?"])                     # -> ["...", "..."], one batch
+    doc.ask(["Who?", "When?"])                     # -> ["...", "..."], batched by question length
     doc.save("doc.safetensors"); load_document("doc.safetensors", model, tokenizer).ask("Where?")
 """
 
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 from safetensors import safe_open
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .caches.compressed import CompressedCache
 from .eval.prompts import PROMPT_FORMATS, PromptFormat, encode, uses_chat
@@ -72,7 +73,8 @@ class Document:
 
     def ask(self, question: str | Sequence[str], *, max_new_tokens: int = 64, answer_prefix: str = "",
             **generate_kwargs) -> str | list[str]:
-        """The answer to `question` (a string), or to each of a list of questions (one batch), as text.
+        """The answer to `question` (a string), or to each of a list of questions (a batch per question length, each
+        answered as it is alone), as text.
 
         Args:
             question: a question, or a list of questions answered together.
@@ -116,66 +118,58 @@ class Document:
         return question_ids
 
     def _answer(self, parts: list[list[int]], max_new_tokens: int, generate_kwargs: dict) -> list[str]:
-        """Decode every question's answer in one batch over copies of the document's rows.
+        """Every question's answer, in the order given: questions of one length decode as one batch.
 
-        Rows cannot be left-padded behind a document the cache already holds (its rows keep padding first), so
-        each row is fed the first `shortest` tokens of its question at once and the rest of it one token per step
-        while shorter rows begin to answer (`_RestOfQuestion`): every row sees exactly its own tokens.
+        A question asked alone is fed to the model in one step after the cached document. A cache that evicts or
+        encodes as tokens arrive (KVzip with a ratio: the context gives way to the question; a lossy codec's
+        residual) stores what a step attends to, so a question fed in another split attends to another cache:
+        its tokens fed one per step see the context as the earlier ones left it, fed at once all of them see the
+        context whole. Rows cannot be padded behind a document the cache already holds (its rows keep padding
+        first), so only questions of one length can take that same single step together; each length is a batch.
         """
+        eos = _eos_ids(self.model, self.tokenizer, generate_kwargs.pop("eos_token_id", None))
+        answers: list[str] = [""] * len(parts)
+        for length in sorted({len(p) for p in parts}):
+            rows = [i for i, p in enumerate(parts) if len(p) == length]
+            for row, answer in zip(rows, self._answer_batch([parts[i] for i in rows], max_new_tokens, eos,
+                                                            generate_kwargs), strict=True):
+                answers[row] = answer
+        return answers
+
+    def _answer_batch(self, parts: list[list[int]], max_new_tokens: int, eos: set[int],
+                      generate_kwargs: dict) -> list[str]:
+        """Decode the answers to questions of one length in one batch over copies of the document's rows."""
         device = self.model.device
         rows = len(parts)
-        shortest = min(len(p) for p in parts)
-        rest = [p[shortest:] for p in parts]
         cache = copy.deepcopy(self.cache)  # the document stays as compressed, for the next question
         if rows > 1:
             cache.batch_repeat_interleave(rows)
         document = torch.tensor(self.input_ids, dtype=torch.long, device=device).expand(rows, -1)
-        ids = torch.cat([document, torch.tensor([p[:shortest] for p in parts], device=device)], dim=1)
-        eos = _eos_ids(self.model, self.tokenizer, generate_kwargs.pop("eos_token_id", None))
-        # The rest of a question may hold an end-of-turn token that is also an end of sequence: rows stop on our
-        # criterion (an end of sequence after the question), not on transformers' own.
-        longest = max(len(r) for r in rest)
+        ids = torch.cat([document, torch.tensor(parts, dtype=torch.long, device=device)], dim=1)
+        # A row ends at any of `eos` (ask's eos_token_id=, else the model's and the tokenizer's): `_Answered` checks
+        # them, with transformers' own end-of-sequence check off.
         out = generate(
-            self.model, ids, None, cache, max_new_tokens=max_new_tokens + longest, eos_token_id=[],
-            logits_processor=LogitsProcessorList([_RestOfQuestion(rest, ids.shape[1])]),
-            stopping_criteria=StoppingCriteriaList([_Answered(rest, ids.shape[1], eos, max_new_tokens)]),
+            self.model, ids, None, cache, max_new_tokens=max_new_tokens, eos_token_id=[],
+            stopping_criteria=StoppingCriteriaList([_Answered(ids.shape[1], eos, max_new_tokens)]),
             **generate_kwargs,
         )
         answers = []
-        for row, tokens in enumerate(out.new_tokens.tolist()):
-            answer = tokens[len(rest[row]) : len(rest[row]) + max_new_tokens]
+        for tokens in out.new_tokens.tolist():
+            answer = tokens[:max_new_tokens]
             end = next((i for i, t in enumerate(answer) if t in eos), len(answer))
             answers.append(self.tokenizer.decode(answer[:end], skip_special_tokens=True).strip())
         return answers
 
 
-class _RestOfQuestion(LogitsProcessor):
-    """Makes each row's first generated tokens the rest of its question (probability 1), one per step."""
-
-    def __init__(self, rest: list[list[int]], start: int):
-        self.rest, self.start = rest, start
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        step = input_ids.shape[1] - self.start
-        for row, tokens in enumerate(self.rest):
-            if step < len(tokens):
-                scores[row] = float("-inf")
-                scores[row, tokens[step]] = 0.0
-        return scores
-
-
 class _Answered(StoppingCriteria):
-    """A row is done once it has produced an end-of-sequence token (or `max_new_tokens`) after its question."""
+    """A row is done once it has produced an end-of-sequence token (or `max_new_tokens`)."""
 
-    def __init__(self, rest: list[list[int]], start: int, eos: set[int], max_new_tokens: int):
-        self.forced = torch.tensor([len(r) for r in rest])
+    def __init__(self, start: int, eos: set[int], max_new_tokens: int):
         self.start, self.max_new_tokens = start, max_new_tokens
         self.eos = torch.tensor(sorted(eos) or [-1])
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        new = input_ids.shape[1] - self.start
-        forced = self.forced.to(input_ids.device)
-        answered = new - forced  # tokens of the answer so far
+        answered = input_ids.shape[1] - self.start  # tokens of the answer so far
         ended = torch.isin(input_ids[:, -1], self.eos.to(input_ids.device)) & (answered > 0)
         # A bool tensor, as StoppingCriteria declares; torch types BoolTensor as a class of its own.
         return ended | (answered >= self.max_new_tokens)  # type: ignore[return-value]

@@ -41,18 +41,35 @@ class GenerationResult:
 REPEAT_INSTRUCTION = "Repeat the previous context exactly."
 
 
-def repeat_prompt_ids(tokenizer, chat: bool | None = None) -> list[int]:
+class RepeatPrompt(list):
+    """KVzip's reconstruction prompt, token ids (a list, as the pass always took), and `context_prefix`: the chat
+    template's tokens before the user's text (the system turn and the start of the user's).
+
+    The pass repeats a row's text after that prefix when the row starts with it, as KVzip's own templates and
+    kvpress's KVzipPress do: repeated inside the assistant's turn, the template's system turn puts the model in
+    another state at the start of the copy, and the document's first tokens then score lower than they do when the
+    copy starts at the text (benchmarks/probes/kvzip_scores_vs_kvpress.py). The prefix stays in the cache and is
+    scored by the queries that repeat the text, like every other pair."""
+
+    def __init__(self, ids, context_prefix=()):
+        super().__init__(ids)
+        self.context_prefix = tuple(int(i) for i in context_prefix)
+
+
+def repeat_prompt_ids(tokenizer, chat: bool | None = None) -> RepeatPrompt:
     """KVzip's reconstruction prompt: the instruction after the context, then (with the chat template; `chat=None`:
-    when the tokenizer has one) the end of the user's turn and the start of the assistant's, as KVzip's templates do.
+    when the tokenizer has one) the end of the user's turn and the start of the assistant's, as KVzip's templates do;
+    with the template, its tokens before the user's text as `context_prefix` (see RepeatPrompt).
     """
-    suffix = "\n"
+    suffix, prefix = "\n", ()
     if chat or (chat is None and getattr(tokenizer, "chat_template", None)):
         marker = "\x00"
         rendered = tokenizer.apply_chat_template(
             [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
         )
-        suffix = rendered.split(marker, 1)[1]
-    return tokenizer("\n\n" + REPEAT_INSTRUCTION + suffix, add_special_tokens=False).input_ids
+        before, suffix = rendered.split(marker, 1)
+        prefix = tokenizer(before, add_special_tokens=False).input_ids
+    return RepeatPrompt(tokenizer("\n\n" + REPEAT_INSTRUCTION + suffix, add_special_tokens=False).input_ids, prefix)
 
 
 # no_grad, not inference_mode: tensors made under inference_mode refuse in-place updates outside it, so a cache
@@ -152,9 +169,10 @@ def _check_absolute_positions(config, total: int) -> None:
 
 
 def score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids, chunk, overlap, on_chunk) -> None:
-    """KVzip's scoring pass (arXiv:2505.23416, Sec. 3.2): each row repeats its own real tokens, chunk by chunk.
+    """KVzip's scoring pass (arXiv:2505.23416, Sec. 3.2): each row repeats its own real tokens, chunk by chunk,
+    from after the chat template's prefix when the row starts with it (`prompt_ids.context_prefix`, RepeatPrompt).
 
-    Rows of a padded batch are split at the same offsets from their first real token as they would be alone; a
+    Rows of a padded batch are split at the same offsets from their first repeated token as they would be alone; a
     chunk shorter than the batch's longest is padded on the right (so its tokens sit right after the cache, as
     alone, which sliding-window masks count in slots), and its padding queries are left out of the scores.
     """
@@ -162,6 +180,12 @@ def score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids,
         raise ValueError(f"reconstruction_chunk must be > 0 and reconstruction_overlap >= 0, got {chunk}, {overlap}")
     device = input_ids.device
     rows = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask[:, -input_ids.shape[1] :], strict=True)]
+    prefix = torch.as_tensor(getattr(prompt_ids, "context_prefix", ()), dtype=torch.long, device=device)
+    if len(prefix):  # a row that starts with the template's prefix repeats only what follows it
+        rows = [
+            row[len(prefix) :] if len(row) > len(prefix) and torch.equal(row[: len(prefix)], prefix) else row
+            for row in rows
+        ]
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     real_seen = attention_mask.long().sum(-1)  # [B] real tokens in the cache: positions continue from there
     pad_id = 0

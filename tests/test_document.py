@@ -19,7 +19,7 @@ QUESTIONS = ["Who founded the observatory?", "What is the name of the refractor 
 
 @pytest.mark.parametrize("spec", ["dynamic", "kvzip:ratio=0.5+int4", "kvzip:ratio=0.5,budgets=layer"])
 def test_a_batch_of_questions_answers_as_each_question_alone(embedded, spec):
-    # Rows cannot be padded behind the cached document: the longer questions' last tokens are fed one per step.
+    # Rows cannot be padded behind the cached document: questions of one length are a batch.
     model, tokenizer = embedded
     doc = compress_document(model, tokenizer, TEXT, spec)
     held, stored = doc.cache.get_seq_length(), measured_kv_bytes(doc.cache)
@@ -29,6 +29,32 @@ def test_a_batch_of_questions_answers_as_each_question_alone(embedded, spec):
     assert (doc.cache.get_seq_length(), measured_kv_bytes(doc.cache)) == (held, stored)  # never changed
     if spec == "dynamic":
         assert "Margaret" in alone[0]
+
+
+def test_each_question_reaches_the_cache_in_one_step_alone_or_in_a_batch(embedded, monkeypatch):
+    # After KVzip's pass a ratio's context gives way to the question as it arrives: a question fed one token per
+    # step attends to the context its earlier tokens left, fed at once to the whole context, so a batch that fed a
+    # longer question's last tokens one per step answered otherwise than the question alone.
+    model, tokenizer = embedded
+    doc = compress_document(model, tokenizer, TEXT, "kvzip:ratio=0.5")
+    questions = [*QUESTIONS, "Who built the observatory?"]
+    lengths = [len(doc._question_ids(q, "")) for q in questions]
+    assert lengths[0] == lengths[3] and len(set(lengths)) == 3, lengths  # two questions of one length, two others
+    alone = [doc.ask(q, max_new_tokens=12) for q in questions]
+    steps = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        steps.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    assert doc.ask(questions, max_new_tokens=12) == alone
+    # One step per question length feeds its questions at once, as alone (all but the last token, which
+    # generate feeds as its first decode step); every other step feeds one token.
+    questions_at_once = sorted(shape for shape in steps if shape[1] > 1)
+    assert questions_at_once == sorted((lengths.count(n), n - 1) for n in set(lengths)), steps
+    assert all(shape[1] == 1 for shape in steps if shape not in questions_at_once), steps
 
 
 def _fields(doc):

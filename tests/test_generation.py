@@ -76,3 +76,52 @@ def test_transformers_assisted_decoding_refuses_a_prefilled_cache(mode):
     prefill(model, ids[:, :-1], None, cache)
     with pytest.raises(ValueError, match=r"hf_kvcompress\.generation\.generate\(model, input_ids"):
         _greedy(model, ids, cache, **_speculative(mode, model))
+
+
+def _fed_to_the_pass(model, ids, mask, prompt):
+    """The token ids the reconstruction pass feeds the model, per chunk, with the scored cache."""
+    from hf_kvcompress.generation import generate
+    from hf_kvcompress.hf.compat import cache_argument_name
+
+    fed, forward = [], model.forward
+
+    def recording(*args, **kwargs):
+        cache = kwargs.get(cache_argument_name())
+        if cache is not None and getattr(cache.layers[0], "reconstruction_queries", None) is not None:
+            fed.append(kwargs["input_ids"].clone())
+        return forward(*args, **kwargs)
+
+    model.forward = recording
+    try:
+        new = generate(model, ids, mask, make_cache("kvzip:ratio=0.5", model.config), max_new_tokens=4,
+                       repeat_prompt_ids=prompt).new_tokens
+    finally:
+        del model.forward
+    return fed, new
+
+
+def test_the_pass_repeats_the_text_after_the_chat_template_prefix_and_padded_rows_equal_rows_alone():
+    from hf_kvcompress.generation import RepeatPrompt
+
+    model = use_kvcompress_attention(tiny_model("llama"))
+    prefix = [9, 10, 11, 12]
+    prompt = RepeatPrompt(REPEAT, context_prefix=prefix)
+    assert list(prompt) == REPEAT and prompt.context_prefix == tuple(prefix)
+    text = torch.randint(13, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    ids = torch.cat([torch.tensor([prefix]), text], dim=1)
+    fed, _ = _fed_to_the_pass(model, ids, None, prompt)
+    # generate leaves the last prompt token to decoding: the pass repeats the rest of the text, not the prefix
+    assert [f.tolist() for f in fed] == [[REPEAT + text[0, :-1].tolist()]]
+    fed, _ = _fed_to_the_pass(model, ids, None, REPEAT)  # a plain list: the whole row, as before
+    assert [f.tolist() for f in fed] == [[REPEAT + ids[0, :-1].tolist()]]
+    # A row without the prefix repeats all of itself; in a padded batch each row is repeated as it is alone.
+    rows = [ids[0], torch.randint(13, 128, (17,), generator=torch.Generator().manual_seed(4))]
+    width = max(len(r) for r in rows)
+    batch = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        batch[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    _, batched = _fed_to_the_pass(model, batch, mask, prompt)
+    for i, row in enumerate(rows):
+        _, alone = _fed_to_the_pass(model, row[None], None, prompt)
+        assert torch.equal(batched[i], alone[0]), f"row {i}"
