@@ -122,6 +122,7 @@ class CompressedLayer(
         self.query_inv_freq = None if query_inv_freq is None else tuple(query_inv_freq.tolist())
         if inv_freq is not None and not (codec.lossless and policy.evicts):
             raise ValueError("rerotate needs an evicting policy and full-precision keys (codec 'identity')")
+        self.store_noted = False  # said that no attention function reads the store (once in the layer's life)
         self._clear()
 
     def _clear(self) -> None:

@@ -5,14 +5,18 @@ Our attention function (hf/attention.py) takes the offer and reads the store a b
 taken, `update` returns NaN placeholders instead of the decoded cache, so the layer must learn at the next step
 whether the offer was taken again, and refuse to go on when it was not. Prompt steps ask without relying on the
 answer (`_probe_store`), so the first decode step is already fused, and a prompt run through another attention
-function withdraws the confirmation instead of leaving a decode step to fail.
+function withdraws the confirmation instead of leaving a decode step to fail. A layer whose request never reached
+our attention function says so once (`store_note`): the model runs another one, and every decode step decodes the
+whole store.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from .requests import STORE_KEY, StoreRequest
+from .requests import ENABLE_ATTENTION_HINT, STORE_KEY, STORE_NOT_REACHED, StoreRequest
 from .store_attention import attend_store
 
 
@@ -72,3 +76,13 @@ class StoreOffer:
                 "call cache.reset() and generate again"
             )
         self.store_confirmed = request.used
+        if not request.reached and not self.store_noted:
+            self.store_noted = True
+            self.store_note(None)
+
+    def store_note(self, attention: str | None) -> None:
+        """Say that decode attention does not read this layer's store (`attention`: the model's implementation,
+        when the cache knows it); the cache says it once for all its layers, naming the model's attention."""
+        named = "" if attention is None else f" (it runs {attention!r})"
+        warnings.warn(STORE_NOT_REACHED.format(codec=self.codec.spec(), named=named, hint=ENABLE_ATTENTION_HINT),
+                      RuntimeWarning, stacklevel=4)
