@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export PIP_RETRIES := 10
 export PIP_RESUME_RETRIES := 20
 
-.PHONY: setup demo test test-slow test-oldest bench
+.PHONY: setup demo test test-slow test-oldest bench lint
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# ruff on the code and the tests, mypy on the library (settings: pyproject.toml's [tool.ruff], [tool.mypy]).
+lint: setup
+	$(BIN)/python -m ruff check hf_kvcompress eval_tasks benchmarks tests
+	$(BIN)/python -m mypy
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow tests

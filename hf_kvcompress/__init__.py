@@ -10,7 +10,7 @@ __version__ = "0.5.0"
 # top-level names do: `hf-kvcompress --help` then reads no torch, and `import hf_kvcompress` patches nothing.
 _EXPORTS = {
     ".caches.compressed": ["CompressedCache"],
-    ".caches.persist": ["load_cache", "save_cache"],
+    ".persist": ["load_cache", "save_cache"],
     ".caches.presets": ["Fp8Cache", "HeavyHitterCache", "QuantizedCache", "SinkWindowCache"],
     ".codecs.fp8": ["Fp8Codec"],
     ".codecs.identity": ["IdentityCodec"],
@@ -24,6 +24,7 @@ _EXPORTS = {
     ".policies.keep_all": ["KeepAllPolicy"],
     ".policies.keydiff": ["KeyDiffPolicy"],
     ".policies.kvzip": ["KVzipPolicy"],
+    ".policies.kvzap": ["KVzapPolicy"],
     ".policies.random": ["RandomPolicy"],
     ".policies.sink_window": ["SinkWindowPolicy"],
     ".policies.snapkv": ["SnapKVPolicy"],

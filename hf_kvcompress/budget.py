@@ -12,6 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
+from typing import cast
 
 GIB = 1024**3
 MIB = 1024**2
@@ -49,7 +50,13 @@ def _positive_int(name: str, value) -> int:
 def _positive_number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a number > 0 (e.g. 2 for FP16, 1 for INT8, 0.5 for INT4), got {value!r}")
-    return value
+    return cast(float, value)  # any real number, returned as given (an int stays an int)
+
+
+def _nonnegative_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or value < 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return cast(float, value)  # any real number, returned as given (an int stays an int)
 
 
 def _exact(value):
@@ -96,13 +103,16 @@ def dtype_bytes(dtype) -> float:
     return _DTYPE_BYTES[name]
 
 
-def dtype_label(bytes_per_value: float, dtype=None) -> str:
-    """A short upper-case name for a table heading: "FP16", "BF16", "INT4"; the byte size when nothing fits."""
+def dtype_label(bytes_per_value: float | None, dtype=None) -> str:
+    """A short upper-case name for a table heading: "FP16", "BF16", "INT4"; the byte size when nothing fits
+    (`bytes_per_value` is read only without a `dtype`)."""
     if dtype is not None:
         name = str(dtype).lower().removeprefix("torch.")
         short = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32",
                  "float64": "fp64", "double": "fp64", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
         return short.get(name, name).upper()
+    if bytes_per_value is None:
+        raise ValueError("dtype_label needs bytes_per_value or dtype")
     return _DTYPE_LABELS.get(bytes_per_value, f"{bytes_per_value:g}-byte")
 
 
@@ -224,8 +234,8 @@ def _layer_windows(config, layers: int) -> tuple[int | None, ...]:
     if len(layer_types) != layers:
         raise ValueError(f"config.layer_types lists {len(layer_types)} layers but num_hidden_layers is {layers}")
     sharing = getattr(config, "kv_sharing_modes", None) or [None] * layers
-    windows = []
-    for kind, mode in zip(layer_types, sharing):
+    windows: list[int | None] = []
+    for kind, mode in zip(layer_types, sharing, strict=False):
         if mode == "reuse" or kind in _NO_KV_TYPES:
             windows.append(0)
         elif kind in _FULL_TYPES:
@@ -315,11 +325,12 @@ class CapacityPlan:
         users: whole users that fit, rounded down: half a cache serves nobody.
     """
 
-    gpu_memory_bytes: int
-    weights_bytes: int
-    reserve_bytes: int
+    # Bytes as given (ints, or floats such as 80e9) and what follows from them.
+    gpu_memory_bytes: int | float
+    weights_bytes: int | float
+    reserve_bytes: int | float
     context_tokens: int
-    free_bytes: int
+    free_bytes: int | float
     cache_bytes_per_user: int | float
     users: int
 
@@ -336,10 +347,8 @@ def _capacity(gpu_memory_bytes, weights_bytes, context_tokens, shape, bytes_per_
               kept_tokens=None, head_dim=None, reserve_bytes=0) -> CapacityPlan:
     """`plan_capacity` without the check that someone fits, so tables can show a 0."""
     gpu = _positive_number("gpu_memory_bytes", gpu_memory_bytes)
-    if isinstance(weights_bytes, bool) or not isinstance(weights_bytes, Real) or weights_bytes < 0:
-        raise ValueError(f"weights_bytes must be a number >= 0, got {weights_bytes!r}")
-    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, Real) or reserve_bytes < 0:
-        raise ValueError(f"reserve_bytes must be a number >= 0, got {reserve_bytes!r}")
+    weights_bytes = _nonnegative_number("weights_bytes", weights_bytes)
+    reserve_bytes = _nonnegative_number("reserve_bytes", reserve_bytes)
     context = _positive_int("context_tokens", context_tokens)
     held = context if kept_tokens is None else min(context, _positive_int("kept_tokens", kept_tokens))
     per_user = _planned_shape(shape, kv_heads, head_dim).nbytes(held, 1, bytes_per_value)

@@ -8,8 +8,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .hf.compat import text_config
+from .hf.rope import rope_inv_freq
+from .ops.rerotate import rerotate
 
 BASES_FILE = "lowrank_bases.safetensors"
 PACKAGED_DIR = Path(__file__).parent / "calibrations"
@@ -26,7 +35,7 @@ def model_identity(config) -> str:
 
 def calibration_text(words: int = 4000) -> str:
     """HotpotQA paragraphs (Wikipedia): not the essays the needle tasks hide their needles in."""
-    from .eval.data import hotpotqa_questions
+    from .eval.data import hotpotqa_questions  # the lab's data: loading bases (the library's path) never reads it
 
     _, paragraphs = hotpotqa_questions()
     picked, count = [], 0
@@ -56,19 +65,18 @@ def explained(variances: torch.Tensor, rank: int) -> float:
 @torch.inference_mode()
 def layer_states(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(keys, values) [H, T, D] of every layer for one sequence, keys post-RoPE as a cache receives them."""
-    from transformers import DynamicCache
-
     cache = DynamicCache()  # no config: every layer keeps every token, sliding ones included
     model(input_ids=input_ids, cache=cache, use_cache=True)
-    return [(layer.keys[0].float(), layer.values[0].float()) for layer in cache.layers]
+    states = []
+    for layer in cache.layers:
+        # A DynamicCache without a config: DynamicLayers, each filled by the forward pass.
+        assert isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None
+        states.append((layer.keys[0].float(), layer.values[0].float()))
+    return states
 
 
 def unrotated(keys: torch.Tensor, config, layer_idx: int) -> torch.Tensor:
     """Keys [H, T, D] with RoPE undone (position t rotated back by t): what pre-RoPE keys look like."""
-    from .hf.compat import text_config
-    from .hf.rope import rope_inv_freq
-    from .ops.rerotate import rerotate
-
     decoder = text_config(config)
     layer_types = getattr(decoder, "layer_types", None)
     inv_freq = rope_inv_freq(config, layer_types[layer_idx] if layer_types else None)
@@ -92,7 +100,7 @@ def calibrate(model, input_ids: torch.Tensor, max_rank: int | None = None,
         raise ValueError(f"max_rank must be between 1 and head_dim ({head_dim}), got {max_rank}")
     tensors, report = {}, []
     for i, (keys, values) in enumerate(states):
-        row = {"layer": i}
+        row: dict[str, Any] = {"layer": i}
         for kind, x in (("key", keys), ("value", values)):
             mean, basis, variances = pca(x)
             tensors[f"layers.{i}.{kind}_mean"] = mean.contiguous()
@@ -110,8 +118,6 @@ def calibrate(model, input_ids: torch.Tensor, max_rank: int | None = None,
 
 
 def save_bases(tensors: dict, metadata: dict, out_dir: str | os.PathLike) -> Path:
-    from safetensors.torch import save_file
-
     path = Path(out_dir) / BASES_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.half() if k.endswith("_basis") or k.endswith("_mean") else v for k, v in tensors.items()},
@@ -128,10 +134,6 @@ def packaged_bases(config) -> Path | None:
 def load_bases(source: str | os.PathLike | None, config) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read bases for `config`'s model from `source` (a file or a directory holding one; None: the packaged ones),
     refusing bases fitted on another model or shape."""
-    from safetensors import safe_open
-
-    from .hf.compat import text_config
-
     if source is None:
         path = packaged_bases(config)
         if path is None:
@@ -144,7 +146,9 @@ def load_bases(source: str | os.PathLike | None, config) -> tuple[dict[str, torc
         if path.is_dir():
             path = path / BASES_FILE
         if not path.exists():
-            raise FileNotFoundError(f"bases={str(source)!r}: no {BASES_FILE} there (write it with hf-kvcompress calibrate)")
+            raise FileNotFoundError(
+                f"bases={str(source)!r}: no {BASES_FILE} there (write it with hf-kvcompress calibrate)"
+            )
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}

@@ -5,7 +5,7 @@ evaluation does (eval/prompts.py: the chat template for an instruct model, "docu
 model, split where the document ends), prefills the document part into a cache of any spec (KVzip's reconstruction
 pass included) and returns a `Document`; `Document.ask` appends each question's part (the end of the user's turn and
 the start of the assistant's, for a chat model) to a copy of that cache and decodes the answer. Several questions are
-asked as one batch. A `Document` is saved and loaded like any cache (caches/persist.py), its text beside it.
+asked as one batch. A `Document` is saved and loaded like any cache (persist.py), its text beside it.
 
 Example::
 
@@ -24,13 +24,15 @@ import os
 from collections.abc import Sequence
 
 import torch
+from safetensors import safe_open
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from .caches.compressed import CompressedCache
-from .caches.persist import load_cache, save_cache
-from .eval.prompts import PROMPT_FORMATS, encode, uses_chat
+from .eval.prompts import PROMPT_FORMATS, PromptFormat, encode, uses_chat
 from .generation import generate, prefill, repeat_prompt_ids
+from .hf.attention import ATTENTION_NAME
 from .measure import measured_kv_bytes
+from .persist import load_cache, save_cache
 from .registry import make_cache, needs_attention
 
 __all__ = ["Document", "compress_document", "load_document"]
@@ -51,7 +53,7 @@ class Document:
     """
 
     def __init__(self, model, tokenizer, cache: CompressedCache, text: str, input_ids: list[int], *,
-                 instruction: str = "", prompt_format: str = "auto"):
+                 instruction: str = "", prompt_format: PromptFormat = "auto"):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.text, self.input_ids = text, list(input_ids)
         self.instruction, self.prompt_format = instruction, prompt_format
@@ -79,7 +81,7 @@ class Document:
             **generate_kwargs: passed to `model.generate` (greedy by default; `do_sample=True, temperature=...`).
         """
         single = isinstance(question, str)
-        questions = [question] if single else list(question)
+        questions = [question] if isinstance(question, str) else list(question)
         if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
             raise ValueError(f"question must be a non-empty string or a non-empty list of them, got {question!r}")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -175,7 +177,8 @@ class _Answered(StoppingCriteria):
         forced = self.forced.to(input_ids.device)
         answered = new - forced  # tokens of the answer so far
         ended = torch.isin(input_ids[:, -1], self.eos.to(input_ids.device)) & (answered > 0)
-        return ended | (answered >= self.max_new_tokens)
+        # A bool tensor, as StoppingCriteria declares; torch types BoolTensor as a class of its own.
+        return ended | (answered >= self.max_new_tokens)  # type: ignore[return-value]
 
 
 def _eos_ids(model, tokenizer, given=None) -> set[int]:
@@ -188,8 +191,6 @@ def _eos_ids(model, tokenizer, given=None) -> set[int]:
 
 
 def _check_attention(model, spec: str) -> None:
-    from .hf.attention import ATTENTION_NAME
-
     if needs_attention(spec) and getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
         raise ValueError(
             f"spec {spec!r} scores tokens by attention (or by KVzip's reconstruction pass): call "
@@ -198,7 +199,7 @@ def _check_attention(model, spec: str) -> None:
 
 
 def compress_document(model, tokenizer, text: str, spec: str = "dynamic", *, instruction: str = "",
-                      prompt_format: str = "auto", chunk_size: int | None = None) -> Document:
+                      prompt_format: PromptFormat = "auto", chunk_size: int | None = None) -> Document:
     """Prefill `text` into a fresh cache of `spec` (compressing it) and return a `Document` to ask questions.
 
     Args:
@@ -228,8 +229,6 @@ def compress_document(model, tokenizer, text: str, spec: str = "dynamic", *, ins
 
 def load_document(path: str | os.PathLike, model, tokenizer, device: str | torch.device | None = None) -> Document:
     """The `Document` that `Document.save` wrote to `path`, on `device` (default: the model's)."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
     if _METADATA_KEY not in metadata:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from .caches.layer import END_ALIGNED_CHUNKS
-from .caches.persist import check_model
 from .hf.compat import assisted_decoding_continues_cache, cache_kwargs, text_config
 from .measure import measured_kv_bytes
+from .persist import check_model
 
 
 @dataclass
@@ -101,7 +101,8 @@ def prefill(
         attention_mask = torch.ones(input_ids.shape[0], total, dtype=torch.long, device=input_ids.device)
     if attention_mask.shape[1] != total:
         raise ValueError(
-            f"attention_mask must cover the cached tokens plus input_ids ({total} positions), got {attention_mask.shape[1]}"
+            f"attention_mask must cover the cached tokens plus input_ids ({total} positions), "
+            f"got {attention_mask.shape[1]}"
         )
     # Positions count real tokens only; padding sits at position 1 (generate() in transformers 5.24 puts it at 0:
     # the caches read padding from either layout).
@@ -115,7 +116,7 @@ def prefill(
     logits = None
     marker = END_ALIGNED_CHUNKS.set(True)
     try:
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             out = model(
                 input_ids=input_ids[:, start:end],
                 attention_mask=attention_mask[:, : past + end],
@@ -132,7 +133,7 @@ def prefill(
     finally:
         END_ALIGNED_CHUNKS.reset(marker)
     if reconstruct:
-        _score_by_reconstruction(
+        score_by_reconstruction(
             model, input_ids, attention_mask, cache, repeat_prompt_ids, reconstruction_chunk, reconstruction_overlap,
             on_chunk,
         )
@@ -150,7 +151,7 @@ def _check_absolute_positions(config, total: int) -> None:
         )
 
 
-def _score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids, chunk, overlap, on_chunk) -> None:
+def score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids, chunk, overlap, on_chunk) -> None:
     """KVzip's scoring pass (arXiv:2505.23416, Sec. 3.2): each row repeats its own real tokens, chunk by chunk.
 
     Rows of a padded batch are split at the same offsets from their first real token as they would be alone; a
@@ -160,7 +161,7 @@ def _score_by_reconstruction(model, input_ids, attention_mask, cache, prompt_ids
     if chunk <= 0 or overlap < 0:
         raise ValueError(f"reconstruction_chunk must be > 0 and reconstruction_overlap >= 0, got {chunk}, {overlap}")
     device = input_ids.device
-    rows = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask[:, -input_ids.shape[1] :])]
+    rows = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask[:, -input_ids.shape[1] :], strict=True)]
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     real_seen = attention_mask.long().sum(-1)  # [B] real tokens in the cache: positions continue from there
     pad_id = 0

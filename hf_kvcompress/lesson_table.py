@@ -8,7 +8,6 @@ beside this model's formula and measured savings, the score with its 95% interva
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from .budget import compression_plans
 from .codecs.identity import IdentityCodec
@@ -16,6 +15,7 @@ from .codecs.intn import IntNCodec
 from .codecs.lowrank import LowRankCodec
 from .codecs.shared_heads import SharedHeadsCodec
 from .registry import parse_spec
+from .study import LessonRow, formula_bytes, score_cell
 
 
 def _plain(codec, kind) -> bool:
@@ -60,25 +60,15 @@ LESSON_ROWS: tuple[tuple[str, Callable[[str], bool]], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class LessonRow:
-    lesson: str  # the lesson's row
-    lesson_factor: float  # how many times smaller at the lesson's 8B shape, 32k tokens
-    result: object | None  # the study's PlanResult standing for it, None when no plan of the study matches
-    formula_factor: float = float("nan")  # the uncompressed formula's bytes / this plan's, on the studied model
-
-
 def lesson_rows(results: list, config, tokens: float, model_bytes: float) -> list[LessonRow]:
     """One LessonRow per lesson row; `results` are the study's PlanResults (the baseline `dynamic` among them)."""
-    from .study import formula_bytes
-
     factors = {row.name: row.factor for row in compression_plans().rows}
     base = formula_bytes("dynamic", config, tokens, model_bytes)
     rows = []
     for name, match in LESSON_ROWS:
         candidates = [r for r in results if match(r.spec)]
         if name.startswith("low-rank"):
-            candidates.sort(key=lambda r: parse_spec(r.spec)[1].rank is not None)
+            candidates.sort(key=lambda r: getattr(parse_spec(r.spec)[1], "rank", None) is not None)  # LowRankCodecs
         if name.startswith("evict"):  # the family's best plan stands for it (sinks + window, KVzip, ...)
             candidates.sort(key=lambda r: (-r.score, r.measured_bytes))
         best = candidates[0] if candidates else None
@@ -88,9 +78,8 @@ def lesson_rows(results: list, config, tokens: float, model_bytes: float) -> lis
 
 
 def format_lesson_table(rows: list[LessonRow], baseline) -> str:
-    """The lesson's table with the study's columns; `baseline` is the study's `dynamic` PlanResult."""
-    from .study import score_cell  # study imports this module lazily; one cell format for both tables
-
+    """The lesson's table with the study's columns (one cell format for both tables: `score_cell`); `baseline` is
+    the study's `dynamic` PlanResult."""
     lines = [
         f"{'the lesson (8B, 32k tokens)':26s} {'x less':>6s}   {'plan measured here':40s} {'formula':>7s} "
         f"{'measured':>8s} {'score, 95% interval':>19s} {'retention':>13s}",

@@ -1,7 +1,8 @@
 """What a cache object really holds in memory, as opposed to what a formula says it should.
 
-Imports only torch: benchmarks/harness/bench_measure.py loads this file by path in the peers' environments (transformers'
-QuantizedCache, kvpress), where hf_kvcompress is not installed, so every cache's bytes are counted the same way."""
+Imports only torch: benchmarks/harness/bench_measure.py loads this file by path in the peers' environments
+(transformers' QuantizedCache, kvpress), where hf_kvcompress is not installed, so every cache's bytes are counted the
+same way."""
 
 from __future__ import annotations
 

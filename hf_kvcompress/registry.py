@@ -7,9 +7,11 @@ is available everywhere.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 
-from .caches.compressed import CompressedCache
+# cache_spec (a cache's spec string) lives beside the cache, which names itself by it and never imports the registry.
+from .caches.compressed import CompressedCache, cache_spec  # noqa: F401 (re-exported)
 from .codecs.base import Codec
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
@@ -22,6 +24,7 @@ from .policies.expected_attention import ExpectedAttentionPolicy
 from .policies.heavy_hitter import HeavyHitterPolicy
 from .policies.keep_all import KeepAllPolicy
 from .policies.keydiff import KeyDiffPolicy
+from .policies.kvzap import KVzapPolicy
 from .policies.kvzip import KVzipPolicy
 from .policies.random import RandomPolicy
 from .policies.sink_window import SinkWindowPolicy
@@ -38,10 +41,11 @@ POLICIES: dict[str, type[Policy]] = {
     "expected_attention": ExpectedAttentionPolicy,
     "random": RandomPolicy,
     "kvzip": KVzipPolicy,
+    "kvzap": KVzapPolicy,
 }
 POLICY_ALIASES = {"keep_all": "dynamic", "full": "dynamic", "streaming_llm": "sink_window", "heavy_hitter": "h2o"}
 
-CODECS: dict[str, object] = {
+CODECS: dict[str, Callable[..., Codec]] = {  # a codec class, or a partial of one
     "identity": IdentityCodec,
     "fp8": Fp8Codec,
     "int8": partial(IntNCodec, bits=8),
@@ -56,10 +60,8 @@ CODECS: dict[str, object] = {
 # `{budget}`, `{window}` and `{half_dim}` are filled in from the context length and the model, so new policies and
 # codecs join the study by adding a line here. None of these plans scores by attention, so all of them reuse the
 # study's one shared prefill per document (`shared_prefill.py`); KVzip adds only its reconstruction pass (about 1.8
-# prefills on SmolLM2). Its share, a quarter, is sinks + window's, so the two rules compare at the same bytes;
-# chosen on the eval suite's samples (docs/results.md, "Eviction policies side by side": 14 of 15 needles at 2,000 tokens),
-# not on the study's. Low rank at half of head_dim (alone and + int8) left with 0.5.0: like the quarter, it
-# answered no needle alone, and it cost a tenth of the demo.
+# prefills). Its share, a quarter, is sinks + window's, so the two rules compare at the same bytes; chosen on the
+# eval suite's samples (docs/results.md, "Eviction policies side by side"), not on the study's.
 STUDY_PLANS: tuple[str, ...] = (
     "dynamic",
     "int8",
@@ -85,7 +87,7 @@ EVICTION_STUDY_PLANS: tuple[str, ...] = (
 )
 
 
-def _parse_value(text: str):
+def parse_value(text: str):
     lowered = text.lower()
     if lowered in ("none", "null"):
         return None
@@ -106,12 +108,13 @@ def _parse_part(part: str) -> tuple[str, dict]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"spec arguments must be key=value, got {item!r} in {part!r}")
-        kwargs[key.strip()] = _parse_value(value.strip())
+        kwargs[key.strip()] = parse_value(value.strip())
     return name.strip().lower(), kwargs
 
 
 def _build(factory, kwargs: dict, what: str, name: str):
     cls = factory.func if isinstance(factory, partial) else factory
+    assert dataclasses.is_dataclass(cls)  # every policy and codec of the registry is a dataclass
     allowed = sorted(f.name for f in dataclasses.fields(cls) if f.init)
     if isinstance(factory, partial):  # the name fixes `bits`; its other keywords are defaults a spec may change
         allowed = [a for a in allowed if a != "bits"]
@@ -123,7 +126,8 @@ def _build(factory, kwargs: dict, what: str, name: str):
 
 def _reducing(name: str) -> bool:
     factory = CODECS[name]
-    return issubclass(factory.func if isinstance(factory, partial) else factory, ReducingCodec)
+    cls = factory.func if isinstance(factory, partial) else factory
+    return isinstance(cls, type) and issubclass(cls, ReducingCodec)
 
 
 def _build_codecs(parts: list[str], spec: str) -> Codec:
@@ -181,13 +185,15 @@ def needs_own_prefill(spec: str) -> bool:
     pass, or a codec whose prompt attention reads the encoded states, fp8), so it cannot be filled by replaying
     another cache's states."""
     policy, codec = parse_spec(spec)
-    return policy.needs_attention or policy.scores_by_reconstruction or codec.encodes_on_arrival
+    return (policy.needs_attention or policy.scores_by_reconstruction or policy.needs_hidden_states
+            or codec.encodes_on_arrival)
 
 
 def needs_attention(spec: str) -> bool:
-    """Whether the spec's policy scores tokens by attention (the model must use `use_kvcompress_attention`)."""
+    """Whether the spec's policy scores tokens by attention or from hidden states (the model must use
+    `use_kvcompress_attention`)."""
     policy = parse_spec(spec)[0]
-    return policy.needs_attention or policy.scores_by_reconstruction
+    return policy.needs_attention or policy.scores_by_reconstruction or policy.needs_hidden_states
 
 
 def bounds_memory(spec: str) -> bool:
@@ -201,15 +207,6 @@ def policy_spec(policy: Policy) -> str:
 
 def codec_spec(codec: Codec) -> str:
     return codec.spec()
-
-
-def cache_spec(policy: Policy, codec: Codec) -> str:
-    base = policy_spec(policy)
-    if isinstance(codec, IdentityCodec):
-        return base
-    if isinstance(policy, KeepAllPolicy) and base == KeepAllPolicy.name:  # `int4`, not `dynamic+int4`
-        return codec_spec(codec)
-    return f"{base}+{codec_spec(codec)}"
 
 
 def study_specs(context_tokens: int, head_dim: int = 64, plans: tuple[str, ...] = STUDY_PLANS) -> list[str]:

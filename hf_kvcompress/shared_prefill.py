@@ -19,14 +19,23 @@ from datetime import datetime, timezone
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from .eval.prompts import encode, protocol_name, uses_chat
-from .eval.runner import _Attention, _eos_ids, _first, _tokens_stored, left_pad, plan_batches, run_batch, served_name
+from .eval.prompts import PromptFormat, encode, protocol_name, uses_chat
+from .eval.runner import (
+    AttentionSwitch,
+    eos_ids,
+    first_item,
+    left_pad,
+    plan_batches,
+    run_batch,
+    served_name,
+    tokens_per_layer,
+)
 from .eval.scoring import score_all
 from .eval.tasks import sample_split
-from .generation import _score_by_reconstruction, generate, prefill
+from .generation import generate, prefill, repeat_prompt_ids, score_by_reconstruction
 from .measure import measured_kv_bytes, served_kv_bytes
-from .generation import repeat_prompt_ids
 from .registry import make_cache, needs_own_prefill, parse_spec
 
 
@@ -43,6 +52,8 @@ def replay(spec: str, model, reference: DynamicCache, document_mask: torch.Tenso
     cache = make_cache(spec, model.config)
     positions = (document_mask.long().cumsum(-1) - 1).masked_fill(document_mask == 0, 1).to(model.device)
     for i, layer in enumerate(reference.layers):
+        # `document_states` filled every layer of its DynamicCache, made without a config: DynamicLayers.
+        assert isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None
         cache.update(layer.keys, layer.values, i, kwargs={"position_ids": positions})
     return cache
 
@@ -52,7 +63,7 @@ def batch_groups(rows: Sequence[dict], encoded: Sequence[tuple[list[int], list[i
     int codecs' per-channel key groups (32 tokens) never span padding, which quantized a padded row in other
     groups than the row alone (and warned), and KVzip with an int codec stored it at other precision. A document
     length in tokens varies by a few with the needle, so batches are smaller; a plan's work is mostly per row."""
-    return [f"{r['task']}|{r['max_new_tokens']}|{len(e[0])}" for r, e in zip(rows, encoded)]
+    return [f"{r['task']}|{r['max_new_tokens']}|{len(e[0])}" for r, e in zip(rows, encoded, strict=True)]
 
 
 def rescores(spec: str) -> bool:
@@ -68,7 +79,7 @@ def replay_and_rescore(spec: str, model, reference: DynamicCache, ids: torch.Ten
     """`replay`, then KVzip's reconstruction pass over the document (`ids`, `mask`: [B, width]) as `prefill` runs it."""
     defaults = inspect.signature(prefill).parameters
     cache = replay(spec, model, reference, mask)
-    _score_by_reconstruction(model, ids.to(model.device), mask.to(model.device), cache, repeat_prompt_ids,
+    score_by_reconstruction(model, ids.to(model.device), mask.to(model.device), cache, repeat_prompt_ids,
                              defaults["reconstruction_chunk"].default, defaults["reconstruction_overlap"].default,
                              None)
     return cache
@@ -76,7 +87,7 @@ def replay_and_rescore(spec: str, model, reference: DynamicCache, ids: torch.Ten
 
 @torch.inference_mode()
 def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: int = 1, model_name: str,
-              prompt_format: str = "auto", max_new_tokens: int | None = None, progress=None) -> list[dict]:
+              prompt_format: PromptFormat = "auto", max_new_tokens: int | None = None, progress=None) -> list[dict]:
     """One record per (plan, sample), in the eval runner's record format, with one document prefill per batch.
 
     `max_new_tokens` caps every sample's answer (the tasks allow 16 tokens for a needle's 7 digits; every decoded
@@ -89,10 +100,12 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
         for row in rows:
             row["max_new_tokens"] = min(row["max_new_tokens"], max_new_tokens)
     encoded = [encode(tokenizer, r, query_aware=False, prompt_format=prompt_format) for r in rows]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _first(model.generation_config.eos_token_id)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = first_item(model.generation_config.eos_token_id)
     groups = batch_groups(rows, encoded)
     batches = plan_batches(["all"], encoded, [r["sample_id"] for r in rows], batch_size, None, groups=groups)
-    eos = _eos_ids(model)
+    eos = eos_ids(model)
     prompt_kind = "chat" if uses_chat(tokenizer, prompt_format) else "plain"
     repeat_ids = repeat_prompt_ids(tokenizer, chat=prompt_kind == "chat")
     served = getattr(torch, served_name(model))  # bytes are also counted at the dtype the model is served in
@@ -106,18 +119,19 @@ def run_plans(model, tokenizer, plans: Sequence[str], samples, *, batch_size: in
         reference = document_states(model, full_ids, full_mask, width)
         shared_seconds = time.perf_counter() - start
 
-        def answer(cache):
+        def answer(cache, full_ids=full_ids, full_mask=full_mask, max_new=max_new):
             """The cache's bytes after the document, then its answers (cut at the end of sequence) and the
             prefill seconds of the question."""
-            kv = measured_kv_bytes(cache), _tokens_stored(cache), served_kv_bytes(cache, served)
+            kv = measured_kv_bytes(cache), tokens_per_layer(cache), served_kv_bytes(cache, served)
             result = generate(model, full_ids.to(model.device), full_mask.to(model.device), cache,
                               max_new_tokens=max_new)
-            new = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))] for row in result.new_tokens.tolist()]
+            new = [row[: next((k for k, t in enumerate(row) if t in eos), len(row))]
+                   for row in result.new_tokens.tolist()]
             return (*kv, new, result.prefill_seconds)
 
         for plan in plans:
             if rescores(plan):
-                with _Attention(model, plan):
+                with AttentionSwitch(model, plan):
                     begin = time.perf_counter()
                     cache = replay_and_rescore(plan, model, reference, full_ids[:, :width], full_mask[:, :width],
                                                repeat_ids)

@@ -7,19 +7,27 @@ into the lesson's table, its "users per GPU" worked example, and a recommendatio
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .budget import GIB, kv_shape_from_config, model_weight_bytes
+from .caches.plan import plan_layers, sliding_kept
 from .codecs.fp8 import Fp8Codec
 from .codecs.identity import IdentityCodec
 from .codecs.intn import IntNCodec
 from .codecs.lowrank import LowRankCodec
 from .codecs.reducing import ReducingCodec
 from .codecs.shared_heads import SharedHeadsCodec
+from .eval.report import served_bytes
 from .eval.tasks import BANDS
 from .hf.compat import text_config
+from .policies.block_window import BlockWindowPolicy
+from .policies.sink_window import SinkWindowPolicy
 from .registry import STUDY_PLANS, parse_spec, study_specs
 
 # Depth bands of the lesson's warning: questions about the start and the middle are where eviction fails.
@@ -73,8 +81,6 @@ def formula_bytes(spec: str, config, tokens: float, model_bytes: float) -> float
     rank their share of the width, eviction the tokens (`kept_tokens`: a ratio keeps its share, a budget caps them).
     Sliding-window layers hold at most their window (a ratio keeps its share of it, as `sliding_kept`).
     """
-    from .caches.compressed import sliding_kept
-
     shape = kv_shape_from_config(config)
     policy = parse_spec(spec)[0]
     per_token = 2 * shape.kv_heads * shape.head_dim * bytes_per_value(spec, model_bytes, config)
@@ -97,34 +103,28 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     """What the plan's cache holds for one user after `tokens` tokens, as `CompressedLayer.promised_bytes` counts
     it (codec rates, scales, the full-precision residual and sinks; tokens kept as `kept_tokens`), without running
     the model, with values of `model_bytes` bytes; tested against measured (tests/test_study_bytes.py)."""
-    import torch
-
-    from .codecs.base import resolve_for_model
-
     policy, codec = parse_spec(spec)
-    codec = resolve_for_model(codec, config) if hasattr(codec, "for_model") else codec
     shape = kv_shape_from_config(config)
     dtype = {4: torch.float32, 2: torch.bfloat16}.get(int(model_bytes), torch.float32)
-    from .caches.compressed import _sliding_layer_codec, _sliding_layer_policy, sliding_kept
-
     windows = shape.windows or (None,) * shape.layers
-    layer_types = getattr(text_config(config), "layer_types", None) or ()
     head_store = policy.scores_by_reconstruction and getattr(policy, "budgets", None) == "head" and policy.evicts
     total = 0.0
-    for i, window in enumerate(windows):
-        if window == 0:
+    # The layers CompressedCache builds.
+    for plan, held in zip(plan_layers(policy, codec, config), windows, strict=True):
+        if held == 0:  # a layer that stores no keys and values (budget.py: shared or not attention)
             continue
-        if window is not None:  # as CompressedCache builds a sliding layer (block window or exact window)
-            kind = layer_types[i] if i < len(layer_types) else "sliding_attention"
-            share = sliding_kept(policy, kind, window)
-            layer_codec = _sliding_layer_codec(codec, kind, share is not None)
-            sliding = _sliding_layer_policy(layer_codec, window, share)
-            kept = sliding.held(tokens) if sliding.drops_blocks else min(tokens, sliding.window)
+        layer_codec = plan.codec
+        kept: float  # tokens per KV head: whole for a window, a share of them for a ratio (`kept_tokens`)
+        if plan.is_sliding:  # a block window or an exact window (plan.py: `sliding_layer_policy`)
+            sliding = plan.policy
+            if isinstance(sliding, BlockWindowPolicy):
+                kept = sliding.held(tokens)
+            else:
+                assert isinstance(sliding, SinkWindowPolicy) and sliding.window is not None
+                kept = min(tokens, sliding.window)
         else:
-            layer_codec = codec.for_policy(policy.evicts) if hasattr(codec, "for_policy") else codec
             kept = kept_tokens(policy, tokens)
-        layer_codec = layer_codec.for_layer(i)  # as the cache builds each layer's codec (per-layer widths)
-        if window is None and head_store:
+        if not plan.is_sliding and head_store:
             # KVzip's per-head store (caches/head_store.py): kept pairs encoded, each with its float32
             # score; the codec's sinks exact beside it; one int64 length per head. The kept pairs among the
             # context's newest tokens, which the scored layer still held at full precision (its residual), stay
@@ -143,6 +143,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
             total += shape.kv_heads * 8 if exact else 0
             total += sinks
             continue
+        encoded: float  # tokens held encoded (`kept` may be a share of a token)
         if layer_codec.lossless:
             encoded = 0
         else:
@@ -152,7 +153,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
         per_encoded = layer_codec.bytes_per_token(shape.head_dim, "key", dtype) + layer_codec.bytes_per_token(
             shape.head_dim, "value", dtype)
         total += shape.kv_heads * (encoded * per_encoded + (kept - encoded) * 2 * shape.head_dim * model_bytes)
-        if window is None and policy.evicts and (policy.needs_attention or policy.scores_by_reconstruction):
+        if not plan.is_sliding and policy.evicts and (policy.needs_attention or policy.scores_by_reconstruction):
             total += shape.kv_heads * kept * 4  # each kept slot's float32 score (H2O's sums, KVzip's maxima)
         if layer_codec.sink_tokens and (encoded > 0 or kept < tokens):
             # full-precision sinks, copied at the first encoding or eviction: keys, values and an int64 slot each
@@ -175,8 +176,6 @@ def wilson(successes: int, n: int) -> tuple[float, float]:
 
 def bootstrap_mean(values: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% percentile-bootstrap interval of a mean (scores can be partial, so not a proportion)."""
-    import torch
-
     if not values:
         return float("nan"), float("nan")
     x = torch.tensor(values, dtype=torch.float64)
@@ -211,6 +210,16 @@ class PlanResult:
     stretched: bool = False
 
 
+@dataclass(frozen=True)
+class LessonRow:
+    """A row of the lesson's table (lesson_table.py builds them) as the study's results file keeps it."""
+
+    lesson: str  # the lesson's row
+    lesson_factor: float  # how many times smaller at the lesson's 8B shape, 32k tokens
+    result: PlanResult | None  # the study's plan standing for it, None when no plan of the study matches
+    formula_factor: float = float("nan")  # the uncompressed formula's bytes / this plan's, on the studied model
+
+
 def depth_bands(records: list[dict]) -> dict[str, float]:
     out = {}
     for name, low, high in BANDS:
@@ -243,8 +252,6 @@ def analyse(records: list[dict], config, model_bytes: float, weights_bytes: floa
     the model in float32, but the ratios a user sees are against the 16-bit cache. Users per GPU come from
     `promised_bytes` at `context` tokens, which must not pass the model's max_position_embeddings.
     """
-    from .eval.report import served_bytes
-
     longest = getattr(text_config(config), "max_position_embeddings", None)
     if longest and context > longest:
         raise ValueError(f"context={context:,} tokens is past this model's max_position_embeddings ({longest:,})")
@@ -278,6 +285,8 @@ def analyse(records: list[dict], config, model_bytes: float, weights_bytes: floa
 
 def paired_difference(a: PlanResult, b: PlanResult) -> tuple[float, float, float]:
     """Mean score difference a - b over the samples both ran, with its 95% bootstrap interval."""
+    if a.scores is None or b.scores is None:
+        raise ValueError("paired_difference needs each plan's per-sample scores (PlanResult.scores)")
     common = [k for k in a.scores if k in b.scores]
     diffs = [a.scores[k] - b.scores[k] for k in common]
     if not diffs:
@@ -341,7 +350,8 @@ def residual_note(spec: str, tokens: float) -> str | None:
         return (f"{spec}: keeps {kept:.0f} tokens per layer, all within {name}'s full-precision residual "
                 f"(residual_length={residual}): nothing is quantized, so it costs what it would without {name}")
     return (f"{spec}: the {residual} most recent of {kept:.0f} kept tokens stay in full precision "
-            f"(residual_length={residual}); the saving approaches what {codec.bits} bits promise only on much longer prompts")
+            f"(residual_length={residual}); the saving approaches what {codec.bits} bits promise only on much longer "
+            "prompts")
 
 
 def residual_notes(results: list[PlanResult], tokens: float) -> str:
@@ -441,7 +451,7 @@ def _label_log_axis(axis, values: list[float]) -> None:
     matplotlib's default labels every minor tick of a span under a decade or two as 2x10^0, 3x10^0, 4x10^0...,
     which overlap; here the labels sit at 1-9, 1-2-5 or the powers of ten of each decade, by the span.
     """
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # the eval extra's: plots only
 
     values = [v for v in values if v > 0 and math.isfinite(v)]
     decades = math.log10(max(values) / min(values)) if values else 3.0
@@ -454,7 +464,7 @@ def _label_log_axis(axis, values: list[float]) -> None:
 def plot_study(results: list[PlanResult], out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Score (with its 95% interval) against measured bytes; points are numbered and named in a key beside the
     axes, so no two labels can overlap however close the points sit."""
-    import matplotlib
+    import matplotlib  # the eval extra's: plots only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -486,9 +496,6 @@ def plot_study(results: list[PlanResult], out_dir: str | Path, dtype: str = "bfl
 
 def write_results(results: list[PlanResult], lesson: list, path: str | Path, **about) -> Path:
     """The study's numbers as JSON (every plan, then the lesson's rows by plan), for notebooks and other reports."""
-    import dataclasses
-    import json
-
     def plan(r: PlanResult) -> dict:
         row = dataclasses.asdict(r)
         row.pop("scores")
@@ -505,10 +512,6 @@ def write_results(results: list[PlanResult], lesson: list, path: str | Path, **a
 
 def read_results(path: str | Path) -> tuple[dict, list[PlanResult], list]:
     """What `write_results` wrote: (what was studied, the PlanResults, the lesson's rows as LessonRows)."""
-    import json
-
-    from .lesson_table import LessonRow
-
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     results = []
     for row in data.pop("plans"):

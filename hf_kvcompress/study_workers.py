@@ -3,8 +3,8 @@
 On a CPU, most of a plan's work after the shared prefill is small matrix products (a question of 40 tokens, then
 one token per step) that a second thread barely speeds up; two processes that each take half the samples use both
 cores for all of it. On a machine whose cores are also busy with other work, threads of one process wait for each
-other at every product (measured: 16 ms instead of 0.24 ms for one of SmolLM2's projections at a load of 13 on 2
-cores), which single-threaded workers never do. Records come back in the order one process would have made them.
+other at every product (docs/benchmark-notes.md), which single-threaded workers never do. Records come back in the
+order one process would have made them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ import multiprocessing
 import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from .models import load_model
+from .shared_prefill import run_plans
 
 
 def cpu_cores() -> int:
@@ -30,11 +35,6 @@ def default_workers(device: str) -> int:
 
 def _share(model_name: str, plans: Sequence[str], rows: list[dict], kwargs: dict, threads: int) -> list[dict]:
     """One worker's part: load the model, run every plan on its rows."""
-    import torch
-
-    from .models import load_model
-    from .shared_prefill import run_plans
-
     torch.set_num_threads(threads)
     model, tokenizer = load_model(model_name, device="cpu")
     return run_plans(model, tokenizer, plans, rows, model_name=model_name, **kwargs)
@@ -55,10 +55,6 @@ def run_plans_split(model, tokenizer, plans: Sequence[str], samples, *, workers:
     process uses `cores // workers` threads. `workers=1` runs everything here, with the threads torch already has.
     `progress(done, share)` reports this process's share only.
     """
-    import torch
-
-    from .shared_prefill import run_plans
-
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a whole number >= 1, got {workers!r}")
     rows = [dict(r) for r in samples]

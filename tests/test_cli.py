@@ -12,7 +12,8 @@ from hf_kvcompress.cli import build_parser, main, run_command
 
 
 def test_generate_streams_an_answer_and_reports_speed_and_bytes(capsys):
-    assert main(["generate", "--prompt", "What is the capital of France?", "--cache", "int4", "--max-new-tokens", "8"]) == 0
+    assert main(["generate", "--prompt", "What is the capital of France?", "--cache", "int4",
+                 "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "Paris" in out
     assert re.search(r"\[cache int4\] prefill \d+ tokens at [\d.]+ tok/s; decode \d+ tokens at [\d.]+ tok/s; "
@@ -32,7 +33,8 @@ def test_generate_streams_an_answer_and_reports_speed_and_bytes(capsys):
 
 def test_generate_builds_int2_with_the_models_config(capsys):
     # int2's pre_rope reads the RoPE frequencies from the config: the spec check before loading must not need it.
-    assert main(["generate", "--prompt", "What is the capital of France?", "--cache", "int2", "--max-new-tokens", "2"]) == 0
+    assert main(["generate", "--prompt", "What is the capital of France?", "--cache", "int2",
+                 "--max-new-tokens", "2"]) == 0
     assert "[cache int2]" in capsys.readouterr().out
 
 
@@ -88,7 +90,8 @@ def test_study_reports_formula_measured_bytes_bands_and_a_recommendation(tmp_pat
     assert capsys.readouterr().out.strip().endswith(text.strip().splitlines()[-1])
     for needle in ("formula", "measured", "start", "middle", "end", "Users per GPU", "Recommended:"):
         assert needle in text
-    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("dynamic ", "int8 ", "sink_window"))}
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.startswith(("dynamic ", "int8 ", "sink_window"))}
     assert set(rows) == {"dynamic", "int8", "sink_window:sink_tokens=4,window=32"}
     assert float(rows["dynamic"][1]) == float(rows["dynamic"][2])  # uncompressed: measured == formula
     assert (out / "smollm2-135m" / "quality_vs_memory.png").exists()

@@ -18,8 +18,10 @@ def test_notebook_executes(path, monkeypatch, tmp_path):
     monkeypatch.setenv("KVC_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("KVC_NOTEBOOK_OUT", str(tmp_path))
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
-    errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    resources = {"metadata": {"path": str(path.parent)}}
+    NotebookClient(notebook, timeout=900, kernel_name="python3", resources=resources).execute()
+    errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.output_type == "error"]
     assert not errors
 
 
@@ -39,4 +41,5 @@ def test_committed_outputs_hold_no_warnings_bars_or_machine_paths(path):
 
 
 def test_kv_budget_draws_the_measured_bytes():
-    assert any("image/png" in o.get("data", {}) for o in _outputs(NOTEBOOKS[[p.stem for p in NOTEBOOKS].index("kv_budget")]))
+    kv_budget = NOTEBOOKS[[p.stem for p in NOTEBOOKS].index("kv_budget")]
+    assert any("image/png" in o.get("data", {}) for o in _outputs(kv_budget))

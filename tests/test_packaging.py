@@ -12,11 +12,11 @@ ask (a meta-path finder that raises would break those checks instead of answerin
 import json
 import subprocess
 import sys
-import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).parent.parent

@@ -15,7 +15,8 @@ from hf_kvcompress.registry import make_cache
 from tests.caches.tiny_models import bytes_config
 
 # lowrank needs a calibrated model (tests/codecs/test_lowrank.py); its bytes follow the same per-token rate
-SPECS = ["dynamic", "int8", "int4", "fp8", "sink_window:sink_tokens=4,window=60", "shared_heads", "shared_heads+int8", "sink_window:sink_tokens=4,window=60+int4",
+SPECS = ["dynamic", "int8", "int4", "fp8", "sink_window:sink_tokens=4,window=60", "shared_heads", "shared_heads+int8",
+         "sink_window:sink_tokens=4,window=60+int4",
          "h2o:budget=64,recent=16", "snapkv:budget=64", "kvzip:ratio=0.5", "kvzip:ratio=0.25+int4",
          "kvzip:budget=64", "kvzip:ratio=0.5,budgets=token"]
 

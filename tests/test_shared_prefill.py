@@ -6,11 +6,10 @@ the step's own states at full precision, so encoding the finished full-precision
 import pytest
 import torch
 
-from hf_kvcompress.eval.runner import run_batch
-from hf_kvcompress.eval.runner import left_pad
-from hf_kvcompress.shared_prefill import document_states, replay, replay_and_rescore, rescores
+from hf_kvcompress.eval.runner import left_pad, run_batch
 from hf_kvcompress.generation import generate
 from hf_kvcompress.measure import measured_kv_bytes
+from hf_kvcompress.shared_prefill import document_states, replay, replay_and_rescore, rescores
 
 from .caches.tiny_models import tiny_model
 
@@ -57,7 +56,7 @@ KVZIP = ["kvzip:ratio=0.5", "kvzip:ratio=0.25+int4:group_size=16,residual_length
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_kvzip_from_the_shared_prefill_answers_as_its_own_prefill(family):
     """Issue 25.9: KVzip joins the demo from the shared prefill, paying only its reconstruction pass."""
-    from hf_kvcompress.eval.runner import _Attention
+    from hf_kvcompress.eval.runner import AttentionSwitch
 
     model = tiny_model(family)
     g = torch.Generator().manual_seed(0)
@@ -69,7 +68,7 @@ def test_kvzip_from_the_shared_prefill_answers_as_its_own_prefill(family):
     for plan in KVZIP:
         assert rescores(plan)
         real = run_batch(model, plan, rows, 6, pad_token_id=0, chunk_size=None, repeat_prompt_ids=repeat)
-        with _Attention(model, plan), torch.inference_mode():
+        with AttentionSwitch(model, plan), torch.inference_mode():
             cache = replay_and_rescore(plan, model, reference, full_ids[:, :width], full_mask[:, :width], repeat)
             assert measured_kv_bytes(cache) == real.kv_bytes_document, plan
             got = generate(model, full_ids, full_mask, cache, max_new_tokens=6).new_tokens.tolist()

@@ -21,7 +21,8 @@ from tests.caches.tiny_models import bytes_config
 TOKENS = 600
 SPECS = ["dynamic", "int8", "int4", "sink_window:sink_tokens=4,window=124", "shared_heads+int8",
          "sink_window:sink_tokens=4,window=124+int4", "kvzip:ratio=0.5", "kvzip:ratio=0.25",
-         "kvzip:ratio=0.25+int4", "kvzip:budget=128", "kvzip:budget=128+int4", "kvzip:ratio=0.25,budgets=token", "h2o:budget=128,recent=32",
+         "kvzip:ratio=0.25+int4", "kvzip:budget=128", "kvzip:budget=128+int4", "kvzip:ratio=0.25,budgets=token",
+         "h2o:budget=128,recent=32",
          "snapkv:budget=128"]
 
 

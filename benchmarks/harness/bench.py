@@ -35,9 +35,9 @@ default grid, 9 caches at 1k, 4k and 8k tokens with batch 1 and at 1k and 4k wit
 an hour without peers, and the 10 peers with their 2 baselines about one and a half times as much again (at 1k and
 4k, batch 1, one repeat: 1,000 s with 4 of our caches, of which 730 s were the peers; kvpress's KVzip replays the
 prompt at 5.5x a prefill, ObservedAttention runs eager attention at 3.5x; kvpress's KVzip scores batch 1 only and
-fails at batch 8 after its prefill); `--full` adds batch 8 at 8k tokens (the issue's whole grid), whose prefills alone add
-about as much again; `--quick` (1k and 4k tokens, batch 1, 8 new tokens, two peers) takes about a quarter of an
-hour. On a shared machine use `--threads 1 --clock cpu`: the CPU time of a single-threaded worker is what other
+fails at batch 8 after its prefill); `--full` adds batch 8 at 8k tokens (the issue's whole grid), whose prefills
+alone add about as much again; `--quick` (1k and 4k tokens, batch 1, 8 new tokens, two peers) takes about a quarter
+of an hour. On a shared machine use `--threads 1 --clock cpu`: the CPU time of a single-threaded worker is what other
 processes disturb least.
 """
 
@@ -77,9 +77,9 @@ def worker(spec: str, length: int, batch: int, new_tokens: int, model_name: str 
     """One prefill and `new_tokens` greedy decode steps with cache `spec` on the user's path; what they cost."""
     import torch
     import transformers
+    from bench_measure import prompt_ids, timed_run
 
     import hf_kvcompress
-    from bench_measure import prompt_ids, timed_run
     from hf_kvcompress import load_model, make_cache, measured_kv_bytes, use_kvcompress_attention
     from hf_kvcompress.generation import prefill, repeat_prompt_ids
     from hf_kvcompress.hf.compat import cache_kwargs
@@ -232,8 +232,8 @@ def plot(results: dict, rows: list[Row], grid: list[tuple[int, int]], path: Path
                     if value is not None and base is not None and base[key] > 0:
                         points.append((n, value[key] / base[key]))
                 if points:
-                    ax.plot(*zip(*points), marker="o", ls="-" if row.env == "ours" else "--", color=colors[row.label],
-                            label=row.label if (line, col) == (0, 0) else None)
+                    ax.plot(*zip(*points, strict=True), marker="o", ls="-" if row.env == "ours" else "--",
+                            color=colors[row.label], label=row.label if (line, col) == (0, 0) else None)
             ax.axhline(1.0, color="grey", lw=0.8)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("prompt tokens")

@@ -84,7 +84,8 @@ def timed_run(model, ids: torch.Tensor, prefill, step, new_tokens: int, clock_na
 
 
 def _package_measure():
-    """hf_kvcompress/measure.py, loaded by path: it imports only torch, so it runs where the package is not installed."""
+    """hf_kvcompress/measure.py, loaded by path: it imports only torch, so it runs where the package is not
+    installed."""
     path = Path(__file__).resolve().parents[2] / "hf_kvcompress" / "measure.py"  # from benchmarks/harness/
     spec = importlib.util.spec_from_file_location("_hf_kvcompress_measure", path)
     module = importlib.util.module_from_spec(spec)

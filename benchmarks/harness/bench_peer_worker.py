@@ -74,7 +74,6 @@ def _versions(peer: str) -> dict[str, str]:
 def run_model(model, peer: str, vocab_size: int, length: int, batch: int, new_tokens: int, clock: str) -> dict:
     """One prefill and `new_tokens` greedy decode steps of `model` with `peer`'s cache; what they cost."""
     import torch
-
     from bench_measure import held_bytes, prompt_ids, timed_run
 
     ids = prompt_ids(vocab_size, length, batch).to(model.device)
@@ -102,7 +101,9 @@ def run(peer: str, model_dir: str, length: int, batch: int, new_tokens: int, clo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     attention = PEERS[peer][1].get("attn_implementation", "sdpa") if peer != "dynamic" else "sdpa"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), attn_implementation=attention).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation=attention
+    ).eval()
     vocab_size = AutoTokenizer.from_pretrained(model_dir).vocab_size
     return run_model(model, peer, vocab_size, length, batch, new_tokens, clock)
 

@@ -68,7 +68,8 @@ def main() -> None:
     for sample in rows:
         document, question = encode(tokenizer, sample)
         ids = torch.tensor([document + question])
-        generated = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=make_cache("dynamic", model.config),
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                   past_key_values=make_cache("dynamic", model.config),
                                    max_new_tokens=args.max_answer_tokens, do_sample=False)  # fmt: skip
         answer = generated[0, ids.shape[1] :].tolist()
         reference = sample["references"][0]
@@ -78,7 +79,8 @@ def main() -> None:
             continue
         row = {"sample": sample["sample_id"]}
         for spec in ["dynamic", *specs]:
-            row[spec] = answer_margin(model, make_cache(spec, model.config), document, question, answer[:upto], prompt_ids)
+            cache = make_cache(spec, model.config)
+            row[spec] = answer_margin(model, cache, document, question, answer[:upto], prompt_ids)
             margins[spec].append(row[spec])
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if sink:
@@ -92,8 +94,9 @@ def main() -> None:
     print(f"\n{args.model}, {args.task} at {args.length} tokens, {len(base)} samples answered uncompressed")
     print(f"{'spec':45s} {'flips':>5s} {'min':>7s} {'median':>7s} {'mean drop vs uncompressed':>26s}")
     for spec, values in margins.items():
-        drop = statistics.mean(b - v for b, v in zip(base, values))
-        print(f"{spec:45s} {sum(v < 0 for v in values):5d} {min(values):7.2f} {statistics.median(values):7.2f} {drop:26.2f}")
+        drop = statistics.mean(b - v for b, v in zip(base, values, strict=False))
+        flips = sum(v < 0 for v in values)
+        print(f"{spec:45s} {flips:5d} {min(values):7.2f} {statistics.median(values):7.2f} {drop:26.2f}")
 
 
 if __name__ == "__main__":

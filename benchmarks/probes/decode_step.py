@@ -51,7 +51,7 @@ def _config(layers: int):
 
 def _step(cache, modules, states, queries, position: torch.Tensor):
     new = queries.shape[2]
-    for i, module in enumerate(modules):
+    for i in range(len(modules)):
         kwargs = {"position_ids": position}
         k, v = cache.update(states[0][..., :new, :], states[1][..., :new, :], i, kwargs)
         mask = None

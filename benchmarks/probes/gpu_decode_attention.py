@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from functools import partial
 
 import torch
 
@@ -76,7 +77,8 @@ def main() -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     scale = DIM ** -0.5
     print(f"{torch.cuda.get_device_name()}: one decode query, {Q_HEADS} query heads on {KV_HEADS} KV heads x {DIM}")
-    print(f"{'tokens':>7s} {'batch':>5s} {'path':16s} {'us':>9s} {'MB read':>9s} {'GB/s':>8s} {'of peak':>7s} {'max err':>9s}")
+    print(f"{'tokens':>7s} {'batch':>5s} {'path':16s} {'us':>9s} {'MB read':>9s} {'GB/s':>8s} {'of peak':>7s} "
+          f"{'max err':>9s}")
     for tokens in (int(x) for x in args.lengths.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
             query = torch.randn(batch, Q_HEADS, 1, DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
@@ -84,8 +86,8 @@ def main() -> None:
             layer = dynamic.layers[0]
             keys, values = layer._full("key"), layer._full("value")
 
-            def sdpa(k=keys, v=values):
-                return torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=True)
+            def sdpa(q=query, k=keys, v=values):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
             rows = [("sdpa bf16", _time(sdpa, args.repeats), measured_kv_bytes(dynamic), 0.0)]
             del dynamic, keys, values, layer
@@ -93,12 +95,13 @@ def main() -> None:
                 cache = _filled_layer(codec, batch, tokens, generator)
                 layer = cache.layers[0]
                 reference = torch.nn.functional.scaled_dot_product_attention(
-                    query.float(), layer._full("key").float(), layer._full("value").float(), scale=scale, enable_gqa=True
+                    query.float(), layer._full("key").float(), layer._full("value").float(), scale=scale,
+                    enable_gqa=True,
                 ).transpose(1, 2)
                 for backend in ("triton", "torch"):
                     out = attend_store(layer, query, None, scale, backend=backend)
                     error = (out.float() - reference).abs().max().item()
-                    seconds = _time(lambda b=backend: attend_store(layer, query, None, scale, backend=b), args.repeats)
+                    seconds = _time(partial(attend_store, layer, query, None, scale, backend=backend), args.repeats)
                     rows.append((f"{codec} {backend}", seconds, measured_kv_bytes(cache), error))
                 del cache, layer
                 torch.cuda.empty_cache()

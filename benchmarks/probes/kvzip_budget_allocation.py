@@ -5,7 +5,8 @@ ranking, shared tokens) keeps the most answers, by depth band?
 Command:
     python benchmarks/probes/kvzip_budget_allocation.py [--model gemma-3-270m] [--lengths 2000]
         [--depths 0 25 50 75 100] [--samples 2] [--ratios 0.5 0.25] [--sinks 0 4]
-Written up: docs/results.md, "Eviction policies side by side (question after the document)" (how KVzip's budget is split).
+Written up: docs/results.md, "Eviction policies side by side (question after the document)" (how KVzip's budget is
+split).
 
 A measurement to decide what to build, not a cache: each document is prefilled once with `kvzip:ratio=1.0` (the
 reconstruction pass scores every pair, nothing is evicted), then each allocation of the same number of kept pairs
@@ -69,39 +70,39 @@ def masked_attention(module, query, key, value, attention_mask, scaling=None, dr
 def allocate(scores: dict[int, torch.Tensor], ratio: float, sinks: int, how: str) -> dict[int, torch.Tensor]:
     """Kept-pair masks [1, H, T] per layer, the same total (ratio x pairs) for every allocation."""
     T = next(iter(scores.values())).shape[-1]
-    scores = {l: s.clone() for l, s in scores.items()}
+    scores = {li: s.clone() for li, s in scores.items()}
     for s in scores.values():
         s[..., :sinks] = float("inf")
     H = next(iter(scores.values())).shape[1]
     per_head = math.ceil(T * ratio)
     total = per_head * H * len(scores)
     if how == "head":
-        counts = {l: torch.full((H,), per_head) for l in scores}
+        counts = {li: torch.full((H,), per_head) for li in scores}
     elif how == "tokens":
-        best = {l: s.amax(dim=1, keepdim=True).expand_as(s) for l, s in scores.items()}
+        best = {li: s.amax(dim=1, keepdim=True).expand_as(s) for li, s in scores.items()}
         flat = torch.cat([b[:, 0].flatten() for b in best.values()])
         threshold = flat.topk(per_head * len(scores)).values[-1]
-        counts = {l: (b[0] >= threshold).sum(-1) for l, b in best.items()}
+        counts = {li: (b[0] >= threshold).sum(-1) for li, b in best.items()}
         scores = best
     else:
         flat = torch.cat([s.flatten() for s in scores.values()])
         threshold = flat.topk(total).values[-1]
         if how == "global":
-            counts = {l: (s[0] >= threshold).sum(-1) for l, s in scores.items()}
+            counts = {li: (s[0] >= threshold).sum(-1) for li, s in scores.items()}
         elif how == "layer":
             counts = {}
-            for l, s in scores.items():
+            for li, s in scores.items():
                 n = int((s >= threshold).sum())
-                counts[l] = torch.full((H,), n // H) + (torch.arange(H) < n % H).long()
+                counts[li] = torch.full((H,), n // H) + (torch.arange(H) < n % H).long()
         else:
             raise ValueError(f"allocation must be head, layer, global or tokens, got {how!r}")
     masks = {}
-    for l, s in scores.items():
+    for li, s in scores.items():
         mask = torch.zeros(1, H, T, dtype=torch.bool)
         order = s[0].argsort(dim=-1, descending=True)
         for h in range(H):
-            mask[0, h, order[h, : int(counts[l][h])]] = True
-        masks[l] = mask
+            mask[0, h, order[h, : int(counts[li][h])]] = True
+        masks[li] = mask
     return masks
 
 
@@ -152,7 +153,7 @@ def main():
         scores = {i: layer.accumulated[..., : len(doc)].clone() for i, layer in enumerate(cache.layers)
                   if not layer.is_sliding}
 
-        def scored_cache():  # a copy of the scored, unevicted document cache for each answer
+        def scored_cache(cache=cache):  # a copy of the scored, unevicted document cache for each answer
             return copy.deepcopy(cache)
 
         refs = [row["references"]]

@@ -33,12 +33,12 @@ import argparse
 import copy
 import os
 
+import kvzip_budget_allocation as kba
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-import kvzip_budget_allocation as kba
 from hf_kvcompress import load_model, make_cache, prefill, repeat_prompt_ids, use_kvcompress_attention
 from hf_kvcompress.eval.prompts import encode
 from hf_kvcompress.eval.tasks import build_samples
@@ -50,29 +50,29 @@ def masks_for(variant: str, scores: dict, ratio: float, needle: slice | None) ->
     if name == "chunk":
         c = int(args[0])
         chunked = {}
-        for l, s in scores.items():
+        for li, s in scores.items():
             T = s.shape[-1]
             padded = F.pad(s, (0, (-T) % c), value=float("-inf"))
             best = padded.unflatten(-1, (-1, c)).amax(-1, keepdim=True).expand(*padded.shape[:-1], -1, c)
-            chunked[l] = best.flatten(-2)[..., :T]
+            chunked[li] = best.flatten(-2)[..., :T]
         return kba.allocate(chunked, ratio, 4, "head")
     if name in ("back", "backlayer", "pool", "poollayer", "uniformpool", "floorpool"):
         k = int(args[0])
         before, width = (k, 2 * k + 1) if name.startswith("pool") else (0, k + 1)
-        pooled = {l: F.max_pool1d(F.pad(s[0][:, None], (before, k), value=float("-inf")), width, 1)[:, 0][None]
-                  for l, s in scores.items()}
+        pooled = {li: F.max_pool1d(F.pad(s[0][:, None], (before, k), value=float("-inf")), width, 1)[:, 0][None]
+                  for li, s in scores.items()}
         if name == "uniformpool":
             return kba.allocate(pooled, ratio, 4, "head")
         if name == "floorpool":
-            counts = {l: m.float().mean().item() for l, m in kba.allocate(scores, ratio, 4, "global").items()}
+            counts = {li: m.float().mean().item() for li, m in kba.allocate(scores, ratio, 4, "global").items()}
             floor = float(args[1]) * ratio
             excess = sum(max(0.0, n - floor) for n in counts.values())
             room = ratio * len(counts) - floor * len(counts)
-            counts = {l: floor + max(0.0, n - floor) * room / excess for l, n in counts.items()}
-            return {l: kba.allocate({l: pooled[l]}, counts[l], 4, "head")[l] for l in scores}
+            counts = {li: floor + max(0.0, n - floor) * room / excess for li, n in counts.items()}
+            return {li: kba.allocate({li: pooled[li]}, counts[li], 4, "head")[li] for li in scores}
         if name in ("backlayer", "poollayer"):  # each layer keeps as many pairs as the plain global ranking gave it
-            counts = {l: m.float().mean().item() for l, m in kba.allocate(scores, ratio, 4, "global").items()}
-            return {l: kba.allocate({l: pooled[l]}, counts[l], 4, "head")[l] for l in scores}
+            counts = {li: m.float().mean().item() for li, m in kba.allocate(scores, ratio, 4, "global").items()}
+            return {li: kba.allocate({li: pooled[li]}, counts[li], 4, "head")[li] for li in scores}
         scores, name = pooled, "global"
     if name in ("global", "head"):
         return kba.allocate(scores, ratio, 4, name)
@@ -87,7 +87,8 @@ def masks_for(variant: str, scores: dict, ratio: float, needle: slice | None) ->
     elif name == "share":
         masks[layer] = kba.allocate({layer: scores[layer]}, float(args[1]), 4, "head")[layer]
     else:
-        raise ValueError(f"variant must be global, head, whole:L, oracle:L, share:L:S, back:K, backlayer:K, pool:K or poollayer:K, got {variant!r}")
+        raise ValueError("variant must be global, head, whole:L, oracle:L, share:L:S, back:K, backlayer:K, pool:K or "
+                         f"poollayer:K, got {variant!r}")
     return masks
 
 
@@ -109,7 +110,8 @@ def main():
     model.set_attn_implementation("kvzip_masked")
     repeat = repeat_prompt_ids(tok)
     tally: dict[str, list[bool]] = {}
-    rows = [dict(r) for r in build_samples(tok, ["needle"], [args.length], args.depths, samples_per_cell=args.samples, seed=0)]
+    samples = build_samples(tok, ["needle"], [args.length], args.depths, samples_per_cell=args.samples, seed=0)
+    rows = [dict(r) for r in samples]
     for row in rows:
         doc, question = encode(tok, row)
         answer_ids = tok(row["references"][0], add_special_tokens=False).input_ids
@@ -119,7 +121,7 @@ def main():
         prefill(model, torch.tensor([doc]), None, cache, repeat_prompt_ids=repeat)
         scores = {i: layer.accumulated[..., : len(doc)].clone() for i, layer in enumerate(cache.layers)
                   if not layer.is_sliding}
-        scored = lambda: copy.deepcopy(cache)  # noqa: E731
+        scored = lambda cache=cache: copy.deepcopy(cache)  # noqa: E731
         base = kba.answer(model, tok, doc, question, scored, {}, row["max_new_tokens"])
         refs = [row["references"]]
         print(f"depth {row['depth']}: reference {row['references'][0]}, needle tokens {needle}, "
@@ -136,7 +138,7 @@ def main():
             text = kba.answer(model, tok, doc, question, scored, masks, row["max_new_tokens"])
             ok = kba.correct(text, refs)
             tally.setdefault(variant, []).append(ok)
-            shares = " ".join(f"{l}:{m.float().mean().item():.2f}" for l, m in masks.items())
+            shares = " ".join(f"{li}:{m.float().mean().item():.2f}" for li, m in masks.items())
             print(f"  {variant}: {ok} {text!r} (kept per layer {shares})", flush=True)
     print(f"\n{args.model}, ratio {args.ratio}: answers kept of those the uncompressed cache answered")
     for variant, oks in tally.items():

@@ -37,10 +37,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_kvcompress import load_model
 from hf_kvcompress.caches.compressed import CompressedCache
+from hf_kvcompress.caches.plan import plan_layers
+from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.codecs.intn import IntNCodec
-from hf_kvcompress.registry import _parse_value
 from hf_kvcompress.eval.prompts import encode
 from hf_kvcompress.eval.tasks import build_samples
+from hf_kvcompress.policies.keep_all import KeepAllPolicy
+from hf_kvcompress.registry import parse_value
 
 CONFIGS = [
     f"bits={b},rotate={r},key_axis={a},sink_tokens={s}"
@@ -48,7 +51,7 @@ CONFIGS = [
 ]
 
 
-def _record(store: dict, question: int):
+def recording_attention(store: dict, question: int):
     def attention(module, query, key, value, attention_mask, **kwargs):
         store[module.layer_idx] = (query[:, :, -question:].float(), key.float(), value.float(), kwargs.get("scaling"))
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -65,7 +68,7 @@ def _split_outliers(states, count: int):
     return states - sparse, sparse
 
 
-def _store(states, codec: IntNCodec, kind: str, outliers: int = 0):
+def as_stored(states, codec: IntNCodec, kind: str, outliers: int = 0):
     """The states as the cache holds them after prefill: exact sinks and residual, the middle encoded."""
     t = states.shape[2]
     encoded = max(0, (t - codec.residual_length) // codec.group_size * codec.group_size)
@@ -78,7 +81,7 @@ def _store(states, codec: IntNCodec, kind: str, outliers: int = 0):
     return out
 
 
-def _attend(query, key, value, scaling, window=None):
+def attend(query, key, value, scaling, window=None):
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     logits = query @ key.transpose(-1, -2) * scaling
@@ -102,11 +105,10 @@ def main() -> None:
     args = parser.parse_args()
     configs = args.configs.split(";")
     model, tokenizer = load_model(args.model, dtype=torch.float32)
-    decoder = model.config.get_text_config(decoder=True)
-    layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
-    # Sliding-window layers (Gemma-3) attend over their window.
-    layers = list(range(len(layer_types)))
-    windows = {i: decoder.sliding_window for i, kind in enumerate(layer_types) if kind == "sliding_attention"}
+    plans = plan_layers(KeepAllPolicy(), IdentityCodec(), model.config)
+    # Sliding-window layers (Gemma-3) attend over their window, as the cache plans them.
+    layers = list(range(len(plans)))
+    windows = {p.index: p.attention_window for p in plans if p.attention_window is not None}
     depths = [float(d) for d in args.depths.split(",")]
     samples = (build_samples(tokenizer, ["needle"], [args.length], depths) if args.text == "needle"
                else [None])
@@ -126,26 +128,27 @@ def main() -> None:
             needle_slots = slice(needle, needle + len(needle_ids))
         ids = torch.tensor([document + question])
         store: dict = {}
-        AttentionInterface.register("record_sdpa", _record(store, len(question)))
+        AttentionInterface.register("record_sdpa", recording_attention(store, len(question)))
         AttentionMaskInterface.register("record_sdpa", sdpa_mask)
         model.set_attn_implementation("record_sdpa")
         with torch.no_grad():
             model(input_ids=ids)
         for config in configs:
-            kwargs = {k: _parse_value(v) for k, v in (p.split("=") for p in config.split(","))}
+            kwargs = {k: parse_value(v) for k, v in (p.split("=") for p in config.split(","))}
             key_outliers, value_outliers = kwargs.pop("key_outliers", 0), kwargs.pop("value_outliers", 0)
             # Each layer's codec as the cache builds it: bound to the model (RoPE frequencies, rotate=auto), keys
             # per token in sliding-window layers.
-            layer_codecs = [layer.codec for layer in CompressedCache(codec=IntNCodec(**kwargs), config=model.config).layers]
+            built = CompressedCache(codec=IntNCodec(**kwargs), config=model.config)
+            layer_codecs = [layer.codec for layer in built.layers]
             errors, mass = [], []
             for i in layers:
                 query, key, value, scaling = store[i]
                 scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
                 layered = layer_codecs[i]
                 window = windows.get(i)
-                ref, ref_probs = _attend(query, key, value, scaling, window)
-                out, probs = _attend(query, _store(key, layered, "key", key_outliers),
-                                     _store(value, layered, "value", value_outliers), scaling, window)
+                ref, ref_probs = attend(query, key, value, scaling, window)
+                out, probs = attend(query, as_stored(key, layered, "key", key_outliers),
+                                     as_stored(value, layered, "value", value_outliers), scaling, window)
                 errors.append(((out - ref).norm() / ref.norm()).item())
                 if needle_slots is not None and ref_probs[..., needle_slots].sum() > 0:  # within this layer's reach
                     mass.append((probs[..., needle_slots].sum() / ref_probs[..., needle_slots].sum()).item())
@@ -159,7 +162,8 @@ def main() -> None:
     for config, (error, mass) in totals.items():
         print(f"{config:50s} {error:18.4f} {mass:12.3f}")
         if args.per_layer:
-            print("  per layer: " + " ".join(f"{i}:{e:.3f}" for i, e in zip(layers, per_layer[config].tolist())))
+            errors = zip(layers, per_layer[config].tolist(), strict=False)
+            print("  per layer: " + " ".join(f"{i}:{e:.3f}" for i, e in errors))
             ranked = per_layer[config].argsort(descending=True).tolist()
             print("  worst first: " + "/".join(str(layers[i]) for i in ranked))
 

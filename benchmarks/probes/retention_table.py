@@ -5,8 +5,8 @@ Question: of the samples the uncompressed cache answers, how many does each meth
 still answer, overall and by depth, and at what share of the bytes?
 Command:
     python benchmarks/probes/retention_table.py OUT_DIR [OUT_DIR ...]   # folders written by `hf-kvcompress eval`
-Written up: the docs/results.md retention tables in "The suite: retention at each width", "Eviction policies side by side
-(question after the document)", "Expected Attention" and "Gemma-3's sliding layers under eviction (0.4.0)".
+Written up: the docs/results.md retention tables in "The suite: retention at each width", "Eviction policies side by
+side (question after the document)", "Expected Attention" and "Gemma-3's sliding layers under eviction (0.4.0)".
 
 Bytes are the method's mean measured document bytes over the uncompressed cache's, on the same samples. Records
 from several folders (models) are kept apart by model. kvpress_side_by_side.py writes its records in the same form.
@@ -34,7 +34,8 @@ def table(records: list[dict]) -> str:
     by = defaultdict(list)
     for r in records:
         by[r.get("model", "?"), r["method"]].append(r)
-    lines = ["| model | method | n answered by baseline | retention % (95% CI) | start | middle | end | bytes / baseline |",
+    lines = ["| model | method | n answered by baseline | retention % (95% CI) | start | middle | end "
+             "| bytes / baseline |",
              "|---|---|---|---|---|---|---|---|"]
     for model in dict.fromkeys(m for m, _ in by):
         base = {r["sample_id"]: r for r in by.get((model, BASELINE), [])}
@@ -51,10 +52,12 @@ def table(records: list[dict]) -> str:
                 band = [r for r in paired if lo <= r["depth"] < hi]
                 bands.append(f"{100 * sum(r['correct'] for r in band) / len(band):.0f} ({len(band)})" if band else "-")
             same = [r["kv_bytes_document"] for r in rows if r["sample_id"] in base and r.get("kv_bytes_document")]
-            ref = [base[r["sample_id"]]["kv_bytes_document"] for r in rows if r["sample_id"] in base and r.get("kv_bytes_document")]
+            ref = [base[r["sample_id"]]["kv_bytes_document"] for r in rows
+                   if r["sample_id"] in base and r.get("kv_bytes_document")]
             fraction = f"{sum(same) / sum(ref):.3f}" if same and sum(ref) else "-"
             retention = f"{100 * kept / len(paired):.0f} ({low:.0f}-{high:.0f})" if paired else "-"
-            lines.append(f"| {model} | {method} | {len(paired)} of {len(rows)} | {retention} | {' | '.join(bands)} | {fraction} |")
+            lines.append(f"| {model} | {method} | {len(paired)} of {len(rows)} | {retention} | {' | '.join(bands)} "
+                         f"| {fraction} |")
         if not base_bytes:
             lines.append(f"| {model} | (no {BASELINE} records: no retention) | | | | | | |")
     return "\n".join(lines)

@@ -5,7 +5,8 @@ per token, at each width?
 Command:
     python benchmarks/probes/sliding_key_axis_error.py --model gemma-3-270m --task multi_needle --length 2000 \\
         --depths 0,25,50,75 --configs "bits=4;bits=3;bits=2,codebook=gaussian,pre_rope=true"
-Written up: docs/methods.md, "Sliding-window layers (Gemma 3)", and docs/results.md, "The suite: retention at each width".
+Written up: docs/methods.md, "Sliding-window layers (Gemma 3)", and docs/results.md, "The suite: retention at each
+width".
 
 Before 0.3.0 a sliding layer stored its keys per token (an exact window must drop single tokens); since then it keeps
 per-channel key groups under a window that drops whole groups (policies/block_window.py). This measures what that
@@ -20,10 +21,24 @@ from __future__ import annotations
 import argparse
 
 import torch
+from quant_attention_error import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    IntNCodec,
+    as_stored,
+    attend,
+    build_samples,
+    encode,
+    load_model,
+    parse_value,
+    recording_attention,
+    sdpa_mask,
+)
 
-from quant_attention_error import (AttentionInterface, AttentionMaskInterface, IntNCodec, _attend, _parse_value,
-                                   _record, _store, build_samples, encode, load_model, sdpa_mask)  # fmt: skip
+from hf_kvcompress.caches.plan import plan_layers
 from hf_kvcompress.codecs.base import resolve_for_model
+from hf_kvcompress.codecs.identity import IdentityCodec
+from hf_kvcompress.policies.keep_all import KeepAllPolicy
 
 
 def main() -> None:
@@ -36,9 +51,9 @@ def main() -> None:
                         help="IntNCodec keyword sets separated by ';' (key_axis is set by the script)")
     args = parser.parse_args()
     model, tokenizer = load_model(args.model, dtype="float32", device="cpu")
-    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
-    windows = {i: model.config.get_text_config().sliding_window for i, kind in enumerate(layer_types)
-               if kind == "sliding_attention"}  # fmt: skip
+    # the sliding_attention layers and their windows, as the cache plans them
+    windows = {p.index: p.attention_window for p in plan_layers(KeepAllPolicy(), IdentityCodec(), model.config)
+               if p.attention_window is not None}  # fmt: skip
     if not windows:
         parser.error(f"--model {args.model} has no sliding-window layers")
     configs = [c for c in args.configs.split(";") if c]
@@ -47,14 +62,14 @@ def main() -> None:
     for sample in samples:
         document, question = encode(tokenizer, sample)
         store: dict = {}
-        AttentionInterface.register("record_sdpa", _record(store, len(question)))
+        AttentionInterface.register("record_sdpa", recording_attention(store, len(question)))
         AttentionMaskInterface.register("record_sdpa", sdpa_mask)
         model.set_attn_implementation("record_sdpa")
         with torch.no_grad():
             model(input_ids=torch.tensor([document + question]))
         for config in configs:
             kwargs = {"rotate": "auto", "sink_tokens": 4}
-            kwargs.update({k: _parse_value(v) for k, v in (p.split("=") for p in config.split(","))})
+            kwargs.update({k: parse_value(v) for k, v in (p.split("=") for p in config.split(","))})
             for axis in ("token", "channel"):
                 codec = resolve_for_model(IntNCodec(**kwargs, key_axis=axis), model.config)
                 per_layer = []
@@ -62,8 +77,8 @@ def main() -> None:
                     query, key, value, scaling = store[i]
                     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
                     layer_codec = codec.for_layer(i)
-                    ref, _ = _attend(query, key, value, scaling, window)
-                    out, _ = _attend(query, _store(key, layer_codec, "key"), _store(value, layer_codec, "value"),
+                    ref, _ = attend(query, key, value, scaling, window)
+                    out, _ = attend(query, as_stored(key, layer_codec, "key"), as_stored(value, layer_codec, "value"),
                                      scaling, window)  # fmt: skip
                     per_layer.append(((out - ref).norm() / ref.norm()).item())
                 errors.setdefault((config, axis), []).append(sum(per_layer) / len(per_layer))

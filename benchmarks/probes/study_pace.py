@@ -18,7 +18,7 @@ import time
 import torch
 
 from hf_kvcompress.eval.prompts import encode
-from hf_kvcompress.eval.runner import _Attention, left_pad, run_batch
+from hf_kvcompress.eval.runner import AttentionSwitch, left_pad, run_batch
 from hf_kvcompress.eval.tasks import build_samples
 from hf_kvcompress.generation import generate, repeat_prompt_ids
 from hf_kvcompress.models import load_model
@@ -58,7 +58,7 @@ def main() -> None:
     for plan in plans:
         if rescores(plan):  # KVzip, as the study runs it: the replayed states, then its reconstruction pass
             def fn(plan=plan):
-                with _Attention(model, plan), torch.no_grad():
+                with AttentionSwitch(model, plan), torch.no_grad():
                     cache = replay_and_rescore(plan, model, ref, ids[:, :width], mask[:, :width], rp)
                     return generate(model, ids, mask, cache, max_new_tokens=max_new)
         elif needs_own_prefill(plan):

@@ -60,7 +60,10 @@ def _child(job_path: str) -> None:
         for sample in job["samples"]:
             record = {"config": name, "id": sample["id"]}
             try:
-                cache = DynamicCache(config=model.config) if kwargs is None else QuantizedCache(config=model.config, **kwargs)
+                if kwargs is None:
+                    cache = DynamicCache(config=model.config)
+                else:
+                    cache = QuantizedCache(config=model.config, **kwargs)
                 document = torch.tensor([sample["document"]])
                 full = torch.tensor([sample["document"] + sample["question"]])
                 start = time.perf_counter()
@@ -94,11 +97,12 @@ def main() -> None:
     if args.child:
         return _child(args.child)
 
+    from transformers import AutoTokenizer
+
     from hf_kvcompress.eval.prompts import encode
     from hf_kvcompress.eval.scoring import score_all
     from hf_kvcompress.eval.tasks import build_samples
     from hf_kvcompress.models import ensure_converted, load_config
-    from transformers import AutoTokenizer
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +110,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     layer_types = set(getattr(load_config(args.model).get_text_config(decoder=True), "layer_types", None) or [])
     if layer_types - {"full_attention"}:
-        print(f"{args.model} has {sorted(layer_types)} layers: transformers' QuantizedCache accepts only full attention")
+        print(f"{args.model} has {sorted(layer_types)} layers: transformers' QuantizedCache accepts only full "
+              "attention")
     depths = [float(d) for d in args.depths.split(",")]
     lengths = [int(n) for n in args.lengths.split(",")]
     samples = build_samples(tokenizer, args.tasks.split(","), lengths, depths, samples_per_cell=args.samples)

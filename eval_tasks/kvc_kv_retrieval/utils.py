@@ -4,5 +4,6 @@ from hf_kvcompress.eval.lm_eval_tasks import dataset, doc_to_target, doc_to_text
 
 
 def load(**metadata):
-    """Samples of `kv_retrieval`: RUN_DIR/data/kv_retrieval.jsonl with metadata data_dir, else built with the model's tokenizer."""
+    """Samples of `kv_retrieval`: RUN_DIR/data/kv_retrieval.jsonl with metadata data_dir, else built with the model's
+    tokenizer."""
     return dataset("kv_retrieval", **metadata)

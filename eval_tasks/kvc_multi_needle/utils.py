@@ -4,5 +4,6 @@ from hf_kvcompress.eval.lm_eval_tasks import dataset, doc_to_target, doc_to_text
 
 
 def load(**metadata):
-    """Samples of `multi_needle`: RUN_DIR/data/multi_needle.jsonl with metadata data_dir, else built with the model's tokenizer."""
+    """Samples of `multi_needle`: RUN_DIR/data/multi_needle.jsonl with metadata data_dir, else built with the model's
+    tokenizer."""
     return dataset("multi_needle", **metadata)

@@ -20,7 +20,8 @@ Examples:
     >>> metric.compute(predictions=["The numbers are 12 and 7"], references=[["12", "7", "99"]])["scores"]
     [66.66666666666666]
 """
-_CITATION = """@article{hsieh2024ruler, title={RULER: What's the Real Context Size of Your Long-Context Language Models?},
+_CITATION = """@article{hsieh2024ruler,
+title={RULER: What's the Real Context Size of Your Long-Context Language Models?},
 author={Hsieh, Cheng-Ping and others}, journal={arXiv preprint arXiv:2404.06654}, year={2024}}"""
 
 

@@ -20,7 +20,8 @@ Examples:
     >>> metric.compute(predictions=["In France."], references=[["france", "Normandy"]])["scores"]
     [100.0]
 """
-_CITATION = """@article{hsieh2024ruler, title={RULER: What's the Real Context Size of Your Long-Context Language Models?},
+_CITATION = """@article{hsieh2024ruler,
+title={RULER: What's the Real Context Size of Your Long-Context Language Models?},
 author={Hsieh, Cheng-Ping and others}, journal={arXiv preprint arXiv:2404.06654}, year={2024}}"""
 
 

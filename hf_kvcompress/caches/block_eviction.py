@@ -12,13 +12,20 @@ ones; attention paths that build their own mask must honour the window too (padd
 
 from __future__ import annotations
 
+from ..policies.block_window import BlockWindowPolicy
+from .layer_fields import LayerFields
+from .storage import TokenStore
 
-class BlockEviction:
+
+class BlockEviction(LayerFields):
     """CompressedLayer's block window (a mixin), for policies whose `drops_blocks` is True."""
 
     def _drop_old_blocks(self) -> None:
         """Drop the oldest whole blocks of `policy.block` tokens that lie entirely before the newest
         `policy.window` tokens, and move every per-slot record along."""
+        assert isinstance(self.policy, BlockWindowPolicy)  # the only policy whose `drops_blocks` is True
+        # A token layer after its first step: a block window is never ranked into a head store.
+        assert isinstance(self.store, TokenStore) and self.padding is not None
         drop = self.stored_tokens - self.policy.held(self.stored_tokens)
         if drop == 0:
             return

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from .layer_fields import LayerFields
+from .storage import TokenStore
 
-class CodecSinks:
+
+class CodecSinks(LayerFields):
     """CompressedLayer's exact sink tokens (a mixin): which slots they are (`slots.sink_slots` [B, H_kv, S], -1:
     none); their states [B, H_kv, S, D] are the store's `sink_keys` / `sink_values` (storage.py)."""
 
@@ -21,6 +24,8 @@ class CodecSinks:
         sinks = self.codec.sink_tokens
         if sinks == 0 or self.slots.sink_slots is not None or self.stored_tokens != self.seen:
             return
+        # A token layer after its first step: sinks are captured before anything is encoded, evicted or ranked.
+        assert isinstance(self.store, TokenStore) and self.padding is not None
         offset = torch.arange(sinks, device=self.device)
         slots = torch.where(offset < self.padding.real_seen[:, None], self.padding.pads[:, None] + offset, -1)  # [B, S]
         slots = slots[:, None, :].expand(self.batch_size, self.kv_heads, sinks).contiguous()

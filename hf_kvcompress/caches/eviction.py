@@ -13,9 +13,11 @@ import torch
 
 from ..codecs.base import agree_within_groups
 from ..policies.base import drop_one, select_kept
+from .layer_fields import LayerFields
+from .storage import TokenStore
 
 
-class Eviction:
+class Eviction(LayerFields):
     """CompressedLayer's eviction (a mixin): keep counts and `_compress` after each step, by the scores the
     layer's scorer provides (scorers.py)."""
 
@@ -30,6 +32,7 @@ class Eviction:
             return None
         if not before_scoring and not self.scorer.has_scores:
             return None
+        assert self.padding is not None  # a token layer after its first step (a head store evicts by itself)
         keep = self.policy.kept_per_row(self.padding.real_seen)
         return keep if before_scoring or self.budget_shift is None else (keep + self.budget_shift).clamp(min=1)
 
@@ -45,7 +48,8 @@ class Eviction:
 
     def _most_kept(self, keep: torch.Tensor) -> int:
         """keep.max(), known on the host for a fixed budget (no host read of a device value)."""
-        return self.policy.budget if self._fixed_budget else int(keep.max())
+        budget = self.policy.budget
+        return budget if budget is not None and self._fixed_budget else int(keep.max())
 
     def _most_kept_and_over(self, keep: torch.Tensor) -> tuple[int, bool]:
         """(keep.max(), whether some row holds more real tokens than it keeps), with one host read at most.
@@ -54,8 +58,10 @@ class Eviction:
         still (a ratio held at its sinks + recent floor) while another row's grows: that row must still lose a
         token, or it differs from the row alone. A fixed budget keeps the same count in every row, so there the
         slot count decides."""
-        if self._fixed_budget:
-            return self.policy.budget, False
+        budget = self.policy.budget
+        if budget is not None and self._fixed_budget:
+            return budget, False
+        assert self.padding is not None  # a token layer after its first step (a head store evicts by itself)
         over = ((self.stored_tokens - self.padding.pads) > keep).any()
         both = keep.max() * 2 + over.long()  # one read for both numbers
         value = int(both)
@@ -76,6 +82,8 @@ class Eviction:
         self._encode_tail()
 
     def _evict(self, keep: torch.Tensor, most: int) -> None:
+        # A token layer after its first step: a head store (`rank_heads`) evicts by itself (head_store.py).
+        assert isinstance(self.store, TokenStore) and self.padding is not None
         if self.padding.unknown and (self.policy.sink_tokens > 0 or self.policy.needs_attention):
             raise ValueError(
                 f"this batch of {self.batch_size} rows was fed without per-row position_ids, so the cache cannot tell "
@@ -94,9 +102,12 @@ class Eviction:
         )
         scores = agree_within_groups(scores, self.codec.heads_per_store)
         if length == most + 1 and self._fixed_budget:
-            kept = drop_one(self.policy, scores, self.padding.pads, self.kv_heads, length)  # a decode step: one slot over
+            # A decode step: one slot over.
+            kept = drop_one(self.policy, scores, self.padding.pads, self.kv_heads, length)
         else:
-            kept = select_kept(self.policy, scores, self.padding.pads, self.kv_heads, length, keep, most)  # [B, H_kv, budget]
+            kept = select_kept(
+                self.policy, scores, self.padding.pads, self.kv_heads, length, keep, most
+            )  # [B, H_kv, budget]
         budget = kept.shape[-1]
         if self.store.encoded_keys is None:
             self._capture_sinks()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .layer_fields import LayerFields
+
 NON_FINITE = (
     "the model produced NaN or inf keys/values (fp16 overflow?); the cache refuses to store them, and its earlier "
     "layers already hold this step (and, for a decode step, up to {every} steps before it: decode steps are checked "
@@ -19,9 +21,12 @@ FINITE_CHECK_EVERY = 64
 NON_FINITE = NON_FINITE.format(every=FINITE_CHECK_EVERY)
 
 
-class FiniteCheck:
+class FiniteCheck(LayerFields):
     """CompressedLayer's NaN/inf check (a mixin): `finite`, the device flag of the decode steps since the last
     read, and `unchecked_steps`, their number."""
+
+    finite: torch.Tensor | None
+    unchecked_steps: int
 
     def _check_finite(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse NaN/inf states: a prompt at once, decode steps every `FINITE_CHECK_EVERY` steps (see above)."""

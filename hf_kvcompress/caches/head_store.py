@@ -16,9 +16,11 @@ since the ranking in a full-precision tail, and the codec's exact sinks, with th
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
-from ..codecs.base import Codec, Encoded, Kind, _index_op
+from ..codecs.base import Codec, Encoded, Kind, index_op
 from ..codecs.identity import IdentityCodec
 from ..policies.base import Policy
 from .storage import TokenStore
@@ -50,7 +52,7 @@ class RaggedHeads:
         self._counts: list[int] | None = None  # `lengths` flattened, on the host (no tensor: bytes stay exact)
 
     @classmethod
-    def pack(cls, keys: Encoded, values: Encoded, scores: torch.Tensor, keep: torch.Tensor) -> "RaggedHeads":
+    def pack(cls, keys: Encoded, values: Encoded, scores: torch.Tensor, keep: torch.Tensor) -> RaggedHeads:
         """The pairs `keep` [B, H, T] (bool) of token-wise encodings whose tensors are [B, H, T, ...]."""
         heads = keep.shape[1]
         for name, tensor in [*keys.items(), *values.items()]:
@@ -96,7 +98,7 @@ class RaggedHeads:
                 joined = torch.cat(pieces) if pieces else t[:0]  # no rows at all
                 return joined.view(batch, heads, width, *t.shape[1:])
 
-            encoded[name] = _index_op(tensor, assemble)
+            encoded[name] = index_op(tensor, assemble)
         return codec.decode(encoded, kind, dtype)
 
     def valid(self) -> torch.Tensor:
@@ -129,8 +131,8 @@ class RaggedHeads:
             start += n_row
         head = torch.repeat_interleave(torch.arange(batch * heads, device=keep.device), self.lengths.flatten())
         dropped = torch.bincount(head[~keep], minlength=batch * heads).view(batch, heads)
-        self.keys = {n: _index_op(t, lambda x: x[keep]) for n, t in self.keys.items()}
-        self.values = {n: _index_op(t, lambda x: x[keep]) for n, t in self.values.items()}
+        self.keys = {n: index_op(t, lambda x: x[keep]) for n, t in self.keys.items()}
+        self.values = {n: index_op(t, lambda x: x[keep]) for n, t in self.values.items()}
         self.scores = self.scores[keep]
         self.lengths = self.lengths - dropped
         self._changed()
@@ -156,9 +158,9 @@ class RaggedHeads:
             out.index_copy_(0, old_to, old)
             return out.index_copy_(0, new_to, fresh.reshape(batch * heads * new, *old.shape[1:])[flat_keep])
 
-        self.keys = {n: _index_op(t, lambda x, n=n: merge(x, keys[n].view(x.dtype))) for n, t in self.keys.items()}
+        self.keys = {n: index_op(t, lambda x, n=n: merge(x, keys[n].view(x.dtype))) for n, t in self.keys.items()}
         self.values = {
-            n: _index_op(t, lambda x, n=n: merge(x, values[n].view(x.dtype))) for n, t in self.values.items()
+            n: index_op(t, lambda x, n=n: merge(x, values[n].view(x.dtype))) for n, t in self.values.items()
         }
         self.scores = merge(self.scores, scores.float())
         self.lengths = self.lengths + added.view(batch, heads)
@@ -171,8 +173,8 @@ class RaggedHeads:
         index = torch.cat([
             torch.arange(int(starts[r]), int(starts[r] + per_row[r]), device=per_row.device) for r in rows.tolist()
         ])
-        self.keys = {n: _index_op(t, lambda x: x.index_select(0, index)) for n, t in self.keys.items()}
-        self.values = {n: _index_op(t, lambda x: x.index_select(0, index)) for n, t in self.values.items()}
+        self.keys = {n: index_op(t, lambda x: x.index_select(0, index)) for n, t in self.keys.items()}
+        self.values = {n: index_op(t, lambda x: x.index_select(0, index)) for n, t in self.values.items()}
         self.scores = self.scores.index_select(0, index)
         self.lengths = self.lengths.index_select(0, rows)
         self._changed()
@@ -185,7 +187,7 @@ class RaggedHeads:
         return tensors
 
     @classmethod
-    def from_state(cls, tensors: dict[str, torch.Tensor]) -> "RaggedHeads":
+    def from_state(cls, tensors: dict[str, torch.Tensor]) -> RaggedHeads:
         keys = {n[len("key."):]: t for n, t in tensors.items() if n.startswith("key.")}
         values = {n[len("value."):]: t for n, t in tensors.items() if n.startswith("value.")}
         return cls(keys, values, tensors["scores"], tensors["lengths"])
@@ -201,8 +203,9 @@ def evict_lowest_across(stores: list[RaggedHeads], count: list[int]) -> None:
     per_row = [store.row_pairs().tolist() for store in stores]
     starts = [0] * len(stores)
     for b, k in enumerate(count):
-        segments = [store.scores[start : start + pairs[b]] for store, start, pairs in zip(stores, starts, per_row)]
-        starts = [start + pairs[b] for start, pairs in zip(starts, per_row)]
+        segments = [store.scores[start : start + pairs[b]]
+                    for store, start, pairs in zip(stores, starts, per_row, strict=True)]
+        starts = [start + pairs[b] for start, pairs in zip(starts, per_row, strict=True)]
         if k <= 0:
             continue
         joined = torch.cat(segments)
@@ -211,12 +214,12 @@ def evict_lowest_across(stores: list[RaggedHeads], count: list[int]) -> None:
         lowest = torch.sort(joined, stable=True).indices[:k]
         for i, n in enumerate(torch.bincount(owner[lowest], minlength=len(stores)).tolist()):
             taken[i][b] = n
-    for store, n in zip(stores, taken):
+    for store, n in zip(stores, taken, strict=True):
         store.evict_lowest(n)
 
 
 def _select(encoded: Encoded, keep: torch.Tensor) -> Encoded:
-    return {name: _index_op(tensor, lambda t: t[keep].contiguous()) for name, tensor in encoded.items()}
+    return {name: index_op(tensor, lambda t: t[keep].contiguous()) for name, tensor in encoded.items()}
 
 
 class HeadStore:
@@ -243,6 +246,18 @@ class HeadStore:
     # Saved (and reordered by batch row) under these names; the pairs as `store.*` and `exact.*`.
     TENSORS = ("tail_keys", "tail_values", "tail_valid", "sink_keys", "sink_values", "sink_valid", "real_seen",
                "allowance", "share_then")
+    # `TENSORS`, set in `__init__`: the tail's three are None while no token came since the ranking (or since
+    # `absorb` took them all), the sinks' three without codec sinks; the per-row counts are always held (`rank`,
+    # `from_state`).
+    tail_keys: torch.Tensor | None
+    tail_values: torch.Tensor | None
+    tail_valid: torch.Tensor | None
+    sink_keys: torch.Tensor | None
+    sink_values: torch.Tensor | None
+    sink_valid: torch.Tensor | None
+    real_seen: torch.Tensor
+    allowance: torch.Tensor
+    share_then: torch.Tensor
 
     def __init__(self, codec: Codec, dtype: torch.dtype, encoded: RaggedHeads, exact: RaggedHeads | None,
                  **tensors: torch.Tensor | None):
@@ -258,11 +273,11 @@ class HeadStore:
     def rank(
         cls, store: TokenStore, scores: torch.Tensor, keep: torch.Tensor, sink_slots: torch.Tensor | None,
         real_seen: torch.Tensor, policy: Policy,
-    ) -> "HeadStore":
+    ) -> HeadStore:
         """The pairs `keep` [B, H, T] (bool) of a token store's slots, scored `scores` [B, H, T]. `sink_slots`
         [B, H, S] (-1: none): the codec's exact sinks, captured in `store`, which stay exact beside the pairs."""
         keep = keep.clone()
-        sinks = {}
+        sinks: dict[str, torch.Tensor | None] = {}
         if sink_slots is not None:  # the same for every head
             sinks = dict(sink_keys=store.sink_keys, sink_values=store.sink_values, sink_valid=sink_slots[:, 0] >= 0)
             if not bool(keep.gather(2, sink_slots.clamp(min=0))[sink_slots >= 0].all()):
@@ -270,6 +285,7 @@ class HeadStore:
             keep.scatter_(2, sink_slots.clamp(min=0), False)
         codec = store.codec
         keys, values = store.encoded_whole("key"), store.encoded_whole("value")
+        assert keys is not None and values is not None  # ranked after a reconstruction pass: the store holds tokens
         # Only what the token store has encoded enters the encoded pairs now; its tail (the context's newest tokens,
         # within the codec's residual) stays at full precision, as in every other layer, until `absorb`.
         split = keep.shape[-1] if codec.lossless else store.n_encoded
@@ -277,6 +293,7 @@ class HeadStore:
         encoded[..., split:] = False
         exact = None
         if split < keep.shape[-1]:
+            assert store.tail_keys is not None and store.tail_values is not None  # slots past `split` are the tail's
             exact = RaggedHeads.pack(
                 EXACT.encode(store.tail_keys, "key"), EXACT.encode(store.tail_values, "value"),
                 scores[..., split:], keep[..., split:],
@@ -340,17 +357,20 @@ class HeadStore:
         fresh = torch.ones(batch, new, dtype=torch.bool, device=self.device)
         self.tail_valid = fresh if self.tail_valid is None else torch.cat([self.tail_valid, fresh], -1)
 
-    def full(self, kind: str, sink_slots: torch.Tensor | None = None) -> torch.Tensor:
+    def full(self, kind: Kind, sink_slots: torch.Tensor | None = None) -> torch.Tensor:
         """What attention sees: [sinks | padded encoded view | padded exact view | tail] (slots that hold no pair
         are zeros, masked by `mask`). `sink_slots` is the token store's (a layer's slots): the sinks here sit first."""
         tail = self.tail_keys if kind == "key" else self.tail_values
+        assert tail is not None  # the step's tokens joined the tail (`append`) before attention reads
         if self.codec.lossless and self.sink_valid is None:
             # A lossless codec gives the recent tokens back as they are: they join each head's pairs in the view's
             # one copy, instead of a second copy of the whole view by `cat`.
             return self.encoded.padded(self.codec, kind, self.dtype, after=self.codec.encode(tail, kind))
         parts = []
         if self.sink_valid is not None:
-            parts.append((self.sink_keys if kind == "key" else self.sink_values).to(self.dtype))
+            sinks = self.sink_keys if kind == "key" else self.sink_values
+            assert sinks is not None  # held with `sink_valid`
+            parts.append(sinks.to(self.dtype))
         if self.encoded.most:
             parts.append(self.encoded.padded(self.codec, kind, self.dtype))
         if self.exact is not None and self.exact.most:
@@ -361,12 +381,13 @@ class HeadStore:
     def mask(self, new: int, length: int) -> torch.Tensor:
         """[B, H_kv, new, length] bool: each head's slots of `full` that hold a pair, causal over the new tokens."""
         heads = self.kv_heads
-        valid = [self.encoded.valid(), self.tail_valid[:, None, :].expand(-1, heads, -1)]
+        assert self.tail_valid is not None  # the step's tokens joined the tail (`append`)
+        parts = [self.encoded.valid(), self.tail_valid[:, None, :].expand(-1, heads, -1)]
         if self.exact is not None:
-            valid.insert(1, self.exact.valid())
+            parts.insert(1, self.exact.valid())
         if self.sink_valid is not None:
-            valid.insert(0, self.sink_valid[:, None, :].expand(-1, heads, -1))
-        valid = torch.cat(valid, dim=-1)
+            parts.insert(0, self.sink_valid[:, None, :].expand(-1, heads, -1))
+        valid = torch.cat(parts, dim=-1)
         if new == 1:  # a decode step: its token is the newest slot, and every earlier slot is causal to it
             return valid[:, :, None, :]
         slot = torch.arange(length, device=self.device)
@@ -390,6 +411,8 @@ class HeadStore:
         n = (t - self.codec.residual_length) // ABSORB_BLOCK * ABSORB_BLOCK
         if n <= 0:
             return
+        # n > 0 tokens in the tail: its three tensors are held.
+        assert self.tail_keys is not None and self.tail_values is not None and self.tail_valid is not None
         first = seen - t  # the oldest recent token's index among the tokens seen: newer ranks higher
         scores = LATER_TOKENS + first + torch.arange(n, device=self.device, dtype=torch.float32)
         scores = scores.expand(self.tail_valid.shape[0], self.kv_heads, n)
@@ -405,6 +428,7 @@ class HeadStore:
     def _encode_exact(self) -> None:
         """Encode the context's full-precision pairs into the encoded pairs, after each head's, with their scores."""
         exact, self.exact = self.exact, None
+        assert exact is not None  # `absorb` calls this only while exact pairs are held
         if not exact.most:  # every such pair was evicted
             return
         valid = exact.valid()  # [B, H, M]
@@ -432,7 +456,8 @@ class HeadStore:
             return
         slack = torch.where(over > 0, (allowance // SLACK_SHARE).clamp(max=EVICTION_SLACK * heads), 0)
         stores = [self.encoded] if self.exact is None else [self.encoded, self.exact]
-        from_store = torch.minimum(over + slack, sum(store.evictable() for store in stores))
+        evictable = cast(torch.Tensor, sum(store.evictable() for store in stores))  # [B]: a sum of >= 1 tensors
+        from_store = torch.minimum(over + slack, evictable)
         evict_lowest_across(stores, from_store.tolist())
         rest = (over - from_store).clamp(min=0)  # the slack comes from the stored pairs only, never from recent tokens
         if self.tail_valid is not None and bool((rest > 0).any()):
@@ -471,12 +496,12 @@ class HeadStore:
     @classmethod
     def from_state(
         cls, codec: Codec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], device: torch.device
-    ) -> "HeadStore":
+    ) -> HeadStore:
         """The store `state()` described (other names in `tensors` are ignored), copied to `device`."""
         moved = {n: t.to(device, copy=True) for n, t in tensors.items()}
         encoded = RaggedHeads.from_state({n[len("store."):]: t for n, t in moved.items() if n.startswith("store.")})
-        exact = {n[len("exact."):]: t for n, t in moved.items() if n.startswith("exact.")}
-        exact = RaggedHeads.from_state(exact) if exact else None
+        exact_tensors = {n[len("exact."):]: t for n, t in moved.items() if n.startswith("exact.")}
+        exact = RaggedHeads.from_state(exact_tensors) if exact_tensors else None
         return cls(codec, dtype, encoded, exact, **{name: moved.get(name) for name in cls.TENSORS})
 
     def promised_bytes(self, rows: int, head_dim: int, value_dim: int, dtype: torch.dtype | None = None) -> int:
@@ -496,5 +521,6 @@ class HeadStore:
         total += batch * self.tail_tokens  # tail_valid
         total += 3 * batch * 8  # real_seen, allowance, share_then (int64)
         if self.sink_valid is not None:
+            assert self.sink_keys is not None  # held with `sink_valid`
             total += self.sink_valid.numel() + 2 * self.sink_keys.numel() * element
         return int(total)

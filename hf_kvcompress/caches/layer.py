@@ -21,7 +21,7 @@ import warnings
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..codecs.base import Codec
+from ..codecs.base import Codec, Kind
 from ..policies.base import Policy
 from .block_eviction import BlockEviction
 from .codec_sinks import CodecSinks
@@ -31,7 +31,13 @@ from .head_store import HeadStore
 from .layer_state import LayerState
 from .padding import CHUNKS_SPLIT_PADDED_ROWS, END_ALIGNED_CHUNKS, PADDING_SPLITS_GROUPS, RowPadding
 from .requests import (
-    ENABLE_ATTENTION_HINT, MASK_KEY, OBSERVER_KEY, STORE_KEY, AttentionRequest, OwnMask, StoreRequest,
+    ENABLE_ATTENTION_HINT,
+    MASK_KEY,
+    OBSERVER_KEY,
+    STORE_KEY,
+    AttentionRequest,
+    OwnMask,
+    StoreRequest,
     attention_kwargs,
 )
 from .rerotation import Rerotation
@@ -104,14 +110,15 @@ class CompressedLayer(
 
     def __init__(
         self, policy: Policy, codec: Codec, is_sliding: bool = False, inv_freq: torch.Tensor | None = None,
-        query_inv_freq: torch.Tensor | None = None, attention_window: int | None = None,
+        query_inv_freq: torch.Tensor | None = None, attention_window: int | None = None, probe=None,
     ):
         """`inv_freq` (RoPE frequencies) turns on StreamingLLM's re-rotation: after each eviction, kept keys are
         re-rotated so that their distances to the next query are their distances in the cache. `query_inv_freq`:
         the RoPE frequencies a policy that keeps queries (`needs_queries`) undoes their rotation with (empty: the
         model does not rotate them). `attention_window`: a sliding_attention layer's window (the model's
         `sliding_window`): a query sees only keys less than that many positions back, which the layer's own mask
-        must say too, since a block window holds older tokens (block_eviction.py)."""
+        must say too, since a block window holds older tokens (block_eviction.py). `probe`: the layer's score
+        probe (probes.py), for a policy that scores tokens from their hidden states (KVzap)."""
         super().__init__()
         self.attention_window = attention_window
         self.policy = policy
@@ -120,6 +127,7 @@ class CompressedLayer(
         self.inv_freq = inv_freq
         # Numbers, not a tensor: a configuration, not cache storage (measured_kv_bytes counts every tensor it finds).
         self.query_inv_freq = None if query_inv_freq is None else tuple(query_inv_freq.tolist())
+        self.probe = probe  # model weights (a torch Module, shared by every cache of the model), not cache storage
         if inv_freq is not None and not (codec.lossless and policy.evicts):
             raise ValueError("rerotate needs an evicting policy and full-precision keys (codec 'identity')")
         self.store_noted = False  # said that no attention function reads the store (once in the layer's life)
@@ -130,13 +138,13 @@ class CompressedLayer(
         self.is_initialized = False
         self.seen = 0  # tokens this layer has been given, evicted ones included
         # The stored states: [encoded | tail], exact sinks and rows (storage.py), from the first step on.
-        self.store: TokenStore | None = None
+        self.store: TokenStore | HeadStore | None = None
         self.padding: RowPadding | None = None  # each row's left padding (padding.py), from the first step on
         # Every tensor that follows the slots when they move (attention scores, key positions, sink slots).
         self.slots = SlotRecords()
         # How the policy's scores arrive and what it scores with besides the stored state (the newest queries,
         # KVzip's pass): the same kind for the layer's life (the policy's flags), fresh state at each reset.
-        self.scorer: Scorer = scorer_for(self.policy, self.query_inv_freq)
+        self.scorer: Scorer = scorer_for(self.policy, self.query_inv_freq, self.probe)
         self.peak_tokens = 0  # most tokens held at once, the step's new ones included
         self.budget_shift: torch.Tensor | None = None  # [B] tokens this layer keeps beyond the uniform budget
         self.own_mask: OwnMask | None = None  # the mask handed to attention at the last step, if any
@@ -172,7 +180,8 @@ class CompressedLayer(
             )
         if batch != self.batch_size:
             raise ValueError(
-                f"this cache holds a batch of {self.batch_size} rows, got {batch}: {batch_mismatch_hint(self.batch_size, batch)}"
+                f"this cache holds a batch of {self.batch_size} rows, got {batch}: "
+                f"{batch_mismatch_hint(self.batch_size, batch)}"
             )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -193,6 +202,8 @@ class CompressedLayer(
         if self.per_head:  # KVzip's head budgets (`rank_heads`): the store evicts by its own scores
             return self._per_head_step(key_states, value_states, attn_kwargs)
         self.scorer.check_step(self, new)
+        # From here on a token layer after `lazy_initialization`: a head store took the per-head path above.
+        assert isinstance(self.store, TokenStore) and self.padding is not None
         self.padding.count(attn_kwargs, new, self.seen)
         self.padding.check_chunk_alignment(new, self.seen)
         self.seen += new
@@ -212,6 +223,7 @@ class CompressedLayer(
         if self.scorer.begin_step(self, attn_kwargs, new):  # eviction waits for attention (scorers.py)
             return self._full("key"), self._full("value")
         if self._may_attend_store(attn_kwargs, new):
+            assert attn_kwargs is not None  # `_may_attend_store` says no without them
             placeholders = self._offer_store(attn_kwargs, length)
             if placeholders is not None:  # our attention function attends and compresses (see store_offer.py)
                 return placeholders
@@ -247,7 +259,8 @@ class CompressedLayer(
         self.scorer.check_attention_served(self)
 
     def end_reconstruction(self, evict: bool = True) -> None:
-        """Evict the lowest-scored slots down to the budget (`evict=False`: the pass failed; keep every slot unscored)."""
+        """Evict the lowest-scored slots down to the budget (`evict=False`: the pass failed; keep every slot
+        unscored)."""
         if self.scorer.end_reconstruction(self, evict):
             self._compress()
 
@@ -273,6 +286,8 @@ class CompressedLayer(
         if self.codec.sink_tokens > 0 and not self.codec.lossless:
             self._capture_sinks()  # before the pairs are packed: the sinks are the row's first real tokens
             sink_slots = self.slots.sink_slots
+        # Ranked once, after the reconstruction pass over a token layer (CompressedCache.end_reconstruction).
+        assert isinstance(self.store, TokenStore) and self.padding is not None
         self.store = HeadStore.rank(self.store, scores, keep, sink_slots, self.padding.real_seen, self.policy)
         self.slots = type(self.slots)()  # the store holds each pair's score
         self.padding = None
@@ -285,6 +300,7 @@ class CompressedLayer(
             raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
         new = key_states.shape[-2]
         self.seen += new
+        assert isinstance(self.store, HeadStore)  # `update` comes here when `per_head`
         self.store.append(key_states, value_states)
         full_keys, full_values = self._full("key"), self._full("value")
         self.own_mask = OwnMask(self.store.mask(new, full_keys.shape[-2]))
@@ -293,19 +309,23 @@ class CompressedLayer(
         return full_keys, full_values
 
     def _append_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        assert isinstance(self.store, TokenStore)  # a token layer's step
         self.store.append(key_states, value_states)
 
-    def _full(self, kind: str) -> torch.Tensor:
+    def _full(self, kind: Kind) -> torch.Tensor:
         """What attention sees: the decoded store followed by the full-precision tail."""
+        assert self.store is not None  # read from the first step on
         return self.store.full(kind, self.slots.sink_slots)
 
     def _encode_tail(self) -> None:
         """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time."""
+        assert isinstance(self.store, TokenStore)  # a token layer's step (a head store encodes in `compress`)
         self.store.encode_tail(self._before_encoding)
 
     def _before_encoding(self, first: bool) -> None:
         # Padding grows only with prompt chunks: decode steps after the first encoding need not ask (a host read).
         block_k = self.codec.token_block("key")
+        assert self.padding is not None  # called by a token store's `encode_tail`
         if block_k > 1 and (first or self.padding.prompt_step) and bool((self.padding.pads % block_k != 0).any()):
             warnings.warn(PADDING_SPLITS_GROUPS.format(group=block_k), stacklevel=4)
         if first:
@@ -319,6 +339,7 @@ class CompressedLayer(
         of tokens or rows different shares."""
         if attn_kwargs is None:
             raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
+        assert self.padding is not None  # a token layer's step
         self.own_mask = OwnMask(self.padding.mask(new, length, self.attention_window))
         attn_kwargs[MASK_KEY] = self.own_mask
 
@@ -356,6 +377,7 @@ class CompressedLayer(
         that dtype (keys and values at its width; codes, scales, scores and positions keep theirs)."""
         if not self.is_initialized:
             return 0
+        assert self.store is not None  # set with `is_initialized`
         stored = self.store.promised_bytes(self.batch_size * self.kv_heads, self.head_dim, self.value_dim, dtype)
         # scores, positions, sinks; the scorer's own (the newest queries)
         bookkeeping = self.slots.nbytes() + self.scorer.nbytes()
@@ -367,7 +389,7 @@ class CompressedLayer(
         return int(stored + bookkeeping)
 
     @property
-    def is_croppable(self) -> bool:
+    def is_croppable(self) -> bool:  # type: ignore[override]  # transformers' class flag; here it depends on the state
         return self.seen == self.stored_tokens and not self.per_head
 
     def reset(self) -> None:
@@ -382,6 +404,7 @@ class CompressedLayer(
         indices = torch.as_tensor(indices, device=self.device)
         if indices.dtype == torch.bool:
             indices = indices.nonzero().flatten()
+        assert self.store is not None  # set with `is_initialized`
         self.store.select_rows(indices)
         for name in self.STATE_TENSORS:
             tensor = getattr(self, name)
@@ -404,7 +427,8 @@ class CompressedLayer(
         `crop(0)` when every draft token was accepted). Only possible while nothing was evicted."""
         if tokens_to_remove > 0:
             raise ValueError(
-                f"tokens_to_remove must be 0 or negative (minus the number of newest tokens to drop), got {tokens_to_remove}"
+                "tokens_to_remove must be 0 or negative (minus the number of newest tokens to drop), "
+                f"got {tokens_to_remove}"
             )
         if not self.is_initialized or tokens_to_remove == 0:
             return
@@ -421,6 +445,8 @@ class CompressedLayer(
                 f"cannot crop to {keep} tokens: {self.n_encoded} tokens are already encoded in groups of "
                 f"{self.codec.token_block('key')}; crop only within the last {self.seen - self.n_encoded} tokens"
             )
+        # Croppable: a token layer (`is_croppable` is False for a head store) that has seen a step.
+        assert isinstance(self.store, TokenStore) and self.padding is not None
         self.store.crop(keep)
         self.slots.crop(keep)
         self.scorer.crop(keep, self.seen)

@@ -1,4 +1,4 @@
-"""A layer's state as named tensors and numbers, for `save_cache` and `load_cache` (caches/persist.py).
+"""A layer's state as named tensors and numbers, for `save_cache` and `load_cache` (hf_kvcompress/persist.py).
 
 `STATE_TENSORS` are also the per-row tensors that beam search and batch selection reorder (`batch_select_indices`);
 the store (storage.py), the per-slot records (slot_records.py), the padding counts (padding.py) and the scorer
@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 
 from .head_store import HeadStore
+from .layer_fields import LayerFields
 from .padding import RowPadding
 from .storage import TokenStore
 
 
-class LayerState:
+class LayerState(LayerFields):
     """CompressedLayer's persistence (a mixin)."""
 
     STATE_TENSORS = ("budget_shift",)
@@ -29,6 +30,8 @@ class LayerState:
         self._flush_finite_check()
         if self.per_head:
             return self._export_head_store()
+        # An initialized token layer: persist.py exports only layers that have seen a step.
+        assert isinstance(self.store, TokenStore) and self.padding is not None
         tensors = {name: getattr(self, name) for name in self.STATE_TENSORS if getattr(self, name) is not None}
         tensors.update(self.store.state())
         tensors.update(self.slots.state())
@@ -64,6 +67,7 @@ class LayerState:
     def _export_head_store(self) -> tuple[dict[str, torch.Tensor], dict]:
         """A head store's layer (KVzip's head budgets): the store's tensors, and meta `kind` that selects it on load
         with the numbers that describe it (the names and meta such layers were always saved with)."""
+        assert isinstance(self.store, HeadStore)  # called when `per_head`
         meta = {"kind": self.store.KIND, **{name: getattr(self, name) for name in self.HEAD_STORE_SCALARS}}
         meta["dtype"] = str(self.dtype).removeprefix("torch.")
         return self.store.state(), meta

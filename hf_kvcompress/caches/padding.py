@@ -13,7 +13,6 @@ from contextvars import ContextVar
 
 import torch
 
-
 # Set by generation.prefill while it feeds a prompt in chunks aligned to the prompt's end (see there).
 END_ALIGNED_CHUNKS: ContextVar[bool] = ContextVar("END_ALIGNED_CHUNKS", default=False)
 
@@ -174,7 +173,7 @@ class RowPadding:
         return {"pads": self.pads, "real_seen": self.real_seen}
 
     @classmethod
-    def from_state(cls, tensors: dict[str, torch.Tensor], unknown: bool, device: torch.device) -> "RowPadding":
+    def from_state(cls, tensors: dict[str, torch.Tensor], unknown: bool, device: torch.device) -> RowPadding:
         pads, real_seen = (tensors[name].to(device, copy=True) for name in ("pads", "real_seen"))
         return cls(pads.shape[0], pads.device, pads=pads, real_seen=real_seen, unknown=unknown)
 

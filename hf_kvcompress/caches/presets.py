@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..codecs.base import Codec
 from ..codecs.fp8 import Fp8Codec
+from ..codecs.intn import PLAIN_NAME_DEFAULTS, IntNCodec
 from ..ops.bitpack import PACKABLE_BITS
 from ..policies.heavy_hitter import HeavyHitterPolicy
 from ..policies.sink_window import SinkWindowPolicy
@@ -16,11 +17,11 @@ class QuantizedCache(CompressedCache):
     levels and pre-RoPE keys, which read the RoPE frequencies from `config`, so bits=2 needs it)."""
 
     def __init__(self, bits: int = 4, group_size: int = 32, residual_length: int = 128, config=None):
-        from ..registry import CODECS
-
-        if f"int{bits}" not in CODECS:
+        if bits not in PLAIN_NAME_DEFAULTS:
             raise ValueError(f"bits must be one of {PACKABLE_BITS}, got {bits!r}")
-        codec = CODECS[f"int{bits}"](group_size=group_size, residual_length=residual_length)
+        # what the registry's `int{bits}` means, with this group size and residual
+        options = {**PLAIN_NAME_DEFAULTS[bits], "group_size": group_size, "residual_length": residual_length}
+        codec = IntNCodec(bits=bits, **options)
         super().__init__(codec=codec, config=config)
 
 
@@ -46,5 +47,6 @@ class HeavyHitterCache(CompressedCache):
     Needs attention statistics: call `hf_kvcompress.use_kvcompress_attention(model)` once.
     """
 
-    def __init__(self, budget: int = 512, recent: int = 64, sink_tokens: int = 0, codec: Codec | None = None, config=None):
+    def __init__(self, budget: int = 512, recent: int = 64, sink_tokens: int = 0, codec: Codec | None = None,
+                 config=None):
         super().__init__(HeavyHitterPolicy(budget=budget, recent=recent, sink_tokens=sink_tokens), codec, config)

@@ -8,8 +8,9 @@ so that the attention function imports the protocol, not the cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -19,6 +20,9 @@ OBSERVER_KEY = "kvcompress_observer"
 MASK_KEY = "kvcompress_mask"
 # The key under which a layer offers attention its encoded store, to read a block at a time.
 STORE_KEY = "kvcompress_store"
+# The other way round: the key under which the hook on each attention module (hf/hidden_states.py) hands the
+# layer the hidden state entering attention, [B, new, hidden], for a policy that scores from it (KVzap's probe).
+HIDDEN_KEY = "kvcompress_hidden"
 
 ENABLE_ATTENTION_HINT = (
     "load the model with `hf_kvcompress.load_model` or build the cache with config=model.config (a model running "
@@ -31,6 +35,10 @@ STORE_NOT_REACHED = (
     "this cache's {codec} store is read by decode attention through 'kvcompress_sdpa', which this model does not "
     "run{named}: every decode step decodes the whole store instead (the answers are the same, decoding is slower). "
     "To read it directly: {hint}"
+)
+HIDDEN_STATES_HINT = (
+    "call `hf_kvcompress.use_kvcompress_attention(model)` once before generating (it also hooks each attention "
+    "module so that the cache receives the hidden state entering it)"
 )
 
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from .layer_fields import LayerFields
+from .storage import TokenStore
 
-class Rerotation:
+
+class Rerotation(LayerFields):
     """CompressedLayer's key positions (a mixin): `positions` [B, H_kv, T], the position each kept key is
     rotated to."""
 
@@ -24,7 +27,12 @@ class Rerotation:
 
     def _rerotate_kept(self) -> None:
         """Re-rotate kept keys so slot i sits len(kept) - i positions before the row's next query."""
-        kept = self.slots.positions.shape[-1]
+        # Called after an eviction of a re-rotating layer (`inv_freq` set), which tracks every slot's position and
+        # is never ranked into a head store (budgets=head refuses rerotate).
+        positions, inv_freq = self.slots.positions, self.inv_freq
+        assert positions is not None and inv_freq is not None
+        assert isinstance(self.store, TokenStore) and self.padding is not None
+        kept = positions.shape[-1]
         target = self.padding.real_seen[:, None, None] - kept + torch.arange(kept, device=self.device)
-        self.store.rotate_tail_keys(target - self.slots.positions, self.inv_freq)
-        self.slots.positions = target.to(torch.int32).expand_as(self.slots.positions).contiguous()
+        self.store.rotate_tail_keys(target - positions, inv_freq)
+        self.slots.positions = target.to(torch.int32).expand_as(positions).contiguous()

@@ -25,7 +25,7 @@ import torch
 from ..ops.rerotate import rerotate
 from ..policies.base import Policy
 from ..policies.base import RecentQueries as QueryWindow
-from .requests import ENABLE_ATTENTION_HINT, OBSERVER_KEY, AttentionRequest
+from .requests import ENABLE_ATTENTION_HINT, HIDDEN_KEY, HIDDEN_STATES_HINT, OBSERVER_KEY, AttentionRequest
 
 # Scores of tokens that arrive after a reconstruction pass start here: above any attention probability, newest first.
 AFTER_RECONSTRUCTION = 2.0
@@ -139,7 +139,8 @@ class AttentionStatistics(Scorer):
     def begin_step(self, layer, attn_kwargs, new) -> bool:
         grow_accumulated(layer, new)
         policy = layer.policy
-        self.request(layer, attn_kwargs, AttentionRequest(layer.observe, policy.observed_queries, policy.attention_reduction))
+        request = AttentionRequest(layer.observe, policy.observed_queries, policy.attention_reduction)
+        self.request(layer, attn_kwargs, request)
         return True
 
     def observe(self, layer, delivered) -> bool:
@@ -190,6 +191,7 @@ class RecentQueries(Scorer):
         """Keep the step's newest queries [B, H_q, n, D] (rotated and scaled)."""
         queries = delivered
         batch, heads, newest, dim = queries.shape
+        assert self.query_positions is not None  # set by `begin_step`, which asked for these queries
         if self.inv_freq:
             back = -self.query_positions[:, None, :].expand(batch, heads, newest)
             queries = rerotate(queries, back, torch.tensor(self.inv_freq, dtype=torch.float32))
@@ -210,6 +212,8 @@ class RecentQueries(Scorer):
     def window(self, layer) -> QueryWindow:
         """The window as the policy reads it: entry e of L is the row's token seen - L + e, counted when it is
         real and past the row's sink tokens (padding comes first in a row; entries a row never filled lie before)."""
+        # Read for an eviction, which follows the queries' arrival (`observe` sets both).
+        assert self.recent_queries is not None and self.next_position is not None
         held = self.recent_queries.shape[2]
         entry = torch.arange(held, device=layer.device)
         counted = entry[None, :] >= (held - layer.padding.real_seen + layer.policy.sink_tokens)[:, None]
@@ -218,6 +222,7 @@ class RecentQueries(Scorer):
 
     def select_rows(self, indices) -> None:
         if self.recent_queries is not None:
+            assert self.next_position is not None  # set with `recent_queries`
             self.recent_queries = self.recent_queries.index_select(0, indices)
             self.next_position = self.next_position.index_select(0, indices)
 
@@ -234,7 +239,8 @@ class RecentQueries(Scorer):
 
     def _held(self) -> dict[str, torch.Tensor]:
         return {
-            name: tensor for name, tensor in (("recent_queries", self.recent_queries), ("next_position", self.next_position))
+            name: tensor
+            for name, tensor in (("recent_queries", self.recent_queries), ("next_position", self.next_position))
             if tensor is not None
         }
 
@@ -307,9 +313,46 @@ class ReconstructionScores(Scorer):
         self.scored = bool(int(meta["scored"]))
 
 
-def scorer_for(policy: Policy, query_inv_freq: tuple[float, ...] | None = None) -> Scorer:
+class ProbeScores(Scorer):
+    """`policy.needs_hidden_states` (KVzap): each new slot's score in `slots.accumulated` is the layer's probe
+    applied to the hidden state entering attention, which the hook on the attention module hands over in the
+    attention kwargs (hf/hidden_states.py). A token is scored once, when it arrives, by what it is: the same
+    scores at prefill, in chunks or at once, and at decode; eviction follows in the same step.
+
+    `probe`: the layer's probe (probes.py), [B, n, hidden] -> [B, H_kv, n]; model weights shared by every cache of
+    the model, not this cache's storage (nbytes counts none of it).
+    """
+
+    def __init__(self, policy: Policy, probe):
+        super().__init__()
+        if probe is None:
+            raise ValueError(
+                f"{policy.name} scores tokens with a per-model probe: build the cache with the model's config "
+                "(make_cache(spec, model.config)), on a model with a probe (hf-kvcompress calibrate --probe)"
+            )
+        self.probe = probe
+
+    def begin_step(self, layer, attn_kwargs, new) -> bool:
+        hidden = None if attn_kwargs is None else attn_kwargs.get(HIDDEN_KEY)
+        if hidden is None:
+            raise RuntimeError(
+                f"{type(layer.policy).__name__} scores tokens from their hidden states: {HIDDEN_STATES_HINT}"
+            )
+        if hidden.shape[:2] != (layer.batch_size, new):
+            raise RuntimeError(
+                f"the hidden state handed to this layer is for {tuple(hidden.shape[:2])} (rows, tokens), the step "
+                f"stores ({layer.batch_size}, {new})"
+            )
+        layer.slots.append("accumulated", self.probe(hidden))
+        return False
+
+
+def scorer_for(policy: Policy, query_inv_freq: tuple[float, ...] | None = None, probe=None) -> Scorer:
     """The scorer a layer with `policy` uses (the queries first: Expected Attention sets both attention flags);
-    `query_inv_freq`: the model's RoPE frequencies, for a policy that keeps queries."""
+    `query_inv_freq`: the model's RoPE frequencies, for a policy that keeps queries; `probe`: the layer's score
+    probe, for a policy that scores from hidden states."""
+    if policy.needs_hidden_states:
+        return ProbeScores(policy, probe)
     if policy.needs_queries:
         return RecentQueries(policy, query_inv_freq)
     if policy.needs_attention:

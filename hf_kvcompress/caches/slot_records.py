@@ -23,6 +23,10 @@ class SlotRecords:
     slots of the codec's exact sink tokens, see codec_sinks.py).
     """
 
+    accumulated: torch.Tensor | None
+    positions: torch.Tensor | None
+    sink_slots: torch.Tensor | None
+
     PER_SLOT = ("accumulated", "positions")
     SLOT_NUMBERS = ("sink_slots",)
     FIELDS = PER_SLOT + SLOT_NUMBERS
@@ -90,7 +94,7 @@ class SlotRecords:
         return dict(self._present(self.FIELDS))
 
     @classmethod
-    def from_state(cls, tensors: dict[str, torch.Tensor], device: torch.device) -> "SlotRecords":
+    def from_state(cls, tensors: dict[str, torch.Tensor], device: torch.device) -> SlotRecords:
         """The records among `tensors` (other names are ignored), copied to `device`."""
         return cls(**{name: tensors[name].to(device, copy=True) for name in cls.FIELDS if name in tensors})
 

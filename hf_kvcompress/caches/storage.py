@@ -7,11 +7,11 @@ and never re-encoded. Attention sees the decoded store followed by the tail; the
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from ..codecs.base import Codec, Encoded, cat_encoded, gather_encoded, select_batch, slice_encoded
+from ..codecs.base import Codec, Encoded, Kind, cat_encoded, gather_encoded, select_batch, slice_encoded
 from ..ops.rerotate import rerotate
 
 
@@ -54,6 +54,14 @@ class TokenStore:
     """
 
     per_head = False  # every KV head holds the same slots (a head store's heads differ: head_store.py)
+    # `TENSORS`, set in `__init__` (None: not held); the three exact_* are set and cleared together.
+    tail_keys: torch.Tensor | None
+    tail_values: torch.Tensor | None
+    sink_keys: torch.Tensor | None
+    sink_values: torch.Tensor | None
+    exact_rows: torch.Tensor | None
+    exact_keys: torch.Tensor | None
+    exact_values: torch.Tensor | None
     # Saved (and reordered by batch row) under these names; the encodings as `encoded_key.*`, `encoded_value.*`.
     TENSORS = ("tail_keys", "tail_values", "sink_keys", "sink_values", "exact_rows", "exact_keys", "exact_values")
 
@@ -85,32 +93,39 @@ class TokenStore:
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """New states join the tail. The model's states may be views of a fused QKV buffer (GPT-2, Phi-3): keep
         copies, not the buffer."""
-        self.tail_keys = owned(key_states) if self.tail_keys is None else torch.cat([self.tail_keys, key_states], dim=-2)
+        self.tail_keys = (
+            owned(key_states) if self.tail_keys is None else torch.cat([self.tail_keys, key_states], dim=-2)
+        )
         self.tail_values = (
             owned(value_states) if self.tail_values is None else torch.cat([self.tail_values, value_states], dim=-2)
         )
 
-    def full(self, kind: str, sink_slots: torch.Tensor | None) -> torch.Tensor:
+    def full(self, kind: Kind, sink_slots: torch.Tensor | None) -> torch.Tensor:
         """What attention sees: the decoded store (exact sinks at `sink_slots`, exact rows) followed by the tail."""
         encoded = self.encoded_keys if kind == "key" else self.encoded_values
         tail = self.tail_keys if kind == "key" else self.tail_values
+        assert tail is not None  # appended at the layer's first step, before attention reads
         if encoded is None:
             return tail
         decoded = self.codec.decode(encoded, kind, self.dtype)
         if sink_slots is not None:
-            decoded = _restore_sinks(decoded, self.sink_keys if kind == "key" else self.sink_values, sink_slots)
-        if self.exact_keys is not None:
-            decoded = self._restore_exact(decoded, self.exact_keys if kind == "key" else self.exact_values)
+            sinks = self.sink_keys if kind == "key" else self.sink_values
+            assert sinks is not None  # captured with `sink_slots` (codec_sinks.py)
+            decoded = _restore_sinks(decoded, sinks, sink_slots)
+        exact = self.exact_keys if kind == "key" else self.exact_values
+        if exact is not None:
+            decoded = self._restore_exact(decoded, exact)
         return torch.cat([decoded, tail], dim=-2)
 
     def _restore_exact(self, decoded: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
         """`decoded` [B, H, n, D] with the last `exact_rows[b]` of its slots given their exact states."""
         extra = exact.shape[-2]
+        assert self.exact_rows is not None  # set with the exact states
         mine = torch.arange(extra, device=decoded.device) >= (extra - self.exact_rows)[:, None]  # [B, X]
         newest = torch.where(mine[:, None, :, None], exact.to(decoded.dtype), decoded[:, :, -extra:])
         return torch.cat([decoded[:, :, :-extra], newest], dim=-2)
 
-    def encoded_whole(self, kind: str) -> Encoded | None:
+    def encoded_whole(self, kind: Kind) -> Encoded | None:
         """Every stored token as one token-wise encoding [B, H, T, ...]: the encoded part, then the tail encoded now
         (for eviction, which gathers from both at once; the tail itself is left as it is)."""
         encoded = self.encoded_keys if kind == "key" else self.encoded_values
@@ -122,6 +137,7 @@ class TokenStore:
 
     def capture_sinks(self, slots: torch.Tensor) -> None:
         """Copy the exact states of the tail's `slots` [B, H_kv, S] (-1: none), the codec's sink tokens."""
+        assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
         self.sink_keys = gather_states(self.tail_keys, slots.clamp(min=0))
         self.sink_values = gather_states(self.tail_values, slots.clamp(min=0))
 
@@ -132,6 +148,7 @@ class TokenStore:
         `before_encoding(first)` runs before any tokens are encoded (`first`: none were before)."""
         if self.codec.lossless and self.encoded_keys is None:
             return  # full precision: the tail is the store
+        assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
         residual = getattr(self.codec, "residual_length", 0)
         block = max(self.codec.token_block("key"), self.codec.token_block("value"))
         excess = self.tail_keys.shape[-2] - residual
@@ -150,6 +167,8 @@ class TokenStore:
     def _trim_exact(self, room: int) -> None:
         """Keep exact states for the `room` newest encoded slots at most: older ones were encoded from those states
         when they joined the store, which is how the row alone stores them once they leave its residual."""
+        # Called when exact states are held; the three are set together.
+        assert self.exact_keys is not None and self.exact_values is not None and self.exact_rows is not None
         extra = min(self.exact_keys.shape[-2], max(room, 0))
         if extra == 0:
             self.exact_keys = self.exact_values = self.exact_rows = None
@@ -164,6 +183,7 @@ class TokenStore:
         """Keep the slots `kept` [B, H_kv, K] (ascending), which become slots 0..K-1 (eviction)."""
         budget = kept.shape[-1]
         n_enc = self.n_encoded
+        assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
         if self.encoded_keys is None:
             self.tail_keys = gather_states(self.tail_keys, kept)
             self.tail_values = gather_states(self.tail_values, kept)
@@ -179,8 +199,10 @@ class TokenStore:
         both = exact.max() * (budget + 1) + exact.min()  # one host read for both numbers
         most, in_tail = divmod(int(both), budget + 1)
         to_store = kept[..., : budget - in_tail]
-        self.encoded_keys = gather_encoded(self.encoded_whole("key"), to_store)
-        self.encoded_values = gather_encoded(self.encoded_whole("value"), to_store)
+        whole_keys, whole_values = self.encoded_whole("key"), self.encoded_whole("value")
+        assert whole_keys is not None and whole_values is not None  # something is encoded (checked above)
+        self.encoded_keys = gather_encoded(whole_keys, to_store)
+        self.encoded_values = gather_encoded(whole_values, to_store)
         self.n_encoded = budget - in_tail
         # The `most` newest kept slots from [old exact states | tail] (slots n_enc - before ...): a row's slots older
         # than its own exact ones read another slot (clamped), and `exact_rows` leaves them unused.
@@ -199,6 +221,7 @@ class TokenStore:
 
     def rotate_tail_keys(self, delta: torch.Tensor, inv_freq: torch.Tensor) -> None:
         """Re-rotate the tail's keys by `delta` [B, H_kv, t] positions (StreamingLLM, rerotation.py)."""
+        assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
         self.tail_keys = rerotate(self.tail_keys, delta, inv_freq)
 
     def drop(self, n: int) -> None:
@@ -208,18 +231,22 @@ class TokenStore:
         if from_store == self.n_encoded:
             self.encoded_keys = self.encoded_values = None
         elif from_store:
+            assert self.encoded_keys is not None and self.encoded_values is not None  # n_encoded > from_store > 0
             held = self.n_encoded
             self.encoded_keys = _owned_encoded(self.encoded_keys, from_store, held, held)
             self.encoded_values = _owned_encoded(self.encoded_values, from_store, held, held)
         self.n_encoded -= from_store
         from_tail = n - from_store
         if from_tail:
+            assert self.tail_keys is not None and self.tail_values is not None  # the slots dropped are held
             self.tail_keys = owned(self.tail_keys[:, :, from_tail:])
             self.tail_values = owned(self.tail_values[:, :, from_tail:])
 
     def crop(self, keep: int) -> None:
         """Keep the `keep` oldest slots (crop; the caller checked that encoded groups allow it)."""
+        assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
         if keep < self.n_encoded:
+            assert self.encoded_keys is not None and self.encoded_values is not None  # n_encoded > 0
             batch, heads = self.tail_keys.shape[:2]
             index = torch.arange(keep, device=self.tail_keys.device).expand(batch, heads, keep)
             self.encoded_keys = gather_encoded(self.encoded_keys, index)
@@ -250,7 +277,7 @@ class TokenStore:
     @classmethod
     def from_state(
         cls, codec: Codec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], n_encoded: int, device: torch.device
-    ) -> "TokenStore":
+    ) -> TokenStore:
         """The store `state()` described (other names in `tensors` are ignored), copied to `device`."""
         store = cls(codec, dtype)
         store.n_encoded = n_encoded
@@ -263,7 +290,7 @@ class TokenStore:
             setattr(store, f"encoded_{kind}s", encoded or None)
         return store
 
-    def promised_bytes(self, rows: int, head_dim: int, value_dim: int, dtype: torch.dtype | None = None) -> int:
+    def promised_bytes(self, rows: int, head_dim: int, value_dim: int, dtype: torch.dtype | None = None) -> float:
         """Bytes the store should hold for `rows` (batch x KV heads) rows: encoded tokens at the codec's rate, the
         tail at full precision, plus the exact sinks and rows. With `dtype`: had the model run in that dtype (keys
         and values at its width; codes, scales and slot indices keep theirs)."""

@@ -13,6 +13,8 @@ C++ on CPU (ops/cpu_decode.py); the PyTorch loop stays the reference (`backend="
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from ..codecs.base import slice_encoded
@@ -69,6 +71,12 @@ class _OnlineSoftmax:
             self.plain = part if self.plain is None else self.plain + part
 
 
+@overload
+def _bias(mask: torch.Tensor, groups: int, columns: slice | torch.Tensor) -> torch.Tensor: ...
+@overload
+def _bias(mask: None, groups: int, columns: slice | torch.Tensor) -> None: ...
+@overload
+def _bias(mask: torch.Tensor | None, groups: int, columns: slice | torch.Tensor) -> torch.Tensor | None: ...
 def _bias(mask: torch.Tensor | None, groups: int, columns: slice | torch.Tensor) -> torch.Tensor | None:
     """The attention mask's `columns` as an additive float32 bias [B, 1 or H_kv, groups * q, k]."""
     if mask is None:
@@ -123,7 +131,8 @@ def _store_by_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -
         bias = bias.expand(stored_q.shape[0], layer.kv_heads, n_enc)
     if layer.slots.sink_slots is not None:
         hidden = _sink_hidden(layer, 0, n_enc)
-        bias = (torch.zeros(hidden.shape, device=hidden.device) if bias is None else bias).masked_fill(hidden, float("-inf"))
+        bias = torch.zeros(hidden.shape, device=hidden.device) if bias is None else bias
+        bias = bias.masked_fill(hidden, float("-inf"))
     block_max, total, acc = triton_decode.decode_attention_partials(
         stored_q, layer.store.encoded_keys, layer.store.encoded_values, layer.value_dim, bias
     )
@@ -154,7 +163,8 @@ def store_kernel(layer, query: torch.Tensor, backend: str) -> str | None:
     if backend in ("auto", "triton") and query.shape[2] == 1:
         # The Triton kernel dequantises on the uniform grid: a Lloyd-Max codebook (int2's default) is read by
         # PyTorch, and so are pre-RoPE keys (one query per offset in a key group, codecs/plane_attention.py).
-        uniform = getattr(layer.codec, "codebook", "uniform") == "uniform" and not getattr(layer.codec, "pre_rope", False)
+        codec = layer.codec
+        uniform = getattr(codec, "codebook", "uniform") == "uniform" and not getattr(codec, "pre_rope", False)
         fits = uniform and triton_decode.supports(
             layer.store.encoded_keys, layer.store.encoded_values, layer.store.n_encoded, layer.head_dim, layer.value_dim
         )
@@ -166,7 +176,8 @@ def store_kernel(layer, query: torch.Tensor, backend: str) -> str | None:
             "power-of-two dims and codebook='uniform'"
         )
     codec = layer.codec
-    readable = query.device.type == "cpu" and codec.kernel_layout("key") is not None and codec.kernel_layout("value") is not None
+    readable = (query.device.type == "cpu" and codec.kernel_layout("key") is not None
+                and codec.kernel_layout("value") is not None)
     if backend == "cpu":
         if not readable:
             raise ValueError(
@@ -174,7 +185,9 @@ def store_kernel(layer, query: torch.Tensor, backend: str) -> str | None:
                 "codebook='uniform' (or 2-bit Lloyd-Max levels), or fp8"
             )
         if not cpu_decode.available():
-            raise RuntimeError("backend='cpu': the CPU decode-attention kernel could not be built here (see the warning)")
+            raise RuntimeError(
+                "backend='cpu': the CPU decode-attention kernel could not be built here (see the warning)"
+            )
         return "cpu"
     return "cpu" if readable and cpu_decode.available() else None
 

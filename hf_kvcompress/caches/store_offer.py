@@ -16,16 +16,23 @@ import warnings
 
 import torch
 
+from .layer_fields import LayerFields
 from .requests import ENABLE_ATTENTION_HINT, STORE_KEY, STORE_NOT_REACHED, StoreRequest
+from .storage import TokenStore
 from .store_attention import attend_store
 
 
-class StoreOffer:
+class StoreOffer(LayerFields):
     """CompressedLayer's store offers (a mixin): `store_request` offered at the last step, and `store_confirmed`
     once our attention function has taken one."""
 
+    store_request: StoreRequest | None
+    store_confirmed: bool
+    store_noted: bool  # said that no attention function reads the store (set in CompressedLayer.__init__)
+
     def _may_attend_store(self, attn_kwargs: dict | None, new: int) -> bool:
         """Whether this decode step can let attention read the encoded store itself (caches/store_attention.py)."""
+        assert isinstance(self.store, TokenStore)  # a token layer's step (a head store steps in `_per_head_step`)
         return (
             new == 1 and attn_kwargs is not None and self.store.encoded_keys is not None and self.codec.attends_encoded
             and self.inv_freq is None and self.reconstruction_queries is None
@@ -34,8 +41,8 @@ class StoreOffer:
 
     def _probe_store(self, attn_kwargs: dict | None, new: int) -> None:
         """A prompt step asks, without relying on the answer, whether our attention function runs here (it marks
-        the request used and attends as usual): then the first decode step is already fused. Before, that step
-        only confirmed, and decoding the whole store for it cost as much as four fused steps (benchmarks/NOTES.md)."""
+        the request used and attends as usual): then the first decode step is already fused instead of decoding
+        the whole store once to find out (docs/benchmark-notes.md)."""
         if new > 1 and attn_kwargs is not None and self.codec.attends_encoded and self.inv_freq is None:
             self.store_request = StoreRequest(self, fused=False)
             attn_kwargs[STORE_KEY] = self.store_request

@@ -53,7 +53,7 @@ class Codec(ABC):
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
         """Bytes one encoded token takes per KV head, scales included: the promise `measured_kv_bytes` checks."""
 
-    def for_layer(self, layer_idx: int) -> "Codec":
+    def for_layer(self, layer_idx: int) -> Codec:
         """The codec as it runs in decoder layer `layer_idx`; codecs with per-layer state override this."""
         return self
 
@@ -89,7 +89,7 @@ class Codec(ABC):
         """Inverse of `to_basis`."""
         return x
 
-    def check_head_dim(self, head_dim: int) -> None:
+    def check_head_dim(self, head_dim: int) -> None:  # noqa: B027  (a hook: by default every head_dim fits)
         """Raise ValueError if this codec cannot store vectors of `head_dim` values."""
 
     def spec(self) -> str:
@@ -100,7 +100,7 @@ class Codec(ABC):
 _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 
 
-def _index_op(tensor: torch.Tensor, op) -> torch.Tensor:
+def index_op(tensor: torch.Tensor, op) -> torch.Tensor:
     """Apply an indexing op; float8 tensors go through a uint8 view, since CPU kernels lack float8 gathers."""
     if tensor.dtype in _FLOAT8:
         return op(tensor.view(torch.uint8)).view(tensor.dtype)
@@ -112,7 +112,8 @@ def cat_encoded(first: Encoded | None, second: Encoded) -> Encoded:
     if first is None:
         return second
     return {
-        name: _index_op(first[name], lambda t: torch.cat([t, second[name].view(t.dtype)], dim=2)) for name in first
+        name: index_op(first[name], lambda t, name=name: torch.cat([t, second[name].view(t.dtype)], dim=2))
+        for name in first
     }
 
 
@@ -136,7 +137,7 @@ def gather_encoded(encoded: Encoded, index: torch.Tensor) -> Encoded:
             heads = index[:, :: index.shape[1] // tensor.shape[1]]
         shape = list(heads.shape) + list(tensor.shape[3:])
         idx = heads.view(*heads.shape, *([1] * (tensor.dim() - 3))).expand(shape)
-        out[name] = _index_op(tensor, lambda t: torch.gather(t, 2, idx).contiguous())
+        out[name] = index_op(tensor, lambda t, idx=idx: torch.gather(t, 2, idx).contiguous())
     return out
 
 
@@ -145,7 +146,7 @@ def select_batch(encoded: Encoded | None, index: torch.Tensor) -> Encoded | None
     if encoded is None:
         return None
     return {
-        name: _index_op(tensor, lambda t: t.index_select(0, index.to(t.device))) for name, tensor in encoded.items()
+        name: index_op(tensor, lambda t: t.index_select(0, index.to(t.device))) for name, tensor in encoded.items()
     }
 
 
@@ -178,4 +179,5 @@ def agree_within_groups(scores: torch.Tensor | None, group: int) -> torch.Tensor
     if scores is None or group == 1 or scores.shape[1] == 1:
         return scores
     b, h, t = scores.shape
-    return scores.reshape(b, h // group, group, t).mean(2, keepdim=True).expand(b, h // group, group, t).reshape(b, h, t)
+    mean = scores.reshape(b, h // group, group, t).mean(2, keepdim=True)
+    return mean.expand(b, h // group, group, t).reshape(b, h, t)

@@ -45,7 +45,7 @@ class Fp8Codec(Codec):
 
     name: ClassVar[str] = "fp8"
 
-    sink_tokens: int = 0
+    sink_tokens: int = 0  # type: ignore[misc]  # a field here; the base's class default serves codecs without one
     attends_encoded: ClassVar[bool] = True
     # With no residual, a step's own tokens read at full precision were the only thing that made a multi-token
     # step (speculative decoding's verification) answer other tokens than the same tokens fed one at a time.

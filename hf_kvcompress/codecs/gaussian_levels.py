@@ -9,7 +9,7 @@ better than an evenly spaced grid: at 2 bits they are +-0.453 and +-1.510 standa
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -22,7 +22,7 @@ def _cdf(x: float) -> float:
     return 0.5 * (1 + math.erf(x / math.sqrt(2)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def lloyd_max_levels(bits: int) -> tuple[float, ...]:
     """The 2**bits Lloyd-Max levels of N(0, 1), ascending and symmetric about 0."""
     if not isinstance(bits, int) or not 1 <= bits <= 8:
@@ -30,13 +30,13 @@ def lloyd_max_levels(bits: int) -> tuple[float, ...]:
     n = 1 << bits
     levels = [(2 * i + 1 - n) / n * 3 for i in range(n)]  # start evenly over [-3, 3]
     for _ in range(2000):
-        edges = [-math.inf] + [(a + b) / 2 for a, b in zip(levels, levels[1:])] + [math.inf]
+        edges = [-math.inf] + [(a + b) / 2 for a, b in zip(levels, levels[1:], strict=False)] + [math.inf]
         updated = []
-        for lo, hi in zip(edges, edges[1:]):
+        for lo, hi in zip(edges, edges[1:], strict=False):
             mass = _cdf(hi) - _cdf(lo)
             # Centroid of N(0, 1) on [lo, hi]: (pdf(lo) - pdf(hi)) / (cdf(hi) - cdf(lo)).
             updated.append((_pdf(lo) - _pdf(hi)) / mass)
-        if max(abs(a - b) for a, b in zip(levels, updated)) < 1e-12:
+        if max(abs(a - b) for a, b in zip(levels, updated, strict=True)) < 1e-12:
             break
         levels = updated
     return tuple(levels)
@@ -50,4 +50,5 @@ def levels_tensor(bits: int, device: torch.device | str = "cpu") -> torch.Tensor
 def thresholds_tensor(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The decision boundaries between neighbouring levels (their midpoints), float32."""
     levels = lloyd_max_levels(bits)
-    return torch.tensor([(a + b) / 2 for a, b in zip(levels, levels[1:])], dtype=torch.float32, device=device)
+    edges = [(a + b) / 2 for a, b in zip(levels, levels[1:], strict=False)]
+    return torch.tensor(edges, dtype=torch.float32, device=device)

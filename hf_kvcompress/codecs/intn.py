@@ -3,39 +3,41 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 
+from ..hf.compat import text_config
+from ..hf.rope import rope_inv_freq
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
 from ..ops.cpu_decode import KernelLayout
 from ..ops.hadamard import rotate_batch_rows, rotate_rows
 from ..ops.rerotate import rerotate, rope_table, turn
 from ..spec_text import changed_fields, join_spec
-from .base import Codec, Encoded, Kind
 from . import plane_attention
+from .base import Codec, Encoded, Kind
 from .gaussian_levels import levels_tensor, lloyd_max_levels, thresholds_tensor
 
 KEY_AXES = ("channel", "token")
 ROTATIONS = ("none", "hadamard", "per_token", "auto")
 CODEBOOKS = ("uniform", "gaussian")
 _TINY = torch.finfo(torch.bfloat16).tiny
-# What the plain names int4/int3/int2 mean: the best configuration measured at that width (docs/results.md, "Quantization
-# options"): the rotation measured best for the model's family (`auto`) + 4 full-precision sinks + per-channel keys.
+# What the plain names int4/int3/int2 mean: the best configuration measured at that width (docs/results.md,
+# "Quantization options"): the rotation measured best for the model's family (`auto`) + 4 full-precision sinks +
+# per-channel keys.
 # `rotate=none,sink_tokens=0` is plain KIVI.
-BEST_LOW_BIT = {"rotate": "auto", "sink_tokens": 4}
-# What `rotate=auto` (the plain names) means per model family: measured, not derived (docs/results.md, "Rotating keys"). On
-# Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers on the
-# suite; on SmolLM2 (Llama) it lowered them. Families not listed rotate everything, as QuaRot does.
-ROTATION_BY_MODEL_TYPE = {"gemma3_text": "per_token", "gemma3": "per_token"}
-# At 2 bits the attention error was three times int3's: Lloyd-Max levels for the head_dim groups and pre-RoPE keys
-# cut it from 0.170 to 0.134 on SmolLM2 for no bytes. On the needle suite they kept 12 of 15 on SmolLM2 (rotation
-# and sinks alone: 10) and 11 of 15 on Gemma-3 (alone: 12), within noise. 32 sinks cut the error further (0.115)
-# but kept the very same 12 answers on SmolLM2, for 9% more bytes, so int2 keeps 4 (docs/results.md).
-BEST_TWO_BIT = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True}
-PLAIN_NAME_DEFAULTS = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
+BEST_LOW_BIT: dict[str, Any] = {"rotate": "auto", "sink_tokens": 4}
+# What `rotate=auto` (the plain names) means per model family: measured, not derived (docs/results.md, "Rotating
+# keys"). On Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers
+# on the suite; on SmolLM2 (Llama) it lowered them. Families not listed rotate everything, as QuaRot does.
+ROTATION_BY_MODEL_TYPE: dict[str | None, str] = {"gemma3_text": "per_token", "gemma3": "per_token"}
+# At 2 bits the attention error is far above int3's: Lloyd-Max levels for the head_dim groups and pre-RoPE keys lower
+# it for no bytes; more sinks lowered it further but kept no more answers for their bytes, so int2 keeps 4
+# (docs/results.md, "Quantization options").
+BEST_TWO_BIT: dict[str, Any] = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True}
+PLAIN_NAME_DEFAULTS: dict[int, dict[str, Any]] = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
 
 
 @lru_cache(maxsize=64)
@@ -144,17 +146,18 @@ class IntNCodec(Codec):
             Keys grouped per token (key_axis="token", evicting policies) are left as they are.
         wide_layers: decoder layers (e.g. "7/18/23") stored at `wide_bits` instead of `bits`: per-layer mixed
             precision (KVTuner, arXiv:2502.04420). Some layers' attention suffers far more from 2 bits than others
-            (on SmolLM2 six of 30 layers carry 40% of the error); `benchmarks/probes/quant_attention_error.py --per-layer`
-            lists each layer's error for a model. Their bytes are counted at their own width.
+            (on SmolLM2 six of 30 layers carry 40% of the error);
+            `benchmarks/probes/quant_attention_error.py --per-layer` lists each layer's error for a model. Their
+            bytes are counted at their own width.
         wide_bits: the width of `wide_layers` (4).
     """
 
     bits: int = 4
     group_size: int = 32
-    residual_length: int = 128
+    residual_length: int = 128  # type: ignore[misc]  # a field here; the base's class default serves codecs without one
     key_axis: Literal["channel", "token"] | None = field(default=None)
     rotate: Literal["none", "hadamard", "per_token", "auto"] = "none"
-    sink_tokens: int = 0
+    sink_tokens: int = 0  # type: ignore[misc]  # a field here; the base's class default serves codecs without one
     codebook: Literal["uniform", "gaussian"] = "uniform"
     pre_rope: bool = False
     wide_layers: str = ""
@@ -199,12 +202,10 @@ class IntNCodec(Codec):
         """pre_rope reads the model's config (its RoPE frequencies); wide_layers checks its layer count."""
         return self.pre_rope or bool(self.wide_layers)
 
-    def for_model(self, config) -> "IntNCodec":
+    def for_model(self, config) -> IntNCodec:
         """Settle `rotate=auto` for the model's family, and read the full-attention layers' RoPE frequencies from
         the config (pre_rope only). A model without RoPE stores its keys unrotated already, so pre_rope has nothing
         to undo there (no frequencies, no change)."""
-        from ..hf.compat import text_config
-
         codec = self
         if codec.rotate == "auto":  # the spec keeps saying `auto`; the copy knows what it means for this model
             codec = copy.copy(codec)
@@ -217,8 +218,6 @@ class IntNCodec(Codec):
                                  f"got {codec.wide_layers!r}")
         if not codec.pre_rope:
             return codec
-        from ..hf.rope import rope_inv_freq
-
         has_rope = getattr(text_config(config), "rope_parameters", None) is not None
         bound = copy.copy(codec)
         inv_freq = tuple(rope_inv_freq(config, "full_attention").tolist()) if has_rope else ()
@@ -243,10 +242,8 @@ class IntNCodec(Codec):
         defaults = PLAIN_NAME_DEFAULTS.get(self.bits, {})
         return join_spec(f"int{self.bits}", changed_fields(self, skip=("bits", "key_axis"), defaults=defaults))
 
-    def for_policy(self, evicts: bool) -> "IntNCodec":
+    def for_policy(self, evicts: bool) -> IntNCodec:
         """Settle `key_axis`: per-channel key groups cannot lose single tokens, so eviction needs per-token keys."""
-        from dataclasses import replace
-
         if self.key_axis is None:
             settled = replace(self, key_axis="token" if evicts else "channel")
             for bound in ("inv_freq", "settled_rotation"):  # replace() resets init=False fields
@@ -259,7 +256,7 @@ class IntNCodec(Codec):
             )
         return self
 
-    def for_layer(self, layer_idx: int) -> "IntNCodec":
+    def for_layer(self, layer_idx: int) -> IntNCodec:
         wide = layer_idx in self.widened
         if self.rotate == "none" and not wide:
             return self
@@ -286,7 +283,9 @@ class IntNCodec(Codec):
     def check_head_dim(self, head_dim: int) -> None:
         unit = values_per_unit(self.bits)
         if head_dim % unit:
-            raise ValueError(f"head_dim {head_dim} cannot be packed at {self.bits} bits: it must be a multiple of {unit}")
+            raise ValueError(
+                f"head_dim {head_dim} cannot be packed at {self.bits} bits: it must be a multiple of {unit}"
+            )
         # Values are always grouped along head_dim (keys too, unless key_axis="channel"), so the group must divide it.
         if head_dim % self.group_size:
             raise ValueError(f"group_size must divide head_dim ({head_dim}), got {self.group_size}")
@@ -351,9 +350,11 @@ class IntNCodec(Codec):
         scale, zero = encoded["scale"].float(), encoded["zero"].float()
         if self._per_channel(kind):
             g = self.group_size
-            out = self._levels(codes, kind).reshape(b, h, t // g, g, d) * scale[:, :, :, None, :] + zero[:, :, :, None, :]
+            levels = self._levels(codes, kind).reshape(b, h, t // g, g, d)
+            out = levels * scale[:, :, :, None, :] + zero[:, :, :, None, :]
         else:
-            out = self._levels(codes, kind).reshape(b, h, t, d // self.group_size, self.group_size) * scale[..., None] + zero[..., None]
+            levels = self._levels(codes, kind).reshape(b, h, t, d // self.group_size, self.group_size)
+            out = levels * scale[..., None] + zero[..., None]
         return out.reshape(b, h, t, d).to(dtype)
 
     def _folded_levels(self, kind: Kind) -> tuple[float, float, float] | None:

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from ..calibration import load_bases
 from .base import Kind
 from .reducing import ReducingCodec
 
@@ -49,12 +50,12 @@ class LowRankCodec(ReducingCodec):
 
     def __post_init__(self):
         if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
-            raise ValueError(f"rank must be a positive integer below head_dim, or None (head_dim // 4), got {self.rank!r}")
+            raise ValueError(
+                f"rank must be a positive integer below head_dim, or None (head_dim // 4), got {self.rank!r}"
+            )
 
-    def reduction_for_model(self, config) -> "LowRankCodec":
+    def reduction_for_model(self, config) -> LowRankCodec:
         """Load and check the bases for this model; settle `rank`."""
-        from ..calibration import load_bases
-
         tensors, meta = load_bases(self.bases, config)
         head_dim, max_rank = int(meta["head_dim"]), int(meta["max_rank"])
         rank = self.rank if self.rank is not None else head_dim // 4
@@ -64,9 +65,10 @@ class LowRankCodec(ReducingCodec):
         object.__setattr__(bound, "_tensors", tensors)
         return bound
 
-    def for_layer(self, layer_idx: int) -> "LowRankCodec":
+    def for_layer(self, layer_idx: int) -> LowRankCodec:
         if self._tensors is None:
             raise ValueError("lowrank needs the model's config to load its bases (make_cache(spec, model.config))")
+        assert self.rank is not None  # settled with the bases (`reduction_for_model`)
         # replace() keeps the layer's bases only, not every layer's; the storage is bound to the layer too.
         bound = replace(self, storage=self.storage.for_layer(layer_idx))
         object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self.rank))

@@ -60,7 +60,7 @@ class ReducingCodec(Codec):
     def token_block(self, kind: Kind) -> int:
         return self.storage.token_block(kind)
 
-    def with_storage(self, storage: Codec) -> "ReducingCodec":
+    def with_storage(self, storage: Codec) -> ReducingCodec:
         """A copy storing with `storage`; unlike `replace`, it keeps what binding set (init=False fields)."""
         if storage is self.storage:
             return self
@@ -68,11 +68,11 @@ class ReducingCodec(Codec):
         object.__setattr__(copied, "storage", storage)
         return copied
 
-    def reduction_for_model(self, config) -> "ReducingCodec":
+    def reduction_for_model(self, config) -> ReducingCodec:
         """The reduction bound to the model (its shape, its calibration); the storage is bound by `for_model`."""
         return self
 
-    def for_model(self, config) -> "ReducingCodec":
+    def for_model(self, config) -> ReducingCodec:
         """Bind the reduction, then the storage codec, to the model. The storage sees the model's own config: what
         it reads there (the family for `rotate=auto`, the layer count for `wide_layers`, the RoPE frequencies for
         `pre_rope`) holds for the reduced states too, except the RoPE frequencies when the reduction does not keep
@@ -88,13 +88,13 @@ class ReducingCodec(Codec):
         if not self.keeps_rope and getattr(innermost, "pre_rope", False):
             raise ValueError(
                 f"pre_rope must be false for a codec stored after {self.name}: its reduced states are not the "
-                f"model's RoPE-turned head vectors; write {self.name}+{replace(innermost, pre_rope=False).spec()}"
+                f"model's RoPE-turned head vectors; write {self.name}+{replace(innermost, pre_rope=False).spec()}"  # type: ignore[call-arg]  # a codec with pre_rope: checked
             )
 
-    def for_policy(self, evicts: bool) -> "ReducingCodec":
+    def for_policy(self, evicts: bool) -> ReducingCodec:
         return self.with_storage(resolve_for_policy(self.storage, evicts))
 
-    def for_layer(self, layer_idx: int) -> "ReducingCodec":
+    def for_layer(self, layer_idx: int) -> ReducingCodec:
         return self.with_storage(self.storage.for_layer(layer_idx))
 
     def check_head_dim(self, head_dim: int) -> None:

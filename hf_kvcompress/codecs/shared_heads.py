@@ -38,13 +38,15 @@ class SharedHeadsCodec(ReducingCodec):
 
     def __post_init__(self):
         if self.heads_per_group is not None and (not isinstance(self.heads_per_group, int) or self.heads_per_group < 2):
-            raise ValueError(f"heads_per_group must be an integer >= 2 or None (all KV heads), got {self.heads_per_group!r}")
+            raise ValueError(
+                f"heads_per_group must be an integer >= 2 or None (all KV heads), got {self.heads_per_group!r}"
+            )
 
     @property
     def heads_per_store(self) -> int:  # type: ignore[override]
         return self.heads_per_group or 1
 
-    def reduction_for_model(self, config) -> "SharedHeadsCodec":
+    def reduction_for_model(self, config) -> SharedHeadsCodec:
         """Settle the group for this model's KV heads; refuse models with one KV head or groups that do not divide."""
         heads = kv_head_count(config)
         self.check_kv_heads(heads)
@@ -65,7 +67,9 @@ class SharedHeadsCodec(ReducingCodec):
 
     def _group(self, heads: int) -> int:
         if self.heads_per_group is None:
-            raise ValueError("shared_heads without heads_per_group needs the model's config (make_cache(spec, model.config))")
+            raise ValueError(
+                "shared_heads without heads_per_group needs the model's config (make_cache(spec, model.config))"
+            )
         self.check_kv_heads(heads)
         return self.heads_per_group
 

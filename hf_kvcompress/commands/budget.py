@@ -12,6 +12,7 @@ import argparse
 
 from hf_kvcompress import budget
 
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `budget`; `run` is its entry point."""
     parser = subparsers.add_parser(
@@ -58,14 +59,14 @@ def _check(args) -> None:
 
 def _load_config(name: str | None):
     """The config alone: an embedded model's GGUF is read, not converted (no weights are loaded or written)."""
-    from ..models import load_config
+    from ..models import load_config  # models.py reads torch: not for --help (tests/test_cli.py)
 
     return load_config(name, convert=False)
 
 
 def _parameter_count(config) -> int:
     """Parameters of the model a config describes, counted on the meta device: no memory, no download."""
-    import torch
+    import torch  # as load_config above
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

@@ -18,12 +18,13 @@ def check_device(device: str | None, flag: str = "--device") -> None:
     """A CUDA device asked of a torch without CUDA (or without a visible GPU) fails here, in one line."""
     if device is None:
         return
-    import torch
+    import torch  # only when a device is asked for: --help reads no torch (tests/test_cli.py)
 
     try:
         kind = torch.device(device).type
     except RuntimeError:
         raise ValueError(f"{flag} must be cpu, cuda, cuda:N or another torch device, got {device!r}") from None
     if kind == "cuda" and not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}, no GPU visible"
+        cuda = torch.version.cuda
+        build = "a CPU-only build" if cuda is None else f"built for CUDA {cuda}, no GPU visible"
         raise ValueError(f"{flag} {device}: this torch ({torch.__version__}) has no CUDA ({build}); use {flag} cpu")

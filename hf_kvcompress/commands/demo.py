@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..extras import require
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -23,7 +25,8 @@ def _run(module, argv: list[str]) -> int:
 
 
 def run(args) -> int:
-    from ..extras import require
+    # the sub-commands it runs: cli.build_parser leaves out a sub-command a build lacks, so demo imports them
+    # only when it runs
     from . import budget, study
 
     require("eval", "hf-kvcompress demo")  # its study: before the budget table prints

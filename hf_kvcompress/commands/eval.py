@@ -17,6 +17,9 @@ import os
 import sys
 import time
 
+from ..extras import require
+from .checks import check_device
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -34,32 +37,45 @@ def _floats(text: str) -> list[float]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The eval options; shared with `python -m hf_kvcompress.eval` (the accelerate entry point)."""
-    parser.add_argument("--model", default=None, help="alias, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="alias, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--methods", default="dynamic",
                         help='comma-separated cache specs, e.g. "dynamic,int4,sink_window:window=256,h2o:budget=256"; '
                              "dynamic (uncompressed) is always added as the baseline")  # fmt: skip
     parser.add_argument("--tasks", default=None,
                         help="comma-separated tasks: needle, multi_needle, kv_retrieval, doc_qa, multi_question, "
-                             "user_needle, user_recall; parameters as in needle:kind=passkey or multi_needle:keys=4,values=2 "
+                             "user_needle, user_recall; parameters as in needle:kind=passkey or "
+                             "multi_needle:keys=4,values=2 "
                              "(default: needle, plus user_needle,user_recall with --documents)")  # fmt: skip
-    parser.add_argument("--lengths", type=_ints, default=[1000, 2000, 3000], help="prompt lengths in the model's tokens (default 1000,2000,3000)")
-    parser.add_argument("--depths", type=_floats, default=[0, 25, 50, 75, 100], help="depths in percent of the document (default 0,25,50,75,100)")
+    parser.add_argument("--lengths", type=_ints, default=[1000, 2000, 3000],
+                        help="prompt lengths in the model's tokens (default 1000,2000,3000)")
+    parser.add_argument("--depths", type=_floats, default=[0, 25, 50, 75, 100],
+                        help="depths in percent of the document (default 0,25,50,75,100)")
     parser.add_argument("--samples", type=int, default=1, help="samples per (task, length, depth) cell (default 1)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many samples per task (quick runs)")
     parser.add_argument("--seed", type=int, default=0, help="sample generation seed (default 0); decoding is greedy")
     parser.add_argument("--split", choices=("dev", "test", "all"), default="test",
                         help="which half of each cell's samples: test (the default: the half to report), dev (the "
-                             "half to tune methods and defaults on) or all (both); --samples counts that half's")  # fmt: skip
-    parser.add_argument("--documents", default=None, help="a folder of .txt, .md, .jsonl files for user_needle and user_recall")
-    parser.add_argument("--query-aware", action="store_true", help="also put the question before the document, inside the compressed prompt")
+                             "half to tune methods and defaults on) or all (both); --samples counts that "
+                             "half's")  # fmt: skip
+    parser.add_argument("--documents", default=None,
+                        help="a folder of .txt, .md, .jsonl files for user_needle and user_recall")
+    parser.add_argument("--query-aware", action="store_true",
+                        help="also put the question before the document, inside the compressed prompt")
     parser.add_argument("--prompt-format", choices=("auto", "chat", "plain"), default="auto",
-                        help="chat: the tokenizer's chat template; plain: 'document, question, answer' (auto: chat if the tokenizer has one)")  # fmt: skip
+                        help="chat: the tokenizer's chat template; plain: 'document, question, answer' (auto: chat "
+                             "if the tokenizer has one)")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=1,
-                        help="samples per forward pass, left-padded; rows share a task and question length (default 1)")  # fmt: skip
-    parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk for methods with bounded memory (default 512)")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu (per process under accelerate)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
-    parser.add_argument("--out", required=True, help="output folder: results.jsonl, summary.md/.csv, plots, data/ (required)")
+                        help="samples per forward pass, left-padded; rows share a task and question length "
+                             "(default 1)")  # fmt: skip
+    parser.add_argument("--chunk-size", type=int, default=512,
+                        help="prefill chunk for methods with bounded memory (default 512)")
+    parser.add_argument("--device", default=None,
+                        help="default: cuda if available, else cpu (per process under accelerate)")
+    parser.add_argument("--dtype", default=None,
+                        help="float32, bfloat16 or float16 (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--out", required=True,
+                        help="output folder: results.jsonl, summary.md/.csv, plots, data/ (required)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -76,10 +92,10 @@ def add_parser(subparsers) -> None:
 
 def check_arguments(args) -> tuple[list[str], list[str]]:
     """(tasks, methods) with every spec parsed and every size checked: bad input fails before the model loads."""
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
     from ..eval.data import read_user_documents
     from ..eval.runner import check_specs
     from ..eval.tasks import parse_task, split_specs
-    from .checks import check_device
 
     if args.tasks is None:
         tasks = ["needle"] + (["user_needle", "user_recall"] if args.documents else [])
@@ -104,15 +120,14 @@ def check_arguments(args) -> tuple[list[str], list[str]]:
 
 
 def run(args) -> int:
-    from ..extras import require
-
-    require("eval", "hf-kvcompress eval")
-    from ..eval.runner import _state, check_context, run_eval
+    require("eval", "hf-kvcompress eval")  # before any of the eval extra's modules is imported
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
+    from ..eval.runner import check_context, distributed_state, run_eval
     from ..models import load_config, load_model
 
     tasks, methods = check_arguments(args)
     check_context(load_config(args.model), args.lengths)  # before the weights load
-    state = _state()
+    state = distributed_state()
     if state is None and os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":
         print("note: `accelerate launch --cpu` starts a single process; to split the samples use "
               "`accelerate launch --multi_gpu --num_processes N` (CPU processes without a GPU) or `torchrun`",

@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..budget import kv_bytes_from_config
+from .checks import DefaultsHelpFormatter, check_device
+
 
 def add_parser(subparsers) -> None:
-    from .checks import DefaultsHelpFormatter
-
     parser = subparsers.add_parser(
         "generate",
         help="answer a prompt with a (compressed) KV cache",
@@ -21,7 +22,8 @@ def add_parser(subparsers) -> None:
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path, help="a file holding the prompt text")
     parser.add_argument("--model", default=None, help="alias, Hub id or local path (default: the embedded SmolLM2)")
-    parser.add_argument("--cache", default="dynamic", help="cache spec, e.g. int4, sink_window:window=256, h2o:budget=256+int4")
+    parser.add_argument("--cache", default="dynamic",
+                        help="cache spec, e.g. int4, sink_window:window=256, h2o:budget=256+int4")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (greedy)")
     parser.add_argument("--prefill-chunk-size", type=int, default=None,
                         help="prefill in chunks of this many tokens (default: 512 for caches with bounded memory, "
@@ -36,16 +38,17 @@ def add_parser(subparsers) -> None:
 def render_prompt(tokenizer, text: str, chat: bool = True) -> str:
     """The prompt as the model expects it: through its chat template when it has one."""
     if chat and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text
 
 
 def served_summary(model, cache) -> str:
     """The cache's bytes at the dtype the model is served in, against an uncompressed cache of the same tokens in
     that dtype (`budget.kv_bytes_from_config`): the ratio a user serving in 16-bit sees, whatever this run's dtype."""
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
     import torch
 
-    from ..budget import kv_bytes_from_config
     from ..eval.runner import served_name
     from ..measure import served_kv_bytes
 
@@ -62,6 +65,7 @@ def served_summary(model, cache) -> str:
 
 
 def run(args) -> int:
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
     from transformers import TextStreamer
 
     from ..generation import generate, repeat_prompt_ids
@@ -69,7 +73,6 @@ def run(args) -> int:
     from ..models import load_model
     from ..registry import bounds_memory, make_cache, needs_attention, parse_spec
     from ..study import residual_note
-    from .checks import check_device
 
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be a positive number of tokens, got {args.max_new_tokens}")
@@ -93,9 +96,11 @@ def run(args) -> int:
         repeat_prompt_ids=repeat_prompt_ids(tokenizer, chat=False if args.no_chat_template else None),
     )
     print(
-        f"\n[cache {cache.spec}] prefill {result.prefill_tokens} tokens at {result.prefill_tokens_per_second:.1f} tok/s; "
+        f"\n[cache {cache.spec}] prefill {result.prefill_tokens} tokens at "
+        f"{result.prefill_tokens_per_second:.1f} tok/s; "
         f"decode {result.decode_tokens} tokens at {result.decode_tokens_per_second:.1f} tok/s; "
-        f"KV cache holds {result.kv_bytes:,} bytes ({cache.stored_tokens} of {cache.get_seq_length()} tokens kept per layer)",
+        f"KV cache holds {result.kv_bytes:,} bytes ({cache.stored_tokens} of {cache.get_seq_length()} tokens kept "
+        "per layer)",
         file=sys.stdout,
     )
     print(f"[cache {cache.spec}] {served_summary(model, cache)}", file=sys.stdout)

@@ -11,7 +11,8 @@ Model `hf-kvcompress`, `--model_args`: `pretrained=` (alias, folder or .gguf; em
 `cache=SPEC` (any cache spec, e.g. cache=int4 or cache=sink_window:window=256; default dynamic), `query_aware`,
 `prompt_format` (auto/chat/plain), `chunk_size` (512), `dtype`, HFLM's own (batch_size, max_length, ...); any other
 is refused. lm-eval splits --model_args at commas outside quotes, so a spec with commas goes in double quotes within
-single ones: --model_args 'pretrained=,cache="h2o:budget=256,recent=64"' (or JSON: '{"cache": "h2o:budget=256,recent=64"}').
+single ones: --model_args 'pretrained=,cache="h2o:budget=256,recent=64"'
+(or JSON: '{"cache": "h2o:budget=256,recent=64"}').
 Tasks shipped: {tasks} (the suite's tasks, the test half of their samples; each has a `_dev` variant, the half to
 tune on, and `--metadata '{"split": "dev"}'` does the same; the document is compressed before the question).
 """
@@ -20,6 +21,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from ..eval.scoring import metrics_dir
+from ..extras import require
 
 
 def add_parser(subparsers) -> None:
@@ -37,8 +42,6 @@ def add_parser(subparsers) -> None:
 
 
 def _default_include_path() -> str | None:
-    from ..eval.scoring import metrics_dir
-
     try:
         return str(metrics_dir().parent)
     except FileNotFoundError:
@@ -47,8 +50,6 @@ def _default_include_path() -> str | None:
 
 def shipped_tasks() -> list[str]:
     """The kvc_* task folders in the eval_tasks shipped with hf-kvcompress."""
-    from pathlib import Path
-
     include = _default_include_path()
     return sorted(p.name for p in Path(include).glob("kvc_*") if p.is_dir()) if include else []
 
@@ -69,8 +70,6 @@ def lm_eval_argv(argv: list[str]) -> list[str]:
 
 
 def run(args) -> int:
-    from ..extras import require
-
     require("lm-eval", "hf-kvcompress lm-eval")
     argv = lm_eval_argv(args.lm_eval_args)
     if not argv or argv[0] in ("-h", "--help"):
@@ -79,7 +78,7 @@ def run(args) -> int:
         from ..eval.lm_eval_model import register
 
         register()
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.__main__ import cli_evaluate  # the lm-eval extra's, checked by require above
 
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]

@@ -6,8 +6,11 @@ import gc
 import json
 import time
 from pathlib import Path
+from typing import Any
 
-from ..budget import GIB
+from ..budget import GIB, dtype_bytes, weight_bytes
+from ..extras import require
+from .checks import DefaultsHelpFormatter
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -21,7 +24,7 @@ def _ints(text: str, name: str) -> list[int]:
 
 
 # Each preset: the grid, the plans (a registry tuple, scaled to the shortest length) and the answer's token cap.
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     # make demo on 2 CPU cores: 30 scored samples per plan (2 lengths x 5 depths x 3), documents of about 1,000 and
     # 1,250 tokens (a length counts the whole prompt; the question and the chat markup take about 40 of it), the
     # best plan of each family and the lesson's stacked ones, every plan from the one shared prefill per document
@@ -42,7 +45,7 @@ PRESETS = {
 
 def preset_plans(preset: str, lengths: list[int], config) -> list[str]:
     """The preset's plans, scaled to the shortest length and the model's head_dim, each once."""
-    from .. import registry, study
+    from .. import registry, study  # the registry reads torch: imported when a study runs, not for --help
 
     plans = []
     for name in PRESETS[preset]["plans"].split(","):
@@ -51,8 +54,6 @@ def preset_plans(preset: str, lengths: list[int], config) -> list[str]:
 
 
 def add_parser(subparsers) -> None:
-    from .checks import DefaultsHelpFormatter
-
     parser = subparsers.add_parser(
         "study",
         help="quality versus memory of every plan on long-context recall",
@@ -77,11 +78,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="processes that split the samples, one per core on a CPU (default: the cores, at most "
                              "4, on a CPU; 1 on a GPU)")
-    parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="GPU memory for the users-per-GPU table")
+    parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB",
+                        help="GPU memory for the users-per-GPU table")
     parser.add_argument("--context", type=int, default=32000,
                         help="tokens per user for the users-per-GPU table (at most the model's "
                              "max_position_embeddings: a longer context is cut to it, and the report says so)")
-    parser.add_argument("--weights", type=float, default=None, metavar="GIB", help="weights in GiB (default: the model's)")
+    parser.add_argument("--weights", type=float, default=None, metavar="GIB",
+                        help="weights in GiB (default: the model's)")
     parser.add_argument("--reserve", type=float, default=0.0, metavar="GIB",
                         help="GPU memory kept free for activations and the runtime, for the users-per-GPU table")
     parser.add_argument("--min-quality", type=float, default=10.0,
@@ -105,7 +108,7 @@ def _baseline(records: list[dict], task: str = "needle") -> float:
 
 def _usable_plans(plans: list[str], config) -> tuple[list[str], dict[str, str]]:
     """The plans this model can run, and why each other one is refused (e.g. sharing on a one-KV-head model)."""
-    from ..registry import make_cache
+    from ..registry import make_cache  # as in preset_plans
 
     usable, refused = [], {}
     for plan in plans:
@@ -119,19 +122,16 @@ def _usable_plans(plans: list[str], config) -> tuple[list[str], dict[str, str]]:
 
 
 def run(args) -> int:
-    from ..extras import require
-
-    require("eval", "hf-kvcompress study")
+    require("eval", "hf-kvcompress study")  # before any of the eval extra's modules is imported
+    # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
     from .. import study
     from ..eval.report import plot_heatmaps, splits_sentence, summarize
-    from ..eval.runner import check_specs
+    from ..eval.runner import check_specs, served_name
     from ..eval.tasks import build_samples, parse_task
+    from ..hf.compat import text_config
     from ..lesson_table import format_lesson_table, lesson_rows
     from ..models import load_model
     from ..study_workers import default_workers, run_plans_split
-    from ..budget import dtype_bytes, weight_bytes
-    from ..eval.runner import served_name
-    from ..hf.compat import text_config
 
     preset = PRESETS[args.preset]
     lengths = _ints(args.lengths or preset["lengths"], "lengths")
@@ -178,7 +178,8 @@ def run(args) -> int:
         workers = args.workers or default_workers(model.device.type)
         workers_used = min(workers, len(samples))
 
-        def progress(done: int, share: int, name: str = name, total: int = len(samples)) -> None:
+        def progress(done: int, share: int, name: str = name, total: int = len(samples),
+                     workers_used: int = workers_used, plans: list[str] = plans) -> None:
             part = f" (this process's share of {total}; {workers_used - 1} more processes)" if share < total else ""
             print(f"  {name}: {done}/{share} samples{part} x {len(plans)} plans, "
                   f"{time.perf_counter() - started:.0f} s", flush=True)
@@ -192,9 +193,12 @@ def run(args) -> int:
             break
         del model
         gc.collect()
-    name = max(runs, key=lambda n: (baselines[n] >= study.BASELINE_RULE, baselines[n])) if not args.model else args.model
+    if args.model:
+        name = args.model
+    else:
+        name = max(runs, key=lambda n: (baselines[n] >= study.BASELINE_RULE, baselines[n]))
     if len(runs) > 1 and baselines[name] < study.BASELINE_RULE:
-        name = max(baselines, key=baselines.get)
+        name = max(baselines, key=lambda n: baselines[n])
     model, records, refused = runs[name]
     summary = summarize(records)
     usable = {t for t in summary["tasks"] if t not in summary["too_hard"]}

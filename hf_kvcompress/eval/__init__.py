@@ -6,8 +6,8 @@
     summarize(records)["ranking"]
 
 `hf-kvcompress eval` is the command line; `accelerate launch --multi_gpu --num_processes N -m hf_kvcompress.eval
-...` or `torchrun --nproc_per_node N -m hf_kvcompress.eval ...` splits the samples between processes. lm-eval users get the same tasks (eval_tasks/kvc_*) and model (`hf-kvcompress`) through
-`hf-kvcompress lm-eval`.
+...` or `torchrun --nproc_per_node N -m hf_kvcompress.eval ...` splits the samples between processes. lm-eval users
+get the same tasks (eval_tasks/kvc_*) and model (`hf-kvcompress`) through `hf-kvcompress lm-eval`.
 """
 
 import importlib

@@ -3,6 +3,7 @@
 import argparse
 import sys
 
+from ..cli import run_command
 from ..commands.eval import __doc__ as _doc
 from ..commands.eval import add_arguments, run
 
@@ -12,8 +13,6 @@ def main(argv=None) -> int:
         prog="python -m hf_kvcompress.eval", description=_doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_arguments(parser)
-    from ..cli import run_command
-
     args = parser.parse_args(argv)
     args.func = run
     return run_command(args, "hf_kvcompress.eval")

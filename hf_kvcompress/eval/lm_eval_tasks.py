@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .prompts import plain_text
+from .prompts import PromptFormat, plain_text
 from .scoring import score_all
 
 
@@ -39,15 +39,15 @@ def dataset(
     split: str = "test",
     limit: int | None = None,
     documents: str | None = None,
-    prompt_format: str = "auto",
+    prompt_format: PromptFormat = "auto",
     task_args: dict | None = None,
     **_ignored,
 ):
     """A DatasetDict with one `test` split (lm-eval's name for what it scores) holding the suite's samples of `task`
     (a task name from tasks.TASKS) from the half `split`."""
-    import datasets
+    import datasets  # the eval extra's
 
-    from .tasks import check_split, sample_split
+    from .tasks import check_split, sample_split  # as below: lm-eval lists tasks without building samples
 
     check_split(split)
 
@@ -55,7 +55,9 @@ def dataset(
         folder = Path(data_dir)
         path = next((p for p in (folder / "data" / f"{task}.jsonl", folder / f"{task}.jsonl") if p.exists()), None)
         if path is None:
-            raise FileNotFoundError(f"no {task}.jsonl in {folder}/data or {folder}: run `hf-kvcompress eval --tasks {task}` first")
+            raise FileNotFoundError(
+                f"no {task}.jsonl in {folder}/data or {folder}: run `hf-kvcompress eval --tasks {task}` first"
+            )
         with open(path, encoding="utf-8") as handle:
             rows = [json.loads(line) for line in handle if line.strip()]
         if split != "all":
@@ -67,6 +69,8 @@ def dataset(
         if limit is not None:
             rows = rows[: int(limit)]
         return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+    # lm-eval imports every task folder's utils when it lists tasks: the model and the sample builder load only
+    # when a task's samples are built
     from ..models import load_model
     from .tasks import build_samples
 

@@ -12,8 +12,10 @@ import math
 import os
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
+from .. import registry
 from .tasks import BANDS, band_of, sample_split
 
 BASELINE = "dynamic"
@@ -141,8 +143,6 @@ def _mib(value) -> str:
 def _describe(spec: str) -> str | None:
     """The registry's one-line description of a method, when the registry offers one."""
     try:
-        from .. import registry
-
         describer = getattr(registry, "describe", None)
         return describer(spec) if describer is not None else None
     except Exception:  # a description is a courtesy; a spec the registry no longer parses still gets its table
@@ -158,7 +158,7 @@ def _bytes_sentence(summary: dict) -> str:
             f"against the uncompressed {served} cache.")
 
 
-def markdown(summary: dict, records: list[dict], notes: list[str] = ()) -> str:
+def markdown(summary: dict, records: list[dict], notes: Sequence[str] = ()) -> str:
     """The summary as markdown: `notes`, the ranking, then one table per task (with scores by context length)."""
     models = sorted({str(r.get("model")) for r in records})
     lines = [
@@ -196,14 +196,16 @@ def markdown(summary: dict, records: list[dict], notes: list[str] = ()) -> str:
         metric = next((r.get("metric") for r in records if r["task"] == task), "")
         lines += ["", f"## `{task}` ({metric}){flag}", ""]
         head = ["method", "score", "dynamic", "delta", "correct %"] + [f"L{length}" for length in lengths] + bands
-        head += [f"KV doc (MiB, {summary.get('bytes_dtype', '?')})", "KV peak (MiB)", "memory vs dynamic", "tokens kept", "prefill s", "decode s", "n"]
+        head += [f"KV doc (MiB, {summary.get('bytes_dtype', '?')})", "KV peak (MiB)", "memory vs dynamic",
+                 "tokens kept", "prefill s", "decode s", "n"]
         lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         for r in rows:
             cells = [f"`{r['method']}`", _f(r["score"]), _f(r["dynamic"]), _f(r["delta"]), _f(r["correct"])]
             cells += [_f(r["by_length"].get(length)) for length in lengths]
             cells += [_f(r.get("by_band", {}).get(name)) for name in bands]
             cells += [_mib(r["kv_bytes_document"]), _mib(r["kv_bytes_peak"]), _f(r["memory_ratio"], 3),
-                      _f(r["tokens_kept"], 0), _f(r["prefill_seconds"], 2), _f(r["decode_seconds"], 2), str(r["n"])]  # fmt: skip
+                      _f(r["tokens_kept"], 0), _f(r["prefill_seconds"], 2), _f(r["decode_seconds"], 2),
+                      str(r["n"])]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -227,7 +229,7 @@ def slug(text: str) -> str:
 
 def plot_heatmaps(records: list[dict], out_dir: str | os.PathLike) -> list[Path]:
     """One PNG per method: for each task, the mean score on a depth (rows) x length (columns) grid."""
-    import matplotlib
+    import matplotlib  # the eval extra's: plots only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -270,7 +272,7 @@ def plot_heatmaps(records: list[dict], out_dir: str | os.PathLike) -> list[Path]
 
 def plot_quality_vs_memory(summary: dict, out_dir: str | os.PathLike) -> Path:
     """Mean score against mean peak KV memory per method (ranked tasks, or all tasks if none is rankable)."""
-    import matplotlib
+    import matplotlib  # the eval extra's: plots only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -306,7 +308,7 @@ def plot_quality_vs_memory(summary: dict, out_dir: str | os.PathLike) -> Path:
     return path
 
 
-def write_reports(records: list[dict], out_dir: str | os.PathLike, notes: list[str] = ()) -> dict:
+def write_reports(records: list[dict], out_dir: str | os.PathLike, notes: Sequence[str] = ()) -> dict:
     """summary.md (`notes` under its header), summary.csv, heatmap_<method>.png and quality_vs_memory.png in
     `out_dir`; returns the summary."""
     out = Path(out_dir)

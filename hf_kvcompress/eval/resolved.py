@@ -10,15 +10,15 @@ import dataclasses
 import hashlib
 import json
 
+from ..codecs.base import resolve_for_model
+from ..registry import parse_spec
+
 _PLAIN = (str, int, float, bool, type(None))
 
 
 def resolved_digest(spec: str, config) -> str:
     """Hash of every field of the spec's policy and of its codec bound to `config` (defaults, and what binding
     settled, nested storage codecs included)."""
-    from ..codecs.base import resolve_for_model
-    from ..registry import parse_spec
-
     policy, codec = parse_spec(spec)
     text = json.dumps([_fields(policy), _fields(resolve_for_model(codec, config))], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -27,7 +27,7 @@ def resolved_digest(spec: str, config) -> str:
 def _fields(obj) -> dict:
     """The class name and every field, init=False ones included; values that are not plain data (loaded
     calibration tensors) are left out: what they were loaded from is a field."""
-    out = {"class": type(obj).__name__}
+    out: dict[str, object] = {"class": type(obj).__name__}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):

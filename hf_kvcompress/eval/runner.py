@@ -15,19 +15,25 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from .. import __version__, registry
+from ..budget import served_dtype
 from ..generation import generate, prefill, repeat_prompt_ids, sync
+from ..hf.attention import use_kvcompress_attention
 from ..measure import measured_kv_bytes, served_kv_bytes
-from .prompts import encode, protocol_name, uses_chat
+from . import report
+from .prompts import PromptFormat, encode, protocol_name, uses_chat
 from .resolved import resolved_digest
 from .scoring import score_all
+from .tasks import build_samples, check_split, sample_split
 
 BASELINE = "dynamic"
 RESULTS = "results.jsonl"
@@ -46,26 +52,20 @@ SETTING_FIELDS = ("model", "dtype", "device", "protocol", "prompt_format", "chun
 
 
 def make_cache(spec: str, config):
-    """A fresh cache for `spec` from the registry (imported here, so this module loads without it)."""
-    from .. import registry
-
+    """A fresh cache for `spec` from the registry."""
     return registry.make_cache(spec, config)
 
 
 def _bounds_memory(spec: str) -> bool:
-    from .. import registry
-
     return registry.bounds_memory(spec)
 
 
 def _needs_attention(spec: str) -> bool:
-    from .. import registry
-
     check = getattr(registry, "needs_attention", None)
     return bool(check(spec)) if check is not None else False
 
 
-def _tokens_stored(cache) -> float:
+def tokens_per_layer(cache) -> float:
     """Tokens a cache holds per layer (mean over layers), padding included."""
     counts = []
     for layer in getattr(cache, "layers", []):
@@ -78,7 +78,7 @@ def _tokens_stored(cache) -> float:
     return sum(counts) / len(counts) if counts else float("nan")
 
 
-class _Attention:
+class AttentionSwitch:
     """Switch the model to the attention function that reports attention scores while a method needs it."""
 
     def __init__(self, model, spec: str):
@@ -87,8 +87,6 @@ class _Attention:
 
     def __enter__(self):
         if self.needed:
-            from ..hf.attention import use_kvcompress_attention
-
             use_kvcompress_attention(self.model)
         return self
 
@@ -134,8 +132,6 @@ def left_pad(rows: Sequence[tuple[list[int], list[int]]], pad_token_id: int):
 def served_name(model) -> str:
     """The dtype the model is served in, whose bytes the reports compare: the dtype it runs in when that is 16-bit,
     else its config's 16-bit dtype, else bfloat16 (`budget.served_dtype`); a CPU runs it in float32."""
-    from ..budget import served_dtype
-
     return served_dtype(model.dtype, getattr(model.config, "dtype", None))[0]
 
 
@@ -167,7 +163,7 @@ class CompressedDocument:
             self.peak = max(self.peak, measured_kv_bytes(self.cache))
             self.peak_served = max(self.peak_served, served_kv_bytes(self.cache, self.served))
 
-        with _Attention(model, spec):
+        with AttentionSwitch(model, spec):
             sync(model.device)
             start = time.perf_counter()
             prefill(model, self.ids, self.mask, self.cache, chunk_size=self.step, repeat_prompt_ids=repeat_prompt_ids,
@@ -176,7 +172,7 @@ class CompressedDocument:
             self.seconds = time.perf_counter() - start
         self.kv_bytes = measured_kv_bytes(self.cache)
         self.kv_bytes_served = served_kv_bytes(self.cache, self.served)
-        self.tokens_stored = _tokens_stored(self.cache)
+        self.tokens_stored = tokens_per_layer(self.cache)
 
     @torch.inference_mode()
     def answer(self, questions: Sequence[list[int]], max_new_tokens: int, *, copy: bool = False,
@@ -191,10 +187,10 @@ class CompressedDocument:
         question_ids = torch.tensor(list(questions), dtype=torch.long, device=self.ids.device)
         full_ids = torch.cat([self.ids, question_ids], dim=1)
         full_mask = torch.cat([self.mask, torch.ones_like(question_ids)], dim=1)
-        with _Attention(self.model, self.spec):
+        with AttentionSwitch(self.model, self.spec):
             result = generate(self.model, full_ids, full_mask, cache, max_new_tokens=max_new_tokens,
                               prefill_chunk_size=self.step)  # fmt: skip
-        eos = _eos_ids(self.model)
+        eos = eos_ids(self.model)
         new_tokens = []
         for row in result.new_tokens.tolist():
             cut = next((i for i, t in enumerate(row) if t in eos), len(row))
@@ -233,7 +229,8 @@ def run_batch(
     return document.answer([q for _, q in rows], max_new_tokens)
 
 
-def _eos_ids(model) -> set[int]:
+def eos_ids(model) -> set[int]:
+    """The model's end-of-sequence token ids (its generation config may give one or several)."""
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:
         return set()
@@ -271,7 +268,7 @@ def plan_batches(
     sample_ids: Sequence[str],
     batch_size: int,
     chunk_size: int | None,
-    done: set[tuple[str, str]] = frozenset(),
+    done: Collection[tuple[str, str]] = frozenset(),
     groups: Sequence[str] | None = None,
 ) -> list[WorkItem]:
     """The batches of a run, the same whatever the number of processes.
@@ -371,7 +368,7 @@ def export_samples(samples, out_dir: str | os.PathLike) -> list[Path]:
 # ------------------------------------------------------------------------------------------------ the run
 
 
-def _state():
+def distributed_state():
     """accelerate's PartialState when launched with several processes, else None (no distributed set-up).
 
     `accelerate launch --multi_gpu` and `torchrun` start the processes and set WORLD_SIZE; without a GPU the
@@ -381,7 +378,7 @@ def _state():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
-    from accelerate import PartialState
+    from accelerate import PartialState  # the eval extra's; a single process never needs it
 
     state = PartialState(cpu=not torch.cuda.is_available())
     if state.num_processes != world:
@@ -392,8 +389,6 @@ def _state():
 def package_version() -> str:
     """The source's version: an editable install's metadata keeps the version it was installed at, and a stale
     version would let the runner reuse results made by other code."""
-    from .. import __version__
-
     return __version__
 
 
@@ -425,8 +420,6 @@ def check_context(config, lengths: Sequence[int], max_new_tokens: int = 0) -> No
 
 def check_specs(methods: Sequence[str]) -> None:
     """Parse every cache spec before any work, so a typo fails at once with the registry's message."""
-    from .. import registry
-
     for spec in methods:
         registry.parse_spec(spec)
 
@@ -446,7 +439,7 @@ def run_eval(
     split: str = "test",
     documents: str | None = None,
     query_aware: bool = False,
-    prompt_format: str = "auto",
+    prompt_format: PromptFormat = "auto",
     batch_size: int = 1,
     chunk_size: int | None = 512,
     limit: int | None = None,
@@ -471,8 +464,6 @@ def run_eval(
     returns all records. Specs, sizes and the model's context are checked before any work; `counts`, when
     given, receives how many pairs were reused from out_dir and how many this run evaluates.
     """
-    from .tasks import build_samples, check_split, sample_split
-
     check_split(split)
     methods = list(dict.fromkeys([BASELINE, *methods] if baseline else methods))
     if not methods:
@@ -486,7 +477,7 @@ def run_eval(
         raise ValueError(f"--chunk-size must be a positive number of tokens, got {chunk_size}")
     if samples is None:
         check_context(model.config, lengths)
-    state = _state()
+    state = distributed_state()
     is_main = state is None or state.is_main_process
     if samples is None:
         samples = build_samples(
@@ -504,7 +495,9 @@ def run_eval(
     encoded = [encode(tokenizer, row, query_aware=query_aware, prompt_format=prompt_format) for row in rows]
     protocol = protocol_name(query_aware)
     chat = uses_chat(tokenizer, prompt_format)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _first(model.generation_config.eos_token_id)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = first_item(model.generation_config.eos_token_id)
     repeat_ids = repeat_prompt_ids(tokenizer, chat=chat)
 
     out = Path(out_dir) if out_dir is not None else None
@@ -562,11 +555,10 @@ def run_eval(
     bar = None
     if progress and is_main:
         if not plan:
-            print(f"eval: all {len(done)} results are already in {out / RESULTS} (same settings); nothing to run",
+            where = "" if out is None else f" in {out / RESULTS}"  # without an output folder: no samples
+            print(f"eval: all {len(done)} results are already{where} (same settings); nothing to run",
                   file=sys.stderr)  # fmt: skip
         else:
-            from tqdm.auto import tqdm
-
             where = f" [process 0 of {state.num_processes}: its share]" if state is not None else ""
             earlier = f", {len(done)} done before" if done else ""
             bar = tqdm(total=sum(len(item.rows) for item in mine), desc=f"eval{where}{earlier}", unit=" samples",
@@ -638,7 +630,7 @@ def run_eval(
             bar.close()
 
     if state is not None:
-        from accelerate.utils import gather_object
+        from accelerate.utils import gather_object  # the eval extra's, as in distributed_state
 
         state.wait_for_everyone()
         gathered = gather_object(new_records)
@@ -651,8 +643,6 @@ def run_eval(
     by_key.update({(r["method"], r["sample_id"]): r for r in new_records})
     records = [by_key[(m, s)] for m in methods for s in sample_ids if (m, s) in by_key]
     if out is not None and write_reports and is_main:
-        from .report import write_reports as _write
-
         # The reports cover the folder, not this run alone: methods of earlier runs stay in summary.md when
         # their records match this run's samples and settings (what a rerun of them would reuse).
         folder, stored, left_out = read_results(out), [], []
@@ -672,7 +662,7 @@ def run_eval(
                 left_out.append(method)
         notes = [f"Also in {RESULTS}, made with other settings or samples than this run's and not summarized: "
                  + ", ".join(f"`{m}`" for m in left_out) + "."] if left_out else []  # fmt: skip
-        _write(records + stored, out, notes=notes)
+        report.write_reports(records + stored, out, notes=notes)
     return records
 
 
@@ -700,5 +690,6 @@ def _merge_shards(out: Path) -> None:
         shard.unlink()
 
 
-def _first(value):
+def first_item(value):
+    """`value`'s first element when it is a list or tuple (a config's several EOS ids), else `value`."""
     return value[0] if isinstance(value, (list, tuple)) else value

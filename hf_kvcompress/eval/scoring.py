@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 METRICS = ("string_match_all", "string_match_part", "exact_match")
@@ -11,7 +11,7 @@ METRICS = ("string_match_all", "string_match_part", "exact_match")
 def metrics_dir() -> Path:
     """eval_tasks/metrics/: in a checkout and in an installed wheel alike, `eval_tasks` sits beside the package."""
     try:
-        import eval_tasks
+        import eval_tasks  # the metrics' folder, when installed as a package beside hf_kvcompress
 
         folders = [Path(p) for p in eval_tasks.__path__]
     except ImportError:
@@ -23,12 +23,12 @@ def metrics_dir() -> Path:
     raise FileNotFoundError("eval_tasks/metrics/ was not found next to hf_kvcompress")
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_metric(name: str):
     """`evaluate.load` of one local metric module: `string_match_all`, `string_match_part` or `exact_match`."""
     if name not in METRICS:
         raise ValueError(f"unknown metric {name!r}; choose from {METRICS}")
-    import evaluate
+    import evaluate  # the eval extra's
 
     return evaluate.load(str(metrics_dir() / f"{name}.py"))
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 from . import data
+from .prompts import PromptFormat, encode
 
 # A small built-in vocabulary for needle keys (RULER draws adjective-noun pairs from wonderwords' lists).
 _ADJECTIVES = (
@@ -131,7 +132,8 @@ def _cyclic(words: Sequence[str], start: int, n: int) -> list[str]:
 def _insert(words: list[str], needles: list[tuple[float, str]]) -> str:
     """Words with each (depth percent, sentence) inserted at the sentence boundary nearest that depth."""
     starts = _sentence_starts(words)
-    placed = sorted(((_snap(starts, depth / 100 * len(words)), order, text) for order, (depth, text) in enumerate(needles)))
+    placed = sorted((_snap(starts, depth / 100 * len(words)), order, text)
+                    for order, (depth, text) in enumerate(needles))
     pieces, last = [], 0
     for position, _, text in placed:
         pieces.extend(words[last:position])
@@ -168,13 +170,23 @@ class Task:
         """What identifies this task's samples: the spec, plus a digest of the user's documents if it reads them."""
         if not self.uses_documents:
             return self.spec
-        digest = hashlib.sha256(" ".join(data.user_document_words(self.documents)).encode()).hexdigest()[:10]
+        digest = hashlib.sha256(" ".join(data.user_document_words(self._documents())).encode()).hexdigest()[:10]
         return f"{self.spec}@{digest}"
 
     def haystack(self) -> Sequence[str]:
-        return data.user_document_words(self.documents) if self.uses_documents else data.essay_words()
+        return data.user_document_words(self._documents()) if self.uses_documents else data.essay_words()
+
+    def _documents(self) -> str:
+        if self.documents is None:
+            raise ValueError(f"task {self.name!r} reads the user's documents: give their folder (--documents)")
+        return self.documents
 
     def build(self, rng: random.Random, length: int, depth: float, measure: Measure) -> dict:
+        raise NotImplementedError
+
+    def build_document(self, rng: random.Random, length: int, depths: Sequence[float], half: str,
+                       measure: Measure) -> list[dict]:
+        """The samples of one document, one per depth (tasks whose `asks_per_document` is True)."""
         raise NotImplementedError
 
 
@@ -260,7 +272,8 @@ class MultiNeedleTask(Task):
                 keys.append(candidate)
         values = [[_number(rng) for _ in range(self.values)] for _ in keys]
         one = self.values == 1
-        template = "The special magic number for {key} is: {value}." if one else "One of the special magic numbers for {key} is: {value}."
+        template = ("The special magic number for {key} is: {value}." if one
+                    else "One of the special magic numbers for {key} is: {value}.")
         needles = []
         for k, key in enumerate(keys):
             for v, value in enumerate(values[k]):
@@ -300,7 +313,8 @@ class KVRetrievalTask(Task):
             body = ",\n ".join(f'"{k}": "{v}"' for k, v in pairs[:n])
             return {"instruction": "Extract the value corresponding to the specified key in the JSON object below.",
                     "document": "JSON data:\n{" + body + "}", "question": f'Key: "{asked[0]}"',
-                    "answer_prefix": "Corresponding value:", "references": [asked[1]], "max_new_tokens": 48}  # fmt: skip
+                    "answer_prefix": "Corresponding value:", "references": [asked[1]],
+                    "max_new_tokens": 48}  # fmt: skip
 
         return fit(make, measure, length, hi=most)
 
@@ -400,7 +414,8 @@ class UserRecallTask(Task):
             rest = hay[at + cue_len : at + cue_len + self.words]
             chunks = [" ".join(rest[i : i + 3]) for i in range(0, len(rest), 3)] or [cue]
             return {"instruction": "Read the following text carefully. I will ask you to quote part of it afterwards.",
-                    "document": " ".join(hay), "question": f'Continue the passage that starts with "{cue}", word for word.',
+                    "document": " ".join(hay),
+                    "question": f'Continue the passage that starts with "{cue}", word for word.',
                     "answer_prefix": f'"{cue}', "references": chunks, "max_new_tokens": 2 * self.words + 8}  # fmt: skip
 
         return fit(make, measure, length, hi=length)
@@ -449,15 +464,20 @@ _FACTS = {
 }
 
 
+def _fact_value(rng: random.Random, kind: str, month: str, year: str) -> str:
+    """A value of `kind` for a fact; draws from `rng` only what that kind needs (a date is `month year`)."""
+    return {"number": lambda: str(rng.randint(1000, 9999)),
+            "name": lambda: f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}",
+            "date": lambda: f"{month} {year}", "place": lambda: rng.choice(_PLACES),
+            "phrase": lambda: rng.choice(_MOTTOS)}[kind]()  # fmt: skip
+
+
 def _fact(rng: random.Random, kind: str, subject: str, used: set[str]) -> tuple[str, str, str, list[str]]:
     """(fact sentence, question, answer prefix, references) of one fact of `kind` about `subject`; a value in
     `used` is drawn again, so no two facts of a document share an answer."""
     while True:
         month, year = rng.choice(_MONTHS), str(rng.randint(1720, 1899))
-        value = {"number": lambda: str(rng.randint(1000, 9999)),
-                 "name": lambda: f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}",
-                 "date": lambda: f"{month} {year}", "place": lambda: rng.choice(_PLACES),
-                 "phrase": lambda: rng.choice(_MOTTOS)}[kind]()  # fmt: skip
+        value = _fact_value(rng, kind, month, year)
         if value not in used:
             used.add(value)
             break
@@ -486,7 +506,9 @@ class MultiQuestionTask(Task):
     def __post_init__(self):
         unknown = [k for k in self.kinds.split("+") if k not in _FACTS]
         if unknown or not self.kinds:
-            raise ValueError(f"multi_question: kinds must be some of {'+'.join(_FACTS)} joined by '+', got {self.kinds!r}")
+            raise ValueError(
+                f"multi_question: kinds must be some of {'+'.join(_FACTS)} joined by '+', got {self.kinds!r}"
+            )
 
     def haystack(self, half: str = "test") -> Sequence[str]:
         return data.book_words(half)
@@ -503,7 +525,8 @@ class MultiQuestionTask(Task):
         chosen: list[tuple[str, str]] = []
         while len(chosen) < len(depths):  # every fact about another founder's name and another kind of building
             founder, building = rng.choice(pairs)
-            if all(founder != f and building != b for f, b in chosen) or len(chosen) >= min(len(_FOUNDERS), len(_BUILDINGS)):
+            distinct = all(founder != f and building != b for f, b in chosen)
+            if distinct or len(chosen) >= min(len(_FOUNDERS), len(_BUILDINGS)):
                 chosen.append((founder, building))
         used: set[str] = set()
         facts = [_fact(rng, kinds[(offset + k) % len(kinds)], f"the {founder} {building}", used)
@@ -511,17 +534,17 @@ class MultiQuestionTask(Task):
         instruction = "Read the following text carefully. I will ask you a question about it afterwards."
 
         def make(n: int) -> list[dict]:
-            document = _insert(_cyclic(words, start, n), [(depth, fact[0]) for depth, fact in zip(depths, facts)])
+            placed = [(depth, fact[0]) for depth, fact in zip(depths, facts, strict=True)]
+            document = _insert(_cyclic(words, start, n), placed)
             return [{"instruction": instruction, "document": document, "question": question, "answer_prefix": prefix,
                      "references": references, "max_new_tokens": 16}
                     for _, question, prefix, references in facts]  # fmt: skip
 
-        longest = lambda rows: max(measure(row) for row in rows)  # noqa: E731
         lo, hi, best = 0, length, None
         while lo <= hi:  # the longest n whose every prompt fits `length` (the prompts grow with n)
             mid = (lo + hi) // 2
             rows = make(mid)
-            if longest(rows) <= length:
+            if max(measure(row) for row in rows) <= length:
                 best, lo = rows, mid + 1
             else:
                 hi = mid - 1
@@ -591,7 +614,7 @@ def build_samples(
     seed: int = 0,
     split: str = "test",
     documents: str | None = None,
-    prompt_format: str = "auto",
+    prompt_format: PromptFormat = "auto",
     limit: int | None = None,
 ):
     """The evaluation samples as a `datasets.Dataset`, one row per (task, length, depth, index).
@@ -601,9 +624,7 @@ def build_samples(
     `samples_per_cell` counts the samples of that half in each cell; `limit` keeps the first `limit` samples of
     each task. Each row records its `split`.
     """
-    import datasets
-
-    from .prompts import encode
+    import datasets  # the eval extra's: the samples are built only by the lab
 
     check_split(split)
 
@@ -636,7 +657,10 @@ def build_samples(
         if task.uses_documents and task.documents is None and documents is not None:
             task = replace(task, documents=str(documents))
         made: list[dict] = []
-        full = lambda: limit is not None and len(made) >= limit  # noqa: E731
+
+        def full(made: list[dict] = made) -> bool:
+            return limit is not None and len(made) >= limit
+
         for length in lengths:
             if task.asks_per_document:
                 for index in indices:
@@ -644,7 +668,8 @@ def build_samples(
                         break
                     rng = document_rng(seed, task, length, depths, index)
                     questions = task.build_document(rng, length, depths, sample_split(index), measure)
-                    made += [row(task, length, d, index, checked(task, length, q)) for d, q in zip(depths, questions)]
+                    made += [row(task, length, d, index, checked(task, length, q))
+                             for d, q in zip(depths, questions, strict=False)]
                 continue
             for depth in depths:
                 for index in indices:

@@ -15,10 +15,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..caches.requests import MASK_KEY, OBSERVER_KEY, STORE_KEY
 from .compat import text_config
+from .hidden_states import offer_hidden_states
 
 ATTENTION_NAME = "kvcompress_sdpa"
-# Queries per block of the statistics: a block's logits are then a few MiB (SmolLM2 at 3k tokens: 3.5 MiB), so
-# softmax and the sum read them back from cache; 32 took 2/3 of 256's time at 3k x 1 and 4/5 at 2k x 8.
+# Queries per block of the statistics: a block's logits stay a few MiB, so softmax and the sum read them back from
+# cache instead of memory (timings in docs/benchmark-notes.md).
 QUERY_BLOCK = 32
 
 
@@ -130,7 +131,8 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
         store.used = True
         if store.fused:  # read the encoded store a block at a time (caches/store_attention.py)
             return store.layer.attend(query, attention_mask, scale), None
-    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                       **kwargs)
     if request is not None and request.queries:  # Expected Attention models the next queries from these
         newest = query.shape[2] if request.newest_queries is None else min(request.newest_queries, query.shape[2])
         request.deliver(query[:, :, query.shape[2] - newest :].float() * scale)
@@ -172,7 +174,8 @@ def engage(config) -> str | None:
 
 
 def use_kvcompress_attention(model):
-    """Switch `model` to the attention function that feeds attention-scored policies (H2O); returns the model."""
+    """Switch `model` to the attention function that feeds attention-scored policies (H2O), and hook its attention
+    modules to hand probe-scored policies (KVzap) their hidden states (hidden_states.py); returns the model."""
     register()
     model.set_attn_implementation(ATTENTION_NAME)
-    return model
+    return offer_hidden_states(model)

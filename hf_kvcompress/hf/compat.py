@@ -5,18 +5,19 @@ from __future__ import annotations
 import inspect
 from contextlib import contextmanager
 from contextvars import ContextVar
-from functools import lru_cache
+from functools import cache
 
 import transformers
 
 
-@lru_cache(maxsize=None)
+@cache
 def cache_argument_name() -> str:
     """Name of generate()'s cache argument: `cache` since transformers 5.24, `past_key_values` before."""
     params = inspect.signature(transformers.GenerationMixin.generate).parameters
     if "cache" in params:
         return "cache"
-    # 5.24 takes `cache` through a deprecation decorator that renames `past_key_values`; older 5.x only knows the latter.
+    # 5.24 takes `cache` through a deprecation decorator that renames `past_key_values`; older 5.x only knows the
+    # latter.
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
     return "cache" if (major, minor) >= (5, 24) else "past_key_values"
 

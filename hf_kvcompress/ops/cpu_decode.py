@@ -18,7 +18,7 @@ import shutil
 import sys
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -74,12 +74,14 @@ def _load_built(name: str, library: Path):
     """Import an extension already built: importing torch.utils.cpp_extension to ask costs 0.2 s of CPU (setuptools),
     a fifth of a decode step's time at 4k tokens if paid at the first step of a short generation."""
     spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the built extension {library}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-@lru_cache(maxsize=None)
+@cache
 def _extension(flags: tuple[str, ...] = tuple(FLAGS)):
     """The compiled module, or None (with one warning) when it cannot be built here. Other `flags` build another
     copy (the tests build one with -mno-avx512f, to run the AVX2 paths on an AVX-512 CPU)."""
@@ -89,7 +91,7 @@ def _extension(flags: tuple[str, ...] = tuple(FLAGS)):
         library = folder / f"{name}.so"
         if library.exists():
             return _load_built(name, library)
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import load  # heavy, and needs the cpu-kernel extra (ninja): only to build
 
         folder.mkdir(parents=True, exist_ok=True)
         source = folder / SOURCE.name  # compiled from a copy at a path that only this source's digest names

@@ -47,7 +47,7 @@ def _blockwise(x: torch.Tensor) -> torch.Tensor:
     blocks = power_of_two_blocks(x.shape[-1])
     if len(blocks) == 1:
         return fwht(x)
-    return torch.cat([fwht(part) for part in torch.split(x, blocks, dim=-1)], dim=-1)
+    return torch.cat([fwht(part) for part in torch.split(x, list(blocks), dim=-1)], dim=-1)
 
 
 def rotate(x: torch.Tensor, seed: int) -> torch.Tensor:
@@ -94,7 +94,7 @@ def rotate_rows(x: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tens
 
 def rotate_batch_rows(x: torch.Tensor, seed: int) -> torch.Tensor:
     """`rotate` of x [B, ..., D] on the CPU as one matmul per batch row with the cached matrix: for the many rows
-    of pre_rope's offset queries (96 for SmolLM2) the transform's small ops cost 0.22 ms per layer and this 0.04.
+    of pre_rope's offset queries one product costs less than the transform's many small ops (docs/speed.md).
     BLAS may round a row differently with another number of rows, so each batch row is its own product (of the same
     shape whatever the batch size): a row is rotated within a batch exactly as it is alone."""
     if not x.is_cpu or x.dim() < 2:

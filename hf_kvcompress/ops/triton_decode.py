@@ -11,12 +11,16 @@ only under TRITON_INTERPRET=1 (the tests).
 from __future__ import annotations
 
 import importlib.util
-from functools import lru_cache
+from functools import cache
+from typing import Any
 
 import torch
 
 SUPPORTED_BITS = (2, 4, 8)
-triton = tl = _dequantise = None  # built on first use: Triton reads TRITON_INTERPRET when it is imported
+# Built on first use: Triton reads TRITON_INTERPRET when it is imported (the triton extra ships no types: Any).
+triton: Any = None
+tl: Any = None
+_dequantise: Any = None
 
 
 def available() -> bool:
@@ -24,11 +28,11 @@ def available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel():
     """The jitted kernel, built on first use (importing triton then, not with the package)."""
     global triton, tl, _dequantise  # jitted kernels find the functions they call among the module's globals
-    import triton
+    import triton  # the triton extra, imported when the kernel is first built
     import triton.language as tl
 
     @triton.jit
@@ -103,11 +107,13 @@ def _layout(encoded: dict, tokens: int, dim: int) -> tuple[int, int, int]:
 
 def supports(encoded_keys: dict, encoded_values: dict, tokens: int, dim: int, value_dim: int) -> bool:
     """Whether the kernel reads this store: packed codes with a scale and zero per group, power-of-two dims."""
-    if not available() or set(encoded_keys) != {"codes", "scale", "zero"} or set(encoded_values) != {"codes", "scale", "zero"}:
+    packed = {"codes", "scale", "zero"}
+    if not available() or set(encoded_keys) != packed or set(encoded_values) != packed:
         return False
     if dim & (dim - 1) or value_dim & (value_dim - 1) or dim < 16 or value_dim < 16:
         return False
-    return _layout(encoded_keys, tokens, dim)[0] in SUPPORTED_BITS and _layout(encoded_values, tokens, value_dim)[0] in SUPPORTED_BITS
+    return (_layout(encoded_keys, tokens, dim)[0] in SUPPORTED_BITS
+            and _layout(encoded_values, tokens, value_dim)[0] in SUPPORTED_BITS)
 
 
 def decode_attention_partials(

@@ -33,6 +33,7 @@ class Policy:
     scores_by_reconstruction: ClassVar[bool] = False  # KVzip: scored by generation.prefill's reconstruction pass
     needs_queries: ClassVar[bool] = False  # score() reads the newest queries (RecentQueries), not attention statistics
     needs_values: ClassVar[bool] = False  # score() reads the kept values
+    needs_hidden_states: ClassVar[bool] = False  # scored from the hidden state entering attention (KVzap's probe)
 
     @property
     def budget(self) -> int | None:
@@ -70,6 +71,7 @@ class Policy:
         """Real tokens each row may keep, [B], from the real tokens it has seen (never fewer than sinks + recent)."""
         if self.budget is not None:
             return torch.full_like(real_seen, self.budget)
+        assert self.ratio is not None  # an evicting policy without a budget has a ratio (check_budget_or_ratio)
         floor = torch.clamp(real_seen, max=self.sink_tokens + self.recent)
         share = torch.ceil(real_seen.double() * self.ratio).long()
         return torch.maximum(share, floor)
@@ -127,7 +129,9 @@ def check_budget_or_ratio(policy, default_budget: int, floor: int) -> None:
     """Validate a policy's `budget` / `ratio` fields: exactly one of them (`default_budget` when neither is given)."""
     budget, ratio = policy.budget, policy.ratio
     if budget is not None and ratio is not None:
-        raise ValueError(f"give either budget (tokens) or ratio (share of the tokens seen), not both: got {budget!r}, {ratio!r}")
+        raise ValueError(
+            f"give either budget (tokens) or ratio (share of the tokens seen), not both: got {budget!r}, {ratio!r}"
+        )
     if ratio is not None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1 or math.isnan(ratio):
             raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
@@ -171,12 +175,13 @@ def select_kept(
     batch = pads.shape[0]
     device = pads.device
     if keep is None:
+        assert policy.budget is not None  # callers give `keep` unless the budget is fixed
         keep = torch.full((batch,), policy.budget, dtype=torch.long, device=device)
     total = int(keep.max()) if most is None else most
     keep = torch.minimum(keep, length - pads)  # real slots kept per row
     slot = torch.arange(length, device=device)
     is_pad = slot[None, :] < pads[:, None]  # [B, T]
-    priority = _priority(policy, scores, pads, heads, length)
+    priority = slot_priority(policy, scores, pads, heads, length)
     chosen = ranked_first(priority, keep[:, None, None]) & ~is_pad[:, None, :]
     # Chosen real slots first, then padding to fill each row up to `total` slots, never unchosen real slots.
     level = chosen.to(torch.float32) * 2 + is_pad[:, None, :].to(torch.float32)
@@ -197,7 +202,9 @@ def ranked_first(priority: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return rank < counts
 
 
-def _priority(policy: Policy, scores: torch.Tensor | None, pads: torch.Tensor, heads: int, length: int) -> torch.Tensor:
+def slot_priority(
+    policy: Policy, scores: torch.Tensor | None, pads: torch.Tensor, heads: int, length: int
+) -> torch.Tensor:
     """[B, H_kv, T] float32: the score (recency: the slot), +inf for protected real slots, -inf for padding."""
     batch = pads.shape[0]
     slot = torch.arange(length, device=pads.device)
@@ -218,7 +225,7 @@ def drop_one(policy: Policy, scores: torch.Tensor | None, pads: torch.Tensor, he
     Each row and head drops its lowest-priority slot (a padding slot while it has one, else the newest of the
     lowest-scored real slots, as select_kept's stable sort does), found by one argmin instead of a sort and a top-k.
     """
-    priority = _priority(policy, scores, pads, heads, length)
+    priority = slot_priority(policy, scores, pads, heads, length)
     drop = (length - 1) - priority.flip(-1).argmin(-1)  # argmin returns the first minimum: flipped, the newest
     slot = torch.arange(length - 1, device=pads.device)
     return slot + (slot >= drop[..., None]).long()

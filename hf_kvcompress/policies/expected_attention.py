@@ -72,7 +72,7 @@ class ExpectedAttentionPolicy(Policy):
         return self.window
 
     @property
-    def needs_values(self) -> bool:
+    def needs_values(self) -> bool:  # type: ignore[override]  # the base's class flag; here the `value_norm` field
         return self.value_norm
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None, values=None, queries=None):

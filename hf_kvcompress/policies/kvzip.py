@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from .base import Policy, check_count, check_kept_tokens
 
-
 BUDGETS = ("uniform", "layer", "head", "token")
 
 
@@ -30,8 +29,8 @@ class KVzipPolicy(Policy):
         ratio: share of the tokens seen that is kept, instead of `budget`.
         sink_tokens: first tokens always kept (0 in KVzip).
         recent: newest tokens always kept (0 in KVzip): the end of the document, whatever its score. 128 gained
-            two of 15 needles at each share on Gemma-3-270M and none on SmolLM2 (docs/results.md); not the default, since
-            it is kept whatever the ratio and would refuse token budgets of 128 or less.
+            two of 15 needles at each share on Gemma-3-270M and none on SmolLM2 (docs/results.md); not the default,
+            since it is kept whatever the ratio and would refuse token budgets of 128 or less.
         budgets: how the kept pairs are shared out. "uniform": every KV head of every full-attention layer keeps
             the same number; "layer": one ranking of all layers' pairs sets each layer's number, as whole tokens per
             head (KVzip Sec. 3.3 across layers only); "head": one ranking of every (layer, KV head, token) pair (KVzip's
@@ -39,15 +38,13 @@ class KVzipPolicy(Policy):
             needs the 'kvcompress_sdpa' attention for its per-head masks; the codec's full-precision sinks are
             always kept); "token": one ranking of the context's tokens, each scored by its best over every
             full-attention layer and KV head, so every such layer keeps the same tokens (caches/token_ranking.py).
-            Measured (docs/results.md): on Gemma-3-270M (3 full-attention layers, 1 KV head each) "token" kept 20 of 30
-            answers at a quarter where "head" kept 4; on SmolLM2 (30 layers x 3 KV heads) it kept 0 of 8 where
-            "head" kept 3, so "head" stays the default.
+            Which keeps more answers depends on the model's layout (few full-attention layers with one KV head
+            favour "token", many layers and heads favour "head"; docs/results.md); "head" is the default.
         span: each pair also takes the best score of the `span` pairs after it in its head (0: its own score
             only, as in KVzip). While the model repeats the context, the first tokens of a span it copies (a
             number's first digits) draw little attention and the rest a lot, so a budget can keep a number's tail
             and lose its start. The raw scores still decide how many pairs each layer and head keeps; `span` only
-            decides which. Default 4, measured (docs/results.md): on Gemma-3-270M half of the document kept 11 of 15
-            needles instead of 10, a quarter 3 instead of 0; on SmolLM2 the same answers as span 0.
+            decides which. Default 4: it kept at least span 0's answers on both embedded models (docs/results.md).
     """
 
     name: ClassVar[str] = "kvzip"
@@ -67,8 +64,14 @@ class KVzipPolicy(Policy):
         check_kept_tokens(self)
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
-        if self.span == 0:
-            return accumulated
-        batch, heads, slots = accumulated.shape
-        ahead = F.pad(accumulated.reshape(batch * heads, 1, slots), (0, self.span), value=float("-inf"))
-        return F.max_pool1d(ahead, self.span + 1, 1).reshape(batch, heads, slots)
+        return best_ahead(accumulated, self.span)
+
+
+def best_ahead(scores: torch.Tensor, span: int) -> torch.Tensor:
+    """Each pair of `scores` [B, H, T] takes the best score of itself and the `span` pairs after it in its head
+    (KVzip's and KVzap's `span`; 0: the scores as they are)."""
+    if span == 0:
+        return scores
+    batch, heads, slots = scores.shape
+    ahead = F.pad(scores.reshape(batch * heads, 1, slots), (0, span), value=float("-inf"))
+    return F.max_pool1d(ahead, span + 1, 1).reshape(batch, heads, slots)

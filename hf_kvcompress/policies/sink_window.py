@@ -45,8 +45,14 @@ class SinkWindowPolicy(Policy):
 
     @property
     def budget(self) -> int | None:
-        return None if self.ratio is not None else self.sink_tokens + self.window
+        if self.ratio is not None:
+            return None
+        assert self.window is not None  # `__post_init__` sets it when there is no ratio
+        return self.sink_tokens + self.window
 
     @property
     def recent(self) -> int:
-        return 0 if self.ratio is not None else self.window
+        if self.ratio is not None:
+            return 0
+        assert self.window is not None  # `__post_init__` sets it when there is no ratio
+        return self.window

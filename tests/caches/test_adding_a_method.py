@@ -75,7 +75,8 @@ def test_a_policy_scored_by_attention_statistics_evicts_when_they_arrive():
 
 def test_a_policy_scored_by_attention_statistics_generates_within_its_budget():
     model = use_kvcompress_attention(tiny_model("llama"))
-    cache = CompressedCache(PeakAttentionPolicy(budget=12, recent=2, sink_tokens=1), IdentityCodec(), config=model.config)
+    policy = PeakAttentionPolicy(budget=12, recent=2, sink_tokens=1)
+    cache = CompressedCache(policy, IdentityCodec(), config=model.config)
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
     model.generate(input_ids=ids, cache=cache, max_new_tokens=6, do_sample=False)
     assert cache.get_seq_length() == 25 and all(layer.stored_tokens == 12 for layer in cache.layers)

@@ -146,11 +146,13 @@ def test_padded_rows_equal_rows_alone_while_blocks_drop(position_ids):
         if position_ids:
             alone = generate(model, row[None], None, alone_cache, max_new_tokens=12).new_tokens
         else:
-            alone = model.generate(input_ids=row[None], cache=alone_cache, max_new_tokens=12, do_sample=False)[:, len(row):]
+            alone = model.generate(input_ids=row[None], cache=alone_cache, max_new_tokens=12, do_sample=False)
+            alone = alone[:, len(row):]
         assert torch.equal(batched[i], alone[0]), f"row {i}"
 
 
-@pytest.mark.parametrize("spec", [SPEC, "int2:residual_length=4,group_size=8", "int4:residual_length=0,group_size=8,key_axis=token"])
+@pytest.mark.parametrize("spec", [SPEC, "int2:residual_length=4,group_size=8",
+                                  "int4:residual_length=0,group_size=8,key_axis=token"])
 @pytest.mark.parametrize("tokens", [4, 13, 19, 27])
 def test_study_estimate_equals_the_block_windows_promise(spec, tokens):
     from hf_kvcompress.study import promised_bytes

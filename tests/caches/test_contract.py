@@ -11,7 +11,12 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import (
-    CompressedCache, IntNCodec, SinkWindowPolicy, make_cache, measured_kv_bytes, use_kvcompress_attention,
+    CompressedCache,
+    IntNCodec,
+    SinkWindowPolicy,
+    make_cache,
+    measured_kv_bytes,
+    use_kvcompress_attention,
 )
 from hf_kvcompress.generation import generate, prefill
 
@@ -21,9 +26,11 @@ EVICTING = ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3", "h2o:
             "h2o:budget=8,recent=2,sink_tokens=1+int3:residual_length=2,group_size=8,rotate=hadamard,sink_tokens=2",
             "kvzip:budget=8,budgets=uniform+int8"]
 SCORED = ["h2o:ratio=0.5,recent=2", "snapkv:budget=8,window=3,recent=2", "tova:ratio=0.5", "keydiff:budget=8+fp8",
-          "random:ratio=0.5", "kvzip:ratio=0.5,budgets=uniform", "kvzip:ratio=0.5,budgets=layer", "kvzip:ratio=0.5,budgets=token",
-          "kvzip:ratio=0.5", "kvzip:ratio=0.5,span=2", "kvzip:budget=8,budgets=head+int4:residual_length=2,group_size=16,rotate=none",
-          "expected_attention:ratio=0.5,window=4,sink_tokens=1", "expected_attention:budget=8,window=3,recent=2,sink_tokens=1+int8"]
+          "random:ratio=0.5", "kvzip:ratio=0.5,budgets=uniform", "kvzip:ratio=0.5,budgets=layer",
+          "kvzip:ratio=0.5,budgets=token", "kvzip:ratio=0.5", "kvzip:ratio=0.5,span=2",
+          "kvzip:budget=8,budgets=head+int4:residual_length=2,group_size=16,rotate=none",
+          "expected_attention:ratio=0.5,window=4,sink_tokens=1",
+          "expected_attention:budget=8,window=3,recent=2,sink_tokens=1+int8"]
 ALL_SPECS = ["dynamic", "int8", "int4:residual_length=0,group_size=8", "int2:residual_length=4,group_size=8", "fp8",
              *EVICTING, *SCORED, "sink_window:sink_tokens=2,window=6+int4:residual_length=2,group_size=16",
              "int3:residual_length=0,group_size=8,rotate=hadamard,sink_tokens=2",
@@ -34,8 +41,9 @@ ALL_SPECS = ["dynamic", "int8", "int4:residual_length=0,group_size=8", "int2:res
 # A ratio held at its sinks + recent floor in a short row while a longer row's share grows: the short row must still
 # evict at every step (the slot count alone did not say so).
 RATIO_AT_FLOOR = ["tova:ratio=0.5,sink_tokens=4", "h2o:ratio=0.5,recent=2,sink_tokens=2"]
-LARGE_BUDGET = ["sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10", "snapkv:budget=1000", "tova:ratio=1.0",
-                "kvzip:ratio=1.0,budgets=uniform", "kvzip:ratio=1.0", "kvzip:budget=1000", "kvzip:budget=1000,budgets=layer",
+LARGE_BUDGET = ["sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10", "snapkv:budget=1000",
+                "tova:ratio=1.0", "kvzip:ratio=1.0,budgets=uniform", "kvzip:ratio=1.0", "kvzip:budget=1000",
+                "kvzip:budget=1000,budgets=layer",
                 "expected_attention:budget=1000",
                 "expected_attention:ratio=1.0"]
 REPEAT = [5, 6, 7]  # KVzip's reconstruction prompt, as token ids of the tiny vocabulary
@@ -66,7 +74,8 @@ def _greedy(model, ids, mask, cache, new=8, **kwargs):
 def test_padded_batch_matches_rows_alone(model, spec):
     # Per-channel (KIVI) key groups span group_size token slots shared by the whole batch, so a row equals itself
     # alone only when its padding is a whole number of groups; token-wise codecs have no such condition.
-    channel_keys = (spec.startswith("int") and "residual_length=0" in spec or spec.startswith("int2")) and "key_axis=token" not in spec
+    per_channel = spec.startswith("int") and "residual_length=0" in spec or spec.startswith("int2")
+    channel_keys = per_channel and "key_axis=token" not in spec
     rows, ids, mask = _prompts(lengths=(5, 13, 13) if channel_keys else (5, 13, 9))
     batched = _greedy(model, ids, mask, make_cache(spec, model.config))
     for i, row in enumerate(rows):
@@ -120,7 +129,8 @@ def test_memory_is_bounded_and_measured_bytes_match_the_promise(model, spec):
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
 
 
-@pytest.mark.parametrize("spec", ["dynamic", "int4:residual_length=4,group_size=8", "sink_window:sink_tokens=2,window=6"])
+@pytest.mark.parametrize("spec", ["dynamic", "int4:residual_length=4,group_size=8",
+                                  "sink_window:sink_tokens=2,window=6"])
 def test_reset_and_reuse_give_the_same_answer(model, spec):
     cache = make_cache(spec, model.config)
     _, ids, mask = _prompts(4, lengths=(9, 11))
@@ -261,8 +271,8 @@ def test_explicit_channel_keys_on_a_hybrid_model_apply_to_every_layer():
         make_cache("sink_window:window=8+int4:key_axis=channel", model.config)
 
 
-@pytest.mark.parametrize("spec", ["h2o:ratio=0.25,recent=2", "kvzip:ratio=0.25,budgets=uniform", "sink_window:ratio=0.25+int8",
-                                  "expected_attention:ratio=0.25,window=8"])
+@pytest.mark.parametrize("spec", ["h2o:ratio=0.25,recent=2", "kvzip:ratio=0.25,budgets=uniform",
+                                  "sink_window:ratio=0.25+int8", "expected_attention:ratio=0.25,window=8"])
 def test_ratio_keeps_its_share_after_prefill_and_while_decoding(spec):
     model = use_kvcompress_attention(tiny_model("llama"))
     _, ids, mask = _prompts(11, lengths=(40,))

@@ -12,7 +12,8 @@ from hf_kvcompress import SinkWindowCache, make_cache, use_kvcompress_attention
 
 from .tiny_models import tiny_model
 
-LOSSLESS = ["dynamic", "sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10", "expected_attention:budget=1000"]
+LOSSLESS = ["dynamic", "sink_window:sink_tokens=4,window=1000", "h2o:budget=1000,recent=10",
+            "expected_attention:budget=1000"]
 LOSSY = ["int8", "int4:residual_length=16,group_size=8", "fp8", "h2o:budget=1000,recent=10+int8"]
 
 
@@ -78,7 +79,7 @@ def test_crop_forgets_the_queries_of_the_removed_tokens():
         model(input_ids=ids, cache=cache)
         model(input_ids=ids[:, :9], cache=shorter)
     cache.crop(-3)
-    for cropped, fresh in zip(cache.layers, shorter.layers):
+    for cropped, fresh in zip(cache.layers, shorter.layers, strict=True):
         assert cropped.next_position.tolist() == fresh.next_position.tolist() == [9]
         torch.testing.assert_close(cropped.recent_queries[:, :, -9:], fresh.recent_queries[:, :, -9:])
         counted = [layer.scorer.window(layer).counted.sum() for layer in (cropped, fresh)]

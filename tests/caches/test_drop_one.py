@@ -20,10 +20,15 @@ def test_drop_one_keeps_what_select_kept_keeps(policy, seed):
     batch, heads, length = 4, 3, policy.budget + 1
     pads = torch.tensor([0, 1, 3, 0])
     # Integer scores make ties, which both must break alike (the newest of the lowest goes).
-    scores = None if isinstance(policy, SinkWindowPolicy) else torch.randint(0, 4, (batch, heads, length), generator=g).float()
+    if isinstance(policy, SinkWindowPolicy):
+        scores = None
+    else:
+        scores = torch.randint(0, 4, (batch, heads, length), generator=g).float()
     reference = select_kept(policy, scores, pads, heads, length)
     fast = drop_one(policy, scores, pads, heads, length)
     assert fast.shape == reference.shape == (batch, heads, policy.budget)
     assert (fast.diff(dim=-1) > 0).all()
-    real = lambda kept: [[sorted(s for s in kept[b, h].tolist() if s >= pads[b]) for h in range(heads)] for b in range(batch)]
+    def real(kept):
+        return [[sorted(s for s in kept[b, h].tolist() if s >= pads[b]) for h in range(heads)] for b in range(batch)]
+
     assert real(fast) == real(reference)  # the same real slots; padding is masked whichever padding slot stays

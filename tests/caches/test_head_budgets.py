@@ -13,8 +13,8 @@ from hf_kvcompress.caches.layer import CompressedLayer
 from hf_kvcompress.caches.requests import MASK_KEY
 from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.generation import generate, prefill
-from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.hf.attention import kvcompress_attention
+from hf_kvcompress.hf.compat import cache_kwargs
 
 from .tiny_models import tiny_model
 
@@ -69,7 +69,8 @@ def test_ragged_store_views_evicts_appends_and_selects_rows_like_a_plain_referen
     # Appending newer pairs puts them after each head's pairs; selecting rows reorders them.
     lengths = store.lengths.clone()
     fresh = torch.randn(B, H, 2, D, generator=g)
-    store.append({"states": fresh}, {"states": -fresh}, torch.full((B, H, 2), 5.0), torch.ones(B, H, 2, dtype=torch.bool))
+    store.append({"states": fresh}, {"states": -fresh}, torch.full((B, H, 2), 5.0),
+                 torch.ones(B, H, 2, dtype=torch.bool))
     assert torch.equal(store.lengths, lengths + 2)
     view = store.padded(codec, "key", torch.float32)
     assert torch.equal(view[..., -2:, :], fresh)
@@ -93,9 +94,10 @@ def test_head_budgets_keep_each_rows_best_pairs_of_all_layers_and_heads():
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     assert all(isinstance(layer.store, HeadStore) for layer in cache.layers)
     lengths = [layer.store.encoded.lengths[0] for layer in cache.layers]
-    assert [l.tolist() for l in lengths] == [e.view(heads, -1).sum(-1).tolist() for e in expected]
-    assert len({n for l in lengths for n in l.tolist()}) > 1  # heads really keep different numbers of pairs
-    assert sum(int(l.sum()) for l in lengths) == 10 * heads * len(scores)
+    assert [per_layer.tolist() for per_layer in lengths] == [e.view(heads, -1).sum(-1).tolist() for e in expected]
+    # Heads really keep different numbers of pairs.
+    assert len({n for per_layer in lengths for n in per_layer.tolist()}) > 1
+    assert sum(int(per_layer.sum()) for per_layer in lengths) == 10 * heads * len(scores)
     assert cache.stored_tokens == 10  # what `generate` reports per layer: the mean of the layers' shares
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
     # The memory follows the pairs kept, not the head that keeps the most.
@@ -112,7 +114,7 @@ def test_span_chooses_which_pairs_each_head_keeps_but_not_how_many():
     counts = [e.view(heads, -1).sum(-1) for e in _reference_keep(scores, 10, heads)]
     cache = make_cache("kvzip:ratio=0.25,span=3", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
-    for layer, s, n in zip(cache.layers, scores, counts):
+    for layer, s, n in zip(cache.layers, scores, counts, strict=True):
         assert torch.equal(layer.store.encoded.lengths[0], n)
         spanned = torch.stack([s[:, t : t + 4].amax(-1) for t in range(40)], dim=-1)
         held = layer.store.encoded.scores.split(n.tolist())  # flat, head by head, oldest first
@@ -158,7 +160,8 @@ def test_head_budget_attention_equals_the_full_cache_with_each_heads_evicted_pai
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["kvzip:budget=10,budgets=head", "kvzip:ratio=0.25,budgets=head+int4:residual_length=2,group_size=16",
+@pytest.mark.parametrize("spec", ["kvzip:budget=10,budgets=head",
+                                  "kvzip:ratio=0.25,budgets=head+int4:residual_length=2,group_size=16",
                                   "kvzip:ratio=0.5,budgets=head+fp8"])
 def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(spec):
     model = use_kvcompress_attention(tiny_model("qwen2"))
@@ -173,7 +176,7 @@ def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(
     kv_length, kv_offset = cache.get_mask_sizes(1, 0)  # what transformers sizes its mask by: the padded view + 1
     view = layers[0].store.view_tokens
     assert kv_length == view + 1 and kv_offset == cache.get_seq_length() - view
-    for layer, start in zip(layers, at_ranking):
+    for layer, start in zip(layers, at_ranking, strict=True):
         held = int(layer.store.held_pairs()[0])
         store = layer.store
         allowance = start + int(layer.kv_heads * (cache.policy.held_per_row(store.real_seen) - store.share_then)[0])
@@ -196,16 +199,18 @@ def test_decoding_evicts_a_block_at_a_time_and_never_holds_more_than_the_allowan
     cache = make_cache("kvzip:ratio=0.5", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     held = [[int(layer.store.held_pairs()[0])] for layer in cache.layers]
-    assert all(h[0] == _allowance(cache, layer) for h, layer in zip(held, cache.layers))  # the ranking: exactly
+    # The ranking: exactly.
+    assert all(h[0] == _allowance(cache, layer) for h, layer in zip(held, cache.layers, strict=True))
     token = ids[:, -1:]
     with torch.inference_mode():
         for _ in range(80):
             token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-            for h, layer in zip(held, cache.layers):
+            for h, layer in zip(held, cache.layers, strict=True):
                 h.append(int(layer.store.held_pairs()[0]))
                 assert h[-1] <= _allowance(cache, layer)
-    for h, layer in zip(held, cache.layers):
-        evicted = [before + layer.kv_heads - after for before, after in zip(h, h[1:]) if after < before + layer.kv_heads]
+    for h, layer in zip(held, cache.layers, strict=True):
+        evicted = [before + layer.kv_heads - after for before, after in zip(h, h[1:], strict=False)
+                   if after < before + layer.kv_heads]
         # A ratio of a half grows the allowance by a pair per head every other token while each token adds one:
         # evicting only the excess would run 40 times here; with the slack (64 pairs of 300 x 2) it runs twice.
         assert len(evicted) == 2 and all(n > EVICTION_SLACK * layer.kv_heads for n in evicted)
@@ -275,7 +280,7 @@ def test_budget_spent_by_the_answer_evicts_the_oldest_later_tokens_too():
     allocated = [int(layer.store.held_pairs()[0]) for layer in layers]
     assert sum(allocated) == 6 * layers[0].kv_heads * len(layers)
     generate(model, torch.cat([ids, _ids(2, seed=1)], 1), None, cache, max_new_tokens=30)  # many more than the budget
-    for layer, pairs in zip(layers, allocated):
+    for layer, pairs in zip(layers, allocated, strict=True):
         assert pairs - pairs // SLACK_SHARE - layer.kv_heads < int(layer.store.held_pairs()[0]) <= pairs
         scores = layer.store.encoded.scores
         assert int(torch.isfinite(scores).sum()) == 0 or scores.min() >= 2.0  # context gone
@@ -292,7 +297,8 @@ def _left_padded(rows):
 
 
 def _decode_logits(model, ids, mask, cache, new_tokens):
-    """Greedy logits [B, new, V] of model.generate over `cache`, prefilled first by KVzip's pass (but a DynamicCache)."""
+    """Greedy logits [B, new, V] of model.generate over `cache`, prefilled first by KVzip's pass (but a
+    DynamicCache)."""
     with torch.inference_mode():  # prefill runs in inference mode: so must the steps that update its tensors
         if not isinstance(cache, DynamicCache):
             prefill(model, ids[:, :-1], mask[:, :-1], cache, repeat_prompt_ids=REPEAT)
@@ -474,7 +480,8 @@ def test_a_non_finite_decode_step_is_refused_within_the_check_interval():
     bad = torch.randn(shape)
     bad[0, 0, 0, 1] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
-        layer.update(torch.randn(1, layer.kv_heads, 3, layer.head_dim), torch.randn(1, layer.kv_heads, 3, layer.head_dim).fill_(float("inf")), {})
+        prompt = (1, layer.kv_heads, 3, layer.head_dim)
+        layer.update(torch.randn(prompt), torch.randn(prompt).fill_(float("inf")), {})
     layer = cache.layers[1]
     with pytest.raises(ValueError, match="NaN or inf"):
         for step in range(FINITE_CHECK_EVERY):

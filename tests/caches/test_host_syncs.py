@@ -36,12 +36,14 @@ def _prefill(cache, tokens=40, generator=None):
     positions = torch.stack([torch.cat([torch.ones(2, dtype=torch.long), torch.arange(1, tokens - 1)]),
                              torch.arange(tokens)])  # row 0: two padding slots at position 1, as prefill gives them
     states = torch.randn(2, KV_HEADS, tokens, DIM, generator=generator)
-    _step(cache, states, states.flip(-1), positions, torch.randn(2, KV_HEADS * GROUPS, tokens, DIM, generator=generator))
+    queries = torch.randn(2, KV_HEADS * GROUPS, tokens, DIM, generator=generator)
+    _step(cache, states, states.flip(-1), positions, queries)
     return positions[:, -1:] + 1
 
 
 @pytest.mark.parametrize("spec", [
-    "dynamic", "int8:residual_length=8", "int4:residual_length=8,group_size=8", "int2:residual_length=8,group_size=8,pre_rope=false",
+    "dynamic", "int8:residual_length=8", "int4:residual_length=8,group_size=8",
+    "int2:residual_length=8,group_size=8,pre_rope=false",
     "fp8", "sink_window:sink_tokens=2,window=16", "h2o:budget=16,recent=4", "snapkv:budget=16,window=4,recent=4",
 ])
 def test_decode_steps_read_nothing_on_the_host(spec):
@@ -64,7 +66,8 @@ def test_host_sync_counter_counts_reads():
     assert counter.count == 2
 
 
-@pytest.mark.parametrize("spec", ["dynamic", "int4:residual_length=8,group_size=8", "sink_window:sink_tokens=2,window=16"])
+@pytest.mark.parametrize("spec", ["dynamic", "int4:residual_length=8,group_size=8",
+                                  "sink_window:sink_tokens=2,window=16"])
 def test_a_non_finite_decode_step_is_refused_within_the_check_interval(spec):
     g = torch.Generator().manual_seed(0)
     cache = make_cache(spec)

@@ -41,7 +41,8 @@ def test_a_row_of_only_padding_leaves_the_other_row_alone():
         alone = generate(model, ids[1:], None, make_cache(spec, model.config), max_new_tokens=6).new_tokens
         assert torch.equal(out[1], alone[0]), spec
     ref = generate(model, ids, mask, DynamicCache(config=model.config), max_new_tokens=6).new_tokens
-    assert torch.equal(generate(model, ids, mask, make_cache("dynamic", model.config), max_new_tokens=6).new_tokens, ref)
+    ours = generate(model, ids, mask, make_cache("dynamic", model.config), max_new_tokens=6).new_tokens
+    assert torch.equal(ours, ref)
 
 
 def test_budget_larger_than_the_context_keeps_everything():

@@ -47,7 +47,8 @@ def test_generate_with_more_padding_than_the_budget_matches_rows_alone(model, sp
     rows, ids, mask = _padded((12, 42))
     batched = _hf_generate(model, ids, mask, spec, prefill_chunk_size=chunk)
     for i, row in enumerate(rows):
-        alone = _hf_generate(model, row[None], torch.ones(1, len(row), dtype=torch.long), spec, prefill_chunk_size=chunk)
+        ones = torch.ones(1, len(row), dtype=torch.long)
+        alone = _hf_generate(model, row[None], ones, spec, prefill_chunk_size=chunk)
         assert torch.equal(batched[i], alone[0]), f"row {i} with {spec}, chunk {chunk}"
 
 
@@ -124,7 +125,8 @@ def test_per_channel_key_groups_across_padding_are_flagged():
 
 
 def _prefilled_logits(model, ids, mask, spec, new_tokens):
-    """Greedy logits [B, new, V] of model.generate after KVzip's pass prefilled the cache with all but the last token."""
+    """Greedy logits [B, new, V] of model.generate after KVzip's pass prefilled the cache with all but the last
+    token."""
     from hf_kvcompress.generation import prefill
 
     cache = make_cache(spec, model.config)

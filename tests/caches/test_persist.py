@@ -6,8 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
-from hf_kvcompress import SinkWindowCache, load_cache, make_cache, measured_kv_bytes, save_cache, use_kvcompress_attention
+from hf_kvcompress import (
+    SinkWindowCache,
+    load_cache,
+    make_cache,
+    measured_kv_bytes,
+    save_cache,
+    use_kvcompress_attention,
+)
 from hf_kvcompress.generation import generate, prefill
 
 from .tiny_models import tiny_model
@@ -34,7 +42,8 @@ def _same(a, b):
     for key in sa:
         x, y = sa[key], sb[key]
         if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), key
+            same = x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+            assert same, key
         else:
             assert x == y, key
 
@@ -101,7 +110,7 @@ def test_save_refuses_what_it_cannot_restore(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         save_cache(make_cache("int8", tiny_model("llama").config), tmp_path / "x.safetensors")
     (tmp_path / "y.safetensors").write_bytes(b"not a cache")
-    with pytest.raises(Exception):
+    with pytest.raises(SafetensorError):
         load_cache(tmp_path / "y.safetensors")
 
 
@@ -122,4 +131,5 @@ def test_head_budget_files_saved_before_still_load_and_answer_the_same(name):
     tokens = generate(model, ids, mask, loaded, max_new_tokens=6).new_tokens
     assert tokens.tolist() == expected["new_tokens"]
     assert measured_kv_bytes(loaded) == loaded.promised_kv_bytes() == expected["bytes_after"]
-    assert (loaded.stored_tokens, loaded.get_seq_length()) == (expected["stored_tokens_after"], expected["seq_length_after"])
+    lengths = (expected["stored_tokens_after"], expected["seq_length_after"])
+    assert (loaded.stored_tokens, loaded.get_seq_length()) == lengths

@@ -104,7 +104,7 @@ def _chunks(pads, real, heads, dim, chunk, seed, pad_value):
     keys = torch.randn(len(pads), heads, width, dim, generator=g)  # padding slots hold noise
     values = torch.randn(len(pads), heads, width, dim, generator=g)
     mask = torch.zeros(len(pads), width, dtype=torch.long)
-    for b, p in enumerate(pads):
+    for b in range(len(pads)):
         start = width - real
         keys[b, :, start:], values[b, :, start:] = tokens_k[0], tokens_v[0]
         mask[b, start:] = 1
@@ -150,7 +150,7 @@ def test_padded_rows_equal_rows_alone(policy, data, heads, real, chunk, pad_valu
     width = max(pads) + real
     # The row alone sees the same real tokens; cut so its chunks end where the batch's chunks end.
     ends = [min(s + chunk, width) - (width - real) for s in range(0, width, chunk)]
-    for (keys, values, positions), end in zip(chunks, ends):
+    for (keys, values, positions), end in zip(chunks, ends, strict=True):
         out_b, val_b = batched.update(keys, values, kwargs={"position_ids": positions})
         begin = alone.seen
         if end > begin:

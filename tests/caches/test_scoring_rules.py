@@ -32,8 +32,8 @@ def _full_layers(cache):
     return [(i, layer) for i, layer in enumerate(cache.layers) if not layer.is_sliding]
 
 
-@pytest.mark.parametrize("spec,queries", [("h2o:ratio=1.0,recent=0", None), ("snapkv:ratio=1.0,window=3,kernel=1,recent=0", 3),
-                                          ("tova:ratio=1.0", 1)])
+@pytest.mark.parametrize("spec,queries", [("h2o:ratio=1.0,recent=0", None),
+                                          ("snapkv:ratio=1.0,window=3,kernel=1,recent=0", 3), ("tova:ratio=1.0", 1)])
 def test_attention_scores_match_eager_weights(spec, queries):
     model = use_kvcompress_attention(tiny_model("llama"))
     cache = make_cache(spec, model.config)
@@ -63,7 +63,8 @@ def test_tova_forgets_older_steps_and_snapkv_pools_neighbours():
     layer = snap.layers[0]
     raw = layer.accumulated
     padded = F.pad(raw, (1, 1))
-    expected = torch.stack([padded[..., j : j + raw.shape[-1]] for j in range(3)]).amax(0)  # max of each slot's neighbours
+    # The max of each slot's neighbours.
+    expected = torch.stack([padded[..., j : j + raw.shape[-1]] for j in range(3)]).amax(0)
     torch.testing.assert_close(snap.policy.score(raw, raw.shape[-1]), expected)
 
 
@@ -79,11 +80,14 @@ def test_kvzip_scores_are_the_max_attention_of_the_repeated_context(name):
     # Reference: the context followed by each reconstruction chunk, in one plain eager pass each.
     expected = None
     for start in range(0, context, chunk):
-        piece = torch.cat([torch.tensor(prompt), IDS[0, max(start - overlap, 0) : start], IDS[0, start : start + chunk]])
+        before = IDS[0, max(start - overlap, 0) : start]
+        piece = torch.cat([torch.tensor(prompt), before, IDS[0, start : start + chunk]])
         attentions = _eager_attentions(name, torch.cat([IDS[0], piece])[None])
         per_layer = [_per_kv_head(a[:, :, context:, :context], a.shape[1] // model.config.num_attention_heads
                                   * model.config.num_key_value_heads, "max") for a in attentions]  # fmt: skip
-        expected = per_layer if expected is None else [torch.maximum(e, p) for e, p in zip(expected, per_layer)]
+        if expected is not None:
+            per_layer = [torch.maximum(e, p) for e, p in zip(expected, per_layer, strict=True)]
+        expected = per_layer
     for i, layer in _full_layers(cache):
         torch.testing.assert_close(layer.accumulated, expected[i], rtol=1e-4, atol=1e-5)
 
@@ -181,18 +185,22 @@ def test_kvzip_token_budgets_keep_in_every_layer_the_tokens_with_the_best_score_
         assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
         return [cache.layers[i]._full("key") for i, _ in full]
 
-    for (i, layer), keys in zip(full, kept_keys("kvzip:ratio=0.25,budgets=token,span=0")):
+    for (_, layer), keys in zip(full, kept_keys("kvzip:ratio=0.25,budgets=token,span=0"), strict=True):
         torch.testing.assert_close(keys, layer._full("key")[..., kept, :])
     if len(full) * model.config.num_key_value_heads > 1:
         # Each layer and head ranking its own tokens keeps others somewhere: the shared ranking is not that one.
         uniform = kept_keys("kvzip:ratio=0.25,budgets=uniform,span=0")
-        assert any(not torch.equal(keys, layer._full("key")[..., kept, :]) for (_, layer), keys in zip(full, uniform))
+        assert any(not torch.equal(keys, layer._full("key")[..., kept, :])
+                   for (_, layer), keys in zip(full, uniform, strict=True))
 
 
 def _pre_rope_queries(attention, hidden):
     """[B, H_q, q, D]: the queries `attention` computes from `hidden` before RoPE (q_norm included), scaled."""
     heads = attention.config.num_attention_heads
-    projected = attention.q_proj(hidden) if hasattr(attention, "q_proj") else attention.qkv_proj(hidden)[..., : heads * attention.head_dim]
+    if hasattr(attention, "q_proj"):
+        projected = attention.q_proj(hidden)
+    else:
+        projected = attention.qkv_proj(hidden)[..., : heads * attention.head_dim]
     queries = projected.view(*hidden.shape[:2], heads, attention.head_dim).transpose(1, 2)
     if hasattr(attention, "q_norm"):
         queries = attention.q_norm(queries)
@@ -211,7 +219,8 @@ def test_expected_attention_models_the_pre_rope_queries_and_scores_by_them(name)
             with_kwargs=True,
         )
     window, future, sinks = 16, 4, 1
-    cache = make_cache(f"expected_attention:ratio=1.0,window={window},future={future},sink_tokens={sinks}", model.config)
+    spec = f"expected_attention:ratio=1.0,window={window},future={future},sink_tokens={sinks}"
+    cache = make_cache(spec, model.config)
     longer = torch.cat([IDS, torch.tensor([[7]])], dim=1)  # a prompt step, then a decode step
     dynamic = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -222,7 +231,8 @@ def test_expected_attention_models_the_pre_rope_queries_and_scores_by_them(name)
     inv_freq = getattr(rotary, "full_attention_inv_freq", getattr(rotary, "inv_freq", None))
     tokens = longer.shape[1]
     for i, layer in _full_layers(cache):
-        expected = _pre_rope_queries(model.model.layers[i].self_attn, torch.cat(hidden[i][:2], dim=1))  # [1, H_q, 13, D]
+        # [1, H_q, 13, D]
+        expected = _pre_rope_queries(model.model.layers[i].self_attn, torch.cat(hidden[i][:2], dim=1))
         # The window's newest 13 entries are the 13 tokens' queries; the 3 before were never filled.
         torch.testing.assert_close(layer.recent_queries[:, :, window - tokens :], expected, rtol=1e-5, atol=1e-5)
         assert layer.next_position.tolist() == [tokens]

@@ -30,7 +30,8 @@ def _model(layer_types):
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     # kvcompress_sdpa: KVzip's reconstruction pass needs its attention statistics (sdpa alone is refused).
-    return use_kvcompress_attention(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval())
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return use_kvcompress_attention(model)
 
 
 HYBRID = ["sliding_attention", "sliding_attention", "full_attention"]
@@ -70,8 +71,6 @@ def test_a_sliding_layer_under_a_budget_attends_as_a_full_layer_with_that_budget
 
 @pytest.mark.parametrize("ratio", [0.25, 0.5, 0.8])
 def test_a_ratio_keeps_that_share_of_the_sliding_window_and_bytes_match_the_promise(ratio):
-    from hf_kvcompress.study import promised_bytes
-
     model = _model(HYBRID)
     spec = f"kvzip:ratio={ratio}"
     cache = make_cache(spec, model.config)
@@ -86,8 +85,8 @@ def test_a_ratio_keeps_that_share_of_the_sliding_window_and_bytes_match_the_prom
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
 
 
-@pytest.mark.parametrize("spec", ["dynamic", "int4:residual_length=0,group_size=8", "sink_window:sink_tokens=4,window=20",
-                                  "h2o:budget=15,recent=4"])
+@pytest.mark.parametrize("spec", ["dynamic", "int4:residual_length=0,group_size=8",
+                                  "sink_window:sink_tokens=4,window=20", "h2o:budget=15,recent=4"])
 def test_a_budget_at_or_above_the_window_leaves_the_sliding_window_as_it_was(spec):
     model = _model(HYBRID)
     cache = make_cache(spec, model.config)
@@ -99,7 +98,8 @@ def test_a_budget_at_or_above_the_window_leaves_the_sliding_window_as_it_was(spe
             assert WINDOW - 1 <= layer.stored_tokens <= WINDOW - 1 + 7
 
 
-@pytest.mark.parametrize("spec", ["sink_window:sink_tokens=0,window=6", "kvzip:ratio=0.5+int4:residual_length=0,group_size=8",
+@pytest.mark.parametrize("spec", ["sink_window:sink_tokens=0,window=6",
+                                  "kvzip:ratio=0.5+int4:residual_length=0,group_size=8",
                                   "sink_window:sink_tokens=0,window=6+int2:residual_length=0,group_size=8"])
 @pytest.mark.parametrize("tokens", [5, 13, 31])
 def test_study_estimate_equals_the_promise_of_a_reduced_sliding_window(spec, tokens):
@@ -166,7 +166,8 @@ def test_a_kvzip_budget_under_the_window_and_above_prompt_and_answer_evicts_noth
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("spec", ["dynamic:sliding=2", "kvzip:ratio=0.5,sliding=3", "h2o:ratio=0.5,recent=2,sliding=4+int8",
+@pytest.mark.parametrize("spec", ["dynamic:sliding=2", "kvzip:ratio=0.5,sliding=3",
+                                  "h2o:ratio=0.5,recent=2,sliding=4+int8",
                                   "int4:residual_length=0,group_size=8,key_axis=token", "kvzip:ratio=0.25+int8"])
 def test_padded_batch_with_shrunk_sliding_layers_matches_rows_alone(spec):
     from .test_contract import _greedy, _prompts
@@ -181,7 +182,8 @@ def test_padded_batch_with_shrunk_sliding_layers_matches_rows_alone(spec):
 
 @pytest.mark.parametrize("bad,message", [("dynamic:sliding=0", "sliding must be an integer >= 1"),
                                          ("dynamic:sliding=true", "sliding must be an integer >= 1"),
-                                         ("dynamic:sliding=16", r"sliding=16 is more than this model's sliding layers hold \(15")])
+                                         ("dynamic:sliding=16",
+                                          r"sliding=16 is more than this model's sliding layers hold \(15")])
 def test_bad_sliding_is_refused_naming_it(bad, message):
     with pytest.raises(ValueError, match=message):
         make_cache(bad, _model(HYBRID).config)

@@ -52,7 +52,8 @@ def test_fused_decode_attention_matches_sdpa_over_the_decoded_cache(spec, monkey
     cache = make_cache(spec, CONFIG)  # pre_rope reads the RoPE frequencies from the config
     layer_module = _Module(0)
     tokens, pads = 40, torch.tensor([3, 0])  # row 0 left-padded (our prefill's position 1 for padding)
-    positions = torch.stack([torch.cat([torch.ones(3, dtype=torch.long), torch.arange(1, tokens - 2)]), torch.arange(tokens)])
+    padded_row = torch.cat([torch.ones(3, dtype=torch.long), torch.arange(1, tokens - 2)])
+    positions = torch.stack([padded_row, torch.arange(tokens)])
     keys = torch.randn(2, KV_HEADS, tokens, DIM, generator=g) * 3
     values = torch.randn(2, KV_HEADS, tokens, DIM, generator=g)
     query = torch.randn(2, KV_HEADS * GROUPS, tokens, DIM, generator=g)
@@ -64,7 +65,8 @@ def test_fused_decode_attention_matches_sdpa_over_the_decoded_cache(spec, monkey
         kwargs = {"position_ids": positions[:, -1:] + 1 + step}
         key, value = torch.randn(2, KV_HEADS, 1, DIM, generator=g), torch.randn(2, KV_HEADS, 1, DIM, generator=g)
         q = torch.randn(2, KV_HEADS * GROUPS, 1, DIM, generator=g)
-        pads = layer.pads.clone()  # a decode step adds no padding; eviction (in update or after attention) may drop some
+        # A decode step adds no padding; eviction (in update or after attention) may drop some.
+        pads = layer.pads.clone()
         k, v = cache_out = cache.update(key, value, 0, kwargs)
         mask = _mask(pads, 1, k.shape[-2])  # what transformers' mask says once each row's padding is counted
         fused = layer.store_request is not None and layer.store_request.fused

@@ -286,11 +286,14 @@ def test_plain_names_settle_the_rotation_per_model_family():
         assert not full._rotates("key") and not sliding._rotates("key") and full._rotates("value")
         assert sliding.key_axis == "channel" and sliding.settled_rotation == "per_token"
         # An explicit choice is kept on every model.
-        assert CompressedCache(codec=parse_spec(f"int{bits}:rotate=hadamard")[1], config=gemma).codec.settled_rotation == ""
+        explicit = CompressedCache(codec=parse_spec(f"int{bits}:rotate=hadamard")[1], config=gemma)
+        assert explicit.codec.settled_rotation == ""
     # Without a config (int4 needs none) `auto` rotates everything, as hadamard does, bit for bit.
-    unbound, hadamard = parse_spec("int4")[1].for_layer(1), IntNCodec(bits=4, rotate="hadamard", sink_tokens=4).for_layer(1)
+    unbound = parse_spec("int4")[1].for_layer(1)
+    hadamard = IntNCodec(bits=4, rotate="hadamard", sink_tokens=4).for_layer(1)
     for kind in ("key", "value"):
-        assert torch.equal(unbound.for_policy(False).encode(x, kind)["codes"], hadamard.for_policy(False).encode(x, kind)["codes"])
+        codes = [codec.for_policy(False).encode(x, kind)["codes"] for codec in (unbound, hadamard)]
+        assert torch.equal(*codes)
 
 
 def test_quantized_cache_uses_the_plain_names_configuration():
@@ -354,7 +357,8 @@ def test_gaussian_codebook_round_trip_and_bytes(bits, kind, axis):
     bound = ({2: 0.5, 3: 0.25, 4: 0.12, 8: 0.01} if axis == "channel" else {2: 0.37, 3: 0.2, 4: 0.11, 8: 0.01})[bits]
     assert (out - x).norm() / x.norm() < bound
     assert _nbytes(encoded) == 2 * 3 * 64 * codec.bytes_per_token(64, kind, torch.float32)
-    assert codec.bytes_per_token(64, kind, torch.float32) == IntNCodec(bits=bits).bytes_per_token(64, kind, torch.float32)
+    plain = IntNCodec(bits=bits).bytes_per_token(64, kind, torch.float32)
+    assert codec.bytes_per_token(64, kind, torch.float32) == plain
 
 
 def test_gaussian_codebook_beats_min_max_at_two_bits_on_gaussian_states():
@@ -450,7 +454,8 @@ def test_pre_rope_is_exact_on_the_way_back_and_leaves_values_and_token_keys_alon
     plain = IntNCodec(bits=8, group_size=8, key_axis="channel")
     assert torch.equal(codec.encode(keys, "value")["codes"], plain.encode(keys, "value")["codes"])
     token = _with_inv_freq(IntNCodec(bits=8, group_size=8, key_axis="token", pre_rope=True), inv_freq)
-    assert torch.equal(token.encode(keys, "key")["codes"], IntNCodec(bits=8, group_size=8, key_axis="token").encode(keys, "key")["codes"])
+    plain = IntNCodec(bits=8, group_size=8, key_axis="token")
+    assert torch.equal(token.encode(keys, "key")["codes"], plain.encode(keys, "key")["codes"])
 
 
 @pytest.mark.parametrize("rotary", [64, 32])  # 32 of 64 dims: a partial-rotary model leaves the rest alone
@@ -498,7 +503,8 @@ def test_wide_layers_store_their_layers_at_wide_bits_and_the_rest_at_bits():
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(3))
     options = "residual_length=4,group_size=8,rotate=hadamard,sink_tokens=2"
     same = "codebook=gaussian,pre_rope=true"  # what the plain int2 carries, and so its wide layers
-    specs = (f"int2:{options}", f"int4:{options},{same}", f"int2:{options},wide_layers=0", f"int2:{options},wide_layers=1")
+    specs = (f"int2:{options}", f"int4:{options},{same}", f"int2:{options},wide_layers=0",
+             f"int2:{options},wide_layers=1")
     caches = [make_cache(spec, model.config) for spec in specs]
     with torch.no_grad():
         for cache in caches:

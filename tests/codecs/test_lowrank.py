@@ -63,7 +63,8 @@ def test_caches_hold_what_they_promise_and_padded_rows_match(tiny, bases_dir, sp
     batched = generate(tiny, ids, mask, cache, max_new_tokens=6).new_tokens
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
     encoded = cache.layers[0].encoded_keys
-    assert _nbytes(encoded) == 2 * 2 * cache.layers[0].n_encoded * cache.layers[0].codec.bytes_per_token(32, "key", torch.float32)
+    per_token = cache.layers[0].codec.bytes_per_token(32, "key", torch.float32)
+    assert _nbytes(encoded) == 2 * 2 * cache.layers[0].n_encoded * per_token
     for i, row in enumerate(rows):
         alone = generate(tiny, row[None], torch.ones(1, len(row), dtype=torch.long), make_cache(spec, tiny.config),
                          max_new_tokens=6).new_tokens

@@ -81,7 +81,8 @@ def test_evicting_policies_keep_what_binding_settled():
     full-attention layers store keys per token; the sliding layer keeps per-channel keys (block window)."""
     cache = make_cache("h2o:budget=32,recent=8+shared_heads+int4", _gemma())
     expected = ["token"] + ["channel" if layer.is_sliding else "token" for layer in cache.layers]
-    for storage, axis in zip([cache.codec.storage] + [layer.codec.storage for layer in cache.layers], expected):
+    storages = [cache.codec.storage] + [layer.codec.storage for layer in cache.layers]
+    for storage, axis in zip(storages, expected, strict=True):
         assert storage.key_axis == axis and storage.settled_rotation == "per_token"
 
 

@@ -52,7 +52,7 @@ def test_the_first_real_tokens_decode_exactly_and_the_rest_do_not(llama, reducti
     cache = make_cache(f"{reduction}+{STORAGE}", llama.config)
     _forward(llama, ids, mask, reference)
     _forward(llama, ids, mask, cache)
-    for layer, exact in zip(cache.layers, reference.layers):
+    for layer, exact in zip(cache.layers, reference.layers, strict=True):
         assert layer.n_encoded == 30
         assert layer.sink_slots[:, 0].tolist() == [[5, 6, 7, 8], [0, 1, 2, 3]]  # padding is no sink
         keys, values = layer._full("key"), layer._full("value")
@@ -97,7 +97,7 @@ def test_sinks_follow_an_evicting_policy(llama, reduction):
     _forward(llama, ids, mask, reference)
     cache = make_cache(f"h2o:budget=12,recent=4,sink_tokens=4+{reduction}+{STORAGE}", llama.config)
     generate(llama, ids, mask, cache, max_new_tokens=3)
-    for layer, exact in zip(cache.layers, reference.layers):
+    for layer, exact in zip(cache.layers, reference.layers, strict=True):
         assert layer.seen == 32 and layer.stored_tokens < 20 and bool((layer.sink_slots >= 0).all())
         for row, first in ((0, 5), (1, 0)):
             slots = layer.sink_slots[row, :, :, None]  # [H, 4, 1], one selection per head
@@ -114,7 +114,7 @@ def test_head_budgets_keep_lowranks_sinks_exact_beside_the_ranked_store(llama, l
     _forward(llama, ids, torch.ones_like(ids), reference)
     cache = make_cache(f"kvzip:ratio=0.25,budgets=head+{lowrank}+int4:residual_length=2,group_size=16", llama.config)
     prefill(llama, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
-    for layer, exact in zip(cache.layers, reference.layers):
+    for layer, exact in zip(cache.layers, reference.layers, strict=True):
         assert isinstance(layer.store, HeadStore) and layer.store.sink_valid.tolist() == [[True] * 4]
         assert torch.equal(layer.sink_keys, exact.keys[:, :, :4])
         assert torch.equal(layer.sink_values, exact.values[:, :, :4])
@@ -139,7 +139,7 @@ def test_gemma_sliding_layers_hold_sinks_as_plain_int4_does():
     for spec in (storage, f"shared_heads+{storage}"):
         cache = make_cache(spec, config)
         _forward(model, ids, torch.ones_like(ids), cache)
-        for layer, exact in zip(cache.layers, reference.layers):
+        for layer, exact in zip(cache.layers, reference.layers, strict=True):
             assert layer.sink_slots[0, 0].tolist() == [0, 1, 2, 3]
             assert torch.equal(layer._full("key")[:, :, :4], exact.keys[:, :, :4])
         cache = make_cache(spec, config)

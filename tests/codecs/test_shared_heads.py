@@ -33,7 +33,10 @@ def test_identical_heads_round_trip_exactly():
 @pytest.mark.parametrize("storage", [None, IntNCodec(bits=8, key_axis="token"), IntNCodec(bits=4, key_axis="channel")])
 def test_bytes_are_one_stored_head_per_group(storage):
     x = torch.randn(2, 6, 64, 64, dtype=torch.float16)
-    codec = SharedHeadsCodec(heads_per_group=3) if storage is None else SharedHeadsCodec(storage=storage, heads_per_group=3)
+    if storage is None:
+        codec = SharedHeadsCodec(heads_per_group=3)
+    else:
+        codec = SharedHeadsCodec(storage=storage, heads_per_group=3)
     encoded = codec.encode(x, "key")
     assert _nbytes(encoded) == 2 * 6 * 64 * codec.bytes_per_token(64, "key", torch.float16)
     inner = codec.storage.bytes_per_token(64, "key", torch.float16)
@@ -69,7 +72,8 @@ def test_group_must_divide_kv_heads_and_one_kv_head_is_refused():
 
 def test_specs_stack_a_storage_codec_and_print_back():
     policy, codec = parse_spec("h2o:budget=64+shared_heads:heads_per_group=2+int4:group_size=16")
-    assert codec.storage == IntNCodec(bits=4, group_size=16, rotate="auto", sink_tokens=4) and codec.heads_per_group == 2
+    assert codec.storage == IntNCodec(bits=4, group_size=16, rotate="auto", sink_tokens=4)
+    assert codec.heads_per_group == 2
     from hf_kvcompress.registry import cache_spec
 
     assert cache_spec(policy, codec) == "h2o:budget=64+shared_heads:heads_per_group=2+int4:group_size=16"

@@ -38,6 +38,7 @@ def tiny_lm(tokenizer):
     (its answers are arbitrary but deterministic, and no token ends them)."""
     import torch
     import transformers
+
     from hf_kvcompress import use_kvcompress_attention
 
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
-"""Two CPU processes under `accelerate launch --multi_gpu` and `torchrun` split the samples: each runs its share once."""
+"""Two CPU processes under `accelerate launch --multi_gpu` and `torchrun` split the samples: each runs its share
+once."""
 
 import json
 import os

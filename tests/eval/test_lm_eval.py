@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from hf_kvcompress.eval import build_samples, run_eval
 from hf_kvcompress.eval.scoring import metrics_dir
 
@@ -10,9 +11,10 @@ WINDOW = "sink_window:sink_tokens=4,window=64"
 
 
 def test_lm_eval_and_the_runner_agree_on_the_same_samples(embedded, tmp_path):
-    from hf_kvcompress.eval.lm_eval_model import KVCompressLM, register
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
+
+    from hf_kvcompress.eval.lm_eval_model import KVCompressLM, register
 
     model, tokenizer = embedded
     samples = build_samples(tokenizer, ["needle"], [300], [0, 100])
@@ -76,7 +78,9 @@ def test_a_spec_with_commas_reaches_the_model_only_quoted(monkeypatch, capsys, m
         assert seen == [spec] and err.endswith("stopped before the model loads")
     else:
         assert seen == []  # refused before the spec is even read
-        assert err.startswith("hf-kvcompress lm-eval: error: unknown model argument recent=64 for --model hf-kvcompress")
+        assert err.startswith(
+            "hf-kvcompress lm-eval: error: unknown model argument recent=64 for --model hf-kvcompress"
+        )
         assert "its own are pretrained, cache, query_aware, prompt_format, chunk_size, device, dtype" in err
         assert "max_length" in err  # HFLM's arguments are named too
         assert """--model_args 'pretrained=,cache="h2o:budget=256,recent=64"'""" in err

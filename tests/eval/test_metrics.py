@@ -1,6 +1,7 @@
 """The local evaluate metric modules on hand-made cases (RULER's formulas, SQuAD's normalisation)."""
 
 import pytest
+
 from hf_kvcompress.eval.scoring import clean_prediction, load_metric, score_all
 
 
@@ -19,7 +20,8 @@ def test_string_match_all_averages_over_predictions():
 
 def test_string_match_part_needs_any_reference():
     metric = load_metric("string_match_part")
-    out = metric.compute(predictions=["In France.", "Rollo", ""], references=[["france", "Normandy"], ["Norway"], ["x"]])
+    out = metric.compute(predictions=["In France.", "Rollo", ""],
+                         references=[["france", "Normandy"], ["Norway"], ["x"]])
     assert out["scores"] == [100.0, 0.0, 0.0]
     assert out["string_match_part"] == 33.33
 

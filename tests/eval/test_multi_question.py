@@ -4,6 +4,7 @@ answered on an untouched copy of the document's compressed cache."""
 import re
 
 import pytest
+
 from hf_kvcompress.eval import build_samples, data, encode, parse_task, run_eval, runner
 from hf_kvcompress.eval.tasks import BANDS, band_of
 

@@ -1,6 +1,7 @@
 """The protocol: the cache holds exactly the document (already compressed) when the question arrives."""
 
 import pytest
+
 from hf_kvcompress.eval import encode, runner
 
 WINDOW = "sink_window:sink_tokens=4,window=64"
@@ -17,7 +18,7 @@ def _spy(monkeypatch):
 
     def generate(model, input_ids, attention_mask, cache, **kwargs):
         seen = cache.get_seq_length()
-        log["at_question"] = (seen, runner._tokens_stored(cache), input_ids[0, seen:].tolist())
+        log["at_question"] = (seen, runner.tokens_per_layer(cache), input_ids[0, seen:].tolist())
         return real_generate(model, input_ids, attention_mask, cache, **kwargs)
 
     monkeypatch.setattr(runner, "prefill", prefill)
@@ -31,7 +32,8 @@ def test_question_is_appended_after_the_document_was_compressed(embedded, small_
     row = small_samples[0]
     document_ids, question_ids = encode(tokenizer, row, query_aware=query_aware)
     log = _spy(monkeypatch)
-    runner.run_batch(model, WINDOW, [(document_ids, question_ids)], 4, pad_token_id=tokenizer.pad_token_id, chunk_size=128)
+    runner.run_batch(model, WINDOW, [(document_ids, question_ids)], 4, pad_token_id=tokenizer.pad_token_id,
+                     chunk_size=128)
     # Everything prefilled before generate() is the document part, in chunks, and nothing else.
     assert log["document"] == document_ids
     seen, stored, question = log["at_question"]

@@ -3,6 +3,7 @@
 import csv
 
 import pytest
+
 from hf_kvcompress.eval import runner, summarize
 from hf_kvcompress.eval.report import markdown
 

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from hf_kvcompress.eval import build_samples, run_eval, summarize
 from hf_kvcompress.eval.lm_eval_tasks import dataset
 from hf_kvcompress.eval.report import markdown
@@ -51,7 +52,8 @@ def test_split_rule_and_its_check():
 
 def test_test_is_the_default_half(tokenizer):
     default = build_samples(tokenizer, ["kv_retrieval"], [300], [50], samples_per_cell=2)
-    assert ids(default) == ids(build_samples(tokenizer, ["kv_retrieval"], [300], [50], samples_per_cell=2, split="test"))
+    test = build_samples(tokenizer, ["kv_retrieval"], [300], [50], samples_per_cell=2, split="test")
+    assert ids(default) == ids(test)
 
 
 def test_records_reports_and_lm_eval_name_the_half(tiny_lm, tokenizer, tmp_path):
@@ -70,8 +72,9 @@ def test_records_reports_and_lm_eval_name_the_half(tiny_lm, tokenizer, tmp_path)
 
 
 def test_the_dev_variants_of_the_lm_eval_tasks_read_the_dev_half(tiny_lm, tokenizer, tmp_path):
-    from hf_kvcompress.eval.scoring import metrics_dir
     from lm_eval.tasks import TaskManager
+
+    from hf_kvcompress.eval.scoring import metrics_dir
 
     run_eval(tiny_lm, tokenizer, [], ["kv_retrieval"], [200], [50], tmp_path, samples_per_cell=2, split="all",
              progress=False)  # fmt: skip

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from hf_kvcompress.eval import build_samples, data, encode, parse_task, render
 from hf_kvcompress.eval.tasks import split_specs
 
@@ -47,9 +48,11 @@ def test_multi_needle_asks_one_key_among_distractors(tokenizer):
 
 
 def test_user_documents_become_needle_and_recall_samples(tokenizer, tmp_path):
-    (tmp_path / "a.txt").write_text("The river rose in spring. " * 40 + "Our ferry left at dawn and crossed slowly to the far bank today.")
+    (tmp_path / "a.txt").write_text("The river rose in spring. " * 40
+                                    + "Our ferry left at dawn and crossed slowly to the far bank today.")
     (tmp_path / "b.md").write_text("# Notes\n\nThe harbour master counts every boat twice before the tide turns. " * 20)
-    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "A lantern hung above the door of the old inn by the road."}) + "\n")
+    line = json.dumps({"text": "A lantern hung above the door of the old inn by the road."})
+    (tmp_path / "c.jsonl").write_text(line + "\n")
     (tmp_path / "skip.bin").write_bytes(b"\x00\x01")
     assert [name for name, _ in data.read_user_documents(tmp_path)] == ["a.txt", "b.md", "c.jsonl:1"]
     samples = build_samples(tokenizer, ["user_needle", "user_recall"], [300], [50], documents=str(tmp_path))
@@ -63,7 +66,8 @@ def test_user_documents_become_needle_and_recall_samples(tokenizer, tmp_path):
 def test_task_specs_are_checked():
     assert parse_task("needle").spec == "needle"
     assert parse_task("multi_needle:keys=2").spec == "multi_needle:keys=2"
-    assert split_specs("needle,multi_needle:keys=4,values=2,kv_retrieval") == ["needle", "multi_needle:keys=4,values=2", "kv_retrieval"]
+    assert split_specs("needle,multi_needle:keys=4,values=2,kv_retrieval") == [
+        "needle", "multi_needle:keys=4,values=2", "kv_retrieval"]
     with pytest.raises(ValueError, match="unknown task"):
         parse_task("haystack")
     with pytest.raises(ValueError, match="unknown parameter"):

@@ -36,7 +36,8 @@ def test_dynamic_cache_bytes_equal_the_formula(embedded):
     assert measured_kv_bytes(cache) == expected
 
 
-@pytest.mark.parametrize("spec", ["dynamic", "int4", "int2", "fp8", "sink_window:window=64", "h2o:budget=96,recent=32+int8"])
+@pytest.mark.parametrize("spec", ["dynamic", "int4", "int2", "fp8", "sink_window:window=64",
+                                  "h2o:budget=96,recent=32+int8"])
 def test_measured_bytes_equal_each_methods_promise(embedded, spec):
     model, tokenizer = embedded
     ids = _chat_ids(tokenizer, PROSE * 3)
@@ -86,7 +87,8 @@ def real_states(embedded):
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-# Worst relative error over the 30 layers (measured: int8 0.003/0.006, int4 0.049/0.103, int2 0.25/0.56, fp8 0.023/0.025).
+# Worst relative error over the 30 layers (measured: int8 0.003/0.006, int4 0.049/0.103, int2 0.25/0.56,
+# fp8 0.023/0.025).
 @pytest.mark.parametrize(
     "codec,key_bound,value_bound",
     [

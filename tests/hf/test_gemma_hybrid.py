@@ -1,7 +1,8 @@
 """Gemma-3-270M (5 sliding-window layers per full-attention layer): every cache, on the real model.
 
 Sliding layers keep transformers' window (511 tokens between steps, up to a key group more under per-channel keys)
-with the cache's codec; the policy's budget applies to the full-attention layers. Prompts pass the 512-token window so both kinds of layer evict.
+with the cache's codec; the policy's budget applies to the full-attention layers. Prompts pass the 512-token window
+so both kinds of layer evict.
 """
 
 import importlib.util

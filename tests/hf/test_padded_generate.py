@@ -22,7 +22,8 @@ TEXT = Path(__file__).resolve().parent / "data" / "prompt_text.md"
 def batch(embedded):
     _, tokenizer = embedded
     text = TEXT.read_text()
-    prompts = [text[:900] + "\nSummarize the text in one sentence.", text[1000:3200] + "\nSummarize the text in one sentence."]
+    ask = "\nSummarize the text in one sentence."
+    prompts = [text[:900] + ask, text[1000:3200] + ask]
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:

@@ -41,7 +41,8 @@ def test_partials_equal_softmax_over_decoded_states(name, dim, rows, vectorised)
         pytest.skip("the group does not divide this head_dim")
     g = torch.Generator().manual_seed(len(name))
     batch, heads, tokens = 2, 2, 160  # 160: two whole tiles of 64 and a partial one (of 16 + 16 tokens)
-    keys, values = torch.randn(batch, heads, tokens, dim, generator=g) * 2, torch.randn(batch, heads, tokens, dim, generator=g)
+    keys = torch.randn(batch, heads, tokens, dim, generator=g) * 2
+    values = torch.randn(batch, heads, tokens, dim, generator=g)
     enc_k, enc_v = codec.encode(keys, "key"), codec.encode(values, "value")
     query = torch.randn(batch, heads, rows, dim, generator=g) * 0.3
     bias = torch.zeros(batch, 1, 1, tokens)
@@ -49,7 +50,8 @@ def test_partials_equal_softmax_over_decoded_states(name, dim, rows, vectorised)
     bias[1, :, :, 7] = -3.0
     hidden = torch.tensor([[[5, -1], [64, 159]], [[-1, -1], [0, 100]]])  # slots attended elsewhere (sinks)
     logits = query @ codec.decode(enc_k, "key", torch.float32).transpose(-1, -2) + bias
-    hide = torch.zeros(batch, heads, tokens + 1, dtype=torch.bool).scatter_(2, torch.where(hidden >= 0, hidden, tokens), True)
+    slots = torch.where(hidden >= 0, hidden, tokens)
+    hide = torch.zeros(batch, heads, tokens + 1, dtype=torch.bool).scatter_(2, slots, True)
     logits.masked_fill_(hide[:, :, None, :tokens], float("-inf"))
     best = logits.amax(-1, keepdim=True)
     probs = torch.exp(logits - best)
@@ -61,7 +63,8 @@ def test_partials_equal_softmax_over_decoded_states(name, dim, rows, vectorised)
     torch.testing.assert_close(got_sum, probs.sum(-1, keepdim=True), atol=1e-5, rtol=1e-5)
     # The output sums up to a few dozen weighted values: float32 rounding in another order, relative to that sum.
     scale = max(1.0, float(probs.sum(-1).max()))
-    torch.testing.assert_close(got_acc, probs @ codec.decode(enc_v, "value", torch.float32), atol=1e-5 * scale, rtol=1e-5)
+    expected = probs @ codec.decode(enc_v, "value", torch.float32)
+    torch.testing.assert_close(got_acc, expected, atol=1e-5 * scale, rtol=1e-5)
 
 
 SMOLLM2_SHAPES = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -143,7 +146,8 @@ def test_the_avx2_paths_give_softmax_over_decoded_states(name):
     torch.testing.assert_close(got_max, best, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_sum, probs.sum(-1, keepdim=True), atol=1e-5, rtol=1e-5)
     scale = max(1.0, float(probs.sum(-1).max()))
-    torch.testing.assert_close(got_acc, probs @ codec.decode(enc_v, "value", torch.float32), atol=1e-5 * scale, rtol=1e-5)
+    expected = probs @ codec.decode(enc_v, "value", torch.float32)
+    torch.testing.assert_close(got_acc, expected, atol=1e-5 * scale, rtol=1e-5)
 
 
 def test_a_fully_masked_row_gives_empty_partials():
@@ -168,8 +172,10 @@ def test_every_float8_byte_reads_as_the_pytorch_path_reads_it():
     bias = torch.full((rows, 1, 1, tokens), float("-inf"))
     bias[torch.arange(rows), 0, 0, torch.arange(rows)] = 0.0
     layout = Fp8Codec().kernel_layout("value")
-    _, total, acc = cpu_decode.decode_attention_partials(torch.zeros(rows, 1, 1, 1, 32), keys, values, layout, layout, 32, bias, None)
-    expected, factor = e4m3_as_float(byte[0].transpose(0, 1).view(torch.float8_e4m3fn))  # token b of row b: [256, 1, 32]
+    query = torch.zeros(rows, 1, 1, 1, 32)
+    _, total, acc = cpu_decode.decode_attention_partials(query, keys, values, layout, layout, 32, bias, None)
+    # Token b of row b: [256, 1, 32].
+    expected, factor = e4m3_as_float(byte[0].transpose(0, 1).view(torch.float8_e4m3fn))
     assert (total == 1).all()
     assert torch.equal(acc[:, :, 0], expected * factor)  # NaN bytes read as +-480 on both paths
 
@@ -196,11 +202,13 @@ def test_a_layer_through_the_kernel_equals_the_pytorch_path(spec, dtype):
     cache = make_cache(spec, CONFIG)
     module = type("M", (), {"layer_idx": 0, "num_key_value_groups": GROUPS, "is_causal": True})()
     tokens = 90
-    positions = torch.stack([torch.cat([torch.ones(11, dtype=torch.long), torch.arange(1, tokens - 10)]), torch.arange(tokens)])
+    padded_row = torch.cat([torch.ones(11, dtype=torch.long), torch.arange(1, tokens - 10)])
+    positions = torch.stack([padded_row, torch.arange(tokens)])
     pads = torch.tensor([11, 0])
     states = (torch.randn(2, KV_HEADS, tokens, DIM, generator=g) * 2).to(dtype)
     k, v = cache.update(states, states.flip(-1), 0, kwargs := {"position_ids": positions})
-    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None] & (torch.arange(tokens) >= pads[:, None, None, None])
+    real = torch.arange(tokens) >= pads[:, None, None, None]
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None] & real
     prompt_q = torch.randn(2, KV_HEADS * GROUPS, tokens, DIM, generator=g).to(dtype)
     kvcompress_attention(module, prompt_q, k, v, causal, scaling=0.2, **kwargs)
     layer = cache.layers[0]
@@ -273,7 +281,8 @@ def test_generate_on_the_embedded_model_gives_the_pytorch_paths_tokens(embedded,
     ids = tokenizer(text + "Summarise this in one sentence:", return_tensors="pt").input_ids
     tokens = {}
     for backend in ("torch", "cpu"):
-        monkeypatch.setattr(store_offer, "attend_store", functools.partial(store_attention.attend_store, backend=backend))
+        forced = functools.partial(store_attention.attend_store, backend=backend)
+        monkeypatch.setattr(store_offer, "attend_store", forced)
         cache = make_cache(spec, model.config)
         tokens[backend] = generate(model, ids, None, cache, max_new_tokens=12).new_tokens
         assert cache.layers[0].store_confirmed and cache.layers[0].n_encoded >= 32

@@ -25,7 +25,8 @@ def test_partials_equal_softmax_over_decoded_states(bits, key_axis):
     g = torch.Generator().manual_seed(bits)
     codec = IntNCodec(bits=bits, group_size=16, key_axis=key_axis, rotate="none")
     batch, heads, tokens, dim, rows = 2, 2, 96, 32, 3
-    keys, values = torch.randn(batch, heads, tokens, dim, generator=g), torch.randn(batch, heads, tokens, dim, generator=g)
+    keys = torch.randn(batch, heads, tokens, dim, generator=g)
+    values = torch.randn(batch, heads, tokens, dim, generator=g)
     keys, values = keys.to(DEVICE), values.to(DEVICE)
     enc_k, enc_v = codec.encode(keys, "key"), codec.encode(values, "value")
     query = (torch.randn(batch, heads, rows, dim, generator=g) * 0.3).to(DEVICE)
@@ -51,21 +52,27 @@ def test_unsupported_stores_are_declined():
     assert not triton_decode.supports(int3, int3, 8, 32, 32)
 
 
-@pytest.mark.parametrize("spec", ["int4:residual_length=8,group_size=8", "sink_window:sink_tokens=2,window=40+int2:residual_length=4,group_size=16,pre_rope=false,codebook=uniform"])
+@pytest.mark.parametrize("spec", [
+    "int4:residual_length=8,group_size=8",
+    "sink_window:sink_tokens=2,window=40+int2:residual_length=4,group_size=16,pre_rope=false,codebook=uniform",
+])
 def test_attention_through_the_kernel_equals_the_pytorch_path(spec):
     """A whole layer: Hadamard-rotated store, exact sinks, a left-padded row, the tail; backend 'triton' vs 'torch'."""
     g = torch.Generator().manual_seed(0)
     kv_heads, groups, dim, tokens = 2, 3, 32, 70
     cache = make_cache(spec)
     module = type("M", (), {"layer_idx": 0, "num_key_value_groups": groups, "is_causal": True})()
-    positions = torch.stack([torch.cat([torch.ones(3, dtype=torch.long), torch.arange(1, tokens - 2)]), torch.arange(tokens)])
+    padded_row = torch.cat([torch.ones(3, dtype=torch.long), torch.arange(1, tokens - 2)])
+    positions = torch.stack([padded_row, torch.arange(tokens)])
     positions = positions.to(DEVICE)
     pads = torch.tensor([3, 0], device=DEVICE)
     states = torch.randn(2, kv_heads, tokens, dim, generator=g).to(DEVICE)
     k, v = cache.update(states, states.flip(-1), 0, kwargs := {"position_ids": positions})
     arange = torch.arange(tokens, device=DEVICE)
-    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=DEVICE).tril()[None, None] & (arange >= pads[:, None, None, None])
-    kvcompress_attention(module, torch.randn(2, kv_heads * groups, tokens, dim, generator=g).to(DEVICE), k, v, causal, scaling=0.2, **kwargs)
+    real = arange >= pads[:, None, None, None]
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=DEVICE).tril()[None, None] & real
+    query = torch.randn(2, kv_heads * groups, tokens, dim, generator=g).to(DEVICE)
+    kvcompress_attention(module, query, k, v, causal, scaling=0.2, **kwargs)
     layer = cache.layers[0]
     for step in range(3):  # the first decode step only confirms our attention function; then fused steps
         kwargs = {"position_ids": positions[:, -1:] + 1 + step}

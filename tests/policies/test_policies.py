@@ -142,5 +142,5 @@ def test_spec_strings_need_no_registry_and_name_what_the_registry_builds():
         rebuilt = parse_spec(cache_spec(policy, codec))
         assert rebuilt == (policy, codec), (spec, cache_spec(policy, codec))
     assert {n for n, f in CODECS.items() if not n.startswith("int")} == {
-        getattr(f, "name") for n, f in CODECS.items() if not n.startswith("int")
+        f.name for n, f in CODECS.items() if not n.startswith("int")
     }

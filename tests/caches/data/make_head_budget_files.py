@@ -2,8 +2,11 @@
 
 Run from the repository root: python tests/caches/data/make_head_budget_files.py tests/caches/data
 """
-import json, sys
+import json
+import sys
+
 import torch
+
 sys.path.insert(0, ".")
 from hf_kvcompress import load_cache, make_cache, measured_kv_bytes, save_cache, use_kvcompress_attention
 from hf_kvcompress.generation import generate, prefill

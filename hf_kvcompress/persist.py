@@ -12,10 +12,13 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 
-from ..hf.compat import text_config
-from .compressed import CompressedCache
+from .caches.compressed import CompressedCache
+from .hf.compat import text_config
+from .registry import parse_spec
 
 FORMAT = "hf-kvcompress-cache/1"
 
@@ -43,7 +46,8 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
         raise ValueError(f"cache must be an hf_kvcompress CompressedCache, got {type(cache).__name__}")
     if cache.config is None:
         raise ValueError("save_cache needs a cache built with config=model.config (make_cache(spec, model.config))")
-    tensors, layers = {}, []
+    tensors: dict[str, torch.Tensor] = {}
+    layers: list[dict | None] = []  # None: a layer that never saw a step
     for i, layer in enumerate(cache.layers):
         if not layer.is_initialized:
             layers.append(None)
@@ -79,11 +83,6 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     Pass `model` to have its name and architecture checked against the saved ones now; `generate` in this package
     checks them in any case before using the cache.
     """
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    from ..registry import parse_spec
-
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
     if metadata.get("format") != FORMAT:
@@ -101,7 +100,7 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     layers = json.loads(metadata["layers"])
     if len(layers) != len(cache.layers):
         raise ValueError(f"{path} holds {len(layers)} layers, its spec and config build {len(cache.layers)}")
-    for i, (layer, meta) in enumerate(zip(cache.layers, layers)):
+    for i, (layer, meta) in enumerate(zip(cache.layers, layers, strict=True)):
         if meta is None:
             continue
         prefix = f"layers.{i}."
@@ -120,4 +119,6 @@ def check_model(cache, model) -> None:
     if name != saved:
         raise ValueError(f"this cache was saved from model {saved!r}; it cannot serve {name!r}")
     if _architecture(model.config) != cache.architecture:
-        raise ValueError(f"this cache was saved from a model with {cache.architecture}, not {_architecture(model.config)}")
+        raise ValueError(
+            f"this cache was saved from a model with {cache.architecture}, not {_architecture(model.config)}"
+        )

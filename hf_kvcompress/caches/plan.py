@@ -1,0 +1,208 @@
+"""Each decoder layer's plan: the policy, codec, window and RoPE frequencies a (policy, codec, model config) gives it.
+
+One pure function, `plan_layers`, decides them; `CompressedCache` builds its layers from the plans, and
+`study.promised_bytes` counts bytes from the same plans, so an estimate cannot follow other rules than the cache.
+Sliding-window layers keep transformers' window with the codec's own key grouping; the policy, whose budget is per
+full-attention layer, applies to the full-attention layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..codecs.base import Codec, resolve_for_model, resolve_for_policy
+from ..codecs.reducing import ReducingCodec
+from ..hf.compat import text_config
+from ..hf.rope import rope_inv_freq
+from ..policies.base import Policy, check_count
+from ..policies.block_window import BlockWindowPolicy
+from ..policies.sink_window import SinkWindowPolicy
+from ..probes import load_probes
+
+SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one decoder layer of a `CompressedCache` is built from (`CompressedLayer`'s arguments).
+
+    `window`: the layer's `sliding_window` or `attention_chunk_size` (None: full attention). `attention_window`:
+    how far back a query sees, for the layer's own mask (sliding_attention layers only). `inv_freq`: RoPE
+    frequencies of StreamingLLM's re-rotation (rerotate); `query_inv_freq`: those a policy that keeps queries
+    undoes their rotation with (empty: the model does not rotate them). `probe`: the layer's score probe, for a
+    policy that scores tokens from their hidden states (KVzap).
+    """
+
+    index: int
+    layer_type: str
+    policy: Policy
+    codec: Codec  # bound to the model and numbered for this layer (`for_layer`)
+    window: int | None = None
+    attention_window: int | None = None
+    inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    query_inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    probe: object | None = field(default=None, compare=False, repr=False)  # KVzap's score probe (probes.py)
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.layer_type in SLIDING_LAYER_TYPES
+
+
+def sliding_kept(policy: Policy, layer_type: str, window: int) -> int | None:
+    """Tokens a sliding-window layer keeps under `policy` when that is fewer than transformers' `window - 1`
+    (None: the whole window).
+
+    A budget or ratio means the same in every layer: a `budget` of B keeps B tokens per KV head, a `ratio` r keeps
+    r of what the layer holds uncompressed (the newest ceil(r x (window - 1)) once the prompt is longer than the
+    window), so the cache's bytes follow the ratio on hybrid models too. A sliding layer keeps its newest tokens:
+    it attends locally, and KVzip's reconstruction queries, a window away, cannot score it. Chunked-attention
+    layers keep their chunk. A policy's `sliding=N` sets the count itself (`dynamic:sliding=127` shrinks only the
+    sliding layers; what such counts keep is measured in docs/results.md)."""
+    if layer_type != "sliding_attention":
+        return None
+    whole = max(window - 1, 1)
+    if policy.sliding is not None:
+        kept = policy.sliding
+    elif policy.budget is not None:
+        kept = policy.budget
+    elif policy.ratio is not None:
+        kept = math.ceil(policy.ratio * whole)
+    else:
+        return None
+    return max(kept, 1) if kept < whole else None
+
+
+def sliding_layer_codec(codec: Codec, layer_type: str, exact_window: bool = False) -> Codec:
+    """How a sliding layer stores keys. Its window evicts, but per-channel key groups (KIVI) only need to lose whole
+    groups, which a block window does (policies/block_window.py): keys are grouped as without eviction (per channel
+    for int4/int3/int2 and key_axis='channel'), and an explicit key_axis='token' keeps them per token: per-channel
+    keys lowered the sliding layers' windowed attention error at every width (docs/results.md). Chunked-attention
+    layers, and sliding layers that keep fewer tokens than their window (`exact_window`, see `sliding_kept`), keep
+    per-token keys and an exact window: transformers' mask would show the older tokens of a block."""
+    if layer_type == "sliding_attention" and not exact_window:
+        return resolve_for_policy(codec, False)
+    return resolve_for_policy(_keys_per_token(codec), True)
+
+
+def sliding_layer_policy(codec: Codec, window: int, kept: int | None = None) -> Policy:
+    """transformers keeps `window - 1` tokens between steps; so do we, exactly when the codec stores single tokens,
+    and dropping whole blocks when it groups keys across tokens (between window - 1 and window - 1 + block - 1).
+    `kept` (from `sliding_kept`) keeps that many newest tokens instead, exactly."""
+    if kept is not None:
+        return SinkWindowPolicy(sink_tokens=0, window=kept)
+    kept = max(window - 1, 1)
+    block = max(codec.token_block("key"), codec.token_block("value"))
+    return BlockWindowPolicy(window=kept, block=block) if block > 1 else SinkWindowPolicy(sink_tokens=0, window=kept)
+
+
+def _keys_per_token(codec: Codec) -> Codec:
+    """`codec` with an explicit key_axis='channel' turned to 'token', also in a reducing codec's storage."""
+    if isinstance(codec, ReducingCodec):
+        return codec.with_storage(_keys_per_token(codec.storage))
+    if getattr(codec, "key_axis", None) == "channel":
+        return dataclasses.replace(codec, key_axis="token")  # type: ignore[call-arg]  # a codec with key_axis: checked
+    return codec
+
+
+def cache_codec(policy: Policy, codec: Codec, config) -> Codec:
+    """The codec of the full-attention layers before numbering: bound to the model, then set for the policy."""
+    return resolve_for_policy(resolve_for_model(codec, config), policy.evicts)
+
+
+def query_rope(policy: Policy, config) -> torch.Tensor | None:
+    """The full-attention layers' RoPE frequencies, for a policy that keeps queries before RoPE (empty: the model
+    does not rotate them); None for the other policies."""
+    if not policy.needs_queries:
+        return None
+    if config is None:
+        raise ValueError(
+            f"{policy.name} needs config=model.config (make_cache(spec, model.config)): it reads the RoPE "
+            "frequencies to undo the rotation of the queries it models"
+        )
+    if getattr(text_config(config), "rope_parameters", None) is None:
+        return torch.zeros(0)
+    return rope_inv_freq(config, "full_attention")
+
+
+def check_without_config(policy: Policy, rerotate: bool) -> None:
+    """Refuse what a cache built without the model's config cannot plan (its layers are built as they are used)."""
+    if rerotate:
+        raise ValueError("rerotate=True needs config=model.config (RoPE parameters are read from it)")
+    query_rope(policy, None)
+    if policy.needs_hidden_states:
+        raise ValueError(
+            f"{policy.name} needs config=model.config (make_cache(spec, model.config)): its score probe is per model"
+        )
+    if policy.sliding is not None:
+        raise ValueError("sliding= needs config=model.config: it applies to the model's sliding-window layers")
+
+
+def unplanned_layer(policy: Policy, codec: Codec, index: int) -> LayerPlan:
+    """The plan of layer `index` of a cache built without a config: full attention, numbered as `plan_layers`
+    numbers it (per-layer codecs, such as rotation seeds, match); `codec` is `cache_codec(policy, codec, None)`."""
+    return LayerPlan(index, "full_attention", policy, codec.for_layer(index))
+
+
+def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
+                full_codec: Codec | None = None) -> list[LayerPlan]:
+    """Each decoder layer's plan under `policy` x `codec` for the model of `config`.
+
+    `codec` is the codec as requested (unbound); `full_codec` is `cache_codec(policy, codec, config)` when the
+    caller has it already (binding may read calibration files). Raises ValueError for what the model cannot store
+    or the policy cannot apply to: a head_dim the codec refuses, `sliding=` without sliding layers or past their
+    window.
+    """
+    if full_codec is None:
+        full_codec = cache_codec(policy, codec, config)
+    inv_freq = rope_inv_freq(config, "full_attention") if rerotate else None
+    query_inv_freq = query_rope(policy, config)
+    probes = load_probes(getattr(policy, "probe", None), config) if policy.needs_hidden_states else {}
+    decoder = text_config(config)
+    head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
+    full_codec.check_head_dim(head_dim)  # refuse a codec that cannot store this model now, not mid-generation
+    layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
+    if policy.sliding is not None:
+        check_count("sliding", policy.sliding, minimum=1)
+        if "sliding_attention" not in layer_types:
+            raise ValueError(
+                f"sliding={policy.sliding!r} sets what sliding-window layers keep, and this model has none "
+                f"(layer types: {sorted(set(layer_types))}); leave sliding unset"
+            )
+    # The window of each sliding or chunked layer type the model has (transformers reads the same two fields).
+    windows: dict[str, int] = {}
+    for kind, name in zip(SLIDING_LAYER_TYPES, ("sliding_window", "attention_chunk_size"), strict=True):
+        if kind in layer_types:
+            window = getattr(decoder, name, None)
+            if window is None:
+                raise ValueError(f"the config lists {kind} layers but sets no {name}")
+            windows[kind] = window
+    kept = {kind: sliding_kept(policy, kind, window) for kind, window in windows.items()}
+    if policy.sliding is not None and policy.sliding > windows["sliding_attention"] - 1:
+        raise ValueError(
+            f"sliding={policy.sliding} is more than this model's sliding layers hold "
+            f"({windows['sliding_attention'] - 1}: sliding_window - 1); give 1 to {windows['sliding_attention'] - 1}"
+        )
+    # Settle key_axis before binding to the model (replace() would drop what binding sets), once per layer type:
+    # binding may load calibration files (lowrank).
+    sliding_codecs = {
+        kind: resolve_for_model(sliding_layer_codec(codec, kind, kept[kind] is not None), config) for kind in kept
+    }
+    plans = []
+    for i, layer_type in enumerate(layer_types):
+        if layer_type in SLIDING_LAYER_TYPES:
+            window = windows[layer_type]
+            layer_codec = sliding_codecs[layer_type]
+            plans.append(LayerPlan(
+                i, layer_type, sliding_layer_policy(layer_codec, window, kept[layer_type]), layer_codec.for_layer(i),
+                window=window, attention_window=window if layer_type == "sliding_attention" else None,
+            ))
+        else:
+            if policy.needs_hidden_states and i not in probes:
+                raise ValueError(f"the KVzap probe for this model has no probe for layer {i} ({layer_type})")
+            plans.append(LayerPlan(i, layer_type, policy, full_codec.for_layer(i), inv_freq=inv_freq,
+                                   query_inv_freq=query_inv_freq, probe=probes.get(i)))
+    return plans

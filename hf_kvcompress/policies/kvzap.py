@@ -1,0 +1,53 @@
+"""KVzap: KVzip's scores from one read of the context, by a probe on each token's hidden state (arXiv:2601.07891)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import Policy, check_count, check_kept_tokens
+from .kvzip import best_ahead
+
+
+@dataclass(frozen=True)
+class KVzapPolicy(Policy):
+    """Score each pair by a per-layer probe's estimate of its KVzip score, as its token arrives.
+
+    KVzip (policies/kvzip.py) scores a pair by the most attention it receives while the model repeats the context,
+    which costs a second read of it. KVzap fits, per layer, a small model from the hidden state entering attention
+    to the log of that score per KV head (probes.py; fitted by `hf-kvcompress calibrate --probe`), so a token is
+    scored when it arrives: at prefill with no second pass, and at every decode step, so a `budget` bounds memory
+    while generating. Each KV head keeps its best pairs of the layer's budget.
+
+    Needs the model's config (the probe is per model) and `use_kvcompress_attention(model)`, whose hooks hand each
+    cache layer the hidden state entering attention (hf/hidden_states.py).
+
+    Args:
+        budget: tokens kept per KV head (512 when neither budget nor ratio is given).
+        ratio: share of the tokens seen that is kept, instead of `budget`.
+        sink_tokens: first tokens always kept.
+        recent: newest tokens always kept.
+        span: each pair also takes the best score of the `span` pairs after it in its head (as KVzip's `span`).
+        probe: the probe file, or a directory holding one (None: the probe shipped for the model).
+    """
+
+    name: ClassVar[str] = "kvzap"
+
+    budget: int | None = None
+    ratio: float | None = None
+    sink_tokens: int = 0
+    recent: int = 0
+    span: int = 4
+    probe: str | None = None
+    needs_hidden_states: ClassVar[bool] = True
+
+    def __post_init__(self):
+        check_count("span", self.span)
+        if self.probe is not None and (not isinstance(self.probe, str) or not self.probe):
+            raise ValueError(f"probe must be a path to a probe file or directory, got {self.probe!r}")
+        check_kept_tokens(self)
+
+    def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
+        return best_ahead(accumulated, self.span)

@@ -1,0 +1,253 @@
+"""KVzap (policies/kvzap.py): probe fit, the probe file, and the cache contract on tiny random models.
+
+The probes here are random (a tiny model has no calibration), written as the calibration writes them: what is
+tested is that the policy keeps what its probe scores highest, at prefill and while decoding, exactly as the
+contract asks of every policy.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress.generation import generate, prefill
+from hf_kvcompress.hf.hidden_states import attention_modules
+from hf_kvcompress.policies.kvzap import KVzapPolicy
+from hf_kvcompress.probe_calibration import (
+    full_attention_layers,
+    kvzip_targets,
+    r_squared,
+    ridge,
+    spearman,
+)
+from hf_kvcompress.probes import PROBE_FORMAT, load_probes, save_probe
+
+from .tiny_models import tiny_model
+
+REPEAT = [5, 6, 7]
+
+
+def write_probe(config, path, seed=0):
+    """A random probe for `config`'s model, in the calibration's file format."""
+    g = torch.Generator().manual_seed(seed)
+    layers = full_attention_layers(config)
+    heads = config.num_key_value_heads
+    tensors = {}
+    for i in layers:
+        tensors[f"layers.{i}.weight"] = torch.randn(config.hidden_size, heads, generator=g)
+        tensors[f"layers.{i}.bias"] = torch.randn(heads, generator=g)
+    metadata = {"format": PROBE_FORMAT, "model": config._name_or_path, "layers": str(config.num_hidden_layers),
+                "kv_heads": str(heads), "hidden_size": str(config.hidden_size),
+                "probe_layers": ",".join(map(str, layers))}
+    return save_probe(tensors, metadata, path)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def probed(request, tmp_path_factory):
+    """(model, probe directory) of a tiny model named after its family."""
+    model = use_kvcompress_attention(tiny_model(request.param))
+    model.config._name_or_path = f"tiny-{request.param}"
+    directory = tmp_path_factory.mktemp(f"probe-{request.param}")
+    write_probe(model.config, directory)
+    return model, directory
+
+
+def _prompts(seed=0, lengths=(5, 13, 9)):
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(3, 128, (n,), generator=g) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    return rows, ids, mask
+
+
+def _hidden_states(model, ids):
+    """The hidden state entering each attention module in one forward pass, as a reference."""
+    seen = {}
+
+    def recorder(i):
+        def hook(module, args, kwargs):
+            seen.setdefault(i, kwargs["hidden_states"])
+        return hook
+
+    hooks = [m.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, m in enumerate(attention_modules(model))]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, cache=DynamicCache(config=model.config))
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+# -- the fit -------------------------------------------------------------------------------------------------------
+
+def test_ridge_equals_the_least_squares_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 12, generator=g, dtype=torch.float64)
+    noise = 0.1 * torch.randn(200, 3, generator=g, dtype=torch.float64)
+    y = x @ torch.randn(12, 3, generator=g, dtype=torch.float64) + noise
+    weight, bias = ridge(x, y, 0.0)
+    reference = torch.linalg.lstsq(torch.cat([x, torch.ones(200, 1, dtype=x.dtype)], 1), y).solution
+    torch.testing.assert_close(weight, reference[:-1], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(bias, reference[-1], rtol=1e-9, atol=1e-9)
+    # With an L2 term on the weights: least squares on the centred data stacked over sqrt(alpha) * I.
+    alpha = 5.0
+    weight, bias = ridge(x, y, alpha)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    stacked = torch.cat([xc, alpha ** 0.5 * torch.eye(12, dtype=x.dtype)])
+    reference = torch.linalg.lstsq(stacked, torch.cat([yc, torch.zeros(12, 3, dtype=x.dtype)])).solution
+    torch.testing.assert_close(weight, reference, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(bias, y.mean(0) - x.mean(0) @ reference, rtol=1e-9, atol=1e-9)
+
+
+def test_fit_on_a_tiny_model_equals_least_squares_on_its_kvzip_scores():
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    hidden, targets = kvzip_targets(model, ids, REPEAT)
+    reference_hidden = _hidden_states(model, ids)
+    cache = make_cache("kvzip:ratio=1.0,budgets=uniform,span=0", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    for i in full_attention_layers(model.config):
+        torch.testing.assert_close(hidden[i], reference_hidden[i][0])
+        torch.testing.assert_close(targets[i], cache.layers[i].slots.accumulated[0].T.clamp(min=1e-6).log())
+        x, y = hidden[i].double(), targets[i].double()
+        weight, bias = ridge(x, y, 0.0)
+        reference = torch.linalg.lstsq(torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1), y).solution
+        torch.testing.assert_close(x @ weight + bias, x @ reference[:-1] + reference[-1], rtol=1e-6, atol=1e-6)
+    assert r_squared(targets[0], targets[0]) == 1.0
+    assert spearman(targets[0], targets[0]) == pytest.approx(1.0)
+
+
+# -- the probe file ------------------------------------------------------------------------------------------------
+
+def test_a_probe_for_another_model_is_refused(probed, tmp_path):
+    model, directory = probed
+    other = type(model.config).from_dict(model.config.to_dict())
+    other._name_or_path = "another-model"
+    with pytest.raises(ValueError, match="model="):
+        load_probes(directory, other)
+    with pytest.raises(ValueError, match="model="):
+        make_cache(f"kvzap:ratio=0.5,probe={directory}", other)
+    with pytest.raises(FileNotFoundError, match="probe="):
+        make_cache(f"kvzap:ratio=0.5,probe={tmp_path}", model.config)
+    with pytest.raises(ValueError, match="no packaged KVzap probe"):
+        make_cache("kvzap:ratio=0.5", model.config)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"ratio": 1.5}, "ratio"), ({"budget": 0}, "budget"), ({"span": -1}, "span"),
+                                          ({"recent": -2}, "recent"), ({"probe": ""}, "probe"),
+                                          ({"budget": 8, "ratio": 0.5}, "budget")])
+def test_bad_values_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        KVzapPolicy(**kwargs)
+
+
+def test_without_config_or_hooks_it_says_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match="config"):
+        make_cache("kvzap:ratio=0.5")
+    model = tiny_model("llama")  # not switched to our attention: no hooks
+    model.config._name_or_path = "tiny-unhooked"
+    write_probe(model.config, tmp_path)
+    cache = make_cache(f"kvzap:ratio=0.5,probe={tmp_path}", model.config)
+    with pytest.raises(RuntimeError, match="use_kvcompress_attention"):
+        model(input_ids=torch.randint(3, 128, (1, 6)), cache=cache)
+
+
+# -- scores --------------------------------------------------------------------------------------------------------
+
+def test_scores_are_the_probe_of_the_hidden_state_at_prefill_and_at_decode(probed):
+    model, directory = probed
+    probes = load_probes(directory, model.config)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(2))
+    at_once = make_cache(f"kvzap:ratio=1.0,probe={directory}", model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=at_once)
+    stepwise = make_cache(f"kvzap:ratio=1.0,probe={directory}", model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :8], cache=stepwise)
+        for t in range(8, 20):  # decode steps, one token each
+            model(input_ids=ids[:, t : t + 1], cache=stepwise)
+    reference = _hidden_states(model, ids)
+    for i, probe in probes.items():
+        expected = probe(reference[i])
+        torch.testing.assert_close(at_once.layers[i].slots.accumulated, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(stepwise.layers[i].slots.accumulated, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_each_head_keeps_its_best_scored_tokens(probed):
+    model, directory = probed
+    probes = load_probes(directory, model.config)
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(3))
+    cache = make_cache(f"kvzap:budget=6,span=0,probe={directory}", model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    reference = _hidden_states(model, ids)
+    for i, probe in probes.items():
+        best = probe(reference[i]).topk(6, dim=-1).indices.sort(-1).values
+        expected = torch.gather(probe(reference[i]), -1, best)
+        torch.testing.assert_close(cache.layers[i].slots.accumulated, expected, rtol=1e-4, atol=1e-4)
+        assert cache.layers[i].stored_tokens == 6
+
+
+# -- the contract --------------------------------------------------------------------------------------------------
+
+SPECS = ["kvzap:ratio=0.5", "kvzap:budget=8", "kvzap:budget=8,recent=2,sink_tokens=1+int8",
+         "kvzap:ratio=0.5,span=0+int4:residual_length=2,group_size=16", "kvzap:budget=8+fp8"]
+
+
+def _spec(spec, directory):
+    head, _, codec = spec.partition("+")
+    return f"{head},probe={directory}" + (f"+{codec}" if codec else "")
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_padded_batch_matches_rows_alone(probed, spec):
+    model, directory = probed
+    rows, ids, mask = _prompts()
+    spec = _spec(spec, directory)
+    batched = generate(model, ids, mask, make_cache(spec, model.config), max_new_tokens=8).new_tokens
+    for i, row in enumerate(rows):
+        alone = generate(model, row[None], torch.ones(1, len(row), dtype=torch.long), make_cache(spec, model.config),
+                         max_new_tokens=8).new_tokens
+        assert torch.equal(batched[i], alone[0]), f"row {i} differs with {spec}"
+
+
+@pytest.mark.parametrize("spec", ["kvzap:ratio=1.0", "kvzap:budget=1000"])
+def test_large_budget_equals_dynamic_cache(probed, spec):
+    model, directory = probed
+    _, ids, mask = _prompts(1)
+    expected = generate(model, ids, mask, DynamicCache(config=model.config), max_new_tokens=10).new_tokens
+    got = generate(model, ids, mask, make_cache(_spec(spec, directory), model.config), max_new_tokens=10).new_tokens
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("spec", ["kvzap:budget=8", "kvzap:budget=8,recent=2+int4:residual_length=2,group_size=16"])
+def test_budget_bounds_memory_through_a_long_generation(probed, spec):
+    """Through plain model.generate: bytes stop growing once the budget is reached and equal the promise."""
+    model, directory = probed
+    cache = make_cache(_spec(spec, directory), model.config)
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
+    held = []
+
+    class Meter:  # a streamer, called after every step
+        def put(self, value):
+            full = SimpleNamespace(layers=[layer for layer in cache.layers if not layer.is_sliding])
+            held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(), measured_kv_bytes(full)))
+
+        def end(self):
+            pass
+
+    model.generate(input_ids=ids, cache=cache, max_new_tokens=40, do_sample=False, streamer=Meter())
+    assert all(m == p for m, p, _ in held)
+    # The full-attention layers' bytes (a sliding layer's block window keeps between its window and a block more).
+    measured = [f for _, _, f in held]
+    full = [layer for layer in cache.layers if not layer.is_sliding]
+    assert all(layer.stored_tokens == 8 and layer.seen == 44 for layer in full)
+    reached = next(n for n, m in enumerate(measured) if m == max(measured))
+    assert reached < 10 and len(set(measured[reached:])) == 1
