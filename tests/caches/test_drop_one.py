@@ -1,9 +1,11 @@
 """The decode-step eviction (`drop_one`: one argmin) keeps what the general `select_kept` (a sort) keeps."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from hf_kvcompress.policies.base import drop_one, select_kept
+from hf_kvcompress.policies.base import drop_one, recency_drop, select_kept, slot_priority
 from hf_kvcompress.policies.heavy_hitter import HeavyHitterPolicy
 from hf_kvcompress.policies.sink_window import SinkWindowPolicy
 
@@ -32,3 +34,15 @@ def test_drop_one_keeps_what_select_kept_keeps(policy, seed):
         return [[sorted(s for s in kept[b, h].tolist() if s >= pads[b]) for h in range(heads)] for b in range(batch)]
 
     assert real(fast) == real(reference)  # the same real slots; padding is masked whichever padding slot stays
+
+
+@pytest.mark.parametrize("sinks,recent", [(0, 0), (2, 3), (4, 9), (6, 8)])
+def test_the_recency_drop_is_the_argmin_of_the_slot_priority(sinks, recent):
+    # Without scores the dropped slot follows from each row's padding; here against the priority it replaces, also
+    # where every real slot is protected (sinks + recent cover the row).
+    policy = SimpleNamespace(sink_tokens=sinks, recent=recent)  # all that either reads of a policy
+    length, heads = 14, 2
+    pads = torch.arange(0, length + 1)
+    priority = slot_priority(policy, None, pads, heads, length)
+    expected = (length - 1) - priority.flip(-1).argmin(-1)  # [B, H]
+    assert torch.equal(recency_drop(policy, pads, length)[:, None].expand(-1, heads), expected)
