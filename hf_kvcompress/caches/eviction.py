@@ -51,21 +51,24 @@ class Eviction(LayerFields):
         budget = self.policy.budget
         return budget if budget is not None and self._fixed_budget else int(keep.max())
 
-    def _most_kept_and_over(self, keep: torch.Tensor) -> tuple[int, bool]:
-        """(keep.max(), whether some row holds more real tokens than it keeps), with one host read at most.
+    def _most_kept_and_over(self, keep: torch.Tensor) -> tuple[int, bool, bool]:
+        """(keep.max(), whether some row holds more real tokens than it keeps, whether every row keeps keep.max()
+        real tokens behind no padding), with one host read at most.
 
         Slots are shared by the batch, so `stored_tokens > keep.max()` alone misses a row whose keep count stands
         still (a ratio held at its sinks + recent floor) while another row's grows: that row must still lose a
         token, or it differs from the row alone. A fixed budget keeps the same count in every row, so there the
-        slot count decides."""
+        slot count decides. When every row keeps the same count behind no padding, one slot over means one real
+        slot dropped in every row, as under a fixed budget (`drop_one`)."""
         budget = self.policy.budget
         if budget is not None and self._fixed_budget:
-            return budget, False
+            return budget, False, True
         assert self.padding is not None  # a token layer after its first step (a head store evicts by itself)
+        most = keep.max()
         over = ((self.stored_tokens - self.padding.pads) > keep).any()
-        both = keep.max() * 2 + over.long()  # one read for both numbers
-        value = int(both)
-        return value // 2, bool(value % 2)
+        even = (keep == most).all() & (self.padding.pads == 0).all()
+        value = int(most * 4 + over.long() * 2 + even.long())  # one read for the three answers
+        return value // 4, bool(value & 2), bool(value & 1)
 
     # -- which tokens stay ----------------------------------------------------------------------------------------
 
@@ -76,12 +79,14 @@ class Eviction(LayerFields):
             return
         keep = self._keep_per_row()
         if keep is not None:
-            most, row_over = self._most_kept_and_over(keep)
+            most, row_over, even = self._most_kept_and_over(keep)
             if self.stored_tokens > most or row_over:
-                self._evict(keep, most)
+                self._evict(keep, most, even)
         self._encode_tail()
 
-    def _evict(self, keep: torch.Tensor, most: int) -> None:
+    def _evict(self, keep: torch.Tensor, most: int, even: bool) -> None:
+        """Keep each row's `keep` [B] best real slots (`most`: keep.max(); `even`: every row keeps `most` real
+        slots behind no padding)."""
         # A token layer after its first step: a head store (`rank_heads`) evicts by itself (head_store.py).
         assert isinstance(self.store, TokenStore) and self.padding is not None
         if self.padding.unknown and (self.policy.sink_tokens > 0 or self.policy.needs_attention):
@@ -101,8 +106,8 @@ class Eviction(LayerFields):
             self.slots.accumulated, length, keys=keys, positions=self.slots.positions, pads=self.padding.pads, **extra
         )
         scores = agree_within_groups(scores, self.codec.heads_per_store)
-        if length == most + 1 and self._fixed_budget:
-            # A decode step: one slot over.
+        if length == most + 1 and even:
+            # A decode step: one slot over (a fixed budget, or every row keeps as many real slots).
             kept = drop_one(self.policy, scores, self.padding.pads, self.kv_heads, length)
         else:
             kept = select_kept(

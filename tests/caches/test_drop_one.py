@@ -46,3 +46,16 @@ def test_the_recency_drop_is_the_argmin_of_the_slot_priority(sinks, recent):
     priority = slot_priority(policy, None, pads, heads, length)
     expected = (length - 1) - priority.flip(-1).argmin(-1)  # [B, H]
     assert torch.equal(recency_drop(policy, pads, length)[:, None].expand(-1, heads), expected)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_drop_one_keeps_what_select_kept_keeps_for_a_ratio_when_every_row_keeps_as_many(seed):
+    # A ratio's decode step takes drop_one when every row keeps the same count behind no padding (eviction.py).
+    g = torch.Generator().manual_seed(seed)
+    policy = HeavyHitterPolicy(ratio=0.5, recent=2, sink_tokens=1)
+    batch, heads, length = 3, 2, 17
+    pads = torch.zeros(batch, dtype=torch.long)
+    scores = torch.randint(0, 4, (batch, heads, length), generator=g).float()
+    keep = torch.full((batch,), length - 1)
+    reference = select_kept(policy, scores, pads, heads, length, keep, length - 1)
+    assert torch.equal(drop_one(policy, scores, pads, heads, length), reference)
