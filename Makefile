@@ -39,7 +39,7 @@ test-slow: setup
 
 # Speed and memory of every cache against DynamicCache (benchmarks/harness/bench.py: the grid and its cost; not part
 # of `make test`). BENCH_ARGS="--quick" for the short grid, "--threads 1 --clock cpu" on a shared machine.
-# Writes benchmarks/results/bench-<time>.{md,json,png} (git-ignored; benchmarks/README.md).
+# Writes benchmarks/results/bench-<time>.{md,json} and bench-<time>-<dtype>.png (git-ignored; benchmarks/README.md).
 BENCH_ARGS ?=
 bench: setup
 	$(BIN)/python benchmarks/harness/bench.py $(BENCH_ARGS)

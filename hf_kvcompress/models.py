@@ -190,7 +190,9 @@ def load_model(
         dtype: ``"float32"``/``"fp32"``, ``"bfloat16"``/``"bf16"``, ``"float16"``/``"fp16"`` or a torch dtype;
             default bf16 on CUDA and fp32 on CPU.
         attn_implementation: passed to ``from_pretrained``; ``"sdpa"`` unless a registered attention function
-            is named.
+            is named. A compressed cache passed to the model switches ``"sdpa"`` to ``"kvcompress_sdpa"`` (the same
+            SDPA call, plus what the cache asks attention for) at its first request (`lend_config`), so its fast
+            decode path and attention-scored policies need no `use_kvcompress_attention`.
         device_map: passed to ``from_pretrained`` instead of ``device`` when given (transformers needs accelerate
             for it).
         **model_kwargs: passed to ``AutoModelForCausalLM.from_pretrained``.
@@ -215,6 +217,7 @@ def load_model(
     if device_map is None:
         model.to(device)  # type: ignore[arg-type]  # transformers types its wrapped `to` as taking the model first
     model.eval()
+    model.register_forward_pre_hook(lend_config, with_kwargs=True)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -222,6 +225,16 @@ def load_model(
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def lend_config(model, args, kwargs) -> None:
+    """A forward pre-hook of the models `load_model` returns: a cache passed in that switches its model's attention
+    when it needs the package's (CompressedCache: `adopt_attention_config`) learns this model's config, so that a
+    cache built without one (the README's `QuantizedCache(bits=4)`) reads its store directly too."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    adopt = getattr(cache, "adopt_attention_config", None)
+    if adopt is not None:
+        adopt(model.config)
 
 
 # ------------------------------------------------------------------------------------------ name resolution

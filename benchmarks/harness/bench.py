@@ -3,13 +3,20 @@ DynamicCache.
 
     python benchmarks/harness/bench.py [--quick | --full] [--lengths 1024,4096,8192] [--batches 1,8] [--repeats 2]
                                [--new-tokens 16] [--specs "dynamic;int4;..."] [--peers all|none|quanto-int4,...]
-                               [--threads N] [--clock wall|cpu] [--compare-code DIR] [--out benchmarks/results]
+                               [--dtypes float32,bfloat16] [--threads N] [--clock wall|cpu] [--compare-code DIR]
+                               [--out benchmarks/results]
                                [--quantized-venv DIR] [--kvpress-venv DIR]
 
 Each (cache, prompt length, batch) run happens in a fresh worker process, so its peak memory is its own; runs are
 interleaved (every cache once per repeat, then the next repeat), so machine load hits every cache alike, and each
 figure is the median over repeats. Ratios compare with DynamicCache at the same length and batch in the same run.
 A run that fails is a row that names its error (and is not repeated), not the end of the bench.
+
+The path measured is the user's: `load_model(dtype=...)`, `make_cache(spec, model.config)` and plain forward calls
+(what `model.generate` runs), with `use_kvcompress_attention(model)` only for the policies the README asks it for
+(attention-scored ones and KVzip, as `hf-kvcompress generate` does): the cache engages the package's attention itself
+where it needs it. Each dtype of `--dtypes` (default float32 and bfloat16) is a table of its own, its ratios against
+DynamicCache in that dtype.
 
 Peers (`--peers`; bench_peer_worker.py): transformers' QuantizedCache with quanto int4 and int2, HQQ int4 and int2
 and its fp8 backend (`quanto-int4`, `quanto-int2`, `hqq-int4`, `hqq-int2`, `transformers-fp8`), and kvpress 0.5.5's
@@ -65,8 +72,9 @@ QUICK = dict(lengths=[1024, 4096], batches=[1], repeats=2, new_tokens=8)
 MIB = 1 << 20
 
 
-def worker(spec: str, length: int, batch: int, new_tokens: int, model_name: str | None, clock: str) -> dict:
-    """One prefill and `new_tokens` greedy decode steps with cache `spec`; what they cost."""
+def worker(spec: str, length: int, batch: int, new_tokens: int, model_name: str | None, clock: str,
+           dtype: str = "float32") -> dict:
+    """One prefill and `new_tokens` greedy decode steps with cache `spec` on the user's path; what they cost."""
     import torch
     import transformers
     from bench_measure import prompt_ids, timed_run
@@ -75,10 +83,11 @@ def worker(spec: str, length: int, batch: int, new_tokens: int, model_name: str 
     from hf_kvcompress import load_model, make_cache, measured_kv_bytes, use_kvcompress_attention
     from hf_kvcompress.generation import prefill, repeat_prompt_ids
     from hf_kvcompress.hf.compat import cache_kwargs
-    from hf_kvcompress.registry import needs_own_prefill
+    from hf_kvcompress.registry import needs_attention, needs_own_prefill
 
-    model, tokenizer = load_model(model_name)
-    use_kvcompress_attention(model)
+    model, tokenizer = load_model(model_name, dtype=dtype)
+    if needs_attention(spec):  # as the README and `hf-kvcompress generate` do; nothing else asks for it
+        use_kvcompress_attention(model)
     ids = prompt_ids(tokenizer.vocab_size, length, batch).to(model.device)
     repeat = repeat_prompt_ids(tokenizer) if needs_own_prefill(spec) else None
     cache = make_cache(spec, model.config)
@@ -119,11 +128,16 @@ def _failure(done: subprocess.CompletedProcess) -> dict:
     return {"error": f"{last[:300]} (exit {done.returncode})", "stderr": done.stderr[-3000:]}
 
 
+def _dtype(args) -> str:
+    """The dtype the workers run now (`args.dtype`, set for each of --dtypes in turn)."""
+    return getattr(args, "dtype", "float32")
+
+
 def _run_worker(args, row: Row, length: int, batch: int) -> dict:
     if row.env == "ours":
         spec, _, code = row.label.partition(" @")
         command = [sys.executable, __file__, "--worker", spec, "--lengths", str(length), "--batches", str(batch)]
-        command += ["--new-tokens", str(args.new_tokens), "--clock", args.clock]
+        command += ["--new-tokens", str(args.new_tokens), "--clock", args.clock, "--dtypes", _dtype(args)]
         command += ["--model", args.model] if args.model else []
         env = dict(os.environ)
         if code:  # the package from another checkout (--compare-code), first on the path
@@ -132,7 +146,7 @@ def _run_worker(args, row: Row, length: int, batch: int) -> dict:
         peer = "dynamic" if row.label == row.baseline else row.label
         command = [str(args.peer_python[row.env]), str(HERE / "bench_peer_worker.py"), "--peer", peer]
         command += ["--model-dir", str(args.model_dir), "--length", str(length), "--batch", str(batch)]
-        command += ["--new-tokens", str(args.new_tokens), "--clock", args.clock]
+        command += ["--new-tokens", str(args.new_tokens), "--clock", args.clock, "--dtype", _dtype(args)]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if args.threads:
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
@@ -284,6 +298,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None, help="decode steps per run (default 16)")
     parser.add_argument("--specs", default=";".join(SPECS), help="cache specs separated by ';' (dynamic is added)")
     parser.add_argument("--model", default=None, help="model alias or path (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="model dtypes, comma-separated, each a table of its own (default float32,bfloat16)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time or process CPU time")
     parser.add_argument("--out", default=str(RESULTS), help="folder for the table and the plot")
@@ -303,7 +319,8 @@ def main() -> None:
     args.repeats = args.repeats or quick.get("repeats", 2)
     args.new_tokens = args.new_tokens or quick.get("new_tokens", 16)
     if args.worker is not None:
-        print(json.dumps(worker(args.worker, lengths[0], batches[0], args.new_tokens, args.model, args.clock)))
+        dtype = args.dtypes.split(",")[0]
+        print(json.dumps(worker(args.worker, lengths[0], batches[0], args.new_tokens, args.model, args.clock, dtype)))
         return
     try:
         peers = peer_names(args.peers, args.quick, bool(args.compare_code))
@@ -318,6 +335,7 @@ def main() -> None:
         grid = [(n, b) for n, b in grid if b == 1 or n <= 4096]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     rows = plan_rows(specs, peers)
     unavailable = {}  # label -> why it is not run (its environment or backend could not be built)
     args.peer_python = {}
@@ -329,19 +347,24 @@ def main() -> None:
             args.peer_python[env] = python
             unavailable.update({(f"dynamic@{env}" if name == "dynamic" else name): why for name, why in failed.items()})
     started = time.time()
-    results = measure(rows, grid, args.repeats, lambda row, n, b: _run_worker(args, row, n, b), unavailable)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    results, sections = {}, []
+    for dtype in [d for d in args.dtypes.split(",") if d]:
+        args.dtype = dtype
+        print(f"dtype {dtype}", flush=True)
+        measured = measure(rows, grid, args.repeats, lambda row, n, b: _run_worker(args, row, n, b), unavailable)
+        results.update({(dtype, *key): runs for key, runs in measured.items()})
+        sections.append(f"### {dtype}\n\n" + table(measured, rows, grid) + "\n")
+        plot(measured, rows, grid, out / f"bench-{stamp}-{dtype}.png")
     header = (
         f"`{' '.join(sys.argv)}`: medians of {args.repeats} interleaved repeats, {args.new_tokens} decoded tokens, "
         f"clock {args.clock}, threads {args.threads or 'default'}, {time.time() - started:.0f} s in all. Peak MiB: "
         "resident memory above the worker's level after loading the model and one warm-up forward.\n\n"
     )
-    text = header + table(results, rows, grid) + "\n"
+    text = header + "\n".join(sections)
     (out / f"bench-{stamp}.md").write_text(text)
     (out / f"bench-{stamp}.json").write_text(json.dumps({"|".join(map(str, k)): v for k, v in results.items()}))
-    plot(results, rows, grid, out / f"bench-{stamp}.png")
     print(text)
-    print(f"wrote {out}/bench-{stamp}.md, .json and .png")
+    print(f"wrote {out}/bench-{stamp}.md, .json and a .png per dtype")
 
 
 if __name__ == "__main__":

@@ -95,12 +95,15 @@ def run_model(model, peer: str, vocab_size: int, length: int, batch: int, new_to
     }
 
 
-def run(peer: str, model_dir: str, length: int, batch: int, new_tokens: int, clock: str) -> dict:
+def run(peer: str, model_dir: str, length: int, batch: int, new_tokens: int, clock: str,
+        dtype: str = "float32") -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     attention = PEERS[peer][1].get("attn_implementation", "sdpa") if peer != "dynamic" else "sdpa"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation=attention
+    ).eval()
     vocab_size = AutoTokenizer.from_pretrained(model_dir).vocab_size
     return run_model(model, peer, vocab_size, length, batch, new_tokens, clock)
 
@@ -113,8 +116,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--new-tokens", type=int, required=True)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = parser.parse_args()
-    print(json.dumps(run(args.peer, args.model_dir, args.length, args.batch, args.new_tokens, args.clock)))
+    print(json.dumps(run(args.peer, args.model_dir, args.length, args.batch, args.new_tokens, args.clock, args.dtype)))
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ from transformers.cache_utils import Cache
 
 from ..codecs.base import Codec
 from ..codecs.identity import IdentityCodec
+from ..hf.attention import ATTENTION_NAME, engage
 from ..hf.compat import ASSISTED_CONTINUES_CACHE, ASSISTED_REFEEDS_PROMPT
 from ..policies.base import Policy
 from ..policies.keep_all import KeepAllPolicy
 from .head_ranking import head_budget_keep
 from .layer import CompressedLayer
 from .plan import LayerPlan, cache_codec, check_without_config, plan_layers, unplanned_layer
+from .requests import attention_kwargs, makes_requests
 from .token_ranking import share_token_scores
 
 
@@ -98,6 +100,10 @@ class CompressedCache(Cache):
     architecture: dict
 
     def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False):
+        # The model config whose attention the cache switches to 'kvcompress_sdpa' at its first request to attention
+        # (`adopt_attention_config`, `_engage_attention`); decided once in the cache's life.
+        self.attention_config = config
+        self.attention_settled = False
         self.policy = policy if policy is not None else KeepAllPolicy()
         requested = codec if codec is not None else IdentityCodec()
         self.codec = cache_codec(self.policy, requested, config)
@@ -129,7 +135,33 @@ class CompressedCache(Cache):
                     f"the layers of this cache have seen different numbers of tokens ({sorted(seen)}): it was used "
                     "by a model with a different layer count; call cache.reset() or create a new cache"
                 )
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        states = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if not self.attention_settled:
+            self._engage_attention(attention_kwargs(args, kwargs))
+        return states
+
+    def adopt_attention_config(self, config) -> None:
+        """Called by a model from `load_model` before each forward pass: a cache built without a config may still
+        switch that model's attention (and only its attention: what the layers keep does not change)."""
+        if self.attention_config is None:
+            self.attention_config = config
+
+    def _engage_attention(self, attn_kwargs: dict | None) -> None:
+        """At the first step where a layer asks attention for something (its store, statistics, its own mask),
+        switch a model running transformers' SDPA to 'kvcompress_sdpa' (hf/attention.py: `engage`): the same
+        answers, plus what the layers ask for. A model running another implementation is named once, when a layer
+        would have had attention read its store; a policy that needs statistics refuses at its next step."""
+        if not makes_requests(attn_kwargs):
+            return
+        self.attention_settled = True
+        running = engage(self.attention_config)
+        if running in (None, ATTENTION_NAME):
+            return
+        reading = [layer for layer in self.layers if layer.codec.attends_encoded and not layer.offers.noted]
+        for layer in reading:
+            layer.offers.noted = True  # said here for all of them, naming the model's attention
+        if reading:
+            reading[0].offers.note(running)
 
     @property
     def reads_hidden_states(self) -> bool:

@@ -60,23 +60,27 @@ class Eviction:
         budget = self.policy.budget
         return budget if budget is not None and self.fixed_budget else int(keep.max())
 
-    def due(self, padding: RowPadding, has_scores: bool, stored_tokens: int) -> tuple[torch.Tensor, int] | None:
-        """(keep per row, keep.max()) when the layer must evict now, else None; one host read at most.
+    def due(self, padding: RowPadding, has_scores: bool, stored_tokens: int) -> tuple[torch.Tensor, int, bool] | None:
+        """(keep per row, keep.max(), whether every row keeps keep.max() real tokens behind no padding) when the
+        layer must evict now, else None; one host read at most.
 
         Slots are shared by the batch, so `stored_tokens > keep.max()` alone misses a row whose keep count stands
         still (a ratio held at its sinks + recent floor) while another row's grows: that row must still lose a
         token, or it differs from the row alone. A fixed budget keeps the same count in every row, so there the
-        slot count decides."""
+        slot count decides. When every row keeps the same count behind no padding, one slot over means one real
+        slot dropped in every row, as under a fixed budget (`drop_one`)."""
         keep = self.keep_per_row(padding, has_scores)
         if keep is None:
             return None
         budget = self.policy.budget
         if budget is not None and self.fixed_budget:
-            return (keep, budget) if stored_tokens > budget else None
+            return (keep, budget, True) if stored_tokens > budget else None
+        most = keep.max()
         over = ((stored_tokens - padding.pads) > keep).any()
-        value = int(keep.max() * 2 + over.long())  # one read for both numbers
-        most, row_over = value // 2, bool(value % 2)
-        return (keep, most) if stored_tokens > most or row_over else None
+        even = (keep == most).all() & (padding.pads == 0).all()
+        value = int(most * 4 + over.long() * 2 + even.long())  # one read for the three answers
+        most_kept, row_over, same = value // 4, bool(value & 2), bool(value & 1)
+        return (keep, most_kept, same) if stored_tokens > most_kept or row_over else None
 
     def refuse_unknown_padding(self, padding: RowPadding) -> None:
         """Eviction that keeps sinks or scores by attention must know where each row's padding ends."""
@@ -85,12 +89,12 @@ class Eviction:
 
     def choose(
         self, padding: RowPadding, scores: torch.Tensor | None, kv_heads: int, length: int, keep: torch.Tensor,
-        most: int,
+        most: int, even: bool,
     ) -> torch.Tensor:
         """The kept slots [B, H_kv, budget], in token order with each row's padding first, from the policy's
-        `scores` [B, H_kv, length] (None: the policy ranks by recency alone)."""
+        `scores` [B, H_kv, length] (None: the policy ranks by recency alone); `most` and `even` as `due` says."""
         scores = agree_within_groups(scores, self.heads_per_store)
-        if length == most + 1 and self.fixed_budget:  # a decode step: one slot over
+        if length == most + 1 and even:  # a decode step: one slot over, the same real slot count in every row
             return drop_one(self.policy, scores, padding.pads, kv_heads, length)
         return select_kept(self.policy, scores, padding.pads, kv_heads, length, keep, most)
 

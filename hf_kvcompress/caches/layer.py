@@ -130,6 +130,7 @@ class CompressedLayer(CacheLayerMixin):
         self.probe = probe  # model weights (a torch Module, shared by every cache of the model), not cache storage
         if inv_freq is not None and not (codec.lossless and policy.evicts):
             raise ValueError("rerotate needs an evicting policy and full-precision keys (codec 'identity')")
+        self.offers = StoreOffers(self.codec, rerotates=self.inv_freq is not None)  # `_clear` clears its offer
         self._clear()
 
     def _clear(self) -> None:
@@ -148,7 +149,7 @@ class CompressedLayer(CacheLayerMixin):
         self.eviction = Eviction(self.policy, self.codec.heads_per_store)  # keep counts, a pass's per-layer shift
         self.own_mask: OwnMask | None = None  # the mask handed to attention at the last step, if any
         self.finite = FiniteCheck()
-        self.offers = StoreOffers(self.codec, rerotates=self.inv_freq is not None)
+        self.offers.clear()
 
     # -- transformers' layer contract -------------------------------------------------------------------------
 
@@ -360,8 +361,9 @@ class CompressedLayer(CacheLayerMixin):
                 self._evict(*due)
         self._encode_tail()
 
-    def _evict(self, keep: torch.Tensor, most: int) -> None:
-        """Keep each row's `keep` best-scored real tokens (`most` of them at the most), and move every part along."""
+    def _evict(self, keep: torch.Tensor, most: int, even: bool) -> None:
+        """Keep each row's `keep` best-scored real tokens (`most` of them at the most; `even`: every row keeps `most`
+        behind no padding), and move every part along."""
         # A token layer after its first step: a head store (`rank_heads`) evicts by itself (head_store.py).
         assert isinstance(self.store, TokenStore) and self.padding is not None
         self.eviction.refuse_unknown_padding(self.padding)
@@ -374,7 +376,7 @@ class CompressedLayer(CacheLayerMixin):
         scores = self.policy.score(
             self.slots.accumulated, length, keys=keys, positions=self.slots.positions, pads=self.padding.pads, **extra
         )
-        kept = self.eviction.choose(self.padding, scores, self.kv_heads, length, keep, most)  # [B, H_kv, budget]
+        kept = self.eviction.choose(self.padding, scores, self.kv_heads, length, keep, most, even)  # [B, H_kv, budget]
         if self.store.encoded_keys is None:
             self._capture_sinks()
         positions = self.slots.positions  # before the move: the store encodes kept tail keys at them

@@ -50,6 +50,10 @@ class RowPadding:
         self.step_tokens = 0
         self.evicted_mid_prompt = False  # evicted after a multi-token step that more prompt chunks may follow
         self.mask_misplaced = True  # the last `misplaces_shared_mask` answer (True: ask again)
+        # `real_seen` itself once every row had two real tokens or more (learnt with `misplaces_shared_mask`'s host
+        # read): a decode step then adds one real token to each row and no padding, whatever its position (`count`).
+        # A reassigned `real_seen` is not this tensor, and `count`'s general steps forget it.
+        self.settled: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -77,7 +81,11 @@ class RowPadding:
                 self.unknown = True
             self.real_seen += new
             return
+        if new == 1 and self.settled is self.real_seen:
+            self.real_seen += 1  # in place: still `settled`
+            return
         positions = position_ids.to(self.pads.device).long()
+        self.settled = None  # the steps below may take a real token back (`was_padding`)
         if new == 1:  # a decode step: the general case below, for one token, in a few operations
             at_zero = positions[:, 0] == 0
             was_padding = ((self.real_seen == 1) & at_zero).long()
@@ -132,7 +140,10 @@ class RowPadding:
             return False
         offset = seen - length  # tokens seen minus slots attention sees, the same for every row
         expected = (seen - self.real_seen - offset).clamp(min=0, max=length)
-        self.mask_misplaced = bool((expected != self.pads).any())
+        misplaced = (expected != self.pads).any()
+        both = int(misplaced.long() * 2 + (self.real_seen.min() >= 2).long())  # one host read for both answers
+        self.mask_misplaced = both >= 2
+        self.settled = self.real_seen if both % 2 else None  # read with this answer: decode steps `count` less
         return self.mask_misplaced
 
     def mask(self, new: int, length: int, window: int | None) -> torch.Tensor:

@@ -25,8 +25,16 @@ STORE_KEY = "kvcompress_store"
 HIDDEN_KEY = "kvcompress_hidden"
 
 ENABLE_ATTENTION_HINT = (
-    "call `hf_kvcompress.use_kvcompress_attention(model)` once before generating (it registers the "
-    "'kvcompress_sdpa' attention function with transformers and switches the model to it)"
+    "load the model with `hf_kvcompress.load_model` or build the cache with config=model.config (a model running "
+    "'sdpa' is then switched to 'kvcompress_sdpa' by the cache), or call "
+    "`hf_kvcompress.use_kvcompress_attention(model)` once before generating (it registers the 'kvcompress_sdpa' "
+    "attention function with transformers and switches the model to it)"
+)
+# Why a layer whose store attention never reached says so once (see store_offer.py).
+STORE_NOT_REACHED = (
+    "this cache's {codec} store is read by decode attention through 'kvcompress_sdpa', which this model does not "
+    "run{named}: every decode step decodes the whole store instead (the answers are the same, decoding is slower). "
+    "To read it directly: {hint}"
 )
 HIDDEN_STATES_HINT = (
     "call `hf_kvcompress.use_kvcompress_attention(model)` once before generating (it also hooks each attention "
@@ -60,6 +68,7 @@ class StoreRequest:
     layer: AttendsStore
     fused: bool
     used: bool = False
+    reached: bool = False  # set by our attention function whenever it receives the request, taken or not
 
 
 @dataclass
@@ -68,6 +77,11 @@ class OwnMask:
 
     mask: torch.Tensor  # [B, 1, q, kv] bool
     used: bool = False  # set by the attention function (hf/attention.py): any other one ignores the mask
+
+
+def makes_requests(attn_kwargs: dict | None) -> bool:
+    """Whether a layer put a request for our attention function into these attention kwargs."""
+    return attn_kwargs is not None and any(key in attn_kwargs for key in (OBSERVER_KEY, MASK_KEY, STORE_KEY))
 
 
 def attention_kwargs(args, kwargs) -> dict | None:

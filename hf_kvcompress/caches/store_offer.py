@@ -5,15 +5,19 @@ Our attention function (hf/attention.py) takes the offer and reads the store a b
 taken, `update` returns NaN placeholders instead of the decoded cache, so the layer must learn at the next step
 whether the offer was taken again, and refuse to go on when it was not. Prompt steps ask without relying on the
 answer (`StoreOffers.probe`), so the first decode step is already fused, and a prompt run through another attention
-function withdraws the confirmation instead of leaving a decode step to fail.
+function withdraws the confirmation instead of leaving a decode step to fail. A layer whose request never reached
+our attention function says so once (`StoreOffers.note`): the model runs another one, and every decode step decodes
+the whole store.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..codecs.base import Codec
-from .requests import STORE_KEY, AttendsStore, StoreRequest
+from .requests import ENABLE_ATTENTION_HINT, STORE_KEY, STORE_NOT_REACHED, AttendsStore, StoreRequest
 from .storage import TokenStore
 
 
@@ -22,8 +26,14 @@ class StoreOffers:
     taken one."""
 
     def __init__(self, codec: Codec, rerotates: bool) -> None:
+        self.codec = codec
         # A re-rotating layer rotates its kept keys after attention, so attention must read them decoded.
         self.offered = codec.attends_encoded and not rerotates
+        self.noted = False  # said that no attention function reads the store (once in the layer's life)
+        self.clear()
+
+    def clear(self) -> None:
+        """A reset layer offers afresh (what it said stays said)."""
         self.request: StoreRequest | None = None
         self.confirmed = False
 
@@ -69,3 +79,13 @@ class StoreOffers:
                 "call cache.reset() and generate again"
             )
         self.confirmed = request.used
+        if not request.reached and not self.noted:
+            self.noted = True
+            self.note(None)
+
+    def note(self, attention: str | None) -> None:
+        """Say that decode attention does not read this layer's store (`attention`: the model's implementation,
+        when the cache knows it); the cache says it once for all its layers, naming the model's attention."""
+        named = "" if attention is None else f" (it runs {attention!r})"
+        warnings.warn(STORE_NOT_REACHED.format(codec=self.codec.spec(), named=named, hint=ENABLE_ATTENTION_HINT),
+                      RuntimeWarning, stacklevel=4)

@@ -66,6 +66,11 @@ def planes(packed: torch.Tensor, bits: int, high_bits: bool) -> torch.Tensor:
     return out
 
 
+def _float32_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous float32 copy of `tensor` in one pass (`.float().contiguous()` of a bfloat16 view takes two)."""
+    return torch.empty(tensor.shape, dtype=torch.float32, device=tensor.device).copy_(tensor)
+
+
 def _plane_query(query: torch.Tensor, unit: int) -> torch.Tensor:
     """[B, H, n, D] -> [B, H, u, n, W]: the dims each code plane holds (dim j*u + i in plane i, column j)."""
     b, h, n, d = query.shape
@@ -107,8 +112,8 @@ def token_group_logits(
         raw = raw + l0 * q_sum
     # logits = sum_g scale_g * raw_g + zero_g * sum(q_g), one group at a time over [B, H, n, T] (a broadcast
     # product and a sum over G, or a matmul with G columns, took twice as long on CPU).
-    scale_t = scale.float().transpose(-1, -2).contiguous()[:, :, None]  # [B, H, 1, G, T]
-    zero_t = zero.float().transpose(-1, -2).contiguous()[:, :, None]
+    scale_t = _float32_copy(scale.transpose(-1, -2))[:, :, None]  # [B, H, 1, G, T]
+    zero_t = _float32_copy(zero.transpose(-1, -2))[:, :, None]
     logits = raw[:, :, :, 0] * scale_t[:, :, :, 0]
     logits.addcmul_(q_sum[:, :, :, 0], zero_t[:, :, :, 0])
     for g in range(1, groups):
@@ -130,7 +135,8 @@ def token_group_mix(
     d = w * unit
     groups = d // group_size
     codes = planes(packed, bits, high_bits=hb != 0.0)  # [B, H, P, T, W]
-    scaled = probs[:, :, :, None, :] * scale.float().transpose(-1, -2)[:, :, None]  # [B, H, n, G, T]
+    # float32 probabilities times the scales in their stored dtype: the product is float32 of the same values.
+    scaled = probs[:, :, :, None, :] * scale.transpose(-1, -2)[:, :, None]  # [B, H, n, G, T]
     # Expanded over the planes explicitly: a broadcast batch dim made matmul twice as slow on CPU.
     raw = torch.matmul(scaled.reshape(b, h, 1, n * groups, t).expand(b, h, codes.shape[2], n * groups, t), codes)
     if hb != 0.0:
@@ -157,7 +163,7 @@ def channel_group_logits(
     b, h, n, d = query.shape
     t, w = packed.shape[2], packed.shape[3]
     codes = planes(packed, bits, high_bits=False)  # [B, H, u, T, W]
-    plane_scale = _plane_query(scale.float(), unit)  # [B, H, u, T/g, W]
+    plane_scale = _plane_query(scale, unit)  # [B, H, u, T/g, W], in the stored dtype: mul_ reads it as float32
     codes.view(b, h, unit, t // group_size, group_size, w).mul_(plane_scale[:, :, :, :, None, :])
     logits = torch.matmul(_plane_query(query, unit), codes.transpose(-1, -2)).sum(2)  # [B, H, n, T]
     zeros = torch.matmul(query, zero.float().transpose(-1, -2))  # [B, H, n, T/g]
@@ -180,7 +186,7 @@ def channel_group_logits_by_offset(
     codes = torch.empty(b, h, unit, g, groups, w, dtype=torch.float32, device=packed.device)
     for i in range(unit):
         codes[:, :, i].copy_(_code_plane(packed, bits, i).view(b, h, groups, g, w).transpose(2, 3))
-    codes.mul_(_plane_query(scale.float(), unit)[:, :, :, None])  # [B, H, u, 1, T/g, W]: one scale per group
+    codes.mul_(_plane_query(scale, unit)[:, :, :, None])  # [B, H, u, 1, T/g, W]: one scale per group
     plane_q = _plane_query(offset_query.reshape(b, h, n * g, d), unit).reshape(b, h, unit, n, g, w)
     raw = torch.matmul(plane_q.transpose(3, 4), codes.transpose(-1, -2)).sum(2)  # [B, H, g, n, T/g]
     zeros = torch.matmul(offset_query.reshape(b, h, n * g, d), zero.float().transpose(-1, -2))  # [B, H, n*g, T/g]

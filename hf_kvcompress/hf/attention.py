@@ -14,6 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..caches.requests import MASK_KEY, OBSERVER_KEY, STORE_KEY
+from .compat import text_config
 from .hidden_states import offer_hidden_states
 
 ATTENTION_NAME = "kvcompress_sdpa"
@@ -118,6 +119,8 @@ def kvcompress_attention(module, query, key, value, attention_mask, scaling=None
     request = kwargs.pop(OBSERVER_KEY, None)
     own_mask = kwargs.pop(MASK_KEY, None)
     store = kwargs.pop(STORE_KEY, None)
+    if store is not None:
+        store.reached = True
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if own_mask is not None:  # the layer keeps what the shared mask cannot describe (see caches/padding.py)
         own_mask.used = True
@@ -148,6 +151,25 @@ def register() -> str:
     """Make 'kvcompress_sdpa' known to transformers (attention function and its SDPA-style mask); idempotent."""
     AttentionInterface.register(ATTENTION_NAME, kvcompress_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME
+
+
+def engage(config) -> str | None:
+    """Switch the model whose config is `config` from transformers' SDPA to 'kvcompress_sdpa', which is that SDPA
+    call (the same arguments, the same mask function) whenever no cache layer asks for more, so nothing a model
+    answers changes, and a cache that asks is served. Any other implementation (eager, flash, flex) is left as it
+    is: it would answer differently. Returns what the decoder's attention now runs (None without a config).
+
+    transformers looks the attention function up by name in each attention forward, after the cache's `update`:
+    a switch made while a cache layer updates already applies to that layer's attention."""
+    if config is None:
+        return None
+    decoder = text_config(config)
+    name = getattr(decoder, "_attn_implementation", None)
+    if name != "sdpa":
+        return name
+    register()
+    decoder._attn_implementation = ATTENTION_NAME
     return ATTENTION_NAME
 
 

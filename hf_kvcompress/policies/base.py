@@ -225,7 +225,19 @@ def drop_one(policy: Policy, scores: torch.Tensor | None, pads: torch.Tensor, he
     Each row and head drops its lowest-priority slot (a padding slot while it has one, else the newest of the
     lowest-scored real slots, as select_kept's stable sort does), found by one argmin instead of a sort and a top-k.
     """
-    priority = slot_priority(policy, scores, pads, heads, length)
-    drop = (length - 1) - priority.flip(-1).argmin(-1)  # argmin returns the first minimum: flipped, the newest
+    if scores is None:
+        drop = recency_drop(policy, pads, length)[:, None].expand(pads.shape[0], heads)
+    else:
+        priority = slot_priority(policy, scores, pads, heads, length)
+        drop = (length - 1) - priority.flip(-1).argmin(-1)  # argmin returns the first minimum: flipped, the newest
     slot = torch.arange(length - 1, device=pads.device)
     return slot + (slot >= drop[..., None]).long()
+
+
+def recency_drop(policy: Policy, pads: torch.Tensor, length: int) -> torch.Tensor:
+    """[B]: the slot `drop_one` drops by recency (no scores), found from each row's padding alone, without
+    `slot_priority` over every slot: the newest padding slot while a row has padding (priority -inf), else its
+    oldest unprotected real slot (the lowest slot number), else, every slot protected (+inf), the newest one."""
+    oldest = pads + policy.sink_tokens  # the first real slot after the row's sinks
+    unprotected = torch.where(oldest < length - policy.recent, oldest, length - 1)
+    return torch.where(pads > 0, pads - 1, unprotected)

@@ -4,6 +4,8 @@ Greedy tokens of random models are fragile (near-ties), so quantized codecs are 
 (padded batch vs. rows alone) and eviction with large budgets is compared with DynamicCache.
 """
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -206,7 +208,8 @@ def test_cache_reused_on_a_different_model_is_refused():
 
 def test_heavy_hitter_without_statistics_says_how_to_enable_them():
     model = tiny_model("llama")  # plain SDPA, not the statistics-gathering attention
-    cache = make_cache("h2o:budget=8,recent=2", model.config)
+    # Built from a copy of the config, the cache cannot switch the model to its attention (CompressedCache).
+    cache = make_cache("h2o:budget=8,recent=2", copy.deepcopy(model.config))
     _, ids, mask = _prompts(9, lengths=(6,))
     with pytest.raises(RuntimeError, match="use_kvcompress_attention"):
         generate(model, ids, mask, cache, max_new_tokens=3)
@@ -311,4 +314,4 @@ def test_ratio_in_a_padded_batch_without_our_attention_is_refused():
     model = tiny_model("llama")
     _, ids, mask = _prompts(13, lengths=(5, 13))
     with pytest.raises(RuntimeError, match="use_kvcompress_attention"):
-        generate(model, ids, mask, make_cache("keydiff:ratio=0.5", model.config), max_new_tokens=3)
+        generate(model, ids, mask, make_cache("keydiff:ratio=0.5", copy.deepcopy(model.config)), max_new_tokens=3)

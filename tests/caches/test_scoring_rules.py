@@ -1,5 +1,7 @@
 """Each scoring rule against a plain reference computation on a tiny model (eager attention's weights, raw keys)."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -252,7 +254,8 @@ def test_expected_attention_needs_the_models_config():
 def test_kvzip_refuses_a_reconstruction_pass_without_attention_statistics():
     """With sdpa the pass saw no attention: before, a one-chunk context was evicted by all-zero scores, silently."""
     model = tiny_model("llama")  # its own sdpa attention, not kvcompress_sdpa
-    cache = make_cache("kvzip:budget=4,budgets=uniform", model.config)
+    # Built from a copy of the config, the cache cannot switch the model to its attention (CompressedCache).
+    cache = make_cache("kvzip:budget=4,budgets=uniform", copy.deepcopy(model.config))
     with pytest.raises(RuntimeError, match="scores tokens by attention"):
         prefill(model, IDS, None, cache, repeat_prompt_ids=[5, 6, 7])
     # Nothing was evicted by the failed pass, and decoding past the budget still asks for the pass.

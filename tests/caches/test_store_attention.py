@@ -1,5 +1,7 @@
 """Attention read from the encoded store a block at a time equals SDPA over the decoded cache (the reference)."""
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -78,8 +80,10 @@ def test_fused_decode_attention_matches_sdpa_over_the_decoded_cache(spec, monkey
     assert fused_steps == (0 if spec.startswith("h2o") else 30)  # the prompt step confirmed our attention function
 
 
-def _generate(model, spec, ids, mask):
-    cache = make_cache(spec, model.config)
+def _generate(model, spec, ids, mask, switches=True):
+    # Built from a copy of the model's config, the cache cannot switch the model's attention
+    # (CompressedCache._engage_attention switches the config it was given).
+    cache = make_cache(spec, model.config if switches else copy.deepcopy(model.config))
     out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=12, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits)
@@ -92,8 +96,9 @@ def test_generate_with_the_fused_path_equals_plain_sdpa(spec):
     ids = torch.randint(3, 128, (2, 30), generator=g)
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
-    plain = tiny_model("llama")  # transformers' SDPA: the cache never offers its store
-    tokens, logits = _generate(plain, spec, ids, mask)
+    plain = tiny_model("llama")  # transformers' SDPA, and a cache that cannot switch it: it never reads its store
+    tokens, logits = _generate(plain, spec, ids, mask, switches=False)
+    assert plain.config._attn_implementation == "sdpa"
     fused = use_kvcompress_attention(tiny_model("llama"))
     fused_tokens, fused_logits = _generate(fused, spec, ids, mask)
     assert torch.equal(fused_tokens, tokens)
@@ -137,7 +142,7 @@ def test_the_first_decode_step_is_fused_after_a_prompt_through_our_attention():
         k, _ = cache.layers[0].update(torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32), {})
     # Under transformers' own SDPA the prompt confirms nothing: the first decode step returns the decoded cache.
     plain = tiny_model("llama")
-    other = make_cache("int4:residual_length=0,group_size=8", plain.config)
+    other = make_cache("int4:residual_length=0,group_size=8")  # without the config: it cannot switch the attention
     with torch.inference_mode():
         plain(input_ids=ids, past_key_values=other, use_cache=True)
         k_plain, _ = other.layers[0].update(torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32), {})
