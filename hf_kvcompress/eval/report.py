@@ -67,12 +67,15 @@ def summarize(records: list[dict]) -> dict:
 
     Returns a dict with:
         rows: one dict per (task, method): n, score, correct (percent), dynamic (the baseline's score on the
-            task), delta, kv_bytes_document, kv_bytes_peak (at the served dtype, `served_bytes`), memory_ratio
+            task), delta, retention (of the samples the baseline answers, the share this method answers too: the
+            measure of what compression costs), retained and answered (its numerator and denominator),
+            kv_bytes_document, kv_bytes_peak (at the served dtype, `served_bytes`), memory_ratio
             (peak / dynamic's peak), tokens_kept,
             prefill_seconds, decode_seconds, too_hard, by_length {length: score}, by_band {band: score} (depth
             bands start, middle, end).
         ranking: one dict per method over the tasks that are not too hard, best first: score, dynamic, delta,
-            kv_bytes_peak, memory_ratio, tasks.
+            retention (pooled over those tasks' answered samples), retained, answered, kv_bytes_peak, memory_ratio,
+            tasks.
         too_hard: {task: dynamic score} for the flagged tasks.
         methods, tasks, protocols, splits: in first-seen order (splits: the halves the samples came from).
         bytes_dtype, run_dtype: the dtype the bytes are counted at (served) and the one the model ran in.
@@ -85,6 +88,11 @@ def summarize(records: list[dict]) -> dict:
     baseline = {t: _mean(r["score"] for r in groups.get((t, BASELINE), [])) for t in tasks}
     baseline_peak = {t: _mean(served_bytes(r, "peak") for r in groups.get((t, BASELINE), [])) for t in tasks}
     too_hard = {t: s for t, s in baseline.items() if not math.isnan(s) and s < TOO_HARD_BELOW}
+    # The samples the uncompressed cache answers, per task (records from before sample ids count none).
+    answered_by_baseline = {
+        t: {r["sample_id"] for r in groups.get((t, BASELINE), []) if r.get("correct") and "sample_id" in r}
+        for t in tasks
+    }
     rows = []
     for task in tasks:
         for method in methods:
@@ -93,6 +101,8 @@ def summarize(records: list[dict]) -> dict:
                 continue
             score = _mean(r["score"] for r in group)
             peak = _mean(served_bytes(r, "peak") for r in group)
+            answered = [r for r in group if r.get("sample_id") in answered_by_baseline[task]]
+            retained = sum(bool(r["correct"]) for r in answered)
             by_length: dict[int, list[float]] = defaultdict(list)
             by_band: dict[str, list[float]] = defaultdict(list)
             for r in group:
@@ -102,6 +112,8 @@ def summarize(records: list[dict]) -> dict:
                 "task": task, "method": method, "n": len(group), "score": score,
                 "correct": 100 * _mean(float(r["correct"]) for r in group),
                 "dynamic": baseline[task], "delta": score - baseline[task],
+                "retention": retained / len(answered) if answered else float("nan"), "retained": retained,
+                "answered": len(answered),
                 "kv_bytes_document": _mean(served_bytes(r, "document") for r in group), "kv_bytes_peak": peak,
                 "memory_ratio": peak / baseline_peak[task] if baseline_peak[task] else float("nan"),
                 "tokens_kept": _mean(r["tokens_kept"] for r in group),
@@ -116,9 +128,12 @@ def summarize(records: list[dict]) -> dict:
         usable = [r for r in rows if r["method"] == method and not r["too_hard"]]
         if not usable:
             continue
+        retained, answered = sum(r["retained"] for r in usable), sum(r["answered"] for r in usable)
         ranking.append({
             "method": method, "score": _mean(r["score"] for r in usable),
             "dynamic": _mean(r["dynamic"] for r in usable), "delta": _mean(r["delta"] for r in usable),
+            "retention": retained / answered if answered else float("nan"), "retained": retained,
+            "answered": answered,
             "kv_bytes_peak": _mean(r["kv_bytes_peak"] for r in usable),
             "memory_ratio": _mean(r["memory_ratio"] for r in usable), "tasks": len(usable),
         })  # fmt: skip
@@ -147,6 +162,13 @@ def _describe(spec: str) -> str | None:
         return describer(spec) if describer is not None else None
     except Exception:  # a description is a courtesy; a spec the registry no longer parses still gets its table
         return None
+
+
+def _retention(row: dict) -> str:
+    """'0.83 (10 / 12)': the share of the baseline's answered samples kept, with its counts."""
+    if not row.get("answered"):
+        return "-"
+    return f"{row['retention']:.2f} ({row['retained']} / {row['answered']})"
 
 
 def _bytes_sentence(summary: dict) -> str:
@@ -178,12 +200,13 @@ def markdown(summary: dict, records: list[dict], notes: Sequence[str] = ()) -> s
         lines += [f"- `{m}`: {text}" for m, text in described if text] + [""]
     lines += [f"## Ranking (tasks where `{BASELINE}` scores >= {TOO_HARD_BELOW:.0f})", ""]
     if summary["ranking"]:
-        lines += [f"| rank | method | score | dynamic | delta | KV peak (MiB, {summary.get('bytes_dtype', '?')}) | "
-                  "memory vs dynamic | tasks |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| rank | method | score | dynamic | delta | retention (kept / answered by `{BASELINE}`) | "
+                  f"KV peak (MiB, {summary.get('bytes_dtype', '?')}) | memory vs dynamic | tasks |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for n, r in enumerate(summary["ranking"], 1):
             lines.append(f"| {n} | `{r['method']}` | {_f(r['score'])} | {_f(r['dynamic'])} | {_f(r['delta'])} | "
-                         f"{_mib(r['kv_bytes_peak'])} | {_f(r['memory_ratio'], 3)} | {r['tasks']} |")  # fmt: skip
+                         f"{_retention(r)} | {_mib(r['kv_bytes_peak'])} | {_f(r['memory_ratio'], 3)} | "
+                         f"{r['tasks']} |")  # fmt: skip
     else:
         lines.append("No task is easy enough for this model (every uncompressed score is below 50): nothing ranked.")
     for task in summary["tasks"]:
@@ -195,12 +218,14 @@ def markdown(summary: dict, records: list[dict], notes: Sequence[str] = ()) -> s
             flag = f" (too hard for this model: `{BASELINE}` scores {_f(summary['too_hard'][task])} < 50; not ranked)"
         metric = next((r.get("metric") for r in records if r["task"] == task), "")
         lines += ["", f"## `{task}` ({metric}){flag}", ""]
-        head = ["method", "score", "dynamic", "delta", "correct %"] + [f"L{length}" for length in lengths] + bands
+        head = ["method", "score", "dynamic", "delta", "correct %", "retention"]
+        head += [f"L{length}" for length in lengths] + bands
         head += [f"KV doc (MiB, {summary.get('bytes_dtype', '?')})", "KV peak (MiB)", "memory vs dynamic",
                  "tokens kept", "prefill s", "decode s", "n"]
         lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         for r in rows:
-            cells = [f"`{r['method']}`", _f(r["score"]), _f(r["dynamic"]), _f(r["delta"]), _f(r["correct"])]
+            cells = [f"`{r['method']}`", _f(r["score"]), _f(r["dynamic"]), _f(r["delta"]), _f(r["correct"]),
+                     _retention(r)]
             cells += [_f(r["by_length"].get(length)) for length in lengths]
             cells += [_f(r.get("by_band", {}).get(name)) for name in bands]
             cells += [_mib(r["kv_bytes_document"]), _mib(r["kv_bytes_peak"]), _f(r["memory_ratio"], 3),
@@ -210,8 +235,9 @@ def markdown(summary: dict, records: list[dict], notes: Sequence[str] = ()) -> s
     return "\n".join(lines) + "\n"
 
 
-CSV_FIELDS = ("task", "method", "n", "score", "dynamic", "delta", "correct", "kv_bytes_document", "kv_bytes_peak",
-              "memory_ratio", "tokens_kept", "prefill_seconds", "decode_seconds", "too_hard")  # fmt: skip
+CSV_FIELDS = ("task", "method", "n", "score", "dynamic", "delta", "correct", "retention", "retained", "answered",
+              "kv_bytes_document", "kv_bytes_peak", "memory_ratio", "tokens_kept", "prefill_seconds",
+              "decode_seconds", "too_hard")  # fmt: skip
 
 
 def write_csv(summary: dict, path: str | os.PathLike) -> None:

@@ -85,6 +85,28 @@ def test_summary_puts_dynamic_beside_each_method_and_flags_too_hard_tasks(tmp_pa
     assert (tmp_path / "heatmap_int4.png").stat().st_size > 1000
 
 
+def test_retention_counts_the_samples_the_baseline_answers_that_the_method_still_answers():
+    def sample(method, sample_id, correct, task="needle"):
+        return {**_record(task, method, 100 if correct else 0, 1000), "sample_id": sample_id}
+
+    records = [
+        sample("dynamic", "a", True), sample("dynamic", "b", True), sample("dynamic", "c", False),
+        sample("dynamic", "d", True),
+        sample("int4", "a", True), sample("int4", "b", False), sample("int4", "c", True), sample("int4", "d", True),
+        sample("dynamic", "e", True, "multi_question"), sample("int4", "e", False, "multi_question"),
+    ]
+    summary = summarize(records)
+    int4 = next(r for r in summary["rows"] if r["task"] == "needle" and r["method"] == "int4")
+    # "c" is answered by int4 alone: it is no sample the baseline answers, so it neither counts nor helps.
+    assert (int4["retained"], int4["answered"]) == (2, 3) and int4["retention"] == 2 / 3
+    dynamic = next(r for r in summary["rows"] if r["task"] == "needle" and r["method"] == "dynamic")
+    assert dynamic["retention"] == 1.0
+    ranked = next(r for r in summary["ranking"] if r["method"] == "int4")
+    assert (ranked["retained"], ranked["answered"]) == (2, 4)  # pooled over both tasks' answered samples
+    text = markdown(summary, records)
+    assert "| 0.67 (2 / 3) |" in text and "| 0.50 (2 / 4) |" in text
+
+
 def test_batched_run_keeps_sample_order_and_charges_each_row_its_share(embedded):
     from hf_kvcompress.eval import build_samples
 
