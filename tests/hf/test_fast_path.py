@@ -27,7 +27,7 @@ def store_reads(monkeypatch):
         return original(layer, query, attention_mask, scaling, backend)
 
     monkeypatch.setattr(store_attention, "attend_store", counted)
-    monkeypatch.setattr("hf_kvcompress.caches.store_offer.attend_store", counted)
+    monkeypatch.setattr("hf_kvcompress.caches.layer.attend_store", counted)  # what `CompressedLayer.attend` calls
     return calls
 
 
