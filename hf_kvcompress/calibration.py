@@ -179,30 +179,34 @@ def save_bases(tensors: dict, metadata: dict, out_dir: str | os.PathLike) -> Pat
     return path
 
 
-def packaged_bases(config) -> Path | None:
-    """The bases shipped with the package for this model, if any."""
-    path = PACKAGED_DIR / f"{model_identity(config)}.safetensors"
-    return path if path.exists() else None
+def calibration_file(source: str | os.PathLike | None, config, *, file_name: str, packaged_suffix: str,
+                     spec_param: str, what: str, command: str) -> Path:
+    """The calibration file a cache parameter names (`spec_param`, e.g. lowrank:bases): `source`, a file or a
+    directory holding `file_name`, or, for None, the one shipped for `config`'s model (`packaged_suffix` after its
+    identity in PACKAGED_DIR); `what` and `command` name it and the command that writes it in the errors."""
+    if source is None:
+        path = PACKAGED_DIR / f"{model_identity(config)}{packaged_suffix}"
+        if not path.exists():
+            raise ValueError(
+                f"no packaged {what} for {model_identity(config)!r}: run `{command} --model M --out DIR` and pass "
+                f"{spec_param}=DIR"
+            )
+        return path
+    path = Path(source)
+    if path.is_dir():
+        path = path / file_name
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{spec_param.split(':')[-1]}={str(source)!r}: no {file_name} there (write it with {command})"
+        )
+    return path
 
 
 def load_bases(source: str | os.PathLike | None, config) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read bases for `config`'s model from `source` (a file or a directory holding one; None: the packaged ones),
     refusing bases fitted on another model or shape."""
-    if source is None:
-        path = packaged_bases(config)
-        if path is None:
-            raise ValueError(
-                f"no packaged low-rank bases for {model_identity(config)!r}: run `hf-kvcompress calibrate --model M "
-                "--out DIR` and pass lowrank:bases=DIR"
-            )
-    else:
-        path = Path(source)
-        if path.is_dir():
-            path = path / BASES_FILE
-        if not path.exists():
-            raise FileNotFoundError(
-                f"bases={str(source)!r}: no {BASES_FILE} there (write it with hf-kvcompress calibrate)"
-            )
+    path = calibration_file(source, config, file_name=BASES_FILE, packaged_suffix=".safetensors",
+                            spec_param="lowrank:bases", what="low-rank bases", command="hf-kvcompress calibrate")
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}

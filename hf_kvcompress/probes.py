@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .calibration import PACKAGED_DIR, model_identity
+from .calibration import calibration_file, model_identity
 from .hf.compat import text_config
 
 PROBE_FILE = "kvzap_probe.safetensors"
@@ -44,12 +44,6 @@ class LinearProbe(torch.nn.Module):
         return scores.reshape(batch, new, -1).transpose(1, 2).contiguous()
 
 
-def packaged_probe(config) -> Path | None:
-    """The probe shipped with the package for this model, if any."""
-    path = PACKAGED_DIR / f"{model_identity(config)}{PACKAGED_SUFFIX}"
-    return path if path.exists() else None
-
-
 def save_probe(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str | os.PathLike) -> Path:
     """Write the probe to `path` (a directory: PROBE_FILE in it), float32 (a ridge probe is a few hundred kB)."""
     path = Path(path)
@@ -62,22 +56,8 @@ def save_probe(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path:
 
 def probe_path(source: str | os.PathLike | None, config) -> Path:
     """The file a policy's `probe=` names (a file, or a directory holding PROBE_FILE; None: the packaged one)."""
-    if source is None:
-        path = packaged_probe(config)
-        if path is None:
-            raise ValueError(
-                f"no packaged KVzap probe for {model_identity(config)!r}: run `hf-kvcompress calibrate --probe "
-                "--model M --out DIR` and pass kvzap:probe=DIR"
-            )
-        return path
-    path = Path(source)
-    if path.is_dir():
-        path = path / PROBE_FILE
-    if not path.exists():
-        raise FileNotFoundError(
-            f"probe={str(source)!r}: no {PROBE_FILE} there (write it with hf-kvcompress calibrate --probe)"
-        )
-    return path
+    return calibration_file(source, config, file_name=PROBE_FILE, packaged_suffix=PACKAGED_SUFFIX,
+                            spec_param="kvzap:probe", what="KVzap probe", command="hf-kvcompress calibrate --probe")
 
 
 def load_probes(source: str | os.PathLike | None, config) -> dict[int, LinearProbe]:
