@@ -20,7 +20,7 @@ from hf_kvcompress import (
 )
 from hf_kvcompress.generation import generate, prefill
 
-from .tiny_models import CONFIGS, tiny_model
+from .tiny_models import CONFIGS, left_padded_prompts, tiny_model
 
 EVICTING = ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3", "h2o:budget=8,recent=2,sink_tokens=1+int8",
             "h2o:budget=8,recent=2,sink_tokens=1+int3:residual_length=2,group_size=8,rotate=hadamard,sink_tokens=2",
@@ -54,18 +54,6 @@ def model(request):
     return use_kvcompress_attention(tiny_model(request.param))
 
 
-def _prompts(seed=0, lengths=(5, 13, 9)):
-    g = torch.Generator().manual_seed(seed)
-    rows = [torch.randint(3, 128, (n,), generator=g) for n in lengths]
-    width = max(lengths)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = row
-        mask[i, width - len(row):] = 1
-    return rows, ids, mask
-
-
 def _greedy(model, ids, mask, cache, new=8, **kwargs):
     return generate(model, ids, mask, cache, max_new_tokens=new, repeat_prompt_ids=REPEAT, **kwargs).new_tokens
 
@@ -76,7 +64,7 @@ def test_padded_batch_matches_rows_alone(model, spec):
     # alone only when its padding is a whole number of groups; token-wise codecs have no such condition.
     per_channel = spec.startswith("int") and "residual_length=0" in spec or spec.startswith("int2")
     channel_keys = per_channel and "key_axis=token" not in spec
-    rows, ids, mask = _prompts(lengths=(5, 13, 13) if channel_keys else (5, 13, 9))
+    rows, ids, mask = left_padded_prompts(lengths=(5, 13, 13) if channel_keys else (5, 13, 9))
     batched = _greedy(model, ids, mask, make_cache(spec, model.config))
     for i, row in enumerate(rows):
         alone = _greedy(model, row[None], torch.ones(1, len(row), dtype=torch.long), make_cache(spec, model.config))
@@ -85,7 +73,7 @@ def test_padded_batch_matches_rows_alone(model, spec):
 
 @pytest.mark.parametrize("spec", LARGE_BUDGET)
 def test_large_budget_equals_dynamic_cache(model, spec):
-    _, ids, mask = _prompts(1)
+    _, ids, mask = left_padded_prompts(1)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=model.config)).logits
         out = model(input_ids=ids, attention_mask=mask, cache=make_cache(spec, model.config)).logits
@@ -97,7 +85,7 @@ def test_large_budget_equals_dynamic_cache(model, spec):
 @pytest.mark.parametrize("spec", EVICTING)
 def test_seq_length_counts_seen_tokens_and_generate_continues(model, spec):
     cache = make_cache(spec, model.config)
-    _, ids, mask = _prompts(2, lengths=(12,))
+    _, ids, mask = left_padded_prompts(2, lengths=(12,))
     first = generate(model, ids, mask, cache, max_new_tokens=5, repeat_prompt_ids=REPEAT)
     assert cache.get_seq_length() == ids.shape[1] + 5 - 1  # the last generated token is not fed back
     kv_length, kv_offset = cache.get_mask_sizes(1, len(cache.layers) - 1)
@@ -118,7 +106,7 @@ def test_seq_length_counts_seen_tokens_and_generate_continues(model, spec):
                                   "expected_attention:budget=8,window=4,recent=2+int4:residual_length=2,group_size=16"])
 def test_memory_is_bounded_and_measured_bytes_match_the_promise(model, spec):
     cache = make_cache(spec, model.config)
-    _, ids, mask = _prompts(3, lengths=(40,))
+    _, ids, mask = left_padded_prompts(3, lengths=(40,))
     chunk = None if spec.startswith("kvzip") else 5  # KVzip holds the context until its reconstruction pass
     generate(model, ids, mask, cache, max_new_tokens=6, prefill_chunk_size=chunk, repeat_prompt_ids=REPEAT)
     budget = cache.policy.budget
@@ -133,7 +121,7 @@ def test_memory_is_bounded_and_measured_bytes_match_the_promise(model, spec):
                                   "sink_window:sink_tokens=2,window=6"])
 def test_reset_and_reuse_give_the_same_answer(model, spec):
     cache = make_cache(spec, model.config)
-    _, ids, mask = _prompts(4, lengths=(9, 11))
+    _, ids, mask = left_padded_prompts(4, lengths=(9, 11))
     first = _greedy(model, ids, mask, cache)
     cache.reset()
     assert cache.get_seq_length() == 0
@@ -141,7 +129,7 @@ def test_reset_and_reuse_give_the_same_answer(model, spec):
 
 
 def test_beam_search_and_sampling_match_dynamic_cache_with_large_budget(model):
-    _, ids, mask = _prompts(5, lengths=(7, 10))
+    _, ids, mask = left_padded_prompts(5, lengths=(7, 10))
     spec = LARGE_BUDGET[0]
     for kwargs in ({"num_beams": 2}, {"do_sample": True, "top_k": 5}):
         torch.manual_seed(0)
@@ -152,7 +140,7 @@ def test_beam_search_and_sampling_match_dynamic_cache_with_large_budget(model):
 
 
 def test_beam_search_runs_with_eviction(model):
-    _, ids, mask = _prompts(6, lengths=(12,))
+    _, ids, mask = left_padded_prompts(6, lengths=(12,))
     out = _greedy(model, ids, mask, make_cache(EVICTING[0], model.config), num_beams=3)
     assert out.shape == (1, 8)
 
@@ -162,7 +150,7 @@ def test_beams_over_a_prefilled_cache_after_repeating_its_rows(spec):
     # generate() expands the rows for beams but not a cache that was prefilled (transformers' DynamicCache fails
     # there too): the error names batch_repeat_interleave, and after it the beams equal beams over the whole prompt.
     model = use_kvcompress_attention(tiny_model("llama"))
-    _, ids, mask = _prompts(7, lengths=(14,))
+    _, ids, mask = left_padded_prompts(7, lengths=(14,))
     context = ids[:, :-3]
     cache = make_cache(spec, model.config)
     prefill(model, context, None, cache, repeat_prompt_ids=REPEAT)
@@ -180,7 +168,7 @@ def test_beams_over_a_prefilled_cache_after_repeating_its_rows(spec):
 
 def test_crop_works_until_something_is_evicted():
     model = tiny_model("llama")
-    _, ids, _ = _prompts(7, lengths=(10,))
+    _, ids, _ = left_padded_prompts(7, lengths=(10,))
     cache = make_cache("int8:residual_length=4", model.config)
     with torch.no_grad():
         model(input_ids=ids, cache=cache)
@@ -195,7 +183,7 @@ def test_crop_works_until_something_is_evicted():
 
 def test_cache_reused_on_a_different_model_is_refused():
     cache = make_cache("int8")
-    _, ids, _ = _prompts(8, lengths=(6,))
+    _, ids, _ = left_padded_prompts(8, lengths=(6,))
     with torch.no_grad():
         tiny_model("llama")(input_ids=ids, cache=cache)
         with pytest.raises(ValueError, match="KV heads"):
@@ -210,7 +198,7 @@ def test_heavy_hitter_without_statistics_says_how_to_enable_them():
     model = tiny_model("llama")  # plain SDPA, not the statistics-gathering attention
     # Built from a copy of the config, the cache cannot switch the model to its attention (CompressedCache).
     cache = make_cache("h2o:budget=8,recent=2", copy.deepcopy(model.config))
-    _, ids, mask = _prompts(9, lengths=(6,))
+    _, ids, mask = left_padded_prompts(9, lengths=(6,))
     with pytest.raises(RuntimeError, match="use_kvcompress_attention"):
         generate(model, ids, mask, cache, max_new_tokens=3)
 
@@ -231,7 +219,7 @@ def test_rerotate_keeps_exact_output_before_eviction_and_compresses_positions_af
     from hf_kvcompress import SinkWindowCache
 
     model = tiny_model("llama")
-    _, ids, mask = _prompts(10, lengths=(9, 14))
+    _, ids, mask = left_padded_prompts(10, lengths=(9, 14))
     big = SinkWindowCache(sink_tokens=2, window=100, config=model.config, rerotate=True)
     assert torch.equal(_greedy(model, ids, mask, big), _greedy(model, ids, mask, DynamicCache(config=model.config)))
     small = SinkWindowCache(sink_tokens=2, window=6, config=model.config, rerotate=True)
@@ -275,7 +263,7 @@ def test_explicit_channel_keys_on_a_hybrid_model_apply_to_every_layer():
                                   "sink_window:ratio=0.25+int8", "expected_attention:ratio=0.25,window=8"])
 def test_ratio_keeps_its_share_after_prefill_and_while_decoding(spec):
     model = use_kvcompress_attention(tiny_model("llama"))
-    _, ids, mask = _prompts(11, lengths=(40,))
+    _, ids, mask = left_padded_prompts(11, lengths=(40,))
     cache = make_cache(spec, model.config)
     prefill(model, ids, mask, cache, repeat_prompt_ids=REPEAT)
     assert [layer.stored_tokens for layer in cache.layers] == [10, 10]  # a quarter of 40
@@ -288,7 +276,7 @@ def test_kvzip_compresses_once_and_answers_several_questions():
     import copy
 
     model = use_kvcompress_attention(tiny_model("llama"))
-    _, document, _ = _prompts(12, lengths=(30,))
+    _, document, _ = left_padded_prompts(12, lengths=(30,))
     cache = make_cache("kvzip:ratio=0.5", model.config)
     prefill(model, document, None, cache, repeat_prompt_ids=REPEAT)
     assert cache.get_seq_length() == 30  # half of the pairs of every layer and head, wherever they rank best:
@@ -312,6 +300,6 @@ def test_ratio_in_a_padded_batch_without_our_attention_is_refused():
     # A padded row that keeps a share of its tokens and some padding needs the layer's own mask, which only the
     # package's attention function reads; plain SDPA would silently attend with transformers' misplaced mask.
     model = tiny_model("llama")
-    _, ids, mask = _prompts(13, lengths=(5, 13))
+    _, ids, mask = left_padded_prompts(13, lengths=(5, 13))
     with pytest.raises(RuntimeError, match="use_kvcompress_attention"):
         generate(model, ids, mask, make_cache("keydiff:ratio=0.5", copy.deepcopy(model.config)), max_new_tokens=3)

@@ -24,7 +24,7 @@ from hf_kvcompress.probe_calibration import (
 )
 from hf_kvcompress.probes import PROBE_FORMAT, load_probes, save_probe
 
-from .tiny_models import tiny_model
+from .tiny_models import left_padded_prompts, tiny_model
 
 REPEAT = [5, 6, 7]
 
@@ -52,18 +52,6 @@ def probed(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(f"probe-{request.param}")
     write_probe(model.config, directory)
     return model, directory
-
-
-def _prompts(seed=0, lengths=(5, 13, 9)):
-    g = torch.Generator().manual_seed(seed)
-    rows = [torch.randint(3, 128, (n,), generator=g) for n in lengths]
-    width = max(lengths)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = row
-        mask[i, width - len(row):] = 1
-    return rows, ids, mask
 
 
 def _hidden_states(model, ids):
@@ -209,7 +197,7 @@ def _spec(spec, directory):
 @pytest.mark.parametrize("spec", SPECS)
 def test_padded_batch_matches_rows_alone(probed, spec):
     model, directory = probed
-    rows, ids, mask = _prompts()
+    rows, ids, mask = left_padded_prompts()
     spec = _spec(spec, directory)
     batched = generate(model, ids, mask, make_cache(spec, model.config), max_new_tokens=8).new_tokens
     for i, row in enumerate(rows):
@@ -221,7 +209,7 @@ def test_padded_batch_matches_rows_alone(probed, spec):
 @pytest.mark.parametrize("spec", ["kvzap:ratio=1.0", "kvzap:budget=1000"])
 def test_large_budget_equals_dynamic_cache(probed, spec):
     model, directory = probed
-    _, ids, mask = _prompts(1)
+    _, ids, mask = left_padded_prompts(1)
     expected = generate(model, ids, mask, DynamicCache(config=model.config), max_new_tokens=10).new_tokens
     got = generate(model, ids, mask, make_cache(_spec(spec, directory), model.config), max_new_tokens=10).new_tokens
     assert torch.equal(got, expected)

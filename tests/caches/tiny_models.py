@@ -38,3 +38,16 @@ def tiny_model(name: str):
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None  # random weights: compare full-length outputs
     return model
+
+
+def left_padded_prompts(seed=0, lengths=(5, 13, 9)):
+    """Random prompts of `lengths` tokens: (the rows alone, [B, T] left-padded ids, their attention mask)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(3, 128, (n,), generator=g) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    return rows, ids, mask
