@@ -9,7 +9,7 @@ from hf_kvcompress.codecs.lowrank import LowRankCodec
 from hf_kvcompress.generation import generate
 from hf_kvcompress.registry import parse_spec
 
-from ..caches.tiny_models import tiny_model
+from ..caches.tiny_models import left_padded_prompts, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +54,7 @@ def test_error_falls_with_rank(tiny, bases_dir):
                                   "h2o:budget=8,recent=2+lowrank:rank=8", "sink_window:sink_tokens=2,window=6+lowrank"])
 def test_caches_hold_what_they_promise_and_padded_rows_match(tiny, bases_dir, spec):
     spec = spec.replace("lowrank", f"lowrank:bases={bases_dir}").replace(f"{bases_dir}:", f"{bases_dir},")
-    g = torch.Generator().manual_seed(1)
-    rows = [torch.randint(3, 128, (n,), generator=g) for n in (5, 13)]
-    ids, mask = torch.zeros(2, 13, dtype=torch.long), torch.zeros(2, 13, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, 13 - len(row):], mask[i, 13 - len(row):] = row, 1
+    rows, ids, mask = left_padded_prompts(seed=1, lengths=(5, 13))
     cache = make_cache(spec, tiny.config)
     batched = generate(tiny, ids, mask, cache, max_new_tokens=6).new_tokens
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()

@@ -13,7 +13,7 @@ from hf_kvcompress.generation import generate
 from hf_kvcompress.ops.rerotate import rerotate
 from hf_kvcompress.study import promised_bytes
 
-from ..caches.tiny_models import tiny_model
+from ..caches.tiny_models import left_padded_prompts, tiny_model
 
 
 def _model(family):
@@ -97,11 +97,7 @@ def test_ranks_follow_the_variances_and_keep_the_ratio():
 def test_bytes_are_exact_and_padded_rows_match_rows_alone(fitted, spec):
     model, bases = fitted["llama"]
     spec = spec.replace("lowrank:", f"lowrank:bases={bases},")
-    g = torch.Generator().manual_seed(3)
-    rows = [torch.randint(3, 128, (n,), generator=g) for n in (5, 13)]
-    ids, mask = torch.zeros(2, 13, dtype=torch.long), torch.zeros(2, 13, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, 13 - len(row):], mask[i, 13 - len(row):] = row, 1
+    rows, ids, mask = left_padded_prompts(seed=3, lengths=(5, 13))
     cache = make_cache(spec, model.config)
     batched = generate(model, ids, mask, cache, max_new_tokens=6).new_tokens
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()

@@ -14,7 +14,7 @@ from hf_kvcompress.generation import generate
 from hf_kvcompress.study import promised_bytes
 
 from ..caches.test_sinks import _forward, _padded_prompts
-from ..caches.tiny_models import tiny_model
+from ..caches.tiny_models import left_padded_prompts, tiny_model
 
 INT4 = "int4:residual_length=0,group_size=8,key_axis=token"  # everything encoded; int4's own 4 sinks
 
@@ -148,11 +148,7 @@ def test_sinks_bytes_are_exact(llama, spec, without):
 def test_padded_rows_with_sinks_match_rows_alone(llama, spec):
     model, bases = llama
     spec = _spec(bases, spec)
-    g = torch.Generator().manual_seed(3)
-    rows = [torch.randint(3, 128, (n,), generator=g) for n in (5, 13)]
-    ids, mask = torch.zeros(2, 13, dtype=torch.long), torch.zeros(2, 13, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, 13 - len(row):], mask[i, 13 - len(row):] = row, 1
+    rows, ids, mask = left_padded_prompts(seed=3, lengths=(5, 13))
     cache = make_cache(spec, model.config)
     batched = generate(model, ids, mask, cache, max_new_tokens=6).new_tokens
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
