@@ -15,7 +15,7 @@ import transformers
 from hf_kvcompress import make_cache, measured_kv_bytes, prefill, use_kvcompress_attention
 from hf_kvcompress.hf.compat import cache_kwargs
 
-from .tiny_models import COMMON
+from .tiny_models import COMMON, left_padded_prompts
 
 WINDOW = 16  # sliding_window: 15 tokens kept between steps
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -170,10 +170,10 @@ def test_a_kvzip_budget_under_the_window_and_above_prompt_and_answer_evicts_noth
                                   "h2o:ratio=0.5,recent=2,sliding=4+int8",
                                   "int4:residual_length=0,group_size=8,key_axis=token", "kvzip:ratio=0.25+int8"])
 def test_padded_batch_with_shrunk_sliding_layers_matches_rows_alone(spec):
-    from .test_contract import _greedy, _prompts
+    from .test_contract import _greedy
 
     model = _model(HYBRID)
-    rows, ids, mask = _prompts(lengths=(5, 23, 19))  # longer than the window: the sliding layers evict
+    rows, ids, mask = left_padded_prompts(lengths=(5, 23, 19))  # longer than the window: the sliding layers evict
     batched = _greedy(model, ids, mask, make_cache(spec, model.config))
     for i, row in enumerate(rows):
         alone = _greedy(model, row[None], torch.ones(1, len(row), dtype=torch.long), make_cache(spec, model.config))
