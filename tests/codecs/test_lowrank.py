@@ -92,14 +92,23 @@ def test_bad_input_names_the_parameter(tiny, bases_dir):
     assert parse_spec("lowrank:rank=8+int4")[1].storage.bits == 4
 
 
-def test_packaged_bases_match_the_embedded_model():
-    from hf_kvcompress.calibration import PACKAGED_DIR
+@pytest.mark.parametrize("alias", ["smollm2-135m", "gemma-3-270m"])
+def test_packaged_bases_match_the_embedded_model(alias):
+    """Each embedded model's joint bases ship, are found by the same lookup (`calibration_file` through
+    `load_bases`, no `bases=`) and fit its shape; Gemma-3's sliding and global layers get their own RoPE."""
+    from hf_kvcompress.calibration import JOINT, rope_frequencies
+    from hf_kvcompress.hf.compat import text_config
+    from hf_kvcompress.models import load_config
 
-    files = list(PACKAGED_DIR.glob("*.safetensors"))
-    assert files, "the embedded model's bases ship with the package"
-    from safetensors import safe_open
-
-    with safe_open(str(files[0]), framework="pt") as handle:
-        meta = handle.metadata()
-        assert handle.get_slice("layers.0.key_basis").get_shape() == [int(meta["kv_heads"]), int(meta["head_dim"]),
-                                                                       int(meta["max_rank"])]
+    config = load_config(alias)
+    decoder = text_config(config)
+    tensors, meta = load_bases(None, config)
+    heads = getattr(decoder, "num_key_value_heads", None) or decoder.num_attention_heads
+    head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
+    assert meta["heads"] == JOINT and meta["keys"] == "pre_rope" and int(meta["head_dim"]) == head_dim
+    assert tensors["layers.0.key_basis"].shape == (heads, head_dim, int(meta["max_rank"]))
+    assert len({k for k in tensors if k.endswith("_variance")}) == 2 * decoder.num_hidden_layers
+    codec = make_cache("lowrank:ratio=0.5", config).layers[0].codec
+    assert codec._ranks is not None and len(codec._ranks) == decoder.num_hidden_layers
+    if alias == "gemma-3-270m":
+        assert len(set(rope_frequencies(config))) == 2  # sliding and full-attention layers rotate differently

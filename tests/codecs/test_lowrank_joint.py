@@ -162,3 +162,36 @@ def test_per_head_bases_refuse_a_ratio(tmp_path):
     bases = save_bases(tensors, metadata, tmp_path).parent
     with pytest.raises(ValueError, match="ratio needs joint bases"):
         make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config)
+
+
+@pytest.mark.parametrize("layer_idx", [0, 2])
+def test_sliding_and_full_layers_undo_their_own_rope(fitted, layer_idx):
+    """Gemma-3's sliding layers rotate keys at another base than its full-attention ones: each layer's codec
+    projects the keys with its own layer type's RoPE undone (a lower rank does not commute with a rotation, so
+    another layer's frequencies would reconstruct other keys)."""
+    from hf_kvcompress.calibration import layer_states
+    from hf_kvcompress.hf.rope import rope_inv_freq
+
+    model, bases = fitted["gemma3"]
+    layer_type = model.config.layer_types[layer_idx]
+    inv_freq = rope_inv_freq(model.config, layer_type)
+    other = rope_inv_freq(model.config, "full_attention" if layer_type == "sliding_attention" else "sliding_attention")
+    assert not torch.allclose(inv_freq, other)  # the test can tell them apart
+    codec = make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config).layers[layer_idx].codec
+    assert torch.equal(codec._inv_freq(), inv_freq)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(5))
+    keys = layer_states(model, ids)[layer_idx][0][None]  # [1, 1, 20, 32], post-RoPE as the cache receives them
+    positions = torch.arange(20, dtype=torch.int32)[None, None]
+    tensors, _ = load_bases(bases, model.config)
+    rank = codec._ranks[layer_idx][0]
+    assert rank < 32
+    basis, _ = torch.linalg.qr(tensors[f"layers.{layer_idx}.key_basis"][0, :, :rank].double())
+    mean = tensors[f"layers.{layer_idx}.key_mean"].double()[0]
+
+    def reference(freq):
+        flat = rerotate(keys, -positions, freq)[0, 0].double()
+        return rerotate(((flat - mean) @ basis @ basis.T + mean).float()[None, None], positions, freq)
+
+    decoded = codec.decode(codec.encode(keys, "key", positions=positions), "key", torch.float32, positions=positions)
+    assert torch.allclose(decoded, reference(inv_freq), atol=1e-4)
+    assert not torch.allclose(decoded, reference(other), atol=1e-3)
