@@ -212,13 +212,125 @@ def load_bases(source: str | os.PathLike | None, config) -> tuple[dict[str, torc
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{path} is not an hf-kvcompress low-rank bases file")
+    check_fitted_for(metadata, config, f"the bases in {path}", "hf-kvcompress calibrate --model M --out DIR")
+    return tensors, metadata
+
+
+def check_fitted_for(metadata: dict[str, str], config, what: str, command: str) -> None:
+    """Refuse a calibration file (`metadata`) fitted on another model, layer count or KV-head count than `config`'s."""
     decoder = text_config(config)
     expected = {"model": model_identity(config), "layers": str(decoder.num_hidden_layers),
                 "kv_heads": str(getattr(decoder, "num_key_value_heads", None) or decoder.num_attention_heads)}
     for key, value in expected.items():
         if metadata.get(key) != value:
             raise ValueError(
-                f"the bases in {path} were fitted for {key}={metadata.get(key)!r}, this model has {key}={value!r}: "
-                "calibrate this model (hf-kvcompress calibrate --model M --out DIR)"
+                f"{what} were fitted for {key}={metadata.get(key)!r}, this model has {key}={value!r}: calibrate "
+                f"this model ({command})"
             )
+
+
+# -- head sharing (`shared_heads:ratio=`) ---------------------------------------------------------------------------
+
+SHARING_FILE = "shared_heads.safetensors"
+SHARING_FORMAT = "hf-kvcompress-shared-heads-1"
+
+
+def least_squares(targets: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """targets [N, m], inputs [N, k] -> (map [m, k], bias [m], mean squared residual [m]) of the affine least-squares
+    fit targets ~ inputs @ map.T + bias (a ridge of 1e-6 of the inputs' mean variance keeps it defined when two
+    inputs are collinear)."""
+    x, y = inputs.double(), targets.double()
+    x_mean, y_mean = x.mean(0), y.mean(0)
+    xc, yc = x - x_mean, y - y_mean
+    gram = xc.T @ xc
+    ridge = 1e-6 * float(gram.diagonal().mean().clamp(min=1e-30))
+    weights = torch.linalg.solve(gram + ridge * torch.eye(gram.shape[0], dtype=gram.dtype), xc.T @ yc).T
+    residual = ((yc - xc @ weights.T) ** 2).mean(0)
+    return weights, y_mean - weights @ x_mean, residual
+
+
+def sharing_levels(states: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """states [H, T, D] (keys pre-RoPE, or values) -> one entry per level m = 1 .. H-1 (m heads predicted from the
+    H - m kept ones): `kept` [H - m], `predicted` [m] (head indices), `map` [m, D, (H - m) * D], `bias` [m, D]
+    (each predicted head as an affine least-squares map of the kept heads concatenated) and `cost` (the predicted
+    heads' mean squared residual over the mean squared state of all H heads).
+
+    Greedy and nested: level m + 1 predicts one more head than level m, the one whose removal from the kept heads
+    costs least (so a ratio that takes a layer's first level and then its second finds the second's kept heads
+    among the first's)."""
+    heads, _, dim = states.shape
+    x = states.double()
+    scale = float((x ** 2).mean()) * heads * dim  # the mean squared norm of the H heads together
+    kept, levels = list(range(heads)), []
+    for _ in range(heads - 1):
+        # (cost, kept, predicted, map, bias) of the cheapest next head to predict
+        best: tuple[float, list[int], list[int], torch.Tensor, torch.Tensor] | None = None
+        for drop in kept:
+            keep = [h for h in kept if h != drop]
+            predicted = [h for h in range(heads) if h not in keep]
+            inputs = x[keep].permute(1, 0, 2).reshape(x.shape[1], -1)  # [T, k * D]: the kept heads side by side
+            targets = x[predicted].permute(1, 0, 2).reshape(x.shape[1], -1)
+            weights, bias, residual = least_squares(targets, inputs)
+            cost = float(residual.sum()) / scale
+            if best is None or cost < best[0]:
+                best = (cost, keep, predicted, weights, bias)
+        assert best is not None  # at least two heads were kept
+        cost, kept, predicted, weights, bias = best
+        levels.append({"kept": torch.tensor(kept), "predicted": torch.tensor(predicted),
+                       "map": weights.reshape(len(predicted), dim, len(kept) * dim).float(),
+                       "bias": bias.reshape(len(predicted), dim).float(), "cost": torch.tensor(cost)})
+    return levels
+
+
+def calibrate_sharing(model, input_ids: torch.Tensor, text: str = CALIBRATION_TEXT) -> tuple[dict, dict, list[dict]]:
+    """Measure which KV heads of each layer can be predicted from the others, and fit the maps (`shared_heads:ratio`).
+
+    Tensors per layer i, kind k (key: with RoPE undone, so one map serves every position; value) and level m:
+    `layers.i.k.m.{kept,predicted,map,bias,cost}` (`sharing_levels`). Returns (tensors, metadata, report rows:
+    each layer's cost per level and kind)."""
+    states = layer_states(model, input_ids.to(model.device))
+    kv_heads, _, head_dim = states[0][0].shape
+    if kv_heads < 2:
+        raise ValueError(
+            "head sharing needs at least two KV heads per layer; this model has one (its query heads already share)"
+        )
+    if states[0][1].shape[-1] != head_dim:
+        raise ValueError("head sharing needs keys and values of one width (head_dim)")
+    tensors, report = {}, []
+    for i, (keys, values) in enumerate(states):
+        row: dict[str, Any] = {"layer": i}
+        for kind, x in (("key", unrotated(keys, model.config, i)), ("value", values)):
+            levels = sharing_levels(x)
+            for m, level in enumerate(levels, start=1):
+                for name, tensor in level.items():
+                    tensors[f"layers.{i}.{kind}.{m}.{name}"] = tensor.contiguous()
+            row[kind] = [float(level["cost"]) for level in levels]
+            row[f"{kind}_predicted"] = [level["predicted"].tolist() for level in levels]
+        report.append(row)
+    metadata = {"format": SHARING_FORMAT, "model": model_identity(model.config), "layers": str(len(states)),
+                "kv_heads": str(kv_heads), "head_dim": str(head_dim), "keys": "pre_rope",
+                "tokens": str(input_ids.shape[1]), "text": text}
+    return tensors, metadata, report
+
+
+def save_sharing(tensors: dict, metadata: dict, out_dir: str | os.PathLike) -> Path:
+    path = Path(out_dir) / SHARING_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.half() if k.endswith(".map") else v for k, v in tensors.items()}, str(path), metadata=metadata)
+    return path
+
+
+def load_sharing(source: str | os.PathLike | None, config) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read head-sharing maps for `config`'s model from `source` (a file or a directory holding one; None: the
+    packaged ones), refusing maps fitted on another model or shape."""
+    path = calibration_file(source, config, file_name=SHARING_FILE, packaged_suffix=".shared_heads.safetensors",
+                            spec_param="shared_heads:maps", what="head-sharing maps",
+                            command="hf-kvcompress calibrate --sharing")
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    if metadata.get("format") != SHARING_FORMAT:
+        raise ValueError(f"{path} is not an hf-kvcompress head-sharing file")
+    check_fitted_for(metadata, config, f"the head-sharing maps in {path}",
+                     "hf-kvcompress calibrate --sharing --model M --out DIR")
     return tensors, metadata

@@ -1,5 +1,6 @@
 """`hf-kvcompress calibrate`: fit the low-rank codec's PCA bases on calibration text and report what they keep;
-with `--probe`, KVzap's score probes (probe_calibration.py) and their fit."""
+with `--probe`, KVzap's score probes (probe_calibration.py) and their fit; with `--sharing`, the head-sharing maps of
+shared_heads:ratio (calibration.calibrate_sharing)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--probe", action="store_true",
                         help="fit KVzap's score probes instead (kvzap policy): OUT/kvzap_probe.safetensors, or OUT "
                         "itself when it ends in .safetensors; a cache uses them as kvzap:probe=OUT")
+    parser.add_argument("--sharing", action="store_true",
+                        help="measure which KV heads of each layer the others predict (least squares, keys pre-RoPE) "
+                        "and fit the maps instead (shared_heads:ratio): OUT/shared_heads.safetensors; a cache uses "
+                        "them as shared_heads:ratio=R,maps=OUT")
     parser.add_argument("--documents", type=int, default=12,
                         help="with --probe: calibration documents, the last 2 held out (default: %(default)s)")
     parser.add_argument("--max-rank", type=int, default=None,
@@ -39,6 +44,8 @@ def run(args) -> int:
         raise ValueError(f"--tokens must be at least 16, got {args.tokens}")
     if args.probe:
         return run_probe(args)
+    if args.sharing:
+        return run_sharing(args)
     model, tokenizer = load_model(args.model)
     fit = calibrate_joint if args.heads == "joint" else calibrate
     tensors, metadata, report = fit(model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank)
@@ -79,6 +86,25 @@ def _per_head_report(report: list[dict]) -> None:
     mean = {k: sum(row[k][ranks[1]] for row in report) / len(report) for k in ("key", "key_pre_rope", "value")}
     print(f"mean at rank {ranks[1]}: keys post-RoPE {mean['key']:.3f}, pre-RoPE {mean['key_pre_rope']:.3f}, "
           f"values {mean['value']:.3f}")
+
+
+def run_sharing(args) -> int:
+    """`calibrate --sharing`: fit the head-sharing maps and report what predicting each level of heads costs."""
+    from ..calibration import calibrate_sharing, calibration_ids, save_sharing
+    from ..models import load_model
+
+    model, tokenizer = load_model(args.model)
+    tensors, metadata, report = calibrate_sharing(model, calibration_ids(tokenizer, args.tokens))
+    path = save_sharing(tensors, metadata, args.out)
+    print(f"Head-sharing maps for {metadata['model']} ({metadata['layers']} layers x {metadata['kv_heads']} KV heads "
+          f"x head_dim {metadata['head_dim']}) from {metadata['tokens']} tokens of {metadata['text']}: {path}")
+    print("Cost of predicting 1, 2, ... heads of a layer from the others (residual over the heads' mean square; "
+          "keys pre-RoPE), and the heads predicted:")
+    print(f"{'layer':>5s}  {'keys':>20s}  {'values':>20s}  predicted (keys | values)")
+    for row in report:
+        cells = ["/".join(f"{c:.3f}" for c in row[kind]) for kind in ("key", "value")]
+        print(f"{row['layer']:5d}  {cells[0]:>20s}  {cells[1]:>20s}  {row['key_predicted']} | {row['value_predicted']}")
+    return 0
 
 
 def run_probe(args) -> int:
