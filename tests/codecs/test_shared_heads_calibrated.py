@@ -160,3 +160,16 @@ def test_bad_input_names_the_parameter(fitted, tmp_path):
     with pytest.raises(ValueError, match="at least two KV heads"):
         calibrate_sharing(_model("mistral"), IDS[:, :20])
     assert SharedHeadsCodec(ratio=0.5).sink_tokens == 4 and SharedHeadsCodec().sink_tokens == 0
+
+
+def test_packaged_smollm2_maps_load_and_store_two_thirds_of_the_heads():
+    from hf_kvcompress.models import load_config
+
+    config = load_config("smollm2-135m")
+    cache = make_cache("shared_heads:ratio=0.67", config)  # no maps=: the ones shipped for the model
+    kept = sum(layer.codec.bytes_per_token(64, kind, torch.bfloat16) for layer in cache.layers
+               for kind in ("key", "value"))
+    # round(0.67 x 180) = 121 of the 30 layers x 2 kinds x 3 heads stored: bf16 bytes per token and KV head
+    assert kept == pytest.approx(121 * 64 * 2 / 3)
+    levels = cache.layers[0].codec.levels()
+    assert len(levels) == 30 and sum(sum(pair) for pair in levels) == 59
