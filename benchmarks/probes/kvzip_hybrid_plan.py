@@ -20,6 +20,8 @@ Allocations (each with KVzip's span=4 choosing the pairs, the raw scores setting
 - `token`:   each token scored by its best over every full-attention layer and head, the same tokens everywhere
              (`budgets=token`);
 - `uniform`: the same share in every layer and head, each by its own scores (`budgets=uniform`);
+- `rank`:    like `token`, but each token takes its best place in any layer's and head's own ranking (so a layer
+             whose scores are small counts as much as one whose scores are large);
 - `floor:F`: `head`, but every layer and head keeps at least F x the uniform share (the others give way).
 Printed per document: where each fact's tokens rank in each full-attention layer and whether each allocation keeps
 them, then the answer of each (target, S, allocation); at the end, retention (kept / answered uncompressed) per cell.
@@ -60,6 +62,11 @@ def keep_masks(scores: dict[int, torch.Tensor], share: float, how: str) -> dict[
         best = torch.stack([s.amax(dim=1) for s in scores.values()]).amax(0)  # [1, T]
         chooser = {li: best_ahead(best[:, None].expand_as(s), SPAN) for li, s in scores.items()}
         counts = {li: torch.full((H,), per_head) for li in scores}
+    elif name == "rank":  # each pair's place in its own head's ranking (1 = its best), best over layers and heads
+        places = [s.argsort(-1).argsort(-1).double() / max(T - 1, 1) for s in scores.values()]
+        best = torch.stack([p.amax(dim=1) for p in places]).amax(0)  # [1, T]
+        chooser = {li: best_ahead(best[:, None].expand_as(s), SPAN) for li, s in scores.items()}
+        counts = {li: torch.full((H,), per_head) for li in scores}
     elif name == "uniform":
         counts = {li: torch.full((H,), per_head) for li in scores}
     elif name in ("head", "floor"):
@@ -77,7 +84,7 @@ def keep_masks(scores: dict[int, torch.Tensor], share: float, how: str) -> dict[
         threshold = flat.topk(total).values[-1]
         counts = {li: (r >= threshold).sum(-1).clamp(max=T) for li, r in ranked.items()}
     else:
-        raise ValueError(f"allocation must be head, token, uniform or floor:F, got {how!r}")
+        raise ValueError(f"allocation must be head, token, rank, uniform or floor:F, got {how!r}")
     masks = {}
     for li, c in chooser.items():
         mask = torch.zeros(1, H, T, dtype=torch.bool)
@@ -187,7 +194,8 @@ def main() -> None:
     for (target, S, how), bands in sorted(kept.items(), key=lambda kv: (-kv[0][0], -kv[0][1], kv[0][2])):
         every = [v for b in bands.values() for v in b]
         cells = " ".join(f"{b}={sum(bands[b])}/{len(bands[b])}" for b in ("start", "middle", "end") if bands[b])
-        print(f"target {target:<6} S={S:<4} {how:<10} {sum(every)}/{len(every)} = {sum(every) / len(every):.2f}  {cells}")
+        share = sum(every) / len(every)
+        print(f"target {target:<6} S={S:<4} {how:<10} {sum(every)}/{len(every)} = {share:.2f}  {cells}")
 
 
 if __name__ == "__main__":
