@@ -27,6 +27,9 @@ from ..policies.sink_window import SinkWindowPolicy
 from ..probes import load_probes
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+# The least share of its window a planned sliding layer keeps (`sliding_kept`): on Gemma-3-270M's development half
+# the answers held with 31 of its 511 tokens and came back empty with 8 (docs/results.md).
+SLIDING_FLOOR = 1 / 16
 
 
 @dataclass(frozen=True)
@@ -104,11 +107,10 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     it attends locally, and KVzip's reconstruction queries, a window away, cannot score it. Chunked-attention
     layers keep their chunk. A policy's `sliding=N` sets the count itself (`dynamic:sliding=127` shrinks only the
     sliding layers; what such counts keep is measured in docs/results.md). `planned` (`plans_sliding_share`): a
-    ratio r keeps r of its share, ceil(r x r x (window - 1)), and the full-attention layers what that gives up
-    (`SlidingShare`): the sliding layers only attend locally and their tokens are not scored, while the pairs a
-    full-attention layer needs to answer from far back shrink more slowly than the ratio (chosen on Gemma-3-270M's
-    development half, docs/results.md: a quarter kept 10 of 11 answers with its sliding layers at 31 tokens, 8 at
-    63; half kept every answer at 127)."""
+    ratio r keeps r of its share, ceil(r x r x (window - 1)), but never fewer than SLIDING_FLOOR of the window (nor
+    more than the share), and the full-attention layers what that gives up (`SlidingShare`): the sliding layers only
+    attend locally and their tokens are not scored, while the pairs a full-attention layer needs to answer from far
+    back shrink more slowly than the ratio (chosen on Gemma-3-270M's development half, docs/results.md)."""
     if layer_type != "sliding_attention":
         return None
     whole = max(window - 1, 1)
@@ -117,7 +119,9 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     elif policy.budget is not None:
         kept = policy.budget
     elif policy.ratio is not None:
-        kept = math.ceil(policy.ratio * (policy.ratio if planned else 1.0) * whole)
+        kept = math.ceil(policy.ratio * whole)
+        if planned:
+            kept = min(kept, max(math.ceil(policy.ratio * policy.ratio * whole), math.ceil(SLIDING_FLOOR * whole)))
     else:
         return None
     return max(kept, 1) if kept < whole else None

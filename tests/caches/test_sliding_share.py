@@ -88,7 +88,8 @@ def test_a_ratio_keeps_that_share_of_the_sliding_window_and_bytes_match_the_prom
 def _planned(ratio: float, tokens: int, window: int = WINDOW, sliding_layers: int = 2, full_layers: int = 1):
     """A plain reference of the planned share: (tokens per sliding layer, tokens per KV head per full layer)."""
     held = min(tokens, window - 1)
-    sliding = math.ceil(ratio * ratio * (window - 1))
+    window_share = math.ceil(ratio * (window - 1))
+    sliding = min(window_share, max(math.ceil(ratio * ratio * (window - 1)), math.ceil((window - 1) / 16)))
     share = math.ceil(ratio * tokens)
     freed = max(math.ceil(ratio * held) - min(held, sliding), 0) * sliding_layers
     return min(sliding, held), min(share + freed // full_layers, tokens)
