@@ -92,6 +92,9 @@ class CompressedCache(Cache):
             the next query is their distance in the cache, which keeps streams longer than the trained context in
             range. Positions stay absolute (no re-rotation) by default. Needs `config` (RoPE parameters and
             scaling are read from it) and full-precision keys.
+        share_sliding: a plain KVzip ratio shares a hybrid model's pairs between its sliding and full-attention
+            layers (plan.py `SlidingShare`); False gives every layer the ratio's share, as caches saved before the
+            share existed were built (persist.py).
     """
 
     # Every layer is one: built from a plan, or by `_LayerFactory` without a config (list is invariant, so the
@@ -101,7 +104,8 @@ class CompressedCache(Cache):
     model_name: str
     architecture: dict
 
-    def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False):
+    def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False,
+                 share_sliding: bool = True):
         # The model config whose attention the cache switches to 'kvcompress_sdpa' at its first request to attention
         # (`adopt_attention_config`, `_engage_attention`); decided once in the cache's life.
         self.attention_config = config
@@ -122,7 +126,8 @@ class CompressedCache(Cache):
             super().__init__(layer_class_to_replicate=_LayerFactory(self.policy, self.codec))  # type: ignore[arg-type]
             self.num_layers = None
             return
-        plans = plan_layers(self.policy, requested, config, rerotate, full_codec=self.codec)
+        plans = plan_layers(self.policy, requested, config, rerotate, full_codec=self.codec,
+                            share_sliding=share_sliding)
         super().__init__(layers=[layer_from_plan(plan) for plan in plans])
         self.num_layers = len(plans)
         self.sliding_share = next((plan.sliding_share for plan in plans if plan.sliding_share is not None), None)

@@ -199,13 +199,14 @@ def unplanned_layer(policy: Policy, codec: Codec, index: int) -> LayerPlan:
 
 
 def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
-                full_codec: Codec | None = None) -> list[LayerPlan]:
+                full_codec: Codec | None = None, share_sliding: bool = True) -> list[LayerPlan]:
     """Each decoder layer's plan under `policy` x `codec` for the model of `config`.
 
     `codec` is the codec as requested (unbound); `full_codec` is `cache_codec(policy, codec, config)` when the
-    caller has it already (binding may read calibration files). Raises ValueError for what the model cannot store
-    or the policy cannot apply to: a head_dim the codec refuses, `sliding=` without sliding layers or past their
-    window.
+    caller has it already (binding may read calibration files). `share_sliding=False` gives a ratio the same share
+    in every layer even where `plans_sliding_share` would share it (the plan of caches saved before it existed).
+    Raises ValueError for what the model cannot store or the policy cannot apply to: a head_dim the codec refuses,
+    `sliding=` without sliding layers or past their window.
     """
     if full_codec is None:
         full_codec = cache_codec(policy, codec, config)
@@ -231,7 +232,7 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
             if window is None:
                 raise ValueError(f"the config lists {kind} layers but sets no {name}")
             windows[kind] = window
-    planned = plans_sliding_share(policy, layer_types)
+    planned = share_sliding and plans_sliding_share(policy, layer_types)
     kept = {kind: sliding_kept(policy, kind, window, planned) for kind, window in windows.items()}
     share = None
     if planned and kept["sliding_attention"] is not None:
