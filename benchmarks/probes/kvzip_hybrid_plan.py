@@ -9,7 +9,8 @@ Command:
         [--allocations head token uniform] [--skip-whole]
 Written up: docs/results.md, "Plain KVzip ratios on Gemma-3: the plan shares the bytes" (issue 27).
 
-Each document (dev half) is prefilled once per sliding count S with `kvzip:ratio=1.0,budgets=uniform,sliding=S`:
+Each document (dev half) is prefilled once per sliding count S (the first: the whole window, for the uncompressed
+answers) with `kvzip:ratio=1.0,budgets=uniform,sliding=S`:
 the sliding layers keep their newest S tokens as the real cache does, the full-attention layers keep everything and
 hold their reconstruction scores. Each allocation then keeps, as per-head attention masks over the full-attention
 layers' context, the number of pairs that leaves the whole cache at the target share of its uncompressed pairs:
@@ -147,7 +148,8 @@ def main() -> None:
         base_cache = None
         answered = []
         for S in args.sliding:
-            spec = "kvzip:ratio=1.0,budgets=uniform" + (f",sliding={S}" if S < window - 1 else "")
+            # an explicit sliding= keeps the plain share: nothing is planned, the full layers keep every pair
+            spec = f"kvzip:ratio=1.0,budgets=uniform,sliding={min(S, window - 1)}"
             cache = make_cache(spec, model.config)
             prefill(model, torch.tensor([doc]), None, cache, repeat_prompt_ids=repeat)
             scores = {i: layer.accumulated[..., :T].clone() for i, layer in enumerate(cache.layers)
