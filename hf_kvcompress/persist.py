@@ -63,6 +63,8 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
         "format": FORMAT,
         "spec": cache.spec,
         "rerotate": json.dumps(cache.rerotate),
+        # Files without it were saved before a plain KVzip ratio shared a hybrid model's pairs: they load as built.
+        "sliding_share": json.dumps(cache.sliding_share is not None),
         "model_name": model_name(cache.config),
         "architecture": json.dumps(_architecture(cache.config)),
         "config": cache.config.to_json_string(use_diff=False),
@@ -91,7 +93,8 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     config._name_or_path = metadata["model_name"]
     policy, codec = parse_spec(metadata["spec"])
-    cache = CompressedCache(policy, codec, config=config, rerotate=json.loads(metadata["rerotate"]))
+    cache = CompressedCache(policy, codec, config=config, rerotate=json.loads(metadata["rerotate"]),
+                            share_sliding=json.loads(metadata.get("sliding_share", "false")))
     cache.model_name = metadata["model_name"]
     cache.architecture = json.loads(metadata["architecture"])
     if model is not None:

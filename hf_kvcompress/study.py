@@ -127,6 +127,9 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
                 kept = min(tokens, sliding.window)
         else:
             kept = kept_tokens(policy, tokens)
+            if plan.sliding_share is not None:  # what the sliding layers gave up (plan.py: `SlidingShare`)
+                seen = torch.tensor([round(tokens)])
+                kept += int(plan.sliding_share.extra(seen, torch.tensor([round(kept)])))
         if not plan.is_sliding and head_store:
             # KVzip's per-head store (caches/head_store.py): kept pairs encoded, each with its float32
             # score; the codec's sinks exact beside it; one int64 length per head. The kept pairs among the

@@ -16,7 +16,7 @@ from ..policies.base import Policy
 from ..policies.keep_all import KeepAllPolicy
 from .head_ranking import head_budget_keep
 from .layer import CompressedLayer
-from .plan import LayerPlan, cache_codec, check_without_config, plan_layers, unplanned_layer
+from .plan import LayerPlan, SlidingShare, cache_codec, check_without_config, plan_layers, unplanned_layer
 from .requests import attention_kwargs, makes_requests
 from .token_ranking import share_token_scores
 
@@ -39,12 +39,14 @@ def layer_from_plan(plan: LayerPlan) -> CompressedLayer:
                            probe=plan.probe)
 
 
-def layer_budget_shifts(policy: Policy, layers: list) -> list[torch.Tensor]:
+def layer_budget_shifts(policy: Policy, layers: list, extra: torch.Tensor | None = None) -> list[torch.Tensor]:
     """One ranking of every (layer, KV head, slot) score per row: each layer keeps its share of the row's top
-    `layers x heads x uniform share` pairs, as whole tokens per head (KVzip Sec. 3.3, Ada-KV). Returns each layer's
-    share minus the uniform one, [B] per layer: added to the uniform budget, it moves with a ratio and lets a
-    budget above the tokens seen keep the tokens that arrive later, up to the budget. Padding never counts."""
-    share = policy.held_per_row(layers[0].padding.real_seen)  # [B]: all the row's tokens when the budget is above them
+    `layers x heads x (uniform share + extra)` pairs, as whole tokens per head (KVzip Sec. 3.3, Ada-KV). Returns each
+    layer's share minus the uniform one, [B] per layer: added to the uniform budget, it moves with a ratio and lets
+    a budget above the tokens seen keep the tokens that arrive later, up to the budget. Padding never counts.
+    `extra` [B]: tokens per head the sliding layers gave up to these layers (plan.py `SlidingShare`)."""
+    uniform = policy.held_per_row(layers[0].padding.real_seen)  # [B]: all the row's tokens when the budget is above
+    share = uniform if extra is None else uniform + extra
     heads = layers[0].kv_heads
     scores = []
     for layer in layers:
@@ -55,7 +57,7 @@ def layer_budget_shifts(policy: Policy, layers: list) -> list[torch.Tensor]:
     real = torch.isfinite(ranked).sum(dim=1)  # [B]: the row's real pairs (a padded row has fewer than the slots)
     wanted = torch.minimum(share * heads * len(layers), real).clamp(min=1) - 1
     threshold = ranked.gather(1, wanted[:, None])  # [B, 1]: the row's lowest kept score
-    return [torch.round((s >= threshold).sum(dim=1) / heads).long() - share for s in scores]
+    return [torch.round((s >= threshold).sum(dim=1) / heads).long() - uniform for s in scores]
 
 
 def _check_head_budgets(policy: Policy, codec: Codec, rerotate: bool) -> None:
@@ -90,6 +92,9 @@ class CompressedCache(Cache):
             the next query is their distance in the cache, which keeps streams longer than the trained context in
             range. Positions stay absolute (no re-rotation) by default. Needs `config` (RoPE parameters and
             scaling are read from it) and full-precision keys.
+        share_sliding: a plain KVzip ratio shares a hybrid model's pairs between its sliding and full-attention
+            layers (plan.py `SlidingShare`); False gives every layer the ratio's share, as caches saved before the
+            share existed were built (persist.py).
     """
 
     # Every layer is one: built from a plan, or by `_LayerFactory` without a config (list is invariant, so the
@@ -99,7 +104,8 @@ class CompressedCache(Cache):
     model_name: str
     architecture: dict
 
-    def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False):
+    def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False,
+                 share_sliding: bool = True):
         # The model config whose attention the cache switches to 'kvcompress_sdpa' at its first request to attention
         # (`adopt_attention_config`, `_engage_attention`); decided once in the cache's life.
         self.attention_config = config
@@ -111,15 +117,20 @@ class CompressedCache(Cache):
         self.rerotate = rerotate
         if getattr(self.policy, "budgets", "uniform") == "head":
             _check_head_budgets(self.policy, self.codec, rerotate)
+        # What a hybrid model's sliding layers give up to the full-attention ones (plan.py), applied when the pass
+        # ranks them; None without a config or a planned share.
+        self.sliding_share: SlidingShare | None = None
         if config is None:
             check_without_config(self.policy, rerotate)
             # transformers only calls `layer_class_to_replicate()`: a factory that numbers the layers serves.
             super().__init__(layer_class_to_replicate=_LayerFactory(self.policy, self.codec))  # type: ignore[arg-type]
             self.num_layers = None
             return
-        plans = plan_layers(self.policy, requested, config, rerotate, full_codec=self.codec)
+        plans = plan_layers(self.policy, requested, config, rerotate, full_codec=self.codec,
+                            share_sliding=share_sliding)
         super().__init__(layers=[layer_from_plan(plan) for plan in plans])
         self.num_layers = len(plans)
+        self.sliding_share = next((plan.sliding_share for plan in plans if plan.sliding_share is not None), None)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self._claim_for_this_thread(layer_idx)
@@ -216,18 +227,32 @@ class CompressedCache(Cache):
             return
         scored = [layer for layer in self.layers if layer.policy.scores_by_reconstruction and layer.is_initialized]
         budgets = getattr(self.policy, "budgets", "uniform")
+        extra = self._sliding_extra(scored)
         if budgets == "head" and scored:
-            keeps = head_budget_keep(self.policy, scored, 0 if self.codec.lossless else self.codec.exact_sinks)
+            sinks = 0 if self.codec.lossless else self.codec.exact_sinks
+            keeps = head_budget_keep(self.policy, scored, sinks, extra=extra)
             for layer, (priority, keep) in zip(scored, keeps, strict=True):
                 layer.rank_heads(priority, keep)
-        elif budgets == "token" and scored:
-            share_token_scores([layer for layer in scored if not layer.is_sliding])
         elif budgets == "layer" and len(scored) > 1:
-            for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored), strict=True):
+            for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored, extra), strict=True):
                 layer.eviction.budget_shift = shift
+        else:
+            if budgets == "token" and scored:
+                share_token_scores([layer for layer in scored if not layer.is_sliding])
+            if extra is not None:  # every full-attention layer keeps the same extra tokens per head
+                for layer in scored:
+                    layer.eviction.budget_shift = extra.clone()
         for layer in self.layers:
             if not layer.per_head:
                 layer.end_reconstruction()
+
+    def _sliding_extra(self, scored: list) -> torch.Tensor | None:
+        """[B] tokens per KV head the scored (full-attention) layers keep beyond the ratio's share, from the pairs the
+        sliding layers gave up (plan.py `SlidingShare`); None without a planned share."""
+        if self.sliding_share is None or not scored:
+            return None
+        real_seen = scored[0].padding.real_seen
+        return self.sliding_share.extra(real_seen, self.policy.held_per_row(real_seen))
 
     def promised_kv_bytes(self, dtype: torch.dtype | None = None) -> int:
         """What the method promises to hold now, computed from what each layer keeps (see `measured_kv_bytes`);

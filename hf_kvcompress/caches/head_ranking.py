@@ -17,12 +17,15 @@ from ..policies.base import Policy, ranked_first, slot_priority
 RECENT_SCORE = 1.5  # attention probabilities are at most 1; tokens after the ranking score 2 and more
 
 
-def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def head_budget_keep(
+    policy: Policy, layers: list, codec_sinks: int = 0, extra: torch.Tensor | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer: (priority [B, H, T] with protected pairs at +inf and padding at -inf, keep [B, H, T] bool).
 
     The policy's sinks and the codec's (`codec_sinks` first real tokens, kept exact beside the store) are
-    protected. Each row keeps `policy.kept_per_row(real tokens) x heads x layers` pairs in all (fewer when it has
-    fewer real pairs); ties go to the pair ranked first (lower layer, head, token)."""
+    protected. Each row keeps `(policy.kept_per_row(real tokens) + extra) x heads x layers` pairs in all (fewer when
+    it has fewer real pairs; `extra` [B]: what a hybrid model's sliding layers gave up, plan.py `SlidingShare`);
+    ties go to the pair ranked first (lower layer, head, token)."""
     priorities, chosen_by, newest = [], [], []
     for layer in layers:
         length = layer.stored_tokens
@@ -41,7 +44,8 @@ def head_budget_keep(policy: Policy, layers: list, codec_sinks: int = 0) -> list
     # Sums of one tensor per layer (at least one): tensors. [B] real pairs of the row; [B] sinks: never evicted.
     real = cast(torch.Tensor, sum((p > float("-inf")).flatten(1).sum(1) for p in priorities))
     protected = cast(torch.Tensor, sum((p == float("inf")).flatten(1).sum(1) for p in priorities))
-    wanted = policy.kept_per_row(layers[0].padding.real_seen) * heads * len(layers)
+    per_head = policy.kept_per_row(layers[0].padding.real_seen)
+    wanted = (per_head if extra is None else per_head + extra) * heads * len(layers)
     total = torch.minimum(torch.maximum(wanted, protected), real)
     keep = ranked_first(flat, total[:, None])
     out, start = [], 0

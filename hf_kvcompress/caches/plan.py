@@ -2,8 +2,11 @@
 
 One pure function, `plan_layers`, decides them; `CompressedCache` builds its layers from the plans, and
 `study.promised_bytes` counts bytes from the same plans, so an estimate cannot follow other rules than the cache.
-Sliding-window layers keep transformers' window with the codec's own key grouping; the policy, whose budget is per
-full-attention layer, applies to the full-attention layers.
+Sliding-window layers keep transformers' window with the codec's own key grouping, or under a budget or ratio their
+newest tokens; the policy applies to the full-attention layers. A plain ratio of a policy scored by KVzip's
+reconstruction pass plans how the hybrid model's pairs are shared (`SlidingShare`): the sliding layers keep fewer
+than the ratio's share of their window and the full-attention layers, where long-range retrieval happens, keep what
+they give up, so the whole cache still holds the ratio of its uncompressed pairs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from ..policies.sink_window import SinkWindowPolicy
 from ..probes import load_probes
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+# The least share of its window a planned sliding layer keeps (`sliding_kept`): on Gemma-3-270M's development half
+# the answers held with 31 of its 511 tokens and came back empty with 8 (docs/results.md).
+SLIDING_FLOOR = 1 / 16
 
 
 @dataclass(frozen=True)
@@ -46,13 +52,52 @@ class LayerPlan:
     inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
     query_inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
     probe: object | None = field(default=None, compare=False, repr=False)  # KVzap's score probe (probes.py)
+    sliding_share: SlidingShare | None = None  # full-attention layers: what the sliding layers give up to them
 
     @property
     def is_sliding(self) -> bool:
         return self.layer_type in SLIDING_LAYER_TYPES
 
 
-def sliding_kept(policy: Policy, layer_type: str, window: int) -> int | None:
+@dataclass(frozen=True)
+class SlidingShare:
+    """How a plain ratio shares a hybrid model's pairs (a policy scored by KVzip's pass, `plans_sliding_share`).
+
+    Each sliding layer keeps its `kept` newest tokens, fewer than the ratio's share ceil(ratio x min(seen, held)) of
+    what it holds uncompressed (`held` = window - 1); each full-attention layer keeps, per KV head, the ratio's share
+    of the tokens seen plus `extra`: its part of the pairs the sliding layers gave up. So the cache holds the ratio of
+    its uncompressed pairs, as a ratio promises, with more of them where the model retrieves from far back. Pairs
+    are counted per token and layer: every layer of the models this plans has the same KV heads and head_dim (one
+    `num_key_value_heads` and `head_dim` per config). The full-attention layers never get more than they hold (the
+    cache then holds less than the ratio), nor fewer than the ratio's share (a document shorter than about
+    kept / ratio tokens: its sliding layers keep more than the share)."""
+
+    ratio: float
+    kept: int
+    held: int
+    sliding_layers: int
+    full_layers: int
+
+    def extra(self, real_seen: torch.Tensor, full_share: torch.Tensor) -> torch.Tensor:
+        """[B] tokens per KV head each full-attention layer keeps beyond `full_share` [B] (the policy's share of the
+        `real_seen` [B] tokens each row has seen)."""
+        held = real_seen.clamp(max=self.held)
+        share = torch.ceil(held.double() * self.ratio).long()
+        freed = (share - held.clamp(max=self.kept)).clamp(min=0) * self.sliding_layers
+        extra = torch.div(freed, self.full_layers, rounding_mode="floor")
+        return torch.minimum(extra, real_seen - full_share).clamp(min=0)
+
+
+def plans_sliding_share(policy: Policy, layer_types: list[str]) -> bool:
+    """Whether `plan_layers` shares the pairs of `policy` between sliding and full-attention layers (`SlidingShare`):
+    a ratio with no `sliding=` of a policy scored by KVzip's reconstruction pass (the pass is where the cache ranks
+    every layer's pairs at once, compressed.py `end_reconstruction`), on a model with sliding_attention and
+    full-attention layers."""
+    return (policy.scores_by_reconstruction and policy.ratio is not None and policy.sliding is None
+            and "sliding_attention" in layer_types and any(t not in SLIDING_LAYER_TYPES for t in layer_types))
+
+
+def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = False) -> int | None:
     """Tokens a sliding-window layer keeps under `policy` when that is fewer than transformers' `window - 1`
     (None: the whole window).
 
@@ -61,7 +106,11 @@ def sliding_kept(policy: Policy, layer_type: str, window: int) -> int | None:
     window), so the cache's bytes follow the ratio on hybrid models too. A sliding layer keeps its newest tokens:
     it attends locally, and KVzip's reconstruction queries, a window away, cannot score it. Chunked-attention
     layers keep their chunk. A policy's `sliding=N` sets the count itself (`dynamic:sliding=127` shrinks only the
-    sliding layers; what such counts keep is measured in docs/results.md)."""
+    sliding layers; what such counts keep is measured in docs/results.md). `planned` (`plans_sliding_share`): a
+    ratio r keeps r of its share, ceil(r x r x (window - 1)), but never fewer than SLIDING_FLOOR of the window (nor
+    more than the share), and the full-attention layers what that gives up (`SlidingShare`): the sliding layers only
+    attend locally and their tokens are not scored, while the pairs a full-attention layer needs to answer from far
+    back shrink more slowly than the ratio (chosen on Gemma-3-270M's development half, docs/results.md)."""
     if layer_type != "sliding_attention":
         return None
     whole = max(window - 1, 1)
@@ -71,6 +120,8 @@ def sliding_kept(policy: Policy, layer_type: str, window: int) -> int | None:
         kept = policy.budget
     elif policy.ratio is not None:
         kept = math.ceil(policy.ratio * whole)
+        if planned:
+            kept = min(kept, max(math.ceil(policy.ratio * policy.ratio * whole), math.ceil(SLIDING_FLOOR * whole)))
     else:
         return None
     return max(kept, 1) if kept < whole else None
@@ -148,13 +199,14 @@ def unplanned_layer(policy: Policy, codec: Codec, index: int) -> LayerPlan:
 
 
 def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
-                full_codec: Codec | None = None) -> list[LayerPlan]:
+                full_codec: Codec | None = None, share_sliding: bool = True) -> list[LayerPlan]:
     """Each decoder layer's plan under `policy` x `codec` for the model of `config`.
 
     `codec` is the codec as requested (unbound); `full_codec` is `cache_codec(policy, codec, config)` when the
-    caller has it already (binding may read calibration files). Raises ValueError for what the model cannot store
-    or the policy cannot apply to: a head_dim the codec refuses, `sliding=` without sliding layers or past their
-    window.
+    caller has it already (binding may read calibration files). `share_sliding=False` gives a ratio the same share
+    in every layer even where `plans_sliding_share` would share it (the plan of caches saved before it existed).
+    Raises ValueError for what the model cannot store or the policy cannot apply to: a head_dim the codec refuses,
+    `sliding=` without sliding layers or past their window.
     """
     if full_codec is None:
         full_codec = cache_codec(policy, codec, config)
@@ -180,7 +232,14 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
             if window is None:
                 raise ValueError(f"the config lists {kind} layers but sets no {name}")
             windows[kind] = window
-    kept = {kind: sliding_kept(policy, kind, window) for kind, window in windows.items()}
+    planned = share_sliding and plans_sliding_share(policy, layer_types)
+    kept = {kind: sliding_kept(policy, kind, window, planned) for kind, window in windows.items()}
+    share = None
+    if planned and kept["sliding_attention"] is not None:
+        assert policy.ratio is not None  # planned: a ratio
+        share = SlidingShare(policy.ratio, kept["sliding_attention"], max(windows["sliding_attention"] - 1, 1),
+                             layer_types.count("sliding_attention"),
+                             sum(t not in SLIDING_LAYER_TYPES for t in layer_types))
     if policy.sliding is not None and policy.sliding > windows["sliding_attention"] - 1:
         raise ValueError(
             f"sliding={policy.sliding} is more than this model's sliding layers hold "
@@ -204,5 +263,5 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
             if policy.needs_hidden_states and i not in probes:
                 raise ValueError(f"the KVzap probe for this model has no probe for layer {i} ({layer_type})")
             plans.append(LayerPlan(i, layer_type, policy, full_codec.for_layer(i), inv_freq=inv_freq,
-                                   query_inv_freq=query_inv_freq, probe=probes.get(i)))
+                                   query_inv_freq=query_inv_freq, probe=probes.get(i), sliding_share=share))
     return plans

@@ -26,7 +26,10 @@ class KVzipPolicy(Policy):
 
     Args:
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
-        ratio: share of the tokens seen that is kept, instead of `budget`.
+        ratio: share of the tokens seen that is kept, instead of `budget`. On a model with sliding-window layers
+            (Gemma 3) a ratio without `sliding=` is the share of the whole cache's pairs: the sliding layers keep
+            `ratio` of their share of the window and the full-attention layers the pairs that frees
+            (caches/plan.py, `SlidingShare`).
         sink_tokens: first tokens always kept (0 in KVzip).
         recent: newest tokens always kept (0 in KVzip): the end of the document, whatever its score. 128 gained
             two of 15 needles at each share on Gemma-3-270M and none on SmolLM2 (docs/results.md); not the default,

@@ -133,3 +133,35 @@ def test_head_budget_files_saved_before_still_load_and_answer_the_same(name):
     assert measured_kv_bytes(loaded) == loaded.promised_kv_bytes() == expected["bytes_after"]
     lengths = (expected["stored_tokens_after"], expected["seq_length_after"])
     assert (loaded.stored_tokens, loaded.get_seq_length()) == lengths
+
+
+def test_a_planned_sliding_share_is_saved_and_loads_as_planned(tmp_path):
+    """A plain kvzip ratio on Gemma-3's layout shares the pairs (plan.py `SlidingShare`); the loaded cache plans the
+    same, and a file saved before the share existed (no `sliding_share` entry) loads with the plain share."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    model = use_kvcompress_attention(tiny_model("gemma3"))
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
+    cache = make_cache("kvzip:ratio=0.5", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
+    assert cache.sliding_share is not None
+    path = tmp_path / "planned.safetensors"
+    save_cache(cache, path)
+    loaded = load_cache(path)
+    assert loaded.sliding_share == cache.sliding_share
+    assert [layer.policy for layer in loaded.layers] == [layer.policy for layer in cache.layers]
+    full = torch.cat([ids, torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(9))], 1)
+    ones = torch.ones_like(full)
+    assert torch.equal(generate(model, full, ones, loaded, max_new_tokens=4).new_tokens,
+                       generate(model, full, ones, copy.deepcopy(cache), max_new_tokens=4).new_tokens)
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+    del metadata["sliding_share"]
+    older = tmp_path / "older.safetensors"
+    save_file(load_file(str(path)), str(older), metadata=metadata)
+    plain = load_cache(older)
+    assert plain.sliding_share is None
+    # tiny gemma3: sliding_window 6, so the ratio's plain share is ceil(0.5 x 5) = 3 tokens, the planned one 2
+    assert [layer.policy.window for layer in plain.layers[:2]] == [3, 3]
+    assert [layer.policy.window for layer in loaded.layers[:2]] == [2, 2]

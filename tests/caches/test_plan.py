@@ -94,3 +94,36 @@ def test_a_cache_without_config_numbers_its_layers_as_the_plan_does():
     for i in range(2):
         cache.update(keys, keys, i)
     assert [layer.codec for layer in cache.layers] == [p.codec for p in plan_layers(policy, codec, config)]
+
+
+def test_only_a_plain_kvzip_ratio_on_a_hybrid_model_plans_a_sliding_share():
+    """A full-attention model, a budget, an explicit sliding= or a policy without KVzip's pass keep the plain share
+    (so nothing changes on SmolLM2); a plain kvzip ratio r on Gemma-3's layout keeps r of the sliding layers' share."""
+    unplanned = [("kvzip:ratio=0.25", "llama"), ("kvzip:budget=4", "gemma3"), ("kvzip:ratio=0.5,sliding=2", "gemma3"),
+                 ("h2o:ratio=0.5", "gemma3"), ("dynamic", "gemma3")]
+    for spec, name in unplanned:
+        assert all(p.sliding_share is None for p in plans(spec, name)), spec
+    got = plans("kvzip:ratio=0.5", "gemma3")  # sliding_window=6: ceil(0.5 x 0.5 x 5) = 2 of the share's 3
+    assert [p.policy for p in got[:2]] == [SinkWindowPolicy(sink_tokens=0, window=2)] * 2
+    share = got[2].sliding_share
+    assert share is not None and (share.kept, share.held, share.sliding_layers, share.full_layers) == (2, 5, 2, 1)
+    seen = torch.tensor([3, 20, 40])
+    full = torch.ceil(seen * 0.5).long()
+    # what the sliding layers gave up: ceil(0.5 x min(seen, 5)) - min(seen, 2) tokens each, two of them
+    assert share.extra(seen, full).tolist() == [0, 2, 2]
+
+
+@pytest.mark.parametrize("ratio,kept", [(0.5, 128), (0.25, 32), (0.125, 32), (0.05, 26), (0.9, 414)])
+def test_a_planned_sliding_layer_keeps_r_of_its_share_above_a_sixteenth_of_its_window(ratio, kept):
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=6, num_attention_heads=1,
+        num_key_value_heads=1, head_dim=32, sliding_window=512,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    )
+    policy, codec = parse_spec(f"kvzip:ratio={ratio}")
+    got = plan_layers(policy, codec, config)
+    # r x r of the 511 tokens, at least 511 / 16, at most the ratio's own share (0.05: ceil(25.55) = 26)
+    assert {p.policy for p in got[:5]} == {SinkWindowPolicy(sink_tokens=0, window=kept)}
+    assert got[5].sliding_share is not None and got[5].sliding_share.kept == kept

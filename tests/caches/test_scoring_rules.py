@@ -171,7 +171,8 @@ def test_kvzip_token_budgets_keep_in_every_layer_the_tokens_with_the_best_score_
     model = use_kvcompress_attention(tiny_model(name))
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(16))
     # Keeps every context token, so the scores stay readable; on the hybrid model its sliding layers keep what they
-    # keep at ratio 0.25 (their queries feed the full layer's reconstruction scores).
+    # keep at ratio 0.25 with the plain share (their queries feed the full layer's reconstruction scores; an explicit
+    # sliding= keeps the full layer at the ratio's 10 tokens, plan.py `SlidingShare`).
     sliding = ",sliding=2" if name == "gemma3" else ""
     scored = make_cache(f"kvzip:ratio=1.0,budgets=uniform{sliding}", model.config)
     prefill(model, ids, None, scored, repeat_prompt_ids=[5, 6, 7])
@@ -185,11 +186,11 @@ def test_kvzip_token_budgets_keep_in_every_layer_the_tokens_with_the_best_score_
         assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
         return [cache.layers[i]._full("key") for i, _ in full]
 
-    for (_, layer), keys in zip(full, kept_keys("kvzip:ratio=0.25,budgets=token,span=0"), strict=True):
+    for (_, layer), keys in zip(full, kept_keys(f"kvzip:ratio=0.25,budgets=token,span=0{sliding}"), strict=True):
         torch.testing.assert_close(keys, layer._full("key")[..., kept, :])
     if len(full) * model.config.num_key_value_heads > 1:
         # Each layer and head ranking its own tokens keeps others somewhere: the shared ranking is not that one.
-        uniform = kept_keys("kvzip:ratio=0.25,budgets=uniform,span=0")
+        uniform = kept_keys(f"kvzip:ratio=0.25,budgets=uniform,span=0{sliding}")
         assert any(not torch.equal(keys, layer._full("key")[..., kept, :])
                    for (_, layer), keys in zip(full, uniform, strict=True))
 

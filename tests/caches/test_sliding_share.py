@@ -72,17 +72,66 @@ def test_a_sliding_layer_under_a_budget_attends_as_a_full_layer_with_that_budget
 @pytest.mark.parametrize("ratio", [0.25, 0.5, 0.8])
 def test_a_ratio_keeps_that_share_of_the_sliding_window_and_bytes_match_the_promise(ratio):
     model = _model(HYBRID)
-    spec = f"kvzip:ratio={ratio}"
+    spec = f"h2o:ratio={ratio},recent=2"  # a ratio no reconstruction pass plans: the same share in every layer
     cache = make_cache(spec, model.config)
     tokens = 40
     ids = torch.randint(3, 128, (1, tokens), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+        prefill(model, ids, None, cache)
     sliding = [layer.stored_tokens for layer in cache.layers if layer.is_sliding]
     assert sliding == [math.ceil(ratio * (WINDOW - 1))] * 2
     full = [layer for layer in cache.layers if not layer.is_sliding]
     assert full[0].stored_tokens == math.ceil(ratio * tokens)
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def _planned(ratio: float, tokens: int, window: int = WINDOW, sliding_layers: int = 2, full_layers: int = 1):
+    """A plain reference of the planned share: (tokens per sliding layer, tokens per KV head per full layer)."""
+    held = min(tokens, window - 1)
+    window_share = math.ceil(ratio * (window - 1))
+    sliding = min(window_share, max(math.ceil(ratio * ratio * (window - 1)), math.ceil((window - 1) / 16)))
+    share = math.ceil(ratio * tokens)
+    freed = max(math.ceil(ratio * held) - min(held, sliding), 0) * sliding_layers
+    return min(sliding, held), min(share + freed // full_layers, tokens)
+
+
+@pytest.mark.parametrize("budgets", ["head", "layer", "uniform", "token"])
+@pytest.mark.parametrize("ratio,tokens", [(0.25, 40), (0.5, 40), (0.5, 9), (0.125, 60), (0.9, 40)])
+def test_a_plain_kvzip_ratio_gives_the_full_layers_what_the_sliding_layers_give_up(budgets, ratio, tokens):
+    """The cache still holds the ratio of its uncompressed pairs (to rounding), more of them in the full layer."""
+    from hf_kvcompress.study import promised_bytes
+
+    model = _model(HYBRID)
+    spec = f"kvzip:ratio={ratio}" + ("" if budgets == "head" else f",budgets={budgets}")
+    cache = make_cache(spec, model.config)
+    assert cache.spec == spec
+    ids = torch.randint(3, 128, (1, tokens), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    sliding, full = _planned(ratio, tokens)
+    assert [layer.stored_tokens for layer in cache.layers] == [sliding, sliding, full]
+    uncompressed = 2 * min(tokens, WINDOW - 1) + tokens
+    assert 2 * sliding + full <= max(math.ceil(ratio * uncompressed) + 2, 2 * sliding + math.ceil(ratio * tokens))
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    if budgets != "head":  # a per-head store's estimate is bounded, not exact (tests/test_study_bytes.py)
+        # the estimate leaves out each layer's bookkeeping, and the full layer's budget shift ([1] int64)
+        assert promised_bytes(spec, model.config, tokens, 4) == cache.promised_kv_bytes() - 3 * 2 * 8 - 8
+
+
+def test_the_planned_share_holds_while_decoding_and_an_explicit_sliding_keeps_the_plain_share():
+    model = _model(HYBRID)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(7))
+    planned = make_cache("kvzip:ratio=0.5,budgets=uniform", model.config)
+    explicit = make_cache("kvzip:ratio=0.5,budgets=uniform,sliding=4", model.config)
+    for cache in (planned, explicit):
+        with torch.inference_mode():
+            prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=REPEAT)
+            model.generate(input_ids=ids, cache=cache, max_new_tokens=6, do_sample=False)
+    seen = 39 + 1 + 5  # the prompt, its last token fed by generate, five decoded tokens (the sixth is not fed)
+    _, full = _planned(0.5, 39)
+    extra = full - math.ceil(0.5 * 39)
+    assert [layer.stored_tokens for layer in planned.layers] == [4, 4, math.ceil(0.5 * seen) + extra]
+    assert [layer.stored_tokens for layer in explicit.layers] == [4, 4, math.ceil(0.5 * seen)]
 
 
 @pytest.mark.parametrize("spec", ["dynamic", "int4:residual_length=0,group_size=8",
@@ -168,7 +217,8 @@ def test_a_kvzip_budget_under_the_window_and_above_prompt_and_answer_evicts_noth
 
 @pytest.mark.parametrize("spec", ["dynamic:sliding=2", "kvzip:ratio=0.5,sliding=3",
                                   "h2o:ratio=0.5,recent=2,sliding=4+int8",
-                                  "int4:residual_length=0,group_size=8,key_axis=token", "kvzip:ratio=0.25+int8"])
+                                  "int4:residual_length=0,group_size=8,key_axis=token", "kvzip:ratio=0.25+int8",
+                                  "kvzip:ratio=0.5", "kvzip:ratio=0.5,budgets=token", "kvzip:ratio=0.5,budgets=layer"])
 def test_padded_batch_with_shrunk_sliding_layers_matches_rows_alone(spec):
     from .test_contract import _greedy
 
