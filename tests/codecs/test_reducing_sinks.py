@@ -40,12 +40,13 @@ def reduction(request, lowrank):
 
 
 def test_the_sink_count_is_the_storages():
+    # exact_sinks: what the cache keeps exact (shared_heads:ratio= and lowrank have their own field besides)
     for storage in ("int4", "int3", "int2"):
         for reducing in ("shared_heads", "lowrank", "lowrank+shared_heads"):
-            assert parse_spec(f"{reducing}+{storage}")[1].sink_tokens == parse_spec(storage)[1].sink_tokens == 4
-    assert parse_spec("shared_heads+int4:sink_tokens=2")[1].sink_tokens == 2
-    assert parse_spec("shared_heads+int4:sink_tokens=0")[1].sink_tokens == 0
-    assert parse_spec("shared_heads+int8")[1].sink_tokens == parse_spec("shared_heads")[1].sink_tokens == 0
+            assert parse_spec(f"{reducing}+{storage}")[1].exact_sinks == parse_spec(storage)[1].exact_sinks == 4
+    assert parse_spec("shared_heads+int4:sink_tokens=2")[1].exact_sinks == 2
+    assert parse_spec("shared_heads+int4:sink_tokens=0")[1].exact_sinks == 0
+    assert parse_spec("shared_heads+int8")[1].exact_sinks == parse_spec("shared_heads")[1].exact_sinks == 0
 
 
 def test_the_first_real_tokens_decode_exactly_and_the_rest_do_not(llama, reduction):
