@@ -40,6 +40,16 @@ def tiny_model(name: str):
     return model
 
 
+def calibration_model(family: str):
+    """`tiny_model(family)` on the package's attention, named `tiny-<family>`: calibration files record the
+    model's name and are refused for another, so each family's tests fit and load under their own name."""
+    from hf_kvcompress import use_kvcompress_attention
+
+    model = use_kvcompress_attention(tiny_model(family))
+    model.config._name_or_path = f"tiny-{family}"
+    return model
+
+
 def left_padded_prompts(seed=0, lengths=(5, 13, 9)):
     """Random prompts of `lengths` tokens: (the rows alone, [B, T] left-padded ids, their attention mask)."""
     g = torch.Generator().manual_seed(seed)

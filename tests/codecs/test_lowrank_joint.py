@@ -6,20 +6,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvcompress import CompressedCache, make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress import CompressedCache, make_cache, measured_kv_bytes
 from hf_kvcompress.calibration import JOINT, calibrate_joint, concatenated, load_bases, save_bases
 from hf_kvcompress.codecs.lowrank import LowRankCodec, allocate_ranks
 from hf_kvcompress.generation import generate
 from hf_kvcompress.ops.rerotate import rerotate
 from hf_kvcompress.study import promised_bytes
 
-from ..caches.tiny_models import left_padded_prompts, tiny_model
-
-
-def _model(family):
-    model = use_kvcompress_attention(tiny_model(family))
-    model.config._name_or_path = f"tiny-{family}"
-    return model
+from ..caches.tiny_models import calibration_model, left_padded_prompts, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +22,7 @@ def fitted(tmp_path_factory):
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
     out = {}
     for family in ("llama", "gemma3"):
-        model = _model(family)
+        model = calibration_model(family)
         tensors, metadata, report = calibrate_joint(model, ids, text="random ids")
         assert metadata["heads"] == JOINT and metadata["keys"] == "pre_rope" and len(report) == len(model.model.layers)
         out[family] = model, save_bases(tensors, metadata, tmp_path_factory.mktemp(family)).parent
@@ -156,7 +150,7 @@ def test_bases_are_refused_for_another_model_and_bad_input(fitted):
 def test_per_head_bases_refuse_a_ratio(tmp_path):
     from hf_kvcompress.calibration import calibrate
 
-    model = _model("llama")
+    model = calibration_model("llama")
     ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(0))
     tensors, metadata, _ = calibrate(model, ids, max_rank=16, text="random ids")
     bases = save_bases(tensors, metadata, tmp_path).parent

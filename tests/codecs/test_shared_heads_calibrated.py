@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress import make_cache, measured_kv_bytes
 from hf_kvcompress.calibration import (
     calibrate_sharing,
     layer_states,
@@ -19,21 +19,15 @@ from hf_kvcompress.codecs.shared_heads import SharedHeadsCodec, allocate_levels
 from hf_kvcompress.generation import generate
 from hf_kvcompress.ops.rerotate import rerotate
 
-from ..caches.tiny_models import left_padded_prompts, tiny_model
+from ..caches.tiny_models import calibration_model, left_padded_prompts, tiny_model
 
 IDS = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
-
-
-def _model(family):
-    model = use_kvcompress_attention(tiny_model(family))
-    model.config._name_or_path = f"tiny-{family}"
-    return model
 
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
     """(tiny llama with 2 KV heads, its maps' directory)."""
-    model = _model("llama")
+    model = calibration_model("llama")
     tensors, metadata, report = calibrate_sharing(model, IDS, text="random ids")
     assert len(report) == 2 and len(report[0]["key"]) == 1  # 2 heads: one level per layer and kind
     return model, save_sharing(tensors, metadata, tmp_path_factory.mktemp("sharing")).parent
@@ -158,7 +152,7 @@ def test_bad_input_names_the_parameter(fitted, tmp_path):
     with pytest.raises(ValueError, match="model='tiny-llama'"):
         make_cache(f"shared_heads:ratio=0.5,maps={maps}", other)
     with pytest.raises(ValueError, match="at least two KV heads"):
-        calibrate_sharing(_model("mistral"), IDS[:, :20])
+        calibrate_sharing(calibration_model("mistral"), IDS[:, :20])
     assert SharedHeadsCodec(ratio=0.5).sink_tokens == 4 and SharedHeadsCodec().sink_tokens == 0
 
 
