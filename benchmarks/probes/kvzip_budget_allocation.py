@@ -67,6 +67,18 @@ def masked_attention(module, query, key, value, attention_mask, scaling=None, dr
     return kvcompress_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
+def masked_model(name: str):
+    """(model, tokenizer) of `name` on the package's attention, scoring with `masked_attention`: the probes'
+    allocations mask pairs out instead of evicting them, so one prefill serves every allocation tried."""
+    model, tok = load_model(name)
+    use_kvcompress_attention(model)
+    register()
+    AttentionInterface.register("kvzip_masked", masked_attention)
+    AttentionMaskInterface.register("kvzip_masked", sdpa_mask)
+    model.set_attn_implementation("kvzip_masked")
+    return model, tok
+
+
 def allocate(scores: dict[int, torch.Tensor], ratio: float, sinks: int, how: str) -> dict[int, torch.Tensor]:
     """Kept-pair masks [1, H, T] per layer, the same total (ratio x pairs) for every allocation."""
     T = next(iter(scores.values())).shape[-1]
@@ -135,12 +147,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 
-    model, tok = load_model(args.model)
-    use_kvcompress_attention(model)
-    register()
-    AttentionInterface.register("kvzip_masked", masked_attention)
-    AttentionMaskInterface.register("kvzip_masked", sdpa_mask)
-    model.set_attn_implementation("kvzip_masked")
+    model, tok = masked_model(args.model)
     repeat = repeat_prompt_ids(tok)
     rows = [dict(r) for r in build_samples(tok, [args.task], args.lengths, args.depths,
                                            samples_per_cell=args.samples, seed=0)]

@@ -38,13 +38,10 @@ from collections import defaultdict
 
 import kvzip_budget_allocation as kba
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from hf_kvcompress import load_model, make_cache, prefill, repeat_prompt_ids, use_kvcompress_attention
+from hf_kvcompress import make_cache, prefill, repeat_prompt_ids
 from hf_kvcompress.eval.prompts import encode
 from hf_kvcompress.eval.tasks import band_of, build_samples
-from hf_kvcompress.hf.attention import register
 from hf_kvcompress.hf.compat import text_config
 from hf_kvcompress.policies.kvzip import best_ahead
 
@@ -123,12 +120,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     args.sliding_tried = [S for S in args.sliding if not (args.skip_whole and S == max(args.sliding))]
 
-    model, tok = load_model(args.model)
-    use_kvcompress_attention(model)
-    register()
-    AttentionInterface.register("kvzip_masked", kba.masked_attention)
-    AttentionMaskInterface.register("kvzip_masked", sdpa_mask)
-    model.set_attn_implementation("kvzip_masked")
+    model, tok = kba.masked_model(args.model)
     decoder = text_config(model.config)
     types = decoder.layer_types
     window = decoder.sliding_window

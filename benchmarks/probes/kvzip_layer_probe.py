@@ -36,13 +36,10 @@ import os
 import kvzip_budget_allocation as kba
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from hf_kvcompress import load_model, make_cache, prefill, repeat_prompt_ids, use_kvcompress_attention
+from hf_kvcompress import make_cache, prefill, repeat_prompt_ids
 from hf_kvcompress.eval.prompts import encode
 from hf_kvcompress.eval.tasks import build_samples
-from hf_kvcompress.hf.attention import register
 
 
 def masks_for(variant: str, scores: dict, ratio: float, needle: slice | None) -> dict:
@@ -102,12 +99,7 @@ def main():
     parser.add_argument("--variants", nargs="+", default=["global", "head"])
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    model, tok = load_model(args.model)
-    use_kvcompress_attention(model)
-    register()
-    AttentionInterface.register("kvzip_masked", kba.masked_attention)
-    AttentionMaskInterface.register("kvzip_masked", sdpa_mask)
-    model.set_attn_implementation("kvzip_masked")
+    model, tok = kba.masked_model(args.model)
     repeat = repeat_prompt_ids(tok)
     tally: dict[str, list[bool]] = {}
     samples = build_samples(tok, ["needle"], [args.length], args.depths, samples_per_cell=args.samples, seed=0)
