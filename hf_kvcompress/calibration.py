@@ -229,6 +229,17 @@ def check_fitted_for(metadata: dict[str, str], config, what: str, command: str) 
             )
 
 
+def ridge(x: torch.Tensor, y: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least squares with an L2 term on the weights (not the bias), closed form, in float64:
+    argmin_{W, b} ||x W + b - y||^2 + alpha ||W||^2. x [N, d], y [N, k] -> (W [d, k], b [k])."""
+    x, y = x.double(), y.double()
+    mean_x, mean_y = x.mean(0), y.mean(0)
+    xc, yc = x - mean_x, y - mean_y
+    gram = xc.T @ xc + alpha * torch.eye(x.shape[1], dtype=x.dtype)
+    weight = torch.linalg.solve(gram, xc.T @ yc)
+    return weight, mean_y - mean_x @ weight
+
+
 # -- head sharing (`shared_heads:ratio=`) ---------------------------------------------------------------------------
 
 SHARING_FILE = "shared_heads.safetensors"
@@ -237,16 +248,13 @@ SHARING_FORMAT = "hf-kvcompress-shared-heads-1"
 
 def least_squares(targets: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """targets [N, m], inputs [N, k] -> (map [m, k], bias [m], mean squared residual [m]) of the affine least-squares
-    fit targets ~ inputs @ map.T + bias (a ridge of 1e-6 of the inputs' mean variance keeps it defined when two
-    inputs are collinear)."""
+    fit targets ~ inputs @ map.T + bias (`ridge` with a strength of 1e-6 of the inputs' mean variance, which keeps it
+    defined when two inputs are collinear)."""
     x, y = inputs.double(), targets.double()
-    x_mean, y_mean = x.mean(0), y.mean(0)
-    xc, yc = x - x_mean, y - y_mean
-    gram = xc.T @ xc
-    ridge = 1e-6 * float(gram.diagonal().mean().clamp(min=1e-30))
-    weights = torch.linalg.solve(gram + ridge * torch.eye(gram.shape[0], dtype=gram.dtype), xc.T @ yc).T
-    residual = ((yc - xc @ weights.T) ** 2).mean(0)
-    return weights, y_mean - weights @ x_mean, residual
+    xc = x - x.mean(0)
+    weights, bias = ridge(x, y, 1e-6 * float((xc * xc).sum(0).mean().clamp(min=1e-30)))
+    residual = ((y - (x @ weights + bias)) ** 2).mean(0)
+    return weights.T, bias, residual
 
 
 def sharing_levels(states: torch.Tensor) -> list[dict[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .caches.compressed import CompressedCache
-from .calibration import model_identity
+from .calibration import model_identity, ridge
 from .eval.data import book_words
 from .eval.prompts import render
 from .generation import prefill, repeat_prompt_ids
@@ -84,17 +84,6 @@ def kvzip_targets(
         i: _scores(cache.layers[i].slots.accumulated)[0].T.float().clamp(min=SCORE_FLOOR).log().cpu() for i in layers
     }
     return hidden, targets
-
-
-def ridge(x: torch.Tensor, y: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Least squares with an L2 term on the weights (not the bias), closed form, in float64:
-    argmin_{W, b} ||x W + b - y||^2 + alpha ||W||^2. x [N, d], y [N, k] -> (W [d, k], b [k])."""
-    x, y = x.double(), y.double()
-    mean_x, mean_y = x.mean(0), y.mean(0)
-    xc, yc = x - mean_x, y - mean_y
-    gram = xc.T @ xc + alpha * torch.eye(x.shape[1], dtype=x.dtype)
-    weight = torch.linalg.solve(gram, xc.T @ yc)
-    return weight, mean_y - mean_x @ weight
 
 
 def r_squared(predicted: torch.Tensor, target: torch.Tensor) -> float:

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress.calibration import ridge
 from hf_kvcompress.generation import generate, prefill
 from hf_kvcompress.hf.hidden_states import attention_modules
 from hf_kvcompress.policies.kvzap import KVzapPolicy
@@ -19,7 +20,6 @@ from hf_kvcompress.probe_calibration import (
     full_attention_layers,
     kvzip_targets,
     r_squared,
-    ridge,
     spearman,
 )
 from hf_kvcompress.probes import PROBE_FORMAT, load_probes, save_probe
