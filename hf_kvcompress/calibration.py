@@ -202,16 +202,23 @@ def calibration_file(source: str | os.PathLike | None, config, *, file_name: str
     return path
 
 
+def read_calibration(path: Path, file_format: str, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of the safetensors calibration file `path`, refused unless its metadata names
+    `file_format` (`what`: the kind of file, for the error)."""
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    if metadata.get("format") != file_format:
+        raise ValueError(f"{path} is not an hf-kvcompress {what} file")
+    return tensors, metadata
+
+
 def load_bases(source: str | os.PathLike | None, config) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read bases for `config`'s model from `source` (a file or a directory holding one; None: the packaged ones),
     refusing bases fitted on another model or shape."""
     path = calibration_file(source, config, file_name=BASES_FILE, packaged_suffix=".safetensors",
                             spec_param="lowrank:bases", what="low-rank bases", command="hf-kvcompress calibrate")
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an hf-kvcompress low-rank bases file")
+    tensors, metadata = read_calibration(path, FORMAT, "low-rank bases")
     check_fitted_for(metadata, config, f"the bases in {path}", "hf-kvcompress calibrate --model M --out DIR")
     return tensors, metadata
 
@@ -334,11 +341,7 @@ def load_sharing(source: str | os.PathLike | None, config) -> tuple[dict[str, to
     path = calibration_file(source, config, file_name=SHARING_FILE, packaged_suffix=".shared_heads.safetensors",
                             spec_param="shared_heads:maps", what="head-sharing maps",
                             command="hf-kvcompress calibrate --sharing")
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    if metadata.get("format") != SHARING_FORMAT:
-        raise ValueError(f"{path} is not an hf-kvcompress head-sharing file")
+    tensors, metadata = read_calibration(path, SHARING_FORMAT, "head-sharing")
     check_fitted_for(metadata, config, f"the head-sharing maps in {path}",
                      "hf-kvcompress calibrate --sharing --model M --out DIR")
     return tensors, metadata

@@ -14,10 +14,9 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .calibration import calibration_file, model_identity
+from .calibration import calibration_file, model_identity, read_calibration
 from .hf.compat import text_config
 
 PROBE_FILE = "kvzap_probe.safetensors"
@@ -75,11 +74,7 @@ def load_probes(source: str | os.PathLike | None, config) -> dict[int, LinearPro
 
 @lru_cache(maxsize=8)
 def _read(path: str, expected: tuple[tuple[str, str], ...]) -> dict[int, LinearProbe]:
-    with safe_open(path, framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    if metadata.get("format") != PROBE_FORMAT:
-        raise ValueError(f"{path} is not an hf-kvcompress KVzap probe file")
+    tensors, metadata = read_calibration(Path(path), PROBE_FORMAT, "KVzap probe")
     for key, value in expected:
         if metadata.get(key) != value:
             raise ValueError(
