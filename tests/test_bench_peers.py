@@ -166,3 +166,19 @@ def test_peer_worker_counts_hqq_tensors_and_their_scales(tiny_model):
     pytest.importorskip("hqq", reason="hqq is a peer's library, not installed in this venv")
     hqq = _measure(tiny_model, "hqq-int2")
     assert ELEMENTS // 4 < hqq["kv_bytes"] < 4 * ELEMENTS // 2
+
+
+def test_the_cpu_kernel_is_built_once_per_checkout_before_any_worker_is_timed(monkeypatch, capsys):
+    calls = []
+
+    def fake_run(command, capture_output, text, env):
+        calls.append((command, env.get("PYTHONPATH", "")))
+        return subprocess.CompletedProcess(command, 0, stdout="True\n", stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    rows = bench.plan_rows(["dynamic", "int4 @/tmp/before", "int4", "int2 @/tmp/before"], [])
+    bench.build_kernels(rows)
+    assert len(calls) == 2  # our checkout and /tmp/before, each once
+    assert all("cpu_decode.available()" in command[-1] for command, _ in calls)
+    assert sum(path.startswith("/tmp/before") for _, path in calls) == 1  # the other checkout first on its path
+    assert "CPU decode kernel of /tmp/before: built" in capsys.readouterr().out

@@ -133,6 +133,21 @@ def _dtype(args) -> str:
     return getattr(args, "dtype", "float32")
 
 
+def build_kernels(rows: list[Row]) -> None:
+    """Build the CPU decode kernel of every checkout the rows run (ours, and each --compare-code DIR) before any
+    worker runs: it is compiled on first use (about 40 s) and cached across processes, so without this the first
+    worker that reads a quantized store would time the compile as decode on a fresh clone."""
+    codes = sorted({row.label.partition(" @")[2] for row in rows if row.env == "ours"})
+    for code in codes:
+        env = dict(os.environ)
+        if code:
+            env["PYTHONPATH"] = os.pathsep.join([code, env.get("PYTHONPATH", "")])
+        check = "from hf_kvcompress.ops import cpu_decode; print(cpu_decode.available())"
+        done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env)
+        built = done.stdout.strip().splitlines()[-1:] == ["True"]
+        print(f"CPU decode kernel{' of ' + code if code else ''}: {'built' if built else 'not available'}", flush=True)
+
+
 def _run_worker(args, row: Row, length: int, batch: int) -> dict:
     if row.env == "ours":
         spec, _, code = row.label.partition(" @")
@@ -346,6 +361,7 @@ def main() -> None:
             python, failed = prepare(env, Path(getattr(args, f"{env}_venv")), out / "peers-pip.log")
             args.peer_python[env] = python
             unavailable.update({(f"dynamic@{env}" if name == "dynamic" else name): why for name, why in failed.items()})
+    build_kernels(rows)
     started = time.time()
     results, sections = {}, []
     for dtype in [d for d in args.dtypes.split(",") if d]:

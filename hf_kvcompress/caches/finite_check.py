@@ -19,6 +19,16 @@ FINITE_CHECK_EVERY = 64
 NON_FINITE = NON_FINITE.format(every=FINITE_CHECK_EVERY)
 
 
+def all_finite(*states: torch.Tensor) -> torch.Tensor:
+    """Whether every element of `states` is finite, as a device bool: the extremes are finite exactly when every
+    element is (aminmax propagates NaN, and an inf is an extreme). One pass per tensor, about a tenth of
+    `isfinite().all()` on CPU, and five ops for a decode step's keys and values together."""
+    extremes = [torch.stack(torch.aminmax(s)) for s in states if s.numel()]
+    if not extremes:
+        return torch.ones((), dtype=torch.bool, device=states[0].device)
+    return torch.cat(extremes).isfinite().all()
+
+
 class FiniteCheck:
     """A layer's NaN/inf check: `finite`, the device flag of the decode steps since the last read, and
     `unchecked_steps`, their number."""
@@ -31,7 +41,7 @@ class FiniteCheck:
         """Refuse NaN/inf states: a prompt at once, decode steps every `FINITE_CHECK_EVERY` steps (see above)."""
         if key_states.element_size() == 1:  # float8 states: no inf, and NaN checks are not implemented for them
             return
-        finite = key_states.isfinite().all() & value_states.isfinite().all()
+        finite = all_finite(key_states, value_states)
         if key_states.shape[-2] == 1:
             self.finite = finite if self.finite is None else self.finite & finite
             self.unchecked_steps += 1

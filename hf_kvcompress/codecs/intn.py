@@ -81,8 +81,8 @@ def _quantize(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[torch.Tensor
     """
     levels = (1 << bits) - 1
     x = x.float()
-    lo = _bf16_directed(x.amin(dim=reduce_dim, keepdim=True), up=False)
-    hi = x.amax(dim=reduce_dim, keepdim=True)
+    low, hi = torch.aminmax(x, dim=reduce_dim, keepdim=True)  # one pass, the same values as amin and amax
+    lo = _bf16_directed(low, up=False)
     scale = _bf16_directed(((hi - lo.float()) / levels).clamp(min=_TINY), up=True)
     codes = ((x - lo.float()) / scale.float()).round().clamp(0, levels)
     return codes, scale, lo

@@ -22,18 +22,27 @@ def power_of_two_blocks(dim: int) -> tuple[int, ...]:
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal fast Walsh-Hadamard transform along the last axis (a power of two); its own inverse."""
+    """Orthonormal fast Walsh-Hadamard transform along the last axis (a power of two); its own inverse.
+
+    The butterflies run on the transposed rows ([D, rows]), in place: each stage pairs whole contiguous rows instead
+    of interleaved elements, which on CPU costs a quarter of the interleaved form at 1k tokens. The additions are the
+    same, in the same order, so every element is bit for bit what the textbook form gives, whatever the number of rows
+    (elementwise ops do not depend on the shape, unlike a matmul)."""
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"the last axis must be a power of two, got {n}")
     lead = x.shape[:-1]
+    rows = x.reshape(-1, n).t().clone(memory_format=torch.contiguous_format)  # [n, rows]: always a copy (x is never
+    # written; `contiguous()` would return a view of a single row)
     h = 1
     while h < n:
-        pairs = x.reshape(*lead, n // (2 * h), 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        x = torch.stack([a + b, a - b], dim=-2).reshape(*lead, n)
+        pairs = rows.view(n // (2 * h), 2, h, -1)
+        a, b = pairs[:, 0], pairs[:, 1]
+        first = a.clone()
+        a.add_(b)  # a + b
+        torch.sub(first, b, out=b)  # a - b
         h *= 2
-    return x / math.sqrt(n)
+    return rows.div_(math.sqrt(n)).t().reshape(*lead, n)
 
 
 @lru_cache(maxsize=256)

@@ -21,6 +21,29 @@ def test_fwht_equals_the_hadamard_matrix(n):
     assert torch.allclose(fwht(x), x @ _sylvester(n).double(), atol=1e-12)
 
 
+def _interleaved_fwht(x):
+    """The textbook butterflies on interleaved elements, the form `fwht` computed before it ran transposed."""
+    n, lead, h = x.shape[-1], x.shape[:-1], 1
+    while h < n:
+        pairs = x.reshape(*lead, n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2).reshape(*lead, n)
+        h *= 2
+    return x / math.sqrt(n)
+
+
+@pytest.mark.parametrize("shape", [(64,), (1, 64), (3, 17, 64), (2, 3, 1000, 32), (1, 3, 5, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fwht_is_bit_for_bit_the_interleaved_form_and_leaves_its_input_alone(shape, dtype):
+    x = torch.randn(shape, dtype=dtype)
+    before = x.clone()
+    out = fwht(x)
+    assert out.shape == x.shape and torch.equal(out, _interleaved_fwht(x))
+    assert torch.equal(x, before)
+    # A row's result does not depend on the rows beside it (what batch rows equal to rows alone rely on).
+    assert torch.equal(fwht(x.reshape(-1, shape[-1])[:1]), out.reshape(-1, shape[-1])[:1])
+
+
 @pytest.mark.parametrize("dim", [64, 256, 96, 80, 72, 33])
 def test_rotation_is_orthogonal_and_inverted_exactly(dim):
     matrix = rotate(torch.eye(dim), seed=3)  # row i = e_i rotated, so this is the rotation matrix
