@@ -73,7 +73,8 @@ def pair_bytes(layer, codec_sinks: int, dtype: torch.dtype) -> torch.Tensor:
     precision, each with its score; a codec sink at full precision beside the pairs, without one. Padding: 0."""
     codec = layer.codec
     element = torch.empty((), dtype=dtype).element_size()
-    encoded = codec.bytes_per_token(layer.head_dim, "key", dtype) + codec.bytes_per_token(layer.value_dim, "value", dtype)
+    encoded = (codec.bytes_per_token(layer.head_dim, "key", dtype)
+               + codec.bytes_per_token(layer.value_dim, "value", dtype))
     exact = (layer.head_dim + layer.value_dim) * element
     length = layer.stored_tokens
     slot = torch.arange(length, device=layer.device)
