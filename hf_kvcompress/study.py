@@ -107,6 +107,9 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     it (codec rates, scales, the full-precision residual and sinks; tokens kept as `kept_tokens`), without running
     the model, with values of `model_bytes` bytes; tested against measured (tests/test_study_bytes.py)."""
     policy, codec = parse_spec(spec)
+    share = getattr(policy, "bytes", None)
+    if share is not None:  # KVzip's bytes=: the ranking spends that share of the uncompressed bytes (plan.py)
+        return share * promised_bytes("dynamic", config, tokens, model_bytes)
     shape = kv_shape_from_config(config)
     dtype = {4: torch.float32, 2: torch.bfloat16}.get(int(model_bytes), torch.float32)
     windows = shape.windows or (None,) * shape.layers

@@ -15,8 +15,9 @@ from ..hf.compat import ASSISTED_CONTINUES_CACHE, ASSISTED_REFEEDS_PROMPT
 from ..policies.base import Policy
 from ..policies.keep_all import KeepAllPolicy
 from .head_ranking import head_budget_keep
+from .head_store import head_store_counts
 from .layer import CompressedLayer
-from .plan import LayerPlan, SlidingShare, cache_codec, check_without_config, plan_layers, unplanned_layer
+from .plan import ByteTarget, LayerPlan, SlidingShare, cache_codec, check_without_config, plan_layers, unplanned_layer
 from .requests import attention_kwargs, makes_requests
 from .token_ranking import share_token_scores
 
@@ -120,6 +121,7 @@ class CompressedCache(Cache):
         # What a hybrid model's sliding layers give up to the full-attention ones (plan.py), applied when the pass
         # ranks them; None without a config or a planned share.
         self.sliding_share: SlidingShare | None = None
+        self.byte_target: ByteTarget | None = None  # KVzip's bytes=: what the ranking may spend (plan.py)
         if config is None:
             check_without_config(self.policy, rerotate)
             # transformers only calls `layer_class_to_replicate()`: a factory that numbers the layers serves.
@@ -131,6 +133,7 @@ class CompressedCache(Cache):
         super().__init__(layers=[layer_from_plan(plan) for plan in plans])
         self.num_layers = len(plans)
         self.sliding_share = next((plan.sliding_share for plan in plans if plan.sliding_share is not None), None)
+        self.byte_target = next((plan.byte_target for plan in plans if plan.byte_target is not None), None)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self._claim_for_this_thread(layer_idx)
@@ -230,7 +233,7 @@ class CompressedCache(Cache):
         extra = self._sliding_extra(scored)
         if budgets == "head" and scored:
             sinks = 0 if self.codec.lossless else self.codec.exact_sinks
-            keeps = head_budget_keep(self.policy, scored, sinks, extra=extra)
+            keeps = head_budget_keep(self.policy, scored, sinks, extra=extra, spend=self._spendable(scored, sinks))
             for layer, (priority, keep) in zip(scored, keeps, strict=True):
                 layer.rank_heads(priority, keep)
         elif budgets == "layer" and len(scored) > 1:
@@ -253,6 +256,19 @@ class CompressedCache(Cache):
             return None
         real_seen = scored[0].padding.real_seen
         return self.sliding_share.extra(real_seen, self.policy.held_per_row(real_seen))
+
+    def _spendable(self, scored: list, sinks: int) -> tuple[torch.Tensor, torch.dtype] | None:
+        """([B] bytes the ranked layers' pairs may take, the dtype they are counted in) under KVzip's `bytes=`
+        (plan.py `ByteTarget`): the target less what the other layers hold now (the sliding layers have kept their
+        newest tokens; a batch's rows are charged an equal share) and the ranked layers' per-row counts."""
+        target = self.byte_target
+        if target is None:
+            return None
+        real_seen = scored[0].padding.real_seen
+        batch = real_seen.shape[0]
+        others = sum(layer.promised_bytes(target.served) for layer in self.layers if layer not in scored)
+        counts = sum(head_store_counts(layer.kv_heads, sinks) for layer in scored)
+        return target.spendable(real_seen, torch.full_like(real_seen, others // batch + counts)), target.served
 
     def promised_kv_bytes(self, dtype: torch.dtype | None = None) -> int:
         """What the method promises to hold now, computed from what each layer keeps (see `measured_kv_bytes`);

@@ -15,17 +15,20 @@ import torch
 from ..policies.base import Policy, ranked_first, slot_priority
 
 RECENT_SCORE = 1.5  # attention probabilities are at most 1; tokens after the ranking score 2 and more
+SCORE_BYTES = 4  # each pair a head store keeps carries its float32 score (head_store.py `RaggedHeads`)
 
 
 def head_budget_keep(
-    policy: Policy, layers: list, codec_sinks: int = 0, extra: torch.Tensor | None = None
+    policy: Policy, layers: list, codec_sinks: int = 0, extra: torch.Tensor | None = None,
+    spend: tuple[torch.Tensor, torch.dtype] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer: (priority [B, H, T] with protected pairs at +inf and padding at -inf, keep [B, H, T] bool).
 
     The policy's sinks and the codec's (`codec_sinks` first real tokens, kept exact beside the store) are
     protected. Each row keeps `(policy.kept_per_row(real tokens) + extra) x heads x layers` pairs in all (fewer when
     it has fewer real pairs; `extra` [B]: what a hybrid model's sliding layers gave up, plan.py `SlidingShare`);
-    ties go to the pair ranked first (lower layer, head, token)."""
+    ties go to the pair ranked first (lower layer, head, token). `spend` ([B] bytes, dtype; KVzip's `bytes=`, plan.py
+    `ByteTarget`): instead, each row keeps its best pairs while their bytes in that dtype (`pair_bytes`) fit."""
     priorities, chosen_by, newest = [], [], []
     for layer in layers:
         length = layer.stored_tokens
@@ -44,8 +47,12 @@ def head_budget_keep(
     # Sums of one tensor per layer (at least one): tensors. [B] real pairs of the row; [B] sinks: never evicted.
     real = cast(torch.Tensor, sum((p > float("-inf")).flatten(1).sum(1) for p in priorities))
     protected = cast(torch.Tensor, sum((p == float("inf")).flatten(1).sum(1) for p in priorities))
-    per_head = policy.kept_per_row(layers[0].padding.real_seen)
-    wanted = (per_head if extra is None else per_head + extra) * heads * len(layers)
+    if spend is None:
+        per_head = policy.kept_per_row(layers[0].padding.real_seen)
+        wanted = (per_head if extra is None else per_head + extra) * heads * len(layers)
+    else:
+        costs = torch.cat([pair_bytes(layer, codec_sinks, spend[1]).flatten(1) for layer in layers], dim=1)
+        wanted = affordable(flat, costs, spend[0])
     total = torch.minimum(torch.maximum(wanted, protected), real)
     keep = ranked_first(flat, total[:, None])
     out, start = [], 0
@@ -57,6 +64,34 @@ def head_budget_keep(
         out.append((chosen.masked_fill(recent[:, None, :], RECENT_SCORE), layer_keep))
         start += size
     return out
+
+
+def pair_bytes(layer, codec_sinks: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, H, T]: the bytes in `dtype` each of a token layer's slots takes once a head store keeps it
+    (head_store.py `promised_bytes`): a slot the token store has encoded (every slot under a lossless codec, whose
+    store is its encoding) at the codec's rate, one still within the codec's full-precision residual at full
+    precision, each with its score; a codec sink at full precision beside the pairs, without one. Padding: 0."""
+    codec = layer.codec
+    element = torch.empty((), dtype=dtype).element_size()
+    encoded = (codec.bytes_per_token(layer.head_dim, "key", dtype)
+               + codec.bytes_per_token(layer.value_dim, "value", dtype))
+    exact = (layer.head_dim + layer.value_dim) * element
+    length = layer.stored_tokens
+    slot = torch.arange(length, device=layer.device)
+    split = length if codec.lossless else layer.store.n_encoded
+    cost = torch.where(slot < split, encoded + SCORE_BYTES, exact + SCORE_BYTES).double()[None, :]
+    pads = layer.padding.pads[:, None]
+    cost = torch.where((slot[None, :] >= pads) & (slot[None, :] < pads + codec_sinks), float(exact), cost)
+    cost = cost.masked_fill(slot[None, :] < pads, 0.0)
+    return cost[:, None, :].expand(-1, layer.kv_heads, -1)
+
+
+def affordable(priority: torch.Tensor, costs: torch.Tensor, spend: torch.Tensor) -> torch.Tensor:
+    """[B]: how many of each row's best `priority` [B, N] pairs (ties: the first first, as `ranked_first`) fit in
+    `spend` [B] bytes, pair i taking `costs` [B, N]."""
+    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
+    spent = costs.gather(-1, order).cumsum(-1)
+    return (spent <= spend[:, None].double()).sum(-1)
 
 
 def _protected(policy: Policy, scores: torch.Tensor | None, layer, codec_sink: torch.Tensor) -> torch.Tensor:

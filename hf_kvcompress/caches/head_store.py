@@ -218,6 +218,13 @@ def evict_lowest_across(stores: list[RaggedHeads], count: list[int]) -> None:
         store.evict_lowest(n)
 
 
+def head_store_counts(kv_heads: int, sinks: int) -> int:
+    """Bytes per row of a head store's counts (`promised_bytes`) beside its pairs: an int64 length per KV head for
+    the encoded and for the exact pairs, the row's real_seen, allowance and share_then (int64), one flag per
+    codec sink (`sink_valid`). What KVzip's `bytes=` sets aside before buying pairs (plan.py `ByteTarget`)."""
+    return 2 * kv_heads * 8 + 3 * 8 + sinks
+
+
 def _select(encoded: Encoded, keep: torch.Tensor) -> Encoded:
     return {name: index_op(tensor, lambda t: t[keep].contiguous()) for name, tensor in encoded.items()}
 

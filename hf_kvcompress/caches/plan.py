@@ -6,7 +6,9 @@ Sliding-window layers keep transformers' window with the codec's own key groupin
 newest tokens; the policy applies to the full-attention layers. A plain ratio of a policy scored by KVzip's
 reconstruction pass plans how the hybrid model's pairs are shared (`SlidingShare`): the sliding layers keep fewer
 than the ratio's share of their window and the full-attention layers, where long-range retrieval happens, keep what
-they give up, so the whole cache still holds the ratio of its uncompressed pairs.
+they give up, so the whole cache still holds the ratio of its uncompressed pairs. KVzip's `bytes=B` (`ByteTarget`)
+shares the sliding layers the same way and gives the full-attention layers the pairs whose bytes fit in B of the
+uncompressed cache's bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..budget import served_dtype
 from ..codecs.base import Codec, resolve_for_model, resolve_for_policy
 from ..codecs.reducing import ReducingCodec
 from ..hf.compat import text_config
@@ -53,6 +56,7 @@ class LayerPlan:
     query_inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
     probe: object | None = field(default=None, compare=False, repr=False)  # KVzap's score probe (probes.py)
     sliding_share: SlidingShare | None = None  # full-attention layers: what the sliding layers give up to them
+    byte_target: ByteTarget | None = None  # full-attention layers under KVzip's bytes=: the bytes the cache holds
 
     @property
     def is_sliding(self) -> bool:
@@ -88,13 +92,61 @@ class SlidingShare:
         return torch.minimum(extra, real_seen - full_share).clamp(min=0)
 
 
+@dataclass(frozen=True)
+class ByteTarget:
+    """KVzip's `bytes=B`: the cache holds B of the bytes transformers' own cache would hold for the same tokens.
+
+    `served`: the dtype the bytes are counted in (the config's 16-bit dtype, else bfloat16; the eval counts the
+    same, `budget.served_dtype`). `token_bytes` and `held`, per decoder layer: the bytes one token's keys and
+    values take there uncompressed (KV heads x (head_dim + head_dim) x the served width) and the tokens
+    transformers' layer holds at most (a sliding layer's window - 1; None: every token). The sliding layers keep
+    their planned newest tokens (`sliding_kept`, planned as a ratio of B); at the ranking the full-attention layers
+    keep the best pairs whose bytes fit in what is left (`spendable`; caches/head_ranking.py counts each pair's)."""
+
+    share: float
+    served: torch.dtype
+    token_bytes: tuple[int, ...]
+    held: tuple[int | None, ...]
+
+    def uncompressed(self, real_seen: torch.Tensor) -> torch.Tensor:
+        """[B] bytes transformers' cache holds for rows that have seen `real_seen` [B] real tokens."""
+        total = torch.zeros_like(real_seen)
+        for size, held in zip(self.token_bytes, self.held, strict=True):
+            total = total + size * (real_seen if held is None else real_seen.clamp(max=held))
+        return total
+
+    def spendable(self, real_seen: torch.Tensor, spent: torch.Tensor) -> torch.Tensor:
+        """[B] bytes the ranked layers' pairs may take: B of the uncompressed bytes, less `spent` [B] (what the
+        other layers and the ranked layers' own counts hold), never below 0."""
+        return (torch.floor(self.uncompressed(real_seen).double() * self.share).long() - spent).clamp(min=0)
+
+
+def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[str, int]) -> ByteTarget | None:
+    """The `ByteTarget` of a policy with KVzip's `bytes=` (None for any other policy)."""
+    share = getattr(policy, "bytes", None)
+    if share is None:
+        return None
+    decoder = text_config(config)
+    head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
+    kv_heads = getattr(decoder, "num_key_value_heads", None) or decoder.num_attention_heads
+    served = getattr(torch, served_dtype(getattr(decoder, "dtype", None), getattr(config, "dtype", None))[0])
+    width = torch.empty((), dtype=served).element_size()
+    held = tuple(max(windows[t] - 1, 1) if t == "sliding_attention" else None for t in layer_types)
+    return ByteTarget(share, served, (kv_heads * 2 * head_dim * width,) * len(layer_types), held)
+
+
 def plans_sliding_share(policy: Policy, layer_types: list[str]) -> bool:
     """Whether `plan_layers` shares the pairs of `policy` between sliding and full-attention layers (`SlidingShare`):
     a ratio with no `sliding=` of a policy scored by KVzip's reconstruction pass (the pass is where the cache ranks
     every layer's pairs at once, compressed.py `end_reconstruction`), on a model with sliding_attention and
     full-attention layers."""
-    return (policy.scores_by_reconstruction and policy.ratio is not None and policy.sliding is None
+    return (policy.scores_by_reconstruction and planned_share(policy) is not None and policy.sliding is None
             and "sliding_attention" in layer_types and any(t not in SLIDING_LAYER_TYPES for t in layer_types))
+
+
+def planned_share(policy: Policy) -> float | None:
+    """The share a plan shares between sliding and full-attention layers: a ratio, or KVzip's `bytes`."""
+    return policy.ratio if policy.ratio is not None else getattr(policy, "bytes", None)
 
 
 def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = False) -> int | None:
@@ -110,7 +162,8 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     ratio r keeps r of its share, ceil(r x r x (window - 1)), but never fewer than SLIDING_FLOOR of the window (nor
     more than the share), and the full-attention layers what that gives up (`SlidingShare`): the sliding layers only
     attend locally and their tokens are not scored, while the pairs a full-attention layer needs to answer from far
-    back shrink more slowly than the ratio (chosen on Gemma-3-270M's development half, docs/results.md)."""
+    back shrink more slowly than the ratio (chosen on Gemma-3-270M's development half, docs/results.md). KVzip's
+    `bytes=B` keeps what a ratio of B keeps here (`planned_share`)."""
     if layer_type != "sliding_attention":
         return None
     whole = max(window - 1, 1)
@@ -118,10 +171,12 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
         kept = policy.sliding
     elif policy.budget is not None:
         kept = policy.budget
-    elif policy.ratio is not None:
-        kept = math.ceil(policy.ratio * whole)
+    elif planned_share(policy) is not None:
+        share = planned_share(policy)
+        assert share is not None  # just checked
+        kept = math.ceil(share * whole)
         if planned:
-            kept = min(kept, max(math.ceil(policy.ratio * policy.ratio * whole), math.ceil(SLIDING_FLOOR * whole)))
+            kept = min(kept, max(math.ceil(share * share * whole), math.ceil(SLIDING_FLOOR * whole)))
     else:
         return None
     return max(kept, 1) if kept < whole else None
@@ -190,6 +245,11 @@ def check_without_config(policy: Policy, rerotate: bool) -> None:
         )
     if policy.sliding is not None:
         raise ValueError("sliding= needs config=model.config: it applies to the model's sliding-window layers")
+    if getattr(policy, "bytes", None) is not None:
+        raise ValueError(
+            "bytes= needs config=model.config (make_cache(spec, model.config)): the share is of the bytes the "
+            "model's own cache would hold, read from its layers"
+        )
 
 
 def unplanned_layer(policy: Policy, codec: Codec, index: int) -> LayerPlan:
@@ -234,8 +294,9 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
             windows[kind] = window
     planned = share_sliding and plans_sliding_share(policy, layer_types)
     kept = {kind: sliding_kept(policy, kind, window, planned) for kind, window in windows.items()}
+    target = byte_target(policy, config, layer_types, windows)
     share = None
-    if planned and kept["sliding_attention"] is not None:
+    if planned and kept["sliding_attention"] is not None and target is None:
         assert policy.ratio is not None  # planned: a ratio
         share = SlidingShare(policy.ratio, kept["sliding_attention"], max(windows["sliding_attention"] - 1, 1),
                              layer_types.count("sliding_attention"),
@@ -263,5 +324,6 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
             if policy.needs_hidden_states and i not in probes:
                 raise ValueError(f"the KVzap probe for this model has no probe for layer {i} ({layer_type})")
             plans.append(LayerPlan(i, layer_type, policy, full_codec.for_layer(i), inv_freq=inv_freq,
-                                   query_inv_freq=query_inv_freq, probe=probes.get(i), sliding_share=share))
+                                   query_inv_freq=query_inv_freq, probe=probes.get(i), sliding_share=share,
+                                   byte_target=target))
     return plans

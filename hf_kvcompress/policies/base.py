@@ -133,8 +133,7 @@ def check_budget_or_ratio(policy, default_budget: int, floor: int) -> None:
             f"give either budget (tokens) or ratio (share of the tokens seen), not both: got {budget!r}, {ratio!r}"
         )
     if ratio is not None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1 or math.isnan(ratio):
-            raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
+        check_share("ratio", ratio)
         return
     if budget is None:
         object.__setattr__(policy, "budget", default_budget)
@@ -148,6 +147,12 @@ def check_kept_tokens(policy, default_budget: int = 512) -> None:
     check_count("recent", policy.recent)
     check_count("sink_tokens", policy.sink_tokens)
     check_budget_or_ratio(policy, default_budget, policy.recent + policy.sink_tokens)
+
+
+def check_share(name: str, value) -> None:
+    """Refuse a share (`ratio`, KVzip's `bytes`) that is not a number in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
 
 
 def check_count(name: str, value, minimum: int = 0) -> None:

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import Policy, check_count, check_kept_tokens
+from .base import Policy, check_count, check_kept_tokens, check_share
 
 BUDGETS = ("uniform", "layer", "head", "token")
 
@@ -30,7 +30,14 @@ class KVzipPolicy(Policy):
             (Gemma 3) a ratio without `sliding=` is the share of the whole cache's pairs: the sliding layers keep
             `ratio` of their share of the window and the full-attention layers the pairs that frees
             (caches/plan.py, `SlidingShare`).
-        sink_tokens: first tokens always kept (0 in KVzip).
+        bytes: share of the uncompressed cache's bytes kept, codec included, instead of `budget` or `ratio`
+            (`kvzip:bytes=0.25`, `kvzip:bytes=0.1+int4`): counted in the dtype the model is served in (its
+            config's 16-bit dtype, else bfloat16), against what transformers' own cache holds (a sliding layer its
+            window). The plan turns it into the pairs kept (caches/plan.py, `ByteTarget`): at the ranking, the
+            full-attention layers keep the best pairs whose bytes (the codec's rate, each pair's score, the
+            full-precision residual and sinks) fit in what the sliding layers leave. Tokens that arrive later
+            (questions, answers) are held to `bytes` of their pairs, as a ratio holds them: they are stored at full
+            precision. Needs `budgets="head"` (the ranking of every pair, where each pair's bytes are counted).
         recent: newest tokens always kept (0 in KVzip): the end of the document, whatever its score. 128 gained
             two of 15 needles at each share on Gemma-3-270M and none on SmolLM2 (docs/results.md); not the default,
             since it is kept whatever the ratio and would refuse token budgets of 128 or less.
@@ -54,6 +61,7 @@ class KVzipPolicy(Policy):
 
     budget: int | None = None
     ratio: float | None = None
+    bytes: float | None = None
     sink_tokens: int = 0
     recent: int = 0
     budgets: str = "head"
@@ -64,7 +72,35 @@ class KVzipPolicy(Policy):
         check_count("span", self.span)
         if self.budgets not in BUDGETS:
             raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
-        check_kept_tokens(self)
+        if self.bytes is None:
+            check_kept_tokens(self)
+            return
+        check_share("bytes", self.bytes)
+        if self.budget is not None or self.ratio is not None:
+            raise ValueError(
+                f"give one of budget (tokens), ratio (share of the tokens) or bytes (share of the bytes), not "
+                f"several: got budget={self.budget!r}, ratio={self.ratio!r}, bytes={self.bytes!r}"
+            )
+        if self.budgets != "head":
+            raise ValueError(
+                f"bytes= counts each kept pair's bytes in the ranking of every pair: it needs budgets=head (the "
+                f"default), got budgets={self.budgets!r}; give ratio= with the other budgets"
+            )
+        check_count("recent", self.recent)
+        check_count("sink_tokens", self.sink_tokens)
+
+    @property
+    def evicts(self) -> bool:
+        return self.bytes is not None or super().evicts
+
+    def kept_per_row(self, real_seen: torch.Tensor) -> torch.Tensor:
+        """With `bytes`: `bytes` of the tokens seen (never fewer than sinks + recent), the share tokens that arrive
+        after the ranking keep (they are stored at full precision); the ranking itself keeps what the byte
+        target buys (caches/plan.py, `ByteTarget`)."""
+        if self.bytes is None:
+            return super().kept_per_row(real_seen)
+        floor = torch.clamp(real_seen, max=self.sink_tokens + self.recent)
+        return torch.maximum(torch.ceil(real_seen.double() * self.bytes).long(), floor)
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
         return best_ahead(accumulated, self.span)
