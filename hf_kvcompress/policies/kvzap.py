@@ -28,7 +28,11 @@ class KVzapPolicy(Policy):
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
         ratio: share of the tokens seen that is kept, instead of `budget`.
         sink_tokens: first tokens always kept.
-        recent: newest tokens always kept.
+        recent: newest tokens always kept (128, as KVzap keeps a recent window). The probe scores a token by its
+            hidden state alone, so without a window a `ratio` evicts a question's own tokens in the step they
+            arrive (a question appended to a compressed document lost every needle on the development half;
+            docs/results.md). Counted within the budget: a `budget` below `recent + sink_tokens` is refused
+            (give a smaller `recent`).
         span: each pair also takes the best score of the `span` pairs after it in its head (as KVzip's `span`).
         probe: the probe file, or a directory holding one (None: the probe shipped for the model).
     """
@@ -38,7 +42,7 @@ class KVzapPolicy(Policy):
     budget: int | None = None
     ratio: float | None = None
     sink_tokens: int = 0
-    recent: int = 0
+    recent: int = 128
     span: int = 4
     probe: str | None = None
     needs_hidden_states: ClassVar[bool] = True

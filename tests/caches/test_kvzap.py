@@ -29,15 +29,16 @@ from .tiny_models import left_padded_prompts, tiny_model
 REPEAT = [5, 6, 7]
 
 
-def write_probe(config, path, seed=0):
-    """A random probe for `config`'s model, in the calibration's file format."""
+def write_probe(config, path, seed=0, scale=1.0):
+    """A random probe for `config`'s model, in the calibration's file format (`scale=0`: every token scores the
+    same, so ties, broken towards the oldest slot, would evict the newest tokens first)."""
     g = torch.Generator().manual_seed(seed)
     layers = full_attention_layers(config)
     heads = config.num_key_value_heads
     tensors = {}
     for i in layers:
-        tensors[f"layers.{i}.weight"] = torch.randn(config.hidden_size, heads, generator=g)
-        tensors[f"layers.{i}.bias"] = torch.randn(heads, generator=g)
+        tensors[f"layers.{i}.weight"] = scale * torch.randn(config.hidden_size, heads, generator=g)
+        tensors[f"layers.{i}.bias"] = scale * torch.randn(heads, generator=g)
     metadata = {"format": PROBE_FORMAT, "model": config._name_or_path, "layers": str(config.num_hidden_layers),
                 "kv_heads": str(heads), "hidden_size": str(config.hidden_size),
                 "probe_layers": ",".join(map(str, layers))}
@@ -172,7 +173,7 @@ def test_each_head_keeps_its_best_scored_tokens(probed):
     model, directory = probed
     probes = load_probes(directory, model.config)
     ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(3))
-    cache = make_cache(f"kvzap:budget=6,span=0,probe={directory}", model.config)
+    cache = make_cache(f"kvzap:budget=6,recent=0,span=0,probe={directory}", model.config)
     with torch.no_grad():
         model(input_ids=ids, cache=cache)
     reference = _hidden_states(model, ids)
@@ -183,10 +184,66 @@ def test_each_head_keeps_its_best_scored_tokens(probed):
         assert cache.layers[i].stored_tokens == 6
 
 
+def test_the_recent_window_is_kept_whatever_the_probe_says(probed):
+    """The newest `recent` tokens stay, the rest is the probe's best: at one prefill, then for a question appended
+    to the compressed document in a second call (it arrives while the document already fills the ratio)."""
+    model, directory = probed
+    probes = load_probes(directory, model.config)
+    # Distinct tokens: the first layer scores a token by its embedding, and a repeated token's tie is the slots' order.
+    ids = 3 + torch.randperm(125, generator=torch.Generator().manual_seed(5))[None, :40]
+    cache = make_cache(f"kvzap:ratio=0.5,recent=8,span=0,probe={directory}", model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :34], cache=cache)  # the document
+        model(input_ids=ids[:, 34:], cache=cache)  # the question, 6 tokens
+    reference = _hidden_states(model, ids)
+    for i, probe in probes.items():
+        # The document's scores are the reference's; the question's come from the cache itself (past the first
+        # layer its hidden states follow the layers before, which attend over a compressed document).
+        scores = torch.cat([probe(reference[i])[..., :34], cache.layers[i].slots.accumulated[..., -6:]], -1)
+        older = scores[..., :26].topk(17 - 8, dim=-1).indices  # the document's share (17 of 34) less its window (26-33)
+        # At the question: 20 kept of 40, 8 of them the window (34-39, and 32-33 of the document's window).
+        survivors = torch.cat([older, torch.arange(26, 32).expand(1, scores.shape[1], 6)], -1)
+        best = torch.gather(scores, -1, survivors).topk(12, dim=-1).indices
+        kept = torch.cat([torch.gather(survivors, -1, best), torch.arange(32, 40).expand(1, scores.shape[1], 8)], -1)
+        expected = torch.gather(scores, -1, kept.sort(-1).values)
+        torch.testing.assert_close(cache.layers[i].slots.accumulated, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_by_default_a_question_is_kept_as_it_arrives(tmp_path):
+    """A probe that scores every token the same (ties go to the oldest slot) evicts an appended question's tokens
+    without the window, and keeps them with the default one (read in the first layer, whose keys depend on the
+    tokens alone)."""
+    model = use_kvcompress_attention(tiny_model("llama"))
+    model.config._name_or_path = "tiny-llama-tied"
+    write_probe(model.config, tmp_path, scale=0.0)
+    assert KVzapPolicy().recent == 128
+    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(6))
+    question = ids[:, 290:]
+    for spec, kept in ((f"kvzap:ratio=0.25,probe={tmp_path}", True),
+                       (f"kvzap:ratio=0.25,recent=0,probe={tmp_path}", False)):
+        cache = make_cache(spec, model.config)
+        with torch.no_grad():
+            model(input_ids=ids[:, :290], cache=cache)
+            model(input_ids=question, cache=cache)
+        index, layer = 0, cache.layers[0]
+        reference = make_cache(f"kvzap:ratio=1.0,probe={tmp_path}", model.config)
+        with torch.no_grad():
+            model(input_ids=ids, cache=reference)
+        newest = reference.layers[index]._full("key")[..., -10:, :]
+        assert torch.equal(layer._full("key")[..., -10:, :], newest) is kept, spec
+
+
+def test_a_budget_below_the_default_window_names_recent():
+    with pytest.raises(ValueError, match="recent"):
+        KVzapPolicy(budget=64)
+    assert KVzapPolicy(budget=64, recent=16).recent == 16
+
+
 # -- the contract --------------------------------------------------------------------------------------------------
 
-SPECS = ["kvzap:ratio=0.5", "kvzap:budget=8", "kvzap:budget=8,recent=2,sink_tokens=1+int8",
-         "kvzap:ratio=0.5,span=0+int4:residual_length=2,group_size=16", "kvzap:budget=8+fp8"]
+SPECS = ["kvzap:ratio=0.5", "kvzap:ratio=0.5,recent=4", "kvzap:budget=8,recent=0",
+         "kvzap:budget=8,recent=2,sink_tokens=1+int8",
+         "kvzap:ratio=0.5,recent=2,span=0+int4:residual_length=2,group_size=16", "kvzap:budget=8,recent=3+fp8"]
 
 
 def _spec(spec, directory):
@@ -215,7 +272,8 @@ def test_large_budget_equals_dynamic_cache(probed, spec):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("spec", ["kvzap:budget=8", "kvzap:budget=8,recent=2+int4:residual_length=2,group_size=16"])
+@pytest.mark.parametrize("spec", ["kvzap:budget=8,recent=0",
+                                  "kvzap:budget=8,recent=2+int4:residual_length=2,group_size=16"])
 def test_budget_bounds_memory_through_a_long_generation(probed, spec):
     """Through plain model.generate: bytes stop growing once the budget is reached and equal the promise."""
     model, directory = probed
