@@ -133,17 +133,23 @@ def _dtype(args) -> str:
     return getattr(args, "dtype", "float32")
 
 
+def _code_env(code: str) -> dict:
+    """The environment our workers run in: the package from checkout `code` first on the path (--compare-code),
+    or as installed when `code` is empty."""
+    env = dict(os.environ)
+    if code:
+        env["PYTHONPATH"] = os.pathsep.join([code, env.get("PYTHONPATH", "")])
+    return env
+
+
 def build_kernels(rows: list[Row]) -> None:
     """Build the CPU decode kernel of every checkout the rows run (ours, and each --compare-code DIR) before any
     worker runs: it is compiled on first use (about 40 s) and cached across processes, so without this the first
     worker that reads a quantized store would time the compile as decode on a fresh clone."""
     codes = sorted({row.label.partition(" @")[2] for row in rows if row.env == "ours"})
     for code in codes:
-        env = dict(os.environ)
-        if code:
-            env["PYTHONPATH"] = os.pathsep.join([code, env.get("PYTHONPATH", "")])
         check = "from hf_kvcompress.ops import cpu_decode; print(cpu_decode.available())"
-        done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env)
+        done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=_code_env(code))
         built = done.stdout.strip().splitlines()[-1:] == ["True"]
         print(f"CPU decode kernel{' of ' + code if code else ''}: {'built' if built else 'not available'}", flush=True)
 
@@ -154,9 +160,7 @@ def _run_worker(args, row: Row, length: int, batch: int) -> dict:
         command = [sys.executable, __file__, "--worker", spec, "--lengths", str(length), "--batches", str(batch)]
         command += ["--new-tokens", str(args.new_tokens), "--clock", args.clock, "--dtypes", _dtype(args)]
         command += ["--model", args.model] if args.model else []
-        env = dict(os.environ)
-        if code:  # the package from another checkout (--compare-code), first on the path
-            env["PYTHONPATH"] = os.pathsep.join([code, env.get("PYTHONPATH", "")])
+        env = _code_env(code)
     else:  # the peer's own environment: nothing of ours on its path
         peer = "dynamic" if row.label == row.baseline else row.label
         command = [str(args.peer_python[row.env]), str(HERE / "bench_peer_worker.py"), "--peer", peer]

@@ -171,9 +171,7 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
         kept = policy.sliding
     elif policy.budget is not None:
         kept = policy.budget
-    elif planned_share(policy) is not None:
-        share = planned_share(policy)
-        assert share is not None  # just checked
+    elif (share := planned_share(policy)) is not None:
         kept = math.ceil(share * whole)
         if planned:
             kept = min(kept, max(math.ceil(share * share * whole), math.ceil(SLIDING_FLOOR * whole)))
