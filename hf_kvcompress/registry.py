@@ -160,6 +160,10 @@ def parse_spec(spec: str) -> tuple[Policy, Codec]:
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"cache spec must be a non-empty string like 'int4' or 'sink_window:window=256', got {spec!r}")
+    if ";" in spec:
+        raise ValueError(f"cache spec {spec!r} holds ';': give one spec (NAME[:k=v,...][+CODEC[:k=v,...]]); "
+                         "lists of specs are separated by ',' (eval --methods) or ';' (study --plans, bench.py --specs)"
+        )
     parts = spec.split("+")
     name, kwargs = _parse_part(parts[0])
     name = POLICY_ALIASES.get(name, name)

@@ -66,6 +66,7 @@ def test_an_unknown_model_lists_the_embedded_names_not_the_hubs_connection_error
     "argv,message",
     [
         (["generate", "--prompt", "hi", "--cache", "nope"], "unknown cache spec name 'nope'"),
+        (["generate", "--prompt", "hi", "--cache", "kvzip:ratio=0.5;int4"], "holds ';': give one spec"),
         (["generate", "--prompt", "hi", "--cache", "int4:bits=3"], "unknown codec argument"),
         (["generate", "--prompt", "hi", "--cache", "sink_window:window=0"], "window must be an integer >= 1"),
         (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
@@ -108,6 +109,8 @@ def test_study_reports_formula_measured_bytes_bands_and_a_recommendation(tmp_pat
     "argv,message",
     [
         (["eval", "--methods", "int5"], "unknown cache spec name 'int5'"),
+        # A ';' list (bench.py's and the study's separator) would parse as one spec: refused by name.
+        (["eval", "--methods", "dynamic;kvzip:probe=a;int4"], "separate specs and tasks with ','"),
         (["eval", "--tasks", "needle:kind=color"], "kind must be one of"),
         (["eval", "--samples", "0"], "--samples must be at least 1"),
         (["eval", "--lengths", "9000"], "--lengths 9000: the model's context is 8,192 tokens"),

@@ -578,7 +578,14 @@ def parse_task(spec: str, documents: str | None = None) -> Task:
 
 
 def split_specs(text: str) -> list[str]:
-    """Split a comma-separated list of specs whose own parameters are comma-separated ("a:x=1,y=2,b")."""
+    """Split a comma-separated list of specs whose own parameters are comma-separated ("a:x=1,y=2,b").
+
+    A ';' is refused rather than read: `bench.py --specs` separates with ';', and a list pasted from there would
+    otherwise reach the spec parser as one spec whose last parameter swallows the rest.
+    """
+    if ";" in text:
+        raise ValueError(f"separate specs and tasks with ',' (got ';' in {text!r}); e.g. 'dynamic,int4,kvzip:ratio=0.5'"
+                         )
     specs: list[str] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
