@@ -31,7 +31,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from .caches.compressed import CompressedCache
 from .eval.prompts import PROMPT_FORMATS, PromptFormat, encode, uses_chat
 from .generation import generate, prefill, repeat_prompt_ids
-from .hf.attention import ATTENTION_NAME
+from .hf.attention import ATTENTION_NAME, use_kvcompress_attention
+from .hf.compat import text_config
 from .measure import measured_kv_bytes
 from .persist import load_cache, save_cache
 from .registry import make_cache, needs_attention
@@ -184,12 +185,23 @@ def _eos_ids(model, tokenizer, given=None) -> set[int]:
     return set(given) if isinstance(given, (list, tuple)) else {given}
 
 
-def _check_attention(model, spec: str) -> None:
-    if needs_attention(spec) and getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+def _serve_attention(model, spec: str) -> None:
+    """Give a spec that scores by attention, by KVzip's pass or from hidden states the attention it reads.
+
+    A model running transformers' SDPA is switched to 'kvcompress_sdpa' (the same SDPA call whenever no layer asks
+    for more, so nothing else it answers changes) and hooked, as a cache switches it at its first request; any other
+    implementation (eager, flash, flex) answers differently under it, so it is refused by name, not switched.
+    """
+    if not needs_attention(spec):
+        return
+    running = getattr(text_config(model.config), "_attn_implementation", None)
+    if running not in ("sdpa", ATTENTION_NAME):
         raise ValueError(
-            f"spec {spec!r} scores tokens by attention (or by KVzip's reconstruction pass): call "
-            "hf_kvcompress.use_kvcompress_attention(model) first"
+            f"spec {spec!r} scores tokens by attention (or by KVzip's reconstruction pass), which the model's "
+            f"attention {running!r} cannot give: load the model with attn_implementation='sdpa' (load_model's "
+            "default), or call hf_kvcompress.use_kvcompress_attention(model) to switch it"
         )
+    use_kvcompress_attention(model)
 
 
 def compress_document(model, tokenizer, text: str, spec: str = "dynamic", *, instruction: str = "",
@@ -215,7 +227,7 @@ def compress_document(model, tokenizer, text: str, spec: str = "dynamic", *, ins
     chat = uses_chat(tokenizer, prompt_format)
     input_ids, _ = encode(tokenizer, _sample(text, instruction), prompt_format=prompt_format)
     cache = make_cache(spec, model.config)
-    _check_attention(model, spec)
+    _serve_attention(model, spec)
     ids = torch.tensor([input_ids], dtype=torch.long, device=model.device)
     prefill(model, ids, None, cache, chunk_size=chunk_size, repeat_prompt_ids=repeat_prompt_ids(tokenizer, chat=chat))
     return Document(model, tokenizer, cache, text, input_ids, instruction=instruction, prompt_format=prompt_format)

@@ -109,3 +109,21 @@ def test_a_base_model_answers_after_its_plain_prompt():
 def test_errors_name_the_parameter(embedded, call, message):
     with pytest.raises(ValueError, match=message):
         call(*embedded)
+
+
+def test_kvzip_compresses_on_the_model_load_model_returns_without_another_call(embedded):
+    # The user's path: load_model, then compress_document. A model running SDPA is switched as a cache switches it
+    # (the same answers as after use_kvcompress_attention); one running another attention is refused by name.
+    from hf_kvcompress import load_model
+
+    model, tokenizer = load_model()
+    assert model.config._attn_implementation == "sdpa"
+    plain = compress_document(model, tokenizer, TEXT, "kvzip:ratio=0.5")
+    switched = compress_document(*embedded, TEXT, "kvzip:ratio=0.5")
+    assert model.config._attn_implementation == "kvcompress_sdpa"
+    assert measured_kv_bytes(plain.cache) == measured_kv_bytes(switched.cache)
+    assert plain.ask(QUESTIONS[0], max_new_tokens=12) == switched.ask(QUESTIONS[0], max_new_tokens=12)
+    eager, _ = load_model(attn_implementation="eager")
+    with pytest.raises(ValueError, match="the model's attention 'eager' cannot give"):
+        compress_document(eager, tokenizer, TEXT, "kvzip:ratio=0.5")
+    assert compress_document(eager, tokenizer, TEXT, "int4").ask(QUESTIONS[0], max_new_tokens=8)  # needs nothing

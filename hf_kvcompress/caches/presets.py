@@ -44,7 +44,9 @@ class SinkWindowCache(CompressedCache):
 class HeavyHitterCache(CompressedCache):
     """H2O: the `recent` newest tokens plus the most-attended ones, `budget` tokens per KV head in all.
 
-    Needs attention statistics: call `hf_kvcompress.use_kvcompress_attention(model)` once.
+    Needs attention statistics: built with `config=model.config` (or on a model from `load_model`), the cache
+    switches a model running SDPA to 'kvcompress_sdpa' itself; other attention implementations need
+    `hf_kvcompress.use_kvcompress_attention(model)`.
     """
 
     def __init__(self, budget: int = 512, recent: int = 64, sink_tokens: int = 0, codec: Codec | None = None,
