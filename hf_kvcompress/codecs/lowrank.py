@@ -98,6 +98,10 @@ class LowRankCodec(ReducingCodec):
             store, bypassing the bases and the storage (caches/codec_sinks.py): the attention sinks' keys are the
             states the bases, fitted to typical tokens, reconstruct worst. With a storage that has sinks of its own
             (`+int4`), the most either asks for; 0: none.
+        residual_length: the newest tokens kept exact in the cache's full-precision tail before they are projected
+            (a window, as int4's residual: the question's and the answer's own tokens read exactly), counted in the
+            cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
+            most either asks for (`exact_residual`); 0: none.
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
 
@@ -108,6 +112,7 @@ class LowRankCodec(ReducingCodec):
     ratio: float | None = None
     bases: str | None = None
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
+    residual_length: int = 0  # type: ignore[misc]  # as sink_tokens: lowrank's own; the stack keeps the most asked
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
@@ -131,6 +136,11 @@ class LowRankCodec(ReducingCodec):
         if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(
                 f"sink_tokens must be an integer >= 0 (the first real tokens kept exact), got {self.sink_tokens!r}"
+            )
+        if isinstance(self.residual_length, bool) or not isinstance(self.residual_length, int) \
+                or self.residual_length < 0:
+            raise ValueError(
+                f"residual_length must be an integer >= 0 (the newest tokens kept exact), got {self.residual_length!r}"
             )
 
     # -- binding --------------------------------------------------------------------------------------------------
