@@ -145,7 +145,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
             exact = 0
             if not layer_codec.lossless:
                 block = max(layer_codec.token_block("key"), layer_codec.token_block("value"))
-                unencoded = tokens - max(0, (tokens - getattr(layer_codec, "residual_length", 0)) // block * block)
+                unencoded = tokens - max(0, (tokens - layer_codec.exact_residual) // block * block)
                 exact = round((kept - sinks) * unencoded / max(tokens, 1))
             full = 2 * shape.head_dim * model_bytes
             total += shape.kv_heads * ((kept - sinks - exact) * (pair + 4) + exact * (full + 4) + sinks * full + 8)
@@ -157,7 +157,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
             encoded = 0
         else:
             block = max(layer_codec.token_block("key"), layer_codec.token_block("value"))
-            residual = getattr(layer_codec, "residual_length", 0)
+            residual = layer_codec.exact_residual
             encoded = max(0, (kept - residual) // block * block)
         per_encoded = layer_codec.bytes_per_token(shape.head_dim, "key", dtype) + layer_codec.bytes_per_token(
             shape.head_dim, "value", dtype)

@@ -413,9 +413,9 @@ class HeadStore:
         """Move the recent tokens beyond the codec's residual into the encoded pairs, a block at a time (the schedule
         depends on the tail's length only, the same for every row: a padded row is stored as it is alone)."""
         t = self.tail_tokens
-        if self.exact is not None and t >= self.codec.residual_length:
+        if self.exact is not None and t >= self.codec.exact_residual:
             self._encode_exact()  # the later tokens fill the residual: the context's pairs are older than all of them
-        n = (t - self.codec.residual_length) // ABSORB_BLOCK * ABSORB_BLOCK
+        n = (t - self.codec.exact_residual) // ABSORB_BLOCK * ABSORB_BLOCK
         if n <= 0:
             return
         # n > 0 tokens in the tail: its three tensors are held.

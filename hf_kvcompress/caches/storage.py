@@ -160,7 +160,7 @@ class TokenStore:
         if self.codec.lossless and self.encoded_keys is None:
             return  # full precision: the tail is the store
         assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
-        residual = getattr(self.codec, "residual_length", 0)
+        residual = self.codec.exact_residual
         block = max(self.codec.token_block("key"), self.codec.token_block("value"))
         excess = self.tail_keys.shape[-2] - residual
         n = (excess // block) * block

@@ -49,6 +49,13 @@ class Codec(ABC):
         codec's `sink_tokens`; a stack of codecs (`lowrank+int4`) keeps the most any of them asks for."""
         return self.sink_tokens
 
+    @property
+    def exact_residual(self) -> int:
+        """The newest tokens the layer keeps at full precision before encoding them (caches/storage.py): the codec's
+        `residual_length`; a stack of codecs (`lowrank:residual_length=64+int4`) keeps the most any of them asks
+        for."""
+        return self.residual_length
+
     def token_block(self, kind: Kind) -> int:
         """How many tokens are encoded together along the token axis."""
         return 1

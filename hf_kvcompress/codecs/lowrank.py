@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from ..calibration import JOINT, load_bases, rope_frequencies
+from ..hf.compat import text_config
 from ..ops.rerotate import rerotate
 from .base import Encoded, Kind
 from .reducing import ReducingCodec
@@ -52,25 +53,31 @@ class LayerBases:
             setattr(self, f"{kind}_basis", basis.contiguous())
 
 
+FLOORS = ("none", "full")  # lowrank's `floor`: which layers keep at least the ratio of each kind's dimensions
+
+
 def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: float, step: int,
-                   max_rank: int) -> list[tuple[int, int]]:
+                   max_rank: int, floored: tuple[bool, ...] | None = None) -> list[tuple[int, int]]:
     """Per-layer (key rank, value rank) keeping `ratio` of all layers' dimensions, in steps of `step`.
 
     Each (layer, kind) ranks its components by the share of its own variance they hold; the kept dimensions go to
     the steps that hold the largest shares anywhere (so every layer stops at about the same share of its variance
     left, the variance target that `ratio` stands for). Every layer and kind keeps at least one step and at most
-    `max_rank` (what the bases hold)."""
+    `max_rank` (what the bases hold); a layer marked in `floored` keeps at least `ratio` of each kind's dimensions
+    (in whole steps, at most `max_rank`), paid for by the other layers' smallest steps."""
     width = variances[0][0].numel()
     steps = width // step
     total = round(ratio * len(variances) * 2 * steps)
+    floor = min(max(1, round(ratio * steps)), max_rank // step)
+    lowest = [floor if floored is not None and floored[layer] else 1 for layer in range(len(variances))]
     gains: list[tuple[float, int, int, int]] = []
     for layer, pair in enumerate(variances):
         for k, v in enumerate(pair):
             share = v.double().clamp(min=0) / v.double().clamp(min=0).sum().clamp(min=1e-30)
             chunks = share[: steps * step].reshape(steps, step).sum(-1)
-            gains.extend((float(chunks[c]), layer, k, c) for c in range(1, min(steps, max_rank // step)))
-    ranks = [[step, step] for _ in variances]
-    picked = max(0, total - 2 * len(variances))
+            gains.extend((float(chunks[c]), layer, k, c) for c in range(lowest[layer], min(steps, max_rank // step)))
+    ranks = [[step * low, step * low] for low in lowest]
+    picked = max(0, total - 2 * sum(lowest))
     # Shares fall along each (layer, kind), so the largest gains anywhere are prefixes of each.
     for _, layer, k, _ in sorted(gains, key=lambda g: (-g[0], g[1], g[2], g[3]))[:picked]:
         ranks[layer][k] += step
@@ -94,10 +101,17 @@ class LowRankCodec(ReducingCodec):
         ratio: the share of all layers' key and value dimensions kept, spread over the layers and kinds by their
             calibrated variances (joint bases only). Neither: ratio 0.25 (joint bases) or rank head_dim // 4.
         bases: a directory (or file) written by `hf-kvcompress calibrate`; None: the bases shipped for the model.
+        floor: "full": in a model with sliding-window layers, each full-attention layer (the layers that read the
+            whole document) keeps at least `ratio` of its key and of its value dimensions, the rest allocated by
+            variance as before; "none": every layer by variance alone (joint bases with `ratio` only).
         sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps exact beside the
             store, bypassing the bases and the storage (caches/codec_sinks.py): the attention sinks' keys are the
             states the bases, fitted to typical tokens, reconstruct worst. With a storage that has sinks of its own
             (`+int4`), the most either asks for; 0: none.
+        residual_length: the newest tokens kept exact in the cache's full-precision tail before they are projected
+            (a window, as int4's residual: the question's and the answer's own tokens read exactly), counted in the
+            cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
+            most either asks for (`exact_residual`); 0: none.
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
 
@@ -107,7 +121,9 @@ class LowRankCodec(ReducingCodec):
     rank: int | None = None
     ratio: float | None = None
     bases: str | None = None
+    floor: str = "none"
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
+    residual_length: int = 0  # type: ignore[misc]  # as sink_tokens: lowrank's own; the stack keeps the most asked
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
@@ -131,6 +147,15 @@ class LowRankCodec(ReducingCodec):
         if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(
                 f"sink_tokens must be an integer >= 0 (the first real tokens kept exact), got {self.sink_tokens!r}"
+            )
+        if self.floor not in FLOORS:
+            raise ValueError(f"floor must be one of {', '.join(FLOORS)}, got {self.floor!r}")
+        if self.floor != "none" and self.rank is not None:
+            raise ValueError("floor shares a ratio's dimensions among the layers: give ratio=, not rank=")
+        if isinstance(self.residual_length, bool) or not isinstance(self.residual_length, int) \
+                or self.residual_length < 0:
+            raise ValueError(
+                f"residual_length must be an integer >= 0 (the newest tokens kept exact), got {self.residual_length!r}"
             )
 
     # -- binding --------------------------------------------------------------------------------------------------
@@ -163,7 +188,8 @@ class LowRankCodec(ReducingCodec):
                 ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
                 variances = [(tensors[f"layers.{i}.key_variance"], tensors[f"layers.{i}.value_variance"])
                              for i in range(layers)]
-                ranks = allocate_ranks(variances, ratio, self._rank_step(heads * head_dim), max_rank)
+                ranks = allocate_ranks(variances, ratio, self._rank_step(heads * head_dim), max_rank,
+                                       self._floored(config, layers))
         else:
             rank = self.rank if self.rank is not None else head_dim // 4
             ranks = [(rank, rank)] * layers
@@ -176,6 +202,15 @@ class LowRankCodec(ReducingCodec):
                             ("_inv_freqs", rope_frequencies(config) if joint else None)):
             object.__setattr__(bound, name, value)
         return bound
+
+    def _floored(self, config, layers: int) -> tuple[bool, ...] | None:
+        """The layers `floor` keeps at least the ratio in: a hybrid model's full-attention layers (none otherwise)."""
+        if self.floor == "none":
+            return None
+        kinds = getattr(text_config(config), "layer_types", None) or ["full_attention"] * layers
+        if "sliding_attention" not in kinds:
+            return None
+        return tuple(kind != "sliding_attention" for kind in kinds)
 
     def _rank_step(self, width: int) -> int:
         """The granularity of a joint layer's rank: the storage's value groups must divide it (int4's group_size)."""

@@ -64,6 +64,12 @@ class ReducingCodec(Codec):
         any asks for: `lowrank+int4:sink_tokens=8` keeps 8, `lowrank:sink_tokens=0+int4:sink_tokens=0` none."""
         return max(self.sink_tokens, self.storage.exact_sinks)
 
+    @property
+    def exact_residual(self) -> int:
+        """As `exact_sinks`: the tail holds the model's own states, before the reduction, so a window that one codec
+        of the stack asks for bypasses them all (`lowrank:residual_length=128` keeps its newest 128 tokens exact)."""
+        return max(self.residual_length, self.storage.exact_residual)
+
     def token_block(self, kind: Kind) -> int:
         return self.storage.token_block(kind)
 

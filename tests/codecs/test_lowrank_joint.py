@@ -85,6 +85,40 @@ def test_ranks_follow_the_variances_and_keep_the_ratio():
     assert allocate_ranks([(steep, flat)], ratio=1.0, step=8, max_rank=32) == [(32, 32)]
 
 
+def test_a_floored_layer_keeps_the_ratio_and_the_others_pay_for_it():
+    flat, steep = torch.ones(64), torch.tensor([2.0 ** -i for i in range(64)])
+    variances = [(steep, flat), (steep, flat), (steep, steep)]
+    plain = allocate_ranks(variances, ratio=0.5, step=8, max_rank=64)
+    floored = allocate_ranks(variances, ratio=0.5, step=8, max_rank=64, floored=(False, False, True))
+    assert max(plain[2]) < 32  # a steep spectrum gets less than the ratio by variance
+    assert floored[2] == (32, 32)  # at least half of each kind's 64 dimensions
+    assert sum(sum(r) for r in floored) == sum(sum(r) for r in plain) == 0.5 * 6 * 64  # the ratio still holds
+    assert all(f <= p for f, p in zip(floored[0] + floored[1], plain[0] + plain[1], strict=True))
+    # The floor is at most what the bases hold; no layer floored is the plain allocation.
+    assert allocate_ranks(variances, ratio=0.5, step=8, max_rank=16, floored=(False, False, True))[2] == (16, 16)
+    assert allocate_ranks(variances, ratio=0.5, step=8, max_rank=64, floored=(False,) * 3) == plain
+
+
+def test_floor_full_keeps_the_ratio_in_a_hybrid_models_full_attention_layers(fitted):
+    model, bases = fitted["gemma3"]  # layers: sliding, sliding, full attention
+    plain = make_cache(f"lowrank:ratio=0.25,bases={bases}", model.config).codec
+    floored = make_cache(f"lowrank:ratio=0.25,floor=full,bases={bases}", model.config).codec
+    assert all(rank >= 8 for rank in floored._ranks[2])  # a quarter of 32 dimensions, in steps of 8
+    assert sum(map(sum, floored._ranks)) == sum(map(sum, plain._ranks))
+    assert "floor=full" in floored.spec()
+    # Without sliding layers every layer reads the whole document: the floor changes nothing.
+    llama, llama_bases = fitted["llama"]
+    assert (make_cache(f"lowrank:ratio=0.25,floor=full,bases={llama_bases}", llama.config).codec._ranks
+            == make_cache(f"lowrank:ratio=0.25,bases={llama_bases}", llama.config).codec._ranks)
+
+
+def test_floor_refuses_bad_values_and_rank():
+    with pytest.raises(ValueError, match="floor must be one of none, full"):
+        LowRankCodec(ratio=0.5, floor="sliding")
+    with pytest.raises(ValueError, match="floor .*give ratio=, not rank="):
+        LowRankCodec(rank=8, floor="full")
+
+
 @pytest.mark.parametrize("spec", ["lowrank:ratio=0.5",
                                   "lowrank:ratio=0.5+int4:group_size=16,residual_length=2,key_axis=token",
                                   "h2o:budget=8,recent=2+lowrank:ratio=0.5", "tova:ratio=0.5+lowrank:ratio=0.25"])
