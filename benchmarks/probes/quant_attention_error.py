@@ -7,7 +7,7 @@ Command:
         [--configs "bits=2,rotate=hadamard,key_axis=channel,sink_tokens=4;bits=2,...,pre_rope=true"] [--per-layer]
         [--split test|dev]
 Written up: docs/results.md, "Quantization options, and what each one measured" (its introduction and "The suite:
-retention at each width"), "Where each family fits (from the measurements above)" and "Why int4 loses answers under
+retention at each width"), "Where each family fits (from the measurements above)" and "What int4 changes under
 eviction on Gemma-3: per-token keys" (key_smooth).
 
 One needle prompt per depth (the suite's own samples, question after the document) runs once through the model with
