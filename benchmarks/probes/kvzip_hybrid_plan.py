@@ -23,7 +23,9 @@ Allocations (each with KVzip's span=4 choosing the pairs, the raw scores setting
 - `uniform`: the same share in every layer and head, each by its own scores (`budgets=uniform`);
 - `rank`:    like `token`, but each token takes its best place in any layer's and head's own ranking (so a layer
              whose scores are small counts as much as one whose scores are large);
-- `floor:F`: `head`, but every layer and head keeps at least F x the uniform share (the others give way).
+- `floor:F`: `head`, but every layer and head keeps at least F x the uniform share (the others give way);
+- `layer:L:F`: layer L keeps F of the document per head, the other full-attention layers share what is left equally
+             (each by its own scores): a diagnosis of what one layer needs, not a plan (it names a layer).
 Printed per document: where each fact's tokens rank in each full-attention layer and whether each allocation keeps
 them, then the answer of each (target, S, allocation); at the end, retention (kept / answered uncompressed) per cell.
 """
@@ -67,6 +69,13 @@ def keep_masks(scores: dict[int, torch.Tensor], share: float, how: str) -> dict[
         counts = {li: torch.full((H,), per_head) for li in scores}
     elif name == "uniform":
         counts = {li: torch.full((H,), per_head) for li in scores}
+    elif name == "layer":
+        favoured, favoured_share = int(args[0]), float(args[1])
+        if favoured not in scores:
+            raise ValueError(f"layer:L:F needs a full-attention layer L, one of {sorted(scores)}, got {favoured}")
+        first = min(T, math.ceil(favoured_share * T))
+        rest = min(T, max(0, (total - first * H) // (H * (len(scores) - 1)))) if len(scores) > 1 else 0
+        counts = {li: torch.full((H,), first if li == favoured else rest) for li in scores}
     elif name in ("head", "floor"):
         floor = float(args[0]) if args else 0.0
         guaranteed = min(T, math.floor(floor * per_head))
@@ -82,7 +91,7 @@ def keep_masks(scores: dict[int, torch.Tensor], share: float, how: str) -> dict[
         threshold = flat.topk(total).values[-1]
         counts = {li: (r >= threshold).sum(-1).clamp(max=T) for li, r in ranked.items()}
     else:
-        raise ValueError(f"allocation must be head, token, rank, uniform or floor:F, got {how!r}")
+        raise ValueError(f"allocation must be head, token, rank, uniform, floor:F or layer:L:F, got {how!r}")
     masks = {}
     for li, c in chooser.items():
         mask = torch.zeros(1, H, T, dtype=torch.bool)

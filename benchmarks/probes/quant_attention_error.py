@@ -5,8 +5,10 @@ much of the attention on the needle remains (per layer with --per-layer, which p
 Command:
     python benchmarks/probes/quant_attention_error.py [--model smollm2-135m] [--length 2000] [--depths 0,50]
         [--configs "bits=2,rotate=hadamard,key_axis=channel,sink_tokens=4;bits=2,...,pre_rope=true"] [--per-layer]
+        [--split test|dev]
 Written up: docs/results.md, "Quantization options, and what each one measured" (its introduction and "The suite:
-retention at each width") and "Where each family fits (from the measurements above)".
+retention at each width"), "Where each family fits (from the measurements above)" and "What int4 changes under
+eviction on Gemma-3: per-token keys" (key_smooth).
 
 One needle prompt per depth (the suite's own samples, question after the document) runs once through the model with
 an uncompressed cache while an attention function records every layer's queries, keys and values (sliding-window
@@ -16,10 +18,14 @@ the newest `residual_length` tokens exact, the rest encoded and decoded), and th
 them. Printed: the relative error of the attention output, mean over layers and prompts, and the attention mass on
 the needle's tokens as a share of the uncompressed mass (1.00 = unchanged).
 
-Two keys in a configuration are not codec options: `key_outliers=N` and `value_outliers=N` keep each token's N
+Three keys in a configuration are not codec options: `key_outliers=N` and `value_outliers=N` keep each token's N
 largest-magnitude key (value) entries exact and encode the rest (dense-and-sparse, KVQuant arXiv:2401.18079), to
-see whether outliers would pay for their bytes (each costs a bfloat16 value and a one-byte index). `--per-layer`
-prints each layer's error too.
+see whether outliers would pay for their bytes (each costs a bfloat16 value and a one-byte index). `key_smooth=prompt`
+centres each key channel on its mean and divides it by its standard deviation over the encoded tokens (per row and
+KV head) before the codec encodes the keys, and undoes it after decoding (the statistics kept exact: two head_dim
+vectors per head); `key_smooth=calibration` takes those statistics from the calibration text's keys instead (what a
+model could ship): whether per-token key groups (evicting policies) can reach per-channel groups' error.
+`--per-layer` prints each layer's error too.
 
 `--text calibration` measures on the package's calibration text (HotpotQA paragraphs, `hf_kvcompress.calibration`)
 instead of the needle prompts, with the last 32 tokens as the queries: the layers chosen for `wide_layers` on the
@@ -68,15 +74,26 @@ def _split_outliers(states, count: int):
     return states - sparse, sparse
 
 
-def as_stored(states, codec: IntNCodec, kind: str, outliers: int = 0):
-    """The states as the cache holds them after prefill: exact sinks and residual, the middle encoded."""
+def channel_stats(states):
+    """(mean, standard deviation) of each key channel over the tokens, [B, H, 1, D] each (`key_smooth`)."""
+    return states.mean(2, keepdim=True), states.std(2, keepdim=True).clamp(min=1e-6)
+
+
+def as_stored(states, codec: IntNCodec, kind: str, outliers: int = 0, smooth=None):
+    """The states as the cache holds them after prefill: exact sinks and residual, the middle encoded. `smooth`:
+    "prompt" or a (mean, deviation) pair, the channel statistics the encoded states are normalised by."""
     t = states.shape[2]
     encoded = max(0, (t - codec.residual_length) // codec.group_size * codec.group_size)
     if encoded == 0:
         return states
     out = states.clone()
     dense, sparse = _split_outliers(states[:, :, :encoded], outliers)
-    out[:, :, :encoded] = codec.decode(codec.encode(dense, kind), kind, states.dtype) + sparse
+    if smooth is None:
+        out[:, :, :encoded] = codec.decode(codec.encode(dense, kind), kind, states.dtype) + sparse
+    else:
+        mean, spread = channel_stats(dense) if smooth == "prompt" else smooth
+        normalised = (dense - mean) / spread
+        out[:, :, :encoded] = codec.decode(codec.encode(normalised, kind), kind, states.dtype) * spread + mean + sparse
     out[:, :, : codec.sink_tokens] = states[:, :, : codec.sink_tokens]
     return out
 
@@ -100,6 +117,8 @@ def main() -> None:
     parser.add_argument("--configs", default=";".join(CONFIGS),
                         help="IntNCodec keyword sets separated by ';' (default: bits x rotate x key_axis x sinks)")
     parser.add_argument("--per-layer", action="store_true", help="also print each layer's error")
+    parser.add_argument("--split", choices=("dev", "test"), default="test",
+                        help="the suite's half the needle prompts come from (dev: for choosing options)")
     parser.add_argument("--text", choices=("needle", "calibration"), default="needle",
                         help="needle: the suite's prompts; calibration: HotpotQA paragraphs the suite never grades")
     args = parser.parse_args()
@@ -110,8 +129,20 @@ def main() -> None:
     layers = list(range(len(plans)))
     windows = {p.index: p.attention_window for p in plans if p.attention_window is not None}
     depths = [float(d) for d in args.depths.split(",")]
-    samples = (build_samples(tokenizer, ["needle"], [args.length], depths) if args.text == "needle"
+    samples = (build_samples(tokenizer, ["needle"], [args.length], depths, split=args.split) if args.text == "needle"
                else [None])
+    calibrated = {}  # layer -> the calibration text's key channel statistics (key_smooth=calibration)
+    if any("key_smooth=calibration" in c for c in configs):
+        from hf_kvcompress.calibration import calibration_text
+
+        text_ids = tokenizer(calibration_text(words=args.length * 2))["input_ids"][: args.length]
+        store_calibration: dict = {}
+        AttentionInterface.register("record_sdpa", recording_attention(store_calibration, 1))
+        AttentionMaskInterface.register("record_sdpa", sdpa_mask)
+        model.set_attn_implementation("record_sdpa")
+        with torch.no_grad():
+            model(input_ids=torch.tensor([text_ids]))
+        calibrated = {i: channel_stats(store_calibration[i][1][:, :, 4:]) for i in layers}  # past the sinks
     totals = {c: [0.0, 0.0] for c in configs}
     per_layer = {c: torch.zeros(len(layers)) for c in configs}
     for sample in samples:
@@ -136,6 +167,9 @@ def main() -> None:
         for config in configs:
             kwargs = {k: parse_value(v) for k, v in (p.split("=") for p in config.split(","))}
             key_outliers, value_outliers = kwargs.pop("key_outliers", 0), kwargs.pop("value_outliers", 0)
+            smooth = kwargs.pop("key_smooth", None)
+            if smooth not in (None, "prompt", "calibration"):
+                raise ValueError(f"key_smooth must be prompt or calibration, got {smooth!r}")
             # Each layer's codec as the cache builds it: bound to the model (RoPE frequencies, rotate=auto), keys
             # per token in sliding-window layers.
             built = CompressedCache(codec=IntNCodec(**kwargs), config=model.config)
@@ -147,7 +181,8 @@ def main() -> None:
                 layered = layer_codecs[i]
                 window = windows.get(i)
                 ref, ref_probs = attend(query, key, value, scaling, window)
-                out, probs = attend(query, as_stored(key, layered, "key", key_outliers),
+                stats = calibrated[i] if smooth == "calibration" else smooth
+                out, probs = attend(query, as_stored(key, layered, "key", key_outliers, stats),
                                      as_stored(value, layered, "value", value_outliers), scaling, window)
                 errors.append(((out - ref).norm() / ref.norm()).item())
                 if needle_slots is not None and ref_probs[..., needle_slots].sum() > 0:  # within this layer's reach
@@ -155,7 +190,7 @@ def main() -> None:
             per_layer[config] += torch.tensor(errors) / len(samples)
             totals[config][0] += sum(errors) / len(errors) / len(samples)
             totals[config][1] += sum(mass) / len(mass) / len(samples) if mass else float("nan")
-    where = f"needle at {args.length} tokens, depths {args.depths}" if args.text == "needle" else \
+    where = f"needle at {args.length} tokens, depths {args.depths}, {args.split} half" if args.text == "needle" else \
         f"calibration text, {args.length} tokens, last 32 as queries"
     print(f"{args.model}, {where}; {len(layers)} layers, {len(windows)} of them sliding-window")
     print(f"{'codec':50s} {'attn out rel. err':>18s} {'needle mass':>12s}")
