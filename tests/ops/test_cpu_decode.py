@@ -224,6 +224,9 @@ def test_a_layer_through_the_kernel_equals_the_pytorch_path(spec, dtype):
             # here has one for the kernel to cover
             assert layer.n_encoded > 0 and (layer.tail_keys.shape[-2] > 0) != layer.codec.encodes_on_arrival
             assert (layer.sink_slots is not None) == ("sink" in spec or spec.startswith(("int4:", "int2:")))
+            # the kernel reads the store in place: a non-contiguous encoding is copied whole at every step
+            stored = [*layer.store.encoded_keys.values(), *layer.store.encoded_values.values()]
+            assert all(tensor.is_contiguous() for tensor in stored)
             for rows in (1, 3):  # three query rows: a causal mask over the last rows of the store
                 query = torch.randn(2, KV_HEADS * GROUPS, rows, DIM, generator=g).to(dtype)
                 rows_mask = mask & torch.ones(rows, k.shape[-2], dtype=torch.bool).tril(k.shape[-2] - rows - 20)
