@@ -7,8 +7,9 @@ output once at the end) through the codec's `key_logits` and `mix_values` (which
 codecs/plane_attention.py), its logits folded into a running max and sum (flash-decoding, Dao et al. 2023), and
 dropped: the transient memory is one block, not the whole cache in float32. The exact attention sinks and the
 full-precision tail are two more segments of the same softmax. `CompressedLayer._full` + SDPA is the reference.
-A kernel may read the store segment instead and return its softmax partials: Triton on CUDA (ops/triton_decode.py),
-C++ on CPU (ops/cpu_decode.py); the PyTorch loop stays the reference (`backend="torch"`).
+A kernel may read the store segment instead: Triton on CUDA returns its softmax partials (ops/triton_decode.py); on
+CPU the C++ kernel (ops/cpu_decode.py) attends to the sinks and the tail too and returns the normalised output, one
+call per step. The PyTorch loop stays the reference (`backend="torch"`).
 """
 
 from __future__ import annotations
@@ -139,18 +140,22 @@ def _store_by_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -
     softmax.add_partial(block_max, total, acc, stored_basis=True)
 
 
-def _store_by_cpu_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -> None:
-    """The store segment through the C++ kernel: it takes the mask rows as they are (row m of a KV head's
-    groups * q query rows reads mask row m % q) and leaves the sinks' slots out itself."""
-    codec, n_enc = layer.codec, layer.store.n_encoded
+def _attend_by_cpu_kernel(layer, plain_q, stored_q, attention_mask) -> torch.Tensor:
+    """Store, exact sinks and tail through the C++ kernel in one call: [B, H_kv, groups * q, Dv], normalised. It
+    takes the mask rows as they are (row m of a KV head's groups * q query rows reads mask row m % q)."""
+    codec, store = layer.codec, layer.store
     key_layout, value_layout = codec.kernel_layout("key"), codec.kernel_layout("value")
-    bias = None if attention_mask is None else _bias(attention_mask, 1, slice(0, n_enc))  # [B, 1 or H_kv, q, T]
+    tail_keys, tail_values = store.tail_keys, store.tail_values
+    if tail_keys is None:  # nothing appended since the store took everything
+        tail_keys = tail_values = plain_q.new_zeros(*plain_q.shape[:2], 0, plain_q.shape[-1])
+    columns = slice(0, store.n_encoded + tail_keys.shape[-2])
+    bias = None if attention_mask is None else _bias(attention_mask, 1, columns)  # [B, 1 or H_kv, q, T + Tt]
     queries = codec.offset_queries(stored_q) if key_layout.offset_queries else stored_q[:, :, :, None]
-    block_max, total, acc = cpu_decode.decode_attention_partials(
-        queries, layer.store.encoded_keys, layer.store.encoded_values, key_layout, value_layout, layer.value_dim, bias,
-        layer.slots.sink_slots,
+    stored, plain = cpu_decode.decode_attention(
+        queries, plain_q, store.encoded_keys, store.encoded_values, key_layout, value_layout, layer.value_dim, bias,
+        layer.slots.sink_slots, store.sink_keys, store.sink_values, tail_keys, tail_values,
     )
-    softmax.add_partial(block_max, total, acc, stored_basis=True)
+    return codec.from_basis(stored, "value") + plain
 
 
 def store_kernel(layer, query: torch.Tensor, backend: str) -> str | None:
@@ -208,12 +213,22 @@ def attend_store(
     # Query heads h = k * groups + g share KV head k: [B, H_kv, groups * q, D].
     plain_q = (query.float() * scaling).reshape(batch, kv_heads, groups * q_len, dim)
     stored_q = codec.to_basis(plain_q, "key")
-    softmax = _OnlineSoftmax()
     kernel = store_kernel(layer, query, backend) if n_enc else None
+    if kernel == "cpu":
+        out = _attend_by_cpu_kernel(layer, plain_q, stored_q, attention_mask)
+    else:
+        out = _attend_in_segments(layer, plain_q, stored_q, attention_mask, groups, kernel)
+    out = out.reshape(batch, kv_heads, groups, q_len, -1).reshape(batch, q_heads, q_len, -1)
+    return out.transpose(1, 2).contiguous().to(query.dtype)
+
+
+def _attend_in_segments(layer, plain_q, stored_q, attention_mask, groups: int, kernel: str | None) -> torch.Tensor:
+    """The store (through the Triton kernel, or PyTorch blocks), the exact sinks and the tail as segments of one
+    online softmax in PyTorch: [B, H_kv, groups * q, Dv], normalised."""
+    codec, n_enc = layer.codec, layer.store.n_encoded
+    softmax = _OnlineSoftmax()
     if kernel == "triton":
         _store_by_kernel(layer, stored_q, attention_mask, softmax)
-    elif kernel == "cpu":
-        _store_by_cpu_kernel(layer, stored_q, attention_mask, softmax)
     else:
         _store_by_blocks(layer, stored_q, attention_mask, groups, softmax)
     if layer.slots.sink_slots is not None:
@@ -234,6 +249,4 @@ def attend_store(
     out = softmax.plain if softmax.plain is not None else 0
     if softmax.stored is not None:
         out = out + codec.from_basis(softmax.stored, "value")
-    out = out / softmax.total.clamp(min=torch.finfo(torch.float32).tiny)  # a fully masked row gives 0, not NaN
-    out = out.reshape(batch, kv_heads, groups, q_len, -1).reshape(batch, q_heads, q_len, -1)
-    return out.transpose(1, 2).contiguous().to(query.dtype)
+    return out / softmax.total.clamp(min=torch.finfo(torch.float32).tiny)  # a fully masked row gives 0, not NaN

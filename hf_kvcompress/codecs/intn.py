@@ -100,8 +100,17 @@ def _quantize_gaussian(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[tor
     std = (x - mean.float()).pow(2).mean(dim=reduce_dim, keepdim=True).sqrt()
     scale = std.clamp(min=_TINY).to(torch.bfloat16).clamp(min=_TINY)
     normalized = (x - mean.float()) / scale.float()
-    codes = torch.bucketize(normalized, thresholds_tensor(bits, x.device))
-    return codes, scale, mean
+    return _bucket(normalized, thresholds_tensor(bits, x.device)), scale, mean
+
+
+def _bucket(x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """`torch.bucketize(x, edges)` as uint8: how many edges lie strictly below each value. One comparison per
+    edge (3 at 2 bits) instead of a binary search per value: 0.4 ms instead of 2.9 ms for a layer's 896 prompt
+    values on one CPU thread, where the rest of int2's value encoding costs about as much (docs/speed.md)."""
+    codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for edge in edges:  # float32 0-d tensors: compared in float32, as bucketize compares
+        codes += x > edge
+    return codes
 
 
 @dataclass(frozen=True)

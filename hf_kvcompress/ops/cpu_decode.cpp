@@ -4,8 +4,10 @@
 // folds, exp, matmul), each costing about as much as DynamicCache's whole matmul (docs/benchmark-notes.md, section 5).
 // Here a tile of TILE tokens is dequantised into a small buffer that stays in L1, met by the KV head's query rows,
 // folded into a running max and sum (flash-decoding, Dao et al. 2023) and mixed into the values the same way,
-// so every code byte is read once. The output is the softmax partials (max, sum, unnormalised output) that the
-// Triton kernel returns too; store_attention merges them with the exact sinks and the full-precision tail.
+// so every code byte is read once. `decode_attention` then meets the layer's exact sinks and full-precision tail as
+// one more segment of the same softmax and divides by its sum, so a decode step is one call, not the few dozen
+// small tensor ops that merging the segments in PyTorch cost; `decode_attention_partials` returns the store's
+// softmax partials (max, sum, unnormalised output) as the Triton kernel does.
 //
 // Layout (ops/bitpack.py): byte j of a token holds dims j*u + i in bits [i*bits, (i+1)*bits), u = 8 / bits. Each
 // token is unpacked "plane-major" (plane i, column j at i*W + j), which is a shift and a mask over contiguous bytes
@@ -73,6 +75,15 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * two_n;
 }
 
+// Element i of a float32, bfloat16 or float16 buffer as float32.
+inline float load_float(const void* base, at::ScalarType type, int64_t i) {
+  switch (type) {
+    case at::kBFloat16: return static_cast<float>(static_cast<const c10::BFloat16*>(base)[i]);
+    case at::kHalf: return static_cast<float>(static_cast<const c10::Half*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
 // One kind (keys or values) of the store: codes [B, H, T, W] uint8, scale and zero [B, H, T / token_group,
 // dim / channel_group] (zero may be absent: float8), and how to read them.
 struct Store {
@@ -88,17 +99,9 @@ struct Store {
   int64_t scale_rows() const { return tokens / token_group; }
   // Plane-major position of dim d.
   int64_t plane_pos(int64_t d) const { return (d % unit()) * width + d / unit(); }
-  float load_scale(int64_t i) const { return load(scale, i); }
-  float load_zero(int64_t i) const { return zero ? load(zero, i) : 0.0f; }
-
- private:
-  float load(const void* base, int64_t i) const {  // once per group: a switch costs nothing there
-    switch (scale_type) {
-      case at::kBFloat16: return static_cast<float>(static_cast<const c10::BFloat16*>(base)[i]);
-      case at::kHalf: return static_cast<float>(static_cast<const c10::Half*>(base)[i]);
-      default: return static_cast<const float*>(base)[i];
-    }
-  }
+  // Once per group: a switch on the type costs nothing there.
+  float load_scale(int64_t i) const { return load_float(scale, scale_type, i); }
+  float load_zero(int64_t i) const { return zero ? load_float(zero, scale_type, i) : 0.0f; }
 };
 
 // The instruction-set paths this build reads with (`simd`), or none: the portable loops only.
@@ -291,7 +294,32 @@ struct Problem {
   int64_t sinks;
   float *max, *sum, *acc;
   bool vectorised;  // take the instruction-set paths where they read the store (false: the portable path only)
+  // The rest of the softmax, at full precision in the model's basis (decode_attention; plain_query null: the
+  // store's partials only). The layer's exact sinks [B, H, S, D] sit at the slots `hidden` names (a slot outside
+  // the store: no sink, or one still in the tail) and read bias column `slot`; the tail [B, H, tail_tokens, D]
+  // follows the store and reads bias columns [tokens, tokens + tail_tokens).
+  const float* plain_query;  // [B, H, M, D]
+  const void *sink_keys, *sink_values, *tail_keys, *tail_values;
+  at::ScalarType plain_type;
+  int64_t tail_tokens;
+  float* plain_out;  // [B, H, M, Dv]; with it, acc and plain_out are written normalised by the whole sum
 };
+
+// n values of a float32, bfloat16 or float16 buffer from element `start`, as float32 into out.
+inline void load_floats(const void* base, at::ScalarType type, int64_t start, int64_t n, float* out) {
+  if (type == at::kFloat) {
+    std::memcpy(out, static_cast<const float*>(base) + start, n * sizeof(float));
+  } else if (type == at::kBFloat16) {  // a bfloat16 is the high half of a float32
+    const uint16_t* in = static_cast<const uint16_t*>(base) + start;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
+      std::memcpy(out + i, &bits, sizeof(float));
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = load_float(base, type, start + i);
+  }
+}
 
 // Which parts of a call the instruction-set paths take: {keys, values}.
 std::vector<bool> vector_parts(const Store& keys, const Store& values, int64_t offsets, bool vectorised) {
@@ -304,6 +332,69 @@ std::vector<bool> vector_parts(const Store& keys, const Store& values, int64_t o
 #endif
 }
 
+// Row `row` of B x H after its store: the exact sinks and the full-precision tail as one more segment of the online
+// softmax (the store's acc [M, Dv] is rescaled to the new max; the plain output goes to pb.plain_out, unnormalised).
+// As caches/store_attention.py's PyTorch path: a sink slot outside the store [0, tokens) weighs nothing.
+template <int D>
+void attend_plain(const Problem& pb, int64_t row, int64_t tokens, float* acc, float* run_max, float* run_sum,
+                  std::vector<float>& buf, std::vector<float>& logits) {
+  const int64_t dim = dims<D>(pb.dim), value_dim = dims<D>(pb.value_dim), m_rows = pb.m_rows;
+  const int64_t b = row / pb.heads, h = row % pb.heads, sinks = pb.sinks, n = sinks + pb.tail_tokens;
+  const float* query = pb.plain_query + row * m_rows * dim;
+  float* out = pb.plain_out + row * m_rows * value_dim;
+  std::fill(out, out + m_rows * value_dim, 0.0f);
+  if (n == 0) return;
+  for (int64_t s = 0; s < n; ++s) {  // keys outer: each is converted once and met by every query row
+    const bool sink = s < sinks;
+    const int64_t slot = sink ? pb.hidden[row * sinks + s] : tokens + s - sinks;  // its bias column
+    if (sink && (slot < 0 || slot >= tokens)) {
+      for (int64_t m = 0; m < m_rows; ++m) logits[m * n + s] = NEG_INF;
+      continue;
+    }
+    const void* base = sink ? pb.sink_keys : pb.tail_keys;
+    const int64_t index = sink ? s : s - sinks, length = sink ? sinks : pb.tail_tokens;
+    load_floats(base, pb.plain_type, ((b * pb.heads + h) * length + index) * dim, dim, buf.data());
+    for (int64_t m = 0; m < m_rows; ++m) {
+      float logit = dot<D>(query + m * dim, buf.data(), dim);
+      if (pb.bias) logit += pb.bias[b * pb.bias_b + h * pb.bias_h + (m % pb.bias_rows) * pb.bias_q + slot];
+      logits[m * n + s] = logit;
+    }
+  }
+  for (int64_t m = 0; m < m_rows; ++m) {
+    float* lg = logits.data() + m * n;
+    const float new_max = std::max(run_max[m], row_max(lg, n));
+    const float safe = new_max == NEG_INF ? 0.0f : new_max;  // a row masked so far: exp(-inf - 0) = 0
+    const float rescale = std::exp(run_max[m] - safe);
+    float total = 0.0f;
+    for (int64_t s = 0; s < n; ++s) {
+      lg[s] = exp_nonpositive(lg[s] - safe);
+      total += lg[s];
+    }
+    if (rescale != 1.0f) {
+      float* a = acc + m * value_dim;
+#pragma omp simd
+      for (int64_t c = 0; c < dims<D>(pb.value_dim); ++c) a[c] *= rescale;
+    }
+    run_sum[m] = run_sum[m] * rescale + total;
+    run_max[m] = new_max;
+  }
+  for (int64_t s = 0; s < n; ++s) {
+    const bool sink = s < sinks;
+    const void* base = sink ? pb.sink_values : pb.tail_values;
+    const int64_t index = sink ? s : s - sinks, length = sink ? sinks : pb.tail_tokens;
+    bool any = false;
+    for (int64_t m = 0; m < m_rows; ++m) any = any || logits[m * n + s] != 0.0f;
+    if (!any) continue;  // hidden (or underflowed) for every query row
+    load_floats(base, pb.plain_type, ((b * pb.heads + h) * length + index) * value_dim, value_dim, buf.data());
+    for (int64_t m = 0; m < m_rows; ++m) {
+      const float p = logits[m * n + s];
+      float* o = out + m * value_dim;
+#pragma omp simd
+      for (int64_t c = 0; c < dims<D>(pb.value_dim); ++c) o[c] += p * buf[c];
+    }
+  }
+}
+
 // Rows [begin, end) of B x H: the online softmax over the store, a tile at a time.
 template <int D>
 void attend_rows(const Problem& pb, const Store& keys, const Store& values, TileFn key_tile, TileFn value_tile,
@@ -314,6 +405,9 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
   std::vector<float> logits(m_rows * TILE), acc(m_rows * value_dim), run_max(m_rows), run_sum(m_rows);
   std::vector<float> k_scale_buf(dim), k_zero_buf(dim), v_scale_buf(value_dim), v_zero_buf(value_dim);
   std::vector<float> scaled_q(m_rows * dim);
+  // The plain segments: one row of keys or values in float32, and the logits of sinks and tail per query row.
+  std::vector<float> plain_buf(pb.plain_query ? std::max(dim, value_dim) : 0);
+  std::vector<float> plain_logits(pb.plain_query ? m_rows * (pb.sinks + pb.tail_tokens) : 0);
   const std::vector<bool> vector = vector_parts(keys, values, offsets, pb.vectorised);
   const bool vector_keys = vector[0], vector_values = vector[1];
   // Per-channel keys fold their scales into the query (one product per group of tokens, not per token).
@@ -437,29 +531,47 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
         }
       }
     }
+    if (pb.plain_query) {
+      attend_plain<D>(pb, row, tokens, acc.data(), run_max.data(), run_sum.data(), plain_buf, plain_logits);
+      for (int64_t m = 0; m < m_rows; ++m) {  // a fully masked row (padding) gives 0, not NaN
+        const float norm = 1.0f / std::max(run_sum[m], std::numeric_limits<float>::min());
+        float* a = acc.data() + m * value_dim;
+        float* p = pb.plain_out + (row * m_rows + m) * value_dim;
+#pragma omp simd
+        for (int64_t c = 0; c < dims<D>(pb.value_dim); ++c) {
+          a[c] *= norm;
+          p[c] *= norm;
+        }
+      }
+    }
     for (int64_t m = 0; m < m_rows; ++m) {
       const int64_t out_row = row * m_rows + m;
-      pb.max[out_row] = run_max[m];
-      pb.sum[out_row] = run_sum[m];
+      if (pb.max) {
+        pb.max[out_row] = run_max[m];
+        pb.sum[out_row] = run_sum[m];
+      }
       for (int64_t c = 0; c < value_dim; ++c)  // back from the values' plane-major order
         pb.acc[out_row * value_dim + c] = acc[m * value_dim + values.plane_pos(c)];
     }
   }
 }
 
-}  // namespace
+// The store's part of a call, checked, and the rows run: shared by both entry points.
+struct Call {
+  Store keys, values;
+  Problem pb;
+  int64_t batch;
+};
 
 // query [B, H, M, O, D] float32 (scaled, storage basis; O = 1, or one query per offset within a per-channel key
-// group: pre_rope keys). bias: [B or 1, H or 1, Q, T] float32 additive mask with M a multiple of Q (row m reads
-// bias row m % Q), or absent. hidden: [B, H, S] int64 slots of the store to leave out (-1: none), or absent.
-// Returns (max [B, H, M, 1], sum [B, H, M, 1], out [B, H, M, Dv]): out and sum relative to max.
-std::vector<at::Tensor> decode_attention_partials(
-    const at::Tensor& query, const at::Tensor& k_codes, const at::Tensor& k_scale,
-    const c10::optional<at::Tensor>& k_zero, int64_t k_levels, double k_l0, double k_a, double k_b,
-    const at::Tensor& v_codes, const at::Tensor& v_scale,
-    const c10::optional<at::Tensor>& v_zero, int64_t v_levels, double v_l0, double v_a, double v_b,
-    int64_t value_dim, const c10::optional<at::Tensor>& bias,
-    const c10::optional<at::Tensor>& hidden, bool vectorised) {
+// group: pre_rope keys). bias: [B or 1, H or 1, Q, >= columns] float32 additive mask with M a multiple of Q (row m
+// reads bias row m % Q), or absent. hidden: [B, H, S] int64 slots of the store to leave out (-1: none), or absent.
+Call prepare(const at::Tensor& query, const at::Tensor& k_codes, const at::Tensor& k_scale,
+             const c10::optional<at::Tensor>& k_zero, int64_t k_levels, double k_l0, double k_a, double k_b,
+             const at::Tensor& v_codes, const at::Tensor& v_scale, const c10::optional<at::Tensor>& v_zero,
+             int64_t v_levels, double v_l0, double v_a, double v_b, int64_t value_dim,
+             const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden, bool vectorised,
+             int64_t extra_columns) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 5 && query.is_contiguous(),
               "cpu_decode: query must be contiguous float32 [B, H, M, O, D]");
   const int64_t batch = query.size(0), heads = query.size(1), m_rows = query.size(2), offsets = query.size(3);
@@ -474,7 +586,7 @@ std::vector<at::Tensor> decode_attention_partials(
   const float* bias_data = nullptr;
   int64_t bias_b = 0, bias_h = 0, bias_q = 0, bias_rows = 1;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 4 && bias->size(3) == tokens &&
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 4 && bias->size(3) == tokens + extra_columns &&
                     bias->stride(3) == 1 && (bias->size(0) == 1 || bias->size(0) == batch) &&
                     (bias->size(1) == 1 || bias->size(1) == heads) && m_rows % bias->size(2) == 0,
                 "cpu_decode: bias must be float32 [B or 1, H or 1, Q, T] with unit stride over T");
@@ -492,16 +604,21 @@ std::vector<at::Tensor> decode_attention_partials(
     hidden_data = hidden->data_ptr<int64_t>();
     sinks = hidden->size(2);
   }
-  auto options = query.options();
-  at::Tensor out_max = at::empty({batch, heads, m_rows, 1}, options);
-  at::Tensor out_sum = at::empty({batch, heads, m_rows, 1}, options);
-  at::Tensor out_acc = at::empty({batch, heads, m_rows, value_dim}, options);
-  const Problem pb{query.data_ptr<float>(), heads, m_rows, offsets, dim, value_dim, bias_data, bias_b, bias_h,
-                   bias_q, bias_rows, hidden_data, sinks, out_max.data_ptr<float>(), out_sum.data_ptr<float>(),
-                   out_acc.data_ptr<float>(), vectorised};
+  Problem pb{};
+  pb.query = query.data_ptr<float>();
+  pb.heads = heads, pb.m_rows = m_rows, pb.offsets = offsets, pb.dim = dim, pb.value_dim = value_dim;
+  pb.bias = bias_data, pb.bias_b = bias_b, pb.bias_h = bias_h, pb.bias_q = bias_q, pb.bias_rows = bias_rows;
+  pb.hidden = hidden_data, pb.sinks = sinks, pb.vectorised = vectorised;
+  return Call{keys, values, pb, batch};
+}
+
+void launch(const Call& call) {
+  const Problem& pb = call.pb;
+  const Store &keys = call.keys, &values = call.values;
   // The head dims of common models compiled in; any other runs with run-time loops.
-  const int64_t fixed = dim == value_dim && (dim == 32 || dim == 64 || dim == 128 || dim == 256) ? dim : 0;
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t fixed = pb.dim == pb.value_dim && (pb.dim == 32 || pb.dim == 64 || pb.dim == 128 || pb.dim == 256)
+                            ? pb.dim : 0;
+  at::parallel_for(0, call.batch * pb.heads, 1, [&](int64_t begin, int64_t end) {
     switch (fixed) {
       case 32: return attend_rows<32>(pb, keys, values, pick_tile<32>(keys), pick_tile<32>(values), begin, end);
       case 64: return attend_rows<64>(pb, keys, values, pick_tile<64>(keys), pick_tile<64>(values), begin, end);
@@ -510,7 +627,82 @@ std::vector<at::Tensor> decode_attention_partials(
       default: return attend_rows<0>(pb, keys, values, pick_tile<0>(keys), pick_tile<0>(values), begin, end);
     }
   });
+}
+
+}  // namespace
+
+// The store's softmax partials (see `prepare` for the arguments): (max [B, H, M, 1], sum [B, H, M, 1],
+// out [B, H, M, Dv]), out and sum relative to max.
+std::vector<at::Tensor> decode_attention_partials(
+    const at::Tensor& query, const at::Tensor& k_codes, const at::Tensor& k_scale,
+    const c10::optional<at::Tensor>& k_zero, int64_t k_levels, double k_l0, double k_a, double k_b,
+    const at::Tensor& v_codes, const at::Tensor& v_scale,
+    const c10::optional<at::Tensor>& v_zero, int64_t v_levels, double v_l0, double v_a, double v_b,
+    int64_t value_dim, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& hidden, bool vectorised) {
+  Call call = prepare(query, k_codes, k_scale, k_zero, k_levels, k_l0, k_a, k_b, v_codes, v_scale, v_zero, v_levels,
+                      v_l0, v_a, v_b, value_dim, bias, hidden, vectorised, 0);
+  const int64_t batch = query.size(0), heads = query.size(1), m_rows = query.size(2);
+  auto options = query.options();
+  at::Tensor out_max = at::empty({batch, heads, m_rows, 1}, options);
+  at::Tensor out_sum = at::empty({batch, heads, m_rows, 1}, options);
+  at::Tensor out_acc = at::empty({batch, heads, m_rows, value_dim}, options);
+  call.pb.max = out_max.data_ptr<float>();
+  call.pb.sum = out_sum.data_ptr<float>();
+  call.pb.acc = out_acc.data_ptr<float>();
+  launch(call);
   return {out_max, out_sum, out_acc};
+}
+
+// The whole decode attention of a layer: the store (as decode_attention_partials reads it), then its exact sinks at
+// the `hidden` slots (sink_keys / sink_values [B, H, S, D], or absent) and its tail (tail_keys / tail_values
+// [B, H, Tt, D]) in one softmax. plain_query [B, H, M, D] float32 (scaled, the model's basis) meets sinks and tail;
+// bias, when given, covers the store's and the tail's columns [0, T + Tt). Returns (store part [B, H, M, Dv] in the
+// values' storage basis, plain part [B, H, M, Dv]), each already divided by the whole softmax sum (a fully masked
+// row: zeros); the output is the store part brought back from its basis plus the plain part.
+std::vector<at::Tensor> decode_attention(
+    const at::Tensor& query, const at::Tensor& plain_query, const at::Tensor& k_codes, const at::Tensor& k_scale,
+    const c10::optional<at::Tensor>& k_zero, int64_t k_levels, double k_l0, double k_a, double k_b,
+    const at::Tensor& v_codes, const at::Tensor& v_scale,
+    const c10::optional<at::Tensor>& v_zero, int64_t v_levels, double v_l0, double v_a, double v_b,
+    int64_t value_dim, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden,
+    const c10::optional<at::Tensor>& sink_keys, const c10::optional<at::Tensor>& sink_values,
+    const at::Tensor& tail_keys, const at::Tensor& tail_values, bool vectorised) {
+  const int64_t batch = query.size(0), heads = query.size(1), m_rows = query.size(2), dim = query.size(4);
+  const int64_t tail_tokens = tail_keys.size(2);
+  const auto type = tail_keys.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf,
+              "cpu_decode: the tail must be float32, bfloat16 or float16");
+  auto plain_states = [&](const at::Tensor& t, int64_t tokens, int64_t width, const char* name) {
+    TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.dim() == 4 && t.size(0) == batch &&
+                    t.size(1) == heads && t.size(2) == tokens && t.size(3) == width,
+                "cpu_decode: ", name, " must be contiguous [B, H, tokens, D] in the tail's dtype");
+    return t.data_ptr();
+  };
+  TORCH_CHECK(plain_query.scalar_type() == at::kFloat && plain_query.is_contiguous() && plain_query.dim() == 4 &&
+                  plain_query.size(0) == batch && plain_query.size(1) == heads && plain_query.size(2) == m_rows &&
+                  plain_query.size(3) == dim, "cpu_decode: plain_query must be contiguous float32 [B, H, M, D]");
+  Call call = prepare(query, k_codes, k_scale, k_zero, k_levels, k_l0, k_a, k_b, v_codes, v_scale, v_zero, v_levels,
+                      v_l0, v_a, v_b, value_dim, bias, hidden, vectorised, tail_tokens);
+  Problem& pb = call.pb;
+  TORCH_CHECK(sink_keys.has_value() == (pb.sinks > 0) && sink_values.has_value() == (pb.sinks > 0),
+              "cpu_decode: sink states come with their slots (hidden)");
+  if (pb.sinks > 0) {
+    pb.sink_keys = plain_states(*sink_keys, pb.sinks, dim, "sink_keys");
+    pb.sink_values = plain_states(*sink_values, pb.sinks, value_dim, "sink_values");
+  }
+  pb.tail_keys = plain_states(tail_keys, tail_tokens, dim, "tail_keys");
+  pb.tail_values = plain_states(tail_values, tail_tokens, value_dim, "tail_values");
+  pb.plain_type = type;
+  pb.tail_tokens = tail_tokens;
+  pb.plain_query = plain_query.data_ptr<float>();
+  auto options = query.options();
+  at::Tensor stored = at::empty({batch, heads, m_rows, value_dim}, options);
+  at::Tensor plain = at::empty({batch, heads, m_rows, value_dim}, options);
+  pb.acc = stored.data_ptr<float>();
+  pb.plain_out = plain.data_ptr<float>();
+  launch(call);
+  return {stored, plain};
 }
 
 // Which parts of decode_attention_partials the instruction-set paths would take for this store: {keys, values}.
@@ -534,6 +726,8 @@ std::string instruction_set() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_attention_partials", &decode_attention_partials,
              "Softmax partials of decode queries over a bit-packed KV store (max, sum, unnormalised output)");
+  module.def("decode_attention", &decode_attention,
+             "Decode attention over a bit-packed KV store, its exact sinks and its tail: the normalised output's parts");
   module.def("vector_paths", &vector_paths, "Which parts ({keys, values}) the instruction-set paths read");
   module.def("instruction_set", &instruction_set, "The instruction-set paths compiled in: avx512 or portable");
 }

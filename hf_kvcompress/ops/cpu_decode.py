@@ -149,3 +149,36 @@ def decode_attention_partials(
         query.float().contiguous(), *_arguments(encoded_keys, key_layout), *_arguments(encoded_values, value_layout),
         value_dim, bias, None if hidden is None else hidden.long().contiguous(), vectorised,
     ))
+
+
+# The dtypes the kernel reads the exact sinks and the tail in; any other is read as float32.
+PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def decode_attention(
+    query: torch.Tensor, plain_query: torch.Tensor, encoded_keys: dict, encoded_values: dict, key_layout: KernelLayout,
+    value_layout: KernelLayout, value_dim: int, bias: torch.Tensor | None, sink_slots: torch.Tensor | None,
+    sink_keys: torch.Tensor | None, sink_values: torch.Tensor | None, tail_keys: torch.Tensor,
+    tail_values: torch.Tensor, vectorised: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's whole decode attention in one call: the store (as `decode_attention_partials` reads it), its exact
+    sinks [B, H_kv, S, D] at `sink_slots` [B, H_kv, S] (a slot outside the store weighs nothing there: no sink, or one
+    still in the tail) and its tail [B, H_kv, Tt, D], in one softmax. `plain_query` [B, H_kv, M, D] (scaled, the
+    model's basis) meets sinks and tail; `bias` [B or 1, H_kv or 1, Q, T + Tt] float32 covers the store's and the
+    tail's columns (a sink reads its slot's). Returns the store's part [B, H_kv, M, Dv] in the values' storage basis and
+    the plain part [B, H_kv, M, Dv], both divided by the whole softmax sum (a fully masked row gives zeros): the
+    output is the first brought back from its basis plus the second. Each step pays one call instead of the few dozen
+    small tensor ops that merging the segments in PyTorch costs (docs/speed.md)."""
+    extension = _extension()
+    if extension is None:
+        raise RuntimeError("the CPU decode-attention kernel is not available on this machine (see the warning)")
+    plain_dtype = tail_keys.dtype if tail_keys.dtype in PLAIN_DTYPES else torch.float32
+    plain = [None if t is None else t.to(plain_dtype).contiguous() for t in (sink_keys, sink_values)]
+    if sink_slots is None:
+        plain = [None, None]
+    return tuple(extension.decode_attention(
+        query.float().contiguous(), plain_query.float().contiguous(), *_arguments(encoded_keys, key_layout),
+        *_arguments(encoded_values, value_layout), value_dim, bias,
+        None if sink_slots is None else sink_slots.long().contiguous(), *plain,
+        tail_keys.to(plain_dtype).contiguous(), tail_values.to(plain_dtype).contiguous(), vectorised,
+    ))

@@ -42,7 +42,10 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
         a.add_(b)  # a + b
         torch.sub(first, b, out=b)  # a - b
         h *= 2
-    return rows.div_(math.sqrt(n)).t().reshape(*lead, n)
+    # Back to x's row-major layout: a transposed result would hand its layout to everything computed from it
+    # (elementwise ops and `cat` keep their input's strides), down to a store's codes, which the decode kernel
+    # then copied whole at every step to read them contiguously.
+    return rows.div_(math.sqrt(n)).t().contiguous().reshape(*lead, n)
 
 
 @lru_cache(maxsize=256)

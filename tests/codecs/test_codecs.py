@@ -518,3 +518,22 @@ def test_wide_layers_store_their_layers_at_wide_bits_and_the_rest_at_bits():
     assert measured_kv_bytes(narrow) < measured_kv_bytes(second_wide) < measured_kv_bytes(wide)
     with pytest.raises(ValueError, match="wide_layers must be decoder layers 0 to 1"):
         make_cache(f"int2:{options},wide_layers=2", model.config)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_gaussian_codes_are_the_bucket_of_each_normalized_value(bits):
+    """The Lloyd-Max codes are what `torch.bucketize` over the decision edges gives: the encoder counts the edges
+    strictly below each value instead of searching (at an edge, on either side of it, and through `encode`)."""
+    from hf_kvcompress.codecs.gaussian_levels import thresholds_tensor
+    from hf_kvcompress.codecs.intn import _bucket
+
+    edges = thresholds_tensor(bits)
+    values = torch.cat([edges, torch.nextafter(edges, edges + 1), torch.nextafter(edges, edges - 1),
+                        torch.randn(1000, generator=torch.Generator().manual_seed(bits)) * 2])
+    assert torch.equal(_bucket(values, edges).long(), torch.bucketize(values, edges))
+    codec = IntNCodec(bits=bits, group_size=8, key_axis="token", codebook="gaussian", rotate="none")
+    x = torch.randn(2, 3, 40, 16, generator=torch.Generator().manual_seed(bits))
+    encoded = codec.encode(x, "value")
+    scale = encoded["scale"].float().repeat_interleave(8, dim=-1)
+    mean = encoded["zero"].float().repeat_interleave(8, dim=-1)
+    assert torch.equal(unpack(encoded["codes"], bits).long(), torch.bucketize((x - mean) / scale, edges))

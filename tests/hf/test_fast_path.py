@@ -12,8 +12,23 @@ from transformers import DynamicCache
 from hf_kvcompress import QuantizedCache, load_model, make_cache, use_kvcompress_attention
 from hf_kvcompress.caches import store_attention
 from hf_kvcompress.hf.attention import ATTENTION_NAME, engage
+from hf_kvcompress.ops import cpu_decode
 
 from ..caches.tiny_models import tiny_model
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """How many times the C++ kernel attended a whole layer (store, sinks and tail) in one call."""
+    calls = []
+    original = cpu_decode.decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_decode, "decode_attention", counted)
+    return calls
 
 
 @pytest.fixture
@@ -31,7 +46,7 @@ def store_reads(monkeypatch):
     return calls
 
 
-def test_the_quick_starts_int4_cache_reads_its_store_directly(store_reads):
+def test_the_quick_starts_int4_cache_reads_its_store_directly(store_reads, kernel_calls):
     model, tokenizer = load_model()  # a fresh model: no use_kvcompress_attention anywhere
     assert model.config._attn_implementation == "sdpa"
     text = "What is the capital of France? " * 30  # longer than the residual: the store holds encoded tokens
@@ -44,6 +59,7 @@ def test_the_quick_starts_int4_cache_reads_its_store_directly(store_reads):
     assert cache.layers[0].n_encoded > 0 and all(layer.offers.confirmed for layer in cache.layers)
     assert len(store_reads) == (new - 1) * layers  # every decode step of every layer read the store itself
     assert set(store_reads) == {"cpu"}  # through the C++ kernel
+    assert len(kernel_calls) == len(store_reads)  # one call per layer and step: store, exact sinks and tail
     assert model.config._attn_implementation == ATTENTION_NAME
     # The same tokens as transformers' own path over the decoded store (a cache built from a copy of the config
     # cannot switch the model; the model is switched back to SDPA first).

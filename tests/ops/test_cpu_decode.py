@@ -162,6 +162,49 @@ def test_a_fully_masked_row_gives_empty_partials():
     assert (got_max == float("-inf")).all() and (got_sum == 0).all() and (got_acc == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["int4 keys per channel", "int2 per token, Lloyd-Max levels", "fp8"])
+def test_whole_attention_equals_softmax_over_store_sinks_and_tail(name, dtype):
+    """`decode_attention` against one softmax over [decoded store | exact sinks | tail]: a sink outside the store
+    (none, or one still in the tail) weighs nothing, a sink reads its slot's bias column and the tail the columns
+    after the store, and a fully masked row gives zeros."""
+    codec = CODECS[name]
+    g = torch.Generator().manual_seed(3)
+    batch, heads, rows, tokens, tail, dim = 3, 2, 3, 96, 5, 32
+    keys = torch.randn(batch, heads, tokens, dim, generator=g) * 2
+    values = torch.randn(batch, heads, tokens, dim, generator=g)
+    enc_k, enc_v = codec.encode(keys, "key"), codec.encode(values, "value")
+    sink_k, sink_v, tail_k, tail_v = (torch.randn(batch, heads, n, dim, generator=g).to(dtype)
+                                      for n in (2, 2, tail, tail))
+    slots = torch.tensor([[[3, -1], [40, tokens + 1]], [[0, 95], [-1, -1]], [[7, 8], [9, 10]]])
+    query = torch.randn(batch, heads, rows, dim, generator=g) * 0.3
+    bias = torch.zeros(batch, 1, 1, tokens + tail)
+    bias[0, :, :, :50] = float("-inf")  # hides the sink at slot 3 and the first tokens, not the one at 40
+    bias[1, :, :, -2:] = -2.0  # the tail's last two
+    bias[2] = float("-inf")  # a fully masked row
+    stored, plain = cpu_decode.decode_attention(
+        query[:, :, :, None], query, enc_k, enc_v, codec.kernel_layout("key"), codec.kernel_layout("value"), dim,
+        bias, slots, sink_k, sink_v, tail_k, tail_v,
+    )
+    # The reference: the sinks' slots hidden in the store, the sinks appended with their slots' bias (or hidden).
+    store_logits = query @ codec.decode(enc_k, "key", torch.float32).transpose(-1, -2) + bias[..., :tokens]
+    inside = (slots >= 0) & (slots < tokens)
+    hide = torch.zeros(batch, heads, tokens + 1, dtype=torch.bool).scatter_(2, torch.where(inside, slots, tokens), True)
+    store_logits = store_logits.masked_fill(hide[:, :, None, :tokens], float("-inf"))
+    sink_bias = bias.expand(batch, heads, 1, -1).gather(3, slots.clamp(min=0)[:, :, None])
+    sink_logits = (query @ sink_k.float().transpose(-1, -2) + sink_bias).masked_fill(~inside[:, :, None], float("-inf"))
+    tail_logits = query @ tail_k.float().transpose(-1, -2) + bias[..., tokens:]
+    probs = torch.softmax(torch.cat([store_logits, sink_logits, tail_logits], -1), -1).nan_to_num(0.0)
+    expected = probs[..., :tokens] @ codec.decode(enc_v, "value", torch.float32)
+    expected_plain = probs[..., tokens:] @ torch.cat([sink_v, tail_v], 2).float()
+    torch.testing.assert_close(stored, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain, expected_plain, atol=1e-5, rtol=1e-5)
+    assert (stored[2] == 0).all() and (plain[2] == 0).all()
+    # the cases the slots name weigh nothing: no sinks (row 1, head 1), a sink still in the tail (row 0, head 1)
+    assert (probs[1, 1, :, tokens:tokens + 2] == 0).all() and (probs[0, 1, :, tokens + 1] == 0).all()
+    assert (probs[1, 0, :, tokens:tokens + 2] > 0).all()  # the store's first and last slots are sinks
+
+
 def test_every_float8_byte_reads_as_the_pytorch_path_reads_it():
     """Row b of the batch sees only token b, whose every value is byte b: the output is that byte's value."""
     from hf_kvcompress.codecs.fp8 import e4m3_as_float
@@ -195,7 +238,7 @@ LAYER_SPECS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("spec", LAYER_SPECS)
 def test_a_layer_through_the_kernel_equals_the_pytorch_path(spec, dtype):
     """Rotated stores, exact sinks, a left-padded row, GQA, the tail, one and three query rows per head."""
@@ -224,6 +267,9 @@ def test_a_layer_through_the_kernel_equals_the_pytorch_path(spec, dtype):
             # here has one for the kernel to cover
             assert layer.n_encoded > 0 and (layer.tail_keys.shape[-2] > 0) != layer.codec.encodes_on_arrival
             assert (layer.sink_slots is not None) == ("sink" in spec or spec.startswith(("int4:", "int2:")))
+            # the kernel reads the store in place: a non-contiguous encoding is copied whole at every step
+            stored = [*layer.store.encoded_keys.values(), *layer.store.encoded_values.values()]
+            assert all(tensor.is_contiguous() for tensor in stored)
             for rows in (1, 3):  # three query rows: a causal mask over the last rows of the store
                 query = torch.randn(2, KV_HEADS * GROUPS, rows, DIM, generator=g).to(dtype)
                 rows_mask = mask & torch.ones(rows, k.shape[-2], dtype=torch.bool).tril(k.shape[-2] - rows - 20)

@@ -39,6 +39,7 @@ def test_fwht_is_bit_for_bit_the_interleaved_form_and_leaves_its_input_alone(sha
     before = x.clone()
     out = fwht(x)
     assert out.shape == x.shape and torch.equal(out, _interleaved_fwht(x))
+    assert out.is_contiguous()  # a transposed layout would pass on to everything computed from it (a store's codes)
     assert torch.equal(x, before)
     # A row's result does not depend on the rows beside it (what batch rows equal to rows alone rely on).
     assert torch.equal(fwht(x.reshape(-1, shape[-1])[:1]), out.reshape(-1, shape[-1])[:1])
