@@ -346,3 +346,36 @@ def test_budget_bounds_memory_through_a_long_generation(probed, spec):
     assert all(layer.stored_tokens == 8 and layer.seen == 44 for layer in full)
     reached = next(n for n, m in enumerate(measured) if m == max(measured))
     assert reached < 10 and len(set(measured[reached:])) == 1
+
+
+def test_head_budgets_bound_memory_through_a_long_generation(probed):
+    """Through plain model.generate with the default head budgets: the first decode step ranks the prompt, and from
+    then on each ranked layer holds at most the budget's pairs per row (its store evicts a block at a time, so it may
+    hold a few less), the bytes stop growing and equal the promise."""
+    model, directory = probed
+    cache = make_cache(f"kvzap:budget=8,recent=0,probe={directory}", model.config)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(8))
+    held = []
+
+    class Meter:  # a streamer, called after every step
+        def put(self, value):
+            ranked = [layer for layer in cache.layers if layer.per_head]
+            held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
+                         [int(layer.store.held_pairs()[0]) for layer in ranked], len(ranked)))
+
+        def end(self):
+            pass
+
+    model.generate(input_ids=ids, cache=cache, max_new_tokens=40, do_sample=False, streamer=Meter())
+    assert all(m == p for m, p, _, _ in held)
+    full = [layer for layer in cache.layers if not layer.is_sliding]
+    # Puts: the prompt, the token the prompt's forward pass chose, then one per decode step, each after the ranking.
+    after = [h for h in held if h[3] == len(full)]
+    assert len(after) == 39
+    heads = full[0].kv_heads
+    # Layers and heads hold different numbers of pairs; the row holds no more than the budget's in all.
+    assert all(sum(counts) <= 8 * heads * len(full) for _, _, counts, _ in after)
+    # The store's tail of later tokens grows until it is absorbed, then the bytes fall back (a sawtooth, measured:
+    # 7.6 kB -> 31.9 kB -> 7.6 kB on the tiny Llama); `budgets=uniform` holds them constant instead (test above).
+    grown = max(range(len(after)), key=lambda n: after[n][0])
+    assert any(m <= after[0][0] * 1.1 for m, _, _, _ in after[grown + 1 :])
