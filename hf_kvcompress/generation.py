@@ -95,7 +95,8 @@ def prefill(
     model then reads `repeat_prompt_ids` and `input_ids` again (in chunks of `reconstruction_chunk` tokens, each
     after the previous chunk's last `reconstruction_overlap` tokens) against the cache, which scores and evicts:
     about one more prefill of the context, whose tokens are not kept. `on_chunk()` runs after every forward pass
-    (to measure memory). Every other policy compresses while the tokens arrive.
+    (to measure memory). KVzap with head budgets ranks every layer's probe-scored pairs once the chunks are read
+    (`cache.rank_prompt`). Every other policy compresses while the tokens arrive.
     """
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
@@ -149,6 +150,8 @@ def prefill(
                 on_chunk()
     finally:
         END_ALIGNED_CHUNKS.reset(marker)
+    if compress and getattr(policy, "ranks_prompt", False):
+        cache.rank_prompt()  # KVzap's head budgets: the prompt is read, rank every layer's pairs once
     if reconstruct:
         score_by_reconstruction(
             model, input_ids, attention_mask, cache, repeat_prompt_ids, reconstruction_chunk, reconstruction_overlap,

@@ -43,6 +43,13 @@ class LinearProbe(torch.nn.Module):
         return scores.reshape(batch, new, -1).transpose(1, 2).contiguous()
 
 
+def estimated_score(log_scores: torch.Tensor) -> torch.Tensor:
+    """What a cache ranks by: p / (1 + p) of the estimated KVzip score p = exp(log_scores). Monotone in p and below
+    1, as the attention probabilities KVzip's head ranking and store are built for (head_ranking.py ranks the
+    recent window at 1.5 and later tokens from 2), whatever a probe estimates past its training range."""
+    return torch.sigmoid(log_scores)
+
+
 def save_probe(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str | os.PathLike) -> Path:
     """Write the probe to `path` (a directory: PROBE_FILE in it), float32 (a ridge probe is a few hundred kB)."""
     path = Path(path)

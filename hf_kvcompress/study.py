@@ -113,7 +113,9 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     shape = kv_shape_from_config(config)
     dtype = {4: torch.float32, 2: torch.bfloat16}.get(int(model_bytes), torch.float32)
     windows = shape.windows or (None,) * shape.layers
-    head_store = policy.scores_by_reconstruction and getattr(policy, "budgets", None) == "head" and policy.evicts
+    # KVzip's head budgets, or KVzap's (`ranks_prompt`): the ranked layers become per-head stores.
+    head_store = policy.ranks_prompt or (
+        policy.scores_by_reconstruction and getattr(policy, "budgets", None) == "head" and policy.evicts)
     total = 0.0
     # The layers CompressedCache builds.
     for plan, held in zip(plan_layers(policy, codec, config), windows, strict=True):
@@ -162,8 +164,9 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
         per_encoded = layer_codec.bytes_per_token(shape.head_dim, "key", dtype) + layer_codec.bytes_per_token(
             shape.head_dim, "value", dtype)
         total += shape.kv_heads * (encoded * per_encoded + (kept - encoded) * 2 * shape.head_dim * model_bytes)
-        if not plan.is_sliding and policy.evicts and (policy.needs_attention or policy.scores_by_reconstruction):
-            total += shape.kv_heads * kept * 4  # each kept slot's float32 score (H2O's sums, KVzip's maxima)
+        scored = policy.needs_attention or policy.scores_by_reconstruction or policy.needs_hidden_states
+        if not plan.is_sliding and policy.evicts and scored:
+            total += shape.kv_heads * kept * 4  # each kept slot's float32 score (H2O's sums, KVzip's maxima, KVzap's)
         if layer_codec.needs_positions:  # each slot's int32 key position (lowrank's joint bases decode at it)
             total += shape.kv_heads * kept * 4
         if layer_codec.exact_sinks and (encoded > 0 or kept < tokens):

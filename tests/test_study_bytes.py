@@ -107,3 +107,19 @@ def test_a_budget_measured_on_short_documents_is_not_recommended_for_long_users(
     assert "(score 100, +0) *" in text and "250 = 3% instead of 25%" in text
     short = study.analyse(records, config, 2, 0.25 * 2**30, 80 * 2**30, 1000)  # users at the measured length
     assert not any(r.stretched for r in short) and study.recommend(short, 10).spec == "kvzip:budget=250"
+
+
+@pytest.mark.parametrize("spec", ["kvzap:ratio=0.25", "kvzap:budget=128", "kvzap:ratio=0.25,budgets=uniform"])
+def test_promised_bytes_of_kvzap_are_what_its_cache_holds(model, spec, tmp_path):
+    """KVzap's head budgets rank into per-head stores as KVzip's do; budgets=uniform keeps token layers."""
+    from tests.caches.test_kvzap import write_probe
+
+    model.config._name_or_path = "tiny-bytes"
+    write_probe(model.config, tmp_path, scale=0.1)
+    spec = spec.replace("kvzap:", f"kvzap:probe={tmp_path},")
+    ids = torch.randint(3, 200, (1, TOKENS), generator=torch.Generator().manual_seed(1))
+    cache = make_cache(spec, model.config)
+    with torch.inference_mode():
+        prefill(model, ids, torch.ones_like(ids), cache)
+    assert any(layer.per_head for layer in cache.layers) == ("uniform" not in spec)
+    assert study.promised_bytes(spec, model.config, TOKENS, 2) == pytest.approx(measured_kv_bytes(cache), rel=0.01)

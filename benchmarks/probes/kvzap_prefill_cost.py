@@ -1,8 +1,9 @@
 """What KVzap's probe adds to a prefill, beside DynamicCache's and KVzip's (its reconstruction pass).
 
-Question: how long does a prefill take with `kvzap` (each token scored by its layer's probe as it arrives, the
-cache evicting to its share in the same step) compared with a DynamicCache prefill of the same prompt, in the same
-run, and with `kvzip` (which reads the prompt a second time)?
+Question: how long does a prefill take with `kvzap` (each token scored by its layer's probe as it arrives; with
+the default head budgets the prompt is held and every layer's pairs ranked once at the end, with
+`budgets=uniform` the cache evicts to its share in the same step) compared with a DynamicCache prefill of the same
+prompt, in the same run, and with `kvzip` (which reads the prompt a second time)?
 Command:
     python benchmarks/probes/kvzap_prefill_cost.py --tokens 4096 --repeats 3 --specs "kvzap:ratio=0.25"
 Written up: docs/results.md, "KVzap: KVzip's scores from one read".

@@ -149,6 +149,8 @@ class CompressedCache(Cache):
                     f"the layers of this cache have seen different numbers of tokens ({sorted(seen)}): it was used "
                     "by a model with a different layer count; call cache.reset() or create a new cache"
                 )
+        if layer_idx == 0 and key_states.shape[-2] == 1 and self.policy.ranks_prompt:
+            self.rank_prompt()  # model.generate's first decode step: the prompt is read (no-op once ranked)
         states = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if not self.attention_settled:
             self._engage_attention(attention_kwargs(args, kwargs))
@@ -248,6 +250,22 @@ class CompressedCache(Cache):
         for layer in self.layers:
             if not layer.per_head:
                 layer.end_reconstruction()
+
+    def rank_prompt(self) -> None:
+        """KVzap's head budgets (`policy.ranks_prompt`): once the prompt is read, one ranking of every full-attention
+        layer's pairs by their probe estimates decides what each KV head keeps (head_ranking.py, as KVzip's at its
+        pass's end); each ranked layer becomes a head store. `hf_kvcompress.prefill` calls it when it ends, and the
+        cache itself at the first one-token step (model.generate's path). Once: later calls find nothing to rank."""
+        if not self.policy.ranks_prompt:
+            return
+        scored = [layer for layer in self.layers
+                  if layer.policy.needs_hidden_states and layer.is_initialized and not layer.per_head]
+        if not scored:
+            return
+        sinks = 0 if self.codec.lossless else self.codec.exact_sinks
+        keeps = head_budget_keep(self.policy, scored, sinks, extra=self._sliding_extra(scored))
+        for layer, (priority, keep) in zip(scored, keeps, strict=True):
+            layer.rank_heads(priority, keep)
 
     def _sliding_extra(self, scored: list) -> torch.Tensor | None:
         """[B] tokens per KV head the scored (full-attention) layers keep beyond the ratio's share, from the pairs the

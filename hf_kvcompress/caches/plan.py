@@ -137,10 +137,11 @@ def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[st
 
 def plans_sliding_share(policy: Policy, layer_types: list[str]) -> bool:
     """Whether `plan_layers` shares the pairs of `policy` between sliding and full-attention layers (`SlidingShare`):
-    a ratio with no `sliding=` of a policy scored by KVzip's reconstruction pass (the pass is where the cache ranks
-    every layer's pairs at once, compressed.py `end_reconstruction`), on a model with sliding_attention and
-    full-attention layers."""
-    return (policy.scores_by_reconstruction and planned_share(policy) is not None and policy.sliding is None
+    a ratio with no `sliding=` of a policy whose cache ranks every layer's pairs at once (KVzip at its
+    reconstruction pass's end, compressed.py `end_reconstruction`; KVzap's head budgets once the prompt is read,
+    `rank_prompt`), on a model with sliding_attention and full-attention layers."""
+    ranks_all = policy.scores_by_reconstruction or policy.ranks_prompt
+    return (ranks_all and planned_share(policy) is not None and policy.sliding is None
             and "sliding_attention" in layer_types and any(t not in SLIDING_LAYER_TYPES for t in layer_types))
 
 

@@ -25,6 +25,7 @@ import torch
 from ..ops.rerotate import rerotate
 from ..policies.base import Policy
 from ..policies.base import RecentQueries as QueryWindow
+from ..probes import estimated_score
 from .requests import ENABLE_ATTENTION_HINT, HIDDEN_KEY, HIDDEN_STATES_HINT, OBSERVER_KEY, AttentionRequest
 
 # Scores of tokens that arrive after a reconstruction pass start here: above any attention probability, newest first.
@@ -315,9 +316,11 @@ class ReconstructionScores(Scorer):
 
 class ProbeScores(Scorer):
     """`policy.needs_hidden_states` (KVzap): each new slot's score in `slots.accumulated` is the layer's probe
-    applied to the hidden state entering attention, which the hook on the attention module hands over in the
-    attention kwargs (hf/hidden_states.py). A token is scored once, when it arrives, by what it is: the same
-    scores at prefill, in chunks or at once, and at decode; eviction follows in the same step.
+    applied to the hidden state entering attention (as `probes.estimated_score`), which the hook on the attention
+    module hands over in the attention kwargs (hf/hidden_states.py). A token is scored once, when it arrives, by
+    what it is: the same scores at prefill, in chunks or at once, and at decode. With `policy.ranks_prompt` (head
+    budgets) nothing is evicted until the cache ranks every layer's pairs (CompressedCache.rank_prompt, which makes
+    the layer a head store and sets `scored`); otherwise eviction follows in the same step.
 
     `probe`: the layer's probe (probes.py), [B, n, hidden] -> [B, H_kv, n]; model weights shared by every cache of
     the model, not this cache's storage (nbytes counts none of it).
@@ -331,6 +334,11 @@ class ProbeScores(Scorer):
                 "(make_cache(spec, model.config)), on a model with a probe (hf-kvcompress calibrate --probe)"
             )
         self.probe = probe
+        self.waits_for_ranking = policy.ranks_prompt
+
+    @property
+    def has_scores(self) -> bool:
+        return self.scored or not self.waits_for_ranking
 
     def begin_step(self, layer, attn_kwargs, new) -> bool:
         hidden = None if attn_kwargs is None else attn_kwargs.get(HIDDEN_KEY)
@@ -343,7 +351,7 @@ class ProbeScores(Scorer):
                 f"the hidden state handed to this layer is for {tuple(hidden.shape[:2])} (rows, tokens), the step "
                 f"stores ({layer.batch_size}, {new})"
             )
-        layer.slots.append("accumulated", self.probe(hidden))
+        layer.slots.append("accumulated", estimated_score(self.probe(hidden)))
         return False
 
 

@@ -67,6 +67,12 @@ class Policy:
     def evicts(self) -> bool:
         return self.budget is not None or self.ratio is not None
 
+    @property
+    def ranks_prompt(self) -> bool:
+        """True: the cache holds the prompt whole and ranks every layer's pairs once it is read
+        (CompressedCache.rank_prompt; KVzap's head budgets)."""
+        return False
+
     def kept_per_row(self, real_seen: torch.Tensor) -> torch.Tensor:
         """Real tokens each row may keep, [B], from the real tokens it has seen (never fewer than sinks + recent)."""
         if self.budget is not None:

@@ -10,6 +10,8 @@ import torch
 from .base import Policy, check_count, check_kept_tokens
 from .kvzip import best_ahead
 
+BUDGETS = ("head", "uniform")
+
 
 @dataclass(frozen=True)
 class KVzapPolicy(Policy):
@@ -19,7 +21,10 @@ class KVzapPolicy(Policy):
     which costs a second read of it. KVzap fits, per layer, a small model from the hidden state entering attention
     to the log of that score per KV head (probes.py; fitted by `hf-kvcompress calibrate --probe`), so a token is
     scored when it arrives: at prefill with no second pass, and at every decode step, so a `budget` bounds memory
-    while generating. Each KV head keeps its best pairs of the layer's budget.
+    while generating.
+
+    The probe's estimate is stored as p / (1 + p) of the estimated score p (monotone, below 1 as the attention
+    probabilities KVzip ranks, so it ranks with them: head_ranking.py, head_store.py).
 
     Needs the model's config (the probe is per model) and `use_kvcompress_attention(model)`, whose hooks hand each
     cache layer the hidden state entering attention (hf/hidden_states.py).
@@ -34,6 +39,15 @@ class KVzapPolicy(Policy):
             docs/results.md). Counted within the budget: a `budget` below `recent + sink_tokens` is refused
             (give a smaller `recent`).
         span: each pair also takes the best score of the `span` pairs after it in its head (as KVzip's `span`).
+        budgets: how the kept pairs are shared out. "head" (the default): the prompt is held whole while it is
+            read, then one ranking of every full-attention layer's (KV head, token) pairs by the probe's estimates
+            decides what each head keeps, as KVzip's head budgets (caches/head_ranking.py); tokens after it
+            (questions, answers) rank above the prompt, newest first, and a `budget` or `ratio` holds them as
+            KVzip's does. The ranking runs when `hf_kvcompress.prefill` ends, or on model.generate's path at the
+            first one-token step. "uniform": every KV head keeps the same number of its best pairs, evicted as
+            tokens arrive, so a `budget` bounds memory while the prompt is read too, and tokens that arrive later
+            are scored by the probe. On SmolLM2's development half the same share per head lost every needle
+            that the head ranking kept (docs/results.md, "KVzap").
         probe: the probe file, or a directory holding one (None: the probe shipped for the model).
     """
 
@@ -45,13 +59,21 @@ class KVzapPolicy(Policy):
     recent: int = 128
     span: int = 4
     probe: str | None = None
+    budgets: str = "head"
     needs_hidden_states: ClassVar[bool] = True
 
     def __post_init__(self):
         check_count("span", self.span)
+        if self.budgets not in BUDGETS:
+            raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
         if self.probe is not None and (not isinstance(self.probe, str) or not self.probe):
             raise ValueError(f"probe must be a path to a probe file or directory, got {self.probe!r}")
         check_kept_tokens(self)
+
+    @property
+    def ranks_prompt(self) -> bool:
+        """Whether the cache ranks every layer's pairs once the prompt is read (`budgets="head"`)."""
+        return self.budgets == "head" and self.evicts
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
         return best_ahead(accumulated, self.span)

@@ -22,7 +22,7 @@ from hf_kvcompress.probe_calibration import (
     r_squared,
     spearman,
 )
-from hf_kvcompress.probes import PROBE_FORMAT, load_probes, save_probe
+from hf_kvcompress.probes import PROBE_FORMAT, estimated_score, load_probes, save_probe
 
 from .tiny_models import left_padded_prompts, tiny_model
 
@@ -51,7 +51,9 @@ def probed(request, tmp_path_factory):
     model = use_kvcompress_attention(tiny_model(request.param))
     model.config._name_or_path = f"tiny-{request.param}"
     directory = tmp_path_factory.mktemp(f"probe-{request.param}")
-    write_probe(model.config, directory)
+    # At a fitted probe's scale (log-scores within a few units): the cache ranks p / (1 + p), which float32 rounds to
+    # 1 past a log-score of about 17, so a probe far outside its range would tie.
+    write_probe(model.config, directory, scale=0.1)
     return model, directory
 
 
@@ -131,6 +133,7 @@ def test_a_probe_for_another_model_is_refused(probed, tmp_path):
 
 @pytest.mark.parametrize("kwargs, name", [({"ratio": 1.5}, "ratio"), ({"budget": 0}, "budget"), ({"span": -1}, "span"),
                                           ({"recent": -2}, "recent"), ({"probe": ""}, "probe"),
+                                          ({"budgets": "layer"}, "budgets"),
                                           ({"budget": 8, "ratio": 0.5}, "budget")])
 def test_bad_values_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -154,17 +157,17 @@ def test_scores_are_the_probe_of_the_hidden_state_at_prefill_and_at_decode(probe
     model, directory = probed
     probes = load_probes(directory, model.config)
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(2))
-    at_once = make_cache(f"kvzap:ratio=1.0,probe={directory}", model.config)
+    at_once = make_cache(f"kvzap:ratio=1.0,budgets=uniform,probe={directory}", model.config)
     with torch.no_grad():
         model(input_ids=ids, cache=at_once)
-    stepwise = make_cache(f"kvzap:ratio=1.0,probe={directory}", model.config)
+    stepwise = make_cache(f"kvzap:ratio=1.0,budgets=uniform,probe={directory}", model.config)
     with torch.no_grad():
         model(input_ids=ids[:, :8], cache=stepwise)
         for t in range(8, 20):  # decode steps, one token each
             model(input_ids=ids[:, t : t + 1], cache=stepwise)
     reference = _hidden_states(model, ids)
     for i, probe in probes.items():
-        expected = probe(reference[i])
+        expected = estimated_score(probe(reference[i]))
         torch.testing.assert_close(at_once.layers[i].slots.accumulated, expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(stepwise.layers[i].slots.accumulated, expected, rtol=1e-4, atol=1e-4)
 
@@ -173,13 +176,14 @@ def test_each_head_keeps_its_best_scored_tokens(probed):
     model, directory = probed
     probes = load_probes(directory, model.config)
     ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(3))
-    cache = make_cache(f"kvzap:budget=6,recent=0,span=0,probe={directory}", model.config)
+    cache = make_cache(f"kvzap:budget=6,recent=0,span=0,budgets=uniform,probe={directory}", model.config)
     with torch.no_grad():
         model(input_ids=ids, cache=cache)
     reference = _hidden_states(model, ids)
     for i, probe in probes.items():
-        best = probe(reference[i]).topk(6, dim=-1).indices.sort(-1).values
-        expected = torch.gather(probe(reference[i]), -1, best)
+        scores = estimated_score(probe(reference[i]))
+        best = scores.topk(6, dim=-1).indices.sort(-1).values
+        expected = torch.gather(scores, -1, best)
         torch.testing.assert_close(cache.layers[i].slots.accumulated, expected, rtol=1e-4, atol=1e-4)
         assert cache.layers[i].stored_tokens == 6
 
@@ -191,7 +195,7 @@ def test_the_recent_window_is_kept_whatever_the_probe_says(probed):
     probes = load_probes(directory, model.config)
     # Distinct tokens: the first layer scores a token by its embedding, and a repeated token's tie is the slots' order.
     ids = 3 + torch.randperm(125, generator=torch.Generator().manual_seed(5))[None, :40]
-    cache = make_cache(f"kvzap:ratio=0.5,recent=8,span=0,probe={directory}", model.config)
+    cache = make_cache(f"kvzap:ratio=0.5,recent=8,span=0,budgets=uniform,probe={directory}", model.config)
     with torch.no_grad():
         model(input_ids=ids[:, :34], cache=cache)  # the document
         model(input_ids=ids[:, 34:], cache=cache)  # the question, 6 tokens
@@ -199,7 +203,8 @@ def test_the_recent_window_is_kept_whatever_the_probe_says(probed):
     for i, probe in probes.items():
         # The document's scores are the reference's; the question's come from the cache itself (past the first
         # layer its hidden states follow the layers before, which attend over a compressed document).
-        scores = torch.cat([probe(reference[i])[..., :34], cache.layers[i].slots.accumulated[..., -6:]], -1)
+        document = estimated_score(probe(reference[i]))[..., :34]
+        scores = torch.cat([document, cache.layers[i].slots.accumulated[..., -6:]], -1)
         older = scores[..., :26].topk(17 - 8, dim=-1).indices  # the document's share (17 of 34) less its window (26-33)
         # At the question: 20 kept of 40, 8 of them the window (34-39, and 32-33 of the document's window).
         survivors = torch.cat([older, torch.arange(26, 32).expand(1, scores.shape[1], 6)], -1)
@@ -219,18 +224,59 @@ def test_by_default_a_question_is_kept_as_it_arrives(tmp_path):
     assert KVzapPolicy().recent == 128
     ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(6))
     question = ids[:, 290:]
-    for spec, kept in ((f"kvzap:ratio=0.25,probe={tmp_path}", True),
-                       (f"kvzap:ratio=0.25,recent=0,probe={tmp_path}", False)):
+    for spec, kept in ((f"kvzap:ratio=0.25,budgets=uniform,probe={tmp_path}", True),
+                       (f"kvzap:ratio=0.25,recent=0,budgets=uniform,probe={tmp_path}", False)):
         cache = make_cache(spec, model.config)
         with torch.no_grad():
             model(input_ids=ids[:, :290], cache=cache)
             model(input_ids=question, cache=cache)
         index, layer = 0, cache.layers[0]
-        reference = make_cache(f"kvzap:ratio=1.0,probe={tmp_path}", model.config)
+        reference = make_cache(f"kvzap:ratio=1.0,budgets=uniform,probe={tmp_path}", model.config)
         with torch.no_grad():
             model(input_ids=ids, cache=reference)
         newest = reference.layers[index]._full("key")[..., -10:, :]
         assert torch.equal(layer._full("key")[..., -10:, :], newest) is kept, spec
+
+
+def _kept_scores(layer):
+    """Per KV head of row 0, the scores of the pairs a ranked layer's head store keeps (identity codec: all encoded)."""
+    store = layer.store
+    assert layer.per_head and store.exact is None
+    return list(store.encoded.scores.split(store.encoded.lengths[0].tolist()))
+
+
+@pytest.mark.parametrize("run", ["prefill", "generate"])
+def test_head_budgets_keep_the_best_estimates_of_all_layers_and_heads(probed, run):
+    """budgets=head (the default): once the prompt is read (at `prefill`'s end, or at model.generate's first decode
+    step), one ranking of every full-attention layer's (head, token) pairs by the probe's estimates: every kept pair
+    scores at least every evicted one, the heads keep different numbers, and the row keeps the ratio's share."""
+    model, directory = probed
+    probes = load_probes(directory, model.config)
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(7))
+    cache = make_cache(f"kvzap:ratio=0.5,recent=0,span=0,probe={directory}", model.config)
+    with torch.no_grad():
+        if run == "prefill":
+            prefill(model, ids, None, cache)
+        else:
+            model(input_ids=ids, cache=cache)
+            assert not any(layer.per_head for layer in cache.layers)  # held whole until the prompt is read
+            model(input_ids=ids[:, :1], cache=cache)  # the first decode step ranks, then joins the store's tail
+    reference = _hidden_states(model, ids)
+    kept, evicted, counts = [], [], []
+    for i, probe in probes.items():
+        scores = estimated_score(probe(reference[i]))[0]  # [H, T]
+        for head, held in enumerate(_kept_scores(cache.layers[i])):
+            distance = (scores[head][:, None] - held[None, :]).abs()  # [T, kept]
+            assert bool((distance.min(0).values < 1e-5).all())  # each kept score is one of the head's estimates
+            inside = distance.min(1).values < 1e-5
+            assert int(inside.sum()) == len(held)
+            kept.append(scores[head][inside])
+            evicted.append(scores[head][~inside])
+            counts.append(int(inside.sum()))
+    assert torch.cat(kept).min() >= torch.cat(evicted).max()
+    assert len(set(counts)) > 1 or len(counts) == 1  # (tiny Gemma: one full-attention layer, one KV head)
+    if not any(layer.is_sliding for layer in cache.layers):
+        assert sum(counts) == 12 * len(counts)
 
 
 def test_a_budget_below_the_default_window_names_recent():
@@ -243,7 +289,9 @@ def test_a_budget_below_the_default_window_names_recent():
 
 SPECS = ["kvzap:ratio=0.5", "kvzap:ratio=0.5,recent=4", "kvzap:budget=8,recent=0",
          "kvzap:budget=8,recent=2,sink_tokens=1+int8",
-         "kvzap:ratio=0.5,recent=2,span=0+int4:residual_length=2,group_size=16", "kvzap:budget=8,recent=3+fp8"]
+         "kvzap:ratio=0.5,recent=2,span=0+int4:residual_length=2,group_size=16", "kvzap:budget=8,recent=3+fp8",
+         "kvzap:ratio=0.5,budgets=uniform", "kvzap:budget=8,recent=0,budgets=uniform",
+         "kvzap:budget=8,recent=2,sink_tokens=1,budgets=uniform+int8"]
 
 
 def _spec(spec, directory):
@@ -263,7 +311,8 @@ def test_padded_batch_matches_rows_alone(probed, spec):
         assert torch.equal(batched[i], alone[0]), f"row {i} differs with {spec}"
 
 
-@pytest.mark.parametrize("spec", ["kvzap:ratio=1.0", "kvzap:budget=1000"])
+@pytest.mark.parametrize("spec", ["kvzap:ratio=1.0", "kvzap:budget=1000", "kvzap:ratio=1.0,budgets=uniform",
+                                  "kvzap:budget=1000,budgets=uniform"])
 def test_large_budget_equals_dynamic_cache(probed, spec):
     model, directory = probed
     _, ids, mask = left_padded_prompts(1)
@@ -272,8 +321,8 @@ def test_large_budget_equals_dynamic_cache(probed, spec):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("spec", ["kvzap:budget=8,recent=0",
-                                  "kvzap:budget=8,recent=2+int4:residual_length=2,group_size=16"])
+@pytest.mark.parametrize("spec", ["kvzap:budget=8,recent=0,budgets=uniform",
+                                  "kvzap:budget=8,recent=2,budgets=uniform+int4:residual_length=2,group_size=16"])
 def test_budget_bounds_memory_through_a_long_generation(probed, spec):
     """Through plain model.generate: bytes stop growing once the budget is reached and equal the promise."""
     model, directory = probed
@@ -297,3 +346,36 @@ def test_budget_bounds_memory_through_a_long_generation(probed, spec):
     assert all(layer.stored_tokens == 8 and layer.seen == 44 for layer in full)
     reached = next(n for n, m in enumerate(measured) if m == max(measured))
     assert reached < 10 and len(set(measured[reached:])) == 1
+
+
+def test_head_budgets_bound_memory_through_a_long_generation(probed):
+    """Through plain model.generate with the default head budgets: the first decode step ranks the prompt, and from
+    then on each ranked layer holds at most the budget's pairs per row (its store evicts a block at a time, so it may
+    hold a few less), the bytes stop growing and equal the promise."""
+    model, directory = probed
+    cache = make_cache(f"kvzap:budget=8,recent=0,probe={directory}", model.config)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(8))
+    held = []
+
+    class Meter:  # a streamer, called after every step
+        def put(self, value):
+            ranked = [layer for layer in cache.layers if layer.per_head]
+            held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
+                         [int(layer.store.held_pairs()[0]) for layer in ranked], len(ranked)))
+
+        def end(self):
+            pass
+
+    model.generate(input_ids=ids, cache=cache, max_new_tokens=40, do_sample=False, streamer=Meter())
+    assert all(m == p for m, p, _, _ in held)
+    full = [layer for layer in cache.layers if not layer.is_sliding]
+    # Puts: the prompt, the token the prompt's forward pass chose, then one per decode step, each after the ranking.
+    after = [h for h in held if h[3] == len(full)]
+    assert len(after) == 39
+    heads = full[0].kv_heads
+    # Layers and heads hold different numbers of pairs; the row holds no more than the budget's in all.
+    assert all(sum(counts) <= 8 * heads * len(full) for _, _, counts, _ in after)
+    # The store's tail of later tokens grows until it is absorbed, then the bytes fall back (a sawtooth, measured:
+    # 7.6 kB -> 31.9 kB -> 7.6 kB on the tiny Llama); `budgets=uniform` holds them constant instead (test above).
+    grown = max(range(len(after)), key=lambda n: after[n][0])
+    assert any(m <= after[0][0] * 1.1 for m, _, _, _ in after[grown + 1 :])
