@@ -90,14 +90,16 @@ def worker(spec: str, length: int, batch: int, new_tokens: int, model_name: str 
         use_kvcompress_attention(model)
     ids = prompt_ids(tokenizer.vocab_size, length, batch).to(model.device)
     repeat = repeat_prompt_ids(tokenizer) if needs_own_prefill(spec) else None
-    cache = make_cache(spec, model.config)
+    # The baseline is what a user compares against: transformers' own DynamicCache, not this package's keep-all
+    # cache (`keep_all`, a row of its own when asked for), whose overhead would otherwise flatter every ratio.
+    cache = transformers.DynamicCache(config=model.config) if spec == "dynamic" else make_cache(spec, model.config)
     result = timed_run(
         model, ids, lambda prompt: prefill(model, prompt, None, cache, repeat_prompt_ids=repeat),
         lambda token, _: model(input_ids=token, use_cache=True, **cache_kwargs(cache)), new_tokens, clock,
     )
     return result | {
         "kv_bytes": measured_kv_bytes(cache),
-        "kept": cache.stored_tokens,
+        "kept": cache.stored_tokens if spec != "dynamic" else cache.get_seq_length(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "hf-kvcompress": hf_kvcompress.__version__},
     }
