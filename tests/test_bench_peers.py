@@ -182,3 +182,15 @@ def test_the_cpu_kernel_is_built_once_per_checkout_before_any_worker_is_timed(mo
     assert all("cpu_decode.available()" in command[-1] for command, _ in calls)
     assert sum(path.startswith("/tmp/before") for _, path in calls) == 1  # the other checkout first on its path
     assert "CPU decode kernel of /tmp/before: built" in capsys.readouterr().out
+
+
+def test_the_baseline_row_is_transformers_dynamic_cache_and_keep_all_is_ours(tiny_model):
+    # Every ratio is "x DynamicCache": the baseline must be transformers' class, not this package's keep-all cache.
+    from transformers import DynamicCache
+
+    from hf_kvcompress.caches.compressed import CompressedCache
+
+    baseline = bench.bench_cache("dynamic", tiny_model.config)
+    assert type(baseline) is DynamicCache
+    assert isinstance(bench.bench_cache("keep_all", tiny_model.config), CompressedCache)
+    assert isinstance(bench.bench_cache("int4:group_size=16", tiny_model.config), CompressedCache)

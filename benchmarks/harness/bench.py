@@ -72,6 +72,17 @@ QUICK = dict(lengths=[1024, 4096], batches=[1], repeats=2, new_tokens=8)
 MIB = 1 << 20
 
 
+def bench_cache(spec: str, config):
+    """The cache a row measures. The baseline `dynamic` is what a user compares against: transformers' own
+    DynamicCache, not this package's keep-all cache (`keep_all`, a row of its own when asked for), whose overhead
+    would otherwise flatter every ratio."""
+    import transformers
+
+    from hf_kvcompress import make_cache
+
+    return transformers.DynamicCache(config=config) if spec == "dynamic" else make_cache(spec, config)
+
+
 def worker(spec: str, length: int, batch: int, new_tokens: int, model_name: str | None, clock: str,
            dtype: str = "float32") -> dict:
     """One prefill and `new_tokens` greedy decode steps with cache `spec` on the user's path; what they cost."""
@@ -80,7 +91,7 @@ def worker(spec: str, length: int, batch: int, new_tokens: int, model_name: str 
     from bench_measure import prompt_ids, timed_run
 
     import hf_kvcompress
-    from hf_kvcompress import load_model, make_cache, measured_kv_bytes, use_kvcompress_attention
+    from hf_kvcompress import load_model, measured_kv_bytes, use_kvcompress_attention
     from hf_kvcompress.generation import prefill, repeat_prompt_ids
     from hf_kvcompress.hf.compat import cache_kwargs
     from hf_kvcompress.registry import needs_attention, needs_own_prefill
@@ -90,9 +101,7 @@ def worker(spec: str, length: int, batch: int, new_tokens: int, model_name: str 
         use_kvcompress_attention(model)
     ids = prompt_ids(tokenizer.vocab_size, length, batch).to(model.device)
     repeat = repeat_prompt_ids(tokenizer) if needs_own_prefill(spec) else None
-    # The baseline is what a user compares against: transformers' own DynamicCache, not this package's keep-all
-    # cache (`keep_all`, a row of its own when asked for), whose overhead would otherwise flatter every ratio.
-    cache = transformers.DynamicCache(config=model.config) if spec == "dynamic" else make_cache(spec, model.config)
+    cache = bench_cache(spec, model.config)
     result = timed_run(
         model, ids, lambda prompt: prefill(model, prompt, None, cache, repeat_prompt_ids=repeat),
         lambda token, _: model(input_ids=token, use_cache=True, **cache_kwargs(cache)), new_tokens, clock,
