@@ -61,3 +61,19 @@ def left_padded_prompts(seed=0, lengths=(5, 13, 9)):
         ids[i, width - len(row):] = row
         mask[i, width - len(row):] = 1
     return rows, ids, mask
+
+
+def padded_batch_against_rows_alone(model, spec, seed=3, lengths=(5, 13), max_new_tokens=6):
+    """Generate from a left-padded batch with a cache of `spec`, assert each row's tokens equal the row run alone
+    with a fresh cache, and return the batch's cache (for the caller's checks of what it holds)."""
+    from hf_kvcompress import make_cache
+    from hf_kvcompress.generation import generate
+
+    rows, ids, mask = left_padded_prompts(seed=seed, lengths=lengths)
+    cache = make_cache(spec, model.config)
+    batched = generate(model, ids, mask, cache, max_new_tokens=max_new_tokens).new_tokens
+    for i, row in enumerate(rows):
+        alone = generate(model, row[None], torch.ones(1, len(row), dtype=torch.long), make_cache(spec, model.config),
+                         max_new_tokens=max_new_tokens).new_tokens
+        assert torch.equal(batched[i], alone[0]), (spec, i)
+    return cache

@@ -13,7 +13,7 @@ from hf_kvcompress.generation import generate
 from hf_kvcompress.study import promised_bytes
 
 from ..caches.test_sinks import _forward, _padded_prompts
-from ..caches.tiny_models import left_padded_prompts
+from ..caches.tiny_models import padded_batch_against_rows_alone
 from .test_lowrank_sinks import _spec, llama  # noqa: F401  # the module's fixture: tiny llama, joint bases
 
 INT4 = "int4:residual_length=0,group_size=8,key_axis=token"  # everything encoded by int4 itself
@@ -88,11 +88,5 @@ def test_window_bytes_are_exact(llama, window):  # noqa: F811
 def test_padded_rows_with_a_window_match_rows_alone(llama, spec):  # noqa: F811
     model, bases = llama
     spec = _spec(bases, spec)
-    rows, ids, mask = left_padded_prompts(seed=3, lengths=(5, 13))
-    cache = make_cache(spec, model.config)
-    batched = generate(model, ids, mask, cache, max_new_tokens=6).new_tokens
+    cache = padded_batch_against_rows_alone(model, spec)
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
-    for i, row in enumerate(rows):
-        alone = generate(model, row[None], torch.ones(1, len(row), dtype=torch.long), make_cache(spec, model.config),
-                         max_new_tokens=6).new_tokens
-        assert torch.equal(batched[i], alone[0])
