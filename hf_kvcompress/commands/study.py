@@ -28,7 +28,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # make demo on 2 CPU cores: 30 scored samples per plan (2 lengths x 5 depths x 3), documents of about 1,000 and
     # 1,250 tokens (a length counts the whole prompt; the question and the chat markup take about 40 of it), each
     # family at its best measured setting and the lesson's stacked ones, from the one shared prefill per document
-    # (KVzip adds its reconstruction pass; KVzap and fp8 prefill on their own). 2,048 and 2,304 tokens cost 3.2
+    # (KVzip adds its reconstruction pass; KVzap prefills on its own). 2,048 and 2,304 tokens cost 3.2
     # times the CPU time per prefill and could not fit KVzip into 10 minutes. A 7-digit needle and its full stop
     # are 9 of SmolLM2's tokens: 10 new tokens are enough and every one is a step of every plan.
     "demo": dict(lengths="1024,1280", depths="10,30,50,70,90", tasks="needle", samples_per_cell=3,
