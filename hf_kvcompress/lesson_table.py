@@ -1,8 +1,9 @@
 """The lesson's budget table with the column it says is missing: the quality each plan keeps, as the study measured.
 
 The lesson computes its rows from the size formula alone ("the quality cost of each plan is not visible here").
-Each row is matched to the study's plan of the same family; the table shows the lesson's saving at its 8B shape
-beside this model's formula and measured savings, the score with its 95% interval and the retention.
+Each row is matched to the study's best measured plan of the same family (its highest score, then its fewest
+bytes); the table shows the lesson's saving at its 8B shape beside this model's formula and measured savings, the
+score with its 95% interval and the retention.
 """
 
 from __future__ import annotations
@@ -34,13 +35,9 @@ def _evict(spec: str) -> bool:
     return policy.evicts and isinstance(codec, IdentityCodec)  # a budget or a ratio
 
 
-def _shared(storage) -> Callable[[str], bool]:
-    def match(spec: str) -> bool:
-        policy, codec = parse_spec(spec)
-        return (not policy.evicts and isinstance(codec, SharedHeadsCodec)
-                and (_plain(codec.storage, IdentityCodec) if storage is None else
-                     isinstance(codec.storage, IntNCodec) and codec.storage.bits == storage))
-    return match
+def _shared(spec: str) -> bool:
+    policy, codec = parse_spec(spec)
+    return not policy.evicts and isinstance(codec, SharedHeadsCodec) and _plain(codec.storage, IdentityCodec)
 
 
 def _lowrank(spec: str) -> bool:
@@ -48,15 +45,24 @@ def _lowrank(spec: str) -> bool:
     return not policy.evicts and isinstance(codec, LowRankCodec) and _plain(codec.storage, IdentityCodec)
 
 
-# The lesson's rows in its order, each with the test a study plan must pass to stand for it. Low rank prefers the
-# lesson's quarter of head_dim (`lowrank`, rank None) over other ranks.
+def _reduced_and_quantized(spec: str) -> bool:
+    """The lesson's stack of fewer heads with fewer bytes, or its kin: one reducing codec (shared heads or low rank)
+    storing its output with an int codec."""
+    policy, codec = parse_spec(spec)
+    return (not policy.evicts and isinstance(codec, (SharedHeadsCodec, LowRankCodec))
+            and isinstance(codec.storage, IntNCodec))
+
+
+# The lesson's rows in its order, each with the test a study plan must pass to stand for it. Where several plans
+# pass, the family's best measured one stands for it: the highest score, then the fewest measured bytes (the study
+# runs each family at its best setting, registry.STUDY_PLANS; a `--plans` list may hold several).
 LESSON_ROWS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("quantize to INT8", _int(8)),
     ("quantize to INT4", _int(4)),
     ("evict: keep 4k tokens", _evict),
-    ("share heads: GQA 8 KV", _shared(None)),
+    ("share heads: GQA 8 KV", _shared),
     ("low-rank: 128 -> 32 dims", _lowrank),
-    ("GQA 8 + INT8 combined", _shared(8)),
+    ("GQA 8 + INT8 combined", _reduced_and_quantized),
 )
 
 
@@ -66,12 +72,8 @@ def lesson_rows(results: list, config, tokens: float, model_bytes: float) -> lis
     base = formula_bytes("dynamic", config, tokens, model_bytes)
     rows = []
     for name, match in LESSON_ROWS:
-        candidates = [r for r in results if match(r.spec)]
-        if name.startswith("low-rank"):
-            candidates.sort(key=lambda r: getattr(parse_spec(r.spec)[1], "rank", None) is not None)  # LowRankCodecs
-        if name.startswith("evict"):  # the family's best plan stands for it (sinks + window, KVzip, ...)
-            candidates.sort(key=lambda r: (-r.score, r.measured_bytes))
-        best = candidates[0] if candidates else None
+        # the family's best plan stands for it (sinks + window or KVzip, int4 or int8 storage, ...)
+        best = min((r for r in results if match(r.spec)), key=lambda r: (-r.score, r.measured_bytes), default=None)
         formula = base / formula_bytes(best.spec, config, tokens, model_bytes) if best else float("nan")
         rows.append(LessonRow(name, factors[name], best, formula))
     return rows

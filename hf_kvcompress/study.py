@@ -46,9 +46,17 @@ def bytes_per_value(spec: str, model_bytes: float, config=None) -> float:
     fraction = 1.0
     while isinstance(codec, ReducingCodec):
         if isinstance(codec, SharedHeadsCodec):
-            if codec.heads_per_group is None and config is None:
+            if codec.ratio is not None:  # calibrated maps: `ratio` of all layers' key and value heads stored
+                if config is None:
+                    fraction *= codec.ratio
+                else:  # in whole heads, as `allocate_levels` rounds them
+                    shape = kv_shape_from_config(config)
+                    units = 2 * shape.layers * shape.kv_heads
+                    fraction *= round(codec.ratio * units) / units
+            elif codec.heads_per_group is None and config is None:
                 raise ValueError(f"{spec!r}: sharing all KV heads needs the model's config for the formula")
-            fraction /= codec.heads_per_group or kv_shape_from_config(config).kv_heads
+            else:
+                fraction /= codec.heads_per_group or kv_shape_from_config(config).kv_heads
         elif isinstance(codec, LowRankCodec):
             head_dim = kv_shape_from_config(config).head_dim if config is not None else None
             if codec.ratio is not None:  # the share of all layers' key and value dimensions kept

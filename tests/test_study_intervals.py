@@ -55,10 +55,15 @@ def test_formula_counts_sharing_and_low_rank():
     assert study.formula_bytes("lowrank:rank=16", config, 1000, 4) == pytest.approx(full / 4)
     assert study.formula_bytes("shared_heads+int8", config, 1000, 4) == pytest.approx(full / 3 / 4)
     assert study.family("sink_window:window=64+shared_heads+int8") == "eviction + sharing + quantization"
+    # calibrated maps store round(0.67 x 180) of 30 layers x 2 kinds x 3 KV heads (not all 3 heads into 1)
+    assert study.formula_bytes("shared_heads:ratio=0.67", config, 1000, 4) == pytest.approx(full * 121 / 180)
+    assert study.bytes_per_value("shared_heads:ratio=0.67", 4) == pytest.approx(4 * 0.67)  # no config: the ratio
+    assert study.formula_bytes("lowrank:ratio=0.5+int4", config, 1000, 4) == pytest.approx(full / 2 / 8)
 
 
 @pytest.mark.parametrize("spec", ["shared_heads", "shared_heads+int8", "lowrank", "lowrank:rank=32+int4",
-                                  "sink_window:window=64+shared_heads+int8"])
+                                  "sink_window:window=64+shared_heads+int8", "shared_heads:ratio=0.67",
+                                  "lowrank:ratio=0.5", "lowrank:ratio=0.5+int4"])
 def test_analytic_bytes_of_sharing_and_low_rank_equal_a_real_caches_promise(embedded, spec):
     import torch
 

@@ -26,11 +26,11 @@ def _ints(text: str, name: str) -> list[int]:
 # Each preset: the grid, the plans (a registry tuple, scaled to the shortest length) and the answer's token cap.
 PRESETS: dict[str, dict[str, Any]] = {
     # make demo on 2 CPU cores: 30 scored samples per plan (2 lengths x 5 depths x 3), documents of about 1,000 and
-    # 1,250 tokens (a length counts the whole prompt; the question and the chat markup take about 40 of it), the
-    # best plan of each family and the lesson's stacked ones, every plan from the one shared prefill per document
-    # (KVzip adds its reconstruction pass). 2,048 and 2,304 tokens cost 3.2 times the CPU time per prefill and
-    # could not fit KVzip into 10 minutes. A 7-digit needle and its full stop are 9 of SmolLM2's tokens: 10 new
-    # tokens are enough and every one is a step of every plan.
+    # 1,250 tokens (a length counts the whole prompt; the question and the chat markup take about 40 of it), each
+    # family at its best measured setting and the lesson's stacked ones, from the one shared prefill per document
+    # (KVzip adds its reconstruction pass; KVzap prefills on its own). 2,048 and 2,304 tokens cost 3.2
+    # times the CPU time per prefill and could not fit KVzip into 10 minutes. A 7-digit needle and its full stop
+    # are 9 of SmolLM2's tokens: 10 new tokens are enough and every one is a step of every plan.
     "demo": dict(lengths="1024,1280", depths="10,30,50,70,90", tasks="needle", samples_per_cell=3,
                  plans="STUDY_PLANS", max_new_tokens=10),
     # the evictions that must see the prefill (H2O, SnapKV: its attention), each with its own prefill, beside KVzip
@@ -65,10 +65,10 @@ def add_parser(subparsers) -> None:
                         help="model to study (default: the first embedded model whose uncompressed needle score "
                              "reaches 70; each embedded model's baseline is reported)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="demo",
-                        help="lengths, depths, tasks, samples, plans and answer length: 'demo' (the best plan of "
-                             "every family, KVzip included, on 2 CPU cores in under 10 minutes), 'eviction' (H2O, "
-                             "SnapKV: each prefills on its own; KVzip beside them) or 'full' (both sets at 4k-32k, "
-                             "for a GPU)")
+                        help="lengths, depths, tasks, samples, plans and answer length: 'demo' (every family at its "
+                             "best measured setting, KVzip and KVzap included, on 2 CPU cores in under 10 minutes), "
+                             "'eviction' (H2O, SnapKV: each prefills on its own; KVzip beside them) or 'full' (both "
+                             "sets at 4k-32k, for a GPU)")
     parser.add_argument("--lengths", default=None, help="document lengths in the model's tokens (comma-separated)")
     parser.add_argument("--depths", default=None, help="needle depths in percent of the document")
     parser.add_argument("--tasks", default=None, help="evaluation tasks (see hf-kvcompress eval)")
