@@ -87,3 +87,21 @@ def test_the_study_batches_no_padded_rows():
     batches = plan_batches(["all"], encoded, [str(i) for i in range(6)], 5, None, groups=batch_groups(rows, encoded))
     assert sorted(sorted(len(encoded[i][0]) for i in b.rows) for b in batches) == [[2003], [2007, 2007],
                                                                                    [2008, 2008, 2008]]
+
+
+def test_a_replayed_quantized_cache_reads_its_store_at_decode_without_a_false_note():
+    # shared_prefill.replay fills a cache with no attention after the update: its prompt probe goes unanswered.
+    # That must not say "the model does not run kvcompress_sdpa" (the study printed it for int8/int4), and the
+    # decode steps that follow must still read the store through the fast path.
+    import warnings
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    cache = replay("int4:residual_length=8,group_size=8", model, document_states(model, ids, mask, 40), mask)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate(input_ids=torch.cat([ids, ids[:, :3]], -1), attention_mask=torch.ones(1, 43, dtype=torch.long),
+                       cache=cache, max_new_tokens=4, do_sample=False)
+    assert not [w for w in caught if "does not run" in str(w.message)]
+    assert all(layer.offers.confirmed for layer in cache.layers)

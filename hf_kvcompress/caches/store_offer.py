@@ -35,6 +35,7 @@ class StoreOffers:
     def clear(self) -> None:
         """A reset layer offers afresh (what it said stays said)."""
         self.request: StoreRequest | None = None
+        self.probing = False  # `request` came from a prompt step's probe, not a decode step's offer
         self.confirmed = False
 
     def may_attend(self, store: TokenStore, attn_kwargs: dict | None, new: int) -> bool:
@@ -49,13 +50,13 @@ class StoreOffers:
         the request used and attends as usual): then the first decode step is already fused instead of decoding
         the whole store once to find out (docs/benchmark-notes.md)."""
         if self.offered and new > 1 and attn_kwargs is not None:
-            self.request = StoreRequest(layer, fused=False)
+            self.request, self.probing = StoreRequest(layer, fused=False), True
             attn_kwargs[STORE_KEY] = self.request
 
     def offer(self, layer: AttendsStore, attn_kwargs: dict, shape_keys: tuple, shape_values: tuple, dtype, device):
         """Offer attention the store; the placeholders `update` returns when our attention function takes it (None:
         it has not taken one yet, so `update` returns the decoded store as well)."""
-        self.request = StoreRequest(layer, fused=self.confirmed)
+        self.request, self.probing = StoreRequest(layer, fused=self.confirmed), False
         attn_kwargs[STORE_KEY] = self.request
         if not self.confirmed:
             return None
@@ -69,6 +70,7 @@ class StoreOffers:
     def check_used(self) -> None:
         """After a step that offered attention the store: learn whether our attention function took it."""
         request, self.request = self.request, None
+        probed, self.probing = self.probing, False
         if request is None:
             return
         if request.fused and not request.used:
@@ -79,7 +81,10 @@ class StoreOffers:
                 "call cache.reset() and generate again"
             )
         self.confirmed = request.used
-        if not request.reached and not self.noted:
+        # An unanswered probe withdraws the confirmation but says nothing: states can reach `update` with no
+        # attention after them (shared_prefill.replay fills a cache from another cache's states), and a model that
+        # really runs another attention function is named at the first decode offer it leaves unanswered.
+        if not request.reached and not self.noted and not probed:
             self.noted = True
             self.note(None)
 
