@@ -235,7 +235,10 @@ def test_by_default_a_question_is_kept_as_it_arrives(tmp_path):
         with torch.no_grad():
             model(input_ids=ids, cache=reference)
         newest = reference.layers[index]._full("key")[..., -10:, :]
-        assert torch.equal(layer._full("key")[..., -10:, :], newest) is kept, spec
+        # Close, not equal: the reference projects 300 tokens in one matmul, the cache 290 then 10, and a
+        # multithreaded BLAS rounds a row differently with another number of rows. Evicted question tokens would
+        # leave other tokens' keys in these slots, far from these.
+        assert torch.allclose(layer._full("key")[..., -10:, :], newest, rtol=1e-4, atol=1e-5) is kept, spec
 
 
 def _kept_scores(layer):
