@@ -33,6 +33,11 @@ class Eviction:
         self.heads_per_store = heads_per_store  # KV heads a codec stores together must keep the same slots
         self.budget_shift: torch.Tensor | None = None
 
+    def appends(self, new: int) -> bool:
+        """Whether a step of `new` tokens joins what is kept unscored and evicts nothing: a decode step of a policy
+        that does not evict while decoding (SnapKV's `decoding="append"`)."""
+        return new == 1 and not self.policy.evicts_while_decoding
+
     def keep_per_row(self, padding: RowPadding, has_scores: bool, before_scoring: bool = False) -> torch.Tensor | None:
         """Real tokens each row keeps now, [B]; None when the policy keeps everything (or waits for its scores).
 
@@ -69,6 +74,8 @@ class Eviction:
         token, or it differs from the row alone. A fixed budget keeps the same count in every row, so there the
         slot count decides. When every row keeps the same count behind no padding, one slot over means one real
         slot dropped in every row, as under a fixed budget (`drop_one`)."""
+        if self.appends(padding.step_tokens):
+            return None
         keep = self.keep_per_row(padding, has_scores)
         if keep is None:
             return None

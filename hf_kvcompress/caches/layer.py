@@ -215,8 +215,10 @@ class CompressedLayer(CacheLayerMixin):
             fresh = step_positions(attn_kwargs, self.seen - new, new, self.batch_size, self.kv_heads, self.device)
             self.slots.append("positions", fresh)
 
+        # A ratio changes what rows keep only when the step evicts (a step that appends moves every row alike).
+        shares_may_change = self.policy.ratio is not None and not self.eviction.appends(new)
         if self.eviction.budget_shift is not None or self.padding.misplaces_shared_mask(
-            self.seen, length, shares_may_change=self.policy.ratio is not None
+            self.seen, length, shares_may_change=shares_may_change
         ):
             self._own_mask(attn_kwargs, new, length)
         if self.scorer.begin_step(self, attn_kwargs, new):  # eviction waits for attention (scorers.py)
@@ -506,8 +508,9 @@ class CompressedLayer(CacheLayerMixin):
         return self.seen
 
     def get_max_length(self) -> int:
-        # A ratio does not bound the length, nor does a row's budget bound a head's (head budgets).
-        if self.policy.budget is None or self.per_head:
+        # A ratio does not bound the length, nor does a row's budget bound a head's (head budgets), nor a budget
+        # that decode steps grow past (SnapKV's `decoding="append"`).
+        if self.policy.budget is None or self.per_head or not self.policy.evicts_while_decoding:
             return -1
         return self.policy.budget
 

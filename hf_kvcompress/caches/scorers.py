@@ -139,6 +139,8 @@ class AttentionStatistics(Scorer):
 
     def begin_step(self, layer, attn_kwargs, new) -> bool:
         grow_accumulated(layer, new)
+        if layer.eviction.appends(new):  # a decode step that evicts nothing: no statistics to wait for
+            return False
         policy = layer.policy
         request = AttentionRequest(layer.observe, policy.observed_queries, policy.attention_reduction)
         self.request(layer, attn_kwargs, request)

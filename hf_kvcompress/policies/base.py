@@ -68,6 +68,13 @@ class Policy:
         return self.budget is not None or self.ratio is not None
 
     @property
+    def evicts_while_decoding(self) -> bool:
+        """False: a decode step (one new token) is neither scored nor evicted, and generated tokens join what the
+        prompt steps kept (SnapKV's `decoding="append"`): the steady decode step then costs what a cache of the kept
+        tokens costs."""
+        return True
+
+    @property
     def ranks_prompt(self) -> bool:
         """True: the cache holds the prompt whole and ranks every layer's pairs once it is read
         (CompressedCache.rank_prompt; KVzap's head budgets)."""

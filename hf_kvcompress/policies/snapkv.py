@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +16,11 @@ class SnapKVPolicy(Policy):
     """Score each slot by the attention it gets from an observation window of the newest queries, pooled.
 
     The end of a prompt (where the question usually sits) already attends to what generation will need (SnapKV,
-    Sec. 3); pooling keeps the neighbours of a hit, so a needle survives whole. Each step's `window` newest queries
-    add to the running scores, so the rule holds at prefill and while decoding.
+    Sec. 3); pooling keeps the neighbours of a hit, so a needle survives whole. Each prompt step's `window` newest
+    queries add to the running scores (a prompt fed in chunks is scored and evicted after each chunk). As in the paper
+    (and kvpress), generated tokens are then appended and nothing is scored or evicted while decoding, so a decode
+    step costs what a cache of the kept tokens costs; `decoding="evict"` also scores each decode step's query and
+    evicts back to the budget (or ratio of the tokens seen), as H2O does.
 
     Args:
         budget: tokens kept per KV head, the recent ones included (512 when neither budget nor ratio is given).
@@ -26,6 +29,8 @@ class SnapKVPolicy(Policy):
         kernel: width of the max-pooling over neighbouring slots (odd; 1 turns pooling off).
         recent: newest tokens always kept (SnapKV keeps its observation window).
         sink_tokens: first tokens always kept.
+        decoding: "append" (generated tokens are kept: the cache grows by one token per decode step beyond the
+            budget or ratio the prompt was compressed to) or "evict" (each decode step is scored and evicted).
     """
 
     name: ClassVar[str] = "snapkv"
@@ -36,6 +41,7 @@ class SnapKVPolicy(Policy):
     kernel: int = 7
     recent: int = 32
     sink_tokens: int = 0
+    decoding: Literal["append", "evict"] = "append"
     needs_attention: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -43,11 +49,17 @@ class SnapKVPolicy(Policy):
         check_count("kernel", self.kernel, minimum=1)
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be an odd integer >= 1, got {self.kernel!r}")
+        if self.decoding not in ("append", "evict"):
+            raise ValueError(f"decoding must be 'append' or 'evict', got {self.decoding!r}")
         check_kept_tokens(self)
 
     @property
     def observed_queries(self) -> int:
         return self.window
+
+    @property
+    def evicts_while_decoding(self) -> bool:
+        return self.decoding == "evict"
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
         if self.kernel == 1:

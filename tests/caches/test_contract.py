@@ -5,6 +5,7 @@ Greedy tokens of random models are fragile (near-ties), so quantized codecs are 
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -100,7 +101,7 @@ def test_seq_length_counts_seen_tokens_and_generate_continues(model, spec):
 
 
 @pytest.mark.parametrize("spec", ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3+fp8", EVICTING[-2],
-                                  "snapkv:budget=8,window=4,recent=2+int4:residual_length=2,group_size=16",
+                                  "snapkv:budget=8,window=4,recent=2,decoding=evict+int4:residual_length=2,group_size=16",
                                   "kvzip:budget=8,budgets=uniform+int4:residual_length=2,group_size=16",
                                   "h2o:budget=8,recent=3+int2:residual_length=2,group_size=16,codebook=gaussian",
                                   "expected_attention:budget=8,window=4,recent=2+int4:residual_length=2,group_size=16"])
@@ -114,6 +115,23 @@ def test_memory_is_bounded_and_measured_bytes_match_the_promise(model, spec):
         if not layer.is_sliding:
             assert layer.stored_tokens == budget
             assert layer.peak_tokens <= (budget + 5 if chunk else 2 * 40 + len(REPEAT))
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=8,window=4,recent=2",
+                                  "snapkv:ratio=0.25,window=4,recent=2+int4:residual_length=2,group_size=16"])
+def test_snapkv_compresses_the_prompt_and_appends_what_it_generates(model, spec):
+    # SnapKV's default (the paper's): each prompt chunk is scored and evicted, decode steps only append.
+    cache = make_cache(spec, model.config)
+    _, ids, mask = left_padded_prompts(3, lengths=(40,))
+    generate(model, ids, mask, cache, max_new_tokens=6, prefill_chunk_size=5)
+    # generate() feeds the prompt's last token as a step of its own after the chunks: it is appended as generated.
+    chunked = ids.shape[1] - 1
+    kept = 8 if cache.policy.budget else math.ceil(chunked * 0.25)
+    for layer in cache.layers:
+        if not layer.is_sliding:
+            assert layer.stored_tokens == kept + layer.get_seq_length() - chunked
+            assert layer.get_max_length() == -1
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
 
 
