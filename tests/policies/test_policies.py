@@ -7,6 +7,7 @@ from hf_kvcompress.policies.base import select_kept
 from hf_kvcompress.policies.heavy_hitter import HeavyHitterPolicy
 from hf_kvcompress.policies.kvzip import KVzipPolicy
 from hf_kvcompress.policies.sink_window import SinkWindowPolicy
+from hf_kvcompress.policies.snapkv import SnapKVPolicy
 from hf_kvcompress.policies.tova import TOVAPolicy
 
 
@@ -57,6 +58,7 @@ def test_heavy_hitters_are_kept_per_head():
         (lambda: KVzipPolicy(span=-1), "span"),
         (lambda: KVzipPolicy(span=1.5), "span"),
         (lambda: TOVAPolicy(heads="all"), "heads must be one of mean, each"),
+        (lambda: SnapKVPolicy(decoding="keep"), "decoding must be 'append' or 'evict'"),
     ],
 )
 def test_bad_parameters_name_themselves(factory, name):
