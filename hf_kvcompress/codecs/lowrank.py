@@ -101,9 +101,12 @@ class LowRankCodec(ReducingCodec):
         ratio: the share of all layers' key and value dimensions kept, spread over the layers and kinds by their
             calibrated variances (joint bases only). Neither: ratio 0.25 (joint bases) or rank head_dim // 4.
         bases: a directory (or file) written by `hf-kvcompress calibrate`; None: the bases shipped for the model.
-        floor: "full": in a model with sliding-window layers, each full-attention layer (the layers that read the
-            whole document) keeps at least `ratio` of its key and of its value dimensions, the rest allocated by
-            variance as before; "none": every layer by variance alone (joint bases with `ratio` only).
+        floor: with `ratio`, "full" (the default): in a model with sliding-window layers, each full-attention layer
+            (the layers that read the whole document) keeps at least `ratio` of its key and of its value dimensions,
+            the rest allocated by variance; "none": every layer by variance alone. The default was chosen on the
+            development half: by variance alone Gemma-3's full-attention layers, whose pre-RoPE key spectra are the
+            steepest, fall below the ratio and lose the document's facts. A model without sliding-window layers is
+            the same either way; with `rank` every layer has that rank.
         sink_tokens: the first real tokens of each row (padding excluded) that the cache keeps exact beside the
             store, bypassing the bases and the storage (caches/codec_sinks.py): the attention sinks' keys are the
             states the bases, fitted to typical tokens, reconstruct worst. With a storage that has sinks of its own
@@ -121,7 +124,7 @@ class LowRankCodec(ReducingCodec):
     rank: int | None = None
     ratio: float | None = None
     bases: str | None = None
-    floor: str = "none"
+    floor: str = "full"
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
     residual_length: int = 0  # type: ignore[misc]  # as sink_tokens: lowrank's own; the stack keeps the most asked
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
@@ -148,10 +151,10 @@ class LowRankCodec(ReducingCodec):
             raise ValueError(
                 f"sink_tokens must be an integer >= 0 (the first real tokens kept exact), got {self.sink_tokens!r}"
             )
+        if self.floor is None:  # a spec's `floor=none` reads as None
+            object.__setattr__(self, "floor", "none")
         if self.floor not in FLOORS:
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}, got {self.floor!r}")
-        if self.floor != "none" and self.rank is not None:
-            raise ValueError("floor shares a ratio's dimensions among the layers: give ratio=, not rank=")
         if isinstance(self.residual_length, bool) or not isinstance(self.residual_length, int) \
                 or self.residual_length < 0:
             raise ValueError(
@@ -205,7 +208,7 @@ class LowRankCodec(ReducingCodec):
 
     def _floored(self, config, layers: int) -> tuple[bool, ...] | None:
         """The layers `floor` keeps at least the ratio in: a hybrid model's full-attention layers (none otherwise)."""
-        if self.floor == "none":
+        if self.floor == "none" or self.rank is not None:
             return None
         kinds = getattr(text_config(config), "layer_types", None) or ["full_attention"] * layers
         if "sliding_attention" not in kinds:

@@ -101,22 +101,24 @@ def test_a_floored_layer_keeps_the_ratio_and_the_others_pay_for_it():
 
 def test_floor_full_keeps_the_ratio_in_a_hybrid_models_full_attention_layers(fitted):
     model, bases = fitted["gemma3"]  # layers: sliding, sliding, full attention
-    plain = make_cache(f"lowrank:ratio=0.25,bases={bases}", model.config).codec
+    plain = make_cache(f"lowrank:ratio=0.25,floor=none,bases={bases}", model.config).codec
     floored = make_cache(f"lowrank:ratio=0.25,floor=full,bases={bases}", model.config).codec
     assert all(rank >= 8 for rank in floored._ranks[2])  # a quarter of 32 dimensions, in steps of 8
     assert sum(map(sum, floored._ranks)) == sum(map(sum, plain._ranks))
-    assert "floor=full" in floored.spec()
+    # `full` is the default and is left out of the spec; `none` is written out and reads back as itself.
+    assert "floor" not in floored.spec() and "floor=none" in plain.spec()
+    assert make_cache(plain.spec(), model.config).codec.floor == "none"
+    assert make_cache(f"lowrank:ratio=0.25,bases={bases}", model.config).codec._ranks == floored._ranks
+    assert len(set(make_cache(f"lowrank:rank=2,bases={bases}", model.config).codec._ranks)) == 1  # rank=: every layer
     # Without sliding layers every layer reads the whole document: the floor changes nothing.
     llama, llama_bases = fitted["llama"]
     assert (make_cache(f"lowrank:ratio=0.25,floor=full,bases={llama_bases}", llama.config).codec._ranks
             == make_cache(f"lowrank:ratio=0.25,bases={llama_bases}", llama.config).codec._ranks)
 
 
-def test_floor_refuses_bad_values_and_rank():
+def test_floor_refuses_bad_values():
     with pytest.raises(ValueError, match="floor must be one of none, full"):
         LowRankCodec(ratio=0.5, floor="sliding")
-    with pytest.raises(ValueError, match="floor .*give ratio=, not rank="):
-        LowRankCodec(rank=8, floor="full")
 
 
 @pytest.mark.parametrize("spec", ["lowrank:ratio=0.5",
