@@ -282,6 +282,29 @@ def test_head_budgets_keep_the_best_estimates_of_all_layers_and_heads(probed, ru
         assert sum(counts) == 12 * len(counts)
 
 
+def test_head_budgets_score_later_tokens_as_at_prefill(probed):
+    """After the ranking, each token is scored by the probe as it arrives, exactly as a prompt token is: the head
+    store keeps, per head, the prompt's scores then the decoded tokens' (those that joined the pairs and those
+    still in its tail), all the probe's estimates of the same hidden states (nothing is evicted: 52 < 64)."""
+    model, directory = probed
+    probes = load_probes(directory, model.config)
+    ids = torch.randint(3, 128, (1, 52), generator=torch.Generator().manual_seed(11))
+    cache = make_cache(f"kvzap:budget=64,recent=0,span=0,probe={directory}", model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :12], cache=cache)
+        for t in range(12, 52):  # the first ranks the prompt, every one is scored as it arrives
+            model(input_ids=ids[:, t : t + 1], cache=cache)
+    reference = _hidden_states(model, ids)
+    for i, probe in probes.items():
+        store = cache.layers[i].store
+        assert cache.layers[i].per_head and store.tail_scores is not None
+        assert store.tail_tokens < 32 < 52 - 12  # some decoded tokens joined the pairs, some are in the tail
+        expected = estimated_score(probe(reference[i]))[0]  # [H, 52]
+        for head, held in enumerate(_kept_scores(cache.layers[i])):
+            got = torch.cat([held, store.tail_scores[0, head]])
+            torch.testing.assert_close(got, expected[head], rtol=1e-4, atol=1e-5)
+
+
 def test_a_budget_below_the_default_window_names_recent():
     with pytest.raises(ValueError, match="recent"):
         KVzapPolicy(budget=64)
