@@ -6,7 +6,7 @@ in the document) kept by (KVzip's counts, KVzip's order), (the probe's counts, t
 the probe's order) and (the probe's counts, KVzip's order)?
 Command:
     python benchmarks/probes/kvzap_layer_shares.py [--model gemma-3-270m] [--ratio 0.25] [--split dev]
-        [--extra 480] [--recent 128] [--documents 6]
+        [--extra 480] [--recent 128] [--documents 6] [--probe FILE]
 Written up: docs/results.md, "KVzap at a quarter".
 
 A measurement of scores only (no answers): each document's KVzip scores and hidden states come from one
@@ -72,11 +72,12 @@ def main():
     parser.add_argument("--recent", type=int, default=128)
     parser.add_argument("--documents", type=int, default=6)
     parser.add_argument("--split", default="dev")
+    parser.add_argument("--probe", default=None, help="a probe file (default: the one shipped for the model)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 
     model, tok = load_model(args.model)
-    probes = load_probes(None, model.config)
+    probes = load_probes(args.probe, model.config)
     layers = full_attention_layers(model.config)
     prompt = repeat_prompt_ids(tok)
     rows = [dict(r) for r in build_samples(tok, args.tasks, [2000], args.depths, samples_per_cell=2, seed=0,

@@ -9,7 +9,7 @@ pairs each variant keeps.
 Command:
     python benchmarks/probes/kvzap_quarter.py [--model gemma-3-270m] [--ratio 0.25] [--split dev]
         [--tasks needle multi_question] [--lengths 2000] [--depths 10 50 90] [--samples 2]
-        [--variants kvzip kvzap kvzap-oracle ...]
+        [--variants kvzip kvzap kvzap-oracle ...] [--probe FILE]
 Written up: docs/results.md, "KVzap at a quarter".
 
 A measurement to decide what to build, not a cache. A variant is a spec, optionally with the oracle probe (name
@@ -79,6 +79,7 @@ def main():
     parser.add_argument("--ratio", type=float, default=0.25)
     parser.add_argument("--split", default="dev")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--probe", default=None, help="kvzap's probe file (default: the one shipped for the model)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
 
@@ -106,11 +107,14 @@ def main():
         key = tuple(doc)
         if key not in documents:
             documents.clear()
-            truth = kvzip_scores(model, torch.tensor([doc]), prompt, layers)
+            needs_truth = any(VARIANTS[name][1] for name in args.variants)
+            truth = kvzip_scores(model, torch.tensor([doc]), prompt, layers) if needs_truth else {}
             compressed = {}
             for name in ["dynamic", *args.variants]:
                 spec, use_oracle = VARIANTS.get(name, ("dynamic", False))
                 spec = spec.format(r=args.ratio)
+                if args.probe is not None and spec.startswith("kvzap"):
+                    spec = spec.replace(":", f":probe={args.probe},", 1)
                 oracle.clear()
                 if use_oracle:
                     oracle.update(truth)
