@@ -25,60 +25,25 @@ from .hf.hidden_states import attention_modules
 from .policies.kvzip import KVzipPolicy
 from .probes import PROBE_FORMAT
 
-CALIBRATION_TEXT = ("Botchan, chapters I-VI (the suite's dev-half novel text; Project Gutenberg #8868, public domain), "
-                    "with a record sentence holding a random number every ~120 words")
-# The novel holds almost no numbers, while the facts a cache must keep (a date, a code, an amount) often are: fitted
-# on the novel alone, Gemma-3-270M's layer-11 probe ranked a needle's digits below KVzip (development half,
-# docs/results.md "KVzap at a quarter"). Each calibration document therefore carries record sentences of these
-# forms (none the evaluation suite's), with a word of the passage and a random number of 3-8 digits.
-FACT_FORMS = (
-    "The ledger for {word} lists {number}.",
-    "Room {number} was booked under the name {word}.",
-    "{word} wrote the code {number} on the back of the letter.",
-    "The parcel for {word} weighed {number} grams.",
-    "Account {number} belongs to {word}.",
-)
-FACT_EVERY = 120  # words of the passage between two record sentences, about
+CALIBRATION_TEXT = "Botchan, chapters I-VI (the suite's dev-half novel text; Project Gutenberg #8868, public domain)"
 # The log of a score below this is the log of this: attention probabilities that small rank last anyway.
 SCORE_FLOOR = 1e-6
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the mean variance of a feature
 
 
 def calibration_documents(tokenizer, tokens: int = 1024, documents: int = 12) -> list[torch.Tensor]:
-    """Up to `documents` [1, <= tokens] id tensors of consecutive passages of the calibration text, each with its
-    record sentences (`with_facts`, seeded by the passage's place: the same documents every run)."""
+    """Up to `documents` [1, <= tokens] id tensors of consecutive passages of the calibration text."""
     words = book_words("dev")
     per_document = max(int(tokens * 0.7), 16)  # English prose: about 1.3 tokens a word, and the chat header
     out = []
     for start in range(0, len(words) - per_document + 1, per_document):
-        text = with_facts(words[start : start + per_document], seed=start)
+        text = " ".join(words[start : start + per_document])
         document, _ = render(tokenizer, {"instruction": "", "document": text, "question": ""})
         ids = tokenizer(document, return_tensors="pt", add_special_tokens=not getattr(tokenizer, "chat_template", None))
         out.append(ids.input_ids[:, :tokens])
         if len(out) == documents:
             break
     return out
-
-
-def with_facts(words, seed: int) -> str:
-    """The passage `words` with a record sentence (`FACT_FORMS`) after the first sentence end past every
-    `FACT_EVERY` words."""
-    g = torch.Generator().manual_seed(seed)
-    names = [w.strip(".,;:!?\"'()") for w in words]
-    names = [w for w in names if w.isalpha() and len(w) >= 4] or ["Smith"]
-    out, since = [], 0
-    for word in words:
-        out.append(word)
-        since += 1
-        if since >= FACT_EVERY and word.endswith((".", "!", "?")):
-            form = FACT_FORMS[int(torch.randint(len(FACT_FORMS), (1,), generator=g))]
-            digits = int(torch.randint(3, 9, (1,), generator=g))
-            number = str(int(torch.randint(10 ** (digits - 1), 10**digits, (1,), generator=g)))
-            name = names[int(torch.randint(len(names), (1,), generator=g))].capitalize()
-            sentence = form.format(word=name, number=number)
-            out.append(sentence[0].upper() + sentence[1:])
-            since = 0
-    return " ".join(out)
 
 
 def full_attention_layers(config) -> list[int]:

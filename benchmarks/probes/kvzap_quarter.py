@@ -39,6 +39,8 @@ VARIANTS = {
     "kvzap-recent0": ("kvzap:ratio={r},recent=0", False),
     "kvzap-oracle": ("kvzap:ratio={r}", True),
     "kvzap-recent0-oracle": ("kvzap:ratio={r},recent=0", True),
+    "kvzap-span8": ("kvzap:ratio={r},span=8", False),
+    "kvzap-span16": ("kvzap:ratio={r},span=16", False),
 }
 
 

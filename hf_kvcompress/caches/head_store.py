@@ -416,13 +416,16 @@ class HeadStore:
         (`evict`). `seen`: the tokens the layer has been given, this step's included. Scored later tokens (KVzap)
         compete with the ranked pairs once they join them, so the tail keeps the policy's `recent` newest too:
         the tail's tokens go only when the pairs have none left to give."""
-        self.absorb(seen, policy.recent if self.tail_scores is not None else 0)
+        self.absorb(seen, policy if self.tail_scores is not None else None)
         self.evict(policy)
 
-    def absorb(self, seen: int, recent: int = 0) -> None:
-        """Move the tail's tokens beyond the codec's residual and the `recent` newest into the encoded pairs, a block
-        at a time (the schedule depends on the tail's length only, the same for every row: a padded row is stored as
-        it is alone); they keep their scores (`append`), or rank above the ranked pairs, newest first."""
+    def absorb(self, seen: int, policy: Policy | None = None) -> None:
+        """Move the tail's tokens beyond the codec's residual (and, with scored tokens, the `policy`'s `recent`
+        newest) into the encoded pairs, a block at a time (the schedule depends on the tail's length only, the same
+        for every row: a padded row is stored as it is alone). Scored tokens join with `policy.score` of the tail's
+        scores (KVzap's span: each takes the best of the tokens after it, as the prompt's pairs did at the ranking);
+        unscored ones rank above the ranked pairs, newest first."""
+        recent = 0 if policy is None else policy.recent
         t = self.tail_tokens
         if self.exact is not None and t >= self.codec.exact_residual:
             self._encode_exact()  # the later tokens fill the residual: the context's pairs are older than all of them
@@ -431,8 +434,10 @@ class HeadStore:
             return
         # n > 0 tokens in the tail: its three tensors are held.
         assert self.tail_keys is not None and self.tail_values is not None and self.tail_valid is not None
-        if self.tail_scores is not None:
-            scores = self.tail_scores[:, :, :n]
+        if self.tail_scores is not None and policy is not None:
+            pooled = policy.score(self.tail_scores, t)
+            assert pooled is not None  # a policy with scored tokens ranks by them (KVzap)
+            scores = pooled[:, :, :n]
         else:
             first = seen - t  # the oldest recent token's index among the tokens seen: newer ranks higher
             scores = LATER_TOKENS + first + torch.arange(n, device=self.device, dtype=torch.float32)

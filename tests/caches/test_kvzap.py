@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress.caches.head_store import ABSORB_BLOCK
 from hf_kvcompress.calibration import ridge
 from hf_kvcompress.generation import generate, prefill
 from hf_kvcompress.hf.hidden_states import attention_modules
@@ -303,6 +304,45 @@ def test_head_budgets_score_later_tokens_as_at_prefill(probed):
         for head, held in enumerate(_kept_scores(cache.layers[i])):
             got = torch.cat([held, store.tail_scores[0, head]])
             torch.testing.assert_close(got, expected[head], rtol=1e-4, atol=1e-5)
+
+
+def test_head_budgets_hold_the_budget_while_decoding(probed):
+    """budget=N through a long generation: from the ranking on, each ranked layer holds at most its allowance (its
+    pairs at the ranking), decoded tokens compete with the prompt's pairs by their probe scores (some are evicted
+    while prompt pairs stay), and the bytes never exceed those at the ranking by more than a tail: the newest
+    `recent` + ABSORB_BLOCK tokens per ranked layer, which a layer whose allowance is smaller keeps stored (masked)
+    until they join its pairs."""
+    model, directory = probed
+    cache = make_cache(f"kvzap:budget=64,recent=4,probe={directory}", model.config)
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        prefill(model, ids, None, cache)  # ranks at its end
+    ranked = [layer for layer in cache.layers if layer.per_head]
+    assert ranked
+    allowance = [int(layer.store.allowance[0]) for layer in ranked]
+    at_ranking = measured_kv_bytes(cache)
+    held = []
+
+    class Meter:  # a streamer, called after every step
+        def put(self, value):
+            held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
+                         [int(layer.store.held_pairs()[0]) for layer in ranked]))
+
+        def end(self):
+            pass
+
+    out = generate(model, torch.cat([ids, ids[:, -1:]], 1), None, cache, max_new_tokens=120, min_new_tokens=120,
+                   streamer=Meter())
+    assert out.new_tokens.shape[1] == 120
+    assert all(m == p for m, p, _ in held)
+    assert all(c <= a for _, _, counts in held for c, a in zip(counts, allowance, strict=True))
+    heads, dim = ranked[0].kv_heads, ranked[0].head_dim
+    tail = (4 + ABSORB_BLOCK) * (heads * (2 * dim * 4 + 4) + 1)  # float32 keys, values and score; valid flag
+    assert max(m for m, _, _ in held) <= at_ranking + tail * len(ranked)
+    # Decoded tokens joined the pairs with their probe scores (below 1; tokens ranked above the prompt score 2 and
+    # more).
+    later = [layer.store.encoded.scores for layer in ranked]
+    assert all(bool((s < 1).any()) and bool((s < 2).all()) for s in later)
 
 
 def test_a_budget_below_the_default_window_names_recent():
