@@ -441,7 +441,9 @@ def test_head_budgets_bound_memory_through_a_long_generation(probed):
     heads = full[0].kv_heads
     # Layers and heads hold different numbers of pairs; the row holds no more than the budget's in all.
     assert all(sum(counts) <= 8 * heads * len(full) for _, _, counts, _ in after)
-    # The store's tail of later tokens grows until it is absorbed, then the bytes fall back (a sawtooth, measured:
-    # 7.6 kB -> 31.9 kB -> 7.6 kB on the tiny Llama); `budgets=uniform` holds them constant instead (test above).
+    # A budget of 8 is smaller than the store's tail (up to ABSORB_BLOCK tokens): the tail's evicted slots stay stored,
+    # masked, until they join the pairs, then the bytes fall back (a sawtooth); with a budget above the tail they
+    # stay within one tail of the ranking's (test_head_budgets_hold_the_budget_while_decoding), and
+    # `budgets=uniform` holds them constant (test above).
     grown = max(range(len(after)), key=lambda n: after[n][0])
     assert any(m <= after[0][0] * 1.1 for m, _, _, _ in after[grown + 1 :])
