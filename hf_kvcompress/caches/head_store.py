@@ -235,13 +235,15 @@ class HeadStore:
     `encoded` (`RaggedHeads`): the kept pairs at the codec's rate, each with the score it was kept by; `exact`
     (`RaggedHeads` or None): the context's kept pairs that were still within the codec's residual at the ranking, at
     full precision until later tokens fill the residual (`absorb`); `tail_keys` / `tail_values` [B, H_kv, t, D]: the
-    tokens since the ranking, full precision, and `tail_valid` [B, t] (False once a row evicted the token);
+    tokens since the ranking, full precision, `tail_valid` [B, t] (False once a row evicted the token) and
+    `tail_scores` [B, H_kv, t] (float32, only when a scorer scores them: KVzap's probe);
     `sink_keys` / `sink_values` [B, H_kv, S, D] and `sink_valid` [B, S]: the codec's exact sinks, beside the store;
     `real_seen` [B]: real tokens each row has seen (padding only ever leads a row's prompt, and no padding pair is
     kept); `allowance` [B]: the pairs a row held at the ranking, its share of the total, and `share_then` [B]: the
     policy's share of the tokens seen then (`evict` moves the allowance with it).
 
-    Tokens since the ranking rank above the context (newest first); when a row holds more than its allowance the
+    Tokens since the ranking rank above the context (newest first), or by their own scores when they have them (once
+    they leave the tail, which then holds the policy's `recent` newest); when a row holds more than its allowance the
     lowest-scored pairs of any head go, the context's first, a block at a time: down to the allowance less some slack
     (`EVICTION_SLACK`), so that eviction runs every few dozen steps instead of nearly every step; the row never holds
     more than its allowance after a step. Attention reads [sinks | padded encoded view | padded exact view | tail]
@@ -251,14 +253,15 @@ class HeadStore:
     per_head = True  # heads hold different numbers of pairs: attention needs the layer's own, per-head mask
     KIND = "head_budgets"  # a saved layer's meta `kind` (persist.py): this store, under the names below
     # Saved (and reordered by batch row) under these names; the pairs as `store.*` and `exact.*`.
-    TENSORS = ("tail_keys", "tail_values", "tail_valid", "sink_keys", "sink_values", "sink_valid", "real_seen",
-               "allowance", "share_then")
-    # `TENSORS`, set in `__init__`: the tail's three are None while no token came since the ranking (or since
-    # `absorb` took them all), the sinks' three without codec sinks; the per-row counts are always held (`rank`,
-    # `from_state`).
+    TENSORS = ("tail_keys", "tail_values", "tail_valid", "tail_scores", "sink_keys", "sink_values", "sink_valid",
+               "real_seen", "allowance", "share_then")
+    # `TENSORS`, set in `__init__`: the tail's four are None while no token came since the ranking (or since
+    # `absorb` took them all; `tail_scores` also when its tokens are not scored), the sinks' three without codec
+    # sinks; the per-row counts are always held (`rank`, `from_state`).
     tail_keys: torch.Tensor | None
     tail_values: torch.Tensor | None
     tail_valid: torch.Tensor | None
+    tail_scores: torch.Tensor | None
     sink_keys: torch.Tensor | None
     sink_values: torch.Tensor | None
     sink_valid: torch.Tensor | None
@@ -351,8 +354,10 @@ class HeadStore:
 
     # -- new tokens and what attention reads ----------------------------------------------------------------------
 
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """New states join the tail, as tokens every row keeps for now."""
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, scores: torch.Tensor | None = None) -> None:
+        """New states join the tail, as tokens every row keeps for now. `scores` [B, H_kv, new]: their scores,
+        comparable with the ranked pairs' (KVzap's probe, scorers.py `later_scores`), which they keep when they join
+        the pairs; None: they join above the ranked pairs, newest first."""
         batch, _, new, _ = key_states.shape
         if self.headroom is not None:
             self.headroom -= new * self.kv_heads
@@ -363,6 +368,9 @@ class HeadStore:
         )
         fresh = torch.ones(batch, new, dtype=torch.bool, device=self.device)
         self.tail_valid = fresh if self.tail_valid is None else torch.cat([self.tail_valid, fresh], -1)
+        if scores is not None:
+            scores = scores.to(torch.float32)
+            self.tail_scores = scores if self.tail_scores is None else torch.cat([self.tail_scores, scores], -1)
 
     def full(self, kind: Kind, sink_slots: torch.Tensor | None = None) -> torch.Tensor:
         """What attention sees: [sinks | padded encoded view | padded exact view | tail] (slots that hold no pair
@@ -405,24 +413,35 @@ class HeadStore:
 
     def compress(self, policy: Policy, seen: int) -> None:
         """Move recent tokens beyond the codec's residual into the pairs (`absorb`), then hold the allowance
-        (`evict`). `seen`: the tokens the layer has been given, this step's included."""
-        self.absorb(seen)
+        (`evict`). `seen`: the tokens the layer has been given, this step's included. Scored later tokens (KVzap)
+        compete with the ranked pairs once they join them, so the tail keeps the policy's `recent` newest too:
+        the tail's tokens go only when the pairs have none left to give."""
+        self.absorb(seen, policy if self.tail_scores is not None else None)
         self.evict(policy)
 
-    def absorb(self, seen: int) -> None:
-        """Move the recent tokens beyond the codec's residual into the encoded pairs, a block at a time (the schedule
-        depends on the tail's length only, the same for every row: a padded row is stored as it is alone)."""
+    def absorb(self, seen: int, policy: Policy | None = None) -> None:
+        """Move the tail's tokens beyond the codec's residual (and, with scored tokens, the `policy`'s `recent`
+        newest) into the encoded pairs, a block at a time (the schedule depends on the tail's length only, the same
+        for every row: a padded row is stored as it is alone). Scored tokens join with `policy.score` of the tail's
+        scores (KVzap's span: each takes the best of the tokens after it, as the prompt's pairs did at the ranking);
+        unscored ones rank above the ranked pairs, newest first."""
+        recent = 0 if policy is None else policy.recent
         t = self.tail_tokens
         if self.exact is not None and t >= self.codec.exact_residual:
             self._encode_exact()  # the later tokens fill the residual: the context's pairs are older than all of them
-        n = (t - self.codec.exact_residual) // ABSORB_BLOCK * ABSORB_BLOCK
+        n = (t - max(self.codec.exact_residual, recent)) // ABSORB_BLOCK * ABSORB_BLOCK
         if n <= 0:
             return
         # n > 0 tokens in the tail: its three tensors are held.
         assert self.tail_keys is not None and self.tail_values is not None and self.tail_valid is not None
-        first = seen - t  # the oldest recent token's index among the tokens seen: newer ranks higher
-        scores = LATER_TOKENS + first + torch.arange(n, device=self.device, dtype=torch.float32)
-        scores = scores.expand(self.tail_valid.shape[0], self.kv_heads, n)
+        if self.tail_scores is not None and policy is not None:
+            pooled = policy.score(self.tail_scores, t)
+            assert pooled is not None  # a policy with scored tokens ranks by them (KVzap)
+            scores = pooled[:, :, :n]
+        else:
+            first = seen - t  # the oldest recent token's index among the tokens seen: newer ranks higher
+            scores = LATER_TOKENS + first + torch.arange(n, device=self.device, dtype=torch.float32)
+            scores = scores.expand(self.tail_valid.shape[0], self.kv_heads, n)
         keep = self.tail_valid[:, None, :n].expand(-1, self.kv_heads, -1)
         self.encoded.append(
             self.codec.encode(self.tail_keys[:, :, :n], "key"), self.codec.encode(self.tail_values[:, :, :n], "value"),
@@ -431,6 +450,8 @@ class HeadStore:
         self.tail_keys = self.tail_keys[:, :, n:].clone() if n < t else None
         self.tail_values = self.tail_values[:, :, n:].clone() if n < t else None
         self.tail_valid = self.tail_valid[:, n:].clone() if n < t else None
+        if self.tail_scores is not None:
+            self.tail_scores = self.tail_scores[:, :, n:].clone() if n < t else None
 
     def _encode_exact(self) -> None:
         """Encode the context's full-precision pairs into the encoded pairs, after each head's, with their scores."""
@@ -526,6 +547,8 @@ class HeadStore:
         batch = self.real_seen.shape[0]
         total += rows * self.tail_tokens * (head_dim + value_dim) * element
         total += batch * self.tail_tokens  # tail_valid
+        if self.tail_scores is not None:
+            total += rows * self.tail_tokens * 4  # float32
         total += 3 * batch * 8  # real_seen, allowance, share_then (int64)
         if self.sink_valid is not None:
             assert self.sink_keys is not None  # held with `sink_valid`

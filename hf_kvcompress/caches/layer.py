@@ -312,7 +312,7 @@ class CompressedLayer(CacheLayerMixin):
         new = key_states.shape[-2]
         self.seen += new
         assert isinstance(self.store, HeadStore)  # `update` comes here when `per_head`
-        self.store.append(key_states, value_states)
+        self.store.append(key_states, value_states, self.scorer.later_scores(self, attn_kwargs, new))
         full_keys, full_values = self._full("key"), self._full("value")
         self.own_mask = OwnMask(self.store.mask(new, full_keys.shape[-2]))
         attn_kwargs[MASK_KEY] = self.own_mask

@@ -65,6 +65,11 @@ class Scorer:
         attention to deliver (`observe`)."""
         return False
 
+    def later_scores(self, layer, attn_kwargs: dict | None, new: int) -> torch.Tensor | None:
+        """[B, H_kv, new] scores of a step's tokens once the layer keeps a head store (after the ranking), comparable
+        with the ranked pairs' scores; None: they rank above the ranked pairs, newest first (head_store.py)."""
+        return None
+
     def observe(self, layer, delivered: torch.Tensor) -> bool:
         """Receive what attention delivered for this scorer's request; True: the layer evicts and encodes now."""
         raise RuntimeError(f"{type(self).__name__} asks attention for nothing")
@@ -322,7 +327,8 @@ class ProbeScores(Scorer):
     module hands over in the attention kwargs (hf/hidden_states.py). A token is scored once, when it arrives, by
     what it is: the same scores at prefill, in chunks or at once, and at decode. With `policy.ranks_prompt` (head
     budgets) nothing is evicted until the cache ranks every layer's pairs (CompressedCache.rank_prompt, which makes
-    the layer a head store and sets `scored`); otherwise eviction follows in the same step.
+    the layer a head store and sets `scored`), and the tokens after it are scored the same way into the head store
+    (`later_scores`); otherwise eviction follows in the same step.
 
     `probe`: the layer's probe (probes.py), [B, n, hidden] -> [B, H_kv, n]; model weights shared by every cache of
     the model, not this cache's storage (nbytes counts none of it).
@@ -343,6 +349,15 @@ class ProbeScores(Scorer):
         return self.scored or not self.waits_for_ranking
 
     def begin_step(self, layer, attn_kwargs, new) -> bool:
+        layer.slots.append("accumulated", self._estimates(layer, attn_kwargs, new))
+        return False
+
+    def later_scores(self, layer, attn_kwargs, new) -> torch.Tensor:
+        """After the ranking a token is scored as before it: by the probe, so it competes with the ranked pairs."""
+        return self._estimates(layer, attn_kwargs, new)
+
+    def _estimates(self, layer, attn_kwargs, new) -> torch.Tensor:
+        """[B, H_kv, new]: the probe's estimates of the step's tokens from the hidden states attention was handed."""
         hidden = None if attn_kwargs is None else attn_kwargs.get(HIDDEN_KEY)
         if hidden is None:
             raise RuntimeError(
@@ -353,8 +368,7 @@ class ProbeScores(Scorer):
                 f"the hidden state handed to this layer is for {tuple(hidden.shape[:2])} (rows, tokens), the step "
                 f"stores ({layer.batch_size}, {new})"
             )
-        layer.slots.append("accumulated", estimated_score(self.probe(hidden)))
-        return False
+        return estimated_score(self.probe(hidden))
 
 
 def scorer_for(policy: Policy, query_inv_freq: tuple[float, ...] | None = None, probe=None) -> Scorer:

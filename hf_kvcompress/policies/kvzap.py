@@ -42,12 +42,13 @@ class KVzapPolicy(Policy):
         budgets: how the kept pairs are shared out. "head" (the default): the prompt is held whole while it is
             read, then one ranking of every full-attention layer's (KV head, token) pairs by the probe's estimates
             decides what each head keeps, as KVzip's head budgets (caches/head_ranking.py); tokens after it
-            (questions, answers) rank above the prompt, newest first, and a `budget` or `ratio` holds them as
-            KVzip's does. The ranking runs when `hf_kvcompress.prefill` ends, or on model.generate's path at the
-            first one-token step. "uniform": every KV head keeps the same number of its best pairs, evicted as
-            tokens arrive, so a `budget` bounds memory while the prompt is read too, and tokens that arrive later
-            are scored by the probe. On SmolLM2's development half the same share per head lost every needle
-            that the head ranking kept (docs/results.md, "KVzap").
+            (questions, answers, a generation) are scored by the probe as they arrive and, once older than
+            `recent`, compete with the prompt's pairs; a `budget` or `ratio` holds each ranked layer to its share
+            (caches/head_store.py). The ranking runs when `hf_kvcompress.prefill` ends, or on model.generate's
+            path at the first one-token step. "uniform": every KV head keeps the same number of its best pairs,
+            evicted as tokens arrive, so a `budget` bounds memory while the prompt is read too. On SmolLM2's
+            development half the same share per head lost every needle that the head ranking kept
+            (docs/results.md, "KVzap").
         probe: the probe file, or a directory holding one (None: the probe shipped for the model).
     """
 

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress.caches.head_store import ABSORB_BLOCK
 from hf_kvcompress.calibration import ridge
 from hf_kvcompress.generation import generate, prefill
 from hf_kvcompress.hf.hidden_states import attention_modules
@@ -282,6 +283,68 @@ def test_head_budgets_keep_the_best_estimates_of_all_layers_and_heads(probed, ru
         assert sum(counts) == 12 * len(counts)
 
 
+def test_head_budgets_score_later_tokens_as_at_prefill(probed):
+    """After the ranking, each token is scored by the probe as it arrives, exactly as a prompt token is: the head
+    store keeps, per head, the prompt's scores then the decoded tokens' (those that joined the pairs and those
+    still in its tail), all the probe's estimates of the same hidden states (nothing is evicted: 52 < 64)."""
+    model, directory = probed
+    probes = load_probes(directory, model.config)
+    ids = torch.randint(3, 128, (1, 52), generator=torch.Generator().manual_seed(11))
+    cache = make_cache(f"kvzap:budget=64,recent=0,span=0,probe={directory}", model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :12], cache=cache)
+        for t in range(12, 52):  # the first ranks the prompt, every one is scored as it arrives
+            model(input_ids=ids[:, t : t + 1], cache=cache)
+    reference = _hidden_states(model, ids)
+    for i, probe in probes.items():
+        store = cache.layers[i].store
+        assert cache.layers[i].per_head and store.tail_scores is not None
+        assert store.tail_tokens < 32 < 52 - 12  # some decoded tokens joined the pairs, some are in the tail
+        expected = estimated_score(probe(reference[i]))[0]  # [H, 52]
+        for head, held in enumerate(_kept_scores(cache.layers[i])):
+            got = torch.cat([held, store.tail_scores[0, head]])
+            torch.testing.assert_close(got, expected[head], rtol=1e-4, atol=1e-5)
+
+
+def test_head_budgets_hold_the_budget_while_decoding(probed):
+    """budget=N through a long generation: from the ranking on, each ranked layer holds at most its allowance (its
+    pairs at the ranking), decoded tokens compete with the prompt's pairs by their probe scores (some are evicted
+    while prompt pairs stay), and the bytes never exceed those at the ranking by more than a tail: the newest
+    `recent` + ABSORB_BLOCK tokens per ranked layer, which a layer whose allowance is smaller keeps stored (masked)
+    until they join its pairs."""
+    model, directory = probed
+    cache = make_cache(f"kvzap:budget=64,recent=4,probe={directory}", model.config)
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        prefill(model, ids, None, cache)  # ranks at its end
+    ranked = [layer for layer in cache.layers if layer.per_head]
+    assert ranked
+    allowance = [int(layer.store.allowance[0]) for layer in ranked]
+    at_ranking = measured_kv_bytes(cache)
+    held = []
+
+    class Meter:  # a streamer, called after every step
+        def put(self, value):
+            held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
+                         [int(layer.store.held_pairs()[0]) for layer in ranked]))
+
+        def end(self):
+            pass
+
+    out = generate(model, torch.cat([ids, ids[:, -1:]], 1), None, cache, max_new_tokens=120, min_new_tokens=120,
+                   streamer=Meter())
+    assert out.new_tokens.shape[1] == 120
+    assert all(m == p for m, p, _ in held)
+    assert all(c <= a for _, _, counts in held for c, a in zip(counts, allowance, strict=True))
+    heads, dim = ranked[0].kv_heads, ranked[0].head_dim
+    tail = (4 + ABSORB_BLOCK) * (heads * (2 * dim * 4 + 4) + 1)  # float32 keys, values and score; valid flag
+    assert max(m for m, _, _ in held) <= at_ranking + tail * len(ranked)
+    # Decoded tokens joined the pairs with their probe scores (below 1; tokens ranked above the prompt score 2 and
+    # more).
+    later = [layer.store.encoded.scores for layer in ranked]
+    assert all(bool((s < 1).any()) and bool((s < 2).all()) for s in later)
+
+
 def test_a_budget_below_the_default_window_names_recent():
     with pytest.raises(ValueError, match="recent"):
         KVzapPolicy(budget=64)
@@ -378,7 +441,9 @@ def test_head_budgets_bound_memory_through_a_long_generation(probed):
     heads = full[0].kv_heads
     # Layers and heads hold different numbers of pairs; the row holds no more than the budget's in all.
     assert all(sum(counts) <= 8 * heads * len(full) for _, _, counts, _ in after)
-    # The store's tail of later tokens grows until it is absorbed, then the bytes fall back (a sawtooth, measured:
-    # 7.6 kB -> 31.9 kB -> 7.6 kB on the tiny Llama); `budgets=uniform` holds them constant instead (test above).
+    # A budget of 8 is smaller than the store's tail (up to ABSORB_BLOCK tokens): the tail's evicted slots stay stored,
+    # masked, until they join the pairs, then the bytes fall back (a sawtooth); with a budget above the tail they
+    # stay within one tail of the ranking's (test_head_budgets_hold_the_budget_while_decoding), and
+    # `budgets=uniform` holds them constant (test above).
     grown = max(range(len(after)), key=lambda n: after[n][0])
     assert any(m <= after[0][0] * 1.1 for m, _, _, _ in after[grown + 1 :])
