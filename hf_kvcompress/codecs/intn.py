@@ -30,16 +30,36 @@ _TINY = torch.finfo(torch.bfloat16).tiny
 # "Quantization options"): the rotation measured best for the model's family (`auto`) + 4 full-precision sinks +
 # per-channel keys.
 # `rotate=none,sink_tokens=0` is plain KIVI.
-BEST_LOW_BIT: dict[str, Any] = {"rotate": "auto", "sink_tokens": 4}
+BEST_LOW_BIT: dict[str, Any] = {"rotate": "auto", "sink_tokens": 4, "key_scale": "auto"}
 # What `rotate=auto` (the plain names) means per model family: measured, not derived (docs/results.md, "Rotating
 # keys"). On Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers
 # on the suite; on SmolLM2 (Llama) it lowered them. Families not listed rotate everything, as QuaRot does.
 ROTATION_BY_MODEL_TYPE: dict[str | None, str] = {"gemma3_text": "per_token", "gemma3": "per_token"}
+# The families whose keys `key_scale=auto` scales (where the model ships scales): measured, not derived
+# (docs/results.md, "Key channel scales for per-token keys"). On Gemma-3 the global layers' key channels differ
+# ~25-fold in spread and the scales brought per-token keys' attention error near per-channel groups'; on SmolLM2
+# (~4-fold, Hadamard-rotated) they raised it (0.037 -> 0.051 on the dev prompts).
+KEY_SCALE_MODEL_TYPES = frozenset({"gemma3_text", "gemma3"})
 # At 2 bits the attention error is far above int3's: Lloyd-Max levels for the head_dim groups and pre-RoPE keys lower
 # it for no bytes; more sinks lowered it further but kept no more answers for their bytes, so int2 keeps 4
 # (docs/results.md, "Quantization options").
 BEST_TWO_BIT: dict[str, Any] = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True}
 PLAIN_NAME_DEFAULTS: dict[int, dict[str, Any]] = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
+
+
+class KeyScales:
+    """Key channel scales shared by every cache of the model like its weights: [layers, H_kv, D] (the model's) or
+    [H_kv, D] (one layer's), float32.
+
+    No `__dict__`: `measured_kv_bytes` counts what each user's cache holds, and these are per model, not per user
+    (`IntNCodec.model_bytes` counts them, once per model), as lowrank's bases (`LayerBases`).
+    """
+
+    __slots__ = ("tensor",)
+    tensor: torch.Tensor
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
 
 
 @lru_cache(maxsize=64)
@@ -169,7 +189,8 @@ class IntNCodec(Codec):
             Attention reads the scaled keys with the query multiplied by the scale (q . k = (s q) . (k / s)), so
             the kernels read them unchanged. "calibrated": the scales shipped for the model (`hf-kvcompress
             calibrate --key-scales` writes them for others); a path: that file, or a directory holding one; "auto"
-            (the plain names): "calibrated" where the model has a shipped file, "none" otherwise; "none": no scale.
+            (the plain names int4/int3/int2): "calibrated" for the families where the scales were measured to
+            help (KEY_SCALE_MODEL_TYPES: Gemma-3) when the model ships a file, "none" otherwise; "none": no scale.
             The scales (float32, layers x KV heads x head_dim) are held once per model, not per cache:
             `model_bytes` counts them, `measured_kv_bytes` does not.
     """
@@ -193,8 +214,8 @@ class IntNCodec(Codec):
     layer: int = field(default=0, init=False, repr=False)
     # The key channel scales: every layer's [layers, H_kv, D], set by `for_model` (key_scale), then this layer's
     # [H_kv, D] by `for_layer`; None: keys are not scaled.
-    model_key_scales: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    layer_key_scale: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    model_key_scales: KeyScales | None = field(default=None, init=False, repr=False, compare=False)
+    layer_key_scale: KeyScales | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.bits not in PACKABLE_BITS:
@@ -262,7 +283,8 @@ class IntNCodec(Codec):
     def _with_model_key_scales(self, config) -> IntNCodec:
         """A copy holding the model's key scales (`key_scale`), or self where `auto` finds none for the model."""
         named = getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "")
-        if self.key_scale == "auto" and not named:
+        family = getattr(text_config(config), "model_type", None)
+        if self.key_scale == "auto" and (not named or family not in KEY_SCALE_MODEL_TYPES):
             return self
         source = None if self.key_scale in ("auto", "calibrated") else self.key_scale
         path = key_scales_file(source, config)
@@ -273,7 +295,7 @@ class IntNCodec(Codec):
                              "`hf-kvcompress calibrate --key-scales --model M --out DIR` and pass key_scale=DIR")
         scales = load_key_scales(path, config)
         bound = copy.copy(self)
-        object.__setattr__(bound, "model_key_scales", scales)
+        object.__setattr__(bound, "model_key_scales", KeyScales(scales))
         return bound
 
     def for_reduced_states(self) -> IntNCodec:
@@ -291,7 +313,7 @@ class IntNCodec(Codec):
     def model_bytes(self) -> int:
         """Bytes of the key scales every cache of the model reads (float32 as held), counted once per model, not
         per cache: `measured_kv_bytes` does not count them. 0 without scales."""
-        return 0 if self.model_key_scales is None else self.model_key_scales.numel() * 4
+        return 0 if self.model_key_scales is None else self.model_key_scales.tensor.numel() * 4
 
     def _group_rope(self, keys: torch.Tensor, direction: int) -> torch.Tensor:
         """Rotate per-channel key groups [B, H, T, D] by `direction` x (offset within the group) positions."""
@@ -332,9 +354,10 @@ class IntNCodec(Codec):
         layered = copy.copy(self)
         object.__setattr__(layered, "layer", layer_idx)
         if self.model_key_scales is not None:
-            if layer_idx >= self.model_key_scales.shape[0]:
-                raise ValueError(f"the key scales hold {self.model_key_scales.shape[0]} layers, not layer {layer_idx}")
-            object.__setattr__(layered, "layer_key_scale", self.model_key_scales[layer_idx])
+            scales = self.model_key_scales.tensor
+            if layer_idx >= scales.shape[0]:
+                raise ValueError(f"the key scales hold {scales.shape[0]} layers, not layer {layer_idx}")
+            object.__setattr__(layered, "layer_key_scale", KeyScales(scales[layer_idx]))
         if wide:
             object.__setattr__(layered, "bits", self.wide_bits)
             object.__setattr__(layered, "wide_layers", "")
@@ -352,9 +375,9 @@ class IntNCodec(Codec):
 
     def _key_scale(self, kind: Kind, states: torch.Tensor) -> torch.Tensor | None:
         """[H_kv, 1, D] float32 scale of keys grouped per token in this layer, or None where keys are not scaled."""
-        scale = self.layer_key_scale
-        if kind != "key" or scale is None or self._per_channel(kind):
+        if kind != "key" or self.layer_key_scale is None or self._per_channel(kind):
             return None
+        scale = self.layer_key_scale.tensor
         if scale.shape[0] != states.shape[1] or scale.shape[1] != states.shape[-1]:
             raise ValueError(f"the key scales hold {scale.shape[0]} KV heads x {scale.shape[1]} channels, the keys "
                              f"have {states.shape[1]} x {states.shape[-1]}")

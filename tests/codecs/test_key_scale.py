@@ -15,6 +15,7 @@ from hf_kvcompress.calibration import (
 )
 from hf_kvcompress.codecs.base import resolve_for_model, resolve_for_policy
 from hf_kvcompress.codecs.intn import IntNCodec
+from hf_kvcompress.measure import measured_kv_bytes
 from hf_kvcompress.models import load_config
 from hf_kvcompress.registry import parse_spec
 
@@ -120,20 +121,25 @@ def _named(tmp_path):
     return config
 
 
-def test_auto_scales_where_the_model_ships_scales_and_nowhere_else(tmp_path):
+def test_auto_scales_gemma_keys_and_no_others(tmp_path):
+    """`auto` (the plain names) scales keys where it was measured to help: Gemma-3, which ships scales; SmolLM2 ships
+    them too (key_scale=calibrated) but is left unscaled; a model without a name or a file is left unscaled."""
     unnamed = _config()
     assert resolve_for_model(IntNCodec(key_scale="auto"), unnamed).model_key_scales is None
-    # a name without a shipped file: auto stores keys unscaled
     unnamed._name_or_path = "no-such-model"
     assert key_scales_file(None, unnamed) is None
     assert resolve_for_model(IntNCodec(key_scale="auto"), unnamed).model_key_scales is None
-    for name in ("smollm2-135m", "gemma-3-270m"):
+    assert parse_spec("int4")[1].key_scale == "auto" and parse_spec("int8")[1].key_scale == "none"
+    for name, auto in (("gemma-3-270m", True), ("smollm2-135m", False)):
         config = load_config(name)
         layers = config.get_text_config().num_hidden_layers
         bound = resolve_for_model(IntNCodec(key_scale="auto"), config)
-        assert bound.model_key_scales is not None and bound.model_key_scales.shape[0] == layers
-        assert bound.model_bytes() == bound.model_key_scales.numel() * 4
-        assert (bound.model_key_scales > 0).all()
+        assert (bound.model_key_scales is not None) == auto, name
+        codec = resolve_for_model(IntNCodec(key_scale="calibrated"), config)
+        calibrated = codec.model_key_scales
+        assert calibrated is not None and calibrated.tensor.shape[0] == layers
+        assert codec.model_bytes() == calibrated.tensor.numel() * 4
+        assert (calibrated.tensor > 0).all()
 
 
 def test_a_stack_stores_its_reduced_states_unscaled(tmp_path):
@@ -175,3 +181,5 @@ def test_a_padded_batch_equals_its_rows_alone(tmp_path, name):
     cache = padded_batch_against_rows_alone(model, f"sink_window:sink_tokens=2,window=8+int4:group_size=16,"
                                                    f"residual_length=2,key_scale={path}")
     assert all(layer.codec.layer_key_scale is not None for layer in cache.layers)
+    # the scales are the model's, not the cache's: the bytes a cache holds are what it promises
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
