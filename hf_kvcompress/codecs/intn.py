@@ -42,8 +42,9 @@ ROTATION_BY_MODEL_TYPE: dict[str | None, str] = {"gemma3_text": "per_token", "ge
 KEY_SCALE_MODEL_TYPES = frozenset({"gemma3_text", "gemma3"})
 # At 2 bits the attention error is far above int3's: Lloyd-Max levels for the head_dim groups and pre-RoPE keys lower
 # it for no bytes; more sinks lowered it further but kept no more answers for their bytes, so int2 keeps 4
-# (docs/results.md, "Quantization options").
-BEST_TWO_BIT: dict[str, Any] = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True}
+# (docs/results.md, "Quantization options"). Key scales were measured at 4 bits only, and int2's per-token keys use
+# the Gaussian levels, which set their own spread per group: int2 leaves them off until measured.
+BEST_TWO_BIT: dict[str, Any] = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True, "key_scale": "none"}
 PLAIN_NAME_DEFAULTS: dict[int, dict[str, Any]] = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
 
 
@@ -189,7 +190,7 @@ class IntNCodec(Codec):
             Attention reads the scaled keys with the query multiplied by the scale (q . k = (s q) . (k / s)), so
             the kernels read them unchanged. "calibrated": the scales shipped for the model (`hf-kvcompress
             calibrate --key-scales` writes them for others); a path: that file, or a directory holding one; "auto"
-            (the plain names int4/int3/int2): "calibrated" for the families where the scales were measured to
+            (the plain names int4/int3): "calibrated" for the families where the scales were measured to
             help (KEY_SCALE_MODEL_TYPES: Gemma-3) when the model ships a file, "none" otherwise; "none": no scale.
             The scales (float32, layers x KV heads x head_dim) are held once per model, not per cache:
             `model_bytes` counts them, `measured_kv_bytes` does not.
