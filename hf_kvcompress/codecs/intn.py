@@ -30,7 +30,7 @@ _TINY = torch.finfo(torch.bfloat16).tiny
 # "Quantization options"): the rotation measured best for the model's family (`auto`) + 4 full-precision sinks +
 # per-channel keys.
 # `rotate=none,sink_tokens=0` is plain KIVI.
-BEST_LOW_BIT: dict[str, Any] = {"rotate": "auto", "sink_tokens": 4, "key_scale": "auto"}
+BEST_LOW_BIT: dict[str, Any] = {"rotate": "auto", "sink_tokens": 4}
 # What `rotate=auto` (the plain names) means per model family: measured, not derived (docs/results.md, "Rotating
 # keys"). On Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers
 # on the suite; on SmolLM2 (Llama) it lowered them. Families not listed rotate everything, as QuaRot does.
@@ -40,12 +40,14 @@ ROTATION_BY_MODEL_TYPE: dict[str | None, str] = {"gemma3_text": "per_token", "ge
 # ~25-fold in spread and the scales brought per-token keys' attention error near per-channel groups'; on SmolLM2
 # (~4-fold, Hadamard-rotated) they raised it (0.037 -> 0.051 on the dev prompts).
 KEY_SCALE_MODEL_TYPES = frozenset({"gemma3_text", "gemma3"})
+# Key scales were measured at 4 bits only: int4 means `key_scale=auto`, int3 and int2 `none` until measured (int2's
+# per-token keys use the Gaussian levels, which set their own spread per group).
+BEST_FOUR_BIT: dict[str, Any] = {**BEST_LOW_BIT, "key_scale": "auto"}
 # At 2 bits the attention error is far above int3's: Lloyd-Max levels for the head_dim groups and pre-RoPE keys lower
 # it for no bytes; more sinks lowered it further but kept no more answers for their bytes, so int2 keeps 4
-# (docs/results.md, "Quantization options"). Key scales were measured at 4 bits only, and int2's per-token keys use
-# the Gaussian levels, which set their own spread per group: int2 leaves them off until measured.
-BEST_TWO_BIT: dict[str, Any] = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True, "key_scale": "none"}
-PLAIN_NAME_DEFAULTS: dict[int, dict[str, Any]] = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
+# (docs/results.md, "Quantization options").
+BEST_TWO_BIT: dict[str, Any] = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True}
+PLAIN_NAME_DEFAULTS: dict[int, dict[str, Any]] = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_FOUR_BIT, 8: {}}
 
 
 class KeyScales:
@@ -190,7 +192,7 @@ class IntNCodec(Codec):
             Attention reads the scaled keys with the query multiplied by the scale (q . k = (s q) . (k / s)), so
             the kernels read them unchanged. "calibrated": the scales shipped for the model (`hf-kvcompress
             calibrate --key-scales` writes them for others); a path: that file, or a directory holding one; "auto"
-            (the plain names int4/int3): "calibrated" for the families where the scales were measured to
+            (the plain name int4): "calibrated" for the families where the scales were measured to
             help (KEY_SCALE_MODEL_TYPES: Gemma-3) when the model ships a file, "none" otherwise; "none": no scale.
             The scales (float32, layers x KV heads x head_dim) are held once per model, not per cache:
             `model_bytes` counts them, `measured_kv_bytes` does not.

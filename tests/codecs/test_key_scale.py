@@ -130,7 +130,7 @@ def test_auto_scales_gemma_keys_and_no_others(tmp_path):
     assert key_scales_file(None, unnamed) is None
     assert resolve_for_model(IntNCodec(key_scale="auto"), unnamed).model_key_scales is None
     assert parse_spec("int4")[1].key_scale == "auto" and parse_spec("int8")[1].key_scale == "none"
-    assert parse_spec("int2")[1].key_scale == "none"  # not measured at 2 bits
+    assert parse_spec("int2")[1].key_scale == parse_spec("int3")[1].key_scale == "none"  # measured at 4 bits only
     for name, auto in (("gemma-3-270m", True), ("smollm2-135m", False)):
         config = load_config(name)
         layers = config.get_text_config().num_hidden_layers
