@@ -345,3 +345,74 @@ def load_sharing(source: str | os.PathLike | None, config) -> tuple[dict[str, to
     check_fitted_for(metadata, config, f"the head-sharing maps in {path}",
                      "hf-kvcompress calibrate --sharing --model M --out DIR")
     return tensors, metadata
+
+
+# -- key channel scales (int codecs' `key_scale`) -------------------------------------------------------------------
+
+KEY_SCALES_FILE = "key_scales.safetensors"
+KEY_SCALES_FORMAT = "hf-kvcompress-key-scales-1"
+KEY_SCALES_SUFFIX = ".key_scales.safetensors"
+KEY_SCALE_STATS = ("absmax", "rms", "p99")
+# The first tokens are left out of the statistics: the int codecs keep them exact (sinks), and the first token's keys
+# are often far larger than the rest (they would set the scale of channels that no other token fills).
+KEY_SCALE_SKIP = 4
+
+
+def channel_spread(keys: torch.Tensor, stat: str) -> torch.Tensor:
+    """keys [H, T, D] -> [H, D]: each channel's largest magnitude (`absmax`), root mean square (`rms`) or 99th
+    percentile of magnitudes (`p99`) over the tokens, at least 1e-6 (a channel never divides by zero)."""
+    magnitude = keys.float().abs()
+    if stat == "absmax":
+        spread = magnitude.amax(1)
+    elif stat == "rms":
+        spread = magnitude.pow(2).mean(1).sqrt()
+    elif stat == "p99":
+        spread = magnitude.quantile(0.99, dim=1)
+    else:
+        raise ValueError(f"stat must be one of {KEY_SCALE_STATS}, got {stat!r}")
+    return spread.clamp(min=1e-6)
+
+
+def calibrate_key_scales(model, input_ids: torch.Tensor, stat: str = "absmax",
+                         text: str = CALIBRATION_TEXT) -> tuple[dict, dict, list[dict]]:
+    """Each layer's key channel scales on `input_ids` [1, T] (keys after RoPE, as the cache receives them; the
+    first KEY_SCALE_SKIP tokens left out): `layers.i.key_scale` [H, D] (`channel_spread`). Returns (tensors,
+    metadata, report rows: each layer's widest channel over its median, the spread the scales even out)."""
+    if input_ids.shape[1] <= KEY_SCALE_SKIP:
+        raise ValueError(f"key scales need more than {KEY_SCALE_SKIP} calibration tokens, got {input_ids.shape[1]}")
+    states = layer_states(model, input_ids.to(model.device))
+    kv_heads, _, head_dim = states[0][0].shape
+    tensors, report = {}, []
+    for i, (keys, _) in enumerate(states):
+        scale = channel_spread(keys[:, KEY_SCALE_SKIP:], stat)
+        tensors[f"layers.{i}.key_scale"] = scale.contiguous()
+        report.append({"layer": i, "widest_over_median": float((scale.amax(-1) / scale.median(-1).values).max())})
+    metadata = {"format": KEY_SCALES_FORMAT, "model": model_identity(model.config), "layers": str(len(states)),
+                "kv_heads": str(kv_heads), "head_dim": str(head_dim), "stat": stat, "keys": "post_rope",
+                "tokens": str(input_ids.shape[1]), "text": text}
+    return tensors, metadata, report
+
+
+def save_key_scales(tensors: dict, metadata: dict, out_dir: str | os.PathLike) -> Path:
+    path = Path(out_dir) / KEY_SCALES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+def key_scales_file(source: str | os.PathLike | None, config) -> Path | None:
+    """The key-scales file `source` names (a file, or a directory holding one), or for None the one shipped for
+    `config`'s model, or None when no file is shipped for it."""
+    if source is None and not (PACKAGED_DIR / f"{model_identity(config)}{KEY_SCALES_SUFFIX}").exists():
+        return None
+    return calibration_file(source, config, file_name=KEY_SCALES_FILE, packaged_suffix=KEY_SCALES_SUFFIX,
+                            spec_param="key_scale", what="key scales", command="hf-kvcompress calibrate --key-scales")
+
+
+def load_key_scales(path: Path, config) -> torch.Tensor:
+    """[layers, H, D] float32 key channel scales from `path` (`key_scales_file`), refusing a file fitted on another
+    model or shape."""
+    tensors, metadata = read_calibration(path, KEY_SCALES_FORMAT, "key scales")
+    check_fitted_for(metadata, config, f"the key scales in {path}", "hf-kvcompress calibrate --key-scales --model M "
+                     "--out DIR")
+    return torch.stack([tensors[f"layers.{i}.key_scale"].float() for i in range(int(metadata["layers"]))])

@@ -25,6 +25,8 @@ centres each key channel on its mean and divides it by its standard deviation ov
 KV head) before the codec encodes the keys, and undoes it after decoding (the statistics kept exact: two head_dim
 vectors per head); `key_smooth=calibration` takes those statistics from the calibration text's keys instead (what a
 model could ship): whether per-token key groups (evicting policies) can reach per-channel groups' error.
+`key_stat=absmax|rms|p99` divides each channel by that statistic of its magnitudes instead (no centring: what a
+codec can fold into the query), and `key_smooth_after=true` normalises the keys after the codec's rotation.
 `--per-layer` prints each layer's error too.
 
 `--text calibration` measures on the package's calibration text (HotpotQA paragraphs, `hf_kvcompress.calibration`)
@@ -35,6 +37,7 @@ suite's own prompts can be checked there on text the suite never grades (no need
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 from transformers import AttentionInterface
@@ -74,14 +77,39 @@ def _split_outliers(states, count: int):
     return states - sparse, sparse
 
 
-def channel_stats(states):
-    """(mean, standard deviation) of each key channel over the tokens, [B, H, 1, D] each (`key_smooth`)."""
-    return states.mean(2, keepdim=True), states.std(2, keepdim=True).clamp(min=1e-6)
+KEY_STATS = ("meanstd", "absmax", "rms", "p99")
 
 
-def as_stored(states, codec: IntNCodec, kind: str, outliers: int = 0, smooth=None):
+def channel_stats(states, stat: str = "meanstd"):
+    """(offset, spread) of each key channel over the tokens, [B, H, 1, D] each (`key_smooth`): `meanstd` centres on
+    the mean and divides by the standard deviation; the others divide only (offset 0) by the channel's largest
+    magnitude, its root mean square, or the 99th percentile of its magnitudes."""
+    if stat == "meanstd":
+        return states.mean(2, keepdim=True), states.std(2, keepdim=True).clamp(min=1e-6)
+    magnitude = states.abs()
+    if stat == "absmax":
+        spread = magnitude.amax(2, keepdim=True)
+    elif stat == "rms":
+        spread = magnitude.pow(2).mean(2, keepdim=True).sqrt()
+    elif stat == "p99":
+        spread = magnitude.quantile(0.99, dim=2, keepdim=True)
+    else:
+        raise ValueError(f"key_stat must be one of {KEY_STATS}, got {stat!r}")
+    return torch.zeros_like(spread), spread.clamp(min=1e-6)
+
+
+def as_stored(states, codec: IntNCodec, kind: str, outliers: int = 0, smooth=None, stat: str = "meanstd",
+              after: bool = False):
     """The states as the cache holds them after prefill: exact sinks and residual, the middle encoded. `smooth`:
-    "prompt" or a (mean, deviation) pair, the channel statistics the encoded states are normalised by."""
+    "prompt" or an (offset, spread) pair, the channel statistics the encoded states are normalised by (`stat`, for
+    "prompt"). `after`: normalise the rotated keys (the codec's rotation applied here, then off), not the raw ones."""
+    if after and smooth is not None:
+        # the codec's own rotation (to_basis: the identity where it does not rotate), then the codec without one
+        unrotated = replace(codec, rotate="none")
+        rotated = as_stored(codec.to_basis(states, kind), unrotated, kind, outliers, smooth, stat)
+        out = codec.from_basis(rotated, kind)
+        out[:, :, : codec.sink_tokens] = states[:, :, : codec.sink_tokens]
+        return out
     t = states.shape[2]
     encoded = max(0, (t - codec.residual_length) // codec.group_size * codec.group_size)
     if encoded == 0:
@@ -91,7 +119,7 @@ def as_stored(states, codec: IntNCodec, kind: str, outliers: int = 0, smooth=Non
     if smooth is None:
         out[:, :, :encoded] = codec.decode(codec.encode(dense, kind), kind, states.dtype) + sparse
     else:
-        mean, spread = channel_stats(dense) if smooth == "prompt" else smooth
+        mean, spread = channel_stats(dense, stat) if smooth == "prompt" else smooth
         normalised = (dense - mean) / spread
         out[:, :, :encoded] = codec.decode(codec.encode(normalised, kind), kind, states.dtype) * spread + mean + sparse
     out[:, :, : codec.sink_tokens] = states[:, :, : codec.sink_tokens]
@@ -131,7 +159,7 @@ def main() -> None:
     depths = [float(d) for d in args.depths.split(",")]
     samples = (build_samples(tokenizer, ["needle"], [args.length], depths, split=args.split) if args.text == "needle"
                else [None])
-    calibrated = {}  # layer -> the calibration text's key channel statistics (key_smooth=calibration)
+    calibration_keys = {}  # layer -> the calibration text's keys (key_smooth=calibration)
     if any("key_smooth=calibration" in c for c in configs):
         from hf_kvcompress.calibration import calibration_text
 
@@ -142,7 +170,7 @@ def main() -> None:
         model.set_attn_implementation("record_sdpa")
         with torch.no_grad():
             model(input_ids=torch.tensor([text_ids]))
-        calibrated = {i: channel_stats(store_calibration[i][1][:, :, 4:]) for i in layers}  # past the sinks
+        calibration_keys = {i: store_calibration[i][1][:, :, 4:] for i in layers}  # past the sinks
     totals = {c: [0.0, 0.0] for c in configs}
     per_layer = {c: torch.zeros(len(layers)) for c in configs}
     for sample in samples:
@@ -168,6 +196,7 @@ def main() -> None:
             kwargs = {k: parse_value(v) for k, v in (p.split("=") for p in config.split(","))}
             key_outliers, value_outliers = kwargs.pop("key_outliers", 0), kwargs.pop("value_outliers", 0)
             smooth = kwargs.pop("key_smooth", None)
+            stat, after = kwargs.pop("key_stat", "meanstd"), kwargs.pop("key_smooth_after", False)
             if smooth not in (None, "prompt", "calibration"):
                 raise ValueError(f"key_smooth must be prompt or calibration, got {smooth!r}")
             # Each layer's codec as the cache builds it: bound to the model (RoPE frequencies, rotate=auto), keys
@@ -181,8 +210,14 @@ def main() -> None:
                 layered = layer_codecs[i]
                 window = windows.get(i)
                 ref, ref_probs = attend(query, key, value, scaling, window)
-                stats = calibrated[i] if smooth == "calibration" else smooth
-                out, probs = attend(query, as_stored(key, layered, "key", key_outliers, stats),
+                stats = smooth
+                if smooth == "calibration":
+                    keys = calibration_keys[i]
+                    if after:
+                        keys = layered.to_basis(keys, "key")
+                    stats = channel_stats(keys, stat)
+                stored = as_stored(key, layered, "key", key_outliers, stats, stat, after)
+                out, probs = attend(query, stored,
                                      as_stored(value, layered, "value", value_outliers), scaling, window)
                 errors.append(((out - ref).norm() / ref.norm()).item())
                 if needle_slots is not None and ref_probs[..., needle_slots].sum() > 0:  # within this layer's reach

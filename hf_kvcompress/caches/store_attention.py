@@ -212,7 +212,7 @@ def attend_store(
         attention_mask = attention_mask[:, :1]  # one mask for every head
     # Query heads h = k * groups + g share KV head k: [B, H_kv, groups * q, D].
     plain_q = (query.float() * scaling).reshape(batch, kv_heads, groups * q_len, dim)
-    stored_q = codec.to_basis(plain_q, "key")
+    stored_q = codec.key_query(plain_q)
     kernel = store_kernel(layer, query, backend) if n_enc else None
     if kernel == "cpu":
         out = _attend_by_cpu_kernel(layer, plain_q, stored_q, attention_mask)

@@ -106,6 +106,17 @@ class Codec(ABC):
         """Inverse of `to_basis`."""
         return x
 
+    def key_query(self, query: torch.Tensor) -> torch.Tensor:
+        """query [B, H_kv, n, D] -> the query that meets the keys in their storage basis: q . k =
+        key_query(q) . decode_in_basis(k). `to_basis(q, "key")` for a rotation; a codec that also scales key
+        channels (int4's key_scale) multiplies the query by the scale where it divides the keys."""
+        return self.to_basis(query, "key")
+
+    def for_reduced_states(self) -> Codec:
+        """The codec as the storage of a reducing codec (`shared_heads+int4`), whose states are not the model's own
+        head vectors: a codec that reads per-model statistics of those vectors drops or refuses them."""
+        return self
+
     def check_head_dim(self, head_dim: int) -> None:  # noqa: B027  (a hook: by default every head_dim fits)
         """Raise ValueError if this codec cannot store vectors of `head_dim` values."""
 

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..calibration import key_scales_file, load_key_scales
 from ..hf.compat import text_config
 from ..hf.rope import rope_inv_freq
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
@@ -21,6 +22,7 @@ from .base import Codec, Encoded, Kind
 from .gaussian_levels import levels_tensor, lloyd_max_levels, thresholds_tensor
 
 KEY_AXES = ("channel", "token")
+KEY_SCALES = ("none", "auto", "calibrated")  # or a path to a key-scales file (or a directory holding one)
 ROTATIONS = ("none", "hadamard", "per_token", "auto")
 CODEBOOKS = ("uniform", "gaussian")
 _TINY = torch.finfo(torch.bfloat16).tiny
@@ -33,11 +35,34 @@ BEST_LOW_BIT: dict[str, Any] = {"rotate": "auto", "sink_tokens": 4}
 # keys"). On Gemma-3 rotating per-channel keys raised the attention error at 2, 3 and 4 bits and cost 2-bit answers
 # on the suite; on SmolLM2 (Llama) it lowered them. Families not listed rotate everything, as QuaRot does.
 ROTATION_BY_MODEL_TYPE: dict[str | None, str] = {"gemma3_text": "per_token", "gemma3": "per_token"}
+# The families whose keys `key_scale=auto` scales (where the model ships scales): measured, not derived
+# (docs/results.md, "Key channel scales for per-token keys"). On Gemma-3 the global layers' key channels differ
+# ~25-fold in spread and the scales brought per-token keys' attention error near per-channel groups'; on SmolLM2
+# (~4-fold, Hadamard-rotated) they raised it (0.037 -> 0.051 on the dev prompts).
+KEY_SCALE_MODEL_TYPES = frozenset({"gemma3_text", "gemma3"})
+# Key scales were measured at 4 bits only: int4 means `key_scale=auto`, int3 and int2 `none` until measured (int2's
+# per-token keys use the Gaussian levels, which set their own spread per group).
+BEST_FOUR_BIT: dict[str, Any] = {**BEST_LOW_BIT, "key_scale": "auto"}
 # At 2 bits the attention error is far above int3's: Lloyd-Max levels for the head_dim groups and pre-RoPE keys lower
 # it for no bytes; more sinks lowered it further but kept no more answers for their bytes, so int2 keeps 4
 # (docs/results.md, "Quantization options").
 BEST_TWO_BIT: dict[str, Any] = {**BEST_LOW_BIT, "codebook": "gaussian", "pre_rope": True}
-PLAIN_NAME_DEFAULTS: dict[int, dict[str, Any]] = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_LOW_BIT, 8: {}}
+PLAIN_NAME_DEFAULTS: dict[int, dict[str, Any]] = {2: BEST_TWO_BIT, 3: BEST_LOW_BIT, 4: BEST_FOUR_BIT, 8: {}}
+
+
+class KeyScales:
+    """Key channel scales shared by every cache of the model like its weights: [layers, H_kv, D] (the model's) or
+    [H_kv, D] (one layer's), float32.
+
+    No `__dict__`: `measured_kv_bytes` counts what each user's cache holds, and these are per model, not per user
+    (`IntNCodec.model_bytes` counts them, once per model), as lowrank's bases (`LayerBases`).
+    """
+
+    __slots__ = ("tensor",)
+    tensor: torch.Tensor
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
 
 
 @lru_cache(maxsize=64)
@@ -159,6 +184,18 @@ class IntNCodec(Codec):
             `benchmarks/probes/quant_attention_error.py --per-layer` lists each layer's error for a model. Their
             bytes are counted at their own width.
         wide_bits: the width of `wide_layers` (4).
+        key_scale: divide each key channel by a per-model, per-layer, per-KV-head scale before keys grouped per
+            token (key_axis="token": evicting policies) are rotated and quantized, and multiply it back when they are
+            read (SmoothQuant arXiv:2211.10438 / KVQuant arXiv:2401.18079 for per-token groups). A per-token group
+            shares one grid across its channels, so a few wide channels (Gemma-3's global layers) set a step too
+            coarse for all the others; per-channel groups (KIVI) have their own scales and are left as they are.
+            Attention reads the scaled keys with the query multiplied by the scale (q . k = (s q) . (k / s)), so
+            the kernels read them unchanged. "calibrated": the scales shipped for the model (`hf-kvcompress
+            calibrate --key-scales` writes them for others); a path: that file, or a directory holding one; "auto"
+            (the plain name int4): "calibrated" for the families where the scales were measured to
+            help (KEY_SCALE_MODEL_TYPES: Gemma-3) when the model ships a file, "none" otherwise; "none": no scale.
+            The scales (float32, layers x KV heads x head_dim) are held once per model, not per cache:
+            `model_bytes` counts them, `measured_kv_bytes` does not.
     """
 
     bits: int = 4
@@ -171,12 +208,17 @@ class IntNCodec(Codec):
     pre_rope: bool = False
     wide_layers: str = ""
     wide_bits: int = 4
+    key_scale: str = "none"
     # RoPE inverse frequencies of the full-attention layers, filled in by `for_model` when pre_rope is on.
     inv_freq: tuple[float, ...] | None = field(default=None, init=False, repr=False, compare=False)
     # What `rotate=auto` means for the model this copy serves, set by `for_model` ("" until then: hadamard).
     settled_rotation: str = field(default="", init=False, repr=False, compare=False)
     # The decoder layer this copy serves (see `for_layer`): it seeds the rotation's signs.
     layer: int = field(default=0, init=False, repr=False)
+    # The key channel scales: every layer's [layers, H_kv, D], set by `for_model` (key_scale), then this layer's
+    # [H_kv, D] by `for_layer`; None: keys are not scaled.
+    model_key_scales: KeyScales | None = field(default=None, init=False, repr=False, compare=False)
+    layer_key_scale: KeyScales | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.bits not in PACKABLE_BITS:
@@ -200,6 +242,11 @@ class IntNCodec(Codec):
         if self.wide_bits not in PACKABLE_BITS:
             raise ValueError(f"wide_bits must be one of {PACKABLE_BITS}, got {self.wide_bits!r}")
         object.__setattr__(self, "wide_layers", "/".join(map(str, _layer_list(self.wide_layers))))
+        if self.key_scale is None:  # specs parse "key_scale=none" to None
+            object.__setattr__(self, "key_scale", "none")
+        if not isinstance(self.key_scale, str) or not self.key_scale:
+            raise ValueError(f"key_scale must be one of {KEY_SCALES} or a path to a key-scales file, "
+                             f"got {self.key_scale!r}")
 
     @property
     def widened(self) -> tuple[int, ...]:
@@ -208,8 +255,9 @@ class IntNCodec(Codec):
 
     @property
     def needs_model(self) -> bool:
-        """pre_rope reads the model's config (its RoPE frequencies); wide_layers checks its layer count."""
-        return self.pre_rope or bool(self.wide_layers)
+        """pre_rope reads the model's config (its RoPE frequencies); wide_layers checks its layer count; key_scale
+        (other than none/auto) reads the model's calibration."""
+        return self.pre_rope or bool(self.wide_layers) or self.key_scale not in ("none", "auto")
 
     def for_model(self, config) -> IntNCodec:
         """Settle `rotate=auto` for the model's family, and read the full-attention layers' RoPE frequencies from
@@ -220,6 +268,8 @@ class IntNCodec(Codec):
             codec = copy.copy(codec)
             model_type = getattr(text_config(config), "model_type", None)
             object.__setattr__(codec, "settled_rotation", ROTATION_BY_MODEL_TYPE.get(model_type, "hadamard"))
+        if codec.key_scale != "none":
+            codec = codec._with_model_key_scales(config)
         if codec.widened:
             layers = text_config(config).num_hidden_layers
             if codec.widened[-1] >= layers:
@@ -232,6 +282,41 @@ class IntNCodec(Codec):
         inv_freq = tuple(rope_inv_freq(config, "full_attention").tolist()) if has_rope else ()
         object.__setattr__(bound, "inv_freq", inv_freq)
         return bound
+
+    def _with_model_key_scales(self, config) -> IntNCodec:
+        """A copy holding the model's key scales (`key_scale`), or self where `auto` finds none for the model."""
+        named = getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "")
+        family = getattr(text_config(config), "model_type", None)
+        if self.key_scale == "auto" and (not named or family not in KEY_SCALE_MODEL_TYPES):
+            return self
+        source = None if self.key_scale in ("auto", "calibrated") else self.key_scale
+        path = key_scales_file(source, config)
+        if path is None:
+            if self.key_scale == "auto":
+                return self
+            raise ValueError("key_scale=calibrated: no key scales are shipped for this model; write them with "
+                             "`hf-kvcompress calibrate --key-scales --model M --out DIR` and pass key_scale=DIR")
+        scales = load_key_scales(path, config)
+        bound = copy.copy(self)
+        object.__setattr__(bound, "model_key_scales", KeyScales(scales))
+        return bound
+
+    def for_reduced_states(self) -> IntNCodec:
+        """As the storage of a stack (`shared_heads+int4`) the states are not the model's key vectors, so the model's
+        key scales do not fit them: `auto` stores them unscaled, an explicit key_scale is refused."""
+        if self.key_scale == "none" or self.model_key_scales is None and self.key_scale == "auto":
+            return self
+        if self.key_scale != "auto":
+            raise ValueError(f"key_scale must be none or auto for a codec stored after another (its states are not "
+                             f"the model's keys), got {self.key_scale!r}")
+        bound = copy.copy(self)
+        object.__setattr__(bound, "model_key_scales", None)
+        return bound
+
+    def model_bytes(self) -> int:
+        """Bytes of the key scales every cache of the model reads (float32 as held), counted once per model, not
+        per cache: `measured_kv_bytes` does not count them. 0 without scales."""
+        return 0 if self.model_key_scales is None else self.model_key_scales.tensor.numel() * 4
 
     def _group_rope(self, keys: torch.Tensor, direction: int) -> torch.Tensor:
         """Rotate per-channel key groups [B, H, T, D] by `direction` x (offset within the group) positions."""
@@ -255,7 +340,7 @@ class IntNCodec(Codec):
         """Settle `key_axis`: per-channel key groups cannot lose single tokens, so eviction needs per-token keys."""
         if self.key_axis is None:
             settled = replace(self, key_axis="token" if evicts else "channel")
-            for bound in ("inv_freq", "settled_rotation"):  # replace() resets init=False fields
+            for bound in ("inv_freq", "settled_rotation", "model_key_scales"):  # replace() resets init=False fields
                 object.__setattr__(settled, bound, getattr(self, bound))
             return settled
         if self.key_axis == "channel" and evicts:
@@ -267,10 +352,15 @@ class IntNCodec(Codec):
 
     def for_layer(self, layer_idx: int) -> IntNCodec:
         wide = layer_idx in self.widened
-        if self.rotate == "none" and not wide:
+        if self.rotate == "none" and not wide and self.model_key_scales is None:
             return self
         layered = copy.copy(self)
         object.__setattr__(layered, "layer", layer_idx)
+        if self.model_key_scales is not None:
+            scales = self.model_key_scales.tensor
+            if layer_idx >= scales.shape[0]:
+                raise ValueError(f"the key scales hold {scales.shape[0]} layers, not layer {layer_idx}")
+            object.__setattr__(layered, "layer_key_scale", KeyScales(scales[layer_idx]))
         if wide:
             object.__setattr__(layered, "bits", self.wide_bits)
             object.__setattr__(layered, "wide_layers", "")
@@ -285,6 +375,16 @@ class IntNCodec(Codec):
 
     def _per_channel(self, kind: Kind) -> bool:
         return kind == "key" and self.key_axis == "channel"
+
+    def _key_scale(self, kind: Kind, states: torch.Tensor) -> torch.Tensor | None:
+        """[H_kv, 1, D] float32 scale of keys grouped per token in this layer, or None where keys are not scaled."""
+        if kind != "key" or self.layer_key_scale is None or self._per_channel(kind):
+            return None
+        scale = self.layer_key_scale.tensor
+        if scale.shape[0] != states.shape[1] or scale.shape[1] != states.shape[-1]:
+            raise ValueError(f"the key scales hold {scale.shape[0]} KV heads x {scale.shape[1]} channels, the keys "
+                             f"have {states.shape[1]} x {states.shape[-1]}")
+        return scale.to(states.device)[:, None, :]
 
     def token_block(self, kind: Kind) -> int:
         return self.group_size if self._per_channel(kind) else 1
@@ -318,6 +418,9 @@ class IntNCodec(Codec):
             if t % self.group_size:
                 raise ValueError(f"per-channel key groups need a multiple of {self.group_size} tokens, got {t}")
             states = self._group_rope(states, -1)
+        scale = self._key_scale(kind, states)
+        if scale is not None:
+            states = states.float() / scale
         if self._rotates(kind):
             states = rotate_rows(states, self._seed(kind))
         if self._per_channel(kind):
@@ -345,10 +448,21 @@ class IntNCodec(Codec):
         return self.from_basis(self.decode_in_basis(encoded, kind, torch.float32), kind).to(dtype)
 
     def to_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
+        scale = self._key_scale(kind, x)
+        x = x if scale is None else x.float() / scale
         return rotate_rows(x, self._seed(kind)) if self._rotates(kind) else x
+
+    def key_query(self, query: torch.Tensor) -> torch.Tensor:
+        """The storage basis divides each key channel by its scale, so the query takes the scale: (q s) . (k / s)."""
+        scale = self._key_scale("key", query)
+        query = query if scale is None else query.float() * scale
+        return rotate_rows(query, self._seed("key")) if self._rotates("key") else query
 
     def from_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
         out = rotate_rows(x, self._seed(kind), inverse=True) if self._rotates(kind) else x
+        scale = self._key_scale(kind, out)
+        if scale is not None:
+            out = out.float() * scale
         if self.pre_rope and self._per_channel(kind):
             out = self._group_rope(out, 1)
         return out

@@ -92,7 +92,7 @@ class ReducingCodec(Codec):
         the head vectors (`keeps_rope`), where pre_rope is refused."""
         self._check_pre_rope()
         bound = self.reduction_for_model(config)
-        return bound.with_storage(resolve_for_model(bound.storage, config))
+        return bound.with_storage(resolve_for_model(bound.storage, config).for_reduced_states())
 
     def _check_pre_rope(self) -> None:
         innermost = self.storage

@@ -1,6 +1,7 @@
 """`hf-kvcompress calibrate`: fit the low-rank codec's PCA bases on calibration text and report what they keep;
 with `--probe`, KVzap's score probes (probe_calibration.py) and their fit; with `--sharing`, the head-sharing maps of
-shared_heads:ratio (calibration.calibrate_sharing)."""
+shared_heads:ratio (calibration.calibrate_sharing); with `--key-scales`, the int codecs' key channel scales
+(key_scale)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ def add_parser(subparsers) -> None:
                         help="measure which KV heads of each layer the others predict (least squares, keys pre-RoPE) "
                         "and fit the maps instead (shared_heads:ratio): OUT/shared_heads.safetensors; a cache uses "
                         "them as shared_heads:ratio=R,maps=OUT")
+    parser.add_argument("--key-scales", action="store_true",
+                        help="write each layer's key channel scales instead (int codecs' key_scale, for keys grouped "
+                        "per token under eviction): OUT/key_scales.safetensors; a cache uses them as "
+                        "int4:key_scale=OUT")
+    parser.add_argument("--stat", choices=("absmax", "rms", "p99"), default="absmax",
+                        help="with --key-scales: each channel's scale, the largest magnitude over the calibration "
+                        "tokens (absmax, default), their root mean square (rms) or 99th percentile (p99)")
     parser.add_argument("--documents", type=int, default=12,
                         help="with --probe: calibration documents, the last 2 held out (default: %(default)s)")
     parser.add_argument("--max-rank", type=int, default=None,
@@ -46,6 +54,8 @@ def run(args) -> int:
         return run_probe(args)
     if args.sharing:
         return run_sharing(args)
+    if args.key_scales:
+        return run_key_scales(args)
     model, tokenizer = load_model(args.model)
     fit = calibrate_joint if args.heads == "joint" else calibrate
     tensors, metadata, report = fit(model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank)
@@ -131,4 +141,20 @@ def run_probe(args) -> int:
               f"{row['spearman_held_out']:8.3f}")
     mean = {k: sum(row[k] for row in report) / len(report) for k in ("r2_held_out", "spearman_held_out")}
     print(f"mean held out: R^2 {mean['r2_held_out']:.3f}, Spearman {mean['spearman_held_out']:.3f}")
+    return 0
+
+
+def run_key_scales(args) -> int:
+    """`calibrate --key-scales`: write each layer's key channel scales and how uneven the channels were."""
+    from ..calibration import calibrate_key_scales, calibration_ids, save_key_scales
+    from ..models import load_model
+
+    model, tokenizer = load_model(args.model)
+    tensors, metadata, report = calibrate_key_scales(model, calibration_ids(tokenizer, args.tokens), stat=args.stat)
+    path = save_key_scales(tensors, metadata, args.out)
+    print(f"Key channel scales ({metadata['stat']}) for {metadata['model']} ({metadata['layers']} layers x "
+          f"{metadata['kv_heads']} KV heads x head_dim {metadata['head_dim']}) from {metadata['tokens']} tokens of "
+          f"{metadata['text']}: {path}")
+    print("Widest key channel over the median channel, per layer (the most uneven KV head):")
+    print("  " + " ".join(f"{row['layer']}:{row['widest_over_median']:.1f}" for row in report))
     return 0

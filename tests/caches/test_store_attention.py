@@ -11,7 +11,7 @@ from hf_kvcompress import make_cache, use_kvcompress_attention
 from hf_kvcompress.caches import store_attention
 from hf_kvcompress.hf.attention import kvcompress_attention
 
-from .tiny_models import tiny_model
+from .tiny_models import tiny_model, write_key_scales
 
 KV_HEADS, GROUPS, DIM = 2, 3, 32
 CONFIG = LlamaConfig(hidden_size=KV_HEADS * GROUPS * DIM, num_attention_heads=KV_HEADS * GROUPS,
@@ -47,9 +47,23 @@ SPECS = [
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_fused_decode_attention_matches_sdpa_over_the_decoded_cache(spec, monkeypatch):
+    _fused_against_sdpa_over_the_decoded_cache(spec, CONFIG, monkeypatch)
+
+
+@pytest.mark.parametrize("spec", ["sink_window:sink_tokens=2,window=20+int4:residual_length=4,group_size=8",
+                                  "int4:residual_length=8,group_size=8,key_axis=token,rotate=none"])
+def test_fused_decode_attention_reads_scaled_keys_as_sdpa_reads_them_decoded(spec, monkeypatch, tmp_path):
+    """key_scale: the query takes the channel scales the stored keys were divided by."""
+    config = copy.deepcopy(CONFIG)
+    path = write_key_scales(tmp_path, config)
+    cache = _fused_against_sdpa_over_the_decoded_cache(f"{spec},key_scale={path}", config, monkeypatch)
+    assert cache.layers[0].codec.layer_key_scale is not None
+
+
+def _fused_against_sdpa_over_the_decoded_cache(spec, config, monkeypatch):
     monkeypatch.setattr(store_attention, "STORE_BLOCK", 16)  # several blocks, and blocks that split sinks off
     g = torch.Generator().manual_seed(0)
-    cache = make_cache(spec, CONFIG)  # pre_rope reads the RoPE frequencies from the config
+    cache = make_cache(spec, config)  # pre_rope reads the RoPE frequencies from the config
     layer_module = _Module(0)
     tokens, pads = 40, torch.tensor([3, 0])  # row 0 left-padded (our prefill's position 1 for padding)
     padded_row = torch.cat([torch.ones(3, dtype=torch.long), torch.arange(1, tokens - 2)])
@@ -78,6 +92,7 @@ def test_fused_decode_attention_matches_sdpa_over_the_decoded_cache(spec, monkey
         out, _ = kvcompress_attention(layer_module, q, *cache_out, mask, scaling=DIM ** -0.5, **kwargs)
         torch.testing.assert_close(out, reference, atol=2e-5, rtol=1e-4)
     assert fused_steps == (0 if spec.startswith("h2o") else 30)  # the prompt step confirmed our attention function
+    return cache
 
 
 def _generate(model, spec, ids, mask, switches=True):

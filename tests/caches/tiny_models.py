@@ -77,3 +77,23 @@ def padded_batch_against_rows_alone(model, spec, seed=3, lengths=(5, 13), max_ne
                          max_new_tokens=max_new_tokens).new_tokens
         assert torch.equal(batched[i], alone[0]), (spec, i)
     return cache
+
+
+def write_key_scales(directory, config, seed: int = 0, spread: float = 0.7):
+    """Write a key-scales file (int codecs' key_scale) for `config`, naming the model "tiny-key-scales" in it and in
+    the config: uneven channel scales exp(spread x N(0, 1)) per layer and KV head (0.7: the widest of 32 channels ~25
+    times the narrowest, as on Gemma-3's global layers). Returns the file's path."""
+    from hf_kvcompress.calibration import KEY_SCALES_FORMAT, save_key_scales
+    from hf_kvcompress.hf.compat import text_config
+
+    decoder = text_config(config)
+    config._name_or_path = "tiny-key-scales"
+    heads = getattr(decoder, "num_key_value_heads", None) or decoder.num_attention_heads
+    head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
+    g = torch.Generator().manual_seed(seed)
+    tensors = {f"layers.{i}.key_scale": torch.exp(spread * torch.randn(heads, head_dim, generator=g))
+               for i in range(decoder.num_hidden_layers)}
+    metadata = {"format": KEY_SCALES_FORMAT, "model": "tiny-key-scales", "layers": str(decoder.num_hidden_layers),
+                "kv_heads": str(heads), "head_dim": str(head_dim), "stat": "absmax", "keys": "post_rope",
+                "tokens": "0", "text": "random"}
+    return save_key_scales(tensors, metadata, directory)

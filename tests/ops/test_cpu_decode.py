@@ -1,5 +1,6 @@
 """The C++ decode-attention kernel (ops/cpu_decode.cpp) equals the PyTorch path it replaces on CPU."""
 
+import copy
 import functools
 import os
 import warnings
@@ -16,6 +17,8 @@ from hf_kvcompress.codecs.fp8 import Fp8Codec
 from hf_kvcompress.codecs.intn import IntNCodec
 from hf_kvcompress.hf.attention import kvcompress_attention
 from hf_kvcompress.ops import cpu_decode
+
+from ..caches.tiny_models import write_key_scales
 
 if not cpu_decode.available():  # builds it once per machine (about a minute), then loads it from torch's cache
     pytest.skip("the CPU kernel cannot be built here (no C++ compiler?)", allow_module_level=True)
@@ -242,8 +245,23 @@ LAYER_SPECS = [
 @pytest.mark.parametrize("spec", LAYER_SPECS)
 def test_a_layer_through_the_kernel_equals_the_pytorch_path(spec, dtype):
     """Rotated stores, exact sinks, a left-padded row, GQA, the tail, one and three query rows per head."""
+    _kernel_against_pytorch(spec, dtype, CONFIG)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", ["sink_window:sink_tokens=2,window=60+int4:residual_length=4,group_size=8",
+                                  "int4:residual_length=8,group_size=8,key_axis=token,rotate=per_token"])
+def test_scaled_keys_through_the_kernel_equal_the_pytorch_path(spec, dtype, tmp_path):
+    """key_scale: the kernel reads the stored (divided) keys with the query the codec multiplied by the scales."""
+    config = copy.deepcopy(CONFIG)
+    path = write_key_scales(tmp_path, config)
+    cache = _kernel_against_pytorch(f"{spec},key_scale={path}", dtype, config)
+    assert cache.layers[0].codec.layer_key_scale is not None
+
+
+def _kernel_against_pytorch(spec, dtype, config):
     g = torch.Generator().manual_seed(0)
-    cache = make_cache(spec, CONFIG)
+    cache = make_cache(spec, config)
     module = type("M", (), {"layer_idx": 0, "num_key_value_groups": GROUPS, "is_causal": True})()
     tokens = 90
     padded_row = torch.cat([torch.ones(11, dtype=torch.long), torch.arange(1, tokens - 10)])
@@ -282,6 +300,7 @@ def test_a_layer_through_the_kernel_equals_the_pytorch_path(spec, dtype):
         query = torch.randn(2, KV_HEADS * GROUPS, 1, DIM, generator=g).to(dtype)
         kvcompress_attention(module, query, k, v, mask, scaling=0.2, **kwargs)
     assert compared == 6
+    return cache
 
 
 def _filled_layer(spec):

@@ -13,11 +13,15 @@ if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip("no GPU, and triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
 DEVICE = "cpu" if INTERPRETED else "cuda"
 
+from transformers import LlamaConfig  # noqa: E402
+
 from hf_kvcompress import make_cache  # noqa: E402
 from hf_kvcompress.caches.store_attention import attend_store  # noqa: E402
 from hf_kvcompress.codecs.intn import IntNCodec  # noqa: E402
 from hf_kvcompress.hf.attention import kvcompress_attention  # noqa: E402
 from hf_kvcompress.ops import triton_decode  # noqa: E402
+
+from ..caches.tiny_models import write_key_scales  # noqa: E402
 
 
 @pytest.mark.parametrize("bits,key_axis", [(4, "channel"), (4, "token"), (2, "channel"), (2, "token"), (8, "token")])
@@ -58,9 +62,23 @@ def test_unsupported_stores_are_declined():
 ])
 def test_attention_through_the_kernel_equals_the_pytorch_path(spec):
     """A whole layer: Hadamard-rotated store, exact sinks, a left-padded row, the tail; backend 'triton' vs 'torch'."""
+    _kernel_against_pytorch(make_cache(spec))
+
+
+def test_scaled_keys_through_the_kernel_equal_the_pytorch_path(tmp_path):
+    """key_scale: the kernel reads the stored (divided) keys with the query the codec multiplied by the scales."""
+    config = LlamaConfig(hidden_size=192, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+                         num_hidden_layers=1, intermediate_size=64, vocab_size=64)
+    path = write_key_scales(tmp_path, config)
+    cache = make_cache(f"sink_window:sink_tokens=2,window=40+int4:residual_length=4,group_size=16,key_scale={path}",
+                       config)
+    _kernel_against_pytorch(cache)
+    assert cache.layers[0].codec.layer_key_scale is not None
+
+
+def _kernel_against_pytorch(cache):
     g = torch.Generator().manual_seed(0)
     kv_heads, groups, dim, tokens = 2, 3, 32, 70
-    cache = make_cache(spec)
     module = type("M", (), {"layer_idx": 0, "num_key_value_groups": groups, "is_causal": True})()
     padded_row = torch.cat([torch.ones(3, dtype=torch.long), torch.arange(1, tokens - 2)])
     positions = torch.stack([padded_row, torch.arange(tokens)])
