@@ -76,25 +76,30 @@ def oracle_scores(model, doc: list[int], question: list[int], reply: list[int]) 
 
 
 def answer(model, tok, doc, question, spec, max_new, scores=None, chunk=None) -> str:
-    """The real cache's answer (prefill with KVzip's pass, then greedy decoding); `scores` [L, H, T]: replace the
-    pass's scores of every scored layer before the cache ranks."""
-    from hf_kvcompress import make_cache
+    """The real cache's answer (prefill with KVzip's pass, then greedy decoding); `scores` [L, H, T]: the pass is
+    not run, and these are every scored layer's scores when the cache ranks (the same ranking, eviction and decoding
+    as after a pass that left them)."""
+    from hf_kvcompress import generation, make_cache
     from hf_kvcompress.generation import generate, prefill, repeat_prompt_ids
 
     cache = make_cache(spec, model.config)
     if spec != "dynamic":
+        original = generation.score_by_reconstruction
         if scores is not None:
-            end = cache.end_reconstruction
 
-            def replaced(evict: bool = True):
+            def given(model, input_ids, attention_mask, cache, *rest):
+                cache.begin_reconstruction()
                 scored = [layer for layer in cache.layers if layer.policy.scores_by_reconstruction]
                 for i, layer in enumerate(scored):
                     layer.slots.accumulated = scores[i][None].to(layer.slots.accumulated)
-                return end(evict)
+                cache.end_reconstruction(evict=True)
 
-            cache.end_reconstruction = replaced
+            generation.score_by_reconstruction = given
         extra = {} if chunk is None else {"reconstruction_chunk": chunk}
-        prefill(model, torch.tensor([doc]), None, cache, repeat_prompt_ids=repeat_prompt_ids(tok), **extra)
+        try:
+            prefill(model, torch.tensor([doc]), None, cache, repeat_prompt_ids=repeat_prompt_ids(tok), **extra)
+        finally:
+            generation.score_by_reconstruction = original
     result = generate(model, torch.tensor([doc + question]), None, cache, max_new_tokens=max_new)
     return tok.decode(result.new_tokens[0], skip_special_tokens=True)
 
@@ -113,6 +118,9 @@ def main() -> None:
     parser.add_argument("--inject", nargs="*", default=[], choices=("kvpress", "oracle"),
                         help="also answer with these scores in place of ours")
     parser.add_argument("--top", type=float, default=0.01, help="the oracle's top share of pairs to look at")
+    parser.add_argument("--reuse", action="store_true",
+                        help="the variants rank our pass's saved scores instead of running the pass (faster)")
+    parser.add_argument("--no-oracle", dest="oracle", action="store_false", help="skip the oracle's scores")
     parser.add_argument("--chunk", type=int, default=None, help="reconstruction_chunk of the variants' pass")
     parser.add_argument("--out", default="results/kvzip-multi-needle")
     args = parser.parse_args()
@@ -130,6 +138,10 @@ def main() -> None:
         doc, question = encode(tok, row)
         reference = row["references"][0]
         max_new = row["max_new_tokens"]
+        text = answer(model, tok, doc, question, "dynamic", max_new)
+        print(f"\n{row['sample_id']} ({reference}) dynamic: {reference in text} {text!r}", flush=True)
+        if reference not in text:
+            continue  # retention counts the answers the uncompressed cache gives
         out = Path(args.out) / f"{args.model}-{row['sample_id'].replace('/', '_')}"
         out.mkdir(parents=True, exist_ok=True)
         path = out / "ours.pt"
@@ -139,16 +151,19 @@ def main() -> None:
         if args.kvpress:
             theirs = kvpress_scores(str(ensure_converted(args.model)), doc, out)
             scores = theirs["scores"][:, 0].clone()
-            scores[..., : theirs["prefix_length"]] = 0.0  # never scored by the press; its sinks protect the first
+            scores[..., : theirs["prefix_length"]] = 0.0  # never scored by the press, but for its sinks (below)
+            scores[..., : theirs["n_sink"]] = scores.max() + 1.0  # as its compress_post: never evicted
             sources["kvpress"] = scores
         reply = tok(" " + reference, add_special_tokens=False).input_ids
-        sources["oracle"] = oracle_scores(model, doc, question, reply)
-        oracle = sources["oracle"].flatten()
-        top = torch.zeros_like(oracle, dtype=torch.bool)
-        top[oracle.topk(round(oracle.numel() * args.top)).indices] = True
-        top = top.view_as(sources["oracle"])
-        text = answer(model, tok, doc, question, "dynamic", max_new)
-        print(f"\n{row['sample_id']} ({reference}) dynamic: {reference in text} {text!r}", flush=True)
+        path = out / "oracle.pt"
+        if args.oracle and not path.exists():
+            torch.save(oracle_scores(model, doc, question, reply), path)
+        oracle = torch.load(path) if args.oracle else sources["ours"]
+        if args.oracle:
+            sources["oracle"] = oracle
+        top = torch.zeros(oracle.numel(), dtype=torch.bool)
+        top[oracle.flatten().topk(round(oracle.numel() * args.top)).indices] = True
+        top = top.view_as(oracle)
         found = needles(doc, tok)
         for name, scores in sources.items():
             for ratio in args.ratios:
@@ -157,9 +172,10 @@ def main() -> None:
                 in_asked = torch.zeros_like(top)
                 for a, b in asked:
                     in_asked[..., a:b] = True
-                print(f"  {name} keep {ratio}: document {keep.mean():.2f}; the oracle's top {args.top:g} pairs kept "
-                      f"{keep[top].mean():.2f}, of them in the asked sentence {keep[top & in_asked].mean():.2f} "
-                      f"({int((top & in_asked).sum())} pairs)")
+                against = (f"; the oracle's top {args.top:g} pairs kept {keep[top].mean():.2f}, of them in the asked "
+                           f"sentence {keep[top & in_asked].mean():.2f} ({int((top & in_asked).sum())} pairs)"
+                           if args.oracle else "")
+                print(f"  {name} keep {ratio}: document {keep.mean():.2f}{against}")
                 for start, end in found:
                     share = keep[..., start:end].mean((0, 1))
                     words = " ".join(f"{tok.decode([doc[j]])!r}:{share[j - start]:.2f}" for j in range(start, end))
@@ -168,7 +184,8 @@ def main() -> None:
         for ratio in args.ratios:
             for variant in args.variants:
                 spec = variant.replace("=R", f"={ratio:g}")
-                text = answer(model, tok, doc, question, spec, max_new, chunk=args.chunk)
+                given = sources["ours"] if args.reuse else None  # the same scores, without running the pass again
+                text = answer(model, tok, doc, question, spec, max_new, scores=given, chunk=args.chunk)
                 tally.setdefault(spec, []).append(reference in text)
                 print(f"  {spec}: {reference in text} {text!r}", flush=True)
             for name in args.inject:
