@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import sys
 from pathlib import Path
 
@@ -121,6 +122,7 @@ def main() -> None:
     parser.add_argument("--top", type=float, default=0.01, help="the oracle's top share of pairs to look at")
     parser.add_argument("--reuse", action="store_true",
                         help="the variants rank our pass's saved scores instead of running the pass (faster)")
+    parser.add_argument("--spans", type=int, nargs="+", default=[0], help="our scores' kept shares under these spans")
     parser.add_argument("--no-oracle", dest="oracle", action="store_false", help="skip the oracle's scores")
     parser.add_argument("--chunk", type=int, default=None, help="reconstruction_chunk of the variants' pass")
     parser.add_argument("--out", default="results/kvzip-multi-needle")
@@ -172,16 +174,17 @@ def main() -> None:
         top[oracle.flatten().topk(round(oracle.numel() * args.top)).indices] = True
         top = top.view_as(oracle)
         found = needles(doc, tok)
-        for name, scores in sources.items():
-            for ratio in args.ratios:
-                keep = global_keep(scores, ratio).float()  # [L, H, T]
+        for (name, scores), span, ratio in itertools.product(sources.items(), args.spans, args.ratios):
+            if span == 0 or name == "ours":
+                keep = global_keep(scores, ratio, span).float()  # [L, H, T]
+                name = f"{name} (span {span})"
                 asked = [(a, b) for a, b in found if reference in tok.decode(doc[a:b])]
                 in_asked = torch.zeros_like(top)
                 for a, b in asked:
                     in_asked[..., a:b] = True
                 against = (f"; the oracle's top {args.top:g} pairs kept {keep[top].mean():.2f}, of them in the asked "
-                           f"sentence {keep[top & in_asked].mean():.2f} ({int((top & in_asked).sum())} pairs)"
-                           if args.oracle else "")
+                           f"sentence {keep[top & in_asked].mean():.2f} ({int((top & in_asked).sum())} pairs); its "
+                           f"attention mass kept {(oracle * keep).sum() / oracle.sum():.3f}" if args.oracle else "")
                 print(f"  {name} keep {ratio}: document {keep.mean():.2f}{against}")
                 for start, end in found:
                     share = keep[..., start:end].mean((0, 1))
