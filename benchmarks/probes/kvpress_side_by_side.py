@@ -4,7 +4,7 @@ Question: how many of the answers the uncompressed cache gets right does each kv
 its cache really holds, beside our eviction caches on the same prompts?
 Command:
     python benchmarks/probes/kvpress_side_by_side.py --model smollm2-135m --lengths 2000 --samples 3 \\
-        --out results/kvpress-smollm2 [--ours results/evict-smollm2]
+        --out results/kvpress-smollm2 [--ours results/evict-smollm2] [--split test]
 Written up: docs/results.md, "Eviction policies side by side (question after the document)" (kvpress's presses, and
 KVzipPress).
 
@@ -41,7 +41,7 @@ def export_prompts(args, out: Path) -> tuple[Path, str]:
     model_dir = ensure_converted(args.model)
     _, tokenizer = load_model(args.model)
     samples = build_samples(tokenizer, split_specs(args.tasks), args.lengths, args.depths,
-                            samples_per_cell=args.samples, seed=args.seed)
+                            samples_per_cell=args.samples, seed=args.seed, split=args.split)
     path = out / "prompts.jsonl"
     with path.open("w") as sink:
         for row in samples:
@@ -81,6 +81,7 @@ def main():
     parser.add_argument("--depths", default="0,25,50,75,100")
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--split", default="test", choices=("dev", "test"), help="the half of each task's samples")
     parser.add_argument("--presses", default="snapkv,tova,streaming_llm,observed_attention,kvzip")
     parser.add_argument("--keep", default="0.5,0.25", help="shares of the document kept (kvpress ratio = 1 - keep)")
     parser.add_argument("--out", required=True)

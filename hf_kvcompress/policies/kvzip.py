@@ -51,10 +51,11 @@ class KVzipPolicy(Policy):
             Which keeps more answers depends on the model's layout (few full-attention layers with one KV head
             favour "token", many layers and heads favour "head"; docs/results.md); "head" is the default.
         span: each pair also takes the best score of the `span` pairs after it in its head (0: its own score
-            only, as in KVzip). While the model repeats the context, the first tokens of a span it copies (a
-            number's first digits) draw little attention and the rest a lot, so a budget can keep a number's tail
-            and lose its start. The raw scores still decide how many pairs each layer and head keeps; `span` only
-            decides which. Default 4: it kept at least span 0's answers on both embedded models (docs/results.md).
+            only, as in KVzip and kvpress's KVzipPress). The raw scores still decide how many pairs each layer and
+            head keeps; `span` only decides which: each head spends its count on the runs of pairs before its peaks,
+            so it keeps fewer distinct peaks. Default 0: with several alike needles (multi_needle) span 4 kept the
+            numbers' digits in fewer pairs (0.16-0.27 at a quarter, against 0.23-0.34) and the model answered
+            another needle's number (docs/results.md, "KVzip among distractor needles").
     """
 
     name: ClassVar[str] = "kvzip"
@@ -65,7 +66,7 @@ class KVzipPolicy(Policy):
     sink_tokens: int = 0
     recent: int = 0
     budgets: str = "head"
-    span: int = 4
+    span: int = 0
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):

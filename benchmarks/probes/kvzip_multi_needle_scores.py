@@ -1,0 +1,210 @@
+"""Why KVzip loses the asked needle among distractors: its scores of each needle's tokens, and the answers it gives
+with other scores or other pass settings (issue 27).
+
+Question: on multi_needle prompts (four "The special magic number for {key} is: {value}." sentences, one asked),
+where do the asked needle's tokens rank among every (layer, KV head, token) pair under our reconstruction scores
+(and under kvpress 0.5.5's KVzipPress's, with `--kvpress`), and does the real `kvzip:ratio=R` cache answer when its
+scores are replaced (`--inject`) or the pass is changed (`--variants`)?
+Command:
+    PYTHONPATH=. python benchmarks/probes/kvzip_multi_needle_scores.py [--model smollm2-135m] [--ratios 0.5 0.25] \\
+        [--split dev] [--depths 10 50 90] [--samples 2] [--kvpress] [--variants "kvzip:ratio=R,span=0" ...]
+Written up: docs/results.md, "KVzip among distractor needles: what the scores keep (issue 27)".
+
+Each prompt: `dynamic`'s answer; the scores our pass leaves (`kvzip:ratio=1.0`, nothing evicted; every layer); per
+needle sentence, each token's kept share under one ranking of every pair at each ratio (as the head budgets rank,
+span 0: the raw scores); then the answers of the real caches: each variant spec (R in it is replaced by each ratio),
+and, with `--kvpress`, our cache at each ratio with kvpress's scores put in place of ours before it ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from kvzip_scores_vs_kvpress import global_keep, kvpress_scores, our_scores  # noqa: E402
+
+SENTENCE = " special magic number for"
+
+
+def needles(doc: list[int], tok) -> list[tuple[int, int]]:
+    """(start, end) token positions of each needle sentence: from ' special' to the closing '.'."""
+    pattern = tok(SENTENCE, add_special_tokens=False).input_ids
+    found = []
+    for i in range(len(doc) - len(pattern)):
+        if doc[i : i + len(pattern)] == pattern:
+            end = i
+            while end < len(doc) and tok.decode([doc[end]]) != ".":
+                end += 1
+            found.append((i, end + 1))
+    return found
+
+
+def oracle_scores(model, doc: list[int], question: list[int], reply: list[int]) -> torch.Tensor:
+    """[L, H, T]: the most attention each document pair receives from the question and the right answer's queries
+    (the pass's machinery, with the question as its prompt and the answer as the text it reads): what a
+    question-aware cache would rank by, to tell whether KVzip's scores miss the pairs the answer reads."""
+    from hf_kvcompress import generation, make_cache, prefill
+    from hf_kvcompress.generation import RepeatPrompt
+
+    cache = make_cache("kvzip:ratio=1.0", model.config)
+    original = generation.score_by_reconstruction
+
+    def read_answer(model, input_ids, attention_mask, cache, prompt_ids, *rest):
+        return original(model, torch.tensor([reply]), attention_mask, cache, RepeatPrompt(question), *rest)
+
+    captured = []
+    end = cache.end_reconstruction
+
+    def capture(evict: bool = True):
+        captured.extend(layer.slots.accumulated[0].clone() for layer in cache.layers
+                        if layer.policy.scores_by_reconstruction)
+        return end(evict)
+
+    cache.end_reconstruction = capture
+    generation.score_by_reconstruction = read_answer
+    try:
+        prefill(model, torch.tensor([doc]), None, cache, repeat_prompt_ids=RepeatPrompt(question))
+    finally:
+        generation.score_by_reconstruction = original
+    return torch.stack(captured)
+
+
+def answer(model, tok, doc, question, spec, max_new, scores=None, chunk=None) -> str:
+    """The real cache's answer (prefill with KVzip's pass, then greedy decoding); `scores` [L, H, T]: the pass is
+    not run, and these are every scored layer's scores when the cache ranks (the same ranking, eviction and decoding
+    as after a pass that left them)."""
+    from hf_kvcompress import generation, make_cache
+    from hf_kvcompress.generation import generate, prefill, repeat_prompt_ids
+
+    cache = make_cache(spec, model.config)
+    if spec != "dynamic":
+        original = generation.score_by_reconstruction
+        if scores is not None:
+
+            def given(model, input_ids, attention_mask, cache, *rest):
+                cache.begin_reconstruction()
+                scored = [layer for layer in cache.layers if layer.policy.scores_by_reconstruction]
+                for i, layer in enumerate(scored):
+                    layer.slots.accumulated = scores[i][None].to(layer.slots.accumulated)
+                cache.end_reconstruction(evict=True)
+
+            generation.score_by_reconstruction = given
+        extra = {} if chunk is None else {"reconstruction_chunk": chunk}
+        try:
+            prefill(model, torch.tensor([doc]), None, cache, repeat_prompt_ids=repeat_prompt_ids(tok), **extra)
+        finally:
+            generation.score_by_reconstruction = original
+    result = generate(model, torch.tensor([doc + question]), None, cache, max_new_tokens=max_new)
+    return tok.decode(result.new_tokens[0], skip_special_tokens=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.25])
+    parser.add_argument("--task", default="multi_needle")
+    parser.add_argument("--split", default="dev")
+    parser.add_argument("--depths", type=float, nargs="+", default=[10, 50, 90])
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--length", type=int, default=2000)
+    parser.add_argument("--kvpress", action="store_true", help="also kvpress's scores (its own environment)")
+    parser.add_argument("--variants", nargs="*", default=["kvzip:ratio=R"], help="specs; R: each ratio")
+    parser.add_argument("--inject", nargs="*", default=[], choices=("kvpress", "oracle"),
+                        help="also answer with these scores in place of ours")
+    parser.add_argument("--top", type=float, default=0.01, help="the oracle's top share of pairs to look at")
+    parser.add_argument("--reuse", action="store_true",
+                        help="the variants rank our pass's saved scores instead of running the pass (faster)")
+    parser.add_argument("--spans", type=int, nargs="+", default=[0], help="our scores' kept shares under these spans")
+    parser.add_argument("--no-oracle", dest="oracle", action="store_false", help="skip the oracle's scores")
+    parser.add_argument("--chunk", type=int, default=None, help="reconstruction_chunk of the variants' pass")
+    parser.add_argument("--out", default="results/kvzip-multi-needle")
+    args = parser.parse_args()
+    from hf_kvcompress import load_model, use_kvcompress_attention
+    from hf_kvcompress.eval.prompts import encode
+    from hf_kvcompress.eval.scoring import score_all
+    from hf_kvcompress.eval.tasks import build_samples
+    from hf_kvcompress.models import ensure_converted
+
+    model, tok = load_model(args.model)
+    use_kvcompress_attention(model)
+    rows = [dict(r) for r in build_samples(tok, [args.task], [args.length], args.depths,
+                                           samples_per_cell=args.samples, split=args.split)]  # fmt: skip
+    tally: dict[str, list[int]] = {}
+    for row in rows:
+        doc, question = encode(tok, row)
+        reference = row["references"][0]
+
+        def right(text: str, row=row) -> bool:  # the eval's own metric for this row
+            return score_all([text], [row["references"]])[row["metric"]][0] >= 100.0
+
+        max_new = row["max_new_tokens"]
+        text = answer(model, tok, doc, question, "dynamic", max_new)
+        print(f"\n{row['sample_id']} ({reference}) dynamic: {right(text)} {text!r}", flush=True)
+        if not right(text):
+            continue  # retention counts the answers the uncompressed cache gives
+        out = Path(args.out) / f"{args.model}-{row['sample_id'].replace('/', '_')}"
+        out.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha1(str(doc).encode()).hexdigest()[:12]  # a document asked several questions: one pass
+        path = Path(args.out) / f"{args.model}-ours-{digest}.pt"
+        if not path.exists():
+            torch.save(our_scores(model, tok, doc, "kvzip:ratio=1.0"), path)
+        sources = {"ours": torch.load(path)}
+        if args.kvpress:
+            theirs = kvpress_scores(str(ensure_converted(args.model)), doc, out)
+            scores = theirs["scores"][:, 0].clone()
+            scores[..., : theirs["prefix_length"]] = 0.0  # never scored by the press, but for its sinks (below)
+            scores[..., : theirs["n_sink"]] = scores.max() + 1.0  # as its compress_post: never evicted
+            sources["kvpress"] = scores
+        reply = tok(" " + reference, add_special_tokens=False).input_ids
+        path = out / "oracle.pt"
+        if args.oracle and not path.exists():
+            torch.save(oracle_scores(model, doc, question, reply), path)
+        oracle = torch.load(path) if args.oracle else sources["ours"]
+        if args.oracle:
+            sources["oracle"] = oracle
+        top = torch.zeros(oracle.numel(), dtype=torch.bool)
+        top[oracle.flatten().topk(round(oracle.numel() * args.top)).indices] = True
+        top = top.view_as(oracle)
+        found = needles(doc, tok)
+        for (name, scores), span, ratio in itertools.product(sources.items(), args.spans, args.ratios):
+            if span == 0 or name == "ours":
+                keep = global_keep(scores, ratio, span).float()  # [L, H, T]
+                name = f"{name} (span {span})"
+                asked = [(a, b) for a, b in found if reference in tok.decode(doc[a:b])]
+                in_asked = torch.zeros_like(top)
+                for a, b in asked:
+                    in_asked[..., a:b] = True
+                against = (f"; the oracle's top {args.top:g} pairs kept {keep[top].mean():.2f}, of them in the asked "
+                           f"sentence {keep[top & in_asked].mean():.2f} ({int((top & in_asked).sum())} pairs); its "
+                           f"attention mass kept {(oracle * keep).sum() / oracle.sum():.3f}" if args.oracle else "")
+                print(f"  {name} keep {ratio}: document {keep.mean():.2f}{against}")
+                for start, end in found:
+                    share = keep[..., start:end].mean((0, 1))
+                    words = " ".join(f"{tok.decode([doc[j]])!r}:{share[j - start]:.2f}" for j in range(start, end))
+                    asked = "ASKED" if reference in tok.decode(doc[start:end]) else "     "
+                    print(f"    {asked} {words}")
+        for ratio in args.ratios:
+            for variant in args.variants:
+                spec = variant.replace("=R", f"={ratio:g}")
+                given = sources["ours"] if args.reuse else None  # the same scores, without running the pass again
+                text = answer(model, tok, doc, question, spec, max_new, scores=given, chunk=args.chunk)
+                tally.setdefault(spec, []).append(right(text))
+                print(f"  {spec}: {right(text)} {text!r}", flush=True)
+            for name in args.inject:
+                spec = f"kvzip:ratio={ratio:g},span=0"
+                text = answer(model, tok, doc, question, spec, max_new, scores=sources[name])
+                tally.setdefault(f"{spec} with {name}'s scores", []).append(right(text))
+                print(f"  {spec} with {name}'s scores: {right(text)} {text!r}", flush=True)
+    print("\nanswered:", "; ".join(f"{k} {sum(v)}/{len(v)}" for k, v in tally.items()))
+
+
+if __name__ == "__main__":
+    main()
