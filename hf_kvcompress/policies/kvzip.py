@@ -53,9 +53,10 @@ class KVzipPolicy(Policy):
         span: each pair also takes the best score of the `span` pairs after it in its head (0: its own score
             only, as in KVzip and kvpress's KVzipPress). The raw scores still decide how many pairs each layer and
             head keeps; `span` only decides which: each head spends its count on the runs of pairs before its peaks,
-            so it keeps fewer distinct peaks. Default 0: with several alike needles (multi_needle) span 4 kept the
-            numbers' digits in fewer pairs (0.16-0.27 at a quarter, against 0.23-0.34) and the model answered
-            another needle's number (docs/results.md, "KVzip among distractor needles").
+            so it keeps fewer distinct peaks. Default 4, measured on both models' development halves: on Gemma-3 at
+            a quarter span 0 lost 2 of 5 middle answers that span 4 kept; on SmolLM2 with several alike needles
+            (multi_needle) span 4 kept the numbers' digits in fewer pairs and answered another needle's number
+            where span 0 did not (docs/results.md, "KVzip among distractor needles"). No one span holds both.
     """
 
     name: ClassVar[str] = "kvzip"
@@ -66,7 +67,7 @@ class KVzipPolicy(Policy):
     sink_tokens: int = 0
     recent: int = 0
     budgets: str = "head"
-    span: int = 0
+    span: int = 4
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):

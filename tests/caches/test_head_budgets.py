@@ -124,16 +124,15 @@ def test_span_chooses_which_pairs_each_head_keeps_but_not_how_many():
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
 
 
-def test_the_plain_spec_keeps_kvzips_own_ranking_of_every_pair():
-    """`kvzip:ratio=R` with nothing else keeps exactly the pairs of one ranking of the raw reconstruction scores
-    (KVzip's rule, and kvpress's KVzipPress's without its sinks): no span re-chooses them (with span 4 the default
-    lost distractor-needle answers, docs/results.md "KVzip among distractor needles")."""
+def test_span_0_keeps_kvzips_own_ranking_of_every_pair():
+    """`kvzip:ratio=R,span=0` keeps exactly the pairs of one ranking of the raw reconstruction scores (KVzip's rule,
+    and kvpress's KVzipPress's without its sinks): no span re-chooses them (span 4, the default, does)."""
     model = use_kvcompress_attention(tiny_model("llama"))
     ids = _ids(40)
     scores = [layer.accumulated[0] for layer in _scored(model, ids).layers]
     heads = scores[0].shape[0]
     expected = _reference_keep(scores, 10, heads)
-    cache = make_cache("kvzip:ratio=0.25", model.config)
+    cache = make_cache("kvzip:ratio=0.25,span=0", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     for layer, s, e in zip(cache.layers, scores, expected, strict=True):
         mask = e.view(heads, -1)
