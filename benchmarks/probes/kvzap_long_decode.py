@@ -1,6 +1,6 @@
 """Does `kvzap:budget=N` hold its bytes while decoding, and still answer what the document said?
 
-Question (issue 28's decoding target): after a 2k-token document, a cache decodes 512 new tokens (the model's own
+Question: (issue 28's decoding target) after a 2k-token document, a cache decodes 512 new tokens (the model's own
 greedy continuation, EOS suppressed), then a question is appended and answered. How many bytes does the cache hold
 at each decode step, and which answers of the uncompressed cache does it keep, beside `kvzip:ratio=0.5` on the same
 documents?

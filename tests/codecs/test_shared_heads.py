@@ -72,7 +72,8 @@ def test_group_must_divide_kv_heads_and_one_kv_head_is_refused():
 
 def test_specs_stack_a_storage_codec_and_print_back():
     policy, codec = parse_spec("h2o:budget=64+shared_heads:heads_per_group=2+int4:group_size=16")
-    assert codec.storage == IntNCodec(bits=4, group_size=16, rotate="auto", sink_tokens=4)
+    assert codec.storage == IntNCodec(bits=4, group_size=16, rotate="auto", sink_tokens=4,
+                                        key_scale="auto")  # int4's name default; the stack drops it when bound
     assert codec.heads_per_group == 2
     from hf_kvcompress.registry import cache_spec
 
