@@ -234,10 +234,7 @@ class CompressedCache(Cache):
         budgets = getattr(self.policy, "budgets", "uniform")
         extra = self._sliding_extra(scored)
         if budgets == "head" and scored:
-            sinks = 0 if self.codec.lossless else self.codec.exact_sinks
-            keeps = head_budget_keep(self.policy, scored, sinks, extra=extra, spend=self._spendable(scored, sinks))
-            for layer, (priority, keep) in zip(scored, keeps, strict=True):
-                layer.rank_heads(priority, keep)
+            self._rank_heads(scored, extra)
         elif budgets == "layer" and len(scored) > 1:
             for layer, shift in zip(scored, layer_budget_shifts(self.policy, scored, extra), strict=True):
                 layer.eviction.budget_shift = shift
@@ -260,10 +257,14 @@ class CompressedCache(Cache):
             return
         scored = [layer for layer in self.layers
                   if layer.policy.needs_hidden_states and layer.is_initialized and not layer.per_head]
-        if not scored:
-            return
+        if scored:
+            self._rank_heads(scored, self._sliding_extra(scored))
+
+    def _rank_heads(self, scored: list, extra: torch.Tensor | None) -> None:
+        """One ranking of the `scored` layers' (KV head, token) pairs decides what each head keeps
+        (head_ranking.py); each layer becomes a head store. KVzip's pass end and KVzap's `rank_prompt` come here."""
         sinks = 0 if self.codec.lossless else self.codec.exact_sinks
-        keeps = head_budget_keep(self.policy, scored, sinks, extra=self._sliding_extra(scored))
+        keeps = head_budget_keep(self.policy, scored, sinks, extra=extra, spend=self._spendable(scored, sinks))
         for layer, (priority, keep) in zip(scored, keeps, strict=True):
             layer.rank_heads(priority, keep)
 
