@@ -208,7 +208,7 @@ class LowRankCodec(ReducingCodec):
 
     def _floored(self, config, layers: int) -> tuple[bool, ...] | None:
         """The layers `floor` keeps at least the ratio in: a hybrid model's full-attention layers (none otherwise)."""
-        if self.floor == "none" or self.rank is not None:
+        if self.floor == "none":  # only a ratio's allocation asks (rank= gives every layer that rank)
             return None
         kinds = getattr(text_config(config), "layer_types", None) or ["full_attention"] * layers
         if "sliding_attention" not in kinds:
