@@ -64,6 +64,13 @@ class KeyScales:
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
 
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The scales on `device`, moved there once: a layer's holder belongs to one cache (`for_layer`), so the
+        decode step reads them without a host-to-device copy per layer and step."""
+        if self.tensor.device != device:
+            self.tensor = self.tensor.to(device)
+        return self.tensor
+
 
 @lru_cache(maxsize=64)
 def _offset_turns(inv_freq: tuple[float, ...], group: int, direction: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,11 +387,11 @@ class IntNCodec(Codec):
         """[H_kv, 1, D] float32 scale of keys grouped per token in this layer, or None where keys are not scaled."""
         if kind != "key" or self.layer_key_scale is None or self._per_channel(kind):
             return None
-        scale = self.layer_key_scale.tensor
+        scale = self.layer_key_scale.on(states.device)
         if scale.shape[0] != states.shape[1] or scale.shape[1] != states.shape[-1]:
             raise ValueError(f"the key scales hold {scale.shape[0]} KV heads x {scale.shape[1]} channels, the keys "
                              f"have {states.shape[1]} x {states.shape[-1]}")
-        return scale.to(states.device)[:, None, :]
+        return scale[:, None, :]
 
     def token_block(self, kind: Kind) -> int:
         return self.group_size if self._per_channel(kind) else 1

@@ -52,6 +52,14 @@ class LayerBases:
             setattr(self, f"{kind}_mean", mean.contiguous())
             setattr(self, f"{kind}_basis", basis.contiguous())
 
+    def on(self, device: torch.device) -> LayerBases:
+        """These bases on `device`, moved there once: a layer's bases belong to one cache (`for_layer`), so the
+        decode step reads them without a host-to-device copy per layer and step."""
+        if self.key_basis.device != device:
+            for name in self.__slots__:
+                setattr(self, name, getattr(self, name).to(device))
+        return self
+
 
 FLOORS = ("none", "full")  # lowrank's `floor`: which layers keep at least the ratio of each kind's dimensions
 
@@ -253,10 +261,11 @@ class LowRankCodec(ReducingCodec):
 
     # -- encoding ---------------------------------------------------------------------------------------------------
 
-    def _bases(self, kind: Kind, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _bases(self, kind: Kind, heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._layer is None:
             raise ValueError("lowrank runs per decoder layer: build the cache with config=model.config")
-        mean, basis = getattr(self._layer, f"{kind}_mean"), getattr(self._layer, f"{kind}_basis")
+        layer = self._layer.on(device)
+        mean, basis = getattr(layer, f"{kind}_mean"), getattr(layer, f"{kind}_basis")
         if basis.shape[0] != heads:
             raise ValueError(f"the bases hold {basis.shape[0]} KV heads, the states have {heads}")
         return mean, basis
@@ -272,8 +281,7 @@ class LowRankCodec(ReducingCodec):
         super().check_head_dim(head_dim)
 
     def reduce(self, states: torch.Tensor, kind: Kind) -> torch.Tensor:
-        mean, basis = self._bases(kind, states.shape[1])
-        mean, basis = mean.to(states.device), basis.to(states.device)
+        mean, basis = self._bases(kind, states.shape[1], states.device)
         centered = states.float() - mean[None, :, None, :]
         if self._joint:  # [B, 1, T, r]: one latent per token for all of the layer's KV heads
             return torch.einsum("bhtd,hdr->btr", centered, basis)[:, None].to(states.dtype)
@@ -281,8 +289,7 @@ class LowRankCodec(ReducingCodec):
 
     def expand(self, reduced: torch.Tensor, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         heads = self._kv_heads if self._joint else reduced.shape[1]
-        mean, basis = self._bases(kind, heads)
-        mean, basis = mean.to(reduced.device), basis.to(reduced.device)
+        mean, basis = self._bases(kind, heads, reduced.device)
         if self._joint:
             return (torch.einsum("btr,hdr->bhtd", reduced[:, 0].float(), basis) + mean[None, :, None, :]).to(dtype)
         return (torch.einsum("bhtr,hdr->bhtd", reduced.float(), basis) + mean[None, :, None, :]).to(dtype)

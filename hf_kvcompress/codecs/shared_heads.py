@@ -43,6 +43,15 @@ class LayerSharing:
             setattr(self, kind, (tensors[prefix + "kept"].long(), tensors[prefix + "predicted"].long(),
                                  tensors[prefix + "map"].float(), tensors[prefix + "bias"].float()))
 
+    def on(self, device: torch.device) -> LayerSharing:
+        """These maps on `device`, moved there once: a layer's maps belong to one cache (`for_layer`), so the decode
+        step reads them without a host-to-device copy per layer and step."""
+        for kind in self.__slots__:
+            part = getattr(self, kind)
+            if part is not None and part[2].device != device:
+                setattr(self, kind, tuple(x.to(device) for x in part))
+        return self
+
     def kept_heads(self, kind: Kind, heads: int) -> int:
         part = getattr(self, kind)
         return heads if part is None else int(part[0].numel())
@@ -236,13 +245,13 @@ class SharedHeadsCodec(ReducingCodec):
         if not self.calibrated:
             g = self._group(h)
             return states.reshape(b, h // g, g, t, d).float().mean(2).to(states.dtype)
-        sharing = self._sharing()
+        sharing = self._sharing().on(states.device)
         if self.heads_per_store == 1:
             return states
         if h != self._kv_heads:
             raise ValueError(f"the maps hold {self._kv_heads} KV heads, the states have {h}")
         part = getattr(sharing, kind)
-        kept = states if part is None else states[:, part[0].to(states.device)]
+        kept = states if part is None else states[:, part[0]]
         return kept.permute(0, 2, 1, 3).reshape(b, 1, t, -1)  # [B, 1, T, k * D]: the kept heads side by side
 
     def expand(self, reduced: torch.Tensor, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
@@ -254,12 +263,12 @@ class SharedHeadsCodec(ReducingCodec):
                 positions: torch.Tensor | None) -> torch.Tensor:
         if self.heads_per_store == 1:
             return reduced.to(dtype)
-        part = getattr(self._sharing(), kind)
+        part = getattr(self._sharing().on(reduced.device), kind)
         b, _, t, width = reduced.shape
         heads = self._kv_heads
         if part is None:
             return reduced.reshape(b, t, heads, width // heads).permute(0, 2, 1, 3).to(dtype)
-        kept, predicted, weights, bias = (x.to(reduced.device) for x in part)
+        kept, predicted, weights, bias = part
         dim = weights.shape[1]
         flat = reduced[:, 0].float()  # [B, T, k * D]
         if kind == "key":

@@ -184,3 +184,15 @@ def test_a_padded_batch_equals_its_rows_alone(tmp_path, name):
     assert all(layer.codec.layer_key_scale is not None for layer in cache.layers)
     # the scales are the model's, not the cache's: the bytes a cache holds are what it promises
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def test_scales_move_to_the_states_device_once(tmp_path):
+    """A layer's scales belong to its cache: read on another device they move there once (the meta device stands
+    in for a GPU), so the decode step does not copy them from the host per layer and step."""
+    codec, _ = _bound(tmp_path)
+    keys = torch.randn(2, HEADS, 24, DIM, device="meta")
+    assert codec.encode(keys, "key")["codes"].device.type == "meta"
+    moved = codec.layer_key_scale.tensor
+    assert moved.device.type == "meta"
+    codec.encode(keys, "key")
+    assert codec.layer_key_scale.tensor is moved

@@ -225,3 +225,18 @@ def test_sliding_and_full_layers_undo_their_own_rope(fitted, layer_idx):
     decoded = codec.decode(codec.encode(keys, "key", positions=positions), "key", torch.float32, positions=positions)
     assert torch.allclose(decoded, reference(inv_freq), atol=1e-4)
     assert not torch.allclose(decoded, reference(other), atol=1e-3)
+
+
+def test_bases_move_to_the_states_device_once(fitted):
+    """A layer's bases belong to its cache: read on another device they move there once (the meta device stands in
+    for a GPU), so the decode step does not copy them from the host per layer and step."""
+    model, bases = fitted["llama"]
+    codec = make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config).layers[1].codec
+    kv_heads = model.config.num_key_value_heads
+    states = torch.randn(1, kv_heads, 5, model.config.head_dim, device="meta")
+    assert codec.expand(codec.reduce(states, "value"), "value", torch.float32).device.type == "meta"
+    layer = codec._layer
+    moved = [getattr(layer, name) for name in layer.__slots__]
+    assert all(t.device.type == "meta" for t in moved)
+    codec.reduce(states, "key")
+    assert all(getattr(layer, name) is t for name, t in zip(layer.__slots__, moved, strict=True))

@@ -167,3 +167,17 @@ def test_packaged_smollm2_maps_load_and_store_two_thirds_of_the_heads():
     assert kept == pytest.approx(121 * 64 * 2 / 3)
     levels = cache.layers[0].codec.levels()
     assert len(levels) == 30 and sum(sum(pair) for pair in levels) == 59
+
+
+def test_maps_move_to_the_states_device_once(fitted):
+    """A layer's maps belong to its cache: read on another device they move there once (the meta device stands in
+    for a GPU), so the decode step does not copy them from the host per layer and step."""
+    model, maps = fitted
+    codec = make_cache(f"shared_heads:ratio=0.5,maps={maps}", model.config).layers[1].codec
+    states = torch.randn(1, 2, 5, 32, device="meta")
+    assert codec.expand(codec.reduce(states, "value"), "value", torch.float32).device.type == "meta"
+    layer = codec._layer
+    moved = layer.value
+    assert moved is not None and all(t.device.type == "meta" for t in moved)
+    codec.reduce(states, "value")
+    assert layer.value is moved
