@@ -24,6 +24,8 @@ Allocations (each with KVzip's span=4 choosing the pairs, the raw scores setting
 - `rank`:    like `token`, but each token takes its best place in any layer's and head's own ranking (so a layer
              whose scores are small counts as much as one whose scores are large);
 - `floor:F`: `head`, but every layer and head keeps at least F x the uniform share (the others give way);
+- `shares:L=F,L=F`: the named full-attention layers keep those shares of the document per head, the others split
+             what is left equally (a diagnosis, as `layer:L:F`);
 - `layer:L:F`: layer L keeps F of the document per head, the other full-attention layers share what is left equally
              (each by its own scores): a diagnosis of what one layer needs, not a plan (it names a layer).
 Printed per document: where each fact's tokens rank in each full-attention layer and whether each allocation keeps
@@ -76,6 +78,14 @@ def keep_masks(scores: dict[int, torch.Tensor], share: float, how: str) -> dict[
         first = min(T, math.ceil(favoured_share * T))
         rest = min(T, max(0, (total - first * H) // (H * (len(scores) - 1)))) if len(scores) > 1 else 0
         counts = {li: torch.full((H,), first if li == favoured else rest) for li in scores}
+    elif name == "shares":  # shares:5=0.1,11=0.45: the named layers keep those shares, the others split the rest
+        named = {int(k): float(v) for k, v in (part.split("=") for part in args[0].split(","))}
+        if not set(named) <= set(scores):
+            raise ValueError(f"shares: names full-attention layers, among {sorted(scores)}, got {sorted(named)}")
+        fixed = {li: min(T, math.ceil(f * T)) for li, f in named.items()}
+        others = [li for li in scores if li not in named]
+        rest = max(0, total - sum(fixed.values()) * H) // (H * len(others)) if others else 0
+        counts = {li: torch.full((H,), fixed.get(li, min(T, rest))) for li in scores}
     elif name in ("head", "floor"):
         floor = float(args[0]) if args else 0.0
         guaranteed = min(T, math.floor(floor * per_head))
@@ -91,7 +101,8 @@ def keep_masks(scores: dict[int, torch.Tensor], share: float, how: str) -> dict[
         threshold = flat.topk(total).values[-1]
         counts = {li: (r >= threshold).sum(-1).clamp(max=T) for li, r in ranked.items()}
     else:
-        raise ValueError(f"allocation must be head, token, rank, uniform, floor:F or layer:L:F, got {how!r}")
+        raise ValueError(
+            f"allocation must be head, token, rank, uniform, floor:F, layer:L:F or shares:L=F,..., got {how!r}")
     masks = {}
     for li, c in chooser.items():
         mask = torch.zeros(1, H, T, dtype=torch.bool)
@@ -192,7 +203,9 @@ def main() -> None:
                         ok = kba.correct(text, [q["references"]])
                         kept[(target, S, how)][band_of(q["depth"])].append(ok)
                         line.append(f"d{q['depth']:g}={int(ok)}[{held}]{'' if ok else repr(text[:20])}")
-                    print(f"  target {target} S={S} full share {share:.3f} {how}: " + " ".join(line), flush=True)
+                    kept_shares = "/".join(f"{masks[li].float().mean():.2f}" for li in masks)
+                    print(f"  target {target} S={S} full share {share:.3f} {how} (layers keep {kept_shares}): "
+                          + " ".join(line), flush=True)
     print(f"\n{args.model} {args.tasks} {args.lengths} {args.split}: retention by band (kept / answered)")
     for (target, S, how), bands in sorted(kept.items(), key=lambda kv: (-kv[0][0], -kv[0][1], kv[0][2])):
         every = [v for b in bands.values() for v in b]
