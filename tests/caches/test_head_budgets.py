@@ -429,12 +429,15 @@ def test_padded_rows_evicting_in_blocks_at_different_steps_equal_rows_alone():
                                         new_tokens=80)
 
 
-def test_save_load_reset_and_beams(tmp_path):
+# int4: the padded view; full precision: decode steps over each head's own pairs (`HeadStore.attend`)
+@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5,budgets=head+int4:residual_length=2,group_size=16",
+                                  "kvzip:ratio=0.5"])
+def test_save_load_reset_and_beams(tmp_path, spec):
     from hf_kvcompress import load_cache, save_cache
 
     model = use_kvcompress_attention(tiny_model("llama"))
     ids, question = _ids(24, seed=9), _ids(3, seed=10)
-    cache = make_cache("kvzip:ratio=0.5,budgets=head+int4:residual_length=2,group_size=16", model.config)
+    cache = make_cache(spec, model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     path = tmp_path / "cache.safetensors"
     save_cache(cache, path)
