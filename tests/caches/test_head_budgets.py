@@ -527,20 +527,24 @@ def _forced_logits(model, ids, mask, cache, tokens):
     return torch.stack(logits, 1)
 
 
-@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
-def test_decode_over_each_heads_own_pairs_equals_the_padded_view_and_mask(dtype, tolerance, monkeypatch):
+@pytest.mark.parametrize(("name", "dtype", "tolerance"), [
+    ("llama", torch.float32, 1e-5), ("llama", torch.bfloat16, 3e-2), ("llama", torch.float16, 3e-3),
+    ("gemma3", torch.float32, 1e-5),  # sliding layers, its own query scaling
+])
+def test_decode_over_each_heads_own_pairs_equals_the_padded_view_and_mask(name, dtype, tolerance, monkeypatch):
     """A decode step of a lossless head store attends over each head's own pairs (`HeadStore.attend`, one SDPA per
     row and KV head, no padded view, no mask): the same logits as the padded view + per-head mask it replaces, in a
     padded batch of rows that evict at different steps, through blocks of tokens joining the pairs."""
-    model = use_kvcompress_attention(tiny_model("llama")).to(dtype)
+    model = use_kvcompress_attention(tiny_model(name)).to(dtype)
     ids, mask = _left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
     tokens = _ids(79, seed=17, batch=2)
     attended = []
     original = HeadStore.attend
     monkeypatch.setattr(HeadStore, "attend", lambda self, *a: attended.append(1) or original(self, *a))
-    fast = _forced_logits(model, ids, mask, make_cache("kvzip:ratio=0.5", model.config), tokens)
-    layers = model.config.num_hidden_layers
-    assert len(attended) == layers * 79  # every decode step but the first (which confirms our attention runs)
+    cache = make_cache("kvzip:ratio=0.5", model.config)
+    fast = _forced_logits(model, ids, mask, cache, tokens)
+    layers = sum(isinstance(layer.store, HeadStore) for layer in cache.layers)
+    assert layers and len(attended) == layers * 79  # every decode step but the first (which confirms our attention)
     monkeypatch.setattr(HeadStore, "attends_by_head", property(lambda self: False))
     reference = _forced_logits(model, ids, mask, make_cache("kvzip:ratio=0.5", model.config), tokens)
     assert len(attended) == layers * 79
