@@ -4,6 +4,7 @@ Question: how long does a decode step of `kvzip:ratio=0.25` (per-head budgets) t
 where does its time go, measured on one saved prefill so that every version of the code decodes the same state?
 Command:
     python benchmarks/probes/kvzip_head_decode.py --save /tmp/kvzip4k.safetensors [--tokens 4096] [--batch 1]
+        [--spec kvzap:ratio=0.25] [--dtype bfloat16]   (--load and --dynamic take the same --dtype)
     python benchmarks/probes/kvzip_head_decode.py --load /tmp/kvzip4k.safetensors [--steps 16] [--repeats 3] [--profile]
     python benchmarks/probes/kvzip_head_decode.py --dynamic [--tokens 4096] [--batch 1] [--steps 16] [--repeats 3]
 Written up: docs/benchmark-notes.md section 8 ("kvzip:ratio=0.25 decode: eviction in blocks, a cheaper per-head
@@ -62,7 +63,7 @@ def _decode(model, cache, token, steps: int, profile: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--save", help="prefill with kvzip:ratio=0.25 and save the cache here")
+    mode.add_argument("--save", help="prefill with --spec and save the cache here")
     mode.add_argument("--load", help="time decode steps of the cache saved here")
     mode.add_argument("--dynamic", action="store_true", help="time DynamicCache on the same prompt")
     parser.add_argument("--tokens", type=int, default=4096)
@@ -70,13 +71,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--spec", default=SPEC, help="a per-head-budget spec (kvzip, kvzap); default " + SPEC)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
 
-    model, tokenizer = load_model(None)
+    model, tokenizer = load_model(None, dtype=args.dtype)
     use_kvcompress_attention(model)
     if args.save:
         ids = _prompt(tokenizer, args.tokens, args.batch)
-        cache = make_cache(SPEC, model.config)
+        cache = make_cache(args.spec, model.config)
         with torch.inference_mode():
             prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=repeat_prompt_ids(tokenizer))
         save_cache(cache, args.save)

@@ -6,7 +6,9 @@ would hold slots for the most any head keeps; here the pairs of row 0 head 0, ro
 [B, H, M, D] view built for the step (M: the most pairs any head keeps), with each head's pairs right-aligned and a
 mask of the slots that hold a pair; the view is transient. Each head's pairs are one contiguous slice of the store,
 so the view is one `torch.cat` of [zeros, head's pairs] pieces (the zeros one expanded row): a single copy, with the
-per-head lengths read to the host only when the pairs change (evicting, appending), not at every step.
+per-head lengths read to the host only when the pairs change (evicting, appending), not at every step. A decode
+step of a lossless store needs no view at all: each head's pairs are attended as they lie in the store
+(`HeadStore.attend`), as a cache holding only them would; the view serves lossy codecs, sinks and prompt chunks.
 
 `HeadStore` is the store of a layer after KVzip's global ranking (`CompressedLayer.rank_heads`): the kept pairs in
 `RaggedHeads`, the context's pairs still within the codec's residual in a second one (full precision), the tokens
@@ -100,6 +102,12 @@ class RaggedHeads:
 
             encoded[name] = index_op(tensor, assemble)
         return codec.decode(encoded, kind, dtype)
+
+    def heads(self, codec: Codec, kind: Kind, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Each (row, KV head)'s pairs decoded, [n, D] each, in (row, head) order. For a lossless codec (decoding
+        gives the stored tensor back) these are views of the store: no copy, no padding."""
+        stored = {name: tensor[None, None] for name, tensor in (self.keys if kind == "key" else self.values).items()}
+        return codec.decode(stored, kind, dtype)[0, 0].split(self._head_counts())
 
     def valid(self) -> torch.Tensor:
         """[B, H, M] bool: the view's slots that hold a pair."""
@@ -278,6 +286,9 @@ class HeadStore:
         for name in self.TENSORS:
             setattr(self, name, tensors.get(name))
         self.headroom: int | None = None  # pairs every row may still add before one can be over (`evict`)
+        # Whether a row may have evicted some of the tail's tokens (`evict`): then only the masked view (`full`,
+        # `mask`) says which tail slots hold a token. Known on the host, so that `attends_by_head` reads nothing.
+        self.tail_dropped = self.tail_valid is not None and not bool(self.tail_valid.all())
 
     @classmethod
     def rank(
@@ -393,6 +404,37 @@ class HeadStore:
         parts.append(tail)
         return torch.cat(parts, dim=-2)
 
+    @property
+    def attends_by_head(self) -> bool:
+        """Whether a decode step can attend over each head's own pairs (`attend`) instead of the padded view and
+        mask: the pairs are stored as they are (a lossless codec, so no exact part) and every pair of a head is
+        visible to the step (no codec sinks beside them, no tail token evicted)."""
+        return self.codec.lossless and self.sink_valid is None and self.exact is None and not self.tail_dropped
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Decode attention of `query` [B, H_q, 1, D] (after `append`; `attends_by_head`) over what each KV head
+        holds: [B, 1, H_q, Dv], as transformers' attention functions return it.
+
+        One SDPA per (row, KV head) over that head's pairs (views of the store) followed by the tail, with the
+        head's query heads as its queries: each head reads exactly the pairs it keeps, as a cache of only those
+        tokens would, instead of a view padded to the widest head (on KVzip's rankings ~1.8x the pairs) and a mask.
+        The same softmax over the same keys as `full` + `mask` + SDPA (the reference), up to summation order."""
+        batch, q_heads, _, dim = query.shape
+        heads = self.kv_heads
+        assert self.tail_keys is not None and self.tail_values is not None  # the step's token joined the tail
+        grouped = query.reshape(batch * heads, 1, q_heads // heads, dim)  # query heads k * groups + g: KV head k
+        keys = self.encoded.heads(self.codec, "key", self.dtype)
+        values = self.encoded.heads(self.codec, "value", self.dtype)
+        tail_keys, tail_values = self.tail_keys.flatten(0, 1), self.tail_values.flatten(0, 1)  # [B * H, t, D]
+        out = [
+            torch.nn.functional.scaled_dot_product_attention(
+                grouped[i : i + 1], torch.cat([keys[i], tail_keys[i]])[None, None],
+                torch.cat([values[i], tail_values[i]])[None, None], scale=scaling,
+            )
+            for i in range(batch * heads)
+        ]
+        return torch.cat(out).reshape(batch, 1, q_heads, -1)
+
     def mask(self, new: int, length: int) -> torch.Tensor:
         """[B, H_kv, new, length] bool: each head's slots of `full` that hold a pair, causal over the new tokens."""
         heads = self.kv_heads
@@ -450,6 +492,7 @@ class HeadStore:
         self.tail_keys = self.tail_keys[:, :, n:].clone() if n < t else None
         self.tail_values = self.tail_values[:, :, n:].clone() if n < t else None
         self.tail_valid = self.tail_valid[:, n:].clone() if n < t else None
+        self.tail_dropped = self.tail_dropped and self.tail_valid is not None
         if self.tail_scores is not None:
             self.tail_scores = self.tail_scores[:, :, n:].clone() if n < t else None
 
@@ -492,6 +535,7 @@ class HeadStore:
             tokens = (rest + heads - 1) // heads  # whole tokens: every head of the row
             oldest = self.tail_valid & (self.tail_valid.long().cumsum(-1) <= tokens[:, None])
             self.tail_valid = self.tail_valid & ~oldest
+            self.tail_dropped = True
         self.headroom = int((allowance - self.held_pairs()).min())
 
     # -- moves --------------------------------------------------------------------------------------------------------

@@ -238,7 +238,12 @@ class CompressedLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Called by our attention function for a fused step (store_offer.py): attention over what this layer
-        holds, then the step's eviction and encoding."""
+        holds, then the step's eviction and encoding. A head store (`_per_head_step`) attends over each head's own
+        pairs: it holds no padding pair, so transformers' mask has nothing to add."""
+        if isinstance(self.store, HeadStore):
+            output = self.store.attend(query, scaling)
+            self.store.compress(self.policy, self.seen)
+            return output
         output = attend_store(self, query, attention_mask, scaling)
         self._compress()
         return output
@@ -313,6 +318,17 @@ class CompressedLayer(CacheLayerMixin):
         self.seen += new
         assert isinstance(self.store, HeadStore)  # `update` comes here when `per_head`
         self.store.append(key_states, value_states, self.scorer.later_scores(self, attn_kwargs, new))
+        if new == 1 and self.store.attends_by_head:
+            # Offered as the fused path is (store_offer.py): once our attention function has taken an offer, it
+            # attends over each head's own pairs (`attend`) and `update` returns placeholders; until then (the first
+            # decode step) the padded view and mask below serve, and confirm that it runs.
+            length = self.store.view_tokens
+            placeholders = self.offers.offer(
+                self, attn_kwargs, (self.batch_size, self.kv_heads, length, self.head_dim),
+                (self.batch_size, self.kv_heads, length, self.value_dim), self.dtype, self.device, quiet=True,
+            )
+            if placeholders is not None:
+                return placeholders
         full_keys, full_values = self._full("key"), self._full("value")
         self.own_mask = OwnMask(self.store.mask(new, full_keys.shape[-2]))
         attn_kwargs[MASK_KEY] = self.own_mask

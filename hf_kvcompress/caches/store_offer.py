@@ -35,7 +35,7 @@ class StoreOffers:
     def clear(self) -> None:
         """A reset layer offers afresh (what it said stays said)."""
         self.request: StoreRequest | None = None
-        self.probing = False  # `request` came from a prompt step's probe, not a decode step's offer
+        self.probing = False  # `request` came from a prompt step's probe (or a quiet offer): unanswered, unnoted
         self.confirmed = False
 
     def may_attend(self, store: TokenStore, attn_kwargs: dict | None, new: int) -> bool:
@@ -53,10 +53,12 @@ class StoreOffers:
             self.request, self.probing = StoreRequest(layer, fused=False), True
             attn_kwargs[STORE_KEY] = self.request
 
-    def offer(self, layer: AttendsStore, attn_kwargs: dict, shape_keys: tuple, shape_values: tuple, dtype, device):
+    def offer(self, layer: AttendsStore, attn_kwargs: dict, shape_keys: tuple, shape_values: tuple, dtype, device,
+              quiet: bool = False):
         """Offer attention the store; the placeholders `update` returns when our attention function takes it (None:
-        it has not taken one yet, so `update` returns the decoded store as well)."""
-        self.request, self.probing = StoreRequest(layer, fused=self.confirmed), False
+        it has not taken one yet, so `update` returns the decoded store as well). `quiet`: an unanswered offer goes
+        unnoted (a head store's step also hands attention its own mask, whose check names the problem)."""
+        self.request, self.probing = StoreRequest(layer, fused=self.confirmed), quiet and not self.confirmed
         attn_kwargs[STORE_KEY] = self.request
         if not self.confirmed:
             return None

@@ -15,6 +15,7 @@ from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.generation import generate, prefill
 from hf_kvcompress.hf.attention import kvcompress_attention
 from hf_kvcompress.hf.compat import cache_kwargs
+from hf_kvcompress.ops.host_syncs import HostSyncCounter
 
 from .tiny_models import tiny_model
 
@@ -428,12 +429,15 @@ def test_padded_rows_evicting_in_blocks_at_different_steps_equal_rows_alone():
                                         new_tokens=80)
 
 
-def test_save_load_reset_and_beams(tmp_path):
+# int4: the padded view; full precision: decode steps over each head's own pairs (`HeadStore.attend`)
+@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5,budgets=head+int4:residual_length=2,group_size=16",
+                                  "kvzip:ratio=0.5"])
+def test_save_load_reset_and_beams(tmp_path, spec):
     from hf_kvcompress import load_cache, save_cache
 
     model = use_kvcompress_attention(tiny_model("llama"))
     ids, question = _ids(24, seed=9), _ids(3, seed=10)
-    cache = make_cache("kvzip:ratio=0.5,budgets=head+int4:residual_length=2,group_size=16", model.config)
+    cache = make_cache(spec, model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     path = tmp_path / "cache.safetensors"
     save_cache(cache, path)
@@ -507,3 +511,79 @@ def test_a_non_finite_decode_step_is_refused_within_the_check_interval():
             layer.update(bad if step == 0 else torch.randn(shape), torch.randn(shape), {})
             layer.own_mask.used = True  # what our attention function marks after reading the mask
     assert step == FINITE_CHECK_EVERY - 1
+
+
+def _forced_logits(model, ids, mask, cache, tokens):
+    """Logits [B, 1 + t, V] of decode steps fed the prompt's last token and then `tokens` [B, t] (teacher forcing:
+    both caches compared see the same tokens), after KVzip's pass over the rest of the prompt."""
+    with torch.inference_mode():
+        prefill(model, ids[:, :-1], mask[:, :-1], cache, repeat_prompt_ids=REPEAT)
+        feed, position, attention = torch.cat([ids[:, -1:], tokens], 1), mask.sum(-1, keepdim=True) - 1, mask
+        logits = []
+        for i in range(feed.shape[1]):
+            logits.append(model(input_ids=feed[:, i : i + 1], attention_mask=attention, position_ids=position + i,
+                                **cache_kwargs(cache)).logits[:, -1].float())
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize(("name", "dtype", "tolerance"), [
+    ("llama", torch.float32, 1e-5), ("llama", torch.bfloat16, 3e-2), ("llama", torch.float16, 3e-3),
+    ("gemma3", torch.float32, 1e-5),  # sliding layers, its own query scaling
+])
+def test_decode_over_each_heads_own_pairs_equals_the_padded_view_and_mask(name, dtype, tolerance, monkeypatch):
+    """A decode step of a lossless head store attends over each head's own pairs (`HeadStore.attend`, one SDPA per
+    row and KV head, no padded view, no mask): the same logits as the padded view + per-head mask it replaces, in a
+    padded batch of rows that evict at different steps, through blocks of tokens joining the pairs."""
+    model = use_kvcompress_attention(tiny_model(name)).to(dtype)
+    ids, mask = _left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
+    tokens = _ids(79, seed=17, batch=2)
+    attended = []
+    original = HeadStore.attend
+    monkeypatch.setattr(HeadStore, "attend", lambda self, *a: attended.append(1) or original(self, *a))
+    cache = make_cache("kvzip:ratio=0.5", model.config)
+    fast = _forced_logits(model, ids, mask, cache, tokens)
+    layers = sum(isinstance(layer.store, HeadStore) for layer in cache.layers)
+    assert layers and len(attended) == layers * 79  # every decode step but the first (which confirms our attention)
+    monkeypatch.setattr(HeadStore, "attends_by_head", property(lambda self: False))
+    reference = _forced_logits(model, ids, mask, make_cache("kvzip:ratio=0.5", model.config), tokens)
+    assert len(attended) == layers * 79
+    torch.testing.assert_close(fast, reference, rtol=tolerance, atol=tolerance)
+
+
+def test_a_steady_head_store_decode_step_reads_nothing_on_the_host():
+    """Between the steps where tokens join the pairs or a row evicts (a block at a time), a decode step over a head
+    store reads no tensor value on the host beyond the model's own: the per-head lengths it slices by were read
+    when the pairs changed."""
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids, mask = _left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
+    cache = make_cache("kvzip:ratio=0.5", model.config)
+    tokens = _ids(70, seed=18, batch=2)
+    position, attention = mask.sum(-1, keepdim=True) - 1, mask
+    steady = 0
+    with torch.inference_mode():
+        # transformers' mask builder may read the padding mask itself (whether SDPA can skip it): what a
+        # DynamicCache's step reads is the model's, not the cache's.
+        dynamic = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], cache=dynamic)
+        with HostSyncCounter() as counter:
+            model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=position, cache=dynamic)
+        model_reads = counter.count
+        prefill(model, ids[:, :-1], mask[:, :-1], cache, repeat_prompt_ids=REPEAT)
+        feed = torch.cat([ids[:, -1:], tokens], 1)
+        for i in range(feed.shape[1]):
+            before = [(layer.store.encoded.pairs, layer.store.tail_tokens, layer.store.headroom)
+                      for layer in cache.layers]
+            with HostSyncCounter() as counter:
+                model(input_ids=feed[:, i : i + 1], attention_mask=attention, position_ids=position + i,
+                      **cache_kwargs(cache))
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
+            after = [(layer.store.encoded.pairs, layer.store.tail_tokens, layer.store.headroom)
+                     for layer in cache.layers]
+            # Steady: no pair joined or left, and no row's allowance was checked (`evict` checks once the rows may
+            # have added the room the last check left, `headroom`).
+            if i > 0 and all(a == (p, t + 1, None if r is None else r - layer.kv_heads)
+                             for a, (p, t, r), layer in zip(after, before, cache.layers, strict=True)):
+                steady += 1
+                assert counter.count == model_reads, f"{counter.count} host reads at decode step {i}"
+    assert steady >= 40  # most steps (46 of 70 when written)
