@@ -73,6 +73,29 @@ def score(out: Path, prompts: Path, model: str) -> list[dict]:
     return records
 
 
+def same_prompts(prompts: Path, ours: list[dict], theirs: list[dict]) -> str:
+    """Whether both sides ran the same prompts (sample ids and token-id digests) and what each baseline answers.
+
+    Retention is against each side's own uncompressed run, so a baseline that answers other questions is said here
+    rather than hidden in the table."""
+    from hf_kvcompress.eval.runner import input_digest
+
+    exported = {p["sample_id"]: input_digest(p["document_ids"], p["question_ids"], p["references"])
+                for p in map(json.loads, prompts.read_text().splitlines())}
+    ran = {r["sample_id"]: r.get("input_digest") for r in ours}
+    lines = [f"prompts: {len(exported)} exported, {len(ran)} in --ours"]
+    missing = sorted(set(exported) - set(ran))
+    other = sorted(s for s in set(exported) & set(ran) if ran[s] != exported[s])
+    lines.append(f"samples kvpress ran that --ours lacks: {missing or 'none'}")
+    lines.append(f"samples whose token ids differ: {other or 'none (identical token ids)'}")
+    answered = {side: {r["sample_id"] for r in rows if r["method"] == "dynamic" and r["correct"]}
+                for side, rows in (("ours", ours), ("kvpress", theirs))}
+    lines.append(f"uncompressed answers: ours {len(answered['ours'])}, kvpress {len(answered['kvpress'])}; "
+                 f"only ours: {sorted(answered['ours'] - answered['kvpress']) or 'none'}; "
+                 f"only kvpress: {sorted(answered['kvpress'] - answered['ours']) or 'none'}")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -108,6 +131,7 @@ def main():
     if args.ours:
         ours = load(args.ours)
         text += "\n\nhf-kvcompress on the same samples\n\n" + table([{**r, "model": args.model} for r in ours])
+        text += "\n\n" + same_prompts(prompts, ours, records)
     (out / "side_by_side.md").write_text(text + "\n")
     print(text)
 
