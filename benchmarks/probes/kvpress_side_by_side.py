@@ -5,8 +5,8 @@ its cache really holds, beside our eviction caches on the same prompts?
 Command:
     python benchmarks/probes/kvpress_side_by_side.py --model smollm2-135m --lengths 2000 --samples 3 \\
         --out results/kvpress-smollm2 [--ours results/evict-smollm2] [--split test]
-Written up: docs/results.md, "Eviction policies side by side (question after the document)" (kvpress's presses, and
-KVzipPress).
+Written up: docs/results.md, "Beside kvpress on the test half" (the suite's test half, with --ours) and "Eviction
+policies side by side (question after the document)" (kvpress's presses, and KVzipPress).
 
 kvpress pins transformers < 5.3, so this script runs kvpress_worker.py (beside it) in a virtual environment of its
 own, the bench's (benchmarks/.venv-kvpress, built by benchmarks/harness/peer_envs.py on first use: torch 2.13 CPU,
