@@ -5,8 +5,8 @@ its cache really holds, beside our eviction caches on the same prompts?
 Command:
     python benchmarks/probes/kvpress_side_by_side.py --model smollm2-135m --lengths 2000 --samples 3 \\
         --out results/kvpress-smollm2 [--ours results/evict-smollm2] [--split test]
-Written up: docs/results.md, "Eviction policies side by side (question after the document)" (kvpress's presses, and
-KVzipPress).
+Written up: docs/results.md, "Beside kvpress on the test half" (the suite's test half, with --ours) and "Eviction
+policies side by side (question after the document)" (kvpress's presses, and KVzipPress).
 
 kvpress pins transformers < 5.3, so this script runs kvpress_worker.py (beside it) in a virtual environment of its
 own, the bench's (benchmarks/.venv-kvpress, built by benchmarks/harness/peer_envs.py on first use: torch 2.13 CPU,
@@ -73,6 +73,29 @@ def score(out: Path, prompts: Path, model: str) -> list[dict]:
     return records
 
 
+def same_prompts(prompts: Path, ours: list[dict], theirs: list[dict]) -> str:
+    """Whether both sides ran the same prompts (sample ids and token-id digests) and what each baseline answers.
+
+    Retention is against each side's own uncompressed run, so a baseline that answers other questions is said here
+    rather than hidden in the table."""
+    from hf_kvcompress.eval.runner import input_digest
+
+    exported = {p["sample_id"]: input_digest(p["document_ids"], p["question_ids"], p["references"])
+                for p in map(json.loads, prompts.read_text().splitlines())}
+    ran = {r["sample_id"]: r.get("input_digest") for r in ours}
+    lines = [f"prompts: {len(exported)} exported, {len(ran)} in --ours"]
+    missing = sorted(set(exported) - set(ran))
+    other = sorted(s for s in set(exported) & set(ran) if ran[s] != exported[s])
+    lines.append(f"samples kvpress ran that --ours lacks: {missing or 'none'}")
+    lines.append(f"samples whose token ids differ: {other or 'none (identical token ids)'}")
+    answered = {side: {r["sample_id"] for r in rows if r["method"] == "dynamic" and r["correct"]}
+                for side, rows in (("ours", ours), ("kvpress", theirs))}
+    lines.append(f"uncompressed answers: ours {len(answered['ours'])}, kvpress {len(answered['kvpress'])}; "
+                 f"only ours: {sorted(answered['ours'] - answered['kvpress']) or 'none'}; "
+                 f"only kvpress: {sorted(answered['kvpress'] - answered['ours']) or 'none'}")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -108,6 +131,7 @@ def main():
     if args.ours:
         ours = load(args.ours)
         text += "\n\nhf-kvcompress on the same samples\n\n" + table([{**r, "model": args.model} for r in ours])
+        text += "\n\n" + same_prompts(prompts, ours, records)
     (out / "side_by_side.md").write_text(text + "\n")
     print(text)
 
