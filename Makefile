@@ -45,7 +45,7 @@ bench: setup
 	$(BIN)/python benchmarks/harness/bench.py $(BENCH_ARGS)
 
 # The suite against the oldest transformers pyproject.toml admits, in its own venv (.venv-oldest), so the declared
-# floor is a tested one. (Today the floor, 5.24.0, is also the newest release, i.e. what `make setup` installs.)
+# floor is a tested one. (The floor is 5.24.0; `make setup` installs the newest release, 5.25.0 on 2026-12-03.)
 OLDEST := .venv-oldest
 TRANSFORMERS_FLOOR := $(shell sed -n 's/.*"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)
 

@@ -198,13 +198,14 @@ class CompressedCache(Cache):
         last = (self.num_layers or len(self.layers)) - 1
         self._owner = None if layer_idx >= last else me
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """Called when assisted decoding starts: refuse to start it on a prefilled cache where it would re-feed the
-        prompt (hf/compat.py: `assisted_decoding_continues_cache`)."""
+        prompt (hf/compat.py: `assisted_decoding_continues_cache`). `kwargs`: what transformers passes on to the
+        layers (5.25 added `recurrent_states_to_keep`, for linear-attention layers; 5.24 passes none)."""
         held = self.get_seq_length()
         if held > 0 and not ASSISTED_CONTINUES_CACHE.get():
             raise ValueError(ASSISTED_REFEEDS_PROMPT.format(version=transformers.__version__, held=held))
-        super().activate_past_recording()
+        super().activate_past_recording(**kwargs)
 
     def reset(self) -> None:
         self._owner = None
