@@ -310,8 +310,9 @@ class CompressedLayer(CacheLayerMixin):
         self.scorer.scored = True
 
     def _per_head_step(self, key_states: torch.Tensor, value_states: torch.Tensor, attn_kwargs: dict | None):
-        """A step over a `HeadStore`: the new tokens join its tail, attention reads each head's pairs through this
-        layer's per-head mask, then the store absorbs and evicts (head_store.py)."""
+        """A step over a `HeadStore`: the new tokens join its tail, attention reads each head's pairs (through this
+        layer's per-head mask, or, for a decode step that our attention takes as offered, over each head's own pairs:
+        `attend`), then the store absorbs and evicts (head_store.py)."""
         if attn_kwargs is None:
             raise RuntimeError("this cache needs the attention kwargs that transformers passes to cache layers")
         new = key_states.shape[-2]
