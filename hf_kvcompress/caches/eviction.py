@@ -89,6 +89,13 @@ class Eviction:
         most_kept, row_over, same = value // 4, bool(value & 2), bool(value & 1)
         return (keep, most_kept, same) if stored_tokens > most_kept or row_over else None
 
+    def slides(self, scores: torch.Tensor | None, length: int, most: int, even: bool) -> bool:
+        """Whether this eviction drops one slot per row by recency alone, as a window sliding by one token (`choose`
+        takes `drop_one` without scores): each row drops its newest padding slot, or else the slot after its sinks
+        (`recency_drop`, which needs a real slot older than the recent window: known on the host)."""
+        policy = self.policy
+        return scores is None and length == most + 1 and even and policy.sink_tokens + policy.recent < length
+
     def refuse_unknown_padding(self, padding: RowPadding) -> None:
         """Eviction that keeps sinks or scores by attention must know where each row's padding ends."""
         if padding.unknown and (self.policy.sink_tokens > 0 or self.policy.needs_attention):

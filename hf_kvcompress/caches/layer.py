@@ -395,9 +395,19 @@ class CompressedLayer(CacheLayerMixin):
         scores = self.policy.score(
             self.slots.accumulated, length, keys=keys, positions=self.slots.positions, pads=self.padding.pads, **extra
         )
-        kept = self.eviction.choose(self.padding, scores, self.kv_heads, length, keep, most, even)  # [B, H_kv, budget]
         if self.store.encoded_keys is None:
             self._capture_sinks()
+        if self.slots.empty and self.inv_freq is None and self.store.can_slide() and self.eviction.slides(
+            scores, length, most, even
+        ):
+            # A window sliding by one token (sink_window's decode step): the store drops the slot in place instead of
+            # gathering every kept one; rows without padding drop the slot after their sinks, the others a padding
+            # slot. `moves` is read before `kept` moves the padding.
+            moves = self.padding.pads == 0
+            self.padding.kept(most, keep, length)
+            self.store.slide(moves, self.policy.sink_tokens)
+            return
+        kept = self.eviction.choose(self.padding, scores, self.kv_heads, length, keep, most, even)  # [B, H_kv, budget]
         positions = self.slots.positions  # before the move: the store encodes kept tail keys at them
         self.slots.take(kept)  # scores, positions and sink slots follow the kept slots
         self.padding.kept(kept.shape[-1], keep, length)

@@ -48,6 +48,11 @@ class SlotRecords:
             if tensor is not None:
                 yield name, tensor
 
+    @property
+    def empty(self) -> bool:
+        """No record is held: slots may move without moving any record."""
+        return all(getattr(self, name) is None for name in self.FIELDS)
+
     def append(self, name: str, fresh: torch.Tensor) -> None:
         """Record `fresh` [B, H_kv, n, ...] for the n slots just added after the others."""
         held = getattr(self, name)

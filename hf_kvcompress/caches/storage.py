@@ -14,6 +14,10 @@ import torch
 from ..codecs.base import Codec, Encoded, Kind, cat_encoded, gather_encoded, select_batch, slice_encoded
 from ..ops.rerotate import rerotate
 
+# A sliding window's room holds one slot beyond its kept slots per this many of them (at least one): the window is
+# copied once every that many decode steps, and the store holds that share more (`TokenStore.slide`).
+KEPT_PER_ROOM_SLOT = 32
+
 
 def owned(view: torch.Tensor) -> torch.Tensor:
     """A tensor holding exactly `view`'s elements: a slice would pin its whole parent buffer in memory."""
@@ -51,12 +55,16 @@ class TokenStore:
     `exact_rows` [B] and `exact_keys` / `exact_values` [B, H_kv, X, D]: rows of a padded batch that keep more of their
     newest tokens at full precision than the tail holds: row b's last `exact_rows[b]` encoded slots before the tail,
     as the last of `exact_keys` / `exact_values`, overwrite their decoded form (`take`).
+
+    A window that slides one token per decode step (`slide`) holds its tail in a room: buffers a few slots longer
+    than the tail, of which the tail is a view. Each step appends in place and the window moves one slot up, so a
+    steady step copies no kept token; once the room is full the window is copied to a fresh room (one copy every
+    `KEPT_PER_ROOM_SLOT` steps). The room is what the store holds, and its bytes are what `promised_bytes` counts.
     """
 
     per_head = False  # every KV head holds the same slots (a head store's heads differ: head_store.py)
-    # `TENSORS`, set in `__init__` (None: not held); the three exact_* are set and cleared together.
-    tail_keys: torch.Tensor | None
-    tail_values: torch.Tensor | None
+    # `TENSORS`, set in `__init__` (None: not held); the three exact_* are set and cleared together. `tail_keys` and
+    # `tail_values` are properties over `_tail` (below).
     sink_keys: torch.Tensor | None
     sink_values: torch.Tensor | None
     exact_rows: torch.Tensor | None
@@ -71,13 +79,42 @@ class TokenStore:
         self.encoded_keys: Encoded | None = None
         self.encoded_values: Encoded | None = None
         self.n_encoded = 0
+        self._tail: list[torch.Tensor | None] = [None, None]  # `tail_keys`, `tail_values` [B, H_kv, t, D]
+        # A sliding window's room (`slide`): key and value buffers [B, H_kv, capacity, D] whose slots `room_start` ..
+        # `room_start + t - 1` are the tail; None when the tail is a tensor of its own.
+        self._room: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._room_start = 0
+        # A slide not yet made (`slide`): which rows move their sinks [B] bool, and how many sinks; made by `_settle`
+        # before anything reads or extends the tail.
+        self._pending: tuple[torch.Tensor, int] | None = None
         for name in self.TENSORS:
             setattr(self, name, None)
 
+    # -- the tail, read through the pending slide ------------------------------------------------------------------
+
+    @property
+    def tail_keys(self) -> torch.Tensor | None:
+        self._settle()
+        return self._tail[0]
+
+    @tail_keys.setter
+    def tail_keys(self, tensor: torch.Tensor | None) -> None:
+        self._settle()
+        self._tail[0], self._room = tensor, None  # a tail of its own: the room (if any) is released
+
+    @property
+    def tail_values(self) -> torch.Tensor | None:
+        self._settle()
+        return self._tail[1]
+
+    @tail_values.setter
+    def tail_values(self, tensor: torch.Tensor | None) -> None:
+        self._settle()
+        self._tail[1], self._room = tensor, None
+
     @property
     def stored_tokens(self) -> int:
-        tail = 0 if self.tail_keys is None else self.tail_keys.shape[-2]
-        return self.n_encoded + tail
+        return self.n_encoded + self.tail_tokens
 
     @property
     def view_tokens(self) -> int:
@@ -86,13 +123,23 @@ class TokenStore:
 
     @property
     def tail_tokens(self) -> int:
-        return 0 if self.tail_keys is None else self.tail_keys.shape[-2]
+        """Slots of the tail, a pending slide's dropped one left out (counting makes no slide)."""
+        tail = self._tail[0]
+        return 0 if tail is None else tail.shape[-2] - (self._pending is not None)
 
     # -- new tokens and what attention reads ----------------------------------------------------------------------
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """New states join the tail. The model's states may be views of a fused QKV buffer (GPT-2, Phi-3): keep
-        copies, not the buffer."""
+        copies, not the buffer. A sliding window's room takes them in place while it has room (`slide`)."""
+        self._settle()
+        new = key_states.shape[-2]
+        if self._room is not None and self._room_start + self.tail_tokens + new <= self._room[0].shape[-2]:
+            start, end = self._room_start, self._room_start + self.tail_tokens
+            for room, states in zip(self._room, (key_states, value_states), strict=True):
+                room[:, :, end : end + new] = states
+            self._tail = [room[:, :, start : end + new] for room in self._room]
+            return
         self.tail_keys = (
             owned(key_states) if self.tail_keys is None else torch.cat([self.tail_keys, key_states], dim=-2)
         )
@@ -237,6 +284,57 @@ class TokenStore:
         assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
         self.tail_keys = rerotate(self.tail_keys, delta, inv_freq)
 
+    def can_slide(self) -> bool:
+        """Whether `slide` may drop slots: every slot is in the tail and stays there (lossless codecs never encode)."""
+        return self.codec.lossless and self.encoded_keys is None
+
+    def slide(self, moves: torch.Tensor, sinks: int) -> None:
+        """Drop one slot of every row as a window of recent tokens behind `sinks` sink slots drops it on a decode step
+        (policies/base.py `recency_drop`): a row where `moves` [B] (bool: no padding) drops the slot after its first
+        `sinks`, any other row its first slot (padding, which attention masks whatever it holds). Kept slots keep
+        their order.
+
+        The tail is a view of a room (see the class): the window moves one slot up and the sinks follow it, `sinks`
+        states per row instead of a copy of every kept slot. Attention reads this step's tail after the eviction
+        that calls this, so the move waits for the next read or append (`_settle`), and the slot count drops now
+        (`tail_tokens`). A full room (or none yet) is replaced by a fresh one holding the kept slots, with room for
+        the next slides (one per `KEPT_PER_ROOM_SLOT` kept slots, at least one)."""
+        assert self.can_slide() and self._pending is None  # the layer slides a lossless tail once per step
+        keys, values = self._tail
+        assert keys is not None and values is not None  # appended at the layer's first step
+        held = keys.shape[-2]
+        if self._room is not None and self._room_start + held < self._room[0].shape[-2]:
+            self._pending = (moves, sinks)  # the append after the move writes slot room_start + held
+            return
+        kept = held - 1
+        capacity = kept + 1 + max(1, kept // KEPT_PER_ROOM_SLOT)
+        rooms = []
+        for old in (keys, values):
+            room = old.new_empty(*old.shape[:2], capacity, old.shape[-1])
+            room[:, :, :kept] = old[:, :, 1:]
+            if sinks:
+                room[:, :, :sinks] = torch.where(moves.view(-1, 1, 1, 1), old[:, :, :sinks], room[:, :, :sinks])
+            rooms.append(room)
+        self._room, self._room_start = (rooms[0], rooms[1]), 0
+        self._tail = [rooms[0][:, :, :kept], rooms[1][:, :, :kept]]
+
+    def _settle(self) -> None:
+        """Make the pending slide (`slide`): the tail's view moves one slot up, and rows that move their sinks copy
+        them one slot up, over the dropped slot."""
+        if self._pending is None:
+            return
+        moves, sinks = self._pending
+        self._pending = None
+        moved: list[torch.Tensor | None] = []
+        for old in self._tail:
+            assert old is not None  # a slide is pending on a held tail
+            new = old[:, :, 1:]
+            if sinks:  # the `where` is computed before the copy: the two ranges overlap
+                new[:, :, :sinks] = torch.where(moves.view(-1, 1, 1, 1), old[:, :, :sinks], new[:, :, :sinks])
+            moved.append(new)
+        self._tail = moved
+        self._room_start += 1
+
     def drop(self, n: int) -> None:
         """Forget the `n` oldest slots, from the encoded store (whole encoded blocks, cut without decoding) and then
         from the tail (a block window, layer.py `_drop_old_blocks`)."""
@@ -312,11 +410,14 @@ class TokenStore:
             self.codec.bytes_per_token(head_dim, "key", dtype) + self.codec.bytes_per_token(value_dim, "value", dtype)
         )
         element = torch.empty((), dtype=dtype).element_size()
-        tail = self.tail_tokens * (head_dim + value_dim) * element
+        held = self.tail_tokens if self._room is None else self._room[0].shape[-2]  # a room is held whole
+        tail = held * (head_dim + value_dim) * element
         extra = sum(t.numel() * element for t in (self.sink_keys, self.sink_values, self.exact_keys, self.exact_values)
                     if t is not None)
         if self.exact_rows is not None:
             extra += self.exact_rows.numel() * self.exact_rows.element_size()
+        if self._pending is not None:  # a pending slide's rows that move their sinks [B] (bool)
+            extra += self._pending[0].numel() * self._pending[0].element_size()
         return rows * (encoded + tail) + extra
 
 
