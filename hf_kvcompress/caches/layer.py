@@ -397,7 +397,7 @@ class CompressedLayer(CacheLayerMixin):
         )
         if self.store.encoded_keys is None:
             self._capture_sinks()
-        if self.slots.empty and self.inv_freq is None and self.store.can_slide() and self.eviction.slides(
+        if self.slots.empty and self.inv_freq is None and self.store.can_slide(length - 1) and self.eviction.slides(
             scores, length, most, even
         ):
             # A window sliding by one token (sink_window's decode step): the store drops the slot in place instead of

@@ -14,8 +14,8 @@ import torch
 from ..codecs.base import Codec, Encoded, Kind, cat_encoded, gather_encoded, select_batch, slice_encoded
 from ..ops.rerotate import rerotate
 
-# A sliding window's room holds one slot beyond its kept slots per this many of them (at least one): the window is
-# copied once every that many decode steps, and the store holds that share more (`TokenStore.slide`).
+# A sliding window's room holds one slot beyond its kept slots per this many of them: the window is copied once every
+# that many decode steps, and the store holds that share more (`TokenStore.slide`); shorter windows gather.
 KEPT_PER_ROOM_SLOT = 32
 
 
@@ -284,9 +284,11 @@ class TokenStore:
         assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
         self.tail_keys = rerotate(self.tail_keys, delta, inv_freq)
 
-    def can_slide(self) -> bool:
-        """Whether `slide` may drop slots: every slot is in the tail and stays there (lossless codecs never encode)."""
-        return self.codec.lossless and self.encoded_keys is None
+    def can_slide(self, kept: int) -> bool:
+        """Whether `slide` may drop a slot to keep `kept`: every slot is in the tail and stays there (lossless codecs
+        never encode), and the window is at least `KEPT_PER_ROOM_SLOT` slots (a shorter one's gather costs little and
+        a room would be a large share of it, as in Gemma-3's tiny test windows)."""
+        return self.codec.lossless and self.encoded_keys is None and kept >= KEPT_PER_ROOM_SLOT
 
     def slide(self, moves: torch.Tensor, sinks: int) -> None:
         """Drop one slot of every row as a window of recent tokens behind `sinks` sink slots drops it on a decode step
@@ -298,16 +300,17 @@ class TokenStore:
         states per row instead of a copy of every kept slot. Attention reads this step's tail after the eviction
         that calls this, so the move waits for the next read or append (`_settle`), and the slot count drops now
         (`tail_tokens`). A full room (or none yet) is replaced by a fresh one holding the kept slots, with room for
-        the next slides (one per `KEPT_PER_ROOM_SLOT` kept slots, at least one)."""
-        assert self.can_slide() and self._pending is None  # the layer slides a lossless tail once per step
+        the next slides (one per `KEPT_PER_ROOM_SLOT` kept slots)."""
+        assert self._pending is None  # one slide per step: the append before it made the last
         keys, values = self._tail
         assert keys is not None and values is not None  # appended at the layer's first step
         held = keys.shape[-2]
+        assert self.can_slide(held - 1)  # the layer slides only a lossless tail of enough slots
         if self._room is not None and self._room_start + held < self._room[0].shape[-2]:
             self._pending = (moves, sinks)  # the append after the move writes slot room_start + held
             return
         kept = held - 1
-        capacity = kept + 1 + max(1, kept // KEPT_PER_ROOM_SLOT)
+        capacity = kept + 1 + kept // KEPT_PER_ROOM_SLOT
         rooms = []
         for old in (keys, values):
             room = old.new_empty(*old.shape[:2], capacity, old.shape[-1])
