@@ -206,7 +206,7 @@ class CompressedLayer(CacheLayerMixin):
         self.padding.check_chunk_alignment(new, self.seen)
         self.seen += new
 
-        self._append_tail(key_states, value_states, grow=self.eviction.appends(new))
+        self._append_tail(key_states, value_states)
         if self.codec.encodes_on_arrival:  # attention reads the step's tokens as stored (codecs/base.py)
             self._encode_tail()
         length = self.stored_tokens
@@ -336,10 +336,9 @@ class CompressedLayer(CacheLayerMixin):
         self.store.compress(self.policy, self.seen)
         return full_keys, full_values
 
-    def _append_tail(self, key_states: torch.Tensor, value_states: torch.Tensor, grow: bool = False) -> None:
-        """`grow`: a decode step that appends without evicting (`Eviction.appends`): the tail grows in a room."""
+    def _append_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         assert isinstance(self.store, TokenStore)  # a token layer's step
-        self.store.append(key_states, value_states, grow=grow)
+        self.store.append(key_states, value_states)
 
     def _full(self, kind: Kind) -> torch.Tensor:
         """What attention sees: the decoded store followed by the full-precision tail."""

@@ -14,9 +14,8 @@ import torch
 from ..codecs.base import Codec, Encoded, Kind, cat_encoded, gather_encoded, select_batch, slice_encoded
 from ..ops.rerotate import rerotate
 
-# A room holds one slot beyond its tail's slots per this many of them: a sliding window is copied once every that many
-# decode steps (a growing tail less often), and the store holds that share more (`TokenStore.slide`, `append`); a
-# shorter tail takes no room.
+# A sliding window's room holds one slot beyond its kept slots per this many of them: the window is copied once every
+# that many decode steps, and the store holds that share more (`TokenStore.slide`); shorter windows gather.
 KEPT_PER_ROOM_SLOT = 32
 
 
@@ -57,11 +56,10 @@ class TokenStore:
     newest tokens at full precision than the tail holds: row b's last `exact_rows[b]` encoded slots before the tail,
     as the last of `exact_keys` / `exact_values`, overwrite their decoded form (`take`).
 
-    A window that slides one token per decode step (`slide`), or a tail that only grows while decoding (`append` with
-    `grow`: SnapKV's `decoding="append"`), holds its tail in a room: buffers a 32nd longer than the tail, of which
-    the tail is a view. Each step appends in place (and a window moves one slot up), so a steady step copies no kept
-    token; once the room is full the tail is copied to a fresh room (one copy every `KEPT_PER_ROOM_SLOT` steps or
-    more). The room is what the store holds, and its bytes are what `promised_bytes` counts.
+    A window that slides one token per decode step (`slide`) holds its tail in a room: buffers a few slots longer
+    than the tail, of which the tail is a view. Each step appends in place and the window moves one slot up, so a
+    steady step copies no kept token; once the room is full the window is copied to a fresh room (one copy every
+    `KEPT_PER_ROOM_SLOT` steps). The room is what the store holds, and its bytes are what `promised_bytes` counts.
     """
 
     per_head = False  # every KV head holds the same slots (a head store's heads differ: head_store.py)
@@ -131,20 +129,13 @@ class TokenStore:
 
     # -- new tokens and what attention reads ----------------------------------------------------------------------
 
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, grow: bool = False) -> None:
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """New states join the tail. The model's states may be views of a fused QKV buffer (GPT-2, Phi-3): keep
-        copies, not the buffer. A room (`slide`) takes them in place while it has room; `grow`: a tail that only
-        grows (decode steps appended after the prompt's eviction, SnapKV's `decoding="append"`) moves to a fresh room
-        when it has none or its room is full, as a sliding window's does, instead of a copy of the tail per step."""
+        copies, not the buffer. A sliding window's room takes them in place while it has room (`slide`)."""
         self._settle()
-        new, held = key_states.shape[-2], self.tail_tokens
-        fits = self._room is not None and self._room_start + held + new <= self._room[0].shape[-2]
-        if not fits and grow and held and self.can_slide(held):
-            self._to_room(held + new + (held + new) // KEPT_PER_ROOM_SLOT)
-            fits = True
-        if fits:
-            assert self._room is not None  # `fits` or a fresh room
-            start, end = self._room_start, self._room_start + held
+        new = key_states.shape[-2]
+        if self._room is not None and self._room_start + self.tail_tokens + new <= self._room[0].shape[-2]:
+            start, end = self._room_start, self._room_start + self.tail_tokens
             for room, states in zip(self._room, (key_states, value_states), strict=True):
                 room[:, :, end : end + new] = states
             self._tail = [room[:, :, start : end + new] for room in self._room]
@@ -319,21 +310,13 @@ class TokenStore:
             self._pending = (moves, sinks)  # the append after the move writes slot room_start + held
             return
         kept = held - 1
-        self._to_room(kept + 1 + kept // KEPT_PER_ROOM_SLOT, skip=1)
-        if sinks:
-            for old, new in zip((keys, values), self._tail, strict=True):
-                assert new is not None  # the fresh room's view
-                new[:, :, :sinks] = torch.where(moves.view(-1, 1, 1, 1), old[:, :, :sinks], new[:, :, :sinks])
-
-    def _to_room(self, capacity: int, skip: int = 0) -> None:
-        """Copy the tail but its `skip` oldest slots into a fresh room of `capacity` slots, at its start."""
-        keys, values = self._tail
-        assert keys is not None and values is not None  # a held tail
-        kept = keys.shape[-2] - skip
+        capacity = kept + 1 + kept // KEPT_PER_ROOM_SLOT
         rooms = []
         for old in (keys, values):
             room = old.new_empty(*old.shape[:2], capacity, old.shape[-1])
-            room[:, :, :kept] = old[:, :, skip:]
+            room[:, :, :kept] = old[:, :, 1:]
+            if sinks:
+                room[:, :, :sinks] = torch.where(moves.view(-1, 1, 1, 1), old[:, :, :sinks], room[:, :, :sinks])
             rooms.append(room)
         self._room, self._room_start = (rooms[0], rooms[1]), 0
         self._tail = [rooms[0][:, :, :kept], rooms[1][:, :, :kept]]
