@@ -38,8 +38,8 @@ class KVzipPolicy(Policy):
             window). The plan turns it into the pairs kept (caches/plan.py, `ByteTarget`): at the ranking, the
             full-attention layers keep the best pairs whose bytes (the codec's rate, each pair's score, the
             full-precision residual and sinks) fit in what the sliding layers leave. Tokens that arrive later
-            (questions, answers) are held to `bytes` of their pairs, as a ratio holds them: they are stored at full
-            precision. Needs `budgets="head"` (the ranking of every pair, where each pair's bytes are counted).
+            (questions, answers) are stored at full precision and appended (`decoding="append"`), or held to
+            `bytes` of their pairs, as a ratio holds them (`decoding="evict"`). Needs `budgets="head"` (the ranking of every pair, where each pair's bytes are counted).
         recent: newest tokens always kept (0 in KVzip): the end of the document, whatever its score. 128 gained
             two of 15 needles at each share on Gemma-3-270M and none on SmolLM2 (docs/results.md); not the default,
             since it is kept whatever the ratio and would refuse token budgets of 128 or less.
@@ -67,7 +67,7 @@ class KVzipPolicy(Policy):
             ranking the head store keeps), "evict" with the other budgets, whose token layers evict to the share;
             `decoding="append"` needs `budgets="head"`. At an eighth on SmolLM2's development half "evict" gave up
             about a fifth of the kept pairs to a question and lost answers that "append" keeps (docs/results.md,
-            "KVzip at an eighth: what the question evicts").
+            "KVzip at an eighth: the question evicted the answer").
     """
 
     name: ClassVar[str] = "kvzip"
