@@ -66,7 +66,7 @@ class KVzipPolicy(Policy):
             out (with an eviction slack, caches/head_store.py). Default: "append" with `budgets="head"` (the
             ranking the head store keeps), "evict" with the other budgets, whose token layers evict to the share;
             `decoding="append"` needs `budgets="head"`. At an eighth on SmolLM2's development half "evict" gave up
-            about a fifth of the kept pairs to a question and lost answers that "append" keeps (docs/results.md,
+            about a quarter of the kept pairs to a question and lost answers that "append" keeps (docs/results.md,
             "KVzip at an eighth: the question evicted the answer").
     """
 
