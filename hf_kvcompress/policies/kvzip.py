@@ -39,7 +39,8 @@ class KVzipPolicy(Policy):
             full-attention layers keep the best pairs whose bytes (the codec's rate, each pair's score, the
             full-precision residual and sinks) fit in what the sliding layers leave. Tokens that arrive later
             (questions, answers) are stored at full precision and appended (`decoding="append"`), or held to
-            `bytes` of their pairs, as a ratio holds them (`decoding="evict"`). Needs `budgets="head"` (the ranking of every pair, where each pair's bytes are counted).
+            `bytes` of their pairs, as a ratio holds them (`decoding="evict"`). Needs `budgets="head"` (the
+            ranking of every pair, where each pair's bytes are counted).
         recent: newest tokens always kept (0 in KVzip): the end of the document, whatever its score. 128 gained
             two of 15 needles at each share on Gemma-3-270M and none on SmolLM2 (docs/results.md); not the default,
             since it is kept whatever the ratio and would refuse token budgets of 128 or less.
