@@ -122,7 +122,7 @@ class Document:
         """Every question's answer, in the order given: questions of one length decode as one batch.
 
         A question asked alone is fed to the model in one step after the cached document. A cache that evicts or
-        encodes as tokens arrive (KVzip with a ratio: the context gives way to the question; a lossy codec's
+        encodes as tokens arrive (KVzip with `decoding=evict`: the context gives way to the question; a lossy codec's
         residual) stores what a step attends to, so a question fed in another split attends to another cache:
         its tokens fed one per step see the context as the earlier ones left it, fed at once all of them see the
         context whole. Rows cannot be padded behind a document the cache already holds (its rows keep padding

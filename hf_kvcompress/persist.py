@@ -7,6 +7,7 @@ bytes and gives the very same answers, and refuses another model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -65,6 +66,9 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
         "rerotate": json.dumps(cache.rerotate),
         # Files without it were saved before a plain KVzip ratio shared a hybrid model's pairs: they load as built.
         "sliding_share": json.dumps(cache.sliding_share is not None),
+        # KVzip's `decoding` as the cache ran it: files without it were saved before "append" was the default, and
+        # load as they ran ("evict").
+        "decoding": json.dumps(getattr(cache.policy, "resolved_decoding", None)),
         "model_name": model_name(cache.config),
         "architecture": json.dumps(_architecture(cache.config)),
         "config": cache.config.to_json_string(use_diff=False),
@@ -93,6 +97,9 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     config._name_or_path = metadata["model_name"]
     policy, codec = parse_spec(metadata["spec"])
+    ran = json.loads(metadata.get("decoding", '"evict"'))  # KVzip's `decoding` as the saved cache ran it
+    if getattr(policy, "resolved_decoding", ran) != ran:  # another default then: the file's
+        policy = dataclasses.replace(policy, decoding=ran)  # type: ignore[call-arg]  # a KVzip policy: checked
     cache = CompressedCache(policy, codec, config=config, rerotate=json.loads(metadata["rerotate"]),
                             share_sliding=json.loads(metadata.get("sliding_share", "false")))
     cache.model_name = metadata["model_name"]

@@ -77,11 +77,13 @@ def oracle_scores(model, doc: list[int], question: list[int], reply: list[int]) 
     return torch.stack(captured)
 
 
-def answer(model, tok, doc, question, spec, max_new, scores=None, chunk=None) -> str:
+def answer(model, tok, doc, question, spec, max_new, scores=None, chunk=None, hold=False) -> str:
     """The real cache's answer (prefill with KVzip's pass, then greedy decoding); `scores` [L, H, T]: the pass is
     not run, and these are every scored layer's scores when the cache ranks (the same ranking, eviction and decoding
-    as after a pass that left them)."""
+    as after a pass that left them). `hold`: nothing the ranking kept is evicted after the document (the question's
+    and the answer's tokens are added beyond the share, as KVzipPress, which evicts nothing after the document)."""
     from hf_kvcompress import generation, make_cache
+    from hf_kvcompress.caches.head_store import HeadStore
     from hf_kvcompress.generation import generate, prefill, repeat_prompt_ids
 
     cache = make_cache(spec, model.config)
@@ -102,7 +104,13 @@ def answer(model, tok, doc, question, spec, max_new, scores=None, chunk=None) ->
             prefill(model, torch.tensor([doc]), None, cache, repeat_prompt_ids=repeat_prompt_ids(tok), **extra)
         finally:
             generation.score_by_reconstruction = original
-    result = generate(model, torch.tensor([doc + question]), None, cache, max_new_tokens=max_new)
+    evict = HeadStore.evict
+    if hold:
+        HeadStore.evict = lambda self, policy: None
+    try:
+        result = generate(model, torch.tensor([doc + question]), None, cache, max_new_tokens=max_new)
+    finally:
+        HeadStore.evict = evict
     return tok.decode(result.new_tokens[0], skip_special_tokens=True)
 
 
@@ -124,6 +132,8 @@ def main() -> None:
                         help="the variants rank our pass's saved scores instead of running the pass (faster)")
     parser.add_argument("--spans", type=int, nargs="+", default=[0], help="our scores' kept shares under these spans")
     parser.add_argument("--no-oracle", dest="oracle", action="store_false", help="skip the oracle's scores")
+    parser.add_argument("--hold", action="store_true",
+                        help="also answer each variant and injection with nothing evicted after the document")
     parser.add_argument("--chunk", type=int, default=None, help="reconstruction_chunk of the variants' pass")
     parser.add_argument("--out", default="results/kvzip-multi-needle")
     args = parser.parse_args()
@@ -195,14 +205,17 @@ def main() -> None:
             for variant in args.variants:
                 spec = variant.replace("=R", f"={ratio:g}")
                 given = sources["ours"] if args.reuse else None  # the same scores, without running the pass again
-                text = answer(model, tok, doc, question, spec, max_new, scores=given, chunk=args.chunk)
-                tally.setdefault(spec, []).append(right(text))
-                print(f"  {spec}: {right(text)} {text!r}", flush=True)
-            for name in args.inject:
+                for hold in (False, True) if args.hold else (False,):
+                    text = answer(model, tok, doc, question, spec, max_new, scores=given, chunk=args.chunk, hold=hold)
+                    label = spec + (" (held after the document)" if hold else "")
+                    tally.setdefault(label, []).append(right(text))
+                    print(f"  {label}: {right(text)} {text!r}", flush=True)
+            for name, hold in itertools.product(args.inject, (False, True) if args.hold else (False,)):
                 spec = f"kvzip:ratio={ratio:g},span=0"
-                text = answer(model, tok, doc, question, spec, max_new, scores=sources[name])
-                tally.setdefault(f"{spec} with {name}'s scores", []).append(right(text))
-                print(f"  {spec} with {name}'s scores: {right(text)} {text!r}", flush=True)
+                text = answer(model, tok, doc, question, spec, max_new, scores=sources[name], hold=hold)
+                label = f"{spec} with {name}'s scores" + (" (held after the document)" if hold else "")
+                tally.setdefault(label, []).append(right(text))
+                print(f"  {label}: {right(text)} {text!r}", flush=True)
     print("\nanswered:", "; ".join(f"{k} {sum(v)}/{len(v)}" for k, v in tally.items()))
 
 

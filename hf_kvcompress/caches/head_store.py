@@ -519,6 +519,8 @@ class HeadStore:
         """
         if self.headroom is not None and self.headroom >= 0:
             return
+        if not policy.evicts_while_decoding:  # KVzip's decoding="append": later tokens are kept beyond the share
+            return
         heads = self.kv_heads
         allowance = self.allowance + heads * (policy.held_per_row(self.real_seen) - self.share_then)
         over = (self.held_pairs() - allowance).clamp(min=0)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from .base import Policy, check_count, check_kept_tokens, check_share
 
 BUDGETS = ("uniform", "layer", "head", "token")
+DECODING = ("append", "evict")
 
 
 @dataclass(frozen=True)
@@ -21,8 +22,9 @@ class KVzipPolicy(Policy):
     exactly." and the context again, in chunks, against the cache (KVzip, Sec. 3.2); a pair's score is the maximum
     attention it receives from those queries and from the query heads of its KV group. Pairs that no query needs
     to rebuild the context are evicted; the reconstruction tokens are never kept. The scores do not depend on the
-    question, so one compressed cache answers many. Tokens that arrive later (questions, answers) rank above the
-    context; with `ratio` the context gives way to them to keep the share.
+    question, so one compressed cache answers many. Tokens that arrive later (questions, answers) are appended
+    beyond the share (`decoding="append"`, KVzip's and kvpress's way; the default with head budgets), or rank
+    above the context, which gives way to them to keep the share (`decoding="evict"`).
 
     Args:
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
@@ -36,8 +38,9 @@ class KVzipPolicy(Policy):
             window). The plan turns it into the pairs kept (caches/plan.py, `ByteTarget`): at the ranking, the
             full-attention layers keep the best pairs whose bytes (the codec's rate, each pair's score, the
             full-precision residual and sinks) fit in what the sliding layers leave. Tokens that arrive later
-            (questions, answers) are held to `bytes` of their pairs, as a ratio holds them: they are stored at full
-            precision. Needs `budgets="head"` (the ranking of every pair, where each pair's bytes are counted).
+            (questions, answers) are stored at full precision and appended (`decoding="append"`), or held to
+            `bytes` of their pairs, as a ratio holds them (`decoding="evict"`). Needs `budgets="head"` (the
+            ranking of every pair, where each pair's bytes are counted).
         recent: newest tokens always kept (0 in KVzip): the end of the document, whatever its score. 128 gained
             two of 15 needles at each share on Gemma-3-270M and none on SmolLM2 (docs/results.md); not the default,
             since it is kept whatever the ratio and would refuse token budgets of 128 or less.
@@ -57,6 +60,15 @@ class KVzipPolicy(Policy):
             a quarter span 0 lost 2 of 5 middle answers that span 4 kept; on SmolLM2 with several alike needles
             (multi_needle) span 4 kept the numbers' digits in fewer pairs and answered another needle's number
             where span 0 did not (docs/results.md, "KVzip among distractor needles"). No one span holds both.
+        decoding: what the tokens after the document (questions, answers) cost. "append": nothing the ranking kept
+            is evicted; they are kept beside it, so the cache holds the share of the document plus every later
+            token (as in KVzip's paper and kvpress's KVzipPress, which evict nothing after the document). "evict":
+            the share holds over every token seen, so each later token pushes the document's lowest-ranked pairs
+            out (with an eviction slack, caches/head_store.py). Default: "append" with `budgets="head"` (the
+            ranking the head store keeps), "evict" with the other budgets, whose token layers evict to the share;
+            `decoding="append"` needs `budgets="head"`. At an eighth on SmolLM2's development half "evict" gave up
+            about a quarter of the kept pairs to a question and lost answers that "append" keeps (docs/results.md,
+            "KVzip at an eighth: the question evicted the answer").
     """
 
     name: ClassVar[str] = "kvzip"
@@ -68,12 +80,20 @@ class KVzipPolicy(Policy):
     recent: int = 0
     budgets: str = "head"
     span: int = 4
+    decoding: str | None = None  # None: "append" with budgets="head", else "evict" (`resolved_decoding`)
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):
         check_count("span", self.span)
         if self.budgets not in BUDGETS:
             raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
+        if self.decoding is not None and self.decoding not in DECODING:
+            raise ValueError(f"decoding must be one of {', '.join(DECODING)}, got {self.decoding!r}")
+        if self.decoding == "append" and self.budgets != "head":
+            raise ValueError(
+                f"decoding='append' keeps what the ranking of every pair kept (budgets='head', the default); with "
+                f"budgets={self.budgets!r} the layers evict to the share: give decoding='evict' or leave it out"
+            )
         if self.bytes is None:
             check_kept_tokens(self)
             return
@@ -94,6 +114,18 @@ class KVzipPolicy(Policy):
     @property
     def evicts(self) -> bool:
         return self.bytes is not None or super().evicts
+
+    @property
+    def resolved_decoding(self) -> str:
+        """`decoding`, or its default: "append" with head budgets, "evict" with the others."""
+        if self.decoding is not None:
+            return self.decoding
+        return "append" if self.budgets == "head" else "evict"
+
+    @property
+    def evicts_while_decoding(self) -> bool:
+        """False with `decoding="append"`: the head store evicts nothing after the ranking (caches/head_store.py)."""
+        return self.resolved_decoding == "evict"
 
     def kept_per_row(self, real_seen: torch.Tensor) -> torch.Tensor:
         """With `bytes`: `bytes` of the tokens seen (never fewer than sinks + recent), the share tokens that arrive

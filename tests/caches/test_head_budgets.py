@@ -180,9 +180,76 @@ def test_head_budget_attention_equals_the_full_cache_with_each_heads_evicted_pai
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["kvzip:budget=10,budgets=head",
-                                  "kvzip:ratio=0.25,budgets=head+int4:residual_length=2,group_size=16",
-                                  "kvzip:ratio=0.5,budgets=head+fp8"])
+def test_append_decodes_as_the_full_cache_with_the_rankings_evicted_pairs_masked():
+    # KVzip's default decoding="append" (kvpress's KVzipPress: masks the ranking's evicted pairs, evicts nothing
+    # later): a question and the answer's steps attend over exactly the ranked pairs plus every later token.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids, question = _ids(30, seed=3), _ids(4, seed=4)
+    scored = _scored(model, ids)
+    expected_keep = _reference_keep([layer.accumulated[0] for layer in scored.layers], 12, 2)
+    cache = make_cache("kvzip:ratio=0.4,span=0", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    ranked = [int(layer.store.held_pairs()[0]) for layer in cache.layers]
+    steps = [question] + [_ids(1, seed=20 + i) for i in range(8)]  # the question, then 8 decode steps
+    outs, position = [], 30
+    with torch.inference_mode():
+        for step in steps:
+            where = torch.arange(position, position + step.shape[1])[None]
+            outs.append(model(input_ids=step, cache=cache, position_ids=where).logits)
+            position += step.shape[1]
+    AttentionInterface.register("masked_reference", _masked_reference_attention)
+    AttentionMaskInterface.register("masked_reference", sdpa_mask)
+    refs, position = [], 30
+    try:
+        model.set_attn_implementation("masked_reference")
+        _MASKS.update({i: keep.view(2, 30) for i, keep in enumerate(expected_keep)})
+        with torch.inference_mode():
+            for step in steps:
+                where = torch.arange(position, position + step.shape[1])[None]
+                refs.append(model(input_ids=step, cache=scored, position_ids=where).logits)
+                position += step.shape[1]
+    finally:
+        _MASKS.clear()
+        use_kvcompress_attention(model)
+    for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    later = sum(step.shape[1] for step in steps)
+    for layer, pairs in zip(cache.layers, ranked, strict=True):  # every ranked pair and every later token held
+        assert int(layer.store.held_pairs()[0]) == pairs + later * layer.kv_heads
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def test_evict_gives_the_question_the_documents_lowest_pairs():
+    # decoding="evict": the ratio holds over the question's tokens too, so the cache no longer equals the masked
+    # reference above once a question arrives: what it holds is the allowance (less the slack), not ranked + later.
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = _ids(200, seed=3)
+    held = {}
+    for decoding in ("append", "evict"):
+        cache = make_cache(f"kvzip:ratio=0.25,decoding={decoding}", model.config)
+        generate(model, ids, None, cache, max_new_tokens=1, repeat_prompt_ids=REPEAT)
+        ranked = [int(layer.store.held_pairs()[0]) for layer in cache.layers]
+        generate(model, torch.cat([ids, _ids(40, seed=5)], 1), None, cache, max_new_tokens=1)
+        held[decoding] = [int(layer.store.held_pairs()[0]) - pairs for layer, pairs in zip(cache.layers, ranked,
+                                                                                          strict=True)]
+    heads = cache.layers[0].kv_heads
+    assert held["append"] == [40 * heads] * len(cache.layers)
+    assert all(h < 40 * heads * 0.25 + heads for h in held["evict"])
+
+
+def test_decoding_is_checked_and_append_needs_head_budgets():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="decoding must be one of append, evict"):
+        make_cache("kvzip:ratio=0.5,decoding=keep", model.config)
+    with pytest.raises(ValueError, match="decoding='append' keeps what the ranking of every pair kept"):
+        make_cache("kvzip:ratio=0.5,budgets=layer,decoding=append", model.config)
+    assert make_cache("kvzip:ratio=0.5", model.config).policy.resolved_decoding == "append"
+    assert make_cache("kvzip:ratio=0.5,budgets=token", model.config).policy.resolved_decoding == "evict"
+
+
+@pytest.mark.parametrize("spec", ["kvzip:budget=10,budgets=head,decoding=evict",
+                                  "kvzip:ratio=0.25,budgets=head,decoding=evict+int4:residual_length=2,group_size=16",
+                                  "kvzip:ratio=0.5,budgets=head,decoding=evict+fp8"])
 def test_decoding_holds_the_allowance_context_first_and_bytes_match_the_promise(spec):
     model = use_kvcompress_attention(tiny_model("qwen2"))
     ids = _ids(40, seed=5)
@@ -216,7 +283,7 @@ def _allowance(cache, layer) -> int:
 def test_decoding_evicts_a_block_at_a_time_and_never_holds_more_than_the_allowance():
     model = use_kvcompress_attention(tiny_model("llama"))
     ids = _ids(600, seed=12)
-    cache = make_cache("kvzip:ratio=0.5", model.config)
+    cache = make_cache("kvzip:ratio=0.5,decoding=evict", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     held = [[int(layer.store.held_pairs()[0])] for layer in cache.layers]
     # The ranking: exactly.
@@ -257,8 +324,10 @@ def _held_pairs(layer, b, h, kind):
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "kvzip:ratio=0.5+int4:residual_length=2,group_size=16",
-                                  "kvzip:ratio=0.5+int4:residual_length=40,group_size=16"])
+@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5,decoding=evict",
+                                  "kvzip:ratio=0.5,decoding=evict+int4:residual_length=2,group_size=16",
+                                  "kvzip:ratio=0.5,decoding=evict+int4:residual_length=40,group_size=16",
+                                  "kvzip:ratio=0.5", "kvzip:ratio=0.5+int4:residual_length=2,group_size=16"])
 def test_each_decode_step_attends_over_exactly_the_pairs_each_head_holds(spec):
     model = use_kvcompress_attention(tiny_model("llama"))
     rows = [_ids(300, seed=13)[0], _ids(260, seed=14)[0]]
@@ -288,12 +357,12 @@ def test_each_decode_step_attends_over_exactly_the_pairs_each_head_holds(spec):
                 k, v = (torch.cat([held[b][h][j], s[b, h]]) for j, s in enumerate((key, value)))
                 expected = torch.softmax((k @ query[b, h, 0]) * scale, -1) @ v
                 torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
-    assert evictions >= 2
+    assert evictions >= 2 if "decoding=evict" in spec else evictions == 0  # append: nothing after the ranking
 
 
 def test_budget_spent_by_the_answer_evicts_the_oldest_later_tokens_too():
     model = use_kvcompress_attention(tiny_model("llama"))
-    cache = make_cache("kvzip:budget=6,budgets=head", model.config)
+    cache = make_cache("kvzip:budget=6,budgets=head,decoding=evict", model.config)
     ids = _ids(12, seed=7)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     layers = cache.layers
@@ -351,7 +420,7 @@ def test_a_budget_above_prompt_and_answer_keeps_every_token_alone_and_padded(spe
             assert _real_tokens_held(layer) == [len(row) + 11 for row in batch]
 
 
-@pytest.mark.parametrize("spec", ["kvzip:budget=30", "kvzip:budget=30,budgets=layer"])
+@pytest.mark.parametrize("spec", ["kvzip:budget=30,decoding=evict", "kvzip:budget=30,budgets=layer"])
 def test_a_budget_above_the_prompt_fills_up_with_later_tokens_and_stops_at_the_budget(spec):
     model = use_kvcompress_attention(tiny_model("llama"))
     ids = _ids(20, seed=5)
@@ -425,8 +494,8 @@ def _assert_padded_rows_decode_as_alone(model, rows, spec, new_tokens):
 def test_padded_rows_evicting_in_blocks_at_different_steps_equal_rows_alone():
     # Rows of 300 and 200 tokens: their allowances, slacks and eviction steps differ; each must decode as alone.
     model = use_kvcompress_attention(tiny_model("llama"))
-    _assert_padded_rows_decode_as_alone(model, [_ids(300, seed=15)[0], _ids(200, seed=16)[0]], "kvzip:ratio=0.5",
-                                        new_tokens=80)
+    _assert_padded_rows_decode_as_alone(model, [_ids(300, seed=15)[0], _ids(200, seed=16)[0]],
+                                        "kvzip:ratio=0.5,decoding=evict", new_tokens=80)
 
 
 # int4: the padded view; full precision: decode steps over each head's own pairs (`HeadStore.attend`)

@@ -126,6 +126,7 @@ def test_head_budget_files_saved_before_still_load_and_answer_the_same(name):
         expected = json.loads(handle.metadata()["expected"])
     model = use_kvcompress_attention(tiny_model(name))
     loaded = load_cache(path)
+    assert loaded.policy.resolved_decoding == "evict"  # saved before KVzip appended later tokens by default
     assert measured_kv_bytes(loaded) == loaded.promised_kv_bytes() == expected["bytes_loaded"]
     ids, mask = torch.tensor(expected["ids"]), torch.tensor(expected["mask"])
     tokens = generate(model, ids, mask, loaded, max_new_tokens=6).new_tokens
