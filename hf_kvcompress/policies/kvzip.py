@@ -57,6 +57,10 @@ class KVzipPolicy(Policy):
             a quarter span 0 lost 2 of 5 middle answers that span 4 kept; on SmolLM2 with several alike needles
             (multi_needle) span 4 kept the numbers' digits in fewer pairs and answered another needle's number
             where span 0 did not (docs/results.md, "KVzip among distractor needles"). No one span holds both.
+        floors: per-layer floors of a planned ratio on a hybrid model (caches/plan.py, `SlidingShare.floors`): the
+            share of the document each full-attention layer keeps at least before the ranking of every pair shares
+            out the rest, calibrated per model (`hf-kvcompress calibrate --floors`, floor_calibration.py). None:
+            the file shipped for the model, if any; a path: that file or a directory holding one; "none": no floors.
     """
 
     name: ClassVar[str] = "kvzip"
@@ -68,10 +72,15 @@ class KVzipPolicy(Policy):
     recent: int = 0
     budgets: str = "head"
     span: int = 4
+    floors: str | None = None
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):
         check_count("span", self.span)
+        if self.floors is not None and (not isinstance(self.floors, str) or not self.floors):
+            raise ValueError(
+                f"floors must be 'none' or a path to a layer-floors file or directory, got {self.floors!r}"
+            )
         if self.budgets not in BUDGETS:
             raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
         if self.bytes is None:
