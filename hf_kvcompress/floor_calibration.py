@@ -28,9 +28,9 @@ import torch
 from transformers import DynamicCache
 
 from .calibration import CALIBRATION_TEXT, FLOORS_FORMAT, calibration_text, model_identity
-from .registry import make_cache
 from .generation import prefill, repeat_prompt_ids
 from .hf.compat import cache_kwargs, text_config
+from .registry import make_cache
 
 FLOOR_GRID = (0.0, 0.25, 0.5, 0.75)
 ANSWERED = 0.75  # a fact counts when transformers' own cache gets at least this share of its answer's tokens
@@ -122,15 +122,15 @@ def uncompressed_scores(model, doc: list[int], questions) -> list[tuple[float, f
     return [answer_score(model, copy.deepcopy(cache), len(doc), q, a) for q, a in questions]
 
 
-def scored_cache(model, tokenizer, doc: list[int], spec: str):
-    """The cache of `spec` after the document and KVzip's scoring pass, before its ranking evicts anything."""
+def scored_cache(model, doc: list[int], spec: str, repeat):
+    """The cache of `spec` after the document and KVzip's scoring pass (`repeat`: its prompt, `repeat_prompt_ids`),
+    before its ranking evicts anything: `end_reconstruction()` ranks it."""
     cache = make_cache(spec, model.config)
     # The pass ends by ranking and evicting (CompressedCache.end_reconstruction); here the ranking is run once
     # per candidate set of floors on copies, so this cache keeps every scored pair until then.
     cache.end_reconstruction = lambda evict=True: None  # type: ignore[method-assign]
     try:
-        prefill(model, torch.tensor([doc], device=model.device), None, cache,
-                repeat_prompt_ids=repeat_prompt_ids(tokenizer))
+        prefill(model, torch.tensor([doc], device=model.device), None, cache, repeat_prompt_ids=repeat)
     finally:
         del cache.end_reconstruction
     return cache
@@ -159,6 +159,7 @@ def calibrate_floors(model, tokenizer, documents: int = 4, tokens: int = 2000, r
             raise ValueError(f"ratios must be between 0 and 1 (exclusive), got {ratio!r}")
     full = [i for i, t in enumerate(types) if t == "full_attention"]
     docs = fact_documents(tokenizer, documents, tokens)
+    repeat = repeat_prompt_ids(tokenizer)
     say = progress or (lambda _: None)
     answered_by_doc = []
     for doc, questions in docs:  # the facts transformers' own cache gets (nearly) right: only those count
@@ -173,7 +174,7 @@ def calibrate_floors(model, tokenizer, documents: int = 4, tokens: int = 2000, r
         scored = []
         for n, ((doc, _), answered) in enumerate(zip(docs, answered_by_doc, strict=True)):
             if answered:
-                scored.append((scored_cache(model, tokenizer, doc, f"kvzip:ratio={ratio},floors=none"), answered,
+                scored.append((scored_cache(model, doc, f"kvzip:ratio={ratio},floors=none", repeat), answered,
                                len(doc)))
                 say(f"ratio {ratio}: document {n + 1}/{len(docs)} scored")
 
