@@ -436,9 +436,11 @@ def save_floors(tensors: dict, metadata: dict, out_dir: str | os.PathLike) -> Pa
 
 def floors_file(source: str | os.PathLike | None, config) -> Path | None:
     """The layer-floors file `source` names (a file, or a directory holding one), or for None the one shipped for
-    `config`'s model, or None when no file is shipped for it."""
-    if source is None and not (PACKAGED_DIR / f"{model_identity(config)}{FLOORS_SUFFIX}").exists():
-        return None
+    `config`'s model, or None when no file is shipped for it (or the config names no model)."""
+    if source is None:
+        named = getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "")
+        if not named or not (PACKAGED_DIR / f"{model_identity(config)}{FLOORS_SUFFIX}").exists():
+            return None
     return calibration_file(source, config, file_name=FLOORS_FILE, packaged_suffix=FLOORS_SUFFIX,
                             spec_param="kvzip:floors", what="layer floors", command="hf-kvcompress calibrate --floors")
 
