@@ -180,7 +180,9 @@ def run_floors(args) -> int:
     try:
         ratios = tuple(float(r) for r in args.ratios.split(","))
     except ValueError:
-        raise ValueError(f"--ratios must be numbers between 0 and 1, comma-separated, got {args.ratios!r}") from None
+        ratios = ()
+    if not ratios or not all(0 < r < 1 for r in ratios):
+        raise ValueError(f"--ratios must be numbers between 0 and 1 (exclusive), comma-separated, got {args.ratios!r}")
     documents = 4 if args.documents == 12 else args.documents  # the probe's default is not the floors'
     if documents < 1:
         raise ValueError(f"--documents must be at least 1, got {documents}")
