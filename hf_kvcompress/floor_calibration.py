@@ -13,8 +13,8 @@ per ratio (the plan's cache, `kvzip:ratio=R,floors=none`); then, for each candid
 scored cache is ranked under those floors and each question is read on its own copy, with the answer teacher-forced:
 a fact counts as kept when every answer token is the model's top choice. Only facts the uncompressed cache keeps
 count. Coordinate ascent over the full-attention layers (each layer's floor in `FLOOR_GRID`, the others held; two
-sweeps) picks the floors that keep the most facts, ties broken by the answers' mean log-probability, then by the
-smaller floors' sum.
+sweeps, from no floors) picks the floors under which the most answer tokens are right; as many right, at least
+MIN_GAIN nats more mean log-probability, then the smaller floors' sum (`better`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .hf.compat import cache_kwargs, text_config
 from .registry import make_cache
 
 FLOOR_GRID = (0.0, 0.25, 0.5, 0.75)
+MIN_GAIN = 0.05  # nats of mean answer log-probability a change of floors must gain when as many tokens are right
 ANSWERED = 0.75  # a fact counts when transformers' own cache gets at least this share of its answer's tokens
 RATIOS = (0.5, 0.25, 0.125)
 DEPTHS = (0.1, 0.5, 0.9)
@@ -145,6 +146,17 @@ def kept_facts(model, scored, questions, seen: int, floors: dict[int, float]) ->
     return [answer_score(model, copy.deepcopy(cache), seen, q, a) for q, a in questions]
 
 
+def better(new: tuple[float, float, float], old: tuple[float, float, float]) -> bool:
+    """Whether floors scoring `new` (answer tokens right, mean log-probability, minus the floors' sum) beat `old`:
+    more answer tokens right, or as many and at least MIN_GAIN nats more (a smaller gain is noise on a dozen facts,
+    and a floor that changes nothing must not be shipped), or the same with smaller floors."""
+    if new[0] != old[0]:
+        return new[0] > old[0]
+    if abs(new[1] - old[1]) >= MIN_GAIN:
+        return new[1] > old[1]
+    return new[1] >= old[1] and new[2] > old[2]
+
+
 def calibrate_floors(model, tokenizer, documents: int = 4, tokens: int = 2000, ratios=RATIOS, sweeps: int = 2,
                      progress: Callable[[str], None] | None = None) -> tuple[dict, dict, list[dict]]:
     """Floors per ratio for `model`'s full-attention layers (module docstring). Returns (tensors, metadata, report
@@ -195,7 +207,7 @@ def calibrate_floors(model, tokenizer, documents: int = 4, tokens: int = 2000, r
                     candidate = {**best, layer: f}
                     v = value(candidate)
                     say(f"ratio {ratio}: floors {candidate}: accuracy {v[0]:.3f}, log-prob {v[1]:.3f}")
-                    if v > best_value:
+                    if better(v, best_value):
                         best, best_value, changed = candidate, v, True
             if not changed:
                 break

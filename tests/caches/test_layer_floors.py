@@ -154,3 +154,15 @@ def test_bad_floors_and_calibrations_are_refused():
         calibrate_floors(tiny_model("llama"), None)
     with pytest.raises(ValueError, match="ratios must be between 0 and 1"):
         calibrate_floors(hybrid_model(), None, ratios=(0.25, 1.0))
+
+
+def test_the_calibration_keeps_a_change_of_floors_only_for_a_real_gain():
+    from hf_kvcompress.floor_calibration import MIN_GAIN, better
+
+    none = (0.5, -2.0, 0.0)
+    assert better((0.6, -3.0, -0.5), none)  # more answer tokens right, whatever the log-probability
+    assert not better((0.4, -1.0, -0.5), none)
+    assert better((0.5, -2.0 + 2 * MIN_GAIN, -0.5), none)
+    assert not better((0.5, -2.0 + MIN_GAIN / 2, -0.5), none)  # noise: the floors that change nothing stay off
+    assert not better((0.5, -2.0 - 2 * MIN_GAIN, 0.0), none)
+    assert better((0.5, -2.0, 0.0), (0.5, -2.0, -0.5))  # the same answers with smaller floors
