@@ -416,3 +416,39 @@ def load_key_scales(path: Path, config) -> torch.Tensor:
     check_fitted_for(metadata, config, f"the key scales in {path}", "hf-kvcompress calibrate --key-scales --model M "
                      "--out DIR")
     return torch.stack([tensors[f"layers.{i}.key_scale"].float() for i in range(int(metadata["layers"]))])
+
+
+FLOORS_FILE = "layer_floors.safetensors"
+FLOORS_FORMAT = "hf-kvcompress-layer-floors-1"
+FLOORS_SUFFIX = ".layer_floors.safetensors"
+
+
+def save_floors(tensors: dict, metadata: dict, out_dir: str | os.PathLike) -> Path:
+    """Write KVzip's per-layer floors (floor_calibration.py): `ratios` [K], `layers` [L] (the full-attention layers'
+    indices) and `floors` [K, L] (the share of the document each keeps at least at each ratio)."""
+    path = Path(out_dir)
+    if path.suffix != ".safetensors":
+        path = path / FLOORS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+def floors_file(source: str | os.PathLike | None, config) -> Path | None:
+    """The layer-floors file `source` names (a file, or a directory holding one), or for None the one shipped for
+    `config`'s model, or None when no file is shipped for it (or the config names no model)."""
+    if source is None:
+        named = getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "")
+        if not named or not (PACKAGED_DIR / f"{model_identity(config)}{FLOORS_SUFFIX}").exists():
+            return None
+    return calibration_file(source, config, file_name=FLOORS_FILE, packaged_suffix=FLOORS_SUFFIX,
+                            spec_param="kvzip:floors", what="layer floors", command="hf-kvcompress calibrate --floors")
+
+
+def load_floors(path: Path, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ratios [K], layers [L], floors [K, L]) from `path` (`floors_file`), refusing a file fitted on another model
+    or shape."""
+    tensors, metadata = read_calibration(path, FLOORS_FORMAT, "layer floors")
+    check_fitted_for(metadata, config, f"the layer floors in {path}", "hf-kvcompress calibrate --floors --model M "
+                     "--out DIR")
+    return tensors["ratios"].double(), tensors["layers"].long(), tensors["floors"].double()

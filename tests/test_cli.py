@@ -73,6 +73,8 @@ def test_an_unknown_model_lists_the_embedded_names_not_the_hubs_connection_error
         (["generate", "--prompt", "hi", "--model", "no-such-model-anywhere"], "unknown model 'no-such-model-anywhere'"),
         (["study", "--lengths", "0"], "--lengths"),
         (["study", "--depths", "120"], "--depths"),
+        (["calibrate", "--floors", "--ratios", "0.25,1.5", "--out", "x"], "--ratios must be numbers between 0 and 1"),
+        (["calibrate", "--floors", "--ratios", "a", "--out", "x"], "--ratios must be numbers between 0 and 1"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(capsys, argv, message):

@@ -265,9 +265,18 @@ class CompressedCache(Cache):
         """One ranking of the `scored` layers' (KV head, token) pairs decides what each head keeps
         (head_ranking.py); each layer becomes a head store. KVzip's pass end and KVzap's `rank_prompt` come here."""
         sinks = 0 if self.codec.lossless else self.codec.exact_sinks
-        keeps = head_budget_keep(self.policy, scored, sinks, extra=extra, spend=self._spendable(scored, sinks))
+        keeps = head_budget_keep(self.policy, scored, sinks, extra=extra, spend=self._spendable(scored, sinks),
+                                 floors=self._floors(scored))
         for layer, (priority, keep) in zip(scored, keeps, strict=True):
             layer.rank_heads(priority, keep)
+
+    def _floors(self, scored: list) -> list[torch.Tensor | None] | None:
+        """Per scored layer, [B] pairs per KV head it keeps at least (plan.py `SlidingShare.floors`, KVzip's
+        calibrated layer floors) or None; None without floors."""
+        if self.sliding_share is None or not self.sliding_share.floors:
+            return None
+        index = {id(layer): i for i, layer in enumerate(self.layers)}
+        return [self.sliding_share.floor_count(index[id(layer)], layer.padding.real_seen) for layer in scored]
 
     def _sliding_extra(self, scored: list) -> torch.Tensor | None:
         """[B] tokens per KV head the scored (full-attention) layers keep beyond the ratio's share, from the pairs the

@@ -15,12 +15,13 @@ import torch
 from ..policies.base import Policy, ranked_first, slot_priority
 
 RECENT_SCORE = 1.5  # attention probabilities are at most 1; tokens after the ranking score 2 and more
+FLOORED = float(torch.finfo(torch.float32).max)  # a floored pair's rank (`head_budget_keep`): above any score
 SCORE_BYTES = 4  # each pair a head store keeps carries its float32 score (head_store.py `RaggedHeads`)
 
 
 def head_budget_keep(
     policy: Policy, layers: list, codec_sinks: int = 0, extra: torch.Tensor | None = None,
-    spend: tuple[torch.Tensor, torch.dtype] | None = None,
+    spend: tuple[torch.Tensor, torch.dtype] | None = None, floors: list[torch.Tensor | None] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer: (priority [B, H, T] with protected pairs at +inf and padding at -inf, keep [B, H, T] bool).
 
@@ -28,7 +29,10 @@ def head_budget_keep(
     protected. Each row keeps `(policy.kept_per_row(real tokens) + extra) x heads x layers` pairs in all (fewer when
     it has fewer real pairs; `extra` [B]: what a hybrid model's sliding layers gave up, plan.py `SlidingShare`);
     ties go to the pair ranked first (lower layer, head, token). `spend` ([B] bytes, dtype; KVzip's `bytes=`, plan.py
-    `ByteTarget`): instead, each row keeps its best pairs while their bytes in that dtype (`pair_bytes`) fit."""
+    `ByteTarget`): instead, each row keeps its best pairs while their bytes in that dtype (`pair_bytes`) fit.
+    `floors` (per layer, [B] or None; plan.py `SlidingShare.floors`): each KV head of that layer keeps at least its
+    best that many pairs (by the raw priority) before the ranking shares out the rest, within the same total; when
+    the floors alone pass the total, the earlier layers' floors are met first."""
     priorities, chosen_by, newest = [], [], []
     for layer in layers:
         length = layer.stored_tokens
@@ -54,7 +58,13 @@ def head_budget_keep(
         costs = torch.cat([pair_bytes(layer, codec_sinks, spend[1]).flatten(1) for layer in layers], dim=1)
         wanted = affordable(flat, costs, spend[0])
     total = torch.minimum(torch.maximum(wanted, protected), real)
-    keep = ranked_first(flat, total[:, None])
+    ranked = flat
+    if floors is not None and any(f is not None for f in floors):
+        # A floor's pairs rank above every score and below the protected pairs (+inf); the others keep their place.
+        lifted = [p if f is None else p.masked_fill(ranked_first(p, f[:, None, None]) & (p < float("inf")), FLOORED)
+                  for p, f in zip(priorities, floors, strict=True)]
+        ranked = torch.cat([p.flatten(1) for p in lifted], dim=1)
+    keep = ranked_first(ranked, total[:, None])
     out, start = [], 0
     for p, chosen, recent in zip(priorities, chosen_by, newest, strict=True):
         size = p[0].numel()

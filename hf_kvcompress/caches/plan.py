@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..budget import served_dtype
+from ..calibration import floors_file, load_floors
 from ..codecs.base import Codec, resolve_for_model, resolve_for_policy
 from ..codecs.reducing import ReducingCodec
 from ..hf.compat import text_config
@@ -31,8 +32,9 @@ from ..probes import load_probes
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 # The least share of its window a planned sliding layer keeps (`sliding_kept`): on Gemma-3-270M's development half
-# the answers held with 31 of its 511 tokens and came back empty with 8 (docs/results.md).
-SLIDING_FLOOR = 1 / 16
+# at an eighth 16 of its 511 tokens kept more answers than 31 (the full-attention layers get what they free), and 8
+# answered nothing (docs/results.md).
+SLIDING_FLOOR = 1 / 32
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,16 @@ class SlidingShare:
     held: int
     sliding_layers: int
     full_layers: int
+    # (layer index, share of the document): what a full-attention layer keeps at least per KV head at the ranking,
+    # from KVzip's calibrated layer floors (`layer_floors`); the ranking of every pair shares out the rest.
+    floors: tuple[tuple[int, float], ...] = ()
+
+    def floor_count(self, layer: int, real_seen: torch.Tensor) -> torch.Tensor | None:
+        """[B] pairs per KV head layer `layer` keeps at least, ceil(floor x `real_seen` [B]); None without a floor."""
+        share = dict(self.floors).get(layer)
+        if not share:
+            return None
+        return torch.minimum(torch.ceil(real_seen.double() * share).long(), real_seen)
 
     def extra(self, real_seen: torch.Tensor, full_share: torch.Tensor) -> torch.Tensor:
         """[B] tokens per KV head each full-attention layer keeps beyond `full_share` [B] (the policy's share of the
@@ -133,6 +145,21 @@ def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[st
     width = torch.empty((), dtype=served).element_size()
     held = tuple(max(windows[t] - 1, 1) if t == "sliding_attention" else None for t in layer_types)
     return ByteTarget(share, served, (kv_heads * 2 * head_dim * width,) * len(layer_types), held)
+
+
+def layer_floors(policy: Policy, config, ratio: float) -> tuple[tuple[int, float], ...]:
+    """KVzip's per-layer floors at `ratio` (`SlidingShare.floors`): from the file its `floors=` names, else the one
+    shipped for the model (none shipped, or `floors=none`: no floors). A file holds floors at a few ratios
+    (floor_calibration.py); a ratio takes those of the calibrated ratio nearest it on a log scale."""
+    source = getattr(policy, "floors", None)
+    if source == "none" or not policy.scores_by_reconstruction:
+        return ()
+    path = floors_file(source, config)
+    if path is None:
+        return ()
+    ratios, layers, floors = load_floors(path, config)
+    nearest = int((ratios.log() - math.log(ratio)).abs().argmin())
+    return tuple((int(layer), float(floor)) for layer, floor in zip(layers, floors[nearest], strict=True) if floor > 0)
 
 
 def plans_sliding_share(policy: Policy, layer_types: list[str]) -> bool:
@@ -299,7 +326,8 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
         assert policy.ratio is not None  # planned: a ratio
         share = SlidingShare(policy.ratio, kept["sliding_attention"], max(windows["sliding_attention"] - 1, 1),
                              layer_types.count("sliding_attention"),
-                             sum(t not in SLIDING_LAYER_TYPES for t in layer_types))
+                             sum(t not in SLIDING_LAYER_TYPES for t in layer_types),
+                             layer_floors(policy, config, policy.ratio))
     if policy.sliding is not None and policy.sliding > windows["sliding_attention"] - 1:
         raise ValueError(
             f"sliding={policy.sliding} is more than this model's sliding layers hold "

@@ -1,7 +1,7 @@
 """`hf-kvcompress calibrate`: fit the low-rank codec's PCA bases on calibration text and report what they keep;
 with `--probe`, KVzap's score probes (probe_calibration.py) and their fit; with `--sharing`, the head-sharing maps of
 shared_heads:ratio (calibration.calibrate_sharing); with `--key-scales`, the int codecs' key channel scales
-(key_scale)."""
+(key_scale); with `--floors`, KVzip's per-layer floors on a hybrid model (floor_calibration.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,15 @@ def add_parser(subparsers) -> None:
                         help="write each layer's key channel scales instead (int codecs' key_scale, for keys grouped "
                         "per token under eviction): OUT/key_scales.safetensors; a cache uses them as "
                         "int4:key_scale=OUT")
+    parser.add_argument("--floors", action="store_true",
+                        help="fit KVzip's per-layer floors instead (a plain kvzip ratio on a model with sliding-window "
+                        "layers): the share of the document each full-attention layer keeps at least, chosen per "
+                        "ratio by the facts a compressed calibration document still answers: "
+                        "OUT/layer_floors.safetensors, or OUT itself when it ends in .safetensors; a cache uses them "
+                        "as kvzip:ratio=R,floors=OUT")
+    parser.add_argument("--ratios", default="0.25,0.125",
+                        help="with --floors: the ratios to fit floors at, comma-separated (default: %(default)s); "
+                        "a ratio between them takes the nearest's floors")
     parser.add_argument("--stat", choices=("absmax", "rms", "p99"), default="absmax",
                         help="with --key-scales: each channel's scale, the largest magnitude over the calibration "
                         "tokens (absmax, default), their root mean square (rms) or 99th percentile (p99)")
@@ -56,6 +65,8 @@ def run(args) -> int:
         return run_sharing(args)
     if args.key_scales:
         return run_key_scales(args)
+    if args.floors:
+        return run_floors(args)
     model, tokenizer = load_model(args.model)
     fit = calibrate_joint if args.heads == "joint" else calibrate
     tensors, metadata, report = fit(model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank)
@@ -157,4 +168,35 @@ def run_key_scales(args) -> int:
           f"{metadata['text']}: {path}")
     print("Widest key channel over the median channel, per layer (the most uneven KV head):")
     print("  " + " ".join(f"{row['layer']}:{row['widest_over_median']:.1f}" for row in report))
+    return 0
+
+
+def run_floors(args) -> int:
+    """`calibrate --floors`: fit and write KVzip's per-layer floors, and report the facts each ratio keeps."""
+    from ..calibration import save_floors
+    from ..floor_calibration import calibrate_floors
+    from ..models import load_model
+
+    try:
+        ratios = tuple(float(r) for r in args.ratios.split(","))
+    except ValueError:
+        ratios = ()
+    if not ratios or not all(0 < r < 1 for r in ratios):
+        raise ValueError(f"--ratios must be numbers between 0 and 1 (exclusive), comma-separated, got {args.ratios!r}")
+    documents = 4 if args.documents == 12 else args.documents  # the probe's default is not the floors'
+    if documents < 1:
+        raise ValueError(f"--documents must be at least 1, got {documents}")
+    tokens = 2000 if args.tokens == 2048 else args.tokens
+    model, tokenizer = load_model(args.model)
+    tensors, metadata, report = calibrate_floors(model, tokenizer, documents=documents, tokens=tokens, ratios=ratios,
+                                                 progress=lambda line: print(line, flush=True))
+    path = save_floors(tensors, metadata, args.out)
+    print(f"Layer floors for {metadata['model']} (full-attention layers {tensors['layers'].tolist()}) from "
+          f"{documents} documents of about {tokens} tokens of {metadata['text']} with facts written in: {path}")
+    print(f"{'ratio':>6s}  {'floors (layer: share of the document)':<40s}  {'answer tokens right':>20s}  "
+          f"{'log-prob':>9s}")
+    for row in report:
+        floors = ", ".join(f"{layer}: {f:g}" for layer, f in row["floors"].items())
+        print(f"{row['ratio']:6g}  {floors:<40s}  {row['accuracy_without']:.3f} -> {row['accuracy']:.3f}  "
+              f"{row['log_prob_without']:.2f} -> {row['log_prob']:.2f}")
     return 0

@@ -69,6 +69,10 @@ class KVzipPolicy(Policy):
             `decoding="append"` needs `budgets="head"`. At an eighth on SmolLM2's development half "evict" gave up
             about a quarter of the kept pairs to a question and lost answers that "append" keeps (docs/results.md,
             "KVzip at an eighth: the question evicted the answer").
+        floors: per-layer floors of a planned ratio on a hybrid model (caches/plan.py, `SlidingShare.floors`): the
+            share of the document each full-attention layer keeps at least before the ranking of every pair shares
+            out the rest, calibrated per model (`hf-kvcompress calibrate --floors`, floor_calibration.py). None:
+            the file shipped for the model, if any; a path: that file or a directory holding one; "none": no floors.
     """
 
     name: ClassVar[str] = "kvzip"
@@ -81,10 +85,15 @@ class KVzipPolicy(Policy):
     budgets: str = "head"
     span: int = 4
     decoding: str | None = None  # None: "append" with budgets="head", else "evict" (`resolved_decoding`)
+    floors: str | None = None
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):
         check_count("span", self.span)
+        if self.floors is not None and (not isinstance(self.floors, str) or not self.floors):
+            raise ValueError(
+                f"floors must be 'none' or a path to a layer-floors file or directory, got {self.floors!r}"
+            )
         if self.budgets not in BUDGETS:
             raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
         if self.decoding is not None and self.decoding not in DECODING:
