@@ -158,13 +158,20 @@ def _masked_reference_attention(module, query, key, value, attention_mask, **kwa
     return kvcompress_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-def test_head_budget_attention_equals_the_full_cache_with_each_heads_evicted_pairs_masked():
+def _ranked_beside_reference(spec):
+    """A tiny Llama, a 30-token prompt ranked by `spec` (ratio 0.4: 12 pairs per head) and, beside it, the full
+    scored cache with the plain reference's kept pairs per layer (`_reference_keep`)."""
     model = use_kvcompress_attention(tiny_model("llama"))
     ids, question = _ids(30, seed=3), _ids(4, seed=4)
     scored = _scored(model, ids)
     expected_keep = _reference_keep([layer.accumulated[0] for layer in scored.layers], 12, 2)
-    cache = make_cache("kvzip:ratio=0.4,budgets=head,span=0", model.config)
+    cache = make_cache(spec, model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    return model, question, scored, expected_keep, cache
+
+
+def test_head_budget_attention_equals_the_full_cache_with_each_heads_evicted_pairs_masked():
+    model, question, scored, expected_keep, cache = _ranked_beside_reference("kvzip:ratio=0.4,budgets=head,span=0")
     with torch.inference_mode():
         out = model(input_ids=question, cache=cache, position_ids=torch.arange(30, 34)[None]).logits
     AttentionInterface.register("masked_reference", _masked_reference_attention)
@@ -183,12 +190,7 @@ def test_head_budget_attention_equals_the_full_cache_with_each_heads_evicted_pai
 def test_append_decodes_as_the_full_cache_with_the_rankings_evicted_pairs_masked():
     # KVzip's default decoding="append" (kvpress's KVzipPress: masks the ranking's evicted pairs, evicts nothing
     # later): a question and the answer's steps attend over exactly the ranked pairs plus every later token.
-    model = use_kvcompress_attention(tiny_model("llama"))
-    ids, question = _ids(30, seed=3), _ids(4, seed=4)
-    scored = _scored(model, ids)
-    expected_keep = _reference_keep([layer.accumulated[0] for layer in scored.layers], 12, 2)
-    cache = make_cache("kvzip:ratio=0.4,span=0", model.config)
-    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    model, question, scored, expected_keep, cache = _ranked_beside_reference("kvzip:ratio=0.4,span=0")
     ranked = [int(layer.store.held_pairs()[0]) for layer in cache.layers]
     steps = [question] + [_ids(1, seed=20 + i) for i in range(8)]  # the question, then 8 decode steps
     outs, position = [], 30
