@@ -70,7 +70,7 @@ def head_budget_keep(
         size = p[0].numel()
         layer_keep = keep[:, start : start + size].view_as(p)
         if chosen is not p:  # the raw ranking sets how many pairs each head keeps, the policy's score which
-            layer_keep = ranked_first(chosen, layer_keep.sum(-1, keepdim=True))
+            layer_keep = rechosen(chosen, layer_keep, None if spend is None else residual_slots(layer))
         out.append((chosen.masked_fill(recent[:, None, :], RECENT_SCORE), layer_keep))
         start += size
     return out
@@ -86,14 +86,33 @@ def pair_bytes(layer, codec_sinks: int, dtype: torch.dtype) -> torch.Tensor:
     encoded = (codec.bytes_per_token(layer.head_dim, "key", dtype)
                + codec.bytes_per_token(layer.value_dim, "value", dtype))
     exact = (layer.head_dim + layer.value_dim) * element
-    length = layer.stored_tokens
-    slot = torch.arange(length, device=layer.device)
-    split = length if codec.lossless else layer.store.n_encoded
-    cost = torch.where(slot < split, encoded + SCORE_BYTES, exact + SCORE_BYTES).double()[None, :]
+    slot = torch.arange(layer.stored_tokens, device=layer.device)
+    cost = torch.where(residual_slots(layer), exact + SCORE_BYTES, encoded + SCORE_BYTES).double()[None, :]
     pads = layer.padding.pads[:, None]
     cost = torch.where((slot[None, :] >= pads) & (slot[None, :] < pads + codec_sinks), float(exact), cost)
     cost = cost.masked_fill(slot[None, :] < pads, 0.0)
     return cost[:, None, :].expand(-1, layer.kv_heads, -1)
+
+
+def residual_slots(layer) -> torch.Tensor:
+    """[T] bool: the slots of a token layer still within its codec's full-precision residual (none under a lossless
+    codec, whose store is its encoding): a head store keeps them at full precision, the others at the codec's rate."""
+    slot = torch.arange(layer.stored_tokens, device=layer.device)
+    return slot >= (layer.stored_tokens if layer.codec.lossless else layer.store.n_encoded)
+
+
+def rechosen(chosen: torch.Tensor, keep: torch.Tensor, classes: torch.Tensor | None) -> torch.Tensor:
+    """[B, H, T]: each head keeps as many pairs as `keep` does, the best by `chosen` (KVzip's span scores). With
+    `classes` ([T] bool: full-precision slots, `residual_slots`) as many of each class as `keep` holds, so the
+    pairs cost the bytes the ranking paid for them (`bytes=`): a re-choice that moved pairs from the encoded slots
+    to the dearer residual would hold more than the target."""
+    if classes is None:
+        return ranked_first(chosen, keep.sum(-1, keepdim=True))
+    out = torch.zeros_like(keep)
+    for within in (classes, ~classes):
+        counts = (keep & within).sum(-1, keepdim=True)
+        out |= ranked_first(chosen.masked_fill(~within, float("-inf")), counts)
+    return out
 
 
 def affordable(priority: torch.Tensor, costs: torch.Tensor, spend: torch.Tensor) -> torch.Tensor:
