@@ -168,6 +168,19 @@ def check_share(name: str, value) -> None:
         raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
 
 
+# What the tokens after the prompt (questions, answers) cost a policy that takes `decoding`: "append" keeps them beside
+# what the prompt's scoring kept (nothing is evicted while decoding), "evict" scores them and evicts to the budget.
+DECODING = ("append", "evict")
+
+
+def check_decoding(value, allow_none: bool = False) -> None:
+    """Refuse a `decoding` that is not one of DECODING (None allowed where the policy resolves a default)."""
+    if value is None and allow_none:
+        return
+    if value not in DECODING:
+        raise ValueError(f"decoding must be one of {', '.join(DECODING)}, got {value!r}")
+
+
 def check_count(name: str, value, minimum: int = 0) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -8,10 +8,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import Policy, check_count, check_kept_tokens, check_share
+from .base import Policy, check_count, check_decoding, check_kept_tokens, check_share
 
 BUDGETS = ("uniform", "layer", "head", "token")
-DECODING = ("append", "evict")
 
 
 @dataclass(frozen=True)
@@ -96,8 +95,7 @@ class KVzipPolicy(Policy):
             )
         if self.budgets not in BUDGETS:
             raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
-        if self.decoding is not None and self.decoding not in DECODING:
-            raise ValueError(f"decoding must be one of {', '.join(DECODING)}, got {self.decoding!r}")
+        check_decoding(self.decoding, allow_none=True)
         if self.decoding == "append" and self.budgets != "head":
             raise ValueError(
                 f"decoding='append' keeps what the ranking of every pair kept (budgets='head', the default); with "
