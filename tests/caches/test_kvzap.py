@@ -541,12 +541,14 @@ def test_append_decodes_as_the_full_cache_with_the_rankings_evicted_pairs_masked
 
 
 def test_evict_gives_later_tokens_the_prompts_lowest_pairs(probed):
-    """decoding="evict" (the default): the share holds over every token seen, so 40 later tokens keep about a
-    share's worth of pairs per head; "append" holds every one of them beside the ranked pairs."""
+    """decoding="evict": the share holds over every token seen, so 40 later tokens keep about a share's worth of
+    pairs per head; "append" (the default for a ratio) holds every one of them beside the ranked pairs."""
     model, directory = probed
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(3))
     more = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
-    assert KVzapPolicy(ratio=0.25).resolved_decoding == "evict"
+    assert KVzapPolicy(ratio=0.25).resolved_decoding == "append"
+    assert KVzapPolicy(budget=256).resolved_decoding == "evict"  # a budget bounds memory while decoding
+    assert KVzapPolicy(ratio=0.25, budgets="uniform").resolved_decoding == "evict"
     held = {}
     for decoding in ("append", "evict"):
         cache = make_cache(f"kvzap:ratio=0.25,recent=0,decoding={decoding},probe={directory}", model.config)
