@@ -13,11 +13,10 @@ from hf_kvcompress.caches.layer import CompressedLayer
 from hf_kvcompress.caches.requests import MASK_KEY
 from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.generation import generate, prefill
-from hf_kvcompress.hf.attention import kvcompress_attention
 from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.ops.host_syncs import HostSyncCounter
 
-from .tiny_models import tiny_model
+from .tiny_models import masked_reference_attention, tiny_model
 
 REPEAT = [5, 6, 7]
 
@@ -147,15 +146,7 @@ def test_span_0_keeps_kvzips_own_ranking_of_every_pair():
 _MASKS = {}
 
 
-def _masked_reference_attention(module, query, key, value, attention_mask, **kwargs):
-    keep = _MASKS.get(module.layer_idx)  # [H_kv, T] pairs a head keeps of the context
-    if keep is not None:
-        q_heads, q_len, kv_len = query.shape[1], query.shape[2], key.shape[2]
-        allowed = torch.ones(1, q_heads, q_len, kv_len, dtype=torch.bool)
-        allowed[..., : keep.shape[-1]] = keep.repeat_interleave(q_heads // keep.shape[0], 0)[None, :, None, :]
-        causal = torch.arange(kv_len)[None, :] <= (torch.arange(q_len)[:, None] + kv_len - q_len)
-        attention_mask = allowed & causal
-    return kvcompress_attention(module, query, key, value, attention_mask, **kwargs)
+_masked_reference_attention = masked_reference_attention(_MASKS)
 
 
 def _ranked_beside_reference(spec):

@@ -17,7 +17,6 @@ from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attentio
 from hf_kvcompress.caches.head_store import ABSORB_BLOCK
 from hf_kvcompress.calibration import ridge
 from hf_kvcompress.generation import generate, prefill
-from hf_kvcompress.hf.attention import kvcompress_attention
 from hf_kvcompress.hf.hidden_states import attention_modules
 from hf_kvcompress.policies.kvzap import KVzapPolicy
 from hf_kvcompress.probe_calibration import (
@@ -28,7 +27,7 @@ from hf_kvcompress.probe_calibration import (
 )
 from hf_kvcompress.probes import PROBE_FORMAT, estimated_score, load_probes, save_probe
 
-from .tiny_models import left_padded_prompts, tiny_model
+from .tiny_models import left_padded_prompts, masked_reference_attention, tiny_model
 
 REPEAT = [5, 6, 7]
 
@@ -479,15 +478,7 @@ def _top_pairs(scores, count):
 _MASKS = {}
 
 
-def _masked_attention(module, query, key, value, attention_mask, **kwargs):
-    keep = _MASKS.get(module.layer_idx)  # [H_kv, T] the prompt pairs a head keeps
-    if keep is not None:
-        q_heads, q_len, kv_len = query.shape[1], query.shape[2], key.shape[2]
-        allowed = torch.ones(1, q_heads, q_len, kv_len, dtype=torch.bool)
-        allowed[..., : keep.shape[-1]] = keep.repeat_interleave(q_heads // keep.shape[0], 0)[None, :, None, :]
-        causal = torch.arange(kv_len)[None, :] <= (torch.arange(q_len)[:, None] + kv_len - q_len)
-        attention_mask = allowed & causal
-    return kvcompress_attention(module, query, key, value, attention_mask, **kwargs)
+_masked_attention = masked_reference_attention(_MASKS)
 
 
 def test_append_decodes_as_the_full_cache_with_the_rankings_evicted_pairs_masked(tmp_path):
