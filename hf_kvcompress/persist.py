@@ -66,8 +66,8 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
         "rerotate": json.dumps(cache.rerotate),
         # Files without it were saved before a plain KVzip ratio shared a hybrid model's pairs: they load as built.
         "sliding_share": json.dumps(cache.sliding_share is not None),
-        # KVzip's `decoding` as the cache ran it: files without it were saved before "append" was the default, and
-        # load as they ran ("evict").
+        # KVzip's or KVzap's `decoding` as the cache ran it: files without it were saved before "append" was a
+        # default, and load as they ran ("evict").
         "decoding": json.dumps(getattr(cache.policy, "resolved_decoding", None)),
         "model_name": model_name(cache.config),
         "architecture": json.dumps(_architecture(cache.config)),
@@ -97,9 +97,15 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     config._name_or_path = metadata["model_name"]
     policy, codec = parse_spec(metadata["spec"])
-    ran = json.loads(metadata.get("decoding", '"evict"'))  # KVzip's `decoding` as the saved cache ran it
+    # KVzip's or KVzap's `decoding` as the saved cache ran it; null or absent: saved before the policy took one
+    # (KVzap) or before "append" was a default (KVzip), when it evicted.
+    ran = json.loads(metadata.get("decoding", "null")) or "evict"
     if getattr(policy, "resolved_decoding", ran) != ran:  # another default then: the file's
-        policy = dataclasses.replace(policy, decoding=ran)  # type: ignore[call-arg]  # a KVzip policy: checked
+        policy = dataclasses.replace(policy, decoding=ran)  # type: ignore[call-arg]  # KVzip or KVzap: checked
+    # A saved cache's spec names its span (the cache settles it, `Policy.for_layout`); a KVzip or KVzap spec without
+    # one was saved when 4 was every model's default.
+    if getattr(policy, "span", 0) is None:
+        policy = dataclasses.replace(policy, span=4)  # type: ignore[call-arg]  # a KVzip or KVzap policy: checked
     cache = CompressedCache(policy, codec, config=config, rerotate=json.loads(metadata["rerotate"]),
                             share_sliding=json.loads(metadata.get("sliding_share", "false")))
     cache.model_name = metadata["model_name"]

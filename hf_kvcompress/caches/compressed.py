@@ -17,7 +17,16 @@ from ..policies.keep_all import KeepAllPolicy
 from .head_ranking import head_budget_keep
 from .head_store import head_store_counts
 from .layer import CompressedLayer
-from .plan import ByteTarget, LayerPlan, SlidingShare, cache_codec, check_without_config, plan_layers, unplanned_layer
+from .plan import (
+    ByteTarget,
+    LayerPlan,
+    SlidingShare,
+    cache_codec,
+    check_without_config,
+    for_model,
+    plan_layers,
+    unplanned_layer,
+)
 from .requests import attention_kwargs, makes_requests
 from .token_ranking import share_token_scores
 
@@ -111,7 +120,8 @@ class CompressedCache(Cache):
         # (`adopt_attention_config`, `_engage_attention`); decided once in the cache's life.
         self.attention_config = config
         self.attention_settled = False
-        self.policy = policy if policy is not None else KeepAllPolicy()
+        # Layout-dependent defaults (KVzip's span) settled once here, so every layer and the spec hold what is used.
+        self.policy = for_model(policy if policy is not None else KeepAllPolicy(), config)
         requested = codec if codec is not None else IdentityCodec()
         self.codec = cache_codec(self.policy, requested, config)
         self.config = config

@@ -284,6 +284,19 @@ def unplanned_layer(policy: Policy, codec: Codec, index: int) -> LayerPlan:
     return LayerPlan(index, "full_attention", policy, codec.for_layer(index))
 
 
+def config_layer_types(config) -> list[str]:
+    """Each decoder layer's attention type in `config` (full attention where the config lists none)."""
+    decoder = text_config(config)
+    return getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
+
+
+def for_model(policy: Policy, config) -> Policy:
+    """`policy` with its layout-dependent defaults settled (`Policy.for_layout`) for the model of `config`; without
+    a config the layers are built as full attention (`unplanned_layer`), so as for a model without windows."""
+    windowed = config is not None and any(t in SLIDING_LAYER_TYPES for t in config_layer_types(config))
+    return policy.for_layout(windowed)
+
+
 def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
                 full_codec: Codec | None = None, share_sliding: bool = True) -> list[LayerPlan]:
     """Each decoder layer's plan under `policy` x `codec` for the model of `config`.
@@ -294,6 +307,7 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
     Raises ValueError for what the model cannot store or the policy cannot apply to: a head_dim the codec refuses,
     `sliding=` without sliding layers or past their window.
     """
+    policy = for_model(policy, config)  # the layers run the layout's defaults (the cache's own policy holds them too)
     if full_codec is None:
         full_codec = cache_codec(policy, codec, config)
     inv_freq = rope_inv_freq(config, "full_attention") if rerotate else None
@@ -302,7 +316,7 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
     decoder = text_config(config)
     head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
     full_codec.check_head_dim(head_dim)  # refuse a codec that cannot store this model now, not mid-generation
-    layer_types = getattr(decoder, "layer_types", None) or ["full_attention"] * decoder.num_hidden_layers
+    layer_types = config_layer_types(config)
     if policy.sliding is not None:
         check_count("sliding", policy.sliding, minimum=1)
         if "sliding_attention" not in layer_types:

@@ -80,6 +80,12 @@ class Policy:
         (CompressedCache.rank_prompt; KVzap's head budgets)."""
         return False
 
+    def for_layout(self, windowed: bool) -> Policy:
+        """This policy with the defaults that depend on the model's layout settled (KVzip's and KVzap's `span`):
+        `windowed` is whether the model has sliding-window (or chunked) attention layers. The cache calls it once,
+        when it is built (caches/compressed.py), so its layers and its spec hold what was used."""
+        return self
+
     def kept_per_row(self, real_seen: torch.Tensor) -> torch.Tensor:
         """Real tokens each row may keep, [B], from the real tokens it has seen (never fewer than sinks + recent)."""
         if self.budget is not None:
@@ -166,6 +172,33 @@ def check_share(name: str, value) -> None:
     """Refuse a share (`ratio`, KVzip's `bytes`) that is not a number in (0, 1]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0 < value <= 1:
         raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+
+
+# What the tokens after the prompt (questions, answers) cost a policy that takes `decoding`: "append" keeps them beside
+# what the prompt's scoring kept (nothing is evicted while decoding), "evict" scores them and evicts to the budget.
+DECODING = ("append", "evict")
+
+
+def check_decoding(value, allow_none: bool = False) -> None:
+    """Refuse a `decoding` that is not one of DECODING (None allowed where the policy resolves a default)."""
+    if value is None and allow_none:
+        return
+    if value not in DECODING:
+        raise ValueError(f"decoding must be one of {', '.join(DECODING)}, got {value!r}")
+
+
+# The `span` (KVzip's and KVzap's) that `span=None` settles to on a model with sliding-window layers; 0 without them
+# (`resolve_span`). On Gemma-3-270M's development half span 0 lost 2 of 5 middle answers at a quarter that span 4 kept
+# (when the question evicted pairs); on SmolLM2 (no sliding layers) span 0 kept every answer at every share where
+# span 4 lost the middle of the document at an eighth (docs/results.md, "span by layout").
+WINDOWED_SPAN = 4
+
+
+def resolve_span(span: int | None, windowed: bool) -> int:
+    """`span`, or its default by the model's layout: WINDOWED_SPAN with sliding-window layers, else 0."""
+    if span is not None:
+        return span
+    return WINDOWED_SPAN if windowed else 0
 
 
 def check_count(name: str, value, minimum: int = 0) -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from .base import Policy, check_count, check_kept_tokens
+from .base import Policy, check_count, check_decoding, check_kept_tokens, resolve_span
 from .kvzip import best_ahead
 
 BUDGETS = ("head", "uniform")
@@ -38,7 +39,8 @@ class KVzapPolicy(Policy):
             arrive (a question appended to a compressed document lost every needle on the development half;
             docs/results.md). Counted within the budget: a `budget` below `recent + sink_tokens` is refused
             (give a smaller `recent`).
-        span: each pair also takes the best score of the `span` pairs after it in its head (as KVzip's `span`).
+        span: each pair also takes the best score of the `span` pairs after it in its head (as KVzip's `span`;
+            None, the default, is chosen by the model's layout as KVzip's is: 4 with sliding-window layers, else 0).
         budgets: how the kept pairs are shared out. "head" (the default): the prompt is held whole while it is
             read, then one ranking of every full-attention layer's (KV head, token) pairs by the probe's estimates
             decides what each head keeps, as KVzip's head budgets (caches/head_ranking.py); tokens after it
@@ -49,6 +51,15 @@ class KVzapPolicy(Policy):
             evicted as tokens arrive, so a `budget` bounds memory while the prompt is read too. On SmolLM2's
             development half the same share per head lost every needle that the head ranking kept
             (docs/results.md, "KVzap").
+        decoding: what the tokens after the prompt's ranking (questions, answers, a generation) cost, as KVzip's
+            `decoding`. "append": nothing the ranking kept is evicted; later tokens are kept beside it (scored, so a
+            saved cache's ranks stay whole), so the cache holds the share of the prompt plus every later token.
+            "evict": later tokens compete with the prompt's pairs by their probe scores and the share (or the
+            budget) holds over every token seen, so a `budget` bounds memory through a long generation. Default
+            (`resolved_decoding`): "append" for a `ratio` with `budgets="head"` (on SmolLM2's development half at
+            an eighth "evict" kept 2 of 10 answers and "append" 10 of 10; the same 10 at a quarter), "evict" for a
+            `budget` (it bounds memory while decoding) and with `budgets="uniform"`. `decoding="append"` needs
+            `budgets="head"` (the ranking the head store keeps).
         probe: the probe file, or a directory holding one (None: the probe shipped for the model).
     """
 
@@ -58,15 +69,24 @@ class KVzapPolicy(Policy):
     ratio: float | None = None
     sink_tokens: int = 0
     recent: int = 128
-    span: int = 4
+    span: int | None = None  # None: by the model's layout (`for_layout`)
     probe: str | None = None
     budgets: str = "head"
+    decoding: str | None = None  # None: by `resolved_decoding`
     needs_hidden_states: ClassVar[bool] = True
 
     def __post_init__(self):
-        check_count("span", self.span)
+        if self.span is not None:
+            check_count("span", self.span)
         if self.budgets not in BUDGETS:
             raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
+        check_decoding(self.decoding, allow_none=True)
+        if self.decoding == "append" and self.budgets != "head":
+            raise ValueError(
+                f"decoding='append' keeps what the ranking of every pair kept (budgets='head', the default); with "
+                f"budgets={self.budgets!r} every head evicts to its share as tokens arrive: give decoding='evict' or "
+                f"leave it out"
+            )
         if self.probe is not None and (not isinstance(self.probe, str) or not self.probe):
             raise ValueError(f"probe must be a path to a probe file or directory, got {self.probe!r}")
         check_kept_tokens(self)
@@ -75,6 +95,23 @@ class KVzapPolicy(Policy):
     def ranks_prompt(self) -> bool:
         """Whether the cache ranks every layer's pairs once the prompt is read (`budgets="head"`)."""
         return self.budgets == "head" and self.evicts
+
+    @property
+    def resolved_decoding(self) -> str:
+        """`decoding`, or its default: "append" for a ratio with head budgets, "evict" for a budget (which bounds
+        memory while decoding) and with uniform budgets."""
+        if self.decoding is not None:
+            return self.decoding
+        return "append" if self.budgets == "head" and self.ratio is not None else "evict"
+
+    @property
+    def evicts_while_decoding(self) -> bool:
+        """False with `decoding="append"`: the head store evicts nothing after the ranking (caches/head_store.py)."""
+        return self.resolved_decoding == "evict"
+
+    def for_layout(self, windowed: bool) -> KVzapPolicy:
+        """`span` settled by the model's layout (`resolve_span`)."""
+        return dataclasses.replace(self, span=resolve_span(self.span, windowed))
 
     def score(self, accumulated, length, keys=None, positions=None, pads=None) -> torch.Tensor:
         return best_ahead(accumulated, self.span)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from .base import Policy, check_count, check_kept_tokens, check_share
+from .base import Policy, check_count, check_decoding, check_kept_tokens, check_share, resolve_span
 
 BUDGETS = ("uniform", "layer", "head", "token")
-DECODING = ("append", "evict")
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,13 @@ class KVzipPolicy(Policy):
         span: each pair also takes the best score of the `span` pairs after it in its head (0: its own score
             only, as in KVzip and kvpress's KVzipPress). The raw scores still decide how many pairs each layer and
             head keeps; `span` only decides which: each head spends its count on the runs of pairs before its peaks,
-            so it keeps fewer distinct peaks. Default 4, measured on both models' development halves: on Gemma-3 at
-            a quarter span 0 lost 2 of 5 middle answers that span 4 kept; on SmolLM2 with several alike needles
-            (multi_needle) span 4 kept the numbers' digits in fewer pairs and answered another needle's number
-            where span 0 did not (docs/results.md, "KVzip among distractor needles"). No one span holds both.
+            so it keeps fewer distinct peaks. None (the default): chosen by the model's layout when the cache is
+            built (`Policy.for_layout`; the cache's spec then names it): 4 on a model with sliding-window layers,
+            0 without. On Gemma-3 at a quarter span 0 lost 2 of 5 middle answers that span 4 kept (development
+            half, when the question still evicted pairs); on SmolLM2 span 0 kept every answer on the development
+            half at a half, a quarter and an eighth, where span 4 kept 9 of 10 at an eighth (docs/results.md,
+            "span by layout"). Among several alike needles (multi_needle) span 4 kept the numbers' digits in fewer
+            pairs on SmolLM2 ("KVzip among distractor needles"): no one span holds everywhere.
         decoding: what the tokens after the document (questions, answers) cost. "append": nothing the ranking kept
             is evicted; they are kept beside it, so the cache holds the share of the document plus every later
             token (as in KVzip's paper and kvpress's KVzipPress, which evict nothing after the document). "evict":
@@ -83,21 +86,21 @@ class KVzipPolicy(Policy):
     sink_tokens: int = 0
     recent: int = 0
     budgets: str = "head"
-    span: int = 4
+    span: int | None = None  # None: by the model's layout (`for_layout`)
     decoding: str | None = None  # None: "append" with budgets="head", else "evict" (`resolved_decoding`)
     floors: str | None = None
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):
-        check_count("span", self.span)
+        if self.span is not None:
+            check_count("span", self.span)
         if self.floors is not None and (not isinstance(self.floors, str) or not self.floors):
             raise ValueError(
                 f"floors must be 'none' or a path to a layer-floors file or directory, got {self.floors!r}"
             )
         if self.budgets not in BUDGETS:
             raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
-        if self.decoding is not None and self.decoding not in DECODING:
-            raise ValueError(f"decoding must be one of {', '.join(DECODING)}, got {self.decoding!r}")
+        check_decoding(self.decoding, allow_none=True)
         if self.decoding == "append" and self.budgets != "head":
             raise ValueError(
                 f"decoding='append' keeps what the ranking of every pair kept (budgets='head', the default); with "
@@ -136,6 +139,10 @@ class KVzipPolicy(Policy):
         """False with `decoding="append"`: the head store evicts nothing after the ranking (caches/head_store.py)."""
         return self.resolved_decoding == "evict"
 
+    def for_layout(self, windowed: bool) -> KVzipPolicy:
+        """`span` settled by the model's layout (`resolve_span`)."""
+        return dataclasses.replace(self, span=resolve_span(self.span, windowed))
+
     def kept_per_row(self, real_seen: torch.Tensor) -> torch.Tensor:
         """With `bytes`: `bytes` of the tokens seen (never fewer than sinks + recent), the share tokens that arrive
         after the ranking keep (they are stored at full precision); the ranking itself keeps what the byte
@@ -149,9 +156,14 @@ class KVzipPolicy(Policy):
         return best_ahead(accumulated, self.span)
 
 
-def best_ahead(scores: torch.Tensor, span: int) -> torch.Tensor:
+def best_ahead(scores: torch.Tensor, span: int | None) -> torch.Tensor:
     """Each pair of `scores` [B, H, T] takes the best score of itself and the `span` pairs after it in its head
-    (KVzip's and KVzap's `span`; 0: the scores as they are)."""
+    (KVzip's and KVzap's `span`; 0: the scores as they are). None: not yet settled by a layout, refused."""
+    if span is None:
+        raise ValueError(
+            "span=None is chosen by the model's layout when the cache is built (make_cache(spec, model.config)); "
+            "give span= (an integer >= 0) to score outside a cache"
+        )
     if span == 0:
         return scores
     batch, heads, slots = scores.shape

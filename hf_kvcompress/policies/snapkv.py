@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
-from .base import Policy, check_count, check_kept_tokens
+from .base import Policy, check_count, check_decoding, check_kept_tokens
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ class SnapKVPolicy(Policy):
         check_count("kernel", self.kernel, minimum=1)
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be an odd integer >= 1, got {self.kernel!r}")
-        if self.decoding not in ("append", "evict"):
-            raise ValueError(f"decoding must be 'append' or 'evict', got {self.decoding!r}")
+        check_decoding(self.decoding)
         check_kept_tokens(self)
 
     @property

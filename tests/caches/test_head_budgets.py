@@ -13,11 +13,10 @@ from hf_kvcompress.caches.layer import CompressedLayer
 from hf_kvcompress.caches.requests import MASK_KEY
 from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.generation import generate, prefill
-from hf_kvcompress.hf.attention import kvcompress_attention
 from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.ops.host_syncs import HostSyncCounter
 
-from .tiny_models import tiny_model
+from .tiny_models import masked_reference_attention, tiny_model
 
 REPEAT = [5, 6, 7]
 
@@ -147,15 +146,7 @@ def test_span_0_keeps_kvzips_own_ranking_of_every_pair():
 _MASKS = {}
 
 
-def _masked_reference_attention(module, query, key, value, attention_mask, **kwargs):
-    keep = _MASKS.get(module.layer_idx)  # [H_kv, T] pairs a head keeps of the context
-    if keep is not None:
-        q_heads, q_len, kv_len = query.shape[1], query.shape[2], key.shape[2]
-        allowed = torch.ones(1, q_heads, q_len, kv_len, dtype=torch.bool)
-        allowed[..., : keep.shape[-1]] = keep.repeat_interleave(q_heads // keep.shape[0], 0)[None, :, None, :]
-        causal = torch.arange(kv_len)[None, :] <= (torch.arange(q_len)[:, None] + kv_len - q_len)
-        attention_mask = allowed & causal
-    return kvcompress_attention(module, query, key, value, attention_mask, **kwargs)
+_masked_reference_attention = masked_reference_attention(_MASKS)
 
 
 def _ranked_beside_reference(spec):
@@ -658,3 +649,66 @@ def test_a_steady_head_store_decode_step_reads_nothing_on_the_host():
                 steady += 1
                 assert counter.count == model_reads, f"{counter.count} host reads at decode step {i}"
     assert steady >= 40  # most steps (46 of 70 when written)
+
+
+@pytest.mark.parametrize("family, span", [("llama", 0), ("gemma3", 4)])
+@pytest.mark.parametrize("method", ["kvzip", "kvzap"])
+def test_span_is_chosen_by_the_layout_and_the_spec_names_it(family, span, method):
+    """span=None (the default) settles to 0 on a model without sliding-window layers (tiny Llama) and to 4 on a
+    hybrid one (tiny Gemma-3); every layer runs it and the cache's spec says so; an explicit span wins."""
+    from hf_kvcompress.policies.base import WINDOWED_SPAN
+
+    assert WINDOWED_SPAN == 4
+    config = tiny_model(family).config
+    if method == "kvzap":  # a cache needs a probe fitted for the model (tests/caches/test_kvzap.py): the plan's step
+        from hf_kvcompress.caches.plan import for_model
+        from hf_kvcompress.policies.kvzap import KVzapPolicy
+
+        assert KVzapPolicy(ratio=0.5).span is None
+        assert for_model(KVzapPolicy(ratio=0.5), config).span == span
+        assert for_model(KVzapPolicy(ratio=0.5, span=2), config).span == 2
+        return
+    cache = make_cache(f"{method}:ratio=0.25", config)
+    assert cache.policy.span == span
+    assert {layer.policy.span for layer in cache.layers if not layer.is_sliding} == {span}
+    assert cache.spec == f"{method}:ratio=0.25,span={span}"
+    assert make_cache(f"{method}:ratio=0.25,span=2", config).policy.span == 2
+    # Without a config the layers are full attention: as a model without sliding layers.
+    assert make_cache(f"{method}:ratio=0.25").policy.span == 0
+
+
+def test_span_is_checked_and_an_unsettled_span_is_not_scored():
+    with pytest.raises(ValueError, match="span must be an integer >= 0, got -1"):
+        make_cache("kvzip:ratio=0.5,span=-1", tiny_model("llama").config)
+    with pytest.raises(ValueError, match="span must be an integer >= 0"):
+        make_cache("kvzap:ratio=0.5,span=-2", tiny_model("llama").config)
+    from hf_kvcompress.policies.kvzip import KVzipPolicy
+
+    with pytest.raises(ValueError, match="span=None is chosen by the model's layout"):
+        KVzipPolicy(ratio=0.5).score(torch.zeros(1, 2, 5), 5)
+
+
+def test_a_saved_cache_without_a_span_loads_with_the_span_it_ran(tmp_path):
+    """Files saved before the span was settled by layout name none and ran span 4; new files name theirs."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from hf_kvcompress import load_cache, save_cache
+
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = _ids(24, seed=9)
+    cache = make_cache("kvzip:ratio=0.5", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    path = tmp_path / "cache.safetensors"
+    save_cache(cache, path)
+    assert load_cache(path).policy.span == 0
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+    assert metadata["spec"] == "kvzip:ratio=0.5,span=0"
+    metadata["spec"] = "kvzip:ratio=0.5"
+    older = tmp_path / "older.safetensors"
+    save_file(load_file(str(path)), str(older), metadata=metadata)
+    assert load_cache(older).policy.span == 4
+    assert json.loads(metadata["decoding"]) == "append"

@@ -5,11 +5,13 @@ tested is that the policy keeps what its probe scores highest, at prefill and wh
 contract asks of every policy.
 """
 
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
 from hf_kvcompress.caches.head_store import ABSORB_BLOCK
@@ -25,7 +27,7 @@ from hf_kvcompress.probe_calibration import (
 )
 from hf_kvcompress.probes import PROBE_FORMAT, estimated_score, load_probes, save_probe
 
-from .tiny_models import left_padded_prompts, tiny_model
+from .tiny_models import left_padded_prompts, masked_reference_attention, tiny_model
 
 REPEAT = [5, 6, 7]
 
@@ -135,7 +137,8 @@ def test_a_probe_for_another_model_is_refused(probed, tmp_path):
 @pytest.mark.parametrize("kwargs, name", [({"ratio": 1.5}, "ratio"), ({"budget": 0}, "budget"), ({"span": -1}, "span"),
                                           ({"recent": -2}, "recent"), ({"probe": ""}, "probe"),
                                           ({"budgets": "layer"}, "budgets"),
-                                          ({"budget": 8, "ratio": 0.5}, "budget")])
+                                          ({"budget": 8, "ratio": 0.5}, "budget"), ({"decoding": "keep"}, "decoding"),
+                                          ({"decoding": "append", "budgets": "uniform"}, "decoding")])
 def test_bad_values_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
         KVzapPolicy(**kwargs)
@@ -354,6 +357,8 @@ def test_a_budget_below_the_default_window_names_recent():
 # -- the contract --------------------------------------------------------------------------------------------------
 
 SPECS = ["kvzap:ratio=0.5", "kvzap:ratio=0.5,recent=4", "kvzap:budget=8,recent=0",
+         "kvzap:ratio=0.5,recent=2,decoding=append", "kvzap:ratio=0.5,recent=2,decoding=evict",
+         "kvzap:budget=8,recent=2,decoding=append+int4:residual_length=2,group_size=16",
          "kvzap:budget=8,recent=2,sink_tokens=1+int8",
          "kvzap:ratio=0.5,recent=2,span=0+int4:residual_length=2,group_size=16", "kvzap:budget=8,recent=3+fp8",
          "kvzap:ratio=0.5,budgets=uniform", "kvzap:budget=8,recent=0,budgets=uniform",
@@ -378,6 +383,7 @@ def test_padded_batch_matches_rows_alone(probed, spec):
 
 
 @pytest.mark.parametrize("spec", ["kvzap:ratio=1.0", "kvzap:budget=1000", "kvzap:ratio=1.0,budgets=uniform",
+                                  "kvzap:ratio=1.0,decoding=append", "kvzap:ratio=1.0,decoding=evict",
                                   "kvzap:budget=1000,budgets=uniform"])
 def test_large_budget_equals_dynamic_cache(probed, spec):
     model, directory = probed
@@ -447,3 +453,135 @@ def test_head_budgets_bound_memory_through_a_long_generation(probed):
     # `budgets=uniform` holds them constant (test above).
     grown = max(range(len(after)), key=lambda n: after[n][0])
     assert any(m <= after[0][0] * 1.1 for m, _, _, _ in after[grown + 1 :])
+
+
+# -- the layout's span and decoding="append" -------------------------------------------------------------------------
+
+def test_span_is_chosen_by_the_layout_and_the_spec_names_it(probed):
+    """span=None (the default) settles to 0 without sliding-window layers (tiny Llama), 4 with them (tiny Gemma-3)."""
+    model, directory = probed
+    span = 4 if "sliding_attention" in (getattr(model.config, "layer_types", None) or []) else 0
+    cache = make_cache(f"kvzap:ratio=0.5,probe={directory}", model.config)
+    assert cache.policy.span == span and {layer.policy.span for layer in cache.layers if not layer.is_sliding} == {span}
+    assert f"span={span}" in cache.spec
+    assert make_cache(f"kvzap:ratio=0.5,span=2,probe={directory}", model.config).policy.span == 2
+
+
+def _top_pairs(scores, count):
+    """Plain global ranking: of per-layer scores [H, T], the `count` best (layer, head, token) pairs, as masks."""
+    flat = torch.cat([s.flatten() for s in scores])
+    kept = torch.zeros_like(flat, dtype=torch.bool)
+    kept[flat.topk(count).indices] = True
+    return [m.view_as(s) for m, s in zip(kept.split([s.numel() for s in scores]), scores, strict=True)]
+
+
+_MASKS = {}
+
+
+_masked_attention = masked_reference_attention(_MASKS)
+
+
+def test_append_decodes_as_the_full_cache_with_the_rankings_evicted_pairs_masked(tmp_path):
+    """decoding="append": once the prompt is ranked (the probe's estimates, one ranking of every pair), a question
+    and the answer's steps attend over exactly the ranked pairs plus every later token: the logits equal a full
+    cache's with the other prompt pairs masked, every later token is held, and the bytes are the promise."""
+    model = use_kvcompress_attention(tiny_model("llama"))
+    model.config._name_or_path = "tiny-llama-append"
+    write_probe(model.config, tmp_path, scale=0.1)
+    probes = load_probes(tmp_path, model.config)
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    steps = [torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(4))]
+    steps += [torch.randint(3, 128, (1, 1), generator=torch.Generator().manual_seed(20 + i)) for i in range(40)]
+    reference_states = _hidden_states(model, ids)
+    scores = [estimated_score(probes[i](reference_states[i]))[0] for i in sorted(probes)]  # [H, 30] per layer
+    heads = model.config.num_key_value_heads
+    expected_keep = _top_pairs(scores, 12 * heads * len(scores))  # ratio 0.4 of 30 tokens: 12 pairs per head
+    cache = make_cache(f"kvzap:ratio=0.4,recent=0,span=0,decoding=append,probe={tmp_path}", model.config)
+    full = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        prefill(model, ids, None, cache)
+        model(input_ids=ids, cache=full)
+    ranked = [int(layer.store.held_pairs()[0]) for layer in cache.layers]
+    assert ranked == [int(keep.sum()) for keep in expected_keep]
+    outs, position = [], 30
+    with torch.inference_mode():
+        for step in steps:
+            where = torch.arange(position, position + step.shape[1])[None]
+            outs.append(model(input_ids=step, cache=cache, position_ids=where).logits)
+            position += step.shape[1]
+            assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    AttentionInterface.register("kvzap_masked_reference", _masked_attention)
+    AttentionMaskInterface.register("kvzap_masked_reference", sdpa_mask)
+    refs, position = [], 30
+    try:
+        model.set_attn_implementation("kvzap_masked_reference")
+        _MASKS.update(dict(enumerate(expected_keep)))
+        with torch.inference_mode():
+            for step in steps:
+                where = torch.arange(position, position + step.shape[1])[None]
+                refs.append(model(input_ids=step, cache=full, position_ids=where).logits)
+                position += step.shape[1]
+    finally:
+        _MASKS.clear()
+        use_kvcompress_attention(model)
+    for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    later = sum(step.shape[1] for step in steps)  # 44: past the tail, so later tokens joined the pairs
+    for layer, pairs in zip(cache.layers, ranked, strict=True):
+        assert int(layer.store.held_pairs()[0]) == pairs + later * layer.kv_heads
+
+
+def test_evict_gives_later_tokens_the_prompts_lowest_pairs(probed):
+    """decoding="evict": the share holds over every token seen, so 40 later tokens keep about a share's worth of
+    pairs per head; "append" (the default for a ratio) holds every one of them beside the ranked pairs."""
+    model, directory = probed
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+    more = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    assert KVzapPolicy(ratio=0.25).resolved_decoding == "append"
+    assert KVzapPolicy(budget=256).resolved_decoding == "evict"  # a budget bounds memory while decoding
+    assert KVzapPolicy(ratio=0.25, budgets="uniform").resolved_decoding == "evict"
+    held = {}
+    for decoding in ("append", "evict"):
+        cache = make_cache(f"kvzap:ratio=0.25,recent=0,decoding={decoding},probe={directory}", model.config)
+        with torch.inference_mode():
+            prefill(model, ids, None, cache)
+            ranked = [int(layer.store.held_pairs()[0]) for layer in cache.layers if layer.per_head]
+            model(input_ids=more, cache=cache)
+        now = [int(layer.store.held_pairs()[0]) for layer in cache.layers if layer.per_head]
+        held[decoding] = [n - r for n, r in zip(now, ranked, strict=True)]
+        assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    heads = next(layer for layer in cache.layers if layer.per_head).kv_heads
+    assert held["append"] == [40 * heads] * len(held["append"])
+    assert all(h < 40 * heads * 0.25 + heads for h in held["evict"])
+
+
+@pytest.mark.parametrize("decoding", ["append", "evict"])
+def test_save_and_load_keep_the_decoding(probed, tmp_path, decoding):
+    """A saved cache loads with the decoding it ran and answers as the cache it was saved from; a file saved
+    before KVzap took `decoding` (null) loads as it ran then: evicting."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from hf_kvcompress import load_cache, save_cache
+
+    model, directory = probed
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(6))
+    cache = make_cache(f"kvzap:ratio=0.5,recent=4,decoding={decoding},probe={directory}", model.config)
+    prefill(model, ids, None, cache)
+    path = tmp_path / "kvzap.safetensors"
+    save_cache(cache, path)
+    loaded = load_cache(path)
+    assert loaded.policy.resolved_decoding == decoding
+    full = torch.cat([ids, torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(7))], 1)
+    ones = torch.ones_like(full)
+    expected = generate(model, full, ones, copy.deepcopy(cache), max_new_tokens=6).new_tokens
+    assert torch.equal(generate(model, full, ones, loaded, max_new_tokens=6).new_tokens, expected)
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+    assert json.loads(metadata["decoding"]) == decoding
+    metadata["decoding"] = "null"
+    older = tmp_path / "older.safetensors"
+    save_file(load_file(str(path)), str(older), metadata=metadata)
+    assert load_cache(older).policy.resolved_decoding == "evict"

@@ -97,3 +97,22 @@ def write_key_scales(directory, config, seed: int = 0, spread: float = 0.7):
                 "kv_heads": str(heads), "head_dim": str(head_dim), "stat": "absmax", "keys": "post_rope",
                 "tokens": "0", "text": "random"}
     return save_key_scales(tensors, metadata, directory)
+
+
+def masked_reference_attention(masks: dict):
+    """An attention function (for `AttentionInterface.register`) that attends as the package's attention does, but
+    over the full cache with each KV head's prompt pairs outside `masks[layer_idx]` ([H_kv, T] bool) masked: the
+    plain reference of a cache that kept those pairs. Layers without an entry attend causally as usual."""
+    from hf_kvcompress.hf.attention import kvcompress_attention
+
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        keep = masks.get(module.layer_idx)
+        if keep is not None:
+            q_heads, q_len, kv_len = query.shape[1], query.shape[2], key.shape[2]
+            allowed = torch.ones(1, q_heads, q_len, kv_len, dtype=torch.bool)
+            allowed[..., : keep.shape[-1]] = keep.repeat_interleave(q_heads // keep.shape[0], 0)[None, :, None, :]
+            causal = torch.arange(kv_len)[None, :] <= (torch.arange(q_len)[:, None] + kv_len - q_len)
+            attention_mask = allowed & causal
+        return kvcompress_attention(module, query, key, value, attention_mask, **kwargs)
+
+    return attend

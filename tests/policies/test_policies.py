@@ -58,7 +58,7 @@ def test_heavy_hitters_are_kept_per_head():
         (lambda: KVzipPolicy(span=-1), "span"),
         (lambda: KVzipPolicy(span=1.5), "span"),
         (lambda: TOVAPolicy(heads="all"), "heads must be one of mean, each"),
-        (lambda: SnapKVPolicy(decoding="keep"), "decoding must be 'append' or 'evict'"),
+        (lambda: SnapKVPolicy(decoding="keep"), "decoding must be one of append, evict, got 'keep'"),
     ],
 )
 def test_bad_parameters_name_themselves(factory, name):
