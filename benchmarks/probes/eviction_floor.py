@@ -43,17 +43,18 @@ def _cache(spec: str, config):
     return transformers.DynamicCache(config=config) if spec == "dynamic" else make_cache(spec, config)
 
 
-def _run(model, vocab: int, run: str, steps: int, profile: bool) -> tuple[float, int]:
+def _run(model, tokenizer, run: str, steps: int, profile: bool) -> tuple[float, int]:
     """Mean CPU ms per decode step of `run` (SPEC@TOKENS) and the tokens its cache holds after them."""
     from bench_measure import prompt_ids
 
-    from hf_kvcompress.generation import prefill
+    from hf_kvcompress.generation import prefill, repeat_prompt_ids
     from hf_kvcompress.hf.compat import cache_kwargs
 
     spec, tokens = run.rsplit("@", 1)
-    ids = prompt_ids(vocab, PROMPT, 1)[:, -(int(tokens) + 1):]
+    ids = prompt_ids(tokenizer.vocab_size, PROMPT, 1)[:, -(int(tokens) + 1):]
     cache = _cache(spec, model.config)
-    prefill(model, ids[:, :-1], None, cache)
+    # The reconstruction prompt is read only by a cache that scores by reconstruction (KVzip's pass).
+    prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=repeat_prompt_ids(tokenizer))
     token = ids[:, -1:]
 
     def decode(n: int) -> None:
@@ -99,7 +100,7 @@ def main() -> None:
         model(input_ids=torch.arange(100, 116)[None], use_cache=False)  # warm-up
         for _ in range(args.repeats):
             for run in runs:
-                ms, kept[run] = _run(model, tokenizer.vocab_size, run, args.steps, run == args.profile)
+                ms, kept[run] = _run(model, tokenizer, run, args.steps, run == args.profile)
                 times[run].append(ms)
     base = f"dynamic@{PROMPT}"
     reference = statistics.median(times[base]) if base in times else None

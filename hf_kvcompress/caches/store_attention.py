@@ -140,7 +140,7 @@ def _store_by_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -
     softmax.add_partial(block_max, total, acc, stored_basis=True)
 
 
-def _attend_by_cpu_kernel(layer, plain_q, stored_q, attention_mask) -> torch.Tensor:
+def _attend_by_cpu_kernel(layer, plain_q, attention_mask) -> torch.Tensor:
     """Store, exact sinks and tail through the C++ kernel in one call: [B, H_kv, groups * q, Dv], normalised. It
     takes the mask rows as they are (row m of a KV head's groups * q query rows reads mask row m % q)."""
     codec, store = layer.codec, layer.store
@@ -150,7 +150,7 @@ def _attend_by_cpu_kernel(layer, plain_q, stored_q, attention_mask) -> torch.Ten
         tail_keys = tail_values = plain_q.new_zeros(*plain_q.shape[:2], 0, plain_q.shape[-1])
     columns = slice(0, store.n_encoded + tail_keys.shape[-2])
     bias = None if attention_mask is None else _bias(attention_mask, 1, columns)  # [B, 1 or H_kv, q, T + Tt]
-    queries = codec.offset_queries(stored_q) if key_layout.offset_queries else stored_q[:, :, :, None]
+    queries = codec.kernel_queries(plain_q)  # [B, H_kv, groups * q, O, D]: one per offset of a key group
     stored, plain = cpu_decode.decode_attention(
         queries, plain_q, store.encoded_keys, store.encoded_values, key_layout, value_layout, layer.value_dim, bias,
         layer.slots.sink_slots, store.sink_keys, store.sink_values, tail_keys, tail_values,
@@ -212,12 +212,11 @@ def attend_store(
         attention_mask = attention_mask[:, :1]  # one mask for every head
     # Query heads h = k * groups + g share KV head k: [B, H_kv, groups * q, D].
     plain_q = (query.float() * scaling).reshape(batch, kv_heads, groups * q_len, dim)
-    stored_q = codec.key_query(plain_q)
     kernel = store_kernel(layer, query, backend) if n_enc else None
     if kernel == "cpu":
-        out = _attend_by_cpu_kernel(layer, plain_q, stored_q, attention_mask)
+        out = _attend_by_cpu_kernel(layer, plain_q, attention_mask)
     else:
-        out = _attend_in_segments(layer, plain_q, stored_q, attention_mask, groups, kernel)
+        out = _attend_in_segments(layer, plain_q, codec.key_query(plain_q), attention_mask, groups, kernel)
     out = out.reshape(batch, kv_heads, groups, q_len, -1).reshape(batch, q_heads, q_len, -1)
     return out.transpose(1, 2).contiguous().to(query.dtype)
 

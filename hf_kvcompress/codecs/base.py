@@ -98,6 +98,11 @@ class Codec(ABC):
         meets (O = 1 unless `kernel_layout("key").offset_queries`)."""
         return query[:, :, :, None]
 
+    def kernel_queries(self, query: torch.Tensor) -> torch.Tensor:
+        """query [B, H, n, D] (the model's basis) -> [B, H, n, O, D]: what a decode kernel meets the stored keys
+        with, `offset_queries(key_query(query))`; a codec may get there in fewer steps."""
+        return self.offset_queries(self.key_query(query))
+
     def to_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
         """x [..., D] in the storage basis of `kind` (the identity unless the codec rotates)."""
         return x

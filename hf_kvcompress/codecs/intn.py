@@ -515,9 +515,20 @@ class IntNCodec(Codec):
         back by o positions (q . R_o k = R_-o q . k): [B, H, n, group_size, D]."""
         if not (self.pre_rope and self._per_channel("key")):
             return super().offset_queries(query)
-        b, h, n, d = query.shape
-        g = self.group_size
         plain = rotate_rows(query, self._seed("key"), inverse=True) if self._rotates("key") else query
+        return self._turned_offsets(plain)
+
+    def kernel_queries(self, query: torch.Tensor) -> torch.Tensor:
+        # Per-channel keys take no key scale, so `key_query` would rotate the query into the storage basis and
+        # `offset_queries` straight back (two products per layer and decode step): turn the model's query itself.
+        if not (self.pre_rope and self._per_channel("key")):
+            return super().kernel_queries(query)
+        return self._turned_offsets(query)
+
+    def _turned_offsets(self, plain: torch.Tensor) -> torch.Tensor:
+        """`offset_queries` of the query [B, H, n, D] in the model's basis: [B, H, n, group_size, D]."""
+        b, h, n, d = plain.shape
+        g = self.group_size
         if self.inv_freq:  # _group_rope(copies, -1) with its table cached and the half-swap once per row, not per copy
             cos, sin = (part.to(plain.device) for part in _offset_turns(self.inv_freq, g, -1))
             turned = turn(plain.float()[:, :, :, None, :], cos, sin)  # [B, H, n, g, D]: the table broadcasts over g
