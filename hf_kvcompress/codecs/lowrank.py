@@ -92,6 +92,45 @@ def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: fl
     return [(key, value) for key, value in ranks]
 
 
+def allocate_ranks_by_error(curves: list[tuple[list[float], list[float]]], ratio: float, step: int, max_rank: int,
+                            width: int, floored: tuple[bool, ...] | None = None,
+                            curve_step: int = 8) -> list[tuple[int, int]]:
+    """Per-layer (key rank, value rank) keeping `ratio` of all layers' dimensions, in steps of `step`, chosen to
+    lower the sum over layers of the calibrated attention-output errors (`calibration.error_curves`: per layer and
+    kind, the error at ranks 0, curve_step, 2 curve_step, ... up to `max_rank`; `width`: KV heads x head_dim) the
+    most.
+
+    Greedy: each next step goes to the (layer, kind) whose error falls most per step there; an error curve that
+    flattens and then falls again (a few large components late) is looked at over every later step, so a long run of
+    small gains does not hide it. Bounds as `allocate_ranks` (at least one step, at most `max_rank`, `floored`
+    layers at least `ratio` of each kind)."""
+    if step % curve_step:
+        raise ValueError(f"step must be a multiple of the error curves' step ({curve_step}), got {step}")
+    steps = width // step
+    total = round(ratio * len(curves) * 2 * steps)
+    floor = min(max(1, round(ratio * steps)), max_rank // step)
+    top = min(steps, max_rank // step)
+    lowest = [floor if floored is not None and floored[layer] else 1 for layer in range(len(curves))]
+    ranks = [[low, low] for low in lowest]
+    budget = total - 2 * sum(lowest)
+    every = step // curve_step
+    while budget > 0:
+        best: tuple[float, int, int, int] | None = None
+        for layer, pair in enumerate(curves):
+            for k, curve in enumerate(pair):
+                at = ranks[layer][k]
+                for more in range(1, min(top - at, budget) + 1):  # the best rate over any run of later steps
+                    rate = (curve[at * every] - curve[(at + more) * every]) / more
+                    if best is None or rate > best[0] + 1e-15:
+                        best = (rate, layer, k, more)
+        if best is None:
+            break
+        _, layer, k, more = best
+        ranks[layer][k] += more
+        budget -= more
+    return [(step * key, step * value) for key, value in ranks]
+
+
 @dataclass(frozen=True)
 class LowRankCodec(ReducingCodec):
     """Stores keys and values as coordinates on calibrated PCA bases (Palu, arXiv:2407.21118; ShadowKV,
