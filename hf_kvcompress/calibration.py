@@ -100,6 +100,14 @@ def calibration_ids(tokenizer, tokens: int = 2048) -> torch.Tensor:
     return tokenizer(calibration_text(words=tokens), return_tensors="pt").input_ids[:, :tokens]
 
 
+def held_out_ids(tokenizer, fitted: int, tokens: int = 2048) -> torch.Tensor:
+    """[1, tokens] ids of the calibration text after its first `fitted` tokens (what the bases were fitted on)."""
+    ids = tokenizer(calibration_text(words=2 * (fitted + tokens)), return_tensors="pt").input_ids
+    if ids.shape[1] < fitted + tokens:
+        raise ValueError(f"the calibration text holds {ids.shape[1]} tokens, fewer than {fitted} + {tokens}")
+    return ids[:, fitted: fitted + tokens]
+
+
 def calibrate(
     model, input_ids: torch.Tensor, max_rank: int | None = None, text: str = CALIBRATION_TEXT
 ) -> tuple[dict, dict, list[dict]]:
@@ -135,14 +143,15 @@ def concatenated(states: torch.Tensor) -> torch.Tensor:
     return states.permute(1, 0, 2).reshape(1, tokens, heads * dim)
 
 
-def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
-                    text: str = CALIBRATION_TEXT) -> tuple[dict, dict, list[dict]]:
+def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None, text: str = CALIBRATION_TEXT,
+                    error_ids: torch.Tensor | None = None) -> tuple[dict, dict, list[dict]]:
     """Fit one basis per layer and kind over the layer's KV heads on `input_ids` [1, T], keys with RoPE undone.
 
     Tensors per layer i: `layers.i.{key,value}_mean` [H, D], `_basis` [H, D, max_rank] (the [H * D, max_rank]
     basis, row h * D + d as [h, d]), `_variance` [H * D] (every component's variance, for choosing ranks). Returns
     (tensors, metadata, report rows per layer: the share of variance kept at a quarter and a half of the
-    dimensions, jointly and, for comparison, per head)."""
+    dimensions, jointly and, for comparison, per head). With `error_ids` [1, T'] (text the bases are not fitted
+    on), also the attention-output error curves (`add_error_curves`)."""
     states = layer_states(model, input_ids.to(model.device))
     kv_heads, _, head_dim = states[0][0].shape
     if states[0][1].shape[-1] != head_dim:
@@ -168,6 +177,8 @@ def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
                 "kv_heads": str(kv_heads), "head_dim": str(head_dim), "value_dim": str(head_dim),
                 "max_rank": str(max_rank), "keys": "pre_rope", "heads": JOINT, "tokens": str(input_ids.shape[1]),
                 "text": text}
+    if error_ids is not None:
+        add_error_curves(model, error_ids, tensors, metadata)
     return tensors, metadata, report
 
 
@@ -604,3 +615,25 @@ def error_curves(model, captures: list[dict[str, Any]], tensors: dict[str, torch
                               layer, exact) for r in ranks]
         curves.append((key, value))
     return curves
+
+
+ERROR_QUERIES = 256  # the calibration text's last tokens whose attention output `add_error_curves` measures
+
+
+def add_error_curves(model, input_ids: torch.Tensor, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                     queries: int = ERROR_QUERIES) -> None:
+    """Add each layer's attention-output error curves (`error_curves` on `input_ids`: text the bases were not fitted
+    on, since on their own text they lose far less than on any other) to joint bases: `layers.i.{key,value}_error` [max_rank // ERROR_STEP + 1], the error at ranks 0,
+    ERROR_STEP, ...; lowrank's `allocate=error` spends a ratio's dimensions by them."""
+    if metadata.get("heads") != JOINT:
+        raise ValueError("attention-error curves are measured for joint bases (hf-kvcompress calibrate --heads joint)")
+    captures = attention_captures(model, input_ids, queries)
+    curves = error_curves(model, captures, tensors, ERROR_STEP, int(metadata["max_rank"]))
+    for layer, (key, value) in enumerate(curves):
+        tensors[f"layers.{layer}.key_error"] = torch.tensor(key, dtype=torch.float32)
+        tensors[f"layers.{layer}.value_error"] = torch.tensor(value, dtype=torch.float32)
+    metadata.update(error_step=str(ERROR_STEP), error_queries=str(queries))
+
+
+def has_error_curves(tensors: dict[str, torch.Tensor]) -> bool:
+    return "layers.0.key_error" in tensors

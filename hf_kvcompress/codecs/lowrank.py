@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from ..calibration import JOINT, load_bases, rope_frequencies
+from ..calibration import ERROR_STEP, JOINT, has_error_curves, load_bases, rope_frequencies
 from ..hf.compat import text_config
 from ..ops.rerotate import rerotate
 from .base import Encoded, Kind
@@ -62,6 +62,7 @@ class LayerBases:
 
 
 FLOORS = ("none", "full")  # lowrank's `floor`: which layers keep at least the ratio of each kind's dimensions
+ALLOCATIONS = ("error", "variance")  # lowrank's `allocate`: what a ratio's dimensions are spread by
 
 
 def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: float, step: int,
@@ -148,6 +149,10 @@ class LowRankCodec(ReducingCodec):
         ratio: the share of all layers' key and value dimensions kept, spread over the layers and kinds by their
             calibrated variances (joint bases only). Neither: ratio 0.25 (joint bases) or rank head_dim // 4.
         bases: a directory (or file) written by `hf-kvcompress calibrate`; None: the bases shipped for the model.
+        allocate: with `ratio`, how the dimensions are spread over layers and kinds: "error" spends each next step
+            where it lowers the calibrated attention-output error most (summed over layers; the curves
+            `hf-kvcompress calibrate` writes beside the bases), "variance" by the share of variance each step holds;
+            None: "error" when the bases hold error curves, else "variance".
         floor: with `ratio`, "full" (the default): in a model with sliding-window layers, each full-attention layer
             (the layers that read the whole document) keeps at least `ratio` of its key and of its value dimensions,
             the rest allocated by variance; "none": every layer by variance alone. The default was chosen on the
@@ -172,6 +177,7 @@ class LowRankCodec(ReducingCodec):
     ratio: float | None = None
     bases: str | None = None
     floor: str = "full"
+    allocate: str | None = None
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
     residual_length: int = 0  # type: ignore[misc]  # as sink_tokens: lowrank's own; the stack keeps the most asked
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
@@ -198,6 +204,11 @@ class LowRankCodec(ReducingCodec):
             raise ValueError(
                 f"sink_tokens must be an integer >= 0 (the first real tokens kept exact), got {self.sink_tokens!r}"
             )
+        if self.allocate is not None:
+            if self.allocate not in ALLOCATIONS:
+                raise ValueError(f"allocate must be one of {', '.join(ALLOCATIONS)}, got {self.allocate!r}")
+            if self.rank is not None:
+                raise ValueError("allocate spreads a ratio's dimensions: give it with ratio, not rank")
         if self.floor is None:  # a spec's `floor=none` reads as None
             object.__setattr__(self, "floor", "none")
         if self.floor not in FLOORS:
@@ -236,10 +247,20 @@ class LowRankCodec(ReducingCodec):
                 ranks = [(self.rank * heads, self.rank * heads)] * layers
             else:
                 ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
-                variances = [(tensors[f"layers.{i}.key_variance"], tensors[f"layers.{i}.value_variance"])
-                             for i in range(layers)]
-                ranks = allocate_ranks(variances, ratio, self._rank_step(heads * head_dim), max_rank,
-                                       self._floored(config, layers))
+                step, floored = self._rank_step(heads * head_dim), self._floored(config, layers)
+                allocate = self.allocate or ("error" if has_error_curves(tensors) else "variance")
+                if allocate == "error":
+                    if not has_error_curves(tensors):
+                        raise ValueError("allocate=error needs bases with attention-error curves (hf-kvcompress "
+                                         "calibrate writes them; --attention-errors adds them): give allocate=variance")
+                    curves = [(tensors[f"layers.{i}.key_error"].tolist(), tensors[f"layers.{i}.value_error"].tolist())
+                              for i in range(layers)]
+                    ranks = allocate_ranks_by_error(curves, ratio, step, max_rank, heads * head_dim, floored,
+                                                    ERROR_STEP)
+                else:
+                    variances = [(tensors[f"layers.{i}.key_variance"], tensors[f"layers.{i}.value_variance"])
+                                 for i in range(layers)]
+                    ranks = allocate_ranks(variances, ratio, step, max_rank, floored)
         else:
             rank = self.rank if self.rank is not None else head_dim // 4
             ranks = [(rank, rank)] * layers
