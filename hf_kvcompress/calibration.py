@@ -623,8 +623,9 @@ ERROR_QUERIES = 256  # the calibration text's last tokens whose attention output
 def add_error_curves(model, input_ids: torch.Tensor, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
                      queries: int = ERROR_QUERIES) -> None:
     """Add each layer's attention-output error curves (`error_curves` on `input_ids`: text the bases were not fitted
-    on, since on their own text they lose far less than on any other) to joint bases: `layers.i.{key,value}_error` [max_rank // ERROR_STEP + 1], the error at ranks 0,
-    ERROR_STEP, ...; lowrank's `allocate=error` spends a ratio's dimensions by them."""
+    on, since on their own text they lose far less than on any other) to joint bases:
+    `layers.i.{key,value}_error` [max_rank // ERROR_STEP + 1], the error at ranks 0, ERROR_STEP, ...; lowrank's
+    `allocate=error` spends a ratio's dimensions by them."""
     if metadata.get("heads") != JOINT:
         raise ValueError("attention-error curves are measured for joint bases (hf-kvcompress calibrate --heads joint)")
     captures = attention_captures(model, input_ids, queries)

@@ -6,8 +6,8 @@ attention-output error target (LoRC, Eigen Attention) spend the same dimensions 
 between keys and values? For every layer the shipped joint bases reconstruct the keys (pre-RoPE, rotated back) or
 the values at each rank (steps of 8), the other kind exact; the layer's attention output after its output
 projection, for the last `--queries` tokens of the text, is compared with the exact one (relative squared error).
-Allocations of each of `--ratios` are then scored on held-out text (SQuAD paragraphs) with both kinds reconstructed at once:
-the sum over layers of the relative errors.
+Allocations of each of `--ratios` are then scored on held-out text (SQuAD paragraphs) with both kinds rebuilt at
+once: the sum over layers of the relative errors.
 Command:
     python benchmarks/probes/lowrank_attention_error.py --model smollm2-135m --ratios 0.25,0.5
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from hf_kvcompress.calibration import (
     attention_captures,
     calibration_ids,
@@ -45,7 +44,7 @@ def main() -> None:
     curves = error_curves(model, fit, tensors, args.step, max_rank)
     for i, (key, value) in enumerate(curves):
         print(f"layer {i:2d} keys  " + " ".join(f"{e:.3f}" for e in key[: 1 + max_rank // args.step // 2]))
-        print(f"         values " + " ".join(f"{e:.3f}" for e in value[: 1 + max_rank // args.step // 2]))
+        print("         values " + " ".join(f"{e:.3f}" for e in value[: 1 + max_rank // args.step // 2]))
     _, paragraphs, _ = squad_questions()
     held_out = tokenizer("\n\n".join(paragraphs[:80]), return_tensors="pt").input_ids[:, : args.fit_tokens]
     test = attention_captures(model, held_out, args.queries)
