@@ -23,6 +23,9 @@ from .base import Encoded, Kind
 from .reducing import ReducingCodec
 
 DEFAULT_RATIO = 0.25  # the lesson's 128 -> 32
+# The newest tokens a ratio below a half keeps exact unless `residual_length` is given: chosen on SmolLM2's development
+# half (a quarter: no window 0 / 10, 32 tokens 7 / 10, 128 tokens 8 / 10; docs/results.md); a half needs none.
+WINDOW_BELOW_HALF = 128
 
 
 class LayerBases:
@@ -166,7 +169,8 @@ class LowRankCodec(ReducingCodec):
         residual_length: the newest tokens kept exact in the cache's full-precision tail before they are projected
             (a window, as int4's residual: the question's and the answer's own tokens read exactly), counted in the
             cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
-            most either asks for (`exact_residual`); 0: none.
+            most either asks for (`exact_residual`); 0: none. None (the default): 128 when fewer than half of the
+            dimensions are kept (a ratio below 0.5, the default ratio included), else 0 (with `rank`: 0).
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
 
@@ -179,7 +183,7 @@ class LowRankCodec(ReducingCodec):
     floor: str = "full"
     allocate: str | None = None
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
-    residual_length: int = 0  # type: ignore[misc]  # as sink_tokens: lowrank's own; the stack keeps the most asked
+    residual_length: int | None = None  # type: ignore[assignment]  # as sink_tokens: lowrank's own (stack: the most)
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
@@ -213,6 +217,9 @@ class LowRankCodec(ReducingCodec):
             object.__setattr__(self, "floor", "none")
         if self.floor not in FLOORS:
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}, got {self.floor!r}")
+        if self.residual_length is None:
+            share = self.ratio if self.ratio is not None else (DEFAULT_RATIO if self.rank is None else 1.0)
+            object.__setattr__(self, "residual_length", WINDOW_BELOW_HALF if share < 0.5 else 0)
         if isinstance(self.residual_length, bool) or not isinstance(self.residual_length, int) \
                 or self.residual_length < 0:
             raise ValueError(

@@ -136,7 +136,7 @@ def test_error_is_the_default_with_curves_and_full_rank_equals_dynamic_cache(fit
 
 def test_bytes_follow_the_error_ranks(fitted):
     model, bases, _, _ = fitted["gemma3"]
-    cache = make_cache(f"lowrank:ratio=0.25,bases={bases}", model.config)
+    cache = make_cache(f"lowrank:ratio=0.25,residual_length=0,bases={bases}", model.config)
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         model(input_ids=ids, cache=cache)
