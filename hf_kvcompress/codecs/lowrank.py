@@ -24,7 +24,8 @@ from .reducing import ReducingCodec
 
 DEFAULT_RATIO = 0.25  # the lesson's 128 -> 32
 # The newest tokens a ratio below a half keeps exact unless `residual_length` is given: chosen on SmolLM2's development
-# half (a quarter: no window 0 / 10, 32 tokens 7 / 10, 128 tokens 8 / 10; docs/results.md); a half needs none.
+# half (a quarter: no window 0 / 10, 32 tokens 7 / 10, 128 tokens 8 / 10; docs/results.md); a half answered its
+# needles without one (by variance).
 WINDOW_BELOW_HALF = 128
 
 
@@ -155,7 +156,9 @@ class LowRankCodec(ReducingCodec):
         allocate: with `ratio`, how the dimensions are spread over layers and kinds: "error" spends each next step
             where it lowers the calibrated attention-output error most (summed over layers; the curves
             `hf-kvcompress calibrate` writes beside the bases), "variance" by the share of variance each step holds;
-            None: "error" when the bases hold error curves, else "variance".
+            None: "error" below half of the dimensions when the bases hold error curves, else "variance" (chosen on
+            SmolLM2's development half: at a quarter the error allocation answered more, at a half without a
+            window it lost answers that variance kept; docs/results.md, "Low rank at a quarter").
         floor: with `ratio`, "full" (the default): in a model with sliding-window layers, each full-attention layer
             (the layers that read the whole document) keeps at least `ratio` of its key and of its value dimensions,
             the rest allocated by variance; "none": every layer by variance alone. The default was chosen on the
@@ -255,7 +258,7 @@ class LowRankCodec(ReducingCodec):
             else:
                 ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
                 step, floored = self._rank_step(heads * head_dim), self._floored(config, layers)
-                allocate = self.allocate or ("error" if has_error_curves(tensors) else "variance")
+                allocate = self.allocate or ("error" if ratio < 0.5 and has_error_curves(tensors) else "variance")
                 if allocate == "error":
                     if not has_error_curves(tensors):
                         raise ValueError("allocate=error needs bases with attention-error curves (hf-kvcompress "

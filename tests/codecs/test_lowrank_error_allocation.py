@@ -118,10 +118,14 @@ def test_the_allocation_keeps_the_ratio_and_spends_it_where_the_error_falls():
 
 def test_error_is_the_default_with_curves_and_full_rank_equals_dynamic_cache(fitted):
     model, bases, _, _ = fitted["llama"]
-    chosen = make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config).codec
-    assert chosen._ranks == make_cache(f"lowrank:ratio=0.5,allocate=error,bases={bases}", model.config).codec._ranks
-    by_variance = make_cache(f"lowrank:ratio=0.5,allocate=variance,bases={bases}", model.config).codec
-    assert sum(map(sum, chosen._ranks)) == sum(map(sum, by_variance._ranks)) == 0.5 * 2 * 2 * 64
+    # Below a half the curves spread the dimensions; from a half on, the variances.
+    chosen = make_cache(f"lowrank:ratio=0.25,bases={bases}", model.config).codec
+    assert chosen._ranks == make_cache(f"lowrank:ratio=0.25,allocate=error,bases={bases}", model.config).codec._ranks
+    by_variance = make_cache(f"lowrank:ratio=0.25,allocate=variance,bases={bases}", model.config).codec
+    assert sum(map(sum, chosen._ranks)) == sum(map(sum, by_variance._ranks)) == 0.25 * 2 * 2 * 64
+    assert chosen._ranks != by_variance._ranks
+    assert (make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config).codec._ranks
+            == make_cache(f"lowrank:ratio=0.5,allocate=variance,bases={bases}", model.config).codec._ranks)
     cache = make_cache(f"lowrank:ratio=1.0,allocate=error,bases={bases}", model.config)
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
