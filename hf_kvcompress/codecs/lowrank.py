@@ -186,7 +186,7 @@ class LowRankCodec(ReducingCodec):
     floor: str = "full"
     allocate: str | None = None
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
-    residual_length: int | None = None  # type: ignore[assignment]  # as sink_tokens: lowrank's own (stack: the most)
+    residual_length: int | None = None  # type: ignore[assignment,misc]  # as sink_tokens: lowrank's own (stack: the most)
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
