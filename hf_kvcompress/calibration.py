@@ -100,6 +100,14 @@ def calibration_ids(tokenizer, tokens: int = 2048) -> torch.Tensor:
     return tokenizer(calibration_text(words=tokens), return_tensors="pt").input_ids[:, :tokens]
 
 
+def held_out_ids(tokenizer, fitted: int, tokens: int = 2048) -> torch.Tensor:
+    """[1, tokens] ids of the calibration text after its first `fitted` tokens (what the bases were fitted on)."""
+    ids = tokenizer(calibration_text(words=2 * (fitted + tokens)), return_tensors="pt").input_ids
+    if ids.shape[1] < fitted + tokens:
+        raise ValueError(f"the calibration text holds {ids.shape[1]} tokens, fewer than {fitted} + {tokens}")
+    return ids[:, fitted: fitted + tokens]
+
+
 def calibrate(
     model, input_ids: torch.Tensor, max_rank: int | None = None, text: str = CALIBRATION_TEXT
 ) -> tuple[dict, dict, list[dict]]:
@@ -135,14 +143,15 @@ def concatenated(states: torch.Tensor) -> torch.Tensor:
     return states.permute(1, 0, 2).reshape(1, tokens, heads * dim)
 
 
-def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
-                    text: str = CALIBRATION_TEXT) -> tuple[dict, dict, list[dict]]:
+def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None, text: str = CALIBRATION_TEXT,
+                    error_ids: torch.Tensor | None = None) -> tuple[dict, dict, list[dict]]:
     """Fit one basis per layer and kind over the layer's KV heads on `input_ids` [1, T], keys with RoPE undone.
 
     Tensors per layer i: `layers.i.{key,value}_mean` [H, D], `_basis` [H, D, max_rank] (the [H * D, max_rank]
     basis, row h * D + d as [h, d]), `_variance` [H * D] (every component's variance, for choosing ranks). Returns
     (tensors, metadata, report rows per layer: the share of variance kept at a quarter and a half of the
-    dimensions, jointly and, for comparison, per head)."""
+    dimensions, jointly and, for comparison, per head). With `error_ids` [1, T'] (text the bases are not fitted
+    on), also the attention-output error curves (`add_error_curves`)."""
     states = layer_states(model, input_ids.to(model.device))
     kv_heads, _, head_dim = states[0][0].shape
     if states[0][1].shape[-1] != head_dim:
@@ -168,6 +177,8 @@ def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
                 "kv_heads": str(kv_heads), "head_dim": str(head_dim), "value_dim": str(head_dim),
                 "max_rank": str(max_rank), "keys": "pre_rope", "heads": JOINT, "tokens": str(input_ids.shape[1]),
                 "text": text}
+    if error_ids is not None:
+        add_error_curves(model, error_ids, tensors, metadata)
     return tensors, metadata, report
 
 
@@ -452,3 +463,178 @@ def load_floors(path: Path, config) -> tuple[torch.Tensor, torch.Tensor, torch.T
     check_fitted_for(metadata, config, f"the layer floors in {path}", "hf-kvcompress calibrate --floors --model M "
                      "--out DIR")
     return tensors["ratios"].double(), tensors["layers"].long(), tensors["floors"].double()
+
+
+# -- attention-output error of the joint bases (ranks by what attention reads, not by variance) ---------------------
+
+CAPTURE_NAME = "kvcompress_capture"
+ERROR_STEP = 8  # ranks at which `error_curves` measures a layer's error (the codec's finest rank step)
+
+
+class _Captures:
+    """What one forward pass's attention calls received, per layer (the call's module.layer_idx)."""
+
+    def __init__(self, queries: int):
+        self.queries = queries
+        self.layers: dict[int, dict[str, Any]] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs):
+        self.layers[module.layer_idx] = {
+            "query": query[0, :, -self.queries:].detach().float(),  # [Hq, Q, D] post-RoPE, the last Q positions
+            "keys": key[0].detach().float(), "values": value[0].detach().float(),  # [H, T, D], keys post-RoPE
+            "scaling": float(scaling if scaling is not None else module.scaling),
+            "window": sliding_window, "softcap": kwargs.get("softcap"),
+        }
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+
+
+@torch.inference_mode()
+def attention_captures(model, input_ids: torch.Tensor, queries: int = 256) -> list[dict[str, Any]]:
+    """Per layer: the last `queries` queries [Hq, Q, D], every key (post-RoPE) and value [H, T, D], the scaling,
+    sliding window and softcap of one forward pass over `input_ids` [1, T]."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    captures = _Captures(queries)
+    AttentionInterface.register(CAPTURE_NAME, captures)
+    AttentionMaskInterface.register(CAPTURE_NAME, sdpa_mask)
+    decoder = text_config(model.config)
+    before = decoder._attn_implementation
+    model.set_attn_implementation(CAPTURE_NAME)
+    try:
+        model(input_ids=input_ids.to(model.device), use_cache=False)
+    finally:
+        model.set_attn_implementation(before)
+    return [captures.layers[i] for i in range(len(captures.layers))]
+
+
+def attention_weights(capture: dict[str, Any], keys: torch.Tensor) -> torch.Tensor:
+    """The captured queries' attention weights [H, G * Q, T] over `keys` [H, T, D] (causal, the layer's sliding
+    window and softcap; row g * Q + q: query head h * G + g at the q-th captured position)."""
+    query = capture["query"]
+    heads, length, _ = keys.shape
+    groups = query.shape[0] // heads
+    count = query.shape[1]
+    q = query.reshape(heads, groups * count, -1)
+    logits = (q @ keys.float().transpose(1, 2)) * capture["scaling"]
+    if capture["softcap"]:
+        logits = torch.tanh(logits / capture["softcap"]) * capture["softcap"]
+    positions = torch.arange(length - count, length).repeat(groups)  # each query's position
+    k = torch.arange(length)
+    allowed = k[None] <= positions[:, None]
+    if capture["window"]:
+        allowed &= k[None] > positions[:, None] - capture["window"]
+    return logits.masked_fill(~allowed[None], float("-inf")).softmax(-1)
+
+
+def projected_output(model, layer: int, capture: dict[str, Any], weights: torch.Tensor,
+                     values: torch.Tensor) -> torch.Tensor:
+    """Layer `layer`'s attention output after its output projection [Q, hidden] for `weights` [H, G * Q, T] (as
+    `attention_weights` gives them) and `values` [H, T, D]."""
+    query_heads, count, _ = capture["query"].shape
+    out = (weights @ values.float()).reshape(query_heads, count, -1)  # query head h * G + g reads KV head h
+    weight = text_layers(model)[layer].self_attn.o_proj.weight.detach().float()
+    return out.transpose(0, 1).reshape(count, -1) @ weight.T
+
+
+def output_error(model, capture: dict[str, Any], states: tuple[torch.Tensor, torch.Tensor], layer: int,
+                 weights: torch.Tensor | None = None) -> float:
+    """Relative squared error of layer `layer`'s attention output after its output projection when it reads
+    `states` (keys post-RoPE, values [H, T, D]) instead of the captured ones (`weights`: the attention weights
+    over states' keys, when the caller has them)."""
+    reference = capture.get("output")
+    if reference is None:
+        reference = capture["output"] = projected_output(
+            model, layer, capture, attention_weights(capture, capture["keys"]), capture["values"])
+    if weights is None:
+        weights = attention_weights(capture, states[0])
+    approx = projected_output(model, layer, capture, weights, states[1])
+    return float((approx - reference).pow(2).sum() / reference.pow(2).sum().clamp(min=1e-30))
+
+
+def text_layers(model):
+    """The decoder layers of `model` (a causal LM, or a multimodal one's text model)."""
+    inner = model.model
+    inner = getattr(inner, "language_model", inner)
+    return inner.layers
+
+
+def _joint_basis(tensors: dict[str, torch.Tensor], layer: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean [H * D], orthonormal basis [H * D, max_rank]) of a joint bases file, as the codec reads them."""
+    mean = tensors[f"layers.{layer}.{kind}_mean"].double().reshape(-1)
+    basis = tensors[f"layers.{layer}.{kind}_basis"].double()
+    q, r = torch.linalg.qr(basis.reshape(mean.numel(), -1))
+    return mean, q * torch.sign(torch.diagonal(r))[None]
+
+
+def _projected(states: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, rank: int) -> torch.Tensor:
+    """states [H, T, D] reconstructed from their first `rank` coordinates on a joint basis."""
+    heads, length, dim = states.shape
+    flat = states.double().transpose(0, 1).reshape(length, heads * dim) - mean
+    kept = basis[:, :rank]
+    return ((flat @ kept) @ kept.T + mean).reshape(length, heads, dim).transpose(0, 1)
+
+
+def joint_reconstruction(config, tensors: dict[str, torch.Tensor], layer: int, capture: dict[str, Any],
+                         ranks: tuple[int | None, int | None], sinks: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The captured keys (post-RoPE) and values of `layer` as the joint bases at `ranks` (key, value) rebuild
+    them (keys projected with RoPE undone, then rotated back); None leaves that kind exact; the first `sinks`
+    tokens stay exact (as lowrank's `sink_tokens` keep them)."""
+    keys, values = capture["keys"], capture["values"]
+    exact_keys, exact_values = keys, values
+    key_rank, value_rank = ranks
+    if key_rank is not None:
+        plain = unrotated(keys, config, layer)
+        rebuilt = _projected(plain, *_joint_basis(tensors, layer, "key"), key_rank).float()
+        inv_freq = torch.tensor(rope_frequencies(config)[layer])
+        positions = torch.arange(keys.shape[1], dtype=torch.float32).expand(keys.shape[0], -1)
+        keys = rerotate(rebuilt[None], positions[None], inv_freq)[0]
+    if value_rank is not None:
+        values = _projected(values, *_joint_basis(tensors, layer, "value"), value_rank).float()
+    if sinks:
+        keys = torch.cat([exact_keys[:, :sinks], keys[:, sinks:]], 1)
+        values = torch.cat([exact_values[:, :sinks], values[:, sinks:]], 1)
+    return keys, values
+
+
+def error_curves(model, captures: list[dict[str, Any]], tensors: dict[str, torch.Tensor], step: int = ERROR_STEP,
+                 max_rank: int | None = None) -> list[tuple[list[float], list[float]]]:
+    """Per layer, (key errors, value errors): the relative attention-output error (`output_error`) with one kind
+    rebuilt at ranks 0, step, 2 step, ... up to `max_rank` (or the width) and the other kind exact."""
+    curves = []
+    for layer, capture in enumerate(captures):
+        heads, _, dim = capture["keys"].shape
+        top = min(heads * dim, max_rank or heads * dim)
+        ranks = range(0, top + 1, step)
+        exact = attention_weights(capture, capture["keys"])
+        key = [output_error(model, capture, joint_reconstruction(model.config, tensors, layer, capture, (r, None)),
+                            layer) for r in ranks]
+        value = [output_error(model, capture, joint_reconstruction(model.config, tensors, layer, capture, (None, r)),
+                              layer, exact) for r in ranks]
+        curves.append((key, value))
+    return curves
+
+
+ERROR_QUERIES = 256  # the calibration text's last tokens whose attention output `add_error_curves` measures
+
+
+def add_error_curves(model, input_ids: torch.Tensor, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                     queries: int = ERROR_QUERIES) -> None:
+    """Add each layer's attention-output error curves (`error_curves` on `input_ids`: text the bases were not fitted
+    on, since on their own text they lose far less than on any other) to joint bases:
+    `layers.i.{key,value}_error` [max_rank // ERROR_STEP + 1], the error at ranks 0, ERROR_STEP, ...; lowrank's
+    `allocate=error` spends a ratio's dimensions by them."""
+    if metadata.get("heads") != JOINT:
+        raise ValueError("attention-error curves are measured for joint bases (hf-kvcompress calibrate --heads joint)")
+    captures = attention_captures(model, input_ids, queries)
+    curves = error_curves(model, captures, tensors, ERROR_STEP, int(metadata["max_rank"]))
+    for layer, (key, value) in enumerate(curves):
+        tensors[f"layers.{layer}.key_error"] = torch.tensor(key, dtype=torch.float32)
+        tensors[f"layers.{layer}.value_error"] = torch.tensor(value, dtype=torch.float32)
+    metadata.update(error_step=str(ERROR_STEP), error_queries=str(queries))
+
+
+def has_error_curves(tensors: dict[str, torch.Tensor]) -> bool:
+    return "layers.0.key_error" in tensors

@@ -16,13 +16,17 @@ from typing import ClassVar
 
 import torch
 
-from ..calibration import JOINT, load_bases, rope_frequencies
+from ..calibration import ERROR_STEP, JOINT, has_error_curves, load_bases, rope_frequencies
 from ..hf.compat import text_config
 from ..ops.rerotate import rerotate
 from .base import Encoded, Kind
 from .reducing import ReducingCodec
 
 DEFAULT_RATIO = 0.25  # the lesson's 128 -> 32
+# The newest tokens a ratio below a half keeps exact unless `residual_length` is given: chosen on SmolLM2's development
+# half (a quarter: no window 0 / 10, 32 tokens 7 / 10, 128 tokens 8 / 10; docs/results.md); a half answered its
+# needles without one (by variance).
+WINDOW_BELOW_HALF = 128
 
 
 class LayerBases:
@@ -62,6 +66,7 @@ class LayerBases:
 
 
 FLOORS = ("none", "full")  # lowrank's `floor`: which layers keep at least the ratio of each kind's dimensions
+ALLOCATIONS = ("error", "variance")  # lowrank's `allocate`: what a ratio's dimensions are spread by
 
 
 def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: float, step: int,
@@ -92,6 +97,45 @@ def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: fl
     return [(key, value) for key, value in ranks]
 
 
+def allocate_ranks_by_error(curves: list[tuple[list[float], list[float]]], ratio: float, step: int, max_rank: int,
+                            width: int, floored: tuple[bool, ...] | None = None,
+                            curve_step: int = 8) -> list[tuple[int, int]]:
+    """Per-layer (key rank, value rank) keeping `ratio` of all layers' dimensions, in steps of `step`, chosen to
+    lower the sum over layers of the calibrated attention-output errors (`calibration.error_curves`: per layer and
+    kind, the error at ranks 0, curve_step, 2 curve_step, ... up to `max_rank`; `width`: KV heads x head_dim) the
+    most.
+
+    Greedy: each next step goes to the (layer, kind) whose error falls most per step there; an error curve that
+    flattens and then falls again (a few large components late) is looked at over every later step, so a long run of
+    small gains does not hide it. Bounds as `allocate_ranks` (at least one step, at most `max_rank`, `floored`
+    layers at least `ratio` of each kind)."""
+    if step % curve_step:
+        raise ValueError(f"step must be a multiple of the error curves' step ({curve_step}), got {step}")
+    steps = width // step
+    total = round(ratio * len(curves) * 2 * steps)
+    floor = min(max(1, round(ratio * steps)), max_rank // step)
+    top = min(steps, max_rank // step)
+    lowest = [floor if floored is not None and floored[layer] else 1 for layer in range(len(curves))]
+    ranks = [[low, low] for low in lowest]
+    budget = total - 2 * sum(lowest)
+    every = step // curve_step
+    while budget > 0:
+        best: tuple[float, int, int, int] | None = None
+        for layer, pair in enumerate(curves):
+            for k, curve in enumerate(pair):
+                at = ranks[layer][k]
+                for more in range(1, min(top - at, budget) + 1):  # the best rate over any run of later steps
+                    rate = (curve[at * every] - curve[(at + more) * every]) / more
+                    if best is None or rate > best[0] + 1e-15:
+                        best = (rate, layer, k, more)
+        if best is None:
+            break
+        _, layer, k, more = best
+        ranks[layer][k] += more
+        budget -= more
+    return [(step * key, step * value) for key, value in ranks]
+
+
 @dataclass(frozen=True)
 class LowRankCodec(ReducingCodec):
     """Stores keys and values as coordinates on calibrated PCA bases (Palu, arXiv:2407.21118; ShadowKV,
@@ -109,6 +153,12 @@ class LowRankCodec(ReducingCodec):
         ratio: the share of all layers' key and value dimensions kept, spread over the layers and kinds by their
             calibrated variances (joint bases only). Neither: ratio 0.25 (joint bases) or rank head_dim // 4.
         bases: a directory (or file) written by `hf-kvcompress calibrate`; None: the bases shipped for the model.
+        allocate: with `ratio`, how the dimensions are spread over layers and kinds: "error" spends each next step
+            where it lowers the calibrated attention-output error most (summed over layers; the curves
+            `hf-kvcompress calibrate` writes beside the bases), "variance" by the share of variance each step holds;
+            None: "error" below half of the dimensions when the bases hold error curves, else "variance" (chosen on
+            SmolLM2's development half: at a quarter the error allocation answered more, at a half without a
+            window it lost answers that variance kept; docs/results.md, "Low rank at a quarter").
         floor: with `ratio`, "full" (the default): in a model with sliding-window layers, each full-attention layer
             (the layers that read the whole document) keeps at least `ratio` of its key and of its value dimensions,
             the rest allocated by variance; "none": every layer by variance alone. The default was chosen on the
@@ -122,7 +172,8 @@ class LowRankCodec(ReducingCodec):
         residual_length: the newest tokens kept exact in the cache's full-precision tail before they are projected
             (a window, as int4's residual: the question's and the answer's own tokens read exactly), counted in the
             cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
-            most either asks for (`exact_residual`); 0: none.
+            most either asks for (`exact_residual`); 0: none. None (the default): 128 when fewer than half of the
+            dimensions are kept (a ratio below 0.5, the default ratio included), else 0 (with `rank`: 0).
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
 
@@ -133,8 +184,9 @@ class LowRankCodec(ReducingCodec):
     ratio: float | None = None
     bases: str | None = None
     floor: str = "full"
+    allocate: str | None = None
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
-    residual_length: int = 0  # type: ignore[misc]  # as sink_tokens: lowrank's own; the stack keeps the most asked
+    residual_length: int | None = None  # type: ignore[assignment,misc]  # as sink_tokens: lowrank's own (stack: the most)
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
@@ -159,10 +211,18 @@ class LowRankCodec(ReducingCodec):
             raise ValueError(
                 f"sink_tokens must be an integer >= 0 (the first real tokens kept exact), got {self.sink_tokens!r}"
             )
+        if self.allocate is not None:
+            if self.allocate not in ALLOCATIONS:
+                raise ValueError(f"allocate must be one of {', '.join(ALLOCATIONS)}, got {self.allocate!r}")
+            if self.rank is not None:
+                raise ValueError("allocate spreads a ratio's dimensions: give it with ratio, not rank")
         if self.floor is None:  # a spec's `floor=none` reads as None
             object.__setattr__(self, "floor", "none")
         if self.floor not in FLOORS:
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}, got {self.floor!r}")
+        if self.residual_length is None:
+            share = self.ratio if self.ratio is not None else (DEFAULT_RATIO if self.rank is None else 1.0)
+            object.__setattr__(self, "residual_length", WINDOW_BELOW_HALF if share < 0.5 else 0)
         if isinstance(self.residual_length, bool) or not isinstance(self.residual_length, int) \
                 or self.residual_length < 0:
             raise ValueError(
@@ -197,10 +257,20 @@ class LowRankCodec(ReducingCodec):
                 ranks = [(self.rank * heads, self.rank * heads)] * layers
             else:
                 ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
-                variances = [(tensors[f"layers.{i}.key_variance"], tensors[f"layers.{i}.value_variance"])
-                             for i in range(layers)]
-                ranks = allocate_ranks(variances, ratio, self._rank_step(heads * head_dim), max_rank,
-                                       self._floored(config, layers))
+                step, floored = self._rank_step(heads * head_dim), self._floored(config, layers)
+                allocate = self.allocate or ("error" if ratio < 0.5 and has_error_curves(tensors) else "variance")
+                if allocate == "error":
+                    if not has_error_curves(tensors):
+                        raise ValueError("allocate=error needs bases with attention-error curves (hf-kvcompress "
+                                         "calibrate writes them; --attention-errors adds them): give allocate=variance")
+                    curves = [(tensors[f"layers.{i}.key_error"].tolist(), tensors[f"layers.{i}.value_error"].tolist())
+                              for i in range(layers)]
+                    ranks = allocate_ranks_by_error(curves, ratio, step, max_rank, heads * head_dim, floored,
+                                                    ERROR_STEP)
+                else:
+                    variances = [(tensors[f"layers.{i}.key_variance"], tensors[f"layers.{i}.value_variance"])
+                                 for i in range(layers)]
+                    ranks = allocate_ranks(variances, ratio, step, max_rank, floored)
         else:
             rank = self.rank if self.rank is not None else head_dim // 4
             ranks = [(rank, rank)] * layers

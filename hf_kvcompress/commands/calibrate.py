@@ -46,6 +46,12 @@ def add_parser(subparsers) -> None:
                         "tokens (absmax, default), their root mean square (rms) or 99th percentile (p99)")
     parser.add_argument("--documents", type=int, default=12,
                         help="with --probe: calibration documents, the last 2 held out (default: %(default)s)")
+    parser.add_argument("--attention-errors", action="store_true",
+                        help="add the attention-output error curves (what lowrank:allocate=error reads) to existing "
+                        "joint bases (--bases, default: the ones shipped for the model), measured on the same "
+                        "calibration text, and write bases and curves to OUT (a fresh fit writes them anyway)")
+    parser.add_argument("--bases", default=None,
+                        help="with --attention-errors: the bases to add the curves to (default: the shipped ones)")
     parser.add_argument("--max-rank", type=int, default=None,
                         help="components kept per basis (default: all of a joint basis, head_dim // 2 per head); "
                         "lowrank's ranks may not exceed it")
@@ -54,7 +60,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
-    from ..calibration import calibrate, calibrate_joint, calibration_ids, save_bases
+    from ..calibration import calibrate, calibrate_joint, calibration_ids, held_out_ids, save_bases
     from ..models import load_model
 
     if args.tokens < 16:
@@ -67,9 +73,15 @@ def run(args) -> int:
         return run_key_scales(args)
     if args.floors:
         return run_floors(args)
+    if args.attention_errors:
+        return run_attention_errors(args)
     model, tokenizer = load_model(args.model)
-    fit = calibrate_joint if args.heads == "joint" else calibrate
-    tensors, metadata, report = fit(model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank)
+    if args.heads == "joint":
+        tensors, metadata, report = calibrate_joint(
+            model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank,
+            error_ids=held_out_ids(tokenizer, args.tokens))
+    else:
+        tensors, metadata, report = calibrate(model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank)
     path = save_bases(tensors, metadata, args.out)
     print(f"Bases for {metadata['model']} ({metadata['layers']} layers x {metadata['kv_heads']} KV heads x "
           f"head_dim {metadata['head_dim']}, {metadata['max_rank']} components kept per basis, "
@@ -78,6 +90,29 @@ def run(args) -> int:
         _joint_report(report)
     else:
         _per_head_report(report)
+    return 0
+
+
+def run_attention_errors(args) -> int:
+    """`calibrate --attention-errors`: add the attention-output error curves to existing joint bases."""
+    from ..calibration import add_error_curves, held_out_ids, load_bases, save_bases
+    from ..models import load_model
+
+    model, tokenizer = load_model(args.model)
+    tensors, metadata = load_bases(args.bases, model.config)
+    add_error_curves(model, held_out_ids(tokenizer, int(metadata["tokens"])), tensors, metadata)
+    path = save_bases(tensors, metadata, args.out)
+    print(f"Bases with attention-error curves for {metadata['model']}: {path}")
+    print("Relative attention-output error per layer at a quarter / half of the dimensions (keys | values):")
+    layers, step = int(metadata["layers"]), int(metadata["error_step"])
+    width = tensors["layers.0.key_mean"].numel()
+    for layer in range(layers):
+        cells = []
+        for kind in ("key", "value"):
+            curve = tensors[f"layers.{layer}.{kind}_error"]
+            cells.append("/".join(f"{float(curve[min(r // step, len(curve) - 1)]):.3f}"
+                                  for r in (width // 4, width // 2)))
+        print(f"{layer:5d}  {cells[0]:>12s}  {cells[1]:>12s}")
     return 0
 
 

@@ -51,7 +51,8 @@ def test_error_falls_with_rank(tiny, bases_dir):
 
 
 @pytest.mark.parametrize("spec", ["lowrank:rank=8", "lowrank:rank=16+int4:group_size=16,residual_length=2",
-                                  "h2o:budget=8,recent=2+lowrank:rank=8", "sink_window:sink_tokens=2,window=6+lowrank"])
+                                  "h2o:budget=8,recent=2+lowrank:rank=8",
+                                  "sink_window:sink_tokens=2,window=6+lowrank:residual_length=0"])
 def test_caches_hold_what_they_promise_and_padded_rows_match(tiny, bases_dir, spec):
     spec = spec.replace("lowrank", f"lowrank:bases={bases_dir}").replace(f"{bases_dir}:", f"{bases_dir},")
     rows, ids, mask = left_padded_prompts(seed=1, lengths=(5, 13))

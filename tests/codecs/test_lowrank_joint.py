@@ -123,7 +123,8 @@ def test_floor_refuses_bad_values():
 
 @pytest.mark.parametrize("spec", ["lowrank:ratio=0.5",
                                   "lowrank:ratio=0.5+int4:group_size=16,residual_length=2,key_axis=token",
-                                  "h2o:budget=8,recent=2+lowrank:ratio=0.5", "tova:ratio=0.5+lowrank:ratio=0.25"])
+                                  "h2o:budget=8,recent=2+lowrank:ratio=0.5",
+                                  "tova:ratio=0.5+lowrank:ratio=0.25,residual_length=0"])
 def test_bytes_are_exact_and_padded_rows_match_rows_alone(fitted, spec):
     model, bases = fitted["llama"]
     spec = spec.replace("lowrank:", f"lowrank:bases={bases},")

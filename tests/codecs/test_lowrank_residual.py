@@ -20,7 +20,12 @@ INT4 = "int4:residual_length=0,group_size=8,key_axis=token"  # everything encode
 
 
 def test_residual_length_default_compose_and_refuse_bad_values():
-    assert LowRankCodec().residual_length == parse_spec("lowrank")[1].exact_residual == 0
+    # Below half of the dimensions (the default quarter included) the newest 128 tokens stay exact; a half and a
+    # fixed rank keep none.
+    assert LowRankCodec().residual_length == parse_spec("lowrank")[1].exact_residual == 128
+    assert parse_spec("lowrank:ratio=0.25")[1].exact_residual == 128
+    assert parse_spec("lowrank:ratio=0.5")[1].exact_residual == parse_spec("lowrank:rank=8")[1].exact_residual == 0
+    assert parse_spec("lowrank:ratio=0.25,residual_length=0")[1].exact_residual == 0
     assert parse_spec("lowrank:residual_length=16")[1].exact_residual == 16
     assert parse_spec("lowrank+int4")[1].exact_residual == 128  # int4's own residual, as before
     assert parse_spec("lowrank:residual_length=256+int4")[1].exact_residual == 256  # the most either asks for

@@ -79,7 +79,7 @@ def test_sinks_are_the_first_real_tokens_stored_exactly(llama, storage):
     model, bases = llama
     ids, mask = _padded_prompts()
     reference = DynamicCache(config=model.config)
-    cache = make_cache(_spec(bases, f"lowrank:ratio=0.25{storage}"), model.config)
+    cache = make_cache(_spec(bases, f"lowrank:ratio=0.25,residual_length=0{storage}"), model.config)
     _forward(model, ids, mask, reference)
     _forward(model, ids, mask, cache)
     for layer, exact in zip(cache.layers, reference.layers, strict=True):
@@ -98,7 +98,7 @@ def test_without_sinks_the_first_tokens_are_projected(llama):
     model, bases = llama
     ids, mask = _padded_prompts()
     reference = DynamicCache(config=model.config)
-    cache = make_cache(_spec(bases, "lowrank:ratio=0.25,sink_tokens=0"), model.config)
+    cache = make_cache(_spec(bases, "lowrank:ratio=0.25,sink_tokens=0,residual_length=0"), model.config)
     _forward(model, ids, mask, reference)
     _forward(model, ids, mask, cache)
     assert cache.layers[1].sink_slots is None and cache.layers[1].sink_keys is None
