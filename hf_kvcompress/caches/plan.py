@@ -308,12 +308,15 @@ def for_model(policy: Policy, config) -> Policy:
 
 
 def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
-                full_codec: Codec | None = None, share_sliding: bool = True) -> list[LayerPlan]:
+                full_codec: Codec | None = None, share_sliding: bool = True,
+                planned_sliding: int | None = None) -> list[LayerPlan]:
     """Each decoder layer's plan under `policy` x `codec` for the model of `config`.
 
     `codec` is the codec as requested (unbound); `full_codec` is `cache_codec(policy, codec, config)` when the
     caller has it already (binding may read calibration files). `share_sliding=False` gives a ratio the same share
-    in every layer even where `plans_sliding_share` would share it (the plan of caches saved before it existed).
+    in every layer even where `plans_sliding_share` would share it (the plan of caches saved before it existed);
+    `planned_sliding`: the tokens a planned sliding layer keeps instead of `sliding_kept`'s (a saved cache's, as it
+    was built: persist.py).
     Raises ValueError for what the model cannot store or the policy cannot apply to: a head_dim the codec refuses,
     `sliding=` without sliding layers or past their window.
     """
@@ -344,6 +347,9 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
             windows[kind] = window
     planned = share_sliding and plans_sliding_share(policy, layer_types)
     kept = {kind: sliding_kept(policy, kind, window, planned) for kind, window in windows.items()}
+    if planned and planned_sliding is not None:
+        check_count("planned_sliding", planned_sliding, minimum=1)
+        kept["sliding_attention"] = planned_sliding
     target = byte_target(policy, config, layer_types, windows)
     share = None
     if planned and kept["sliding_attention"] is not None and target is None:
