@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from .caches.compressed import CompressedCache
+from .caches.plan import SLIDING_FLOOR, planned_share
 from .hf.compat import text_config
 from .registry import parse_spec
 
@@ -66,6 +68,8 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
         "rerotate": json.dumps(cache.rerotate),
         # Files without it were saved before a plain KVzip ratio shared a hybrid model's pairs: they load as built.
         "sliding_share": json.dumps(cache.sliding_share is not None),
+        # The planned sliding layers' count as built; files without it were planned by r x r (`_r2_sliding`).
+        "sliding_kept": json.dumps(None if cache.sliding_share is None else cache.sliding_share.kept),
         # KVzip's or KVzap's `decoding` as the cache ran it: files without it were saved before "append" was a
         # default, and load as they ran ("evict").
         "decoding": json.dumps(getattr(cache.policy, "resolved_decoding", None)),
@@ -106,8 +110,12 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     # one was saved when 4 was every model's default.
     if getattr(policy, "span", 0) is None:
         policy = dataclasses.replace(policy, span=4)  # type: ignore[call-arg]  # a KVzip or KVzap policy: checked
+    shared = json.loads(metadata.get("sliding_share", "false"))
+    planned_sliding = json.loads(metadata.get("sliding_kept", "null"))
+    if shared and "sliding_kept" not in metadata:
+        planned_sliding = _r2_sliding(policy, config)
     cache = CompressedCache(policy, codec, config=config, rerotate=json.loads(metadata["rerotate"]),
-                            share_sliding=json.loads(metadata.get("sliding_share", "false")))
+                            share_sliding=shared, planned_sliding=planned_sliding)
     cache.model_name = metadata["model_name"]
     cache.architecture = json.loads(metadata["architecture"])
     if model is not None:
@@ -124,6 +132,15 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
         target = torch.device(device if device is not None else metadata["device"])
         layer.import_state(layer_tensors, meta, target)  # meta `kind` selects the store kind (layer.py `import_state`)
     return cache
+
+
+def _r2_sliding(policy, config) -> int:
+    """The tokens a planned sliding layer kept in files saved before they recorded it (`sliding_kept`): r x r of
+    its window (r: the planned share), at least SLIDING_FLOOR of it, at most the share."""
+    share = planned_share(policy)
+    assert share is not None  # saved with a planned share: a ratio or KVzip's bytes
+    whole = max(text_config(config).sliding_window - 1, 1)
+    return min(math.ceil(share * whole), max(math.ceil(share * share * whole), math.ceil(SLIDING_FLOOR * whole)))
 
 
 def check_model(cache, model) -> None:

@@ -24,6 +24,8 @@ Allocations (each with KVzip's span=4 choosing the pairs, the raw scores setting
 - `rank`:    like `token`, but each token takes its best place in any layer's and head's own ranking (so a layer
              whose scores are small counts as much as one whose scores are large);
 - `floor:F`: `head`, but every layer and head keeps at least F x the uniform share (the others give way);
+- `lfloor:L=F,L=F`: `head`, but each head of the named layers keeps its best F of the document first (the cache's
+             calibrated layer floors), the one ranking shares out the rest;
 - `shares:L=F,L=F`: the named full-attention layers keep those shares of the document per head, the others split
              what is left equally (a diagnosis, as `layer:L:F`);
 - `layer:L:F`: layer L keeps F of the document per head, the other full-attention layers share what is left equally
@@ -86,12 +88,16 @@ def keep_masks(scores: dict[int, torch.Tensor], share: float, how: str) -> dict[
         others = [li for li in scores if li not in named]
         rest = max(0, total - sum(fixed.values()) * H) // (H * len(others)) if others else 0
         counts = {li: torch.full((H,), fixed.get(li, min(T, rest))) for li in scores}
-    elif name in ("head", "floor"):
-        floor = float(args[0]) if args else 0.0
-        guaranteed = min(T, math.floor(floor * per_head))
+    elif name in ("head", "floor", "lfloor"):
+        floor = float(args[0]) if args and name == "floor" else 0.0
+        # lfloor:17=0.25,5=0.1: those layers' heads keep their best share of the document first (the cache's
+        # calibrated layer floors, plan.py `SlidingShare.floors`), the one ranking shares out the rest
+        named = ({int(k): float(v) for k, v in (part.split("=") for part in args[0].split(","))}
+                 if name == "lfloor" else {})
         # each head's first `guaranteed` pairs by its own ranking are protected; the rest is one global ranking
         ranked = {}
         for li, s in scores.items():
+            guaranteed = min(T, math.ceil(named[li] * T)) if li in named else min(T, math.floor(floor * per_head))
             order = s[0].argsort(-1, descending=True)
             lifted = s[0].clone()
             if guaranteed:
@@ -102,7 +108,8 @@ def keep_masks(scores: dict[int, torch.Tensor], share: float, how: str) -> dict[
         counts = {li: (r >= threshold).sum(-1).clamp(max=T) for li, r in ranked.items()}
     else:
         raise ValueError(
-            f"allocation must be head, token, rank, uniform, floor:F, layer:L:F or shares:L=F,..., got {how!r}")
+            f"allocation must be head, token, rank, uniform, floor:F, lfloor:L=F,..., layer:L:F or shares:L=F,..., "
+            f"got {how!r}")
     masks = {}
     for li, c in chooser.items():
         mask = torch.zeros(1, H, T, dtype=torch.bool)
@@ -134,6 +141,9 @@ def main() -> None:
     parser.add_argument("--targets", type=float, nargs="+", default=[0.5, 0.25, 0.125])
     parser.add_argument("--sliding", type=int, nargs="+", default=[511, 127, 63])
     parser.add_argument("--allocations", nargs="+", default=["head", "token", "uniform"])
+    parser.add_argument("--shares", type=float, nargs="+", default=[],
+                        help="also keep these shares of the document in the full-attention layers at every sliding "
+                             "count, whatever the cache's total (a diagnosis: what the sliding layers' tokens add)")
     parser.add_argument("--skip-whole", action="store_true",
                         help="score the whole window only for the uncompressed answers (no allocation there)")
     args = parser.parse_args()
@@ -186,9 +196,10 @@ def main() -> None:
                 break
             if S not in args.sliding_tried:
                 continue
-            for target in args.targets:
-                whole = target * (n_sliding * min(T, window - 1) + n_full * T)
-                share = (whole - n_sliding * min(S, T)) / (n_full * T)
+            cells = [(target, (target * (n_sliding * min(T, window - 1) + n_full * T) - n_sliding * min(S, T))
+                      / (n_full * T)) for target in args.targets]
+            cells += [(f"full={share:g}", share) for share in args.shares]
+            for target, share in cells:
                 if share <= 0 or share > 1:
                     continue
                 for how in args.allocations:
@@ -207,11 +218,11 @@ def main() -> None:
                     print(f"  target {target} S={S} full share {share:.3f} {how} (layers keep {kept_shares}): "
                           + " ".join(line), flush=True)
     print(f"\n{args.model} {args.tasks} {args.lengths} {args.split}: retention by band (kept / answered)")
-    for (target, S, how), bands in sorted(kept.items(), key=lambda kv: (-kv[0][0], -kv[0][1], kv[0][2])):
+    for (target, S, how), bands in sorted(kept.items(), key=lambda kv: (str(kv[0][0]), -kv[0][1], kv[0][2])):
         every = [v for b in bands.values() for v in b]
         cells = " ".join(f"{b}={sum(bands[b])}/{len(bands[b])}" for b in ("start", "middle", "end") if bands[b])
         share = sum(every) / len(every)
-        print(f"target {target:<6} S={S:<4} {how:<10} {sum(every)}/{len(every)} = {share:.2f}  {cells}")
+        print(f"target {target!s:<9} S={S:<4} {how:<10} {sum(every)}/{len(every)} = {share:.2f}  {cells}")
 
 
 if __name__ == "__main__":

@@ -105,6 +105,8 @@ class CompressedCache(Cache):
         share_sliding: a plain KVzip ratio shares a hybrid model's pairs between its sliding and full-attention
             layers (plan.py `SlidingShare`); False gives every layer the ratio's share, as caches saved before the
             share existed were built (persist.py).
+        planned_sliding: the tokens a planned sliding layer keeps instead of the plan's (a saved cache's own count,
+            persist.py); None: the plan's.
     """
 
     # Every layer is one: built from a plan, or by `_LayerFactory` without a config (list is invariant, so the
@@ -115,7 +117,7 @@ class CompressedCache(Cache):
     architecture: dict
 
     def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False,
-                 share_sliding: bool = True):
+                 share_sliding: bool = True, planned_sliding: int | None = None):
         # The model config whose attention the cache switches to 'kvcompress_sdpa' at its first request to attention
         # (`adopt_attention_config`, `_engage_attention`); decided once in the cache's life.
         self.attention_config = config
@@ -139,7 +141,7 @@ class CompressedCache(Cache):
             self.num_layers = None
             return
         plans = plan_layers(self.policy, requested, config, rerotate, full_codec=self.codec,
-                            share_sliding=share_sliding)
+                            share_sliding=share_sliding, planned_sliding=planned_sliding)
         super().__init__(layers=[layer_from_plan(plan) for plan in plans])
         self.num_layers = len(plans)
         self.sliding_share = next((plan.sliding_share for plan in plans if plan.sliding_share is not None), None)

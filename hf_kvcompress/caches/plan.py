@@ -187,8 +187,9 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     it attends locally, and KVzip's reconstruction queries, a window away, cannot score it. Chunked-attention
     layers keep their chunk. A policy's `sliding=N` sets the count itself (`dynamic:sliding=127` shrinks only the
     sliding layers; what such counts keep is measured in docs/results.md). `planned` (`plans_sliding_share`): a
-    ratio r keeps r of its share, ceil(r x r x (window - 1)), but never fewer than SLIDING_FLOOR of the window (nor
-    more than the share), and the full-attention layers what that gives up (`SlidingShare`): the sliding layers only
+    ratio r keeps `planned_sliding_share(r)` of its window (r x r from a half up, less below), but never fewer than
+    SLIDING_FLOOR of the window (nor more than the share), and the full-attention layers what that gives up
+    (`SlidingShare`): the sliding layers only
     attend locally and their tokens are not scored, while the pairs a full-attention layer needs to answer from far
     back shrink more slowly than the ratio (chosen on Gemma-3-270M's development half, docs/results.md). KVzip's
     `bytes=B` keeps what a ratio of B keeps here (`planned_share`)."""
@@ -202,10 +203,19 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     elif (share := planned_share(policy)) is not None:
         kept = math.ceil(share * whole)
         if planned:
-            kept = min(kept, max(math.ceil(share * share * whole), math.ceil(SLIDING_FLOOR * whole)))
+            kept = min(kept, max(math.ceil(planned_sliding_share(share) * whole), math.ceil(SLIDING_FLOOR * whole)))
     else:
         return None
     return max(kept, 1) if kept < whole else None
+
+
+def planned_sliding_share(ratio: float) -> float:
+    """The share of its window a planned sliding layer keeps at `ratio` before SLIDING_FLOOR: r x r of it from a
+    half up (r of the ratio's share), 2 x r x r x r below, so that it falls faster than the ratio there and meets
+    r x r at a half. On Gemma-3-270M's development half a quarter answered 10 of 11 with 16 sliding tokens (the
+    floor) where r x r (32) answered 9, as an eighth had kept more with 16 than with 31 (docs/results.md); a half
+    keeps its 128."""
+    return ratio * ratio * min(1.0, 2 * ratio)
 
 
 def sliding_layer_codec(codec: Codec, layer_type: str, exact_window: bool = False) -> Codec:
@@ -298,12 +308,15 @@ def for_model(policy: Policy, config) -> Policy:
 
 
 def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
-                full_codec: Codec | None = None, share_sliding: bool = True) -> list[LayerPlan]:
+                full_codec: Codec | None = None, share_sliding: bool = True,
+                planned_sliding: int | None = None) -> list[LayerPlan]:
     """Each decoder layer's plan under `policy` x `codec` for the model of `config`.
 
     `codec` is the codec as requested (unbound); `full_codec` is `cache_codec(policy, codec, config)` when the
     caller has it already (binding may read calibration files). `share_sliding=False` gives a ratio the same share
-    in every layer even where `plans_sliding_share` would share it (the plan of caches saved before it existed).
+    in every layer even where `plans_sliding_share` would share it (the plan of caches saved before it existed);
+    `planned_sliding`: the tokens a planned sliding layer keeps instead of `sliding_kept`'s (a saved cache's, as it
+    was built: persist.py).
     Raises ValueError for what the model cannot store or the policy cannot apply to: a head_dim the codec refuses,
     `sliding=` without sliding layers or past their window.
     """
@@ -334,6 +347,9 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
             windows[kind] = window
     planned = share_sliding and plans_sliding_share(policy, layer_types)
     kept = {kind: sliding_kept(policy, kind, window, planned) for kind, window in windows.items()}
+    if planned and planned_sliding is not None:
+        check_count("planned_sliding", planned_sliding, minimum=1)
+        kept["sliding_attention"] = planned_sliding
     target = byte_target(policy, config, layer_types, windows)
     share = None
     if planned and kept["sliding_attention"] is not None and target is None:

@@ -166,3 +166,34 @@ def test_a_planned_sliding_share_is_saved_and_loads_as_planned(tmp_path):
     # tiny gemma3: sliding_window 6, so the ratio's plain share is ceil(0.5 x 5) = 3 tokens, the planned one 2
     assert [layer.policy.window for layer in plain.layers[:2]] == [3, 3]
     assert [layer.policy.window for layer in loaded.layers[:2]] == [2, 2]
+
+
+def test_a_planned_sliding_count_loads_as_it_was_built(tmp_path):
+    """A saved cache records its planned sliding layers' count (`sliding_kept`) and loads with it; a file saved
+    before it was recorded loads with the r x r count it was planned with (below half the plan now keeps fewer)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    model = use_kvcompress_attention(tiny_model("gemma3"))
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
+    cache = make_cache("kvzip:ratio=0.45", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
+    # tiny gemma3: sliding_window 6; ceil(2 x 0.45^3 x 5) = 1 (r x r: ceil(0.45 x 0.45 x 5) = 2, the share 3)
+    assert [layer.policy.window for layer in cache.layers[:2]] == [1, 1]
+    path = tmp_path / "planned.safetensors"
+    save_cache(cache, path)
+    loaded = load_cache(path)
+    assert loaded.sliding_share == cache.sliding_share
+    full = torch.cat([ids, torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(9))], 1)
+    ones = torch.ones_like(full)
+    assert torch.equal(generate(model, full, ones, loaded, max_new_tokens=4).new_tokens,
+                       generate(model, full, ones, copy.deepcopy(cache), max_new_tokens=4).new_tokens)
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+    assert json.loads(metadata["sliding_kept"]) == 1
+    del metadata["sliding_kept"]
+    older = tmp_path / "older.safetensors"
+    save_file(load_file(str(path)), str(older), metadata=metadata)
+    before = load_cache(older)
+    assert [layer.policy.window for layer in before.layers[:2]] == [2, 2]
+    assert before.sliding_share is not None and before.sliding_share.kept == 2
