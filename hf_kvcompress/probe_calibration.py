@@ -2,14 +2,16 @@
 entering each full-attention layer's attention as the input, one ridge regression per layer (probes.py holds the
 file format and the probe the policy runs).
 
-The text (`text`): "both" (the default) alternates documents of two sources, "novel" and "hotpotqa" take one:
+The text (`text`): "hotpotqa" (the default), "novel", or "both" (their documents alternating):
+- "hotpotqa": the package's calibration paragraphs (Wikipedia, `calibration.calibration_text`, as the low-rank bases
+  and KVzip's floors are fitted on), which hold names, dates and numbers. A probe fitted on the novel alone ranked
+  a needle's digits in the lowest third of Gemma-3's layer 11, where KVzip keeps them; on Gemma-3's development half
+  at a quarter the probe fitted here kept 9 of 11 answers, "both" 8, the novel alone 4 (docs/results.md, "KVzap on
+  Gemma-3: the calibration text").
 - "novel": consecutive passages of chapters I-VI of the suite's novel (Natsume Soseki's *Botchan*, eval/data.py
   `book_words("dev")`): the development half's haystack, which no test document reads (the test half's comes from
-  chapters VII-XI, the needle tasks' from Paul Graham's essays, the QA tasks' from SQuAD and HotpotQA).
-- "hotpotqa": the package's calibration paragraphs (Wikipedia, `calibration.calibration_text`, as the low-rank bases
-  and KVzip's floors are fitted on), which hold names, dates and numbers; the novel has almost none, and a probe
-  fitted on it alone ranked a needle's digits in the lowest third of Gemma-3's layer 11, where KVzip keeps them
-  (docs/results.md, "KVzap on Gemma-3: the calibration text").
+  chapters VII-XI, the needle tasks' from Paul Graham's essays, the QA tasks' from SQuAD and HotpotQA). SmolLM2's
+  shipped probe is fitted on it.
 Each document is about `tokens` tokens (KVzap fits on documents of about 1k tokens), rendered as the suite renders a
 document (the chat template's user turn up to the document's end); the last `held_out` documents are kept out of the
 fit to report it (with "both", one of each source when `held_out` is 2).
@@ -32,7 +34,7 @@ from .policies.kvzip import KVzipPolicy
 from .probes import PROBE_FORMAT
 
 NOVEL_TEXT = "Botchan, chapters I-VI (the suite's dev-half novel text; Project Gutenberg #8868, public domain)"
-TEXTS = ("both", "novel", "hotpotqa")
+TEXTS = ("hotpotqa", "novel", "both")
 # Words per token of each source (English prose; Wikipedia's names and numbers split into more tokens).
 WORDS_PER_TOKEN = {"novel": 0.7, "hotpotqa": 0.58}
 # The log of a score below this is the log of this: attention probabilities that small rank last anyway.
@@ -40,7 +42,9 @@ SCORE_FLOOR = 1e-6
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the mean variance of a feature
 
 
-def calibration_documents(tokenizer, tokens: int = 1024, documents: int = 12, text: str = "both") -> list[torch.Tensor]:
+def calibration_documents(
+    tokenizer, tokens: int = 1024, documents: int = 12, text: str = "hotpotqa"
+) -> list[torch.Tensor]:
     """Up to `documents` [1, <= tokens] id tensors of consecutive passages of the calibration `text` (TEXTS; "both"
     alternates a novel passage and a HotpotQA one, as long as both last)."""
     if text not in TEXTS:
@@ -153,7 +157,7 @@ def fit_layer(train: list[tuple[torch.Tensor, torch.Tensor]], test: list[tuple[t
 
 
 def calibrate_probe(model, tokenizer, tokens: int = 1024, documents: int = 12, held_out: int = 2,
-                    progress=None, text: str = "both") -> tuple[dict, dict, list[dict]]:
+                    progress=None, text: str = "hotpotqa") -> tuple[dict, dict, list[dict]]:
     """Fit every full-attention layer's probe; returns (tensors, metadata, report rows per layer)."""
     if not 1 <= held_out < documents:
         raise ValueError(f"held_out must be between 1 and documents - 1 ({documents - 1}), got {held_out}")

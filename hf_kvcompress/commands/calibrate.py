@@ -46,9 +46,9 @@ def add_parser(subparsers) -> None:
                         "tokens (absmax, default), their root mean square (rms) or 99th percentile (p99)")
     parser.add_argument("--documents", type=int, default=12,
                         help="with --probe: calibration documents, the last 2 held out (default: %(default)s)")
-    parser.add_argument("--text", choices=("both", "novel", "hotpotqa"), default="both",
-                        help="with --probe: the calibration text, the suite's dev-half novel and HotpotQA paragraphs "
-                        "alternating (both, default), or one of them (probe_calibration.py)")
+    parser.add_argument("--text", choices=("hotpotqa", "novel", "both"), default="hotpotqa",
+                        help="with --probe: the calibration text, the package's HotpotQA paragraphs (hotpotqa, "
+                        "default), the suite's dev-half novel (novel), or both alternating (probe_calibration.py)")
     parser.add_argument("--attention-errors", action="store_true",
                         help="add the attention-output error curves (what lowrank:allocate=error reads) to existing "
                         "joint bases (--bases, default: the ones shipped for the model), measured on the same "

@@ -123,7 +123,8 @@ def test_the_calibration_text_alternates_the_novel_and_hotpotqa(embedded):
     tokenizer = embedded[1]
     novel = calibration_documents(tokenizer, 200, 3, "novel")
     hotpotqa = calibration_documents(tokenizer, 200, 2, "hotpotqa")
-    both = calibration_documents(tokenizer, 200, 5)  # the default text: both, the odd one the novel's
+    assert all(torch.equal(a, b) for a, b in zip(calibration_documents(tokenizer, 200, 2), hotpotqa, strict=True))
+    both = calibration_documents(tokenizer, 200, 5, "both")  # the odd one the novel's
     assert len(novel) == 3 and len(hotpotqa) == 2 and len(both) == 5
     for got, want in zip(both, [novel[0], hotpotqa[0], novel[1], hotpotqa[1], novel[2]], strict=True):
         assert torch.equal(got, want)
@@ -131,7 +132,7 @@ def test_the_calibration_text_alternates_the_novel_and_hotpotqa(embedded):
     # the reason for HotpotQA: names and numbers, which the novel's passages almost lack
     digits = [sum(c.isdigit() for c in tokenizer.decode(d[0])) for d in (*novel[:2], *hotpotqa)]
     assert sum(digits[2:]) > 2 * sum(digits[:2])
-    with pytest.raises(ValueError, match="text must be one of both, novel, hotpotqa"):
+    with pytest.raises(ValueError, match="text must be one of hotpotqa, novel, both"):
         calibration_documents(tokenizer, 200, 4, "essays")
 
 
