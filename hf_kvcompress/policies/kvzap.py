@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Policy, check_count, check_decoding, check_kept_tokens, resolve_span
+from .base import Policy, check_count, check_decoding, check_floors, check_kept_tokens, resolve_span
 from .kvzip import best_ahead
 
 BUDGETS = ("head", "uniform")
@@ -94,10 +94,7 @@ class KVzapPolicy(Policy):
                 f"budgets={self.budgets!r} every head evicts to its share as tokens arrive: give decoding='evict' or "
                 f"leave it out"
             )
-        if self.floors is not None and (not isinstance(self.floors, str) or not self.floors):
-            raise ValueError(
-                f"floors must be 'none' or a path to a layer-floors file or directory, got {self.floors!r}"
-            )
+        check_floors(self.floors)
         if self.probe is not None and (not isinstance(self.probe, str) or not self.probe):
             raise ValueError(f"probe must be a path to a probe file or directory, got {self.probe!r}")
         check_kept_tokens(self)

@@ -119,7 +119,7 @@ def test_fit_on_a_tiny_model_equals_least_squares_on_its_kvzip_scores():
     assert spearman(targets[0], targets[0]) == pytest.approx(1.0)
 
 
-def test_the_calibration_text_alternates_the_novel_and_hotpotqa(embedded):
+def test_the_calibration_text_is_hotpotqa_the_novel_or_both_alternating(embedded):
     tokenizer = embedded[1]
     novel = calibration_documents(tokenizer, 200, 3, "novel")
     hotpotqa = calibration_documents(tokenizer, 200, 2, "hotpotqa")
