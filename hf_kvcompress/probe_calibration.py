@@ -2,12 +2,19 @@
 entering each full-attention layer's attention as the input, one ridge regression per layer (probes.py holds the
 file format and the probe the policy runs).
 
-The text is chapters I-VI of the suite's novel (Natsume Soseki's *Botchan*, eval/data.py `book_words("dev")`):
-the development half's haystack, which no test document reads (the test half's comes from chapters VII-XI, the
-needle tasks' from Paul Graham's essays, the QA tasks' from SQuAD and HotpotQA). It is cut into documents of about
-`tokens` tokens (KVzap fits on documents of about 1k tokens), each rendered as the suite renders a document (the
-chat template's user turn up to the document's end), and the last `held_out` documents are kept out of the fit to
-report it.
+The text (`text`): "hotpotqa" (the default), "novel", or "both" (their documents alternating):
+- "hotpotqa": the package's calibration paragraphs (Wikipedia, `calibration.calibration_text`, as the low-rank bases
+  and KVzip's floors are fitted on), which hold names, dates and numbers. A probe fitted on the novel alone ranked
+  a needle's digits in the lowest third of Gemma-3's layer 11, where KVzip keeps them; on Gemma-3's development half
+  at a quarter the probe fitted here kept 9 of 11 answers, "both" 8, the novel alone 4 (docs/results.md, "KVzap on
+  Gemma-3: the calibration text").
+- "novel": consecutive passages of chapters I-VI of the suite's novel (Natsume Soseki's *Botchan*, eval/data.py
+  `book_words("dev")`): the development half's haystack, which no test document reads (the test half's comes from
+  chapters VII-XI, the needle tasks' from Paul Graham's essays, the QA tasks' from SQuAD and HotpotQA). SmolLM2's
+  shipped probe is fitted on it.
+Each document is about `tokens` tokens (KVzap fits on documents of about 1k tokens), rendered as the suite renders a
+document (the chat template's user turn up to the document's end); the last `held_out` documents are kept out of the
+fit to report it (with "both", one of each source when `held_out` is 2).
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from .caches.compressed import CompressedCache
-from .calibration import model_identity, ridge
+from .calibration import CALIBRATION_TEXT as HOTPOTQA_TEXT
+from .calibration import calibration_text, model_identity, ridge
 from .eval.data import book_words
 from .eval.prompts import render
 from .generation import prefill, repeat_prompt_ids
@@ -25,20 +33,41 @@ from .hf.hidden_states import attention_modules
 from .policies.kvzip import KVzipPolicy
 from .probes import PROBE_FORMAT
 
-CALIBRATION_TEXT = "Botchan, chapters I-VI (the suite's dev-half novel text; Project Gutenberg #8868, public domain)"
+NOVEL_TEXT = "Botchan, chapters I-VI (the suite's dev-half novel text; Project Gutenberg #8868, public domain)"
+TEXTS = ("hotpotqa", "novel", "both")
+# Words per token of each source (English prose; Wikipedia's names and numbers split into more tokens).
+WORDS_PER_TOKEN = {"novel": 0.7, "hotpotqa": 0.58}
 # The log of a score below this is the log of this: attention probabilities that small rank last anyway.
 SCORE_FLOOR = 1e-6
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the mean variance of a feature
 
 
-def calibration_documents(tokenizer, tokens: int = 1024, documents: int = 12) -> list[torch.Tensor]:
-    """Up to `documents` [1, <= tokens] id tensors of consecutive passages of the calibration text."""
-    words = book_words("dev")
-    per_document = max(int(tokens * 0.7), 16)  # English prose: about 1.3 tokens a word, and the chat header
+def calibration_documents(
+    tokenizer, tokens: int = 1024, documents: int = 12, text: str = "hotpotqa"
+) -> list[torch.Tensor]:
+    """Up to `documents` [1, <= tokens] id tensors of consecutive passages of the calibration `text` (TEXTS; "both"
+    alternates a novel passage and a HotpotQA one, as long as both last)."""
+    if text not in TEXTS:
+        raise ValueError(f"text must be one of {', '.join(TEXTS)}, got {text!r}")
+    if text != "both":
+        return _documents(tokenizer, text, tokens, documents)
+    novel = _documents(tokenizer, "novel", tokens, (documents + 1) // 2)
+    hotpotqa = _documents(tokenizer, "hotpotqa", tokens, documents // 2)
+    paired = [d for pair in zip(novel, hotpotqa, strict=False) for d in pair]
+    return paired + novel[len(hotpotqa) :] + hotpotqa[len(novel) :]
+
+
+def _documents(tokenizer, source: str, tokens: int, documents: int) -> list[torch.Tensor]:
+    per_document = max(int(tokens * WORDS_PER_TOKEN[source]), 16)  # and the chat header
+    if source == "novel":
+        words = list(book_words("dev"))
+    else:  # paragraph breaks stay inside the words, as the floors' documents keep them (one document more of
+        # paragraphs than asked: a break joins two of calibration_text's words into one here)
+        words = calibration_text(words=per_document * (documents + 1)).split(" ")
     out = []
     for start in range(0, len(words) - per_document + 1, per_document):
-        text = " ".join(words[start : start + per_document])
-        document, _ = render(tokenizer, {"instruction": "", "document": text, "question": ""})
+        body = " ".join(words[start : start + per_document])
+        document, _ = render(tokenizer, {"instruction": "", "document": body, "question": ""})
         ids = tokenizer(document, return_tensors="pt", add_special_tokens=not getattr(tokenizer, "chat_template", None))
         out.append(ids.input_ids[:, :tokens])
         if len(out) == documents:
@@ -128,11 +157,11 @@ def fit_layer(train: list[tuple[torch.Tensor, torch.Tensor]], test: list[tuple[t
 
 
 def calibrate_probe(model, tokenizer, tokens: int = 1024, documents: int = 12, held_out: int = 2,
-                    progress=None) -> tuple[dict, dict, list[dict]]:
+                    progress=None, text: str = "hotpotqa") -> tuple[dict, dict, list[dict]]:
     """Fit every full-attention layer's probe; returns (tensors, metadata, report rows per layer)."""
     if not 1 <= held_out < documents:
         raise ValueError(f"held_out must be between 1 and documents - 1 ({documents - 1}), got {held_out}")
-    docs = calibration_documents(tokenizer, tokens, documents)
+    docs = calibration_documents(tokenizer, tokens, documents, text)
     if len(docs) <= held_out:
         raise ValueError(
             f"the calibration text gives {len(docs)} documents of {tokens} tokens; need more than {held_out}"
@@ -159,7 +188,7 @@ def calibrate_probe(model, tokenizer, tokens: int = 1024, documents: int = 12, h
         "shapes": f"weight [{decoder.hidden_size}, {kv_heads}], bias [{kv_heads}] per probed layer",
         "input": "hidden state entering attention", "target": "log KVzip score (span 0)",
         "documents": str(len(docs)), "held_out": str(held_out), "tokens": str(sum(d.shape[1] for d in docs)),
-        "text": CALIBRATION_TEXT,
+        "text": {"novel": NOVEL_TEXT, "hotpotqa": HOTPOTQA_TEXT}.get(text, f"{NOVEL_TEXT}; {HOTPOTQA_TEXT}"),
     }
     return tensors, metadata, report
 

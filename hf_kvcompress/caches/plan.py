@@ -148,11 +148,12 @@ def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[st
 
 
 def layer_floors(policy: Policy, config, ratio: float) -> tuple[tuple[int, float], ...]:
-    """KVzip's per-layer floors at `ratio` (`SlidingShare.floors`): from the file its `floors=` names, else the one
-    shipped for the model (none shipped, or `floors=none`: no floors). A file holds floors at a few ratios
-    (floor_calibration.py); a ratio takes those of the calibrated ratio nearest it on a log scale."""
+    """KVzip's and KVzap's per-layer floors at `ratio` (`SlidingShare.floors`; the policies whose cache ranks every
+    layer's pairs at once): from the file its `floors=` names, else the one shipped for the model (none shipped, or
+    `floors=none`: no floors). A file holds floors at a few ratios (floor_calibration.py); a ratio takes those of the
+    calibrated ratio nearest it on a log scale."""
     source = getattr(policy, "floors", None)
-    if source == "none" or not policy.scores_by_reconstruction:
+    if source == "none" or not (policy.scores_by_reconstruction or policy.ranks_prompt):
         return ()
     path = floors_file(source, config)
     if path is None:

@@ -46,6 +46,9 @@ def add_parser(subparsers) -> None:
                         "tokens (absmax, default), their root mean square (rms) or 99th percentile (p99)")
     parser.add_argument("--documents", type=int, default=12,
                         help="with --probe: calibration documents, the last 2 held out (default: %(default)s)")
+    parser.add_argument("--text", choices=("hotpotqa", "novel", "both"), default="hotpotqa",
+                        help="with --probe: the calibration text, the package's HotpotQA paragraphs (hotpotqa, "
+                        "default), the suite's dev-half novel (novel), or both alternating (probe_calibration.py)")
     parser.add_argument("--attention-errors", action="store_true",
                         help="add the attention-output error curves (what lowrank:allocate=error reads) to existing "
                         "joint bases (--bases, default: the ones shipped for the model), measured on the same "
@@ -174,7 +177,7 @@ def run_probe(args) -> int:
     tokens = 1024 if args.tokens == 2048 else args.tokens  # the lowrank default is not the probe's
     model, tokenizer = load_model(args.model)
     tensors, metadata, report = calibrate_probe(
-        model, tokenizer, tokens=tokens, documents=args.documents, held_out=2,
+        model, tokenizer, tokens=tokens, documents=args.documents, held_out=2, text=args.text,
         progress=lambda n, total: print(f"KVzip scores of document {n}/{total}", flush=True),
     )
     path = save_probe(tensors, metadata, args.out)

@@ -187,6 +187,13 @@ def check_decoding(value, allow_none: bool = False) -> None:
         raise ValueError(f"decoding must be one of {', '.join(DECODING)}, got {value!r}")
 
 
+def check_floors(value) -> None:
+    """Refuse a `floors` (KVzip's and KVzap's per-layer floors, caches/plan.py `layer_floors`) that is neither None,
+    "none" nor a path."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"floors must be 'none' or a path to a layer-floors file or directory, got {value!r}")
+
+
 # The `span` (KVzip's and KVzap's) that `span=None` settles to on a model with sliding-window layers; 0 without them
 # (`resolve_span`). On Gemma-3-270M's development half span 0 lost 2 of 5 middle answers at a quarter that span 4 kept
 # (when the question evicted pairs); on SmolLM2 (no sliding layers) span 0 kept every answer at every share where

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Policy, check_count, check_decoding, check_kept_tokens, resolve_span
+from .base import Policy, check_count, check_decoding, check_floors, check_kept_tokens, resolve_span
 from .kvzip import best_ahead
 
 BUDGETS = ("head", "uniform")
@@ -61,6 +61,12 @@ class KVzapPolicy(Policy):
             `budget` (it bounds memory while decoding) and with `budgets="uniform"`. `decoding="append"` needs
             `budgets="head"` (the ranking the head store keeps).
         probe: the probe file, or a directory holding one (None: the probe shipped for the model).
+        floors: per-layer floors of a planned ratio on a hybrid model, as KVzip's `floors` (caches/plan.py,
+            `SlidingShare.floors`; the same file, `hf-kvcompress calibrate --floors`): the share of the prompt each
+            full-attention layer keeps at least before the ranking of every pair shares out the rest. They size a
+            layer, not a pair, so KVzip's calibration serves the probe's ranking too. None: the file shipped for the
+            model, if any (Gemma-3-270M's floors layer 11 at an eighth); a path: that file or a directory holding
+            one; "none": no floors.
     """
 
     name: ClassVar[str] = "kvzap"
@@ -73,6 +79,7 @@ class KVzapPolicy(Policy):
     probe: str | None = None
     budgets: str = "head"
     decoding: str | None = None  # None: by `resolved_decoding`
+    floors: str | None = None
     needs_hidden_states: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -87,6 +94,7 @@ class KVzapPolicy(Policy):
                 f"budgets={self.budgets!r} every head evicts to its share as tokens arrive: give decoding='evict' or "
                 f"leave it out"
             )
+        check_floors(self.floors)
         if self.probe is not None and (not isinstance(self.probe, str) or not self.probe):
             raise ValueError(f"probe must be a path to a probe file or directory, got {self.probe!r}")
         check_kept_tokens(self)

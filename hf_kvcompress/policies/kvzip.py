@@ -9,7 +9,15 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import Policy, check_count, check_decoding, check_kept_tokens, check_share, resolve_span
+from .base import (
+    Policy,
+    check_count,
+    check_decoding,
+    check_floors,
+    check_kept_tokens,
+    check_share,
+    resolve_span,
+)
 
 BUDGETS = ("uniform", "layer", "head", "token")
 
@@ -94,10 +102,7 @@ class KVzipPolicy(Policy):
     def __post_init__(self):
         if self.span is not None:
             check_count("span", self.span)
-        if self.floors is not None and (not isinstance(self.floors, str) or not self.floors):
-            raise ValueError(
-                f"floors must be 'none' or a path to a layer-floors file or directory, got {self.floors!r}"
-            )
+        check_floors(self.floors)
         if self.budgets not in BUDGETS:
             raise ValueError(f"budgets must be one of {', '.join(BUDGETS)}, got {self.budgets!r}")
         check_decoding(self.decoding, allow_none=True)

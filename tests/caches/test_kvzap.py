@@ -20,6 +20,7 @@ from hf_kvcompress.generation import generate, prefill
 from hf_kvcompress.hf.hidden_states import attention_modules
 from hf_kvcompress.policies.kvzap import KVzapPolicy
 from hf_kvcompress.probe_calibration import (
+    calibration_documents,
     full_attention_layers,
     kvzip_targets,
     r_squared,
@@ -116,6 +117,23 @@ def test_fit_on_a_tiny_model_equals_least_squares_on_its_kvzip_scores():
         torch.testing.assert_close(x @ weight + bias, x @ reference[:-1] + reference[-1], rtol=1e-6, atol=1e-6)
     assert r_squared(targets[0], targets[0]) == 1.0
     assert spearman(targets[0], targets[0]) == pytest.approx(1.0)
+
+
+def test_the_calibration_text_is_hotpotqa_the_novel_or_both_alternating(embedded):
+    tokenizer = embedded[1]
+    novel = calibration_documents(tokenizer, 200, 3, "novel")
+    hotpotqa = calibration_documents(tokenizer, 200, 2, "hotpotqa")
+    assert all(torch.equal(a, b) for a, b in zip(calibration_documents(tokenizer, 200, 2), hotpotqa, strict=True))
+    both = calibration_documents(tokenizer, 200, 5, "both")  # the odd one the novel's
+    assert len(novel) == 3 and len(hotpotqa) == 2 and len(both) == 5
+    for got, want in zip(both, [novel[0], hotpotqa[0], novel[1], hotpotqa[1], novel[2]], strict=True):
+        assert torch.equal(got, want)
+    assert all(d.shape[0] == 1 and 150 < d.shape[1] <= 200 for d in both)  # about `tokens`, never more
+    # the reason for HotpotQA: names and numbers, which the novel's passages almost lack
+    digits = [sum(c.isdigit() for c in tokenizer.decode(d[0])) for d in (*novel[:2], *hotpotqa)]
+    assert sum(digits[2:]) > 2 * sum(digits[:2])
+    with pytest.raises(ValueError, match="text must be one of hotpotqa, novel, both"):
+        calibration_documents(tokenizer, 200, 4, "essays")
 
 
 # -- the probe file ------------------------------------------------------------------------------------------------

@@ -166,3 +166,32 @@ def test_the_calibration_keeps_a_change_of_floors_only_for_a_real_gain():
     assert not better((0.5, -2.0 + MIN_GAIN / 2, -0.5), none)  # noise: the floors that change nothing stay off
     assert not better((0.5, -2.0 - 2 * MIN_GAIN, 0.0), none)
     assert better((0.5, -2.0, 0.0), (0.5, -2.0, -0.5))  # the same answers with smaller floors
+
+
+def test_kvzap_takes_the_floors_too(tmp_path):
+    """KVzap ranks every layer's pairs once the prompt is read, as KVzip does after its pass: a floor holds a layer's
+    share first there too, and the ranking of the probe's estimates shares out the same total."""
+    from .test_kvzap import write_probe
+
+    model = hybrid_model()
+    probe = write_probe(model.config, tmp_path / "probe")
+    ids = _ids(40)
+    full = [1, 3]
+
+    def counts(floors):
+        cache = make_cache(f"kvzap:ratio=0.25,span=0,recent=0,probe={probe},floors={floors}", model.config)
+        prefill(model, ids, None, cache)
+        assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+        return [cache.layers[i].store.encoded.lengths[0].tolist() for i in full]
+
+    without = counts("none")
+    poorer = min(range(2), key=lambda i: sum(without[i]))
+    assert min(without[poorer]) < 16  # so a floor of 0.4 (16 of 40 tokens per head) changes what is kept
+    assert sum(map(sum, without)) > 2 * 16  # and the floors alone stay within the total
+    floors = [0.0, 0.0]
+    floors[poorer] = 0.4
+    got = counts(floors_file(tmp_path / "floors", model.config, [floors]))
+    assert min(got[poorer]) >= math.ceil(0.4 * 40)
+    assert sum(map(sum, got)) == sum(map(sum, without))  # the floor moves pairs, adds none
+    with pytest.raises(ValueError, match="floors must be 'none' or a path"):
+        make_cache(f"kvzap:ratio=0.25,probe={probe},floors=", model.config)
