@@ -382,6 +382,62 @@ class LowRankCodec(ReducingCodec):
             return rerotate(unrotated, self._positions(positions, unrotated), self._inv_freq()).to(dtype)
         return self.expand(self.storage.decode(encoded, kind, dtype), kind, dtype)
 
+    # -- attention over the latents (caches/store_attention.py) ------------------------------------------------------
+
+    @property
+    def attends_encoded(self) -> bool:  # type: ignore[override]
+        """Joint bases: a decode step reads the store's latents a block at a time instead of decoding every key and
+        value of the layer (`key_logits`, `mix_values`): a value is the basis times its latent plus the mean, so
+        attention mixes the latents and maps the mix to values once per query; keys, turned by RoPE at their own
+        positions, cannot move their basis to the query side (the turn differs per token) and are rebuilt a block
+        at a time."""
+        return self._joint
+
+    def key_logits(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` [B, H_kv, T]: the position each key was rotated to (joint bases share each slot over the
+        layer's KV heads, so every head holds the same positions and the first head's serve all)."""
+        if not self._joint:
+            return super().key_logits(encoded, query)
+        latent = self.storage.decode(encoded, "key", torch.float32).float()  # [B, 1, T, r]
+        mean, basis = self._bases("key", query.shape[1], latent.device)
+        # [B, H, T, D]: one [T, r] x [r, D] product per KV head, the keys before RoPE
+        keys = torch.matmul(latent, basis.transpose(-1, -2)).add_(mean[None, :, None, :])
+        inv_freq = self._inv_freq().to(latent.device)
+        angles = self._positions(positions, keys)[:, :1].to(torch.float32)[..., None] * inv_freq  # [B, 1, T, R / 2]
+        cos, sin = angles.cos(), angles.sin()
+        # Rotate-half RoPE (ops/rerotate.py) met by the query half by half: q . turn(k) = q1 . (k1 cos - k2 sin) +
+        # q2 . (k2 cos + k1 sin); channels past the rotated ones (partial rotary) meet the query as they are.
+        half = inv_freq.numel()
+        first, second = keys[..., :half], keys[..., half : 2 * half]
+        logits = torch.matmul(query[..., :half], (first * cos - second * sin).transpose(-1, -2))
+        logits += torch.matmul(query[..., half : 2 * half], (second * cos + first * sin).transpose(-1, -2))
+        if 2 * half < keys.shape[-1]:
+            logits += torch.matmul(query[..., 2 * half :], keys[..., 2 * half :].transpose(-1, -2))
+        return logits
+
+    def decode_in_basis(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
+        """Joint values: [B, 1, T, r + 1], each token's latent and a 1, the weight of the mean (`from_basis`)."""
+        if not self._joint or kind == "key":
+            return super().decode_in_basis(encoded, kind, dtype)
+        latent = self.storage.decode(encoded, kind, dtype).to(dtype)
+        return torch.cat([latent, latent.new_ones(*latent.shape[:-1], 1)], dim=-1)
+
+    def mix_values(self, encoded: Encoded, probs: torch.Tensor) -> torch.Tensor:
+        """Joint values: probs [B, H, n, T] times the shared latents [B, 1, T, r], and the probabilities' sum (the
+        mean's weight): [B, H, n, r + 1]."""
+        if not self._joint:
+            return super().mix_values(encoded, probs)
+        latent = self.storage.decode(encoded, "value", torch.float32).float()
+        return torch.cat([torch.matmul(probs, latent), probs.sum(-1, keepdim=True)], dim=-1)
+
+    def from_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
+        """Joint values: x [B, H, n, r + 1] (mixed latents and their weight) -> the basis times the latents plus the
+        weight times the mean, [B, H, n, D]. Linear in x, as the online softmax's rescaling needs."""
+        if not self._joint or kind == "key":
+            return x
+        mean, basis = self._bases(kind, x.shape[1], x.device)
+        return torch.matmul(x[..., :-1], basis.transpose(-1, -2)) + x[..., -1:] * mean[None, :, None, :]
+
     @staticmethod
     def _positions(positions: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
         if positions is None:
