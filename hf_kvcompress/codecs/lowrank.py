@@ -400,19 +400,26 @@ class LowRankCodec(ReducingCodec):
             return super().key_logits(encoded, query)
         latent = self.storage.decode(encoded, "key", torch.float32).float()  # [B, 1, T, r]
         mean, basis = self._bases("key", query.shape[1], latent.device)
-        # [B, H, T, D]: one [T, r] x [r, D] product per KV head, the keys before RoPE
-        keys = torch.matmul(latent, basis.transpose(-1, -2)).add_(mean[None, :, None, :])
+        heads, dim, rank = basis.shape
+        batch, tokens = latent.shape[0], latent.shape[2]
+        # The pre-RoPE keys as [B, H, D, T]: one [H * D, r] x [r, B * T] product for the layer's heads and rows,
+        # laid out so that (batch 1) each head's keys are the second operand of the query's product as they are.
+        keys = torch.mm(basis.reshape(heads * dim, rank), latent[:, 0].reshape(batch * tokens, rank).t())
+        keys = keys.view(heads, dim, batch, tokens).permute(2, 0, 1, 3).add_(mean[None, :, :, None])
         inv_freq = self._inv_freq().to(latent.device)
-        angles = self._positions(positions, keys)[:, :1].to(torch.float32)[..., None] * inv_freq  # [B, 1, T, R / 2]
+        position = self._positions(positions, latent.expand(-1, heads, -1, -1))[:, :1].to(torch.float32)
+        angles = inv_freq[:, None] * position[:, :, None, :]  # [B, 1, R / 2, T]
         cos, sin = angles.cos(), angles.sin()
         # Rotate-half RoPE (ops/rerotate.py) met by the query half by half: q . turn(k) = q1 . (k1 cos - k2 sin) +
         # q2 . (k2 cos + k1 sin); channels past the rotated ones (partial rotary) meet the query as they are.
         half = inv_freq.numel()
-        first, second = keys[..., :half], keys[..., half : 2 * half]
-        logits = torch.matmul(query[..., :half], (first * cos - second * sin).transpose(-1, -2))
-        logits += torch.matmul(query[..., half : 2 * half], (second * cos + first * sin).transpose(-1, -2))
-        if 2 * half < keys.shape[-1]:
-            logits += torch.matmul(query[..., 2 * half :], keys[..., 2 * half :].transpose(-1, -2))
+        first, second = keys[:, :, :half], keys[:, :, half : 2 * half]
+        turned_first = (first * cos).addcmul_(second, sin, value=-1)
+        turned_second = (second * cos).addcmul_(first, sin)
+        logits = torch.matmul(query[..., :half], turned_first)
+        logits += torch.matmul(query[..., half : 2 * half], turned_second)
+        if 2 * half < dim:
+            logits += torch.matmul(query[..., 2 * half :], keys[:, :, 2 * half :])
         return logits
 
     def decode_in_basis(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
@@ -427,8 +434,11 @@ class LowRankCodec(ReducingCodec):
         mean's weight): [B, H, n, r + 1]."""
         if not self._joint:
             return super().mix_values(encoded, probs)
-        latent = self.storage.decode(encoded, "value", torch.float32).float()
-        return torch.cat([torch.matmul(probs, latent), probs.sum(-1, keepdim=True)], dim=-1)
+        latent = self.storage.decode(encoded, "value", torch.float32).float()[:, 0]  # [B, T, r]
+        batch, heads, queries, tokens = probs.shape
+        # One [H * n, T] x [T, r] product per row: a broadcast over the heads would copy the latents per head.
+        mixed = torch.matmul(probs.reshape(batch, heads * queries, tokens), latent).view(batch, heads, queries, -1)
+        return torch.cat([mixed, probs.sum(-1, keepdim=True)], dim=-1)
 
     def from_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
         """Joint values: x [B, H, n, r + 1] (mixed latents and their weight) -> the basis times the latents plus the
