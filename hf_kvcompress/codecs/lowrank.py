@@ -372,9 +372,10 @@ class LowRankCodec(ReducingCodec):
     def encode(self, states: torch.Tensor, kind: Kind, positions: torch.Tensor | None = None) -> Encoded:
         """`positions` [B, H_kv, T]: the position each key was rotated to (joint bases: keys are projected with
         RoPE undone)."""
+        dtype = states.dtype  # the latents are stored at the states' width (bf16 runs: bf16), as bytes_per_token says
         if self._joint and kind == "key":
             states = rerotate(states.float(), -self._positions(positions, states), self._inv_freq())
-        return self.storage.encode(self.reduce(states, kind), kind)
+        return self.storage.encode(self.reduce(states, kind).to(dtype), kind)
 
     def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype, positions: torch.Tensor | None = None):
         if self._joint and kind == "key":
