@@ -99,7 +99,7 @@ def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: fl
 
 def allocate_ranks_by_error(curves: list[tuple[list[float], list[float]]], ratio: float, step: int, max_rank: int,
                             width: int, floored: tuple[bool, ...] | None = None,
-                            curve_step: int = 8, value_weight: float = 1.0) -> list[tuple[int, int]]:
+                            curve_step: int = 8) -> list[tuple[int, int]]:
     """Per-layer (key rank, value rank) keeping `ratio` of all layers' dimensions, in steps of `step`, chosen to
     lower the sum over layers of the calibrated attention-output errors (`calibration.error_curves`: per layer and
     kind, the error at ranks 0, curve_step, 2 curve_step, ... up to `max_rank`; `width`: KV heads x head_dim) the
@@ -108,7 +108,7 @@ def allocate_ranks_by_error(curves: list[tuple[list[float], list[float]]], ratio
     Greedy: each next step goes to the (layer, kind) whose error falls most per step there; an error curve that
     flattens and then falls again (a few large components late) is looked at over every later step, so a long run of
     small gains does not hide it. Bounds as `allocate_ranks` (at least one step, at most `max_rank`, `floored`
-    layers at least `ratio` of each kind). `value_weight`: what a value's error counts for against a key's."""
+    layers at least `ratio` of each kind)."""
     if step % curve_step:
         raise ValueError(f"step must be a multiple of the error curves' step ({curve_step}), got {step}")
     steps = width // step
@@ -124,9 +124,8 @@ def allocate_ranks_by_error(curves: list[tuple[list[float], list[float]]], ratio
         for layer, pair in enumerate(curves):
             for k, curve in enumerate(pair):
                 at = ranks[layer][k]
-                weight = value_weight if k == 1 else 1.0
                 for more in range(1, min(top - at, budget) + 1):  # the best rate over any run of later steps
-                    rate = weight * (curve[at * every] - curve[(at + more) * every]) / more
+                    rate = (curve[at * every] - curve[(at + more) * every]) / more
                     if best is None or rate > best[0] + 1e-15:
                         best = (rate, layer, k, more)
         if best is None:
@@ -175,8 +174,6 @@ class LowRankCodec(ReducingCodec):
             cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
             most either asks for (`exact_residual`); 0: none. None (the default): 128 when fewer than half of the
             dimensions are kept (a ratio below 0.5, the default ratio included), else 0 (with `rank`: 0).
-        value_weight: with the error allocation, what the values' attention-output error counts for against the
-            keys' (> 0; 1: the errors summed as calibrated). Above 1 the values get more of the dimensions.
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
 
@@ -188,7 +185,6 @@ class LowRankCodec(ReducingCodec):
     bases: str | None = None
     floor: str = "full"
     allocate: str | None = None
-    value_weight: float = 1.0
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
     residual_length: int | None = None  # type: ignore[assignment,misc]  # as sink_tokens: lowrank's own (stack: the most)
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
@@ -220,13 +216,6 @@ class LowRankCodec(ReducingCodec):
                 raise ValueError(f"allocate must be one of {', '.join(ALLOCATIONS)}, got {self.allocate!r}")
             if self.rank is not None:
                 raise ValueError("allocate spreads a ratio's dimensions: give it with ratio, not rank")
-        if isinstance(self.value_weight, bool) or not isinstance(self.value_weight, (int, float)) \
-                or not math.isfinite(self.value_weight) or self.value_weight <= 0:
-            raise ValueError(f"value_weight must be a number > 0 (the values' error against the keys'), "
-                             f"got {self.value_weight!r}")
-        if self.value_weight != 1 and (self.rank is not None or self.allocate == "variance"):
-            raise ValueError("value_weight weighs the error allocation (allocate=error, a ratio): not with rank= or "
-                             "allocate=variance")
         if self.floor is None:  # a spec's `floor=none` reads as None
             object.__setattr__(self, "floor", "none")
         if self.floor not in FLOORS:
@@ -277,11 +266,8 @@ class LowRankCodec(ReducingCodec):
                     curves = [(tensors[f"layers.{i}.key_error"].tolist(), tensors[f"layers.{i}.value_error"].tolist())
                               for i in range(layers)]
                     ranks = allocate_ranks_by_error(curves, ratio, step, max_rank, heads * head_dim, floored,
-                                                    ERROR_STEP, float(self.value_weight))
+                                                    ERROR_STEP)
                 else:
-                    if self.value_weight != 1:
-                        raise ValueError("value_weight weighs the error allocation, which a ratio of a half or more "
-                                         "does not use by default: give allocate=error")
                     variances = [(tensors[f"layers.{i}.key_variance"], tensors[f"layers.{i}.value_variance"])
                                  for i in range(layers)]
                     ranks = allocate_ranks(variances, ratio, step, max_rank, floored)

@@ -162,34 +162,3 @@ def test_bad_allocate_is_refused(fitted, tmp_path):
     with pytest.raises(ValueError, match="allocate=error needs bases with attention-error curves"):
         make_cache(f"lowrank:ratio=0.5,allocate=error,bases={bases}", model.config)
     assert make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config).codec._ranks is not None  # variance
-
-
-def test_value_weight_moves_dimensions_to_the_values(fitted):
-    width = 64
-    falls_slowly = [1 - r / width for r in range(0, width + 1, 8)]
-    curves = [(falls_slowly, falls_slowly), (falls_slowly, falls_slowly)]
-    even = allocate_ranks_by_error(curves, 0.5, 8, 64, width)
-    weighted = allocate_ranks_by_error(curves, 0.5, 8, 64, width, value_weight=2.0)
-    assert sum(map(sum, weighted)) == sum(map(sum, even)) == 0.5 * 4 * width  # the same share of the dimensions
-    assert sum(v for _, v in weighted) > sum(v for _, v in even) and all(k == 8 for k, _ in weighted)
-    model, bases, _, _ = fitted["llama"]
-    plain = make_cache(f"lowrank:ratio=0.25,bases={bases}", model.config).codec
-    heavy = make_cache(f"lowrank:ratio=0.25,value_weight=4,bases={bases}", model.config).codec
-    assert sum(v for _, v in heavy._ranks) >= sum(v for _, v in plain._ranks)
-    assert sum(map(sum, heavy._ranks)) == sum(map(sum, plain._ranks))
-    assert "value_weight=4" in heavy.spec() and "value_weight" not in plain.spec()
-    assert make_cache(heavy.spec(), model.config).codec._ranks == heavy._ranks
-
-
-def test_bad_value_weight_is_refused(fitted):
-    for bad in (0, -1.0, float("nan"), float("inf"), True, "2"):
-        with pytest.raises(ValueError, match="value_weight must be a number > 0"):
-            LowRankCodec(ratio=0.25, value_weight=bad)
-    with pytest.raises(ValueError, match="value_weight weighs the error allocation"):
-        LowRankCodec(rank=8, value_weight=2.0)
-    with pytest.raises(ValueError, match="value_weight weighs the error allocation"):
-        LowRankCodec(ratio=0.25, allocate="variance", value_weight=2.0)
-    model, bases, _, _ = fitted["llama"]
-    with pytest.raises(ValueError, match="give allocate=error"):
-        make_cache(f"lowrank:ratio=0.5,value_weight=2,bases={bases}", model.config)
-    assert make_cache(f"lowrank:ratio=0.5,allocate=error,value_weight=2,bases={bases}", model.config).codec._ranks
