@@ -31,19 +31,23 @@ WINDOW_BELOW_HALF = 128
 
 class LayerBases:
     """One layer's means [H, D] and bases [H, D, r] (a joint basis: row h * D + d of the [H * D, r] matrix is
-    [h, d]), shared by every cache of the model like its weights.
+    [h, d]) and its RoPE frequencies (joint bases turn keys on read; empty otherwise), shared by every cache of the
+    model like its weights.
 
     No `__dict__`: `measured_kv_bytes` counts what each user's cache holds, and these are per model, not per user
     (`LowRankCodec.model_bytes` counts them, once per model).
     """
 
-    __slots__ = ("key_mean", "key_basis", "value_mean", "value_basis")
+    __slots__ = ("key_mean", "key_basis", "value_mean", "value_basis", "inv_freq")
     key_mean: torch.Tensor
     key_basis: torch.Tensor
     value_mean: torch.Tensor
     value_basis: torch.Tensor
+    inv_freq: torch.Tensor
 
-    def __init__(self, tensors: dict[str, torch.Tensor], layer_idx: int, ranks: tuple[int, int], joint: bool):
+    def __init__(self, tensors: dict[str, torch.Tensor], layer_idx: int, ranks: tuple[int, int], joint: bool,
+                 inv_freq: tuple[float, ...] = ()):
+        self.inv_freq = torch.tensor(inv_freq, dtype=torch.float32)
         for kind, rank in zip(("key", "value"), ranks, strict=True):
             mean = tensors[f"layers.{layer_idx}.{kind}_mean"].float()
             basis = tensors[f"layers.{layer_idx}.{kind}_basis"][..., :rank].float()
@@ -305,7 +309,9 @@ class LowRankCodec(ReducingCodec):
         bound = copy.copy(self)  # keeps what binding set (init=False fields), as `with_storage` does
         assert self._ranks is not None  # settled with the bases (`reduction_for_model`)
         object.__setattr__(bound, "storage", self.storage.for_layer(layer_idx))
-        object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self._ranks[layer_idx], self._joint))
+        inv_freq = self._inv_freqs[layer_idx] if self._inv_freqs is not None else ()
+        object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self._ranks[layer_idx], self._joint,
+                                                       inv_freq))
         object.__setattr__(bound, "_layer_idx", layer_idx)
         object.__setattr__(bound, "_tensors", None)
         return bound
@@ -365,9 +371,9 @@ class LowRankCodec(ReducingCodec):
         return (torch.einsum("bhtr,hdr->bhtd", reduced.float(), basis) + mean[None, :, None, :]).to(dtype)
 
     def _inv_freq(self) -> torch.Tensor:
-        # Joint bases only, and the codec runs per layer (`for_layer`): both are set.
-        assert self._inv_freqs is not None and self._layer_idx is not None
-        return torch.tensor(self._inv_freqs[self._layer_idx], dtype=torch.float32)
+        # Joint bases only, and the codec runs per layer (`for_layer`): the layer's frequencies, where its bases are.
+        assert self._joint and self._layer is not None
+        return self._layer.inv_freq
 
     def encode(self, states: torch.Tensor, kind: Kind, positions: torch.Tensor | None = None) -> Encoded:
         """`positions` [B, H_kv, T]: the position each key was rotated to (joint bases: keys are projected with
@@ -407,7 +413,7 @@ class LowRankCodec(ReducingCodec):
         # laid out so that (batch 1) each head's keys are the second operand of the query's product as they are.
         keys = torch.mm(basis.reshape(heads * dim, rank), latent[:, 0].reshape(batch * tokens, rank).t())
         keys = keys.view(heads, dim, batch, tokens).permute(2, 0, 1, 3).add_(mean[None, :, :, None])
-        inv_freq = self._inv_freq().to(latent.device)
+        inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
         position = self._positions(positions, latent.expand(-1, heads, -1, -1))[:, :1].to(torch.float32)
         angles = inv_freq[:, None] * position[:, :, None, :]  # [B, 1, R / 2, T]
         cos, sin = angles.cos(), angles.sin()

@@ -142,3 +142,21 @@ def test_padded_rows_fused_match_rows_alone(fitted):
         alone = generate(model, row[None], torch.ones(1, len(row), dtype=torch.long), make_cache(spec, model.config),
                          max_new_tokens=6).new_tokens
         assert torch.equal(batched[i], alone[0])
+
+
+@pytest.mark.parametrize("spec", ["lowrank:ratio=0.5", "lowrank:ratio=0.25,residual_length=4"])
+def test_fused_decode_steps_read_nothing_on_the_host(fitted, spec):
+    from hf_kvcompress.ops.host_syncs import HostSyncCounter
+
+    model, bases = fitted["llama"]
+    cache = make_cache(_spec(bases, spec), model.config)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 128, (2, 30 + 12), generator=g)
+    with torch.no_grad():
+        model(input_ids=ids[:, :30], cache=cache)
+        for j in range(30, 42):  # the first step confirms the offer; the rest are steady fused steps
+            with HostSyncCounter() as counter:
+                model(input_ids=ids[:, j:j + 1], cache=cache)
+            if j > 31:
+                assert counter.count == 0, f"{counter.count} host reads at decode step {j - 30}"
+    assert all(layer.offers.confirmed for layer in cache.layers)
