@@ -4,11 +4,13 @@ Question: how long does each cache's part of a decode step take against DynamicC
 (the same for every cache) left out, and how many host reads (GPU syncs) does a step make?
 Command:
     python benchmarks/probes/decode_step.py [--tokens 4096] [--batch 1] [--steps 16] [--repeats 5]
-        [--specs "int4;fp8"] [--layers 30] [--clock wall|cpu]
+        [--specs "int4;fp8"] [--layers 30] [--clock wall|cpu] [--model smollm2-135m] [--dtype float32]
 Written up: docs/benchmark-notes.md, the cache-only tables of "Baseline" and sections 5, 7, 10 and 12.
 
 The model's weights cost the same with every cache, so their time only dilutes the ratios; this isolates what
 the caches change, on the embedded model's shapes (30 layers, 9 query heads on 3 KV heads of 64 dims, float32).
+`--model` builds the caches with that model's config instead (its calibrations load: `lowrank` needs its bases;
+the shapes must be the embedded model's), without its weights; `--dtype` the states' dtype.
 Each cache is filled with random states of `--tokens` tokens (prefilled in chunks of 512, as our prefill does),
 then decodes `--steps` steps; the figure is the median over interleaved repeats of the mean step time, with the
 host reads of tensor values (syncs on a GPU) per decode step. On a shared machine use `--clock cpu` with
@@ -62,18 +64,21 @@ def _step(cache, modules, states, queries, position: torch.Tensor):
 
 
 @torch.inference_mode()
-def run(spec: str, tokens: int, batch: int, steps: int, layers: int, clock=time.perf_counter) -> tuple[float, float]:
-    """Mean ms per decode step and host reads per decode step."""
+def run(spec: str, tokens: int, batch: int, steps: int, layers: int, clock=time.perf_counter, config=None,
+        dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """Mean ms per decode step and host reads per decode step (`config`: the caches' model config, default
+    `_config(layers)`)."""
     gen = torch.Generator().manual_seed(0)
-    cache = make_cache(spec, _config(layers))
+    cache = make_cache(spec, config if config is not None else _config(layers))
     modules = [_Module(i, 3) for i in range(layers)]
     chunk = 512
-    states = (torch.randn(batch, 3, chunk, 64, generator=gen), torch.randn(batch, 3, chunk, 64, generator=gen))
+    states = (torch.randn(batch, 3, chunk, 64, generator=gen).to(dtype),
+              torch.randn(batch, 3, chunk, 64, generator=gen).to(dtype))
     for start in range(0, tokens, chunk):
         n = min(chunk, tokens - start)
         position = torch.arange(start, start + n)[None].expand(batch, n)
-        _step(cache, modules, states, torch.randn(batch, 9, n, 64, generator=gen), position)
-    query = torch.randn(batch, 9, 1, 64, generator=gen)
+        _step(cache, modules, states, torch.randn(batch, 9, n, 64, generator=gen).to(dtype), position)
+    query = torch.randn(batch, 9, 1, 64, generator=gen).to(dtype)
     counter = HostSyncCounter()
     begin = clock()
     for s in range(steps):
@@ -95,18 +100,27 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--specs", default=";".join(SPECS))
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time or process CPU time")
+    parser.add_argument("--model", default=None, help="build the caches with this model's config (an alias)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
+    config = None
+    if args.model is not None:
+        from hf_kvcompress.models import load_config
+
+        config = load_config(args.model)
+        args.layers = config.num_hidden_layers
     specs = ["dynamic"] + [s for s in args.specs.split(";") if s and s != "dynamic"]
     times = {s: [] for s in specs}
     syncs = {}
     for _ in range(args.repeats):
         for spec in specs:
             clock = time.process_time if args.clock == "cpu" else time.perf_counter
-            ms, syncs[spec] = run(spec, args.tokens, args.batch, args.steps, args.layers, clock)
+            ms, syncs[spec] = run(spec, args.tokens, args.batch, args.steps, args.layers, clock, config,
+                                  getattr(torch, args.dtype))
             times[spec].append(ms)
     base = statistics.median(times["dynamic"])
     print(f"{args.tokens} tokens, batch {args.batch}, {args.layers} layers, {args.steps} steps, median of "
-          f"{args.repeats}, torch threads {torch.get_num_threads()}, clock {args.clock}")
+          f"{args.repeats}, {args.dtype}, torch threads {torch.get_num_threads()}, clock {args.clock}")
     print(f"{'cache':42s} {'ms/step':>8s} {'x dynamic':>9s} {'host reads/step':>15s}")
     for spec in specs:
         ms = statistics.median(times[spec])

@@ -113,7 +113,9 @@ def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _Onl
     block = -(-tokens // unit) * unit
     for start in range(0, n_enc, block):
         end = min(start + block, n_enc)
-        logits = codec.key_logits(slice_encoded(layer.store.encoded_keys, start, end, n_enc), stored_q)
+        # A codec that stores keys with their positions (lowrank's pre-RoPE latents) turns them at those positions.
+        at = {"positions": layer.slots.positions[:, :, start:end]} if codec.needs_positions else {}
+        logits = codec.key_logits(slice_encoded(layer.store.encoded_keys, start, end, n_enc), stored_q, **at)
         values = slice_encoded(layer.store.encoded_values, start, end, n_enc)
         bias = _bias(attention_mask, groups, slice(start, end))
         if bias is not None:
@@ -169,7 +171,9 @@ def store_kernel(layer, query: torch.Tensor, backend: str) -> str | None:
         # The Triton kernel dequantises on the uniform grid: a Lloyd-Max codebook (int2's default) is read by
         # PyTorch, and so are pre-RoPE keys (one query per offset in a key group, codecs/plane_attention.py).
         codec = layer.codec
-        uniform = getattr(codec, "codebook", "uniform") == "uniform" and not getattr(codec, "pre_rope", False)
+        # Nor are keys stored with their positions (lowrank's latents, read by the codec's `key_logits`).
+        uniform = (getattr(codec, "codebook", "uniform") == "uniform" and not getattr(codec, "pre_rope", False)
+                   and not codec.needs_positions)
         fits = uniform and triton_decode.supports(
             layer.store.encoded_keys, layer.store.encoded_values, layer.store.n_encoded, layer.head_dim, layer.value_dim
         )

@@ -31,19 +31,23 @@ WINDOW_BELOW_HALF = 128
 
 class LayerBases:
     """One layer's means [H, D] and bases [H, D, r] (a joint basis: row h * D + d of the [H * D, r] matrix is
-    [h, d]), shared by every cache of the model like its weights.
+    [h, d]) and its RoPE frequencies (joint bases turn keys on read; empty otherwise), shared by every cache of the
+    model like its weights.
 
     No `__dict__`: `measured_kv_bytes` counts what each user's cache holds, and these are per model, not per user
     (`LowRankCodec.model_bytes` counts them, once per model).
     """
 
-    __slots__ = ("key_mean", "key_basis", "value_mean", "value_basis")
+    __slots__ = ("key_mean", "key_basis", "value_mean", "value_basis", "inv_freq")
     key_mean: torch.Tensor
     key_basis: torch.Tensor
     value_mean: torch.Tensor
     value_basis: torch.Tensor
+    inv_freq: torch.Tensor
 
-    def __init__(self, tensors: dict[str, torch.Tensor], layer_idx: int, ranks: tuple[int, int], joint: bool):
+    def __init__(self, tensors: dict[str, torch.Tensor], layer_idx: int, ranks: tuple[int, int], joint: bool,
+                 inv_freq: tuple[float, ...] = ()):
+        self.inv_freq = torch.tensor(inv_freq, dtype=torch.float32)
         for kind, rank in zip(("key", "value"), ranks, strict=True):
             mean = tensors[f"layers.{layer_idx}.{kind}_mean"].float()
             basis = tensors[f"layers.{layer_idx}.{kind}_basis"][..., :rank].float()
@@ -305,7 +309,9 @@ class LowRankCodec(ReducingCodec):
         bound = copy.copy(self)  # keeps what binding set (init=False fields), as `with_storage` does
         assert self._ranks is not None  # settled with the bases (`reduction_for_model`)
         object.__setattr__(bound, "storage", self.storage.for_layer(layer_idx))
-        object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self._ranks[layer_idx], self._joint))
+        inv_freq = self._inv_freqs[layer_idx] if self._inv_freqs is not None else ()
+        object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self._ranks[layer_idx], self._joint,
+                                                       inv_freq))
         object.__setattr__(bound, "_layer_idx", layer_idx)
         object.__setattr__(bound, "_tensors", None)
         return bound
@@ -365,22 +371,89 @@ class LowRankCodec(ReducingCodec):
         return (torch.einsum("bhtr,hdr->bhtd", reduced.float(), basis) + mean[None, :, None, :]).to(dtype)
 
     def _inv_freq(self) -> torch.Tensor:
-        # Joint bases only, and the codec runs per layer (`for_layer`): both are set.
-        assert self._inv_freqs is not None and self._layer_idx is not None
-        return torch.tensor(self._inv_freqs[self._layer_idx], dtype=torch.float32)
+        # Joint bases only, and the codec runs per layer (`for_layer`): the layer's frequencies, where its bases are.
+        assert self._joint and self._layer is not None
+        return self._layer.inv_freq
 
     def encode(self, states: torch.Tensor, kind: Kind, positions: torch.Tensor | None = None) -> Encoded:
         """`positions` [B, H_kv, T]: the position each key was rotated to (joint bases: keys are projected with
         RoPE undone)."""
+        dtype = states.dtype  # the latents are stored at the states' width (bf16 runs: bf16), as bytes_per_token says
         if self._joint and kind == "key":
             states = rerotate(states.float(), -self._positions(positions, states), self._inv_freq())
-        return self.storage.encode(self.reduce(states, kind), kind)
+        return self.storage.encode(self.reduce(states, kind).to(dtype), kind)
 
     def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype, positions: torch.Tensor | None = None):
         if self._joint and kind == "key":
             unrotated = self.expand(self.storage.decode(encoded, kind, torch.float32), kind, torch.float32)
             return rerotate(unrotated, self._positions(positions, unrotated), self._inv_freq()).to(dtype)
         return self.expand(self.storage.decode(encoded, kind, dtype), kind, dtype)
+
+    # -- attention over the latents (caches/store_attention.py) ------------------------------------------------------
+
+    @property
+    def attends_encoded(self) -> bool:  # type: ignore[override]
+        """Joint bases: a decode step reads the store's latents a block at a time instead of decoding every key and
+        value of the layer (`key_logits`, `mix_values`): a value is the basis times its latent plus the mean, so
+        attention mixes the latents and maps the mix to values once per query; keys, turned by RoPE at their own
+        positions, cannot move their basis to the query side (the turn differs per token) and are rebuilt a block
+        at a time."""
+        return self._joint
+
+    def key_logits(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` [B, H_kv, T]: the position each key was rotated to (joint bases share each slot over the
+        layer's KV heads, so every head holds the same positions and the first head's serve all)."""
+        if not self._joint:
+            return super().key_logits(encoded, query)
+        latent = self.storage.decode(encoded, "key", torch.float32).float()  # [B, 1, T, r]
+        mean, basis = self._bases("key", query.shape[1], latent.device)
+        heads, dim, rank = basis.shape
+        batch, tokens = latent.shape[0], latent.shape[2]
+        # The pre-RoPE keys as [B, H, D, T]: one [H * D, r] x [r, B * T] product for the layer's heads and rows,
+        # laid out so that (batch 1) each head's keys are the second operand of the query's product as they are.
+        keys = torch.mm(basis.reshape(heads * dim, rank), latent[:, 0].reshape(batch * tokens, rank).t())
+        keys = keys.view(heads, dim, batch, tokens).permute(2, 0, 1, 3).add_(mean[None, :, :, None])
+        inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
+        position = self._positions(positions, latent.expand(-1, heads, -1, -1))[:, :1].to(torch.float32)
+        angles = inv_freq[:, None] * position[:, :, None, :]  # [B, 1, R / 2, T]
+        cos, sin = angles.cos(), angles.sin()
+        # Rotate-half RoPE (ops/rerotate.py) met by the query half by half: q . turn(k) = q1 . (k1 cos - k2 sin) +
+        # q2 . (k2 cos + k1 sin); channels past the rotated ones (partial rotary) meet the query as they are.
+        half = inv_freq.numel()
+        first, second = keys[:, :, :half], keys[:, :, half : 2 * half]
+        turned_first = (first * cos).addcmul_(second, sin, value=-1)
+        turned_second = (second * cos).addcmul_(first, sin)
+        logits = torch.matmul(query[..., :half], turned_first)
+        logits += torch.matmul(query[..., half : 2 * half], turned_second)
+        if 2 * half < dim:
+            logits += torch.matmul(query[..., 2 * half :], keys[:, :, 2 * half :])
+        return logits
+
+    def decode_in_basis(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
+        """Joint values: [B, 1, T, r + 1], each token's latent and a 1, the weight of the mean (`from_basis`)."""
+        if not self._joint or kind == "key":
+            return super().decode_in_basis(encoded, kind, dtype)
+        latent = self.storage.decode(encoded, kind, dtype).to(dtype)
+        return torch.cat([latent, latent.new_ones(*latent.shape[:-1], 1)], dim=-1)
+
+    def mix_values(self, encoded: Encoded, probs: torch.Tensor) -> torch.Tensor:
+        """Joint values: probs [B, H, n, T] times the shared latents [B, 1, T, r], and the probabilities' sum (the
+        mean's weight): [B, H, n, r + 1]."""
+        if not self._joint:
+            return super().mix_values(encoded, probs)
+        latent = self.storage.decode(encoded, "value", torch.float32).float()[:, 0]  # [B, T, r]
+        batch, heads, queries, tokens = probs.shape
+        # One [H * n, T] x [T, r] product per row: a broadcast over the heads would copy the latents per head.
+        mixed = torch.matmul(probs.reshape(batch, heads * queries, tokens), latent).view(batch, heads, queries, -1)
+        return torch.cat([mixed, probs.sum(-1, keepdim=True)], dim=-1)
+
+    def from_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
+        """Joint values: x [B, H, n, r + 1] (mixed latents and their weight) -> the basis times the latents plus the
+        weight times the mean, [B, H, n, D]. Linear in x, as the online softmax's rescaling needs."""
+        if not self._joint or kind == "key":
+            return x
+        mean, basis = self._bases(kind, x.shape[1], x.device)
+        return torch.matmul(x[..., :-1], basis.transpose(-1, -2)) + x[..., -1:] * mean[None, :, None, :]
 
     @staticmethod
     def _positions(positions: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,162 @@
+"""lowrank's decode attention over the latents (joint bases): `key_logits` turns each rebuilt pre-RoPE key at its
+position and meets the query, `mix_values` mixes the value latents and `from_basis` maps the mix to values once. The
+reference is the decoded store (`decode`) met by a plain softmax: the same logits through a model, the same bytes,
+DynamicCache at full rank, and the fused path is the one that runs."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvcompress import make_cache, measured_kv_bytes
+from hf_kvcompress.calibration import calibrate_joint, save_bases
+from hf_kvcompress.codecs.lowrank import LowRankCodec
+
+from ..caches.tiny_models import calibration_model, left_padded_prompts
+
+INT4 = "int4:group_size=8,residual_length=0,key_axis=token"
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """{family: (model, bases dir)}: every component kept, so ratio=1.0 is full rank."""
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for family in ("llama", "gemma3"):
+        model = calibration_model(family)
+        tensors, metadata, _ = calibrate_joint(model, ids, text="random ids")
+        out[family] = model, save_bases(tensors, metadata, tmp_path_factory.mktemp(family)).parent
+    return out
+
+
+def _run(model, cache, fused: bool, prompt=30, steps=8, batch=2, padded=False):
+    """Logits of a prompt and `steps` single-token steps; `fused=False` turns the offer off in every layer, so
+    each step decodes the store and attention reads it as the model's states (the reference)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (batch, prompt + steps), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:  # the first row is left-padded by 7 tokens
+        ids[0, :7], mask[0, :7] = 0, 0
+    outs = []
+    with torch.no_grad():
+        for start, end in [(0, prompt)] + [(j, j + 1) for j in range(prompt, prompt + steps)]:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, start:end]
+            outs.append(model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], cache=cache,
+                              position_ids=positions).logits)
+            if start == 0 and not fused:
+                for layer in cache.layers:
+                    layer.offers.offered = False
+    return torch.cat(outs, 1)
+
+
+def _spec(bases, spec):
+    return spec.replace("lowrank:", f"lowrank:bases={bases},")
+
+
+def _codec_calls(monkeypatch):
+    calls = {"key_logits": 0, "mix_values": 0}
+    for name in calls:
+        original = getattr(LowRankCodec, name)
+
+        def counted(self, *args, name=name, original=original, **kwargs):
+            calls[name] += 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(LowRankCodec, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("spec", ["lowrank:ratio=0.5", "lowrank:ratio=0.25,residual_length=4",
+                                  f"lowrank:ratio=0.5+{INT4}", "sink_window:sink_tokens=2,window=24+lowrank:ratio=0.5"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_fused_decode_equals_the_decoded_store(fitted, family, spec, padded, monkeypatch):
+    model, bases = fitted[family]
+    spec = _spec(bases, spec)
+    reference_cache = make_cache(spec, model.config)
+    reference = _run(model, reference_cache, fused=False, padded=padded)
+    calls = _codec_calls(monkeypatch)
+    cache = make_cache(spec, model.config)
+    fused = _run(model, cache, fused=True, padded=padded)
+    layers = model.config.num_hidden_layers
+    assert calls["key_logits"] == calls["mix_values"] == 8 * layers  # every decode step of every layer read latents
+    assert all(layer.offers.confirmed for layer in cache.layers)
+    assert (fused - reference).abs().max() < 1e-4
+    assert measured_kv_bytes(cache) == measured_kv_bytes(reference_cache) == cache.promised_kv_bytes()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_fused_decode_at_full_rank_equals_dynamic_cache(fitted, family):
+    model, bases = fitted[family]
+    cache = make_cache(f"lowrank:ratio=1.0,bases={bases}", model.config)
+    delta = (_run(model, cache, fused=True) - _run(model, DynamicCache(), fused=True)).abs().max()
+    assert all(layer.offers.confirmed for layer in cache.layers) and cache.layers[-1].n_encoded == 38
+    assert delta < 1e-4
+
+
+def test_fused_decode_in_bfloat16_is_within_its_rounding(fitted):
+    model, bases = fitted["llama"]
+    spec = _spec(bases, "lowrank:ratio=0.5")
+    model = model.to(torch.bfloat16)
+    try:
+        reference = _run(model, make_cache(spec, model.config), fused=False).float()
+        fused = _run(model, make_cache(spec, model.config), fused=True).float()
+    finally:
+        model.to(torch.float32)
+    # The reference rounds every rebuilt key and value to bf16 before attention; the fused path keeps them in
+    # float32 (as the quantized stores' kernels do): a few bf16 units at logits of this size.
+    assert (fused - reference).abs().max() <= 0.05 * reference.abs().max()
+
+
+def test_key_logits_and_value_mix_equal_the_decoded_states(fitted):
+    model, bases = fitted["gemma3"]
+    codec = make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config).layers[2].codec  # a full-attention layer
+    g = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(2, 1, 11, 32, generator=g), torch.randn(2, 1, 11, 32, generator=g)
+    positions = torch.randint(0, 900, (2, 1, 11), generator=g)
+    encoded_keys, encoded_values = codec.encode(keys, "key", positions=positions), codec.encode(values, "value")
+    query, probs = torch.randn(2, 1, 3, 32, generator=g), torch.rand(2, 1, 3, 11, generator=g)
+    decoded = codec.decode(encoded_keys, "key", torch.float32, positions=positions)
+    expected = torch.matmul(query, decoded.transpose(-1, -2))
+    assert torch.allclose(codec.key_logits(encoded_keys, query, positions=positions), expected, atol=1e-4)
+    mixed = codec.from_basis(codec.mix_values(encoded_values, probs), "value")
+    assert torch.allclose(mixed, torch.matmul(probs, codec.decode(encoded_values, "value", torch.float32)), atol=1e-5)
+    # The value basis holds each latent and the mean's weight; from_basis of it is the decoded value.
+    in_basis = codec.decode_in_basis(encoded_values, "value", torch.float32)
+    assert in_basis.shape[-1] == codec._ranks[2][1] + 1
+    assert torch.allclose(codec.from_basis(in_basis, "value"), codec.decode(encoded_values, "value", torch.float32),
+                          atol=1e-5)
+    with pytest.raises(ValueError, match="need positions"):
+        codec.key_logits(encoded_keys, query)
+
+
+def test_padded_rows_fused_match_rows_alone(fitted):
+    from hf_kvcompress.generation import generate
+
+    model, bases = fitted["llama"]
+    spec = _spec(bases, "lowrank:ratio=0.5")
+    rows, ids, mask = left_padded_prompts(seed=3, lengths=(5, 13))
+    cache = make_cache(spec, model.config)
+    batched = generate(model, ids, mask, cache, max_new_tokens=6).new_tokens
+    assert all(layer.offers.confirmed for layer in cache.layers)
+    for i, row in enumerate(rows):
+        alone = generate(model, row[None], torch.ones(1, len(row), dtype=torch.long), make_cache(spec, model.config),
+                         max_new_tokens=6).new_tokens
+        assert torch.equal(batched[i], alone[0])
+
+
+@pytest.mark.parametrize("spec", ["lowrank:ratio=0.5", "lowrank:ratio=0.25,residual_length=4"])
+def test_fused_decode_steps_read_nothing_on_the_host(fitted, spec):
+    from hf_kvcompress.ops.host_syncs import HostSyncCounter
+
+    model, bases = fitted["llama"]
+    cache = make_cache(_spec(bases, spec), model.config)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 128, (2, 30 + 12), generator=g)
+    with torch.no_grad():
+        model(input_ids=ids[:, :30], cache=cache)
+        for j in range(30, 42):  # the first step confirms the offer; the rest are steady fused steps
+            with HostSyncCounter() as counter:
+                model(input_ids=ids[:, j:j + 1], cache=cache)
+            if j > 31:
+                assert counter.count == 0, f"{counter.count} host reads at decode step {j - 30}"
+    assert all(layer.offers.confirmed for layer in cache.layers)
