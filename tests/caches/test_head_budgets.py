@@ -4,8 +4,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
 from hf_kvcompress.caches.head_store import EVICTION_SLACK, SLACK_SHARE, HeadStore, RaggedHeads
@@ -16,7 +15,7 @@ from hf_kvcompress.generation import generate, prefill
 from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.ops.host_syncs import HostSyncCounter
 
-from .tiny_models import masked_reference_attention, tiny_model
+from .tiny_models import masked_reference_logits, tiny_model
 
 REPEAT = [5, 6, 7]
 
@@ -143,12 +142,6 @@ def test_span_0_keeps_kvzips_own_ranking_of_every_pair():
             assert torch.equal(held[h], s[h, mask[h]])
 
 
-_MASKS = {}
-
-
-_masked_reference_attention = masked_reference_attention(_MASKS)
-
-
 def _ranked_beside_reference(spec):
     """A tiny Llama, a 30-token prompt ranked by `spec` (ratio 0.4: 12 pairs per head) and, beside it, the full
     scored cache with the plain reference's kept pairs per layer (`_reference_keep`)."""
@@ -165,16 +158,8 @@ def test_head_budget_attention_equals_the_full_cache_with_each_heads_evicted_pai
     model, question, scored, expected_keep, cache = _ranked_beside_reference("kvzip:ratio=0.4,budgets=head,span=0")
     with torch.inference_mode():
         out = model(input_ids=question, cache=cache, position_ids=torch.arange(30, 34)[None]).logits
-    AttentionInterface.register("masked_reference", _masked_reference_attention)
-    AttentionMaskInterface.register("masked_reference", sdpa_mask)
-    try:
-        model.set_attn_implementation("masked_reference")
-        _MASKS.update({i: keep.view(2, 30) for i, keep in enumerate(expected_keep)})
-        with torch.inference_mode():
-            ref = model(input_ids=question, cache=scored, position_ids=torch.arange(30, 34)[None]).logits
-    finally:
-        _MASKS.clear()
-        use_kvcompress_attention(model)
+    masks = {i: keep.view(2, 30) for i, keep in enumerate(expected_keep)}
+    (ref,) = masked_reference_logits(model, scored, [question], masks, start=30)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -190,20 +175,8 @@ def test_append_decodes_as_the_full_cache_with_the_rankings_evicted_pairs_masked
             where = torch.arange(position, position + step.shape[1])[None]
             outs.append(model(input_ids=step, cache=cache, position_ids=where).logits)
             position += step.shape[1]
-    AttentionInterface.register("masked_reference", _masked_reference_attention)
-    AttentionMaskInterface.register("masked_reference", sdpa_mask)
-    refs, position = [], 30
-    try:
-        model.set_attn_implementation("masked_reference")
-        _MASKS.update({i: keep.view(2, 30) for i, keep in enumerate(expected_keep)})
-        with torch.inference_mode():
-            for step in steps:
-                where = torch.arange(position, position + step.shape[1])[None]
-                refs.append(model(input_ids=step, cache=scored, position_ids=where).logits)
-                position += step.shape[1]
-    finally:
-        _MASKS.clear()
-        use_kvcompress_attention(model)
+    masks = {i: keep.view(2, 30) for i, keep in enumerate(expected_keep)}
+    refs = masked_reference_logits(model, scored, steps, masks, start=30)
     for out, ref in zip(outs, refs, strict=True):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     later = sum(step.shape[1] for step in steps)

@@ -10,8 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
 from hf_kvcompress.caches.head_store import ABSORB_BLOCK
@@ -28,7 +27,7 @@ from hf_kvcompress.probe_calibration import (
 )
 from hf_kvcompress.probes import PROBE_FORMAT, estimated_score, load_probes, save_probe
 
-from .tiny_models import left_padded_prompts, masked_reference_attention, tiny_model
+from .tiny_models import left_padded_prompts, masked_reference_logits, tiny_model
 
 REPEAT = [5, 6, 7]
 
@@ -493,12 +492,6 @@ def _top_pairs(scores, count):
     return [m.view_as(s) for m, s in zip(kept.split([s.numel() for s in scores]), scores, strict=True)]
 
 
-_MASKS = {}
-
-
-_masked_attention = masked_reference_attention(_MASKS)
-
-
 def test_append_decodes_as_the_full_cache_with_the_rankings_evicted_pairs_masked(tmp_path):
     """decoding="append": once the prompt is ranked (the probe's estimates, one ranking of every pair), a question
     and the answer's steps attend over exactly the ranked pairs plus every later token: the logits equal a full
@@ -528,20 +521,7 @@ def test_append_decodes_as_the_full_cache_with_the_rankings_evicted_pairs_masked
             outs.append(model(input_ids=step, cache=cache, position_ids=where).logits)
             position += step.shape[1]
             assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
-    AttentionInterface.register("kvzap_masked_reference", _masked_attention)
-    AttentionMaskInterface.register("kvzap_masked_reference", sdpa_mask)
-    refs, position = [], 30
-    try:
-        model.set_attn_implementation("kvzap_masked_reference")
-        _MASKS.update(dict(enumerate(expected_keep)))
-        with torch.inference_mode():
-            for step in steps:
-                where = torch.arange(position, position + step.shape[1])[None]
-                refs.append(model(input_ids=step, cache=full, position_ids=where).logits)
-                position += step.shape[1]
-    finally:
-        _MASKS.clear()
-        use_kvcompress_attention(model)
+    refs = masked_reference_logits(model, full, steps, dict(enumerate(expected_keep)), start=30)
     for out, ref in zip(outs, refs, strict=True):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     later = sum(step.shape[1] for step in steps)  # 44: past the tail, so later tokens joined the pairs

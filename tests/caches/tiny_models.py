@@ -116,3 +116,43 @@ def masked_reference_attention(masks: dict):
         return kvcompress_attention(module, query, key, value, attention_mask, **kwargs)
 
     return attend
+
+
+def masked_reference_logits(model, cache, steps: list, masks: dict, start: int) -> list:
+    """The plain reference's logits for `steps` ([B, n] ids each, fed in turn at positions from `start`) over `cache`
+    (a full cache of the prompt), each KV head's prompt pairs outside `masks[layer_idx]` masked
+    (`masked_reference_attention`). The model gets the package's attention back afterwards."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from hf_kvcompress import use_kvcompress_attention
+
+    AttentionInterface.register("masked_reference", masked_reference_attention(masks))
+    AttentionMaskInterface.register("masked_reference", sdpa_mask)
+    refs, position = [], start
+    try:
+        model.set_attn_implementation("masked_reference")
+        with torch.inference_mode():
+            for step in steps:
+                where = torch.arange(position, position + step.shape[1])[None]
+                refs.append(model(input_ids=step, cache=cache, position_ids=where).logits)
+                position += step.shape[1]
+    finally:
+        use_kvcompress_attention(model)
+    return refs
+
+
+def fitted_joint_bases(mktemp) -> dict:
+    """{family: (model, bases dir)} for the tiny Llama and Gemma-3 (`calibration_model`): joint pre-RoPE bases
+    fitted on 200 random ids with every component kept, so `lowrank:ratio=1.0` is full rank. `mktemp`:
+    pytest's `tmp_path_factory.mktemp`."""
+    from hf_kvcompress.calibration import JOINT, calibrate_joint, save_bases
+
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for family in ("llama", "gemma3"):
+        model = calibration_model(family)
+        tensors, metadata, report = calibrate_joint(model, ids, text="random ids")
+        assert metadata["heads"] == JOINT and metadata["keys"] == "pre_rope" and len(report) == len(model.model.layers)
+        out[family] = model, save_bases(tensors, metadata, mktemp(family)).parent
+    return out

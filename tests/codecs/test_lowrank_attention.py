@@ -8,10 +8,9 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes
-from hf_kvcompress.calibration import calibrate_joint, save_bases
 from hf_kvcompress.codecs.lowrank import LowRankCodec
 
-from ..caches.tiny_models import calibration_model, left_padded_prompts
+from ..caches.tiny_models import fitted_joint_bases, left_padded_prompts
 
 INT4 = "int4:group_size=8,residual_length=0,key_axis=token"
 
@@ -19,13 +18,7 @@ INT4 = "int4:group_size=8,residual_length=0,key_axis=token"
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
     """{family: (model, bases dir)}: every component kept, so ratio=1.0 is full rank."""
-    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
-    out = {}
-    for family in ("llama", "gemma3"):
-        model = calibration_model(family)
-        tensors, metadata, _ = calibrate_joint(model, ids, text="random ids")
-        out[family] = model, save_bases(tensors, metadata, tmp_path_factory.mktemp(family)).parent
-    return out
+    return fitted_joint_bases(tmp_path_factory.mktemp)
 
 
 def _run(model, cache, fused: bool, prompt=30, steps=8, batch=2, padded=False):

@@ -7,26 +7,19 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import CompressedCache, make_cache, measured_kv_bytes
-from hf_kvcompress.calibration import JOINT, calibrate_joint, concatenated, load_bases, save_bases
+from hf_kvcompress.calibration import concatenated, load_bases, save_bases
 from hf_kvcompress.codecs.lowrank import LowRankCodec, allocate_ranks
 from hf_kvcompress.generation import generate
 from hf_kvcompress.ops.rerotate import rerotate
 from hf_kvcompress.study import promised_bytes
 
-from ..caches.tiny_models import calibration_model, left_padded_prompts, tiny_model
+from ..caches.tiny_models import calibration_model, fitted_joint_bases, left_padded_prompts, tiny_model
 
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
     """{family: (model, bases dir)}: every component kept, so ratio=1.0 is full rank."""
-    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
-    out = {}
-    for family in ("llama", "gemma3"):
-        model = calibration_model(family)
-        tensors, metadata, report = calibrate_joint(model, ids, text="random ids")
-        assert metadata["heads"] == JOINT and metadata["keys"] == "pre_rope" and len(report) == len(model.model.layers)
-        out[family] = model, save_bases(tensors, metadata, tmp_path_factory.mktemp(family)).parent
-    return out
+    return fitted_joint_bases(tmp_path_factory.mktemp)
 
 
 def _steps(model, cache, prompt=30, steps=5, batch=2):
