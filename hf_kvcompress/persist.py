@@ -66,10 +66,11 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
         "format": FORMAT,
         "spec": cache.spec,
         "rerotate": json.dumps(cache.rerotate),
-        # Files without it were saved before a plain KVzip ratio shared a hybrid model's pairs: they load as built.
-        "sliding_share": json.dumps(cache.sliding_share is not None),
+        # Whether the sliding layers were planned (a plain ratio or bytes=); files without it were saved before a plain
+        # KVzip ratio shared a hybrid model's pairs: they load as built.
+        "sliding_share": json.dumps(cache.planned_sliding is not None),
         # The planned sliding layers' count as built; files without it were planned by r x r (`_r2_sliding`).
-        "sliding_kept": json.dumps(None if cache.sliding_share is None else cache.sliding_share.kept),
+        "sliding_kept": json.dumps(cache.planned_sliding),
         # KVzip's or KVzap's `decoding` as the cache ran it: files without it were saved before "append" was a
         # default, and load as they ran ("evict").
         "decoding": json.dumps(getattr(cache.policy, "resolved_decoding", None)),

@@ -134,6 +134,7 @@ class CompressedCache(Cache):
         # ranks them; None without a config or a planned share.
         self.sliding_share: SlidingShare | None = None
         self.byte_target: ByteTarget | None = None  # KVzip's bytes=: what the ranking may spend (plan.py)
+        self.planned_sliding: int | None = None
         if config is None:
             check_without_config(self.policy, rerotate)
             # transformers only calls `layer_class_to_replicate()`: a factory that numbers the layers serves.
@@ -146,6 +147,8 @@ class CompressedCache(Cache):
         self.num_layers = len(plans)
         self.sliding_share = next((plan.sliding_share for plan in plans if plan.sliding_share is not None), None)
         self.byte_target = next((plan.byte_target for plan in plans if plan.byte_target is not None), None)
+        # The newest tokens the planned sliding layers keep (a plain ratio's or bytes='s plan); None: not planned.
+        self.planned_sliding = next((p.planned_kept for p in plans if p.planned_kept is not None), None)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self._claim_for_this_thread(layer_idx)

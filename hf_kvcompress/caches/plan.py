@@ -59,6 +59,9 @@ class LayerPlan:
     probe: object | None = field(default=None, compare=False, repr=False)  # KVzap's score probe (probes.py)
     sliding_share: SlidingShare | None = None  # full-attention layers: what the sliding layers give up to them
     byte_target: ByteTarget | None = None  # full-attention layers under KVzip's bytes=: the bytes the cache holds
+    # Sliding layers of a planned share (a plain ratio or bytes=): the newest tokens the plan gave them; a saved cache
+    # records it so it loads as it was built (persist.py), whatever the planning rule is then.
+    planned_kept: int | None = None
 
     @property
     def is_sliding(self) -> bool:
@@ -377,6 +380,7 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
             plans.append(LayerPlan(
                 i, layer_type, sliding_layer_policy(layer_codec, window, kept[layer_type]), layer_codec.for_layer(i),
                 window=window, attention_window=window if layer_type == "sliding_attention" else None,
+                planned_kept=kept[layer_type] if planned and layer_type == "sliding_attention" else None,
             ))
         else:
             if policy.needs_hidden_states and i not in probes:

@@ -197,3 +197,29 @@ def test_a_planned_sliding_count_loads_as_it_was_built(tmp_path):
     before = load_cache(older)
     assert [layer.policy.window for layer in before.layers[:2]] == [2, 2]
     assert before.sliding_share is not None and before.sliding_share.kept == 2
+
+
+def test_a_byte_target_cache_loads_with_its_planned_sliding_layers(tmp_path):
+    """`kvzip:bytes=B` plans its sliding layers' newest tokens as a ratio does (plan.py `ByteTarget`), without a
+    `SlidingShare`: the saved file records the count, and the loaded cache keeps the same tokens there and answers
+    with the same logits as the cache it was saved from."""
+    model = use_kvcompress_attention(tiny_model("gemma3"))
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
+    cache = make_cache("kvzip:bytes=0.3", model.config)
+    prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
+    assert cache.sliding_share is None and cache.planned_sliding is not None
+    path = tmp_path / "bytes.safetensors"
+    save_cache(cache, path)
+    loaded = load_cache(path)
+    assert loaded.planned_sliding == cache.planned_sliding
+    assert [layer.policy for layer in loaded.layers] == [layer.policy for layer in cache.layers]
+    built = copy.deepcopy(cache)
+    position = 30
+    for seed in (9, 10, 11):
+        step = torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(seed))
+        where = torch.arange(position, position + 3)[None]
+        with torch.inference_mode():
+            ref = model(input_ids=step, cache=built, position_ids=where).logits
+            out = model(input_ids=step, cache=loaded, position_ids=where).logits
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        position += 3
