@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from .caches.compressed import CompressedCache
-from .caches.plan import SLIDING_FLOOR, planned_share
+from .caches.plan import planned_share, planned_sliding_tokens
 from .hf.compat import text_config
 from .registry import parse_spec
 
@@ -140,8 +139,7 @@ def _r2_sliding(policy, config) -> int:
     its window (r: the planned share), at least SLIDING_FLOOR of it, at most the share."""
     share = planned_share(policy)
     assert share is not None  # saved with a planned share: a ratio or KVzip's bytes
-    whole = max(text_config(config).sliding_window - 1, 1)
-    return min(math.ceil(share * whole), max(math.ceil(share * share * whole), math.ceil(SLIDING_FLOOR * whole)))
+    return planned_sliding_tokens(share, max(text_config(config).sliding_window - 1, 1), rule=lambda r: r * r)
 
 
 def check_model(cache, model) -> None:

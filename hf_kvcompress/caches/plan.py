@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -205,12 +206,18 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     elif policy.budget is not None:
         kept = policy.budget
     elif (share := planned_share(policy)) is not None:
-        kept = math.ceil(share * whole)
-        if planned:
-            kept = min(kept, max(math.ceil(planned_sliding_share(share) * whole), math.ceil(SLIDING_FLOOR * whole)))
+        kept = planned_sliding_tokens(share, whole) if planned else math.ceil(share * whole)
     else:
         return None
     return max(kept, 1) if kept < whole else None
+
+
+def planned_sliding_tokens(share: float, whole: int, rule: Callable[[float], float] | None = None) -> int:
+    """The newest tokens a planned sliding layer keeps of `whole` (its window - 1) at a planned `share`:
+    `rule(share)` of them (default `planned_sliding_share`; persist.py passes the rule older files were planned
+    by), never fewer than SLIDING_FLOOR of them, never more than the share's own ceil(share x whole)."""
+    kept = (rule or planned_sliding_share)(share)
+    return min(math.ceil(share * whole), max(math.ceil(kept * whole), math.ceil(SLIDING_FLOOR * whole)))
 
 
 def planned_sliding_share(ratio: float) -> float:

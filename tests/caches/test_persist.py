@@ -136,31 +136,44 @@ def test_head_budget_files_saved_before_still_load_and_answer_the_same(name):
     assert (loaded.stored_tokens, loaded.get_seq_length()) == lengths
 
 
-def test_a_planned_sliding_share_is_saved_and_loads_as_planned(tmp_path):
-    """A plain kvzip ratio on Gemma-3's layout shares the pairs (plan.py `SlidingShare`); the loaded cache plans the
-    same, and a file saved before the share existed (no `sliding_share` entry) loads with the plain share."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
+def _planned_round_trip(spec, tmp_path):
+    """A tiny Gemma-3's `spec` cache over a 30-token prompt, saved and loaded back: (cache, loaded, path), once the
+    loaded cache is checked to share the pairs as the saved one and to generate the same tokens."""
     model = use_kvcompress_attention(tiny_model("gemma3"))
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
-    cache = make_cache("kvzip:ratio=0.5", model.config)
+    cache = make_cache(spec, model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
-    assert cache.sliding_share is not None
     path = tmp_path / "planned.safetensors"
     save_cache(cache, path)
     loaded = load_cache(path)
     assert loaded.sliding_share == cache.sliding_share
-    assert [layer.policy for layer in loaded.layers] == [layer.policy for layer in cache.layers]
     full = torch.cat([ids, torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(9))], 1)
     ones = torch.ones_like(full)
     assert torch.equal(generate(model, full, ones, loaded, max_new_tokens=4).new_tokens,
                        generate(model, full, ones, copy.deepcopy(cache), max_new_tokens=4).new_tokens)
+    return cache, loaded, path
+
+
+def _saved_before(path, entry, tmp_path):
+    """(the file's `entry`, the path of a copy of the file without it): a file saved before the entry existed."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
     with safe_open(str(path), framework="pt") as handle:
         metadata = dict(handle.metadata())
-    del metadata["sliding_share"]
+    value = json.loads(metadata.pop(entry))
     older = tmp_path / "older.safetensors"
     save_file(load_file(str(path)), str(older), metadata=metadata)
+    return value, older
+
+
+def test_a_planned_sliding_share_is_saved_and_loads_as_planned(tmp_path):
+    """A plain kvzip ratio on Gemma-3's layout shares the pairs (plan.py `SlidingShare`); the loaded cache plans the
+    same, and a file saved before the share existed (no `sliding_share` entry) loads with the plain share."""
+    cache, loaded, path = _planned_round_trip("kvzip:ratio=0.5", tmp_path)
+    assert cache.sliding_share is not None
+    assert [layer.policy for layer in loaded.layers] == [layer.policy for layer in cache.layers]
+    _, older = _saved_before(path, "sliding_share", tmp_path)
     plain = load_cache(older)
     assert plain.sliding_share is None
     # tiny gemma3: sliding_window 6, so the ratio's plain share is ceil(0.5 x 5) = 3 tokens, the planned one 2
@@ -171,29 +184,11 @@ def test_a_planned_sliding_share_is_saved_and_loads_as_planned(tmp_path):
 def test_a_planned_sliding_count_loads_as_it_was_built(tmp_path):
     """A saved cache records its planned sliding layers' count (`sliding_kept`) and loads with it; a file saved
     before it was recorded loads with the r x r count it was planned with (below half the plan now keeps fewer)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    model = use_kvcompress_attention(tiny_model("gemma3"))
-    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
-    cache = make_cache("kvzip:ratio=0.45", model.config)
-    prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
+    cache, _, path = _planned_round_trip("kvzip:ratio=0.45", tmp_path)
     # tiny gemma3: sliding_window 6; ceil(2 x 0.45^3 x 5) = 1 (r x r: ceil(0.45 x 0.45 x 5) = 2, the share 3)
     assert [layer.policy.window for layer in cache.layers[:2]] == [1, 1]
-    path = tmp_path / "planned.safetensors"
-    save_cache(cache, path)
-    loaded = load_cache(path)
-    assert loaded.sliding_share == cache.sliding_share
-    full = torch.cat([ids, torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(9))], 1)
-    ones = torch.ones_like(full)
-    assert torch.equal(generate(model, full, ones, loaded, max_new_tokens=4).new_tokens,
-                       generate(model, full, ones, copy.deepcopy(cache), max_new_tokens=4).new_tokens)
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = dict(handle.metadata())
-    assert json.loads(metadata["sliding_kept"]) == 1
-    del metadata["sliding_kept"]
-    older = tmp_path / "older.safetensors"
-    save_file(load_file(str(path)), str(older), metadata=metadata)
+    kept, older = _saved_before(path, "sliding_kept", tmp_path)
+    assert kept == 1
     before = load_cache(older)
     assert [layer.policy.window for layer in before.layers[:2]] == [2, 2]
     assert before.sliding_share is not None and before.sliding_share.kept == 2
