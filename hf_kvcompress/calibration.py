@@ -143,16 +143,98 @@ def concatenated(states: torch.Tensor) -> torch.Tensor:
     return states.permute(1, 0, 2).reshape(1, tokens, heads * dim)
 
 
+VALUE_FITS = ("attention", "pca")  # `calibrate --value-fit`: what the value bases minimise (`calibrate_joint`)
+# Tokens `received_attention` leaves out of the values' weights: those lowrank keeps exact below a half of the
+# dimensions (its 4 sinks by default and its 128-token window, codecs/lowrank.py), whose errors attention never sees.
+RECEIVED_SINKS = 4
+RECEIVED_WINDOW = 128
+OUTPUT_GRAM_RIDGE = 0.01  # added to the W_o Gram, as a share of its mean eigenvalue: keeps its inverse root finite
+
+
+def received_attention(capture: dict[str, Any], sinks: int = RECEIVED_SINKS,
+                       window: int = RECEIVED_WINDOW) -> torch.Tensor:
+    """[T] float64: the attention each token receives from the captured queries (summed over query heads and
+    positions), leaving out the first `sinks` tokens and, for each query, the newest `window` tokens it reads."""
+    keys = capture["keys"]
+    heads, length, _ = keys.shape
+    count = capture["query"].shape[1]
+    probs = attention_weights(capture, keys).reshape(heads, -1, count, length)
+    positions = torch.arange(length - count, length)
+    k = torch.arange(length)
+    far = (k[None] >= sinks) & (k[None] <= positions[:, None] - window)  # [Q, T]
+    return (probs.double() * far).sum((0, 1, 2))
+
+
+def output_gram(model, layer: int, heads: int, dim: int) -> torch.Tensor:
+    """[H * D, H * D] float64, block-diagonal: per KV head h, the sum over the query heads that read it of
+    W_o[:, head]^T W_o[:, head] (the output projection's Gram), so that a value error e of head h costs about
+    e^T Gram e in the layer's output (ASVD, Palu)."""
+    weight = text_layers(model)[layer].self_attn.o_proj.weight.detach().double()  # [hidden, Hq * D]
+    groups = weight.shape[1] // dim // heads
+    blocks = []
+    for h in range(heads):
+        columns = weight[:, h * groups * dim: (h + 1) * groups * dim].reshape(-1, groups, dim)
+        blocks.append(torch.einsum("ngd,nge->de", columns, columns))
+    return torch.block_diag(*blocks)
+
+
+def output_weighted_pca(states: torch.Tensor, gram: torch.Tensor, weights: torch.Tensor,
+                        ridge_share: float = OUTPUT_GRAM_RIDGE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """states [N, W] -> (mean [W], orthonormal basis [W, W], spectrum [W]) for values read through attention.
+
+    The components minimise sum_n weights[n] ||(x_n - x_n P P^T) G^(1/2)||^2 over rank-r projections (G = `gram` +
+    ridge): the leading eigenvectors V of the weighted, whitened covariance, mapped back to the states' space as
+    G^(-1/2) V (each prefix of columns the best rank-r decoder). The basis is those columns orthonormalised in order
+    (Gram-Schmidt), so a rank-r latent is the orthogonal projection onto the span of the first r (what the codec
+    stores and reads); the spectrum is the whitened covariance's eigenvalues (the weighted error each component
+    removes, falling), what `allocate=variance` spreads dimensions by. mean: the plain mean of the states. Weights
+    that are all zero (a sliding layer whose window the exact tokens cover: no projected token is read) count every
+    token alike."""
+    x = states.double()
+    mean = x.mean(0)
+    weights = weights.double().clamp(min=0)
+    if not weights.sum() > 0:
+        weights = torch.ones_like(weights)
+    scaled = (x - mean) * (weights / weights.mean()).sqrt()[:, None]
+    width = gram.shape[0]
+    regular = gram.double() + ridge_share * torch.trace(gram.double()) / width * torch.eye(width, dtype=torch.float64)
+    values, vectors = torch.linalg.eigh(regular)
+    root = vectors @ torch.diag(values.sqrt()) @ vectors.T
+    inverse_root = vectors @ torch.diag(values.rsqrt()) @ vectors.T
+    whitened = scaled @ root
+    spectrum, directions = torch.linalg.eigh(whitened.T @ whitened / x.shape[0])
+    decoder = inverse_root @ directions.flip(-1)
+    q, r = torch.linalg.qr(decoder)
+    return mean.float(), (q * torch.sign(torch.diagonal(r))[None]).float(), spectrum.flip(-1).clamp(min=0).float()
+
+
+def kept_share(states: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, rank: int) -> float:
+    """Share of the variance of states [N, W] about `mean` that the first `rank` orthonormal columns of `basis` keep."""
+    centered = states.double() - mean.double()
+    return float((centered @ basis[:, :rank].double()).pow(2).sum() / centered.pow(2).sum().clamp(min=1e-30))
+
+
 def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None, text: str = CALIBRATION_TEXT,
-                    error_ids: torch.Tensor | None = None) -> tuple[dict, dict, list[dict]]:
+                    error_ids: torch.Tensor | None = None,
+                    value_fit: str = "attention") -> tuple[dict, dict, list[dict]]:
     """Fit one basis per layer and kind over the layer's KV heads on `input_ids` [1, T], keys with RoPE undone.
 
+    Keys: plain PCA of the pre-RoPE keys. Values (`value_fit`): "attention", the components that lose least of the
+    attention output after the output projection (`output_weighted_pca`: W_o's Gram per KV head, each token weighted
+    by the attention it receives from the text's queries, `received_attention`), or "pca", plain PCA of the values.
     Tensors per layer i: `layers.i.{key,value}_mean` [H, D], `_basis` [H, D, max_rank] (the [H * D, max_rank]
-    basis, row h * D + d as [h, d]), `_variance` [H * D] (every component's variance, for choosing ranks). Returns
-    (tensors, metadata, report rows per layer: the share of variance kept at a quarter and a half of the
-    dimensions, jointly and, for comparison, per head). With `error_ids` [1, T'] (text the bases are not fitted
-    on), also the attention-output error curves (`add_error_curves`)."""
-    states = layer_states(model, input_ids.to(model.device))
+    basis, row h * D + d as [h, d]), `_variance` [H * D] (every component's variance, or for attention-fitted
+    values the weighted error it removes, for choosing ranks). Returns (tensors, metadata, report rows per layer:
+    the share of variance kept at a quarter and a half of the dimensions, jointly and, for comparison, per head).
+    With `error_ids` [1, T'] (text the bases are not fitted on), also the attention-output error curves
+    (`add_error_curves`)."""
+    if value_fit not in VALUE_FITS:
+        raise ValueError(f"value_fit must be one of {', '.join(VALUE_FITS)}, got {value_fit!r}")
+    if value_fit == "attention":  # every query's attention, for the tokens' weights
+        captures = attention_captures(model, input_ids, queries=input_ids.shape[1])
+        states = [(capture["keys"], capture["values"]) for capture in captures]
+    else:
+        states = layer_states(model, input_ids.to(model.device))
     kv_heads, _, head_dim = states[0][0].shape
     if states[0][1].shape[-1] != head_dim:
         raise ValueError("joint bases need keys and values of one width (head_dim)")
@@ -165,18 +247,25 @@ def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
     for i, (keys, values) in enumerate(states):
         row: dict = {"layer": i}
         for kind, x in (("key", unrotated(keys, model.config, i)), ("value", values)):
-            mean, basis, variances = pca(concatenated(x))
+            flat = concatenated(x)
+            if kind == "value" and value_fit == "attention":
+                mean, basis, variances = output_weighted_pca(
+                    flat[0], output_gram(model, i, kv_heads, head_dim), received_attention(captures[i]))
+                row[kind] = {r: kept_share(flat[0], mean, basis, r) for r in shares}
+                mean, basis, variances = mean[None], basis[None], variances[None]
+            else:
+                mean, basis, variances = pca(flat)
+                row[kind] = {r: explained(variances, r) for r in shares}
             tensors[f"layers.{i}.{kind}_mean"] = mean.reshape(kv_heads, head_dim).contiguous()
             kept = basis[0, :, :max_rank]
             tensors[f"layers.{i}.{kind}_basis"] = kept.reshape(kv_heads, head_dim, max_rank).contiguous()
             tensors[f"layers.{i}.{kind}_variance"] = variances[0].contiguous()
-            row[kind] = {r: explained(variances, r) for r in shares}
             row[f"{kind}_per_head"] = {r: explained(pca(x)[2], r // kv_heads) for r in shares}
         report.append(row)
     metadata = {"format": FORMAT, "model": model_identity(model.config), "layers": str(len(states)),
                 "kv_heads": str(kv_heads), "head_dim": str(head_dim), "value_dim": str(head_dim),
                 "max_rank": str(max_rank), "keys": "pre_rope", "heads": JOINT, "tokens": str(input_ids.shape[1]),
-                "text": text}
+                "text": text, "value_fit": value_fit}
     if error_ids is not None:
         add_error_curves(model, error_ids, tensors, metadata)
     return tensors, metadata, report
