@@ -221,7 +221,8 @@ def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
 
     Keys: plain PCA of the pre-RoPE keys. Values (`value_fit`): "attention", the components that lose least of the
     attention output after the output projection (`output_weighted_pca`: W_o's Gram per KV head, each token weighted
-    by the attention it receives from the text's queries, `received_attention`), or "pca", plain PCA of the values.
+    by the square root of the attention it receives from the text's queries, `received_attention`: on held-out text
+    it lost less of the output than the attention itself or its square, docs/results.md), or "pca", plain PCA.
     Tensors per layer i: `layers.i.{key,value}_mean` [H, D], `_basis` [H, D, max_rank] (the [H * D, max_rank]
     basis, row h * D + d as [h, d]), `_variance` [H * D] (every component's variance, or for attention-fitted
     values the weighted error it removes, for choosing ranks). Returns (tensors, metadata, report rows per layer:
@@ -250,7 +251,7 @@ def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
             flat = concatenated(x)
             if kind == "value" and value_fit == "attention":
                 mean, basis, variances = output_weighted_pca(
-                    flat[0], output_gram(model, i, kv_heads, head_dim), received_attention(captures[i]))
+                    flat[0], output_gram(model, i, kv_heads, head_dim), received_attention(captures[i]).sqrt())
                 row[kind] = {r: kept_share(flat[0], mean, basis, r) for r in shares}
                 mean, basis, variances = mean[None], basis[None], variances[None]
             else:

@@ -145,7 +145,7 @@ def test_the_file_holds_the_calibrated_fit_and_keys_stay_pca(fitted, family):
     capture = attention_captures(model, ids, ids.shape[1])[1]
     heads, _, dim = capture["values"].shape
     _, basis, spectrum = output_weighted_pca(concatenated(capture["values"])[0], output_gram(model, 1, heads, dim),
-                                             received_attention(capture))
+                                             received_attention(capture).sqrt())
     stored = attention["layers.1.value_basis"].double().reshape(heads * dim, -1)
     for rank in (4, 16):
         assert torch.allclose(stored[:, :rank] @ stored[:, :rank].T,
