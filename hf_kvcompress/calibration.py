@@ -143,7 +143,7 @@ def concatenated(states: torch.Tensor) -> torch.Tensor:
     return states.permute(1, 0, 2).reshape(1, tokens, heads * dim)
 
 
-VALUE_FITS = ("attention", "pca")  # `calibrate --value-fit`: what the value bases minimise (`calibrate_joint`)
+VALUE_FITS = ("attention", "oblique", "pca")  # `calibrate --value-fit`: what the value bases minimise (calibrate_joint)
 # Tokens `received_attention` leaves out of the values' weights: those lowrank keeps exact below a half of the
 # dimensions (its 4 sinks by default and its 128-token window, codecs/lowrank.py), whose errors attention never sees.
 RECEIVED_SINKS = 4
@@ -180,16 +180,26 @@ def output_gram(model, layer: int, heads: int, dim: int) -> torch.Tensor:
 
 def output_weighted_pca(states: torch.Tensor, gram: torch.Tensor, weights: torch.Tensor,
                         ridge_share: float = OUTPUT_GRAM_RIDGE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """states [N, W] -> (mean [W], orthonormal basis [W, W], spectrum [W]) for values read through attention.
+    """states [N, W] -> (mean [W], orthonormal basis [W, W], spectrum [W]) for values read through attention: the
+    decoders of `output_weighted_fit` orthonormalised in order (Gram-Schmidt), so that a rank-r latent is the
+    orthogonal projection onto the span of the best rank-r decoder (one basis encodes and decodes)."""
+    mean, _, decoder, spectrum = output_weighted_fit(states, gram, weights, ridge_share)
+    q, r = torch.linalg.qr(decoder.double())
+    return mean, (q * torch.sign(torch.diagonal(r))[None]).float(), spectrum
 
-    The components minimise sum_n weights[n] ||(x_n - x_n P P^T) G^(1/2)||^2 over rank-r projections (G = `gram` +
-    ridge): the leading eigenvectors V of the weighted, whitened covariance, mapped back to the states' space as
-    G^(-1/2) V (each prefix of columns the best rank-r decoder). The basis is those columns orthonormalised in order
-    (Gram-Schmidt), so a rank-r latent is the orthogonal projection onto the span of the first r (what the codec
-    stores and reads); the spectrum is the whitened covariance's eigenvalues (the weighted error each component
-    removes, falling), what `allocate=variance` spreads dimensions by. mean: the plain mean of the states. Weights
-    that are all zero (a sliding layer whose window the exact tokens cover: no projected token is read) count every
-    token alike."""
+
+def output_weighted_fit(states: torch.Tensor, gram: torch.Tensor, weights: torch.Tensor,
+                        ridge_share: float = OUTPUT_GRAM_RIDGE
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """states [N, W] -> (mean [W], encoder [W, W], decoder [W, W], spectrum [W]) for values read through attention.
+
+    At every rank r, latent = (x - mean) @ encoder[:, :r] and x ~ latent @ decoder[:, :r]^T + mean minimise
+    sum_n weights[n] ||(x_n - rebuilt_n) G^(1/2)||^2 (G = `gram` + ridge; ASVD, Palu): with V the eigenvectors of the
+    weighted, whitened covariance by falling eigenvalue, encoder = G^(1/2) V and decoder = G^(-1/2) V (an oblique
+    projection; encoder^T decoder = I). The spectrum is those eigenvalues (the weighted error each component removes,
+    falling), what `allocate=variance` spreads dimensions by. mean: the plain mean of the states. Weights that are
+    all zero (a sliding layer whose window the exact tokens cover: no projected token is read) count every token
+    alike."""
     x = states.double()
     mean = x.mean(0)
     weights = weights.double().clamp(min=0)
@@ -203,9 +213,9 @@ def output_weighted_pca(states: torch.Tensor, gram: torch.Tensor, weights: torch
     inverse_root = vectors @ torch.diag(values.rsqrt()) @ vectors.T
     whitened = scaled @ root
     spectrum, directions = torch.linalg.eigh(whitened.T @ whitened / x.shape[0])
-    decoder = inverse_root @ directions.flip(-1)
-    q, r = torch.linalg.qr(decoder)
-    return mean.float(), (q * torch.sign(torch.diagonal(r))[None]).float(), spectrum.flip(-1).clamp(min=0).float()
+    directions = directions.flip(-1)
+    return (mean.float(), (root @ directions).float(), (inverse_root @ directions).float(),
+            spectrum.flip(-1).clamp(min=0).float())
 
 
 def kept_share(states: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, rank: int) -> float:
@@ -231,7 +241,7 @@ def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
     (`add_error_curves`)."""
     if value_fit not in VALUE_FITS:
         raise ValueError(f"value_fit must be one of {', '.join(VALUE_FITS)}, got {value_fit!r}")
-    if value_fit == "attention":  # every query's attention, for the tokens' weights
+    if value_fit != "pca":  # every query's attention, for the tokens' weights
         captures = attention_captures(model, input_ids, queries=input_ids.shape[1])
         states = [(capture["keys"], capture["values"]) for capture in captures]
     else:
@@ -249,10 +259,17 @@ def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
         row: dict = {"layer": i}
         for kind, x in (("key", unrotated(keys, model.config, i)), ("value", values)):
             flat = concatenated(x)
-            if kind == "value" and value_fit == "attention":
-                mean, basis, variances = output_weighted_pca(
-                    flat[0], output_gram(model, i, kv_heads, head_dim), received_attention(captures[i]).sqrt())
-                row[kind] = {r: kept_share(flat[0], mean, basis, r) for r in shares}
+            if kind == "value" and value_fit != "pca":
+                gram, weights = output_gram(model, i, kv_heads, head_dim), received_attention(captures[i]).sqrt()
+                if value_fit == "oblique":
+                    mean, encoder, basis, variances = output_weighted_fit(flat[0], gram, weights)
+                    tensors[f"layers.{i}.value_encoder"] = encoder[:, :max_rank].reshape(
+                        kv_heads, head_dim, max_rank).contiguous()
+                    row[kind] = {r: kept_share(flat[0], mean, torch.linalg.qr(basis[:, :r].double())[0], r)
+                                 for r in shares}
+                else:
+                    mean, basis, variances = output_weighted_pca(flat[0], gram, weights)
+                    row[kind] = {r: kept_share(flat[0], mean, basis, r) for r in shares}
                 mean, basis, variances = mean[None], basis[None], variances[None]
             else:
                 mean, basis, variances = pca(flat)
@@ -275,7 +292,7 @@ def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
 def save_bases(tensors: dict, metadata: dict, out_dir: str | os.PathLike) -> Path:
     path = Path(out_dir) / BASES_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.half() if k.endswith("_basis") or k.endswith("_mean") else v for k, v in tensors.items()},
+    save_file({k: v.half() if k.endswith(("_basis", "_mean", "_encoder")) else v for k, v in tensors.items()},
               str(path), metadata=metadata)
     return path
 
@@ -659,10 +676,18 @@ def _joint_basis(tensors: dict[str, torch.Tensor], layer: int, kind: str) -> tup
     return mean, q * torch.sign(torch.diagonal(r))[None]
 
 
-def _projected(states: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, rank: int) -> torch.Tensor:
-    """states [H, T, D] reconstructed from their first `rank` coordinates on a joint basis."""
+def _projected(states: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, rank: int,
+               tensors: dict[str, torch.Tensor] | None = None, name: str = "") -> torch.Tensor:
+    """states [H, T, D] reconstructed from their first `rank` coordinates on a joint basis; with `tensors` holding
+    `name` (an oblique kind's encoder), encoded with it and rebuilt with the file's basis made biorthogonal to it
+    at that rank, as the codec does (`LayerBases`)."""
     heads, length, dim = states.shape
     flat = states.double().transpose(0, 1).reshape(length, heads * dim) - mean
+    if tensors is not None and name in tensors:
+        encoder = tensors[name][..., :rank].double().reshape(heads * dim, rank)
+        decoder = tensors[name.replace("_encoder", "_basis")][..., :rank].double().reshape(heads * dim, rank)
+        decoder = decoder @ torch.linalg.inv(encoder.T @ decoder)
+        return ((flat @ encoder) @ decoder.T + mean).reshape(length, heads, dim).transpose(0, 1)
     kept = basis[:, :rank]
     return ((flat @ kept) @ kept.T + mean).reshape(length, heads, dim).transpose(0, 1)
 
@@ -682,7 +707,8 @@ def joint_reconstruction(config, tensors: dict[str, torch.Tensor], layer: int, c
         positions = torch.arange(keys.shape[1], dtype=torch.float32).expand(keys.shape[0], -1)
         keys = rerotate(rebuilt[None], positions[None], inv_freq)[0]
     if value_rank is not None:
-        values = _projected(values, *_joint_basis(tensors, layer, "value"), value_rank).float()
+        values = _projected(values, *_joint_basis(tensors, layer, "value"), value_rank, tensors,
+                            f"layers.{layer}.value_encoder").float()
     if sinks:
         keys = torch.cat([exact_keys[:, :sinks], keys[:, sinks:]], 1)
         values = torch.cat([exact_values[:, :sinks], values[:, sinks:]], 1)

@@ -16,6 +16,7 @@ from hf_kvcompress.calibration import (
     concatenated,
     load_bases,
     output_gram,
+    output_weighted_fit,
     output_weighted_pca,
     pca,
     received_attention,
@@ -179,7 +180,7 @@ def test_full_rank_equals_dynamic_cache_and_bytes_match_pca_bases(fitted, family
 
 def test_bad_value_fit_is_refused(fitted):
     model, _, ids = fitted["llama"]
-    with pytest.raises(ValueError, match="value_fit must be one of attention, pca"):
+    with pytest.raises(ValueError, match="value_fit must be one of attention, oblique, pca"):
         calibrate_joint(model, ids, value_fit="svd")
 
 
@@ -189,3 +190,77 @@ def test_weights_that_are_all_zero_count_every_token_alike():
     equal = output_weighted_pca(x, gram, torch.ones(x.shape[0], dtype=torch.float64))
     for a, b in zip(zero, equal, strict=True):
         assert torch.isfinite(a).all() and torch.allclose(a, b)
+
+
+@pytest.fixture(scope="module")
+def oblique(tmp_path_factory):
+    """{family: (model, bases dir)}: values fitted with an encoder of their own (value_fit="oblique")."""
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for family in ("llama", "gemma3"):
+        model = calibration_model(family)
+        tensors, metadata, _ = calibrate_joint(model, ids, text="random ids", value_fit="oblique",
+                                               error_ids=ids[:, :120])
+        out[family] = model, save_bases(tensors, metadata, tmp_path_factory.mktemp(f"{family}-oblique")).parent
+    return out
+
+
+def test_the_oblique_fit_is_the_weighted_problems_minimiser():
+    x, gram, weights = _weighted_problem(seed=3)
+    width = x.shape[1]
+    mean, encoder, decoder, spectrum = output_weighted_fit(x, gram, weights)
+    regular = gram + OUTPUT_GRAM_RIDGE * torch.trace(gram) / width * torch.eye(width, dtype=torch.float64)
+    chol = torch.linalg.cholesky(regular)
+    rows = (x - x.mean(0)) * (weights / weights.mean()).sqrt()[:, None]
+    _, singular, _ = torch.linalg.svd(rows @ chol, full_matrices=False)
+    assert torch.allclose(encoder.double().T @ decoder.double(), torch.eye(width, dtype=torch.float64), atol=1e-4)
+    for rank in (1, 4, 8):
+        rebuilt = (rows @ encoder[:, :rank].double()) @ decoder[:, :rank].double().T
+        error = ((rows - rebuilt) @ chol).pow(2).sum()
+        assert error == pytest.approx(float(singular[rank:].pow(2).sum()), rel=1e-4)  # the Eckart-Young bound
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_oblique_bases_encode_with_their_encoder_and_full_rank_equals_dynamic_cache(oblique, family):
+    model, bases = oblique[family]
+    tensors, metadata = load_bases(bases, model.config)
+    assert metadata["value_fit"] == "oblique" and "layers.1.value_encoder" in tensors
+    assert "layers.1.key_encoder" not in tensors
+    codec = make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config).layers[1].codec
+    rank = codec._ranks[1][1]
+    g = torch.Generator().manual_seed(4)
+    heads, dim = tensors["layers.1.value_mean"].shape
+    values = torch.randn(1, heads, 9, dim, generator=g)
+    # Reference: latent = (x - mean) E_r, rebuilt = latent D_r^T + mean with D_r rescaled so that E_r^T D_r = I.
+    enc = tensors["layers.1.value_encoder"][..., :rank].double().reshape(heads * dim, rank)
+    dec = tensors["layers.1.value_basis"][..., :rank].double().reshape(heads * dim, rank)
+    dec = dec @ torch.linalg.inv(enc.T @ dec)
+    mean = tensors["layers.1.value_mean"].double().reshape(-1)
+    flat = concatenated(values[0].double())[0] - mean
+    expected = ((flat @ enc) @ dec.T + mean).reshape(9, heads, dim).permute(1, 0, 2)[None]
+    decoded = codec.decode(codec.encode(values, "value"), "value", torch.float32)
+    assert torch.allclose(decoded.double(), expected, atol=1e-3)
+    assert not torch.allclose(codec._layer.value_encoder, codec._layer.value_basis)  # oblique, not orthonormal
+    assert codec._layer.key_encoder is codec._layer.key_basis
+    # Full rank rebuilds every value: the cache answers as DynamicCache, through the decode-over-latents path too.
+    ids = torch.randint(3, 128, (2, 35), generator=g)
+
+    def steps(cache):
+        with torch.no_grad():
+            outs = [model(input_ids=ids[:, :30], cache=cache).logits]
+            for j in range(30, 35):
+                outs.append(model(input_ids=ids[:, j:j + 1], cache=cache).logits)
+        return torch.cat(outs, 1)
+
+    full = steps(make_cache(f"lowrank:ratio=1.0,bases={bases}", model.config))
+    assert (full - steps(DynamicCache())).abs().max() < 1e-4
+
+
+def test_oblique_bases_count_their_encoders_once_per_model(oblique, fitted):
+    model, bases = oblique["llama"]
+    _, dirs, _ = fitted["llama"]
+    spec = "lowrank:rank=8,bases={}"
+    plain = make_cache(spec.format(dirs["attention"]), model.config).layers[0].codec
+    skew = make_cache(spec.format(bases), model.config).layers[0].codec
+    width = plain._kv_heads * 32
+    assert skew.model_bytes() - plain.model_bytes() == sum(4 * width * r[1] for r in skew._ranks)
