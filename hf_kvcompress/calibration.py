@@ -1,9 +1,10 @@
-"""PCA bases of a model's keys and values, fitted on calibration text (for `lowrank`).
+"""Bases of a model's keys and values, fitted on calibration text (for `lowrank`).
 
 `calibrate_joint` (what `hf-kvcompress calibrate` writes and the package ships) fits one basis per layer and kind over
 the layer's KV heads concatenated, keys before RoPE: on held-out text that loses less than half the variance that
 per-head bases of post-RoPE keys lose at the same number of dimensions (docs/methods.md, the measurement behind the
-choice). `calibrate` fits one basis per KV head, keys after RoPE as the cache receives them.
+choice). Keys are PCA; values by default are fitted to the attention output after the output projection
+(`output_weighted_pca`). `calibrate` fits one PCA basis per KV head, keys after RoPE as the cache receives them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""Low rank: keys and values stored as their coordinates on calibrated PCA bases (fewer numbers than head_dim).
+"""Low rank: keys and values stored as their coordinates on calibrated bases (fewer numbers than head_dim).
 
 Two kinds of bases (`hf-kvcompress calibrate` writes the first; `calibration.calibrate` the second):
 - joint: one basis per layer and kind over the layer's KV heads concatenated, keys before RoPE (the codec undoes
   RoPE at each key's position before projecting and turns the decoded key back), ranks per layer chosen from the
-  calibrated variances (`ratio`);
+  calibrated variances or attention-output errors (`ratio`); keys by PCA, values fitted to the attention output
+  (`calibration.output_weighted_pca`), or with an encoder of their own beside the basis (oblique bases);
 - per head: one basis per KV head, keys after RoPE as the cache receives them, one `rank` in every layer.
 """
 
@@ -163,7 +164,7 @@ def allocate_ranks_by_error(curves: list[tuple[list[float], list[float]]], ratio
 
 @dataclass(frozen=True)
 class LowRankCodec(ReducingCodec):
-    """Stores keys and values as coordinates on calibrated PCA bases (Palu, arXiv:2407.21118; ShadowKV,
+    """Stores keys and values as coordinates on calibrated bases (Palu, arXiv:2407.21118; ShadowKV,
     arXiv:2410.21465, projects pre-RoPE keys; Eigen Attention and LoRC choose ranks per layer; MLA trains it in).
 
     With joint bases (what `hf-kvcompress calibrate` writes and the package ships), a layer's KV heads are
