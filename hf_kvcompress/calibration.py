@@ -3,8 +3,9 @@
 `calibrate_joint` (what `hf-kvcompress calibrate` writes and the package ships) fits one basis per layer and kind over
 the layer's KV heads concatenated, keys before RoPE: on held-out text that loses less than half the variance that
 per-head bases of post-RoPE keys lose at the same number of dimensions (docs/methods.md, the measurement behind the
-choice). Keys are PCA; values by default are fitted to the attention output after the output projection
-(`output_weighted_pca`). `calibrate` fits one PCA basis per KV head, keys after RoPE as the cache receives them.
+choice). Keys are PCA; values PCA too by default, or fitted to the attention output after the output projection
+(`value_fit`, `output_weighted_pca`). `calibrate` fits one PCA basis per KV head, keys after RoPE as the cache
+receives them.
 """
 
 from __future__ import annotations
@@ -227,13 +228,17 @@ def kept_share(states: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, ra
 
 def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None, text: str = CALIBRATION_TEXT,
                     error_ids: torch.Tensor | None = None,
-                    value_fit: str = "attention") -> tuple[dict, dict, list[dict]]:
+                    value_fit: str = "pca") -> tuple[dict, dict, list[dict]]:
     """Fit one basis per layer and kind over the layer's KV heads on `input_ids` [1, T], keys with RoPE undone.
 
-    Keys: plain PCA of the pre-RoPE keys. Values (`value_fit`): "attention", the components that lose least of the
-    attention output after the output projection (`output_weighted_pca`: W_o's Gram per KV head, each token weighted
-    by the square root of the attention it receives from the text's queries, `received_attention`: on held-out text
-    it lost less of the output than the attention itself or its square, docs/results.md), or "pca", plain PCA.
+    Keys: plain PCA of the pre-RoPE keys. Values (`value_fit`): "pca" (the default, what the package ships), plain
+    PCA; "attention", the components that lose least of the attention output after the output projection
+    (`output_weighted_pca`: W_o's Gram per KV head, each token weighted by the square root of the attention it
+    receives from the text's queries, `received_attention`: on held-out text it lost less of the output than the
+    attention itself or its square); "oblique", that problem's exact solution with an encoder beside each basis
+    (`output_weighted_fit`). The attention fits lose less of the held-out attention output than PCA but answered
+    no more of the suite's test half at a quarter and less at a half on Gemma-3 (docs/results.md, "Low rank at a
+    quarter: bases fitted to attention"), so they are research options.
     Tensors per layer i: `layers.i.{key,value}_mean` [H, D], `_basis` [H, D, max_rank] (the [H * D, max_rank]
     basis, row h * D + d as [h, d]), `_variance` [H * D] (every component's variance, or for attention-fitted
     values the weighted error it removes, for choosing ranks). Returns (tensors, metadata, report rows per layer:

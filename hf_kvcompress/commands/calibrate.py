@@ -55,11 +55,12 @@ def add_parser(subparsers) -> None:
                         "calibration text, and write bases and curves to OUT (a fresh fit writes them anyway)")
     parser.add_argument("--bases", default=None,
                         help="with --attention-errors: the bases to add the curves to (default: the shipped ones)")
-    parser.add_argument("--value-fit", choices=("attention", "oblique", "pca"), default="attention",
-                        help="joint bases: fit the value bases to the attention output after the output projection, "
-                        "tokens weighted by the attention they receive, orthogonal projections (attention, "
-                        "default), the same problem's exact solution with an encoder of its own beside each basis "
-                        "(oblique), or plain PCA of the values (pca); keys are PCA of the pre-RoPE keys either way")
+    parser.add_argument("--value-fit", choices=("pca", "attention", "oblique"), default="pca",
+                        help="joint bases: plain PCA of the values (pca, default: what the package ships), or (for "
+                        "research) value bases fitted to the attention output after the output projection, tokens "
+                        "weighted by the attention they receive, orthogonal projections (attention), or the same "
+                        "problem's exact solution with an encoder beside each basis (oblique); keys are PCA of the "
+                        "pre-RoPE keys either way")
     parser.add_argument("--max-rank", type=int, default=None,
                         help="components kept per basis (default: all of a joint basis, head_dim // 2 per head); "
                         "lowrank's ranks may not exceed it")

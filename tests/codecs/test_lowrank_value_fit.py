@@ -1,8 +1,9 @@
-"""Value bases fitted to the attention output (`calibrate_joint(value_fit="attention")`, the default): the weighted
-fit equals a plain reference solution of its problem, the token weights are the attention each token receives (sinks
-and window left out), the W_o Gram is written out head by head, with an identity metric and equal weights the fit is
-plain PCA, the file records the fit and survives a round trip, full rank equals DynamicCache, bytes are the same as
-PCA bases', bad input is refused."""
+"""Value bases fitted to the attention output (`calibrate_joint(value_fit="attention" | "oblique")`, research options
+beside the default PCA): the weighted fit equals a plain reference solution of its problem, the token weights are
+the attention each token receives (sinks and window left out), the W_o Gram is written out head by head, with an
+identity metric and equal weights the fit is plain PCA, the file records the fit and survives a round trip, full rank
+equals DynamicCache, bytes are the same as PCA bases', oblique bases encode with their own encoder, bad input is
+refused."""
 
 import pytest
 import torch
@@ -178,8 +179,9 @@ def test_full_rank_equals_dynamic_cache_and_bytes_match_pca_bases(fitted, family
     assert sizes[0] == sizes[1] > 0
 
 
-def test_bad_value_fit_is_refused(fitted):
+def test_pca_is_the_default_and_a_bad_value_fit_is_refused(fitted):
     model, _, ids = fitted["llama"]
+    assert calibrate_joint(model, ids[:, :40])[1]["value_fit"] == "pca"  # what the package ships
     with pytest.raises(ValueError, match="value_fit must be one of attention, oblique, pca"):
         calibrate_joint(model, ids, value_fit="svd")
 
