@@ -26,8 +26,8 @@ from hf_kvcompress.calibration import (
     attention_weights,
     calibration_ids,
     output_error,
+    output_gram,
     rope_frequencies,
-    text_layers,
     unrotated,
 )
 from hf_kvcompress.codecs.lowrank import LowRankCodec
@@ -73,21 +73,6 @@ def key_metric(config, capture, layer: int, draw: str, samples: int, sinks: int,
     u = rerotate(q[None].float(), -positions[None], inv_freq)[0].double()  # [H, N, D]
     u = u * live.reshape(heads, groups * count, 1).repeat_interleave(samples, 1)
     return block_diag([u[h].T @ u[h] / max(1, int(live.sum())) for h in range(heads)])
-
-
-def value_metric(model, layer: int, heads: int, dim: int) -> torch.Tensor:
-    """[W, W]: per KV head, the sum of its query heads' W_o block Grams."""
-    weight = text_layers(model)[layer].self_attn.o_proj.weight.detach().double()  # [hidden, Hq * D]
-    query_heads = weight.shape[1] // dim
-    groups = query_heads // heads
-    blocks = []
-    for h in range(heads):
-        gram = torch.zeros(dim, dim, dtype=torch.float64)
-        for g in range(groups):
-            w = weight[:, (h * groups + g) * dim: (h * groups + g + 1) * dim]
-            gram += w.T @ w
-        blocks.append(gram)
-    return block_diag(blocks)
 
 
 def received(capture, sinks: int, window: int, power: float = 1.0) -> torch.Tensor:
@@ -197,7 +182,7 @@ def main() -> None:
                 key_fits.setdefault(f"q-{draw}-{eps}", []).append(fitted)
                 key_fits.setdefault(f"q-{draw}-{eps}-orth", []).append(orthogonal(fitted))
         key_fits.setdefault("pca-attn-tokens", []).append(fit(pre, None, tokens, 0))
-        wo = value_metric(model, layer, heads, dim)
+        wo = output_gram(model, layer, heads, dim)
         for eps in eps_list:
             for name, weights in (("wo", None), ("wo-attn-tokens", tokens), ("wo-attn-sq", squared),
                                   ("wo-attn-sqrt", tokens.sqrt())):
