@@ -1,9 +1,11 @@
-"""PCA bases of a model's keys and values, fitted on calibration text (for `lowrank`).
+"""Bases of a model's keys and values, fitted on calibration text (for `lowrank`).
 
 `calibrate_joint` (what `hf-kvcompress calibrate` writes and the package ships) fits one basis per layer and kind over
 the layer's KV heads concatenated, keys before RoPE: on held-out text that loses less than half the variance that
 per-head bases of post-RoPE keys lose at the same number of dimensions (docs/methods.md, the measurement behind the
-choice). `calibrate` fits one basis per KV head, keys after RoPE as the cache receives them.
+choice). Keys are PCA; values PCA too by default, or fitted to the attention output after the output projection
+(`value_fit`, `output_weighted_pca`). `calibrate` fits one PCA basis per KV head, keys after RoPE as the cache
+receives them.
 """
 
 from __future__ import annotations
@@ -143,16 +145,113 @@ def concatenated(states: torch.Tensor) -> torch.Tensor:
     return states.permute(1, 0, 2).reshape(1, tokens, heads * dim)
 
 
+VALUE_FITS = ("attention", "oblique", "pca")  # `calibrate --value-fit`: what the value bases minimise (calibrate_joint)
+# Tokens `received_attention` leaves out of the values' weights: those lowrank keeps exact below a half of the
+# dimensions (its 4 sinks by default and its 128-token window, codecs/lowrank.py), whose errors attention never sees.
+RECEIVED_SINKS = 4
+RECEIVED_WINDOW = 128
+OUTPUT_GRAM_RIDGE = 0.01  # added to the W_o Gram, as a share of its mean eigenvalue: keeps its inverse root finite
+
+
+def received_attention(capture: dict[str, Any], sinks: int = RECEIVED_SINKS,
+                       window: int = RECEIVED_WINDOW) -> torch.Tensor:
+    """[T] float64: the attention each token receives from the captured queries (summed over query heads and
+    positions), leaving out the first `sinks` tokens and, for each query, the newest `window` tokens it reads."""
+    keys = capture["keys"]
+    heads, length, _ = keys.shape
+    count = capture["query"].shape[1]
+    probs = attention_weights(capture, keys).reshape(heads, -1, count, length)
+    positions = torch.arange(length - count, length)
+    k = torch.arange(length)
+    far = (k[None] >= sinks) & (k[None] <= positions[:, None] - window)  # [Q, T]
+    return (probs.double() * far).sum((0, 1, 2))
+
+
+def output_gram(model, layer: int, heads: int, dim: int) -> torch.Tensor:
+    """[H * D, H * D] float64, block-diagonal: per KV head h, the sum over the query heads that read it of
+    W_o[:, head]^T W_o[:, head] (the output projection's Gram), so that a value error e of head h costs about
+    e^T Gram e in the layer's output (ASVD, Palu)."""
+    weight = text_layers(model)[layer].self_attn.o_proj.weight.detach().double()  # [hidden, Hq * D]
+    groups = weight.shape[1] // dim // heads
+    blocks = []
+    for h in range(heads):
+        columns = weight[:, h * groups * dim: (h + 1) * groups * dim].reshape(-1, groups, dim)
+        blocks.append(torch.einsum("ngd,nge->de", columns, columns))
+    return torch.block_diag(*blocks)
+
+
+def output_weighted_pca(states: torch.Tensor, gram: torch.Tensor, weights: torch.Tensor,
+                        ridge_share: float = OUTPUT_GRAM_RIDGE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """states [N, W] -> (mean [W], orthonormal basis [W, W], spectrum [W]) for values read through attention: the
+    decoders of `output_weighted_fit` orthonormalised in order (Gram-Schmidt), so that a rank-r latent is the
+    orthogonal projection onto the span of the best rank-r decoder (one basis encodes and decodes)."""
+    mean, _, decoder, spectrum = output_weighted_fit(states, gram, weights, ridge_share)
+    q, r = torch.linalg.qr(decoder.double())
+    return mean, (q * torch.sign(torch.diagonal(r))[None]).float(), spectrum
+
+
+def output_weighted_fit(states: torch.Tensor, gram: torch.Tensor, weights: torch.Tensor,
+                        ridge_share: float = OUTPUT_GRAM_RIDGE
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """states [N, W] -> (mean [W], encoder [W, W], decoder [W, W], spectrum [W]) for values read through attention.
+
+    At every rank r, latent = (x - mean) @ encoder[:, :r] and x ~ latent @ decoder[:, :r]^T + mean minimise
+    sum_n weights[n] ||(x_n - rebuilt_n) G^(1/2)||^2 (G = `gram` + ridge; ASVD, Palu): with V the eigenvectors of the
+    weighted, whitened covariance by falling eigenvalue, encoder = G^(1/2) V and decoder = G^(-1/2) V (an oblique
+    projection; encoder^T decoder = I). The spectrum is those eigenvalues (the weighted error each component removes,
+    falling), what `allocate=variance` spreads dimensions by. mean: the plain mean of the states. Weights that are
+    all zero (a sliding layer whose window the exact tokens cover: no projected token is read) count every token
+    alike."""
+    x = states.double()
+    mean = x.mean(0)
+    weights = weights.double().clamp(min=0)
+    if not weights.sum() > 0:
+        weights = torch.ones_like(weights)
+    scaled = (x - mean) * (weights / weights.mean()).sqrt()[:, None]
+    width = gram.shape[0]
+    regular = gram.double() + ridge_share * torch.trace(gram.double()) / width * torch.eye(width, dtype=torch.float64)
+    values, vectors = torch.linalg.eigh(regular)
+    root = vectors @ torch.diag(values.sqrt()) @ vectors.T
+    inverse_root = vectors @ torch.diag(values.rsqrt()) @ vectors.T
+    whitened = scaled @ root
+    spectrum, directions = torch.linalg.eigh(whitened.T @ whitened / x.shape[0])
+    directions = directions.flip(-1)
+    return (mean.float(), (root @ directions).float(), (inverse_root @ directions).float(),
+            spectrum.flip(-1).clamp(min=0).float())
+
+
+def kept_share(states: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, rank: int) -> float:
+    """Share of the variance of states [N, W] about `mean` that the first `rank` orthonormal columns of `basis` keep."""
+    centered = states.double() - mean.double()
+    return float((centered @ basis[:, :rank].double()).pow(2).sum() / centered.pow(2).sum().clamp(min=1e-30))
+
+
 def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None, text: str = CALIBRATION_TEXT,
-                    error_ids: torch.Tensor | None = None) -> tuple[dict, dict, list[dict]]:
+                    error_ids: torch.Tensor | None = None,
+                    value_fit: str = "pca") -> tuple[dict, dict, list[dict]]:
     """Fit one basis per layer and kind over the layer's KV heads on `input_ids` [1, T], keys with RoPE undone.
 
+    Keys: plain PCA of the pre-RoPE keys. Values (`value_fit`): "pca" (the default, what the package ships), plain
+    PCA; "attention", the components that lose least of the attention output after the output projection
+    (`output_weighted_pca`: W_o's Gram per KV head, each token weighted by the square root of the attention it
+    receives from the text's queries, `received_attention`: on held-out text it lost less of the output than the
+    attention itself or its square); "oblique", that problem's exact solution with an encoder beside each basis
+    (`output_weighted_fit`). The attention fits lose less of the held-out attention output than PCA but answered
+    no more of the suite's test half at a quarter and less at a half on Gemma-3 (docs/results.md, "Low rank at a
+    quarter: bases fitted to attention"), so they are research options.
     Tensors per layer i: `layers.i.{key,value}_mean` [H, D], `_basis` [H, D, max_rank] (the [H * D, max_rank]
-    basis, row h * D + d as [h, d]), `_variance` [H * D] (every component's variance, for choosing ranks). Returns
-    (tensors, metadata, report rows per layer: the share of variance kept at a quarter and a half of the
-    dimensions, jointly and, for comparison, per head). With `error_ids` [1, T'] (text the bases are not fitted
-    on), also the attention-output error curves (`add_error_curves`)."""
-    states = layer_states(model, input_ids.to(model.device))
+    basis, row h * D + d as [h, d]), `_variance` [H * D] (every component's variance, or for attention-fitted
+    values the weighted error it removes, for choosing ranks). Returns (tensors, metadata, report rows per layer:
+    the share of variance kept at a quarter and a half of the dimensions, jointly and, for comparison, per head).
+    With `error_ids` [1, T'] (text the bases are not fitted on), also the attention-output error curves
+    (`add_error_curves`)."""
+    if value_fit not in VALUE_FITS:
+        raise ValueError(f"value_fit must be one of {', '.join(VALUE_FITS)}, got {value_fit!r}")
+    if value_fit != "pca":  # every query's attention, for the tokens' weights
+        captures = attention_captures(model, input_ids, queries=input_ids.shape[1])
+        states = [(capture["keys"], capture["values"]) for capture in captures]
+    else:
+        states = layer_states(model, input_ids.to(model.device))
     kv_heads, _, head_dim = states[0][0].shape
     if states[0][1].shape[-1] != head_dim:
         raise ValueError("joint bases need keys and values of one width (head_dim)")
@@ -165,18 +264,32 @@ def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
     for i, (keys, values) in enumerate(states):
         row: dict = {"layer": i}
         for kind, x in (("key", unrotated(keys, model.config, i)), ("value", values)):
-            mean, basis, variances = pca(concatenated(x))
+            flat = concatenated(x)
+            if kind == "value" and value_fit != "pca":
+                gram, weights = output_gram(model, i, kv_heads, head_dim), received_attention(captures[i]).sqrt()
+                if value_fit == "oblique":
+                    mean, encoder, basis, variances = output_weighted_fit(flat[0], gram, weights)
+                    tensors[f"layers.{i}.value_encoder"] = encoder[:, :max_rank].reshape(
+                        kv_heads, head_dim, max_rank).contiguous()
+                    row[kind] = {r: kept_share(flat[0], mean, torch.linalg.qr(basis[:, :r].double())[0], r)
+                                 for r in shares}
+                else:
+                    mean, basis, variances = output_weighted_pca(flat[0], gram, weights)
+                    row[kind] = {r: kept_share(flat[0], mean, basis, r) for r in shares}
+                mean, basis, variances = mean[None], basis[None], variances[None]
+            else:
+                mean, basis, variances = pca(flat)
+                row[kind] = {r: explained(variances, r) for r in shares}
             tensors[f"layers.{i}.{kind}_mean"] = mean.reshape(kv_heads, head_dim).contiguous()
             kept = basis[0, :, :max_rank]
             tensors[f"layers.{i}.{kind}_basis"] = kept.reshape(kv_heads, head_dim, max_rank).contiguous()
             tensors[f"layers.{i}.{kind}_variance"] = variances[0].contiguous()
-            row[kind] = {r: explained(variances, r) for r in shares}
             row[f"{kind}_per_head"] = {r: explained(pca(x)[2], r // kv_heads) for r in shares}
         report.append(row)
     metadata = {"format": FORMAT, "model": model_identity(model.config), "layers": str(len(states)),
                 "kv_heads": str(kv_heads), "head_dim": str(head_dim), "value_dim": str(head_dim),
                 "max_rank": str(max_rank), "keys": "pre_rope", "heads": JOINT, "tokens": str(input_ids.shape[1]),
-                "text": text}
+                "text": text, "value_fit": value_fit}
     if error_ids is not None:
         add_error_curves(model, error_ids, tensors, metadata)
     return tensors, metadata, report
@@ -185,7 +298,7 @@ def calibrate_joint(model, input_ids: torch.Tensor, max_rank: int | None = None,
 def save_bases(tensors: dict, metadata: dict, out_dir: str | os.PathLike) -> Path:
     path = Path(out_dir) / BASES_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.half() if k.endswith("_basis") or k.endswith("_mean") else v for k, v in tensors.items()},
+    save_file({k: v.half() if k.endswith(("_basis", "_mean", "_encoder")) else v for k, v in tensors.items()},
               str(path), metadata=metadata)
     return path
 
@@ -569,10 +682,18 @@ def _joint_basis(tensors: dict[str, torch.Tensor], layer: int, kind: str) -> tup
     return mean, q * torch.sign(torch.diagonal(r))[None]
 
 
-def _projected(states: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, rank: int) -> torch.Tensor:
-    """states [H, T, D] reconstructed from their first `rank` coordinates on a joint basis."""
+def _projected(states: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, rank: int,
+               tensors: dict[str, torch.Tensor] | None = None, name: str = "") -> torch.Tensor:
+    """states [H, T, D] reconstructed from their first `rank` coordinates on a joint basis; with `tensors` holding
+    `name` (an oblique kind's encoder), encoded with it and rebuilt with the file's basis made biorthogonal to it
+    at that rank, as the codec does (`LayerBases`)."""
     heads, length, dim = states.shape
     flat = states.double().transpose(0, 1).reshape(length, heads * dim) - mean
+    if tensors is not None and name in tensors:
+        encoder = tensors[name][..., :rank].double().reshape(heads * dim, rank)
+        decoder = tensors[name.replace("_encoder", "_basis")][..., :rank].double().reshape(heads * dim, rank)
+        decoder = decoder @ torch.linalg.inv(encoder.T @ decoder)
+        return ((flat @ encoder) @ decoder.T + mean).reshape(length, heads, dim).transpose(0, 1)
     kept = basis[:, :rank]
     return ((flat @ kept) @ kept.T + mean).reshape(length, heads, dim).transpose(0, 1)
 
@@ -592,7 +713,8 @@ def joint_reconstruction(config, tensors: dict[str, torch.Tensor], layer: int, c
         positions = torch.arange(keys.shape[1], dtype=torch.float32).expand(keys.shape[0], -1)
         keys = rerotate(rebuilt[None], positions[None], inv_freq)[0]
     if value_rank is not None:
-        values = _projected(values, *_joint_basis(tensors, layer, "value"), value_rank).float()
+        values = _projected(values, *_joint_basis(tensors, layer, "value"), value_rank, tensors,
+                            f"layers.{layer}.value_encoder").float()
     if sinks:
         keys = torch.cat([exact_keys[:, :sinks], keys[:, sinks:]], 1)
         values = torch.cat([exact_values[:, :sinks], values[:, sinks:]], 1)

@@ -1,9 +1,10 @@
-"""Low rank: keys and values stored as their coordinates on calibrated PCA bases (fewer numbers than head_dim).
+"""Low rank: keys and values stored as their coordinates on calibrated bases (fewer numbers than head_dim).
 
 Two kinds of bases (`hf-kvcompress calibrate` writes the first; `calibration.calibrate` the second):
 - joint: one basis per layer and kind over the layer's KV heads concatenated, keys before RoPE (the codec undoes
   RoPE at each key's position before projecting and turns the decoded key back), ranks per layer chosen from the
-  calibrated variances (`ratio`);
+  calibrated variances or attention-output errors (`ratio`); keys by PCA, values fitted to the attention output
+  (`calibration.output_weighted_pca`), or with an encoder of their own beside the basis (oblique bases);
 - per head: one basis per KV head, keys after RoPE as the cache receives them, one `rank` in every layer.
 """
 
@@ -30,19 +31,22 @@ WINDOW_BELOW_HALF = 128
 
 
 class LayerBases:
-    """One layer's means [H, D] and bases [H, D, r] (a joint basis: row h * D + d of the [H * D, r] matrix is
-    [h, d]) and its RoPE frequencies (joint bases turn keys on read; empty otherwise), shared by every cache of the
-    model like its weights.
+    """One layer's means [H, D], bases [H, D, r] (a joint basis: row h * D + d of the [H * D, r] matrix is [h, d];
+    what a latent is rebuilt with) and encoders [H, D, r] (what a state is projected with: the basis itself, or for
+    a file that holds `{kind}_encoder`, an oblique projection's own encoder) and its RoPE frequencies (joint bases turn
+    keys on read; empty otherwise), shared by every cache of the model like its weights.
 
     No `__dict__`: `measured_kv_bytes` counts what each user's cache holds, and these are per model, not per user
     (`LowRankCodec.model_bytes` counts them, once per model).
     """
 
-    __slots__ = ("key_mean", "key_basis", "value_mean", "value_basis", "inv_freq")
+    __slots__ = ("key_mean", "key_basis", "key_encoder", "value_mean", "value_basis", "value_encoder", "inv_freq")
     key_mean: torch.Tensor
     key_basis: torch.Tensor
+    key_encoder: torch.Tensor
     value_mean: torch.Tensor
     value_basis: torch.Tensor
+    value_encoder: torch.Tensor
     inv_freq: torch.Tensor
 
     def __init__(self, tensors: dict[str, torch.Tensor], layer_idx: int, ranks: tuple[int, int], joint: bool,
@@ -51,21 +55,39 @@ class LayerBases:
         for kind, rank in zip(("key", "value"), ranks, strict=True):
             mean = tensors[f"layers.{layer_idx}.{kind}_mean"].float()
             basis = tensors[f"layers.{layer_idx}.{kind}_basis"][..., :rank].float()
-            if joint:
+            encoder = None  # an orthonormal basis encodes too
+            oblique = f"layers.{layer_idx}.{kind}_encoder"
+            if joint and oblique in tensors:
+                # The file holds both in half precision: rescale the decoder so that encoder^T basis = I again, so
+                # that a latent rebuilds what it encodes (a projection) and at full rank every state exactly.
+                heads, dim, _ = basis.shape
+                enc = tensors[oblique][..., :rank].double().reshape(heads * dim, rank)
+                dec = basis.double().reshape(heads * dim, rank)
+                dec = dec @ torch.linalg.inv(enc.T @ dec)
+                encoder, basis = enc.float().reshape(heads, dim, rank), dec.float().reshape(heads, dim, rank)
+            elif joint:
                 # The file holds the basis in half precision: orthonormalise it again, so that a full-rank basis
                 # reconstructs every state exactly and a lower rank is an exact projection onto its span.
                 heads, dim, _ = basis.shape
                 q, r = torch.linalg.qr(basis.reshape(heads * dim, rank).double())
                 basis = (q * torch.sign(torch.diagonal(r))[None]).float().reshape(heads, dim, rank)
+            basis = basis.contiguous()
             setattr(self, f"{kind}_mean", mean.contiguous())
-            setattr(self, f"{kind}_basis", basis.contiguous())
+            setattr(self, f"{kind}_basis", basis)
+            setattr(self, f"{kind}_encoder", basis if encoder is None else encoder.contiguous())
 
     def on(self, device: torch.device) -> LayerBases:
         """These bases on `device`, moved there once: a layer's bases belong to one cache (`for_layer`), so the
         decode step reads them without a host-to-device copy per layer and step."""
         if self.key_basis.device != device:
-            for name in self.__slots__:
-                setattr(self, name, getattr(self, name).to(device))
+            for kind in ("key", "value"):
+                basis, encoder = getattr(self, f"{kind}_basis"), getattr(self, f"{kind}_encoder")
+                setattr(self, f"{kind}_mean", getattr(self, f"{kind}_mean").to(device))
+                setattr(self, f"{kind}_basis", basis.to(device))
+                # An orthonormal basis is its own encoder: one tensor, moved once.
+                setattr(self, f"{kind}_encoder", getattr(self, f"{kind}_basis") if encoder is basis
+                        else encoder.to(device))
+            self.inv_freq = self.inv_freq.to(device)
         return self
 
 
@@ -142,7 +164,7 @@ def allocate_ranks_by_error(curves: list[tuple[list[float], list[float]]], ratio
 
 @dataclass(frozen=True)
 class LowRankCodec(ReducingCodec):
-    """Stores keys and values as coordinates on calibrated PCA bases (Palu, arXiv:2407.21118; ShadowKV,
+    """Stores keys and values as coordinates on calibrated bases (Palu, arXiv:2407.21118; ShadowKV,
     arXiv:2410.21465, projects pre-RoPE keys; Eigen Attention and LoRC choose ranks per layer; MLA trains it in).
 
     With joint bases (what `hf-kvcompress calibrate` writes and the package ships), a layer's KV heads are
@@ -198,6 +220,7 @@ class LowRankCodec(ReducingCodec):
     _ranks: tuple[tuple[int, int], ...] | None = field(default=None, init=False, repr=False, compare=False)
     _inv_freqs: tuple[tuple[float, ...], ...] | None = field(default=None, init=False, repr=False, compare=False)
     _kv_heads: int = field(default=1, init=False, repr=False, compare=False)
+    _encoders: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)  # kinds with oblique bases
     _layer: LayerBases | None = field(default=None, init=False, repr=False, compare=False)
     _layer_idx: int | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -283,8 +306,9 @@ class LowRankCodec(ReducingCodec):
             unit = " x KV heads" if joint else ""
             raise ValueError(f"rank{unit} must be at most {max_rank} (the components these bases hold), got {most}")
         bound = replace(self, rank=None if joint and self.rank is None else (self.rank or ranks[0][0]))
+        encoders = tuple(kind for kind in ("key", "value") if joint and f"layers.0.{kind}_encoder" in tensors)
         for name, value in (("_tensors", tensors), ("_joint", joint), ("_ranks", tuple(ranks)), ("_kv_heads", heads),
-                            ("_inv_freqs", rope_frequencies(config) if joint else None)):
+                            ("_inv_freqs", rope_frequencies(config) if joint else None), ("_encoders", encoders)):
             object.__setattr__(bound, name, value)
         return bound
 
@@ -317,14 +341,16 @@ class LowRankCodec(ReducingCodec):
         return bound
 
     def model_bytes(self, layers: int | None = None) -> int:
-        """Bytes of the bases every cache of the model reads (means and bases of keys and values, float32 as held),
-        counted once per model, not per cache: `measured_kv_bytes` does not count them."""
+        """Bytes of the bases every cache of the model reads (means and bases of keys and values, and the encoders of
+        oblique ones, float32 as held), counted once per model, not per cache: `measured_kv_bytes` does not count
+        them."""
         if self._ranks is None:
             raise ValueError("lowrank counts its bases once bound to a model (make_cache(spec, model.config))")
         head_dim = int(self._head_shape()[1])
         width = self._kv_heads * head_dim
         ranks = self._ranks if layers is None else self._ranks[:layers]
-        return sum(4 * width * (r + 1) for pair in ranks for r in pair)
+        return sum(4 * width * (r + 1 + (r if kind in self._encoders else 0))
+                   for pair in ranks for kind, r in zip(("key", "value"), pair, strict=True))
 
     def _head_shape(self) -> tuple[int, int]:
         if self._layer is not None:
@@ -337,11 +363,14 @@ class LowRankCodec(ReducingCodec):
 
     # -- encoding ---------------------------------------------------------------------------------------------------
 
-    def _bases(self, kind: Kind, heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _bases(self, kind: Kind, heads: int, device: torch.device,
+               part: str = "basis") -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, basis) of `kind` on `device`: the basis latents are rebuilt with, or with part="encoder" the one
+        states are projected with (the same tensor unless the bases are oblique)."""
         if self._layer is None:
             raise ValueError("lowrank runs per decoder layer: build the cache with config=model.config")
         layer = self._layer.on(device)
-        mean, basis = getattr(layer, f"{kind}_mean"), getattr(layer, f"{kind}_basis")
+        mean, basis = getattr(layer, f"{kind}_mean"), getattr(layer, f"{kind}_{part}")
         if basis.shape[0] != heads:
             raise ValueError(f"the bases hold {basis.shape[0]} KV heads, the states have {heads}")
         return mean, basis
@@ -357,7 +386,7 @@ class LowRankCodec(ReducingCodec):
         super().check_head_dim(head_dim)
 
     def reduce(self, states: torch.Tensor, kind: Kind) -> torch.Tensor:
-        mean, basis = self._bases(kind, states.shape[1], states.device)
+        mean, basis = self._bases(kind, states.shape[1], states.device, "encoder")
         centered = states.float() - mean[None, :, None, :]
         if self._joint:  # [B, 1, T, r]: one latent per token for all of the layer's KV heads
             return torch.einsum("bhtd,hdr->btr", centered, basis)[:, None].to(states.dtype)

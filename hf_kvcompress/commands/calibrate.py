@@ -55,6 +55,12 @@ def add_parser(subparsers) -> None:
                         "calibration text, and write bases and curves to OUT (a fresh fit writes them anyway)")
     parser.add_argument("--bases", default=None,
                         help="with --attention-errors: the bases to add the curves to (default: the shipped ones)")
+    parser.add_argument("--value-fit", choices=("pca", "attention", "oblique"), default="pca",
+                        help="joint bases: plain PCA of the values (pca, default: what the package ships), or (for "
+                        "research) value bases fitted to the attention output after the output projection, tokens "
+                        "weighted by the attention they receive, orthogonal projections (attention), or the same "
+                        "problem's exact solution with an encoder beside each basis (oblique); keys are PCA of the "
+                        "pre-RoPE keys either way")
     parser.add_argument("--max-rank", type=int, default=None,
                         help="components kept per basis (default: all of a joint basis, head_dim // 2 per head); "
                         "lowrank's ranks may not exceed it")
@@ -82,7 +88,7 @@ def run(args) -> int:
     if args.heads == "joint":
         tensors, metadata, report = calibrate_joint(
             model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank,
-            error_ids=held_out_ids(tokenizer, args.tokens))
+            error_ids=held_out_ids(tokenizer, args.tokens), value_fit=args.value_fit)
     else:
         tensors, metadata, report = calibrate(model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank)
     path = save_bases(tensors, metadata, args.out)
