@@ -354,11 +354,28 @@ class HeadStore:
     @classmethod
     def rank(
         cls, store: TokenStore, scores: torch.Tensor, keep: torch.Tensor, sink_slots: torch.Tensor | None,
-        real_seen: torch.Tensor, policy: Policy,
+        real_seen: torch.Tensor, policy: Policy, window_scores: torch.Tensor | None = None,
     ) -> HeadStore:
         """The pairs `keep` [B, H, T] (bool) of a token store's slots, scored `scores` [B, H, T]. `sink_slots`
-        [B, H, S] (-1: none): the codec's exact sinks, captured in `store`, which stay exact beside the pairs."""
+        [B, H, S] (-1: none): the codec's exact sinks, captured in `store`, which stay exact beside the pairs.
+
+        `window_scores` [B, H, T] (KVzap: the probe's estimates of every slot, as later tokens are scored): the
+        prompt's `policy.recent` newest tokens start the tail instead of joining the pairs at the recent window's
+        score (above every estimate, for good): protected while they are among the `recent` newest, they then
+        join the pairs with their own span-pooled estimates when decoded tokens push them out, as a decoded token
+        does (`absorb`). Pinned at the window's score, a budget's document end outlived the document's own facts
+        while decoding (docs/results.md, "KVzap while decoding on Gemma-3: what the budget evicts"). Only under a
+        lossless codec without codec sinks (the tail is full precision: a lossy codec's encoded window would be
+        stored again at full precision); the policy's sinks stay in the pairs."""
         keep = keep.clone()
+        window = None
+        length = keep.shape[-1]
+        recent = min(policy.recent, length)
+        if window_scores is not None and store.codec.lossless and sink_slots is None and recent > 0:
+            slot = torch.arange(length, device=keep.device)
+            pads = (length - real_seen)[:, None]  # padding only ever leads a row
+            window = (slot[None, :] >= length - recent) & (slot[None, :] >= pads + policy.sink_tokens)  # [B, T]
+            keep &= ~window[:, None, :]
         sinks: dict[str, torch.Tensor | None] = {}
         if sink_slots is not None:  # the same for every head
             sinks = dict(sink_keys=store.sink_keys, sink_values=store.sink_values, sink_valid=sink_slots[:, 0] >= 0)
@@ -380,8 +397,16 @@ class HeadStore:
                 EXACT.encode(store.tail_keys, "key"), EXACT.encode(store.tail_values, "value"),
                 scores[..., split:], keep[..., split:],
             )
+        tail: dict[str, torch.Tensor | None] = {}
+        if window is not None:
+            assert window_scores is not None  # a window only with them
+            start = length - recent
+            tail = dict(tail_keys=codec.decode(keys, "key", store.dtype)[:, :, start:].clone(),
+                        tail_values=codec.decode(values, "value", store.dtype)[:, :, start:].clone(),
+                        tail_valid=window[:, start:].clone(),
+                        tail_scores=window_scores[:, :, start:].to(torch.float32).clone())
         head = cls(codec, store.dtype, RaggedHeads.pack(keys, values, scores, encoded), exact,
-                   real_seen=real_seen.clone(), **sinks)
+                   real_seen=real_seen.clone(), **sinks, **tail)
         head.allowance = head.held_pairs()  # [B] pairs the row holds now: its share of the total
         head.share_then = policy.held_per_row(head.real_seen)
         return head

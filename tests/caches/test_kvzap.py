@@ -303,14 +303,17 @@ def test_head_budgets_keep_the_best_estimates_of_all_layers_and_heads(probed, ru
         assert sum(counts) == 12 * len(counts)
 
 
-def test_head_budgets_score_later_tokens_as_at_prefill(probed):
+@pytest.mark.parametrize("recent", [0, 8])
+def test_head_budgets_score_later_tokens_as_at_prefill(probed, recent):
     """After the ranking, each token is scored by the probe as it arrives, exactly as a prompt token is: the head
     store keeps, per head, the prompt's scores then the decoded tokens' (those that joined the pairs and those
-    still in its tail), all the probe's estimates of the same hidden states (nothing is evicted: 52 < 64)."""
+    still in its tail), all the probe's estimates of the same hidden states (nothing is evicted: 52 < 64). The
+    prompt's `recent` newest start the tail with their estimates and join the pairs with them once decoded tokens
+    push them out, as decoded tokens do (not at the recent window's score, head_store.py `rank`)."""
     model, directory = probed
     probes = load_probes(directory, model.config)
     ids = torch.randint(3, 128, (1, 52), generator=torch.Generator().manual_seed(11))
-    cache = make_cache(f"kvzap:budget=64,recent=0,span=0,probe={directory}", model.config)
+    cache = make_cache(f"kvzap:budget=64,recent={recent},span=0,probe={directory}", model.config)
     with torch.no_grad():
         model(input_ids=ids[:, :12], cache=cache)
         for t in range(12, 52):  # the first ranks the prompt, every one is scored as it arrives
