@@ -658,3 +658,48 @@ def test_save_and_load_keep_the_layers_ranked_together(probed, tmp_path):
     older = tmp_path / "older.safetensors"
     save_file(load_file(str(path)), str(older), metadata=metadata)
     assert all(layer.store.together is None for layer in load_cache(older).layers if layer.per_head)
+
+
+def test_budget_holds_the_bytes_on_a_hybrid_model_with_several_full_attention_layers(tmp_path):
+    """`kvzap:budget=N` on a tiny hybrid model with two full-attention layers (Gemma-3's layout: sliding layers
+    between them): the two ranked layers hold one allowance while decoding, the bytes equal the promise at every
+    step, and from the ranking on they never exceed the ranking's by more than a tail per ranked layer (the newest
+    `recent` + ABSORB_BLOCK tokens, stored until they join the pairs), however long the generation."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    model = use_kvcompress_attention(model)
+    model.config._name_or_path = "tiny-gemma3-two-full"
+    write_probe(model.config, tmp_path, scale=0.1)
+    cache = make_cache(f"kvzap:budget=24,recent=4,probe={tmp_path}", model.config)
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        prefill(model, ids, None, cache)
+    ranked = [layer for layer in cache.layers if layer.per_head]
+    assert len(ranked) == 2 and ranked[0].store.together is ranked[1].store.together is not None
+    allowance = sum(int(layer.store.allowance[0]) for layer in ranked)
+    at_ranking = measured_kv_bytes(cache)
+    held = []
+
+    class Meter:  # a streamer, called after every step
+        def put(self, value):
+            held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
+                         sum(int(layer.store.held_pairs()[0]) for layer in ranked)))
+
+        def end(self):
+            pass
+
+    generate(model, torch.cat([ids, ids[:, -1:]], 1), None, cache, max_new_tokens=120, min_new_tokens=120,
+             streamer=Meter())
+    assert all(m == p for m, p, _ in held)
+    assert all(pairs <= allowance for _, _, pairs in held)
+    tail = (4 + ABSORB_BLOCK) * (2 * 32 * 4 + 4 + 1)  # float32 key, value and score per token; valid flag
+    assert max(m for m, _, _ in held) <= at_ranking + tail * len(ranked)
