@@ -73,6 +73,9 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
         # KVzip's or KVzap's `decoding` as the cache ran it: files without it were saved before "append" was a
         # default, and load as they ran ("evict").
         "decoding": json.dumps(getattr(cache.policy, "resolved_decoding", None)),
+        # Whether the head stores of one ranking hold one allowance together (head_store.py `RankedTogether`);
+        # files without it were saved when each layer held its own, and load so.
+        "ranked_together": json.dumps(cache.ranked_together),
         "model_name": model_name(cache.config),
         "architecture": json.dumps(_architecture(cache.config)),
         "config": cache.config.to_json_string(use_diff=False),
@@ -131,6 +134,8 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
         layer_tensors = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
         target = torch.device(device if device is not None else metadata["device"])
         layer.import_state(layer_tensors, meta, target)  # meta `kind` selects the store kind (layer.py `import_state`)
+    if json.loads(metadata.get("ranked_together", "false")):
+        cache.rank_together()
     return cache
 
 

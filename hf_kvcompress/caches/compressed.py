@@ -15,7 +15,7 @@ from ..hf.compat import ASSISTED_CONTINUES_CACHE, ASSISTED_REFEEDS_PROMPT
 from ..policies.base import Policy
 from ..policies.keep_all import KeepAllPolicy
 from .head_ranking import head_budget_keep
-from .head_store import head_store_counts
+from .head_store import HeadStore, RankedTogether, head_store_counts
 from .layer import CompressedLayer
 from .plan import (
     ByteTarget,
@@ -284,6 +284,22 @@ class CompressedCache(Cache):
                                  floors=self._floors(scored))
         for layer, (priority, keep) in zip(scored, keeps, strict=True):
             layer.rank_heads(priority, keep)
+        self.rank_together()
+
+    def rank_together(self) -> None:
+        """KVzap's head stores (`policy.ranks_prompt`) hold one allowance while decoding (head_store.py
+        `RankedTogether`), as the ranking shared one total among their layers and heads: its decoded tokens are
+        scored by the probe and compete with the prompt's pairs of every layer. KVzip's `decoding="evict"` ranks its
+        later tokens above every ranked pair (unscored) and still holds each layer's allowance (not measured
+        together)."""
+        stores = [layer.store for layer in self.layers if isinstance(layer.store, HeadStore)]
+        if self.policy.ranks_prompt and len(stores) > 1:
+            RankedTogether(stores)
+
+    @property
+    def ranked_together(self) -> bool:
+        """Whether the ranked layers hold one allowance together (`rank_together`; persist.py records it)."""
+        return any(isinstance(layer.store, HeadStore) and layer.store.together is not None for layer in self.layers)
 
     def _floors(self, scored: list) -> list[torch.Tensor | None] | None:
         """Per scored layer, [B] pairs per KV head it keeps at least (plan.py `SlidingShare.floors`, KVzip's

@@ -226,6 +226,65 @@ def evict_lowest_across(stores: list[RaggedHeads], count: list[int]) -> None:
         store.evict_lowest(n)
 
 
+class RankedTogether:
+    """Head stores ranked together (one ranking of every layer's pairs, head_ranking.py) that hold one allowance per
+    row while decoding, the sum of theirs at the ranking: the lowest-scored pairs of any of their layers and heads go
+    first, as the ranking chose among all of them. Held per layer instead, a layer the ranking gave few pairs (Gemma-
+    3-270M's layer 17: 139 of 3,072 under `kvzap:budget=1024`) filled its allowance with its newest `recent` decoded
+    tokens and evicted every pair of the document, while the other layers kept generated pairs scored below
+    document pairs of theirs (docs/results.md, "KVzap while decoding on Gemma-3: what the budget evicts").
+
+    `stores`: in layer order; the last one holds the allowance after each step (`HeadStore.evict`), once every layer
+    has appended and absorbed the step's tokens. `headroom`: as a store's, for all of them."""
+
+    def __init__(self, stores: list[HeadStore]):
+        self.stores = stores
+        self.headroom: int | None = None
+        for store in stores:
+            store.together = self
+
+
+def hold_allowance(stores: list[HeadStore], policy: Policy, holder) -> None:
+    """Hold at most the rows' allowance over `stores` (the sum of their pairs at the ranking, moved since as the
+    policy's share of the tokens seen moves: a ratio's, or a budget's until the row has seen that many): the
+    lowest-scored stored pairs of any store and head go first (the context before later tokens), down to the
+    allowance less the slack; a row whose pairs have nothing left to give drops just enough of its oldest recent
+    tokens, as many from every store's tail.
+
+    Each token adds one pair per head and an allowance never shrinks, so after a check no row can be over until the
+    rows have added the smallest room left (`holder.headroom`, the store's or the group's): the steps between skip
+    the check and its host read."""
+    if holder.headroom is not None and holder.headroom >= 0:
+        return
+    if not policy.evicts_while_decoding:  # KVzip's decoding="append": later tokens are kept beyond the share
+        return
+    heads = sum(store.kv_heads for store in stores)
+    first = stores[0]  # every store has seen the same tokens (`real_seen`, `share_then`)
+    held = cast(torch.Tensor, sum(store.held_pairs() for store in stores))  # [B]: a sum of >= 1 tensors
+    allowance = (cast(torch.Tensor, sum(store.allowance for store in stores))
+                 + heads * (policy.held_per_row(first.real_seen) - first.share_then))
+    over = (held - allowance).clamp(min=0)
+    if not bool((over > 0).any()):
+        holder.headroom = int((allowance - held).min())
+        return
+    slack = torch.where(over > 0, (allowance // SLACK_SHARE).clamp(max=EVICTION_SLACK * heads), 0)
+    parts = [part for store in stores for part in ([store.encoded] if store.exact is None
+                                                   else [store.encoded, store.exact])]
+    evictable = cast(torch.Tensor, sum(part.evictable() for part in parts))  # [B]
+    from_store = torch.minimum(over + slack, evictable)
+    evict_lowest_across(parts, from_store.tolist())
+    rest = (over - from_store).clamp(min=0)  # the slack comes from the stored pairs only, never from recent tokens
+    if bool((rest > 0).any()):
+        tokens = (rest + heads - 1) // heads  # whole tokens of every store's tail: every head of the row
+        for store in stores:
+            if store.tail_valid is not None:
+                oldest = store.tail_valid & (store.tail_valid.long().cumsum(-1) <= tokens[:, None])
+                store.tail_valid = store.tail_valid & ~oldest
+                store.tail_dropped = True
+    held = cast(torch.Tensor, sum(store.held_pairs() for store in stores))
+    holder.headroom = int((allowance - held).min())
+
+
 def head_store_counts(kv_heads: int, sinks: int) -> int:
     """Bytes per row of a head store's counts (`promised_bytes`) beside its pairs: an int64 length per KV head for
     the encoded and for the exact pairs, the row's real_seen, allowance and share_then (int64), one flag per
@@ -285,7 +344,9 @@ class HeadStore:
         self.exact = exact
         for name in self.TENSORS:
             setattr(self, name, tensors.get(name))
-        self.headroom: int | None = None  # pairs every row may still add before one can be over (`evict`)
+        self.headroom: int | None = None  # pairs every row may still add before one can be over (`hold_allowance`)
+        # The stores ranked with this one, when they hold one allowance together (`RankedTogether`); None: its own.
+        self.together: RankedTogether | None = None
         # Whether a row may have evicted some of the tail's tokens (`evict`): then only the masked view (`full`,
         # `mask`) says which tail slots hold a token. Known on the host, so that `attends_by_head` reads nothing.
         self.tail_dropped = self.tail_valid is not None and not bool(self.tail_valid.all())
@@ -293,11 +354,28 @@ class HeadStore:
     @classmethod
     def rank(
         cls, store: TokenStore, scores: torch.Tensor, keep: torch.Tensor, sink_slots: torch.Tensor | None,
-        real_seen: torch.Tensor, policy: Policy,
+        real_seen: torch.Tensor, policy: Policy, window_scores: torch.Tensor | None = None,
     ) -> HeadStore:
         """The pairs `keep` [B, H, T] (bool) of a token store's slots, scored `scores` [B, H, T]. `sink_slots`
-        [B, H, S] (-1: none): the codec's exact sinks, captured in `store`, which stay exact beside the pairs."""
+        [B, H, S] (-1: none): the codec's exact sinks, captured in `store`, which stay exact beside the pairs.
+
+        `window_scores` [B, H, T] (KVzap: the probe's estimates of every slot, as later tokens are scored): the
+        prompt's `policy.recent` newest tokens start the tail instead of joining the pairs at the recent window's
+        score (above every estimate, for good): protected while they are among the `recent` newest, they then
+        join the pairs with their own span-pooled estimates when decoded tokens push them out, as a decoded token
+        does (`absorb`). Pinned at the window's score, a budget's document end outlived the document's own facts
+        while decoding (docs/results.md, "KVzap while decoding on Gemma-3: what the budget evicts"). Only under a
+        lossless codec without codec sinks (the tail is full precision: a lossy codec's encoded window would be
+        stored again at full precision); the policy's sinks stay in the pairs."""
         keep = keep.clone()
+        window = None
+        length = keep.shape[-1]
+        recent = min(policy.recent, length)
+        if window_scores is not None and store.codec.lossless and sink_slots is None and recent > 0:
+            slot = torch.arange(length, device=keep.device)
+            pads = (length - real_seen)[:, None]  # padding only ever leads a row
+            window = (slot[None, :] >= length - recent) & (slot[None, :] >= pads + policy.sink_tokens)  # [B, T]
+            keep &= ~window[:, None, :]
         sinks: dict[str, torch.Tensor | None] = {}
         if sink_slots is not None:  # the same for every head
             sinks = dict(sink_keys=store.sink_keys, sink_values=store.sink_values, sink_valid=sink_slots[:, 0] >= 0)
@@ -319,8 +397,16 @@ class HeadStore:
                 EXACT.encode(store.tail_keys, "key"), EXACT.encode(store.tail_values, "value"),
                 scores[..., split:], keep[..., split:],
             )
+        tail: dict[str, torch.Tensor | None] = {}
+        if window is not None:
+            assert window_scores is not None  # a window only with them
+            start = length - recent
+            tail = dict(tail_keys=codec.decode(keys, "key", store.dtype)[:, :, start:].clone(),
+                        tail_values=codec.decode(values, "value", store.dtype)[:, :, start:].clone(),
+                        tail_valid=window[:, start:].clone(),
+                        tail_scores=window_scores[:, :, start:].to(torch.float32).clone())
         head = cls(codec, store.dtype, RaggedHeads.pack(keys, values, scores, encoded), exact,
-                   real_seen=real_seen.clone(), **sinks)
+                   real_seen=real_seen.clone(), **sinks, **tail)
         head.allowance = head.held_pairs()  # [B] pairs the row holds now: its share of the total
         head.share_then = policy.held_per_row(head.real_seen)
         return head
@@ -370,8 +456,9 @@ class HeadStore:
         comparable with the ranked pairs' (KVzap's probe, scorers.py `later_scores`), which they keep when they join
         the pairs; None: they join above the ranked pairs, newest first."""
         batch, _, new, _ = key_states.shape
-        if self.headroom is not None:
-            self.headroom -= new * self.kv_heads
+        holder = self if self.together is None else self.together
+        if holder.headroom is not None:
+            holder.headroom -= new * self.kv_heads
         self.real_seen = self.real_seen + new  # padding only ever leads a row's prompt
         self.tail_keys = key_states.clone() if self.tail_keys is None else torch.cat([self.tail_keys, key_states], -2)
         self.tail_values = (
@@ -509,36 +596,12 @@ class HeadStore:
         self.encoded.append(self.codec.encode(keys, "key"), self.codec.encode(values, "value"), scores, valid)
 
     def evict(self, policy: Policy) -> None:
-        """Hold at most the row's allowance (its share at the ranking, moved since as the policy's share of the tokens
-        seen moves: a ratio's, or a budget's until the row has seen that many): the lowest-scored stored pairs of any
-        head go first (the context before later tokens), down to the allowance less the slack; a row whose pairs
-        have nothing left to give drops just enough of its oldest recent tokens.
-
-        Each token adds one pair per head and an allowance never shrinks, so after a check no row can be over until
-        the rows have added the smallest room left (`headroom`): the steps between skip the check and its host read.
-        """
-        if self.headroom is not None and self.headroom >= 0:
-            return
-        if not policy.evicts_while_decoding:  # KVzip's decoding="append": later tokens are kept beyond the share
-            return
-        heads = self.kv_heads
-        allowance = self.allowance + heads * (policy.held_per_row(self.real_seen) - self.share_then)
-        over = (self.held_pairs() - allowance).clamp(min=0)
-        if not bool((over > 0).any()):
-            self.headroom = int((allowance - self.held_pairs()).min())
-            return
-        slack = torch.where(over > 0, (allowance // SLACK_SHARE).clamp(max=EVICTION_SLACK * heads), 0)
-        stores = [self.encoded] if self.exact is None else [self.encoded, self.exact]
-        evictable = cast(torch.Tensor, sum(store.evictable() for store in stores))  # [B]: a sum of >= 1 tensors
-        from_store = torch.minimum(over + slack, evictable)
-        evict_lowest_across(stores, from_store.tolist())
-        rest = (over - from_store).clamp(min=0)  # the slack comes from the stored pairs only, never from recent tokens
-        if self.tail_valid is not None and bool((rest > 0).any()):
-            tokens = (rest + heads - 1) // heads  # whole tokens: every head of the row
-            oldest = self.tail_valid & (self.tail_valid.long().cumsum(-1) <= tokens[:, None])
-            self.tail_valid = self.tail_valid & ~oldest
-            self.tail_dropped = True
-        self.headroom = int((allowance - self.held_pairs()).min())
+        """Hold the allowance (`hold_allowance`): this store's alone, or, when it is the last of stores ranked
+        together (`RankedTogether`), theirs in all; the others wait for it (every one has absorbed the step then)."""
+        if self.together is None:
+            hold_allowance([self], policy, self)
+        elif self.together.stores[-1] is self:
+            hold_allowance(self.together.stores, policy, self.together)
 
     # -- moves --------------------------------------------------------------------------------------------------------
 
@@ -557,6 +620,8 @@ class HeadStore:
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, indices))
         self.headroom = None
+        if self.together is not None:
+            self.together.headroom = None
 
     # -- saving, loading and bytes ----------------------------------------------------------------------------------
 

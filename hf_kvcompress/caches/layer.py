@@ -304,7 +304,11 @@ class CompressedLayer(CacheLayerMixin):
             sink_slots = self.slots.sink_slots
         # Ranked once, after the reconstruction pass over a token layer (CompressedCache.end_reconstruction).
         assert isinstance(self.store, TokenStore) and self.padding is not None
-        self.store = HeadStore.rank(self.store, scores, keep, sink_slots, self.padding.real_seen, self.policy)
+        # KVzap scores later tokens by its probe (`later_scores`): the prompt's recent window starts the tail with
+        # its estimates, so that it competes as decoded tokens do once it is no longer recent (head_store.py `rank`).
+        window_scores = self.slots.accumulated if self.policy.needs_hidden_states else None
+        self.store = HeadStore.rank(self.store, scores, keep, sink_slots, self.padding.real_seen, self.policy,
+                                    window_scores)
         self.slots = type(self.slots)()  # the store holds each pair's score
         self.padding = None
         self.scorer.scored = True

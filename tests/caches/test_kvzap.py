@@ -303,14 +303,17 @@ def test_head_budgets_keep_the_best_estimates_of_all_layers_and_heads(probed, ru
         assert sum(counts) == 12 * len(counts)
 
 
-def test_head_budgets_score_later_tokens_as_at_prefill(probed):
+@pytest.mark.parametrize("recent", [0, 8])
+def test_head_budgets_score_later_tokens_as_at_prefill(probed, recent):
     """After the ranking, each token is scored by the probe as it arrives, exactly as a prompt token is: the head
     store keeps, per head, the prompt's scores then the decoded tokens' (those that joined the pairs and those
-    still in its tail), all the probe's estimates of the same hidden states (nothing is evicted: 52 < 64)."""
+    still in its tail), all the probe's estimates of the same hidden states (nothing is evicted: 52 < 64). The
+    prompt's `recent` newest start the tail with their estimates and join the pairs with them once decoded tokens
+    push them out, as decoded tokens do (not at the recent window's score, head_store.py `rank`)."""
     model, directory = probed
     probes = load_probes(directory, model.config)
     ids = torch.randint(3, 128, (1, 52), generator=torch.Generator().manual_seed(11))
-    cache = make_cache(f"kvzap:budget=64,recent=0,span=0,probe={directory}", model.config)
+    cache = make_cache(f"kvzap:budget=64,recent={recent},span=0,probe={directory}", model.config)
     with torch.no_grad():
         model(input_ids=ids[:, :12], cache=cache)
         for t in range(12, 52):  # the first ranks the prompt, every one is scored as it arrives
@@ -327,11 +330,11 @@ def test_head_budgets_score_later_tokens_as_at_prefill(probed):
 
 
 def test_head_budgets_hold_the_budget_while_decoding(probed):
-    """budget=N through a long generation: from the ranking on, each ranked layer holds at most its allowance (its
-    pairs at the ranking), decoded tokens compete with the prompt's pairs by their probe scores (some are evicted
-    while prompt pairs stay), and the bytes never exceed those at the ranking by more than a tail: the newest
-    `recent` + ABSORB_BLOCK tokens per ranked layer, which a layer whose allowance is smaller keeps stored (masked)
-    until they join its pairs."""
+    """budget=N through a long generation: from the ranking on, the ranked layers hold at most their allowances (their
+    pairs at the ranking) in all (head_store.py `RankedTogether`), decoded tokens compete with the prompt's pairs by
+    their probe scores (some are evicted while prompt pairs stay), and the bytes never exceed those at the ranking by
+    more than a tail: the newest `recent` + ABSORB_BLOCK tokens per ranked layer, which a layer whose allowance is
+    smaller keeps stored (masked) until they join its pairs."""
     model, directory = probed
     cache = make_cache(f"kvzap:budget=64,recent=4,probe={directory}", model.config)
     ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(12))
@@ -355,7 +358,7 @@ def test_head_budgets_hold_the_budget_while_decoding(probed):
                    streamer=Meter())
     assert out.new_tokens.shape[1] == 120
     assert all(m == p for m, p, _ in held)
-    assert all(c <= a for _, _, counts in held for c, a in zip(counts, allowance, strict=True))
+    assert all(sum(counts) <= sum(allowance) for _, _, counts in held)
     heads, dim = ranked[0].kv_heads, ranked[0].head_dim
     tail = (4 + ABSORB_BLOCK) * (heads * (2 * dim * 4 + 4) + 1)  # float32 keys, values and score; valid flag
     assert max(m for m, _, _ in held) <= at_ranking + tail * len(ranked)
@@ -363,6 +366,44 @@ def test_head_budgets_hold_the_budget_while_decoding(probed):
     # more).
     later = [layer.store.encoded.scores for layer in ranked]
     assert all(bool((s < 1).any()) and bool((s < 2).all()) for s in later)
+
+
+def test_layers_ranked_together_hold_one_allowance_while_decoding(probed):
+    """The ranked layers of one ranking hold one allowance while decoding (head_store.py `RankedTogether`): a pair
+    goes when it is the lowest of every ranked layer's and head's, as the ranking chose among all of them. So the
+    prompt's pairs still held after a long generation are its best across layers (each scores at least every prompt
+    pair evicted, whichever layer held it), and the row holds at most the allowances' sum. Per-layer allowances
+    (before) keep each layer's best instead, and a layer the ranking gave few pairs loses them all to its newest
+    tokens."""
+    model, directory = probed
+    cache = make_cache(f"kvzap:budget=32,recent=4,span=0,probe={directory}", model.config)
+    ids = torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(21))
+    with torch.no_grad():
+        prefill(model, ids, None, cache)  # ranks at its end
+    ranked = [layer for layer in cache.layers if layer.per_head]
+    together = ranked[0].store.together
+    assert (together is None) == (len(ranked) == 1)  # tiny Gemma: one full-attention layer
+    ranked_scores = torch.cat([layer.store.encoded.scores for layer in ranked])
+    prompt = ranked_scores[ranked_scores < 1]  # the prompt's pairs the probe ranked (its `recent` newest score 1.5)
+    allowance = sum(int(layer.store.allowance[0]) for layer in ranked)
+    held = []
+
+    class Meter:  # a streamer, called after every step
+        def put(self, value):
+            held.append(sum(int(layer.store.held_pairs()[0]) for layer in ranked))
+
+        def end(self):
+            pass
+
+    generate(model, torch.cat([ids, ids[:, -1:]], 1), None, cache, max_new_tokens=12, min_new_tokens=12,
+             streamer=Meter())
+    assert max(held) <= allowance
+    # The prompt's ranked pairs still held: scores of the prompt's (decoded tokens' estimates differ from them).
+    kept = torch.cat([layer.store.encoded.scores for layer in ranked])
+    kept_prompt = kept[torch.isin(kept, prompt)]
+    evicted = prompt[~torch.isin(prompt, kept_prompt)]
+    assert evicted.numel() > 0 and kept_prompt.numel() > 0  # the generation evicted some of the prompt, not all
+    assert float(kept_prompt.min()) >= float(evicted.max())
 
 
 def test_a_budget_below_the_default_window_names_recent():
@@ -583,3 +624,82 @@ def test_save_and_load_keep_the_decoding(probed, tmp_path, decoding):
     older = tmp_path / "older.safetensors"
     save_file(load_file(str(path)), str(older), metadata=metadata)
     assert load_cache(older).policy.resolved_decoding == "evict"
+
+
+def test_save_and_load_keep_the_layers_ranked_together(probed, tmp_path):
+    """A `budget=` cache saved after its ranking loads with its ranked layers holding one allowance together, and
+    answers as the cache it was saved from through a generation that evicts; a file saved before (no
+    `ranked_together`) loads with each layer holding its own, as it ran then."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from hf_kvcompress import load_cache, save_cache
+
+    model, directory = probed
+    ids = torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(21))
+    cache = make_cache(f"kvzap:budget=32,recent=4,probe={directory}", model.config)
+    prefill(model, ids, None, cache)
+    several = sum(layer.per_head for layer in cache.layers) > 1  # tiny Gemma: one ranked layer
+    path = tmp_path / "kvzap.safetensors"
+    save_cache(cache, path)
+    loaded = load_cache(path)
+    stores = [layer.store for layer in loaded.layers if layer.per_head]
+    assert all((store.together is not None) == several for store in stores)
+    full = torch.cat([ids, ids[:, -1:]], 1)
+    ones = torch.ones_like(full)
+    expected = generate(model, full, ones, copy.deepcopy(cache), max_new_tokens=40, min_new_tokens=40).new_tokens
+    assert torch.equal(generate(model, full, ones, loaded, max_new_tokens=40, min_new_tokens=40).new_tokens, expected)
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata())
+    assert json.loads(metadata["ranked_together"]) == several
+    del metadata["ranked_together"]
+    older = tmp_path / "older.safetensors"
+    save_file(load_file(str(path)), str(older), metadata=metadata)
+    assert all(layer.store.together is None for layer in load_cache(older).layers if layer.per_head)
+
+
+def test_budget_holds_the_bytes_on_a_hybrid_model_with_several_full_attention_layers(tmp_path):
+    """`kvzap:budget=N` on a tiny hybrid model with two full-attention layers (Gemma-3's layout: sliding layers
+    between them): the two ranked layers hold one allowance while decoding, the bytes equal the promise at every
+    step, and from the ranking on they never exceed the ranking's by more than a tail per ranked layer (the newest
+    `recent` + ABSORB_BLOCK tokens, stored until they join the pairs), however long the generation."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    model = use_kvcompress_attention(model)
+    model.config._name_or_path = "tiny-gemma3-two-full"
+    write_probe(model.config, tmp_path, scale=0.1)
+    cache = make_cache(f"kvzap:budget=24,recent=4,probe={tmp_path}", model.config)
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        prefill(model, ids, None, cache)
+    ranked = [layer for layer in cache.layers if layer.per_head]
+    assert len(ranked) == 2 and ranked[0].store.together is ranked[1].store.together is not None
+    allowance = sum(int(layer.store.allowance[0]) for layer in ranked)
+    at_ranking = measured_kv_bytes(cache)
+    held = []
+
+    class Meter:  # a streamer, called after every step
+        def put(self, value):
+            held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
+                         sum(int(layer.store.held_pairs()[0]) for layer in ranked)))
+
+        def end(self):
+            pass
+
+    generate(model, torch.cat([ids, ids[:, -1:]], 1), None, cache, max_new_tokens=120, min_new_tokens=120,
+             streamer=Meter())
+    assert all(m == p for m, p, _ in held)
+    assert all(pairs <= allowance for _, _, pairs in held)
+    tail = (4 + ABSORB_BLOCK) * (2 * 32 * 4 + 4 + 1)  # float32 key, value and score per token; valid flag
+    assert max(m for m, _, _ in held) <= at_ranking + tail * len(ranked)
