@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--hold", action="store_true",
                         help="also answer each variant and injection with nothing evicted after the document")
     parser.add_argument("--chunk", type=int, default=None, help="reconstruction_chunk of the variants' pass")
+    parser.add_argument("--only", nargs="*", default=[], help="sample ids to run (default: every sample)")
     parser.add_argument("--out", default="results/kvzip-multi-needle")
     args = parser.parse_args()
     from hf_kvcompress import load_model, use_kvcompress_attention
@@ -147,6 +148,7 @@ def main() -> None:
     use_kvcompress_attention(model)
     rows = [dict(r) for r in build_samples(tok, [args.task], [args.length], args.depths,
                                            samples_per_cell=args.samples, split=args.split)]  # fmt: skip
+    rows = [r for r in rows if not args.only or r["sample_id"] in args.only]
     tally: dict[str, list[int]] = {}
     for row in rows:
         doc, question = encode(tok, row)
