@@ -8,7 +8,8 @@ scores are replaced (`--inject`) or the pass is changed (`--variants`)?
 Command:
     PYTHONPATH=. python benchmarks/probes/kvzip_multi_needle_scores.py [--model smollm2-135m] [--ratios 0.5 0.25] \\
         [--split dev] [--depths 10 50 90] [--samples 2] [--kvpress] [--variants "kvzip:ratio=R,span=0" ...]
-Written up: docs/results.md, "KVzip among distractor needles: what the scores keep (issue 27)".
+Written up: docs/results.md, "KVzip among distractor needles: what the scores keep (issue 27)" and "KVzip among
+distractor needles, 12 prompts per half: what loses the asked number" (the `--inject` sources beyond kvpress/oracle).
 
 Each prompt: `dynamic`'s answer; the scores our pass leaves (`kvzip:ratio=1.0`, nothing evicted; every layer); per
 needle sentence, each token's kept share under one ranking of every pair at each ratio (as the head budgets rank,
