@@ -8,7 +8,8 @@ scores are replaced (`--inject`) or the pass is changed (`--variants`)?
 Command:
     PYTHONPATH=. python benchmarks/probes/kvzip_multi_needle_scores.py [--model smollm2-135m] [--ratios 0.5 0.25] \\
         [--split dev] [--depths 10 50 90] [--samples 2] [--kvpress] [--variants "kvzip:ratio=R,span=0" ...]
-Written up: docs/results.md, "KVzip among distractor needles: what the scores keep (issue 27)".
+Written up: docs/results.md, "KVzip among distractor needles: what the scores keep (issue 27)" and "KVzip among
+distractor needles, 12 prompts per half: what loses the asked number" (the `--inject` sources beyond kvpress/oracle).
 
 Each prompt: `dynamic`'s answer; the scores our pass leaves (`kvzip:ratio=1.0`, nothing evicted; every layer); per
 needle sentence, each token's kept share under one ranking of every pair at each ratio (as the head budgets rank,
@@ -32,6 +33,12 @@ sys.path.insert(0, str(HERE))
 from kvzip_scores_vs_kvpress import global_keep, kvpress_scores, our_scores  # noqa: E402
 
 SENTENCE = " special magic number for"
+# --inject: answer with these scores in place of ours. "kvpress": KVzipPress's; "oracle": the most attention each
+# pair gets from the question and the right answer; "runs"/"words": ours, each pair taking the best of its digit run
+# (with the space before it) or of its whole word (`groups`); "layer"/"head": ours over the mean of their layer /
+# head (every layer / head gets about the same share), "layer-sqrt" over the square root of the layer's mean;
+# "oracle-counts": each head keeps the oracle's count of pairs, chosen by our scores; "ours-counts" the reverse.
+INJECTED = ("kvpress", "oracle", "runs", "words", "layer", "head", "layer-sqrt", "oracle-counts", "ours-counts")
 
 
 def needles(doc: list[int], tok) -> list[tuple[int, int]]:
@@ -45,6 +52,30 @@ def needles(doc: list[int], tok) -> list[tuple[int, int]]:
                 end += 1
             found.append((i, end + 1))
     return found
+
+
+def groups(doc: list[int], tok, rule: str) -> torch.Tensor:
+    """[T] group id of each document token: "runs": a run of single-digit tokens with the lone space before it is
+    one group, every other token its own; "words": a token that does not start with whitespace joins the previous
+    token's group (whole words, numbers with their digits)."""
+    texts = [tok.decode([t]) for t in doc]
+    ids, current = [], -1
+    for i, text in enumerate(texts):
+        if rule == "runs":
+            joins = i > 0 and text.isdigit() and (texts[i - 1].isdigit() or texts[i - 1] == " ")
+        else:
+            joins = i > 0 and text[:1] not in ("", " ", "\n", "\t")
+        current += 0 if joins else 1
+        ids.append(current)
+    return torch.tensor(ids)
+
+
+def group_max(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """[L, H, T]: each pair takes the best score of its group's pairs in its head."""
+    index = group.expand_as(scores)
+    best = torch.full(scores.shape[:-1] + (int(group.max()) + 1,), float("-inf"), dtype=scores.dtype)
+    best = best.scatter_reduce(-1, index, scores, "amax")
+    return best.gather(-1, index)
 
 
 def oracle_scores(model, doc: list[int], question: list[int], reply: list[int]) -> torch.Tensor:
@@ -125,7 +156,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=2000)
     parser.add_argument("--kvpress", action="store_true", help="also kvpress's scores (its own environment)")
     parser.add_argument("--variants", nargs="*", default=["kvzip:ratio=R"], help="specs; R: each ratio")
-    parser.add_argument("--inject", nargs="*", default=[], choices=("kvpress", "oracle"),
+    parser.add_argument("--inject", nargs="*", default=[], choices=INJECTED,
                         help="also answer with these scores in place of ours")
     parser.add_argument("--top", type=float, default=0.01, help="the oracle's top share of pairs to look at")
     parser.add_argument("--reuse", action="store_true",
@@ -135,6 +166,7 @@ def main() -> None:
     parser.add_argument("--hold", action="store_true",
                         help="also answer each variant and injection with nothing evicted after the document")
     parser.add_argument("--chunk", type=int, default=None, help="reconstruction_chunk of the variants' pass")
+    parser.add_argument("--only", nargs="*", default=[], help="sample ids to run (default: every sample)")
     parser.add_argument("--out", default="results/kvzip-multi-needle")
     args = parser.parse_args()
     from hf_kvcompress import load_model, use_kvcompress_attention
@@ -147,6 +179,7 @@ def main() -> None:
     use_kvcompress_attention(model)
     rows = [dict(r) for r in build_samples(tok, [args.task], [args.length], args.depths,
                                            samples_per_cell=args.samples, split=args.split)]  # fmt: skip
+    rows = [r for r in rows if not args.only or r["sample_id"] in args.only]
     tally: dict[str, list[int]] = {}
     for row in rows:
         doc, question = encode(tok, row)
@@ -180,6 +213,20 @@ def main() -> None:
         oracle = torch.load(path) if args.oracle else sources["ours"]
         if args.oracle:
             sources["oracle"] = oracle
+        for rule in ("runs", "words"):
+            if rule in args.inject:
+                sources[rule] = group_max(sources["ours"], groups(doc, tok, rule))
+        ours = sources["ours"]  # [L, H, T]: each layer's (head's) scores over their mean, to its power
+        layer_mean, head_mean = ours.mean((1, 2), keepdim=True), ours.mean(2, keepdim=True)
+        normalised = (("layer", layer_mean, 1.0), ("head", head_mean, 1.0), ("layer-sqrt", layer_mean, 0.5))
+        for name, mean, power in normalised:
+            if name in args.inject:
+                sources[name] = ours / mean.clamp_min(1e-12) ** power
+        if args.oracle:  # each head's count from one score, its choice of pairs from the other
+            for name, counts, choice in (("oracle-counts", oracle, ours), ("ours-counts", ours, oracle)):
+                if name in args.inject:
+                    ranks = choice.argsort(-1, descending=True).argsort(-1)
+                    sources[name] = counts.sort(-1, descending=True).values.gather(-1, ranks)
         top = torch.zeros(oracle.numel(), dtype=torch.bool)
         top[oracle.flatten().topk(round(oracle.numel() * args.top)).indices] = True
         top = top.view_as(oracle)

@@ -598,8 +598,9 @@ def split_specs(text: str) -> list[str]:
 
 
 def sample_rng(seed: int, task: Task, length: int, depth: float, index: int) -> random.Random:
-    """One generator per sample, so a sample does not depend on which other samples are built."""
-    return random.Random(f"{seed}|{task.sample_prefix}|{length}|{depth}|{index}")
+    """One generator per sample, so a sample does not depend on which other samples are built. The depth is seeded as
+    a float (the CLI's and lm-eval's form), so `depths=[10]` builds the samples that `[10.0]` does, as their ids say."""
+    return random.Random(f"{seed}|{task.sample_prefix}|{length}|{float(depth)}|{index}")
 
 
 def document_rng(seed: int, task: Task, length: int, depths: Sequence[float], index: int) -> random.Random:

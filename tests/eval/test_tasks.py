@@ -18,6 +18,13 @@ def test_same_seed_gives_the_same_dataset_and_another_seed_another(tokenizer):
     assert alone[0] == next(r for r in first if r["sample_id"] == alone[0]["sample_id"])
 
 
+def test_integer_depths_build_the_samples_float_depths_do(tokenizer):
+    # The ids name the depth as "d50" either way; the CLI passes floats, Python callers often integers.
+    as_int = build_samples(tokenizer, ["multi_needle"], [300], [50], split="dev")
+    as_float = build_samples(tokenizer, ["multi_needle"], [300], [50.0], split="dev")
+    assert as_int.to_list() == as_float.to_list()
+
+
 @pytest.mark.parametrize("task", ["needle", "needle:kind=passkey", "multi_needle", "kv_retrieval", "doc_qa"])
 def test_prompts_fill_the_length_in_model_tokens(tokenizer, task):
     samples = build_samples(tokenizer, [task], [400, 600], [50])
