@@ -60,6 +60,19 @@ def probed(request, tmp_path_factory):
     return model, directory
 
 
+class AfterEachStep:
+    """A streamer for `generate`: calls `record()` at every `put` (the prompt's last token, then every decode step)."""
+
+    def __init__(self, record):
+        self.record = record
+
+    def put(self, value):
+        self.record()
+
+    def end(self):
+        pass
+
+
 def _hidden_states(model, ids):
     """The hidden state entering each attention module in one forward pass, as a reference."""
     seen = {}
@@ -346,16 +359,12 @@ def test_head_budgets_hold_the_budget_while_decoding(probed):
     at_ranking = measured_kv_bytes(cache)
     held = []
 
-    class Meter:  # a streamer, called after every step
-        def put(self, value):
-            held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
-                         [int(layer.store.held_pairs()[0]) for layer in ranked]))
-
-        def end(self):
-            pass
+    def record():  # after every step
+        held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
+                     [int(layer.store.held_pairs()[0]) for layer in ranked]))
 
     out = generate(model, torch.cat([ids, ids[:, -1:]], 1), None, cache, max_new_tokens=120, min_new_tokens=120,
-                   streamer=Meter())
+                   streamer=AfterEachStep(record))
     assert out.new_tokens.shape[1] == 120
     assert all(m == p for m, p, _ in held)
     assert all(sum(counts) <= sum(allowance) for _, _, counts in held)
@@ -388,15 +397,11 @@ def test_layers_ranked_together_hold_one_allowance_while_decoding(probed):
     allowance = sum(int(layer.store.allowance[0]) for layer in ranked)
     held = []
 
-    class Meter:  # a streamer, called after every step
-        def put(self, value):
-            held.append(sum(int(layer.store.held_pairs()[0]) for layer in ranked))
-
-        def end(self):
-            pass
+    def record():  # after every step
+        held.append(sum(int(layer.store.held_pairs()[0]) for layer in ranked))
 
     generate(model, torch.cat([ids, ids[:, -1:]], 1), None, cache, max_new_tokens=12, min_new_tokens=12,
-             streamer=Meter())
+             streamer=AfterEachStep(record))
     assert max(held) <= allowance
     # The prompt's ranked pairs still held: scores of the prompt's (decoded tokens' estimates differ from them).
     kept = torch.cat([layer.store.encoded.scores for layer in ranked])
@@ -460,15 +465,11 @@ def test_budget_bounds_memory_through_a_long_generation(probed, spec):
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(4))
     held = []
 
-    class Meter:  # a streamer, called after every step
-        def put(self, value):
-            full = SimpleNamespace(layers=[layer for layer in cache.layers if not layer.is_sliding])
-            held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(), measured_kv_bytes(full)))
+    def record():  # after every step
+        full = SimpleNamespace(layers=[layer for layer in cache.layers if not layer.is_sliding])
+        held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(), measured_kv_bytes(full)))
 
-        def end(self):
-            pass
-
-    model.generate(input_ids=ids, cache=cache, max_new_tokens=40, do_sample=False, streamer=Meter())
+    model.generate(input_ids=ids, cache=cache, max_new_tokens=40, do_sample=False, streamer=AfterEachStep(record))
     assert all(m == p for m, p, _ in held)
     # The full-attention layers' bytes (a sliding layer's block window keeps between its window and a block more).
     measured = [f for _, _, f in held]
@@ -487,16 +488,12 @@ def test_head_budgets_bound_memory_through_a_long_generation(probed):
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(8))
     held = []
 
-    class Meter:  # a streamer, called after every step
-        def put(self, value):
-            ranked = [layer for layer in cache.layers if layer.per_head]
-            held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
-                         [int(layer.store.held_pairs()[0]) for layer in ranked], len(ranked)))
+    def record():  # after every step
+        ranked = [layer for layer in cache.layers if layer.per_head]
+        held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
+                     [int(layer.store.held_pairs()[0]) for layer in ranked], len(ranked)))
 
-        def end(self):
-            pass
-
-    model.generate(input_ids=ids, cache=cache, max_new_tokens=40, do_sample=False, streamer=Meter())
+    model.generate(input_ids=ids, cache=cache, max_new_tokens=40, do_sample=False, streamer=AfterEachStep(record))
     assert all(m == p for m, p, _, _ in held)
     full = [layer for layer in cache.layers if not layer.is_sliding]
     # Puts: the prompt, the token the prompt's forward pass chose, then one per decode step, each after the ranking.
@@ -689,16 +686,12 @@ def test_budget_holds_the_bytes_on_a_hybrid_model_with_several_full_attention_la
     at_ranking = measured_kv_bytes(cache)
     held = []
 
-    class Meter:  # a streamer, called after every step
-        def put(self, value):
-            held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
-                         sum(int(layer.store.held_pairs()[0]) for layer in ranked)))
-
-        def end(self):
-            pass
+    def record():  # after every step
+        held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
+                     sum(int(layer.store.held_pairs()[0]) for layer in ranked)))
 
     generate(model, torch.cat([ids, ids[:, -1:]], 1), None, cache, max_new_tokens=120, min_new_tokens=120,
-             streamer=Meter())
+             streamer=AfterEachStep(record))
     assert all(m == p for m, p, _ in held)
     assert all(pairs <= allowance for _, _, pairs in held)
     tail = (4 + ABSORB_BLOCK) * (2 * 32 * 4 + 4 + 1)  # float32 key, value and score per token; valid flag

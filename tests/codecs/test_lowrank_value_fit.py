@@ -27,6 +27,12 @@ from hf_kvcompress.calibration import (
 from ..caches.tiny_models import calibration_model
 
 
+def _fitted_bases(model, ids, value_fit, folder, **kwargs):
+    """The folder of joint bases fitted on `ids` with `value_fit` (calibrate_joint's other arguments in kwargs)."""
+    tensors, metadata, _ = calibrate_joint(model, ids, text="random ids", value_fit=value_fit, **kwargs)
+    return save_bases(tensors, metadata, folder).parent
+
+
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
     """{family: (model, {fit: bases dir}, ids)}: both value fits on the same ids, every component kept."""
@@ -36,8 +42,7 @@ def fitted(tmp_path_factory):
         model = calibration_model(family)
         dirs = {}
         for fit in ("attention", "pca"):
-            tensors, metadata, _ = calibrate_joint(model, ids, text="random ids", value_fit=fit)
-            dirs[fit] = save_bases(tensors, metadata, tmp_path_factory.mktemp(f"{family}-{fit}")).parent
+            dirs[fit] = _fitted_bases(model, ids, fit, tmp_path_factory.mktemp(f"{family}-{fit}"))
         out[family] = model, dirs, ids
     return out
 
@@ -201,9 +206,8 @@ def oblique(tmp_path_factory):
     out = {}
     for family in ("llama", "gemma3"):
         model = calibration_model(family)
-        tensors, metadata, _ = calibrate_joint(model, ids, text="random ids", value_fit="oblique",
-                                               error_ids=ids[:, :120])
-        out[family] = model, save_bases(tensors, metadata, tmp_path_factory.mktemp(f"{family}-oblique")).parent
+        out[family] = model, _fitted_bases(model, ids, "oblique", tmp_path_factory.mktemp(f"{family}-oblique"),
+                                           error_ids=ids[:, :120])
     return out
 
 
