@@ -415,6 +415,8 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
   // The instruction-set key path reads the query by channel, each channel's offsets next to each other:
   // channel_q[(m * D + d) * O + o].
   std::vector<float> channel_q(vector_keys ? rows_q * dim : 0);
+  // ... and with one query per token, that query times a key group's scales (and its dot with their zero points).
+  std::vector<float> folded_q(vector_keys ? m_rows * dim : 0), folded_zero(vector_keys ? m_rows : 0);
   for (int64_t row = begin; row < end; ++row) {
     const int64_t b = row / pb.heads, h = row % pb.heads;
     // The query in the order its key path reads (no division per value: with pre_rope's 32 offsets a division
@@ -438,7 +440,7 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
 #if HF_KVCOMPRESS_SIMD
       if (vector_keys)
         simd::key_logits_any(keys, row, t0, t1, channel_q.data(), offsets, m_rows, logits.data(), TILE,
-                               k_scale_buf.data(), k_zero_buf.data());
+                             k_scale_buf.data(), k_zero_buf.data(), folded_q.data(), folded_zero.data());
 #endif
       if (!vector_keys) key_tile(keys, row, t0, t1, key_buf.data(), k_scale_buf.data(), k_zero_buf.data(), fold);
       if (fold) {  // per group of tokens: q * scale and q . zero, then each token's logit is one dot with its levels

@@ -86,8 +86,11 @@ void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float
   }
 }
 
+// `folded` / `folded_zero`: avx512's folded scales; this path keeps the per-channel scales in its FMAs (not measured
+// here: no AVX2-only CPU at hand), so they go unused.
 inline void key_logits_any(const Store& k, int64_t row, int64_t t0, int64_t t1, const float* query, int64_t offsets,
-                           int64_t m_rows, float* logits, int64_t stride, float* scale_buf, float* zero_buf) {
+                           int64_t m_rows, float* logits, int64_t stride, float* scale_buf, float* zero_buf,
+                           float* /*folded*/, float* /*folded_zero*/) {
   switch (k.bits) {
     case 2: return key_logits<2>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf);
     case 4: return key_logits<4>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf);

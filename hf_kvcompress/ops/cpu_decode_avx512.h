@@ -6,7 +6,8 @@
 // (docs/benchmark-notes.md, section 7). Here lane k of a vector is token t + k: the codes of 16 tokens are gathered 4
 // bytes per token, each channel's codes become one vector, scaled by that channel's scale and zero point (keys per
 // channel: one per group of tokens) and met by the query's channel (a broadcast, or with pre_rope keys the 16
-// offsets' own queries, which sit next to each other), so 16 logits come out of FMAs alone. Values keep the
+// offsets' own queries, which sit next to each other), so 16 logits come out of FMAs alone; with one query per
+// token the group's scales are folded into the query once per group instead. Values keep the
 // token-major order (their output is a row per query, held across the tile): a token's codes become levels by one
 // permute through a 16-entry table (plain codes, or L0 + a*c + b*(c >> 1)) and are scaled and mixed in registers.
 //
@@ -50,9 +51,30 @@ inline __m512 load_groups(const void* base, at::ScalarType type, int64_t i, int6
   }
 }
 
+// The codes at bits [shift, shift + BITS) of the 16 lanes of `bytes` (a 32-bit word per token) as float32 levels.
+template <int BITS>
+inline __m512 word_levels(__m512i bytes, int shift) {
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, shift), _mm512_set1_epi32((1 << BITS) - 1)));
+}
+
+// Reads bytes [0, count) of `codes` with plain loads before the gathers read them. A decode step's stores outgrow the
+// caches at a few thousand tokens, and gathers that miss wait on memory one group of lines at a time (the hardware
+// prefetcher does not follow them, nor did a software prefetch help): plain loads of the 16 tokens' lines first cut a
+// cold 8k-token int4 layer's kernel time by about a third (docs/speed.md, session 24).
+inline void touch(const uint8_t* codes, int64_t count) {
+  __m512i any = _mm512_setzero_si512();
+  for (int64_t at = 0; at < count; at += 64) {
+    const int64_t left = std::min<int64_t>(64, count - at);
+    const __mmask64 bytes = left == 64 ? ~static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << left) - 1;
+    any = _mm512_or_si512(any, _mm512_maskz_loadu_epi8(bytes, codes + at));
+  }
+  __asm__ volatile("" : : "v"(any));  // the loads are kept for their effect on the caches
+}
+
 // logits[r * stride + k] for rows r < R (query rows m0 + r) and tokens t + k, k < 16, over one tile's 16 tokens:
 // `codes` points at token t's bytes (rows of W bytes), `scale` / `zero` [D] are the channel scales of t's group,
-// `query` [M, D, O] the (offset) queries in channel order, `o0` the offset of token t within its key group.
+// `query` [M, D, O] the (offset) queries in channel order, `o0` the offset of
+// token t within its key group.
 template <int BITS, int R>
 inline void key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, const float* scale, const float* zero,
                           const float* query, int64_t offsets, int64_t o0, int64_t m0, float* logits,
@@ -60,7 +82,6 @@ inline void key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, cons
   constexpr int U = 8 / BITS;
   const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                           _mm512_set1_epi32(static_cast<int>(width)));
-  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t word = 0; word < width / 4; ++word) {
@@ -70,8 +91,8 @@ inline void key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, cons
     for (int byte = 0; byte < 4; ++byte) {
       for (int i = 0; i < U; ++i) {
         const int64_t d = (4 * word + byte) * U + i;  // byte j holds dims j*U + i (ops/bitpack.py)
-        const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * byte + BITS * i), mask);
-        const __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(scale[d]), _mm512_set1_ps(zero[d]));
+        const __m512 value = _mm512_fmadd_ps(word_levels<BITS>(bytes, 8 * byte + BITS * i),
+                                             _mm512_set1_ps(scale[d]), _mm512_set1_ps(zero[d]));
         for (int r = 0; r < R; ++r) {
           const float* q = query + ((m0 + r) * dim + d) * offsets;
           const __m512 qv = offsets == 1 ? _mm512_set1_ps(q[0]) : _mm512_loadu_ps(q + o0);
@@ -83,30 +104,88 @@ inline void key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, cons
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(logits + r * stride, valid, acc[r]);
 }
 
+// As key_logits_16 for one query per token (O = 1) with the group's scales folded into the query:
+// logit = sum_d (q_d * scale_d) * code_d + sum_d q_d * zero_d, so a channel costs its code's extraction and one
+// FMA per query row (not also an FMA for its scale). `folded` [M, D] holds the first factors, `folded_zero` [M] the sums.
+template <int BITS, int R>
+inline void folded_key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, const float* folded,
+                                 const float* folded_zero, int64_t m0, float* logits, int64_t stride,
+                                 __mmask16 valid) {
+  constexpr int U = 8 / BITS;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(width)));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_ps(folded_zero[m0 + r]);
+  for (int64_t word = 0; word < width / 4; ++word) {
+    const __m512i bytes = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, rows, codes + 4 * word, 1);
+    for (int byte = 0; byte < 4; ++byte) {
+      for (int i = 0; i < U; ++i) {
+        const int64_t d = (4 * word + byte) * U + i;
+        const __m512 code = word_levels<BITS>(bytes, 8 * byte + BITS * i);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(folded[(m0 + r) * dim + d]), code, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(logits + r * stride, valid, acc[r]);
+}
+
 // Logits [m_rows, TILE] (row stride `stride`) of the tile's tokens [t0, t1) of KV row `row`. `query` [M, D, O]:
 // query row m, channel d, offset o at (m * D + d) * O + o (O = 1: one query for every token). `scale_buf` /
-// `zero_buf` [D] hold the channel scales of one key group at a time.
+// `zero_buf` [D] hold the channel scales of one key group at a time; with O = 1, `folded` [M, D] and `folded_zero`
+// [M] hold them folded into the query (folded_key_logits_16), once per group instead of once per 16 tokens.
 template <int BITS>
 void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float* query, int64_t offsets,
-                int64_t m_rows, float* logits, int64_t stride, float* scale_buf, float* zero_buf) {
+                int64_t m_rows, float* logits, int64_t stride, float* scale_buf, float* zero_buf, float* folded,
+                float* folded_zero) {
   const int64_t width = k.width, dim = k.dim;
+  // Folding moves the zero points into one sum per row, q . zero, from which the codes' terms are then taken back:
+  // codes up to 255 (8 bits) lose more to that cancellation than the kernel's tests allow, codes up to 15 do not.
+  const bool fold = offsets == 1 && BITS <= 4;
   int64_t loaded = -1;
   for (int64_t t = t0; t < t1; t += 16) {
     const int64_t n = std::min<int64_t>(16, t1 - t);
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
     const int64_t group = t / k.token_group;
-    if (group != loaded) {  // in channel order: scale[(row, group), d]
+    if (group != loaded) {  // in channel order: scale[(row, group), d], 16 channels at a time
       loaded = group;
       const int64_t base = (row * k.scale_rows() + group) * dim;
-      for (int64_t d = 0; d < dim; ++d) {
-        scale_buf[d] = k.load_scale(base + d);
-        zero_buf[d] = k.load_zero(base + d);
+      for (int64_t d = 0; d < dim; d += 16) {
+        const int64_t count = std::min<int64_t>(16, dim - d);
+        const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1u);
+        _mm512_mask_storeu_ps(scale_buf + d, lanes, load_groups(k.scale, k.scale_type, base + d, count));
+        _mm512_mask_storeu_ps(zero_buf + d, lanes,
+                              k.zero ? load_groups(k.zero, k.scale_type, base + d, count) : _mm512_setzero_ps());
+      }
+      if (fold) {
+        for (int64_t m = 0; m < m_rows; ++m) {
+          __m512 zero_sum = _mm512_setzero_ps();
+          for (int64_t d = 0; d < dim; d += 16) {
+            const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(16, dim - d)) - 1u);
+            const __m512 q = _mm512_maskz_loadu_ps(lanes, query + m * dim + d);
+            _mm512_mask_storeu_ps(folded + m * dim + d, lanes,
+                                  _mm512_mul_ps(q, _mm512_maskz_loadu_ps(lanes, scale_buf + d)));
+            zero_sum = _mm512_fmadd_ps(q, _mm512_maskz_loadu_ps(lanes, zero_buf + d), zero_sum);
+          }
+          folded_zero[m] = _mm512_reduce_add_ps(zero_sum);
+        }
       }
     }
     const uint8_t* codes = k.codes + (row * k.tokens + t) * width;
-    const int64_t o0 = offsets == 1 ? 0 : t % offsets;
+    touch(codes, n * width);
     float* out = logits + (t - t0);
     int64_t m = 0;
+    if (fold) {
+      for (; m + 4 <= m_rows; m += 4)
+        folded_key_logits_16<BITS, 4>(codes, width, dim, folded, folded_zero, m, out + m * stride, stride, valid);
+      switch (m_rows - m) {
+        case 3: folded_key_logits_16<BITS, 3>(codes, width, dim, folded, folded_zero, m, out + m * stride, stride, valid); break;
+        case 2: folded_key_logits_16<BITS, 2>(codes, width, dim, folded, folded_zero, m, out + m * stride, stride, valid); break;
+        case 1: folded_key_logits_16<BITS, 1>(codes, width, dim, folded, folded_zero, m, out + m * stride, stride, valid); break;
+        default: break;
+      }
+      continue;
+    }
+    const int64_t o0 = offsets == 1 ? 0 : t % offsets;
     for (; m + 4 <= m_rows; m += 4)
       key_logits_16<BITS, 4>(codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m, out + m * stride, stride, valid);
     switch (m_rows - m) {
@@ -119,11 +198,12 @@ void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float
 }
 
 inline void key_logits_any(const Store& k, int64_t row, int64_t t0, int64_t t1, const float* query, int64_t offsets,
-                           int64_t m_rows, float* logits, int64_t stride, float* scale_buf, float* zero_buf) {
+                           int64_t m_rows, float* logits, int64_t stride, float* scale_buf, float* zero_buf,
+                           float* folded, float* folded_zero) {
   switch (k.bits) {
-    case 2: return key_logits<2>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf);
-    case 4: return key_logits<4>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf);
-    default: return key_logits<8>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf);
+    case 2: return key_logits<2>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf, folded, folded_zero);
+    case 4: return key_logits<4>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf, folded, folded_zero);
+    default: return key_logits<8>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf, folded, folded_zero);
   }
 }
 
