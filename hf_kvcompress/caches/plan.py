@@ -36,6 +36,10 @@ SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 # at an eighth 16 of its 511 tokens kept more answers than 31 (the full-attention layers get what they free), and 8
 # answered nothing (docs/results.md).
 SLIDING_FLOOR = 1 / 32
+# The share of its window a sliding layer keeps under KVzap's `budget=` on a hybrid model (`budget_sliding_tokens`),
+# planned as a half is (`planned_sliding_tokens`: 128 of Gemma-3-270M's 511): what `kvzip:ratio=0.5`'s sliding
+# layers keep, which answered every question of the long-decode probe (docs/results.md).
+BUDGET_SLIDING_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,36 @@ def plans_sliding_share(policy: Policy, layer_types: list[str]) -> bool:
             and "sliding_attention" in layer_types and any(t not in SLIDING_LAYER_TYPES for t in layer_types))
 
 
+def plans_budget_share(policy: Policy, layer_types: list[str]) -> bool:
+    """Whether `plan_layers` shares a `budget` of `policy` between sliding and full-attention layers: KVzap's head
+    budgets (`policy.ranks_prompt`: the ranked layers hold one allowance while decoding, head_store.py
+    `RankedTogether`) on a model with sliding_attention and full-attention layers. Each sliding layer keeps
+    `budget_sliding_tokens` newest tokens and the full-attention layers the budget's allowance those leave
+    (`budget_full_tokens`). KVzip's budgets are not planned so (not measured)."""
+    return (policy.ranks_prompt and policy.budget is not None and "sliding_attention" in layer_types
+            and any(t not in SLIDING_LAYER_TYPES for t in layer_types))
+
+
+def budget_sliding_tokens(policy: Policy, whole: int) -> int:
+    """The newest tokens a sliding layer keeps under a planned budget (`plans_budget_share`) of a window holding
+    `whole` (window - 1): `sliding=N` if given, else BUDGET_SLIDING_SHARE's planned share of the window, never more
+    than the budget."""
+    assert policy.budget is not None  # planned: a budget
+    if policy.sliding is not None:
+        return policy.sliding
+    return min(policy.budget, planned_sliding_tokens(BUDGET_SLIDING_SHARE, whole))
+
+
+def budget_full_tokens(budget: int, whole: int, kept: int, sliding_layers: int, full_layers: int) -> int:
+    """Tokens per KV head a full-attention layer keeps under a planned budget (`plans_budget_share`): the `budget`
+    plus its part of what the `sliding_layers` leave of their allowance, min(budget, whole) (a sliding layer holds
+    at most `whole`, its window - 1) less the `kept` they keep. So the cache never holds more than the same budget in
+    every layer (each capped at what it can hold) would, as a ratio's plan holds the ratio's bytes (`SlidingShare`),
+    with more of them where the model retrieves from far back."""
+    freed = max(min(budget, whole) - kept, 0) * sliding_layers
+    return budget + freed // full_layers
+
+
 def planned_share(policy: Policy) -> float | None:
     """The share a plan shares between sliding and full-attention layers: a ratio, or KVzip's `bytes`."""
     return policy.ratio if policy.ratio is not None else getattr(policy, "bytes", None)
@@ -201,7 +235,9 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     if layer_type != "sliding_attention":
         return None
     whole = max(window - 1, 1)
-    if policy.sliding is not None:
+    if planned and policy.budget is not None:  # `plans_budget_share`
+        kept = budget_sliding_tokens(policy, whole)
+    elif policy.sliding is not None:
         kept = policy.sliding
     elif policy.budget is not None:
         kept = policy.budget
@@ -356,14 +392,23 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
             if window is None:
                 raise ValueError(f"the config lists {kind} layers but sets no {name}")
             windows[kind] = window
-    planned = share_sliding and plans_sliding_share(policy, layer_types)
+    budget_planned = share_sliding and plans_budget_share(policy, layer_types)
+    planned = budget_planned or (share_sliding and plans_sliding_share(policy, layer_types))
     kept = {kind: sliding_kept(policy, kind, window, planned) for kind, window in windows.items()}
     if planned and planned_sliding is not None:
         check_count("planned_sliding", planned_sliding, minimum=1)
         kept["sliding_attention"] = planned_sliding
     target = byte_target(policy, config, layer_types, windows)
     share = None
-    if planned and kept["sliding_attention"] is not None and target is None:
+    full_policy = policy
+    if budget_planned and kept["sliding_attention"] is not None:
+        assert policy.budget is not None  # `plans_budget_share`: a budget
+        # The full-attention layers run the budget plus what the sliding layers leave (their eviction, the
+        # ranking's total and the allowance while decoding all read it from the layer's policy).
+        full_policy = dataclasses.replace(policy, budget=budget_full_tokens(  # type: ignore[call-arg]  # KVzap's field
+            policy.budget, max(windows["sliding_attention"] - 1, 1), kept["sliding_attention"],
+            layer_types.count("sliding_attention"), sum(t not in SLIDING_LAYER_TYPES for t in layer_types)))
+    elif planned and kept["sliding_attention"] is not None and target is None:
         assert policy.ratio is not None  # planned: a ratio
         share = SlidingShare(policy.ratio, kept["sliding_attention"], max(windows["sliding_attention"] - 1, 1),
                              layer_types.count("sliding_attention"),
@@ -392,7 +437,7 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
         else:
             if policy.needs_hidden_states and i not in probes:
                 raise ValueError(f"the KVzap probe for this model has no probe for layer {i} ({layer_type})")
-            plans.append(LayerPlan(i, layer_type, policy, full_codec.for_layer(i), inv_freq=inv_freq,
+            plans.append(LayerPlan(i, layer_type, full_policy, full_codec.for_layer(i), inv_freq=inv_freq,
                                    query_inv_freq=query_inv_freq, probe=probes.get(i), sliding_share=share,
                                    byte_target=target))
     return plans
