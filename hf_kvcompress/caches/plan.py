@@ -204,8 +204,8 @@ def budget_sliding_tokens(policy: Policy, whole: int) -> int:
 def budget_full_tokens(budget: int, whole: int, kept: int, sliding_layers: int, full_layers: int) -> int:
     """Tokens per KV head a full-attention layer keeps under a planned budget (`plans_budget_share`): the `budget`
     plus its part of what the `sliding_layers` leave of their allowance, min(budget, whole) (a sliding layer holds
-    at most `whole`, its window - 1) less the `kept` they keep. So the cache never holds more than the same budget in
-    every layer (each capped at what it can hold) would, as a ratio's plan holds the ratio's bytes (`SlidingShare`),
+    at most `whole`, its window - 1) less the `kept` they keep. So the cache never holds more pairs than the same budget
+    in every layer (each capped at what it can hold) would, as a ratio's plan holds the ratio's bytes (`SlidingShare`),
     with more of them where the model retrieves from far back."""
     freed = max(min(budget, whole) - kept, 0) * sliding_layers
     return budget + freed // full_layers
