@@ -8,7 +8,8 @@ reconstruction pass plans how the hybrid model's pairs are shared (`SlidingShare
 than the ratio's share of their window and the full-attention layers, where long-range retrieval happens, keep what
 they give up, so the whole cache still holds the ratio of its uncompressed pairs. KVzip's `bytes=B` (`ByteTarget`)
 shares the sliding layers the same way and gives the full-attention layers the pairs whose bytes fit in B of the
-uncompressed cache's bytes.
+uncompressed cache's bytes. KVzap's `budget=N` with head budgets (`plans_budget_share`) keeps a half's planned share
+in the sliding layers and gives the full-attention layers the rest of the pairs N tokens in every layer would hold.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 # answered nothing (docs/results.md).
 SLIDING_FLOOR = 1 / 32
 # The share of its window a sliding layer keeps under KVzap's `budget=` on a hybrid model (`budget_sliding_tokens`),
-# planned as a half is (`planned_sliding_tokens`: 128 of Gemma-3-270M's 511): what `kvzip:ratio=0.5`'s sliding
-# layers keep, which answered every question of the long-decode probe (docs/results.md).
+# planned as a half is (`planned_sliding_tokens`: 128 of Gemma-3-270M's 511, as `kvzip:ratio=0.5`'s sliding layers).
+# On Gemma-3-270M's development half after 512 decoded tokens 128 and 16 kept the same 5 of 5 answers (docs/results.md,
+# "KVzap's budget on Gemma-3: the sliding layers' allowance"); `sliding=16` is the recipe for fewer bytes.
 BUDGET_SLIDING_SHARE = 0.5
 
 
@@ -222,7 +224,8 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
 
     A budget or ratio means the same in every layer: a `budget` of B keeps B tokens per KV head, a `ratio` r keeps
     r of what the layer holds uncompressed (the newest ceil(r x (window - 1)) once the prompt is longer than the
-    window), so the cache's bytes follow the ratio on hybrid models too. A sliding layer keeps its newest tokens:
+    window), so the cache's bytes follow the ratio on hybrid models too (a planned KVzap budget keeps
+    `budget_sliding_tokens`). A sliding layer keeps its newest tokens:
     it attends locally, and KVzip's reconstruction queries, a window away, cannot score it. Chunked-attention
     layers keep their chunk. A policy's `sliding=N` sets the count itself (`dynamic:sliding=127` shrinks only the
     sliding layers; what such counts keep is measured in docs/results.md). `planned` (`plans_sliding_share`): a
