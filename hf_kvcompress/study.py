@@ -139,7 +139,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
                 assert isinstance(sliding, SinkWindowPolicy) and sliding.window is not None
                 kept = min(tokens, sliding.window)
         else:
-            kept = kept_tokens(policy, tokens)
+            kept = kept_tokens(plan.policy, tokens)  # KVzap's planned budget: the layer's (plan.py)
             if plan.sliding_share is not None:  # what the sliding layers gave up (plan.py: `SlidingShare`)
                 seen = torch.tensor([round(tokens)])
                 kept += int(plan.sliding_share.extra(seen, torch.tensor([round(kept)])))

@@ -147,7 +147,8 @@ class CompressedCache(Cache):
         self.num_layers = len(plans)
         self.sliding_share = next((plan.sliding_share for plan in plans if plan.sliding_share is not None), None)
         self.byte_target = next((plan.byte_target for plan in plans if plan.byte_target is not None), None)
-        # The newest tokens the planned sliding layers keep (a plain ratio's or bytes='s plan); None: not planned.
+        # The newest tokens the planned sliding layers keep (a plain ratio's, bytes='s or KVzap's budget's plan); None:
+        # not planned.
         self.planned_sliding = next((p.planned_kept for p in plans if p.planned_kept is not None), None)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -280,7 +281,9 @@ class CompressedCache(Cache):
         """One ranking of the `scored` layers' (KV head, token) pairs decides what each head keeps
         (head_ranking.py); each layer becomes a head store. KVzip's pass end and KVzap's `rank_prompt` come here."""
         sinks = 0 if self.codec.lossless else self.codec.exact_sinks
-        keeps = head_budget_keep(self.policy, scored, sinks, extra=extra, spend=self._spendable(scored, sinks),
+        # The ranked layers' own policy: under KVzap's planned budget it holds what the sliding layers left them
+        # (plan.py `budget_full_tokens`); otherwise the cache's.
+        keeps = head_budget_keep(scored[0].policy, scored, sinks, extra=extra, spend=self._spendable(scored, sinks),
                                  floors=self._floors(scored))
         for layer, (priority, keep) in zip(scored, keeps, strict=True):
             layer.rank_heads(priority, keep)

@@ -8,7 +8,8 @@ reconstruction pass plans how the hybrid model's pairs are shared (`SlidingShare
 than the ratio's share of their window and the full-attention layers, where long-range retrieval happens, keep what
 they give up, so the whole cache still holds the ratio of its uncompressed pairs. KVzip's `bytes=B` (`ByteTarget`)
 shares the sliding layers the same way and gives the full-attention layers the pairs whose bytes fit in B of the
-uncompressed cache's bytes.
+uncompressed cache's bytes. KVzap's `budget=N` with head budgets (`plans_budget_share`) keeps a half's planned share
+in the sliding layers and gives the full-attention layers the rest of the pairs N tokens in every layer would hold.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 # at an eighth 16 of its 511 tokens kept more answers than 31 (the full-attention layers get what they free), and 8
 # answered nothing (docs/results.md).
 SLIDING_FLOOR = 1 / 32
+# The share of its window a sliding layer keeps under KVzap's `budget=` on a hybrid model (`budget_sliding_tokens`),
+# planned as a half is (`planned_sliding_tokens`: 128 of Gemma-3-270M's 511, as `kvzip:ratio=0.5`'s sliding layers).
+# On Gemma-3-270M's development half after 512 decoded tokens 128 and 16 kept the same 5 of 5 answers (docs/results.md,
+# "KVzap's budget on Gemma-3: the sliding layers' allowance"); `sliding=16` is the recipe for fewer bytes.
+BUDGET_SLIDING_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -177,6 +183,36 @@ def plans_sliding_share(policy: Policy, layer_types: list[str]) -> bool:
             and "sliding_attention" in layer_types and any(t not in SLIDING_LAYER_TYPES for t in layer_types))
 
 
+def plans_budget_share(policy: Policy, layer_types: list[str]) -> bool:
+    """Whether `plan_layers` shares a `budget` of `policy` between sliding and full-attention layers: KVzap's head
+    budgets (`policy.ranks_prompt`: the ranked layers hold one allowance while decoding, head_store.py
+    `RankedTogether`) on a model with sliding_attention and full-attention layers. Each sliding layer keeps
+    `budget_sliding_tokens` newest tokens and the full-attention layers the budget's allowance those leave
+    (`budget_full_tokens`). KVzip's budgets are not planned so (not measured)."""
+    return (policy.ranks_prompt and policy.budget is not None and "sliding_attention" in layer_types
+            and any(t not in SLIDING_LAYER_TYPES for t in layer_types))
+
+
+def budget_sliding_tokens(policy: Policy, whole: int) -> int:
+    """The newest tokens a sliding layer keeps under a planned budget (`plans_budget_share`) of a window holding
+    `whole` (window - 1): `sliding=N` if given, else BUDGET_SLIDING_SHARE's planned share of the window, never more
+    than the budget."""
+    assert policy.budget is not None  # planned: a budget
+    if policy.sliding is not None:
+        return policy.sliding
+    return min(policy.budget, planned_sliding_tokens(BUDGET_SLIDING_SHARE, whole))
+
+
+def budget_full_tokens(budget: int, whole: int, kept: int, sliding_layers: int, full_layers: int) -> int:
+    """Tokens per KV head a full-attention layer keeps under a planned budget (`plans_budget_share`): the `budget`
+    plus its part of what the `sliding_layers` leave of their allowance, min(budget, whole) (a sliding layer holds
+    at most `whole`, its window - 1) less the `kept` they keep. So the cache never holds more pairs than the same budget
+    in every layer (each capped at what it can hold) would, as a ratio's plan holds the ratio's bytes (`SlidingShare`),
+    with more of them where the model retrieves from far back."""
+    freed = max(min(budget, whole) - kept, 0) * sliding_layers
+    return budget + freed // full_layers
+
+
 def planned_share(policy: Policy) -> float | None:
     """The share a plan shares between sliding and full-attention layers: a ratio, or KVzip's `bytes`."""
     return policy.ratio if policy.ratio is not None else getattr(policy, "bytes", None)
@@ -188,7 +224,8 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
 
     A budget or ratio means the same in every layer: a `budget` of B keeps B tokens per KV head, a `ratio` r keeps
     r of what the layer holds uncompressed (the newest ceil(r x (window - 1)) once the prompt is longer than the
-    window), so the cache's bytes follow the ratio on hybrid models too. A sliding layer keeps its newest tokens:
+    window), so the cache's bytes follow the ratio on hybrid models too (a planned KVzap budget keeps
+    `budget_sliding_tokens`). A sliding layer keeps its newest tokens:
     it attends locally, and KVzip's reconstruction queries, a window away, cannot score it. Chunked-attention
     layers keep their chunk. A policy's `sliding=N` sets the count itself (`dynamic:sliding=127` shrinks only the
     sliding layers; what such counts keep is measured in docs/results.md). `planned` (`plans_sliding_share`): a
@@ -201,7 +238,9 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     if layer_type != "sliding_attention":
         return None
     whole = max(window - 1, 1)
-    if policy.sliding is not None:
+    if planned and policy.budget is not None:  # `plans_budget_share`
+        kept = budget_sliding_tokens(policy, whole)
+    elif policy.sliding is not None:
         kept = policy.sliding
     elif policy.budget is not None:
         kept = policy.budget
@@ -356,14 +395,23 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
             if window is None:
                 raise ValueError(f"the config lists {kind} layers but sets no {name}")
             windows[kind] = window
-    planned = share_sliding and plans_sliding_share(policy, layer_types)
+    budget_planned = share_sliding and plans_budget_share(policy, layer_types)
+    planned = budget_planned or (share_sliding and plans_sliding_share(policy, layer_types))
     kept = {kind: sliding_kept(policy, kind, window, planned) for kind, window in windows.items()}
     if planned and planned_sliding is not None:
         check_count("planned_sliding", planned_sliding, minimum=1)
         kept["sliding_attention"] = planned_sliding
     target = byte_target(policy, config, layer_types, windows)
     share = None
-    if planned and kept["sliding_attention"] is not None and target is None:
+    full_policy = policy
+    if budget_planned and kept["sliding_attention"] is not None:
+        assert policy.budget is not None  # `plans_budget_share`: a budget
+        # The full-attention layers run the budget plus what the sliding layers leave (their eviction, the
+        # ranking's total and the allowance while decoding all read it from the layer's policy).
+        full_policy = dataclasses.replace(policy, budget=budget_full_tokens(  # type: ignore[call-arg]  # KVzap's field
+            policy.budget, max(windows["sliding_attention"] - 1, 1), kept["sliding_attention"],
+            layer_types.count("sliding_attention"), sum(t not in SLIDING_LAYER_TYPES for t in layer_types)))
+    elif planned and kept["sliding_attention"] is not None and target is None:
         assert policy.ratio is not None  # planned: a ratio
         share = SlidingShare(policy.ratio, kept["sliding_attention"], max(windows["sliding_attention"] - 1, 1),
                              layer_types.count("sliding_attention"),
@@ -392,7 +440,7 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
         else:
             if policy.needs_hidden_states and i not in probes:
                 raise ValueError(f"the KVzap probe for this model has no probe for layer {i} ({layer_type})")
-            plans.append(LayerPlan(i, layer_type, policy, full_codec.for_layer(i), inv_freq=inv_freq,
+            plans.append(LayerPlan(i, layer_type, full_policy, full_codec.for_layer(i), inv_freq=inv_freq,
                                    query_inv_freq=query_inv_freq, probe=probes.get(i), sliding_share=share,
                                    byte_target=target))
     return plans

@@ -31,7 +31,10 @@ class KVzapPolicy(Policy):
     cache layer the hidden state entering attention (hf/hidden_states.py).
 
     Args:
-        budget: tokens kept per KV head (512 when neither budget nor ratio is given).
+        budget: tokens kept per KV head (512 when neither budget nor ratio is given). On a model with
+            sliding-window layers, with head budgets, the sliding layers keep a half's planned share of their window
+            (or `sliding=N`) and the full-attention layers the budget plus the allowance that leaves
+            (caches/plan.py `plans_budget_share`): the same pairs in all as the budget in every layer.
         ratio: share of the tokens seen that is kept, instead of `budget`.
         sink_tokens: first tokens always kept.
         recent: newest tokens always kept (128, as KVzap keeps a recent window). The probe scores a token by its

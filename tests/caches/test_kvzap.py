@@ -326,7 +326,11 @@ def test_head_budgets_score_later_tokens_as_at_prefill(probed, recent):
     model, directory = probed
     probes = load_probes(directory, model.config)
     ids = torch.randint(3, 128, (1, 52), generator=torch.Generator().manual_seed(11))
-    cache = make_cache(f"kvzap:budget=64,recent={recent},span=0,probe={directory}", model.config)
+    # The reference is one uncompressed pass: on the hybrid model the sliding layers keep their whole window
+    # (`sliding=5`), not a budget's planned share (plan.py `plans_budget_share`), which one pass cannot reproduce.
+    whole = ",sliding=5" if any(layer.is_sliding for layer in make_cache("dynamic", model.config).layers) else ""
+    cache = make_cache(f"kvzap:budget=64,recent={recent},span=0{whole},probe={directory}", model.config)
+    assert cache.planned_sliding is None
     with torch.no_grad():
         model(input_ids=ids[:, :12], cache=cache)
         for t in range(12, 52):  # the first ranks the prompt, every one is scored as it arrives
@@ -449,10 +453,16 @@ def test_padded_batch_matches_rows_alone(probed, spec):
                                   "kvzap:ratio=1.0,decoding=append", "kvzap:ratio=1.0,decoding=evict",
                                   "kvzap:budget=1000,budgets=uniform"])
 def test_large_budget_equals_dynamic_cache(probed, spec):
+    """Everything kept equals transformers' own cache; on a hybrid model a budget with head budgets plans its
+    sliding layers (plan.py `plans_budget_share`), so there it equals the same cache with their planned window."""
     model, directory = probed
     _, ids, mask = left_padded_prompts(1)
-    expected = generate(model, ids, mask, DynamicCache(config=model.config), max_new_tokens=10).new_tokens
-    got = generate(model, ids, mask, make_cache(_spec(spec, directory), model.config), max_new_tokens=10).new_tokens
+    cache = make_cache(_spec(spec, directory), model.config)
+    reference = DynamicCache(config=model.config)
+    if cache.planned_sliding is not None and cache.policy.budget is not None:
+        reference = make_cache(f"dynamic:sliding={cache.planned_sliding}", model.config)
+    expected = generate(model, ids, mask, reference, max_new_tokens=10).new_tokens
+    got = generate(model, ids, mask, cache, max_new_tokens=10).new_tokens
     assert torch.equal(got, expected)
 
 
@@ -500,8 +510,11 @@ def test_head_budgets_bound_memory_through_a_long_generation(probed):
     after = [h for h in held if h[3] == len(full)]
     assert len(after) == 39
     heads = full[0].kv_heads
-    # Layers and heads hold different numbers of pairs; the row holds no more than the budget's in all.
-    assert all(sum(counts) <= 8 * heads * len(full) for _, _, counts, _ in after)
+    # Layers and heads hold different numbers of pairs; the row holds no more than the budget's in all (on the
+    # hybrid model the budget plus what its sliding layers left, plan.py `budget_full_tokens`).
+    budget = full[0].policy.budget
+    assert budget == (8 if len(full) == len(cache.layers) else 8 + (5 - cache.planned_sliding) * 2)
+    assert all(sum(counts) <= budget * heads * len(full) for _, _, counts, _ in after)
     # A budget of 8 is smaller than the store's tail (up to ABSORB_BLOCK tokens): the tail's evicted slots stay stored,
     # masked, until they join the pairs, then the bytes fall back (a sawtooth); with a budget above the tail they
     # stay within one tail of the ranking's (test_head_budgets_hold_the_budget_while_decoding), and
@@ -696,3 +709,71 @@ def test_budget_holds_the_bytes_on_a_hybrid_model_with_several_full_attention_la
     assert all(pairs <= allowance for _, _, pairs in held)
     tail = (4 + ABSORB_BLOCK) * (2 * 32 * 4 + 4 + 1)  # float32 key, value and score per token; valid flag
     assert max(m for m, _, _ in held) <= at_ranking + tail * len(ranked)
+
+
+def _hybrid_two_full(tmp_path, window: int):
+    """A tiny Gemma-3 with two sliding and two full-attention layers (one KV head each) and a random probe."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    model = use_kvcompress_attention(model)
+    model.config._name_or_path = "tiny-gemma3-two-full"
+    write_probe(model.config, tmp_path, scale=0.1)
+    return model
+
+
+@pytest.mark.parametrize("extra, sliding, full", [("", 4, 20), (",sliding=2", 2, 22)])
+def test_a_budget_gives_the_full_layers_what_the_sliding_layers_leave(tmp_path, extra, sliding, full):
+    """`kvzap:budget=N` on a hybrid model (plan.py `plans_budget_share`): each sliding layer keeps its planned newest
+    tokens (a half's plan of its 15, 4; or `sliding=`) and the full-attention layers the budget's allowance the
+    sliding layers leave (12 - 4 each, shared by the 2 full layers), so the cache holds as many pairs as the same
+    budget in every layer would (2 x 12 + 2 x 12), more of them in the ranked layers; the bytes equal the promise
+    and the ranked layers never hold more than that while decoding; a saved cache loads with the same plan. Before
+    it, the sliding layers kept 12 and the full-attention layers 12 each."""
+    from hf_kvcompress import load_cache, save_cache
+
+    model = _hybrid_two_full(tmp_path, window=16)
+    cache = make_cache(f"kvzap:budget=12,recent=4{extra},probe={tmp_path}", model.config)
+    assert cache.planned_sliding == sliding
+    assert {layer.policy.budget for layer in cache.layers if not layer.is_sliding} == {full}
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        prefill(model, ids, None, cache)
+    ranked = [layer for layer in cache.layers if layer.per_head]
+    assert len(ranked) == 2
+    assert [layer.stored_tokens for layer in cache.layers if layer.is_sliding] == [sliding, sliding]
+    held = sum(int(layer.store.held_pairs()[0]) for layer in ranked)
+    assert held == 2 * full and held + 2 * sliding == 2 * 12 + 2 * 12
+    path = tmp_path / "cache.safetensors"
+    save_cache(cache, path)
+    loaded = load_cache(path)
+    assert loaded.planned_sliding == sliding
+    assert {layer.policy.budget for layer in loaded.layers if not layer.is_sliding} == {full}
+    trace = []
+
+    def record():  # after every step
+        trace.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
+                      sum(int(layer.store.held_pairs()[0]) for layer in ranked)))
+
+    generate(model, torch.cat([ids, ids[:, -1:]], 1), None, cache, max_new_tokens=40, min_new_tokens=40,
+             streamer=AfterEachStep(record))
+    assert all(m == p for m, p, _ in trace)
+    assert all(pairs <= 2 * full for _, _, pairs in trace)
+    assert [layer.stored_tokens for layer in cache.layers if layer.is_sliding] == [sliding, sliding]
+
+
+def test_a_budget_plans_only_kvzaps_head_budgets_on_hybrid_models(tmp_path):
+    """The budget's share is planned for head budgets (one ranking, one allowance while decoding) only:
+    `budgets=uniform` keeps the budget in every layer (each sliding layer its min(budget, window - 1))."""
+    model = _hybrid_two_full(tmp_path, window=16)
+    cache = make_cache(f"kvzap:budget=12,recent=4,budgets=uniform,probe={tmp_path}", model.config)
+    assert cache.planned_sliding is None
+    assert {layer.policy.budget for layer in cache.layers if not layer.is_sliding} == {12}
