@@ -116,8 +116,8 @@ def keep_masks(scores: dict[int, torch.Tensor], share: float, how: str) -> dict[
         counts = {li: (r >= threshold).sum(-1).clamp(max=T) for li, r in ranked.items()}
     else:
         raise ValueError(
-            f"allocation must be head, token, rank, mix:A, uniform, floor:F, lfloor:L=F,..., layer:L:F or shares:L=F,..., "
-            f"got {how!r}")
+            f"allocation must be head, token, rank, mix:A, uniform, floor:F, lfloor:L=F,..., layer:L:F or "
+            f"shares:L=F,..., got {how!r}")
     masks = {}
     for li, c in chooser.items():
         mask = torch.zeros(1, H, T, dtype=torch.bool)

@@ -5,10 +5,10 @@ One pure function, `plan_layers`, decides them; `CompressedCache` builds its lay
 Sliding-window layers keep transformers' window with the codec's own key grouping, or under a budget or ratio their
 newest tokens; the policy applies to the full-attention layers. A plain ratio of a policy scored by KVzip's
 reconstruction pass plans how the hybrid model's pairs are shared (`SlidingShare`): the sliding layers keep fewer
-than the ratio's share of their window below a half (the share itself from a half up) and the full-attention layers, where long-range retrieval happens, keep what
-they give up, so the whole cache still holds the ratio of its uncompressed pairs. KVzip's `bytes=B` (`ByteTarget`)
-shares the sliding layers the same way and gives the full-attention layers the pairs whose bytes fit in B of the
-uncompressed cache's bytes.
+than the ratio's share of their window below a half (KVzip the share itself from a half up) and the full-attention
+layers, where long-range retrieval happens, keep what they give up, so the whole cache still holds the ratio of its
+uncompressed pairs. KVzip's `bytes=B` (`ByteTarget`) shares the sliding layers the same way and gives the
+full-attention layers the pairs whose bytes fit in B of the uncompressed cache's bytes.
 """
 
 from __future__ import annotations
