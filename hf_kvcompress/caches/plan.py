@@ -5,10 +5,10 @@ One pure function, `plan_layers`, decides them; `CompressedCache` builds its lay
 Sliding-window layers keep transformers' window with the codec's own key grouping, or under a budget or ratio their
 newest tokens; the policy applies to the full-attention layers. A plain ratio of a policy scored by KVzip's
 reconstruction pass plans how the hybrid model's pairs are shared (`SlidingShare`): the sliding layers keep fewer
-than the ratio's share of their window below a half (KVzip the share itself from a half up) and the full-attention
-layers, where long-range retrieval happens, keep what they give up, so the whole cache still holds the ratio of its
-uncompressed pairs. KVzip's `bytes=B` (`ByteTarget`) shares the sliding layers the same way and gives the
-full-attention layers the pairs whose bytes fit in B of the uncompressed cache's bytes.
+than the ratio's share of their window and the full-attention layers, where long-range retrieval happens, keep what
+they give up, so the whole cache still holds the ratio of its uncompressed pairs. KVzip's `bytes=B` (`ByteTarget`)
+shares the sliding layers the same way and gives the full-attention layers the pairs whose bytes fit in B of the
+uncompressed cache's bytes.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 # at an eighth 16 of its 511 tokens kept more answers than 31 (the full-attention layers get what they free), and 8
 # answered nothing (docs/results.md).
 SLIDING_FLOOR = 1 / 32
-# From this planned share up a KVzip sliding layer keeps the share of its window (`plans_below_share`).
-KVZIP_WINDOW_FROM = 0.5
 
 
 @dataclass(frozen=True)
@@ -75,7 +73,7 @@ class LayerPlan:
 class SlidingShare:
     """How a plain ratio shares a hybrid model's pairs (a policy scored by KVzip's pass, `plans_sliding_share`).
 
-    Each sliding layer keeps its `kept` newest tokens, at most the ratio's share ceil(ratio x min(seen, held)) of
+    Each sliding layer keeps its `kept` newest tokens, fewer than the ratio's share ceil(ratio x min(seen, held)) of
     what it holds uncompressed (`held` = window - 1); each full-attention layer keeps, per KV head, the ratio's share
     of the tokens seen plus `extra`: its part of the pairs the sliding layers gave up. So the cache holds the ratio of
     its uncompressed pairs, as a ratio promises, with more of them where the model retrieves from far back. Pairs
@@ -194,9 +192,8 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     it attends locally, and KVzip's reconstruction queries, a window away, cannot score it. Chunked-attention
     layers keep their chunk. A policy's `sliding=N` sets the count itself (`dynamic:sliding=127` shrinks only the
     sliding layers; what such counts keep is measured in docs/results.md). `planned` (`plans_sliding_share`): a
-    ratio r keeps `planned_sliding_share(r)` of its window (r x r from a half up, less below; KVzip's r itself from
-    KVZIP_WINDOW_FROM up, `plans_below_share`), but never fewer than SLIDING_FLOOR of the window (nor more than the
-    share), and the full-attention layers what that gives up
+    ratio r keeps `planned_sliding_share(r)` of its window (r x r from a half up, less below), but never fewer than
+    SLIDING_FLOOR of the window (nor more than the share), and the full-attention layers what that gives up
     (`SlidingShare`): the sliding layers only
     attend locally and their tokens are not scored, while the pairs a full-attention layer needs to answer from far
     back shrink more slowly than the ratio (chosen on Gemma-3-270M's development half, docs/results.md). KVzip's
@@ -209,21 +206,10 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     elif policy.budget is not None:
         kept = policy.budget
     elif (share := planned_share(policy)) is not None:
-        kept = planned_sliding_tokens(share, whole) if planned and plans_below_share(policy, share) \
-            else math.ceil(share * whole)
+        kept = planned_sliding_tokens(share, whole) if planned else math.ceil(share * whole)
     else:
         return None
     return max(kept, 1) if kept < whole else None
-
-
-def plans_below_share(policy: Policy, share: float) -> bool:
-    """Whether a planned sliding layer keeps fewer than the share's own ceil(share x (window - 1)) newest tokens
-    (`planned_sliding_tokens`). KVzip from KVZIP_WINDOW_FROM up keeps the share itself, and its full-attention
-    layers the share of the document: with every full-attention pair kept and only the sliding layers cut to their
-    newest 128 tokens, Gemma-3-270M answered another needle's number on 2 of 4 prompts of multi_needle's first tenth
-    (development half), where 256 kept all four, ranked as a half ranks them (docs/results.md, "KVzip at a half on
-    Gemma-3: the sliding layers' cut"). KVzap's plan is unchanged (not measured)."""
-    return not (policy.scores_by_reconstruction and share >= KVZIP_WINDOW_FROM)
 
 
 def planned_sliding_tokens(share: float, whole: int, rule: Callable[[float], float] | None = None) -> int:
@@ -239,7 +225,7 @@ def planned_sliding_share(ratio: float) -> float:
     half up (r of the ratio's share), 2 x r x r x r below, so that it falls faster than the ratio there and meets
     r x r at a half. On Gemma-3-270M's development half a quarter answered 10 of 11 with 16 sliding tokens (the
     floor) where r x r (32) answered 9, as an eighth had kept more with 16 than with 31 (docs/results.md); a half
-    keeps its 128 (KVzap; KVzip keeps the half's own 256, `plans_below_share`)."""
+    keeps its 128."""
     return ratio * ratio * min(1.0, 2 * ratio)
 
 

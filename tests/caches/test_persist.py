@@ -170,15 +170,15 @@ def _saved_before(path, entry, tmp_path):
 def test_a_planned_sliding_share_is_saved_and_loads_as_planned(tmp_path):
     """A plain kvzip ratio on Gemma-3's layout shares the pairs (plan.py `SlidingShare`); the loaded cache plans the
     same, and a file saved before the share existed (no `sliding_share` entry) loads with the plain share."""
-    cache, loaded, path = _planned_round_trip("kvzip:ratio=0.4", tmp_path)
+    cache, loaded, path = _planned_round_trip("kvzip:ratio=0.5", tmp_path)
     assert cache.sliding_share is not None
     assert [layer.policy for layer in loaded.layers] == [layer.policy for layer in cache.layers]
     _, older = _saved_before(path, "sliding_share", tmp_path)
     plain = load_cache(older)
     assert plain.sliding_share is None
-    # tiny gemma3: sliding_window 6, so the ratio's plain share is ceil(0.4 x 5) = 2 tokens, the planned one 1
-    assert [layer.policy.window for layer in plain.layers[:2]] == [2, 2]
-    assert [layer.policy.window for layer in loaded.layers[:2]] == [1, 1]
+    # tiny gemma3: sliding_window 6, so the ratio's plain share is ceil(0.5 x 5) = 3 tokens, the planned one 2
+    assert [layer.policy.window for layer in plain.layers[:2]] == [3, 3]
+    assert [layer.policy.window for layer in loaded.layers[:2]] == [2, 2]
 
 
 def test_a_planned_sliding_count_loads_as_it_was_built(tmp_path):

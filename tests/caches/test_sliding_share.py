@@ -89,9 +89,9 @@ def _planned(ratio: float, tokens: int, window: int = WINDOW, sliding_layers: in
     """A plain reference of the planned share: (tokens per sliding layer, tokens per KV head per full layer)."""
     held = min(tokens, window - 1)
     window_share = math.ceil(ratio * (window - 1))
-    # from a half up KVzip's sliding layers keep the ratio's own share; below, less (the full layers get the rest)
-    sliding = window_share if ratio >= 0.5 else min(
-        window_share, max(math.ceil(2 * ratio ** 3 * (window - 1)), math.ceil((window - 1) / 32)))
+    # r x r of the window from a half up, 2 x r x r x r below, at least a 32nd of it, at most the ratio's share
+    sliding = min(window_share, max(math.ceil(ratio * ratio * min(1.0, 2 * ratio) * (window - 1)),
+                                    math.ceil((window - 1) / 32)))
     share = math.ceil(ratio * tokens)
     freed = max(math.ceil(ratio * held) - min(held, sliding), 0) * sliding_layers
     return min(sliding, held), min(share + freed // full_layers, tokens)
@@ -123,18 +123,17 @@ def test_a_plain_kvzip_ratio_gives_the_full_layers_what_the_sliding_layers_give_
 def test_the_planned_share_holds_while_decoding_and_an_explicit_sliding_keeps_the_plain_share():
     model = _model(HYBRID)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(7))
-    planned = make_cache("kvzip:ratio=0.25,budgets=uniform", model.config)  # its sliding layers keep 1 token
-    explicit = make_cache("kvzip:ratio=0.25,budgets=uniform,sliding=1", model.config)
+    planned = make_cache("kvzip:ratio=0.5,budgets=uniform", model.config)
+    explicit = make_cache("kvzip:ratio=0.5,budgets=uniform,sliding=4", model.config)
     for cache in (planned, explicit):
         with torch.inference_mode():
             prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=REPEAT)
             model.generate(input_ids=ids, cache=cache, max_new_tokens=6, do_sample=False)
     seen = 39 + 1 + 5  # the prompt, its last token fed by generate, five decoded tokens (the sixth is not fed)
-    sliding, full = _planned(0.25, 39)
-    extra = full - math.ceil(0.25 * 39)
-    assert sliding == 1 and extra > 0
-    assert [layer.stored_tokens for layer in planned.layers] == [1, 1, math.ceil(0.25 * seen) + extra]
-    assert [layer.stored_tokens for layer in explicit.layers] == [1, 1, math.ceil(0.25 * seen)]
+    _, full = _planned(0.5, 39)
+    extra = full - math.ceil(0.5 * 39)
+    assert [layer.stored_tokens for layer in planned.layers] == [4, 4, math.ceil(0.5 * seen) + extra]
+    assert [layer.stored_tokens for layer in explicit.layers] == [4, 4, math.ceil(0.5 * seen)]
 
 
 @pytest.mark.parametrize("spec", ["dynamic", "int4:residual_length=0,group_size=8",
