@@ -20,6 +20,7 @@ Allocations (each with KVzip's span=4 choosing the pairs, the raw scores setting
 - `head`:    one ranking of every (layer, KV head, token) pair (`budgets=head`, the default);
 - `token`:   each token scored by its best over every full-attention layer and head, the same tokens everywhere
              (`budgets=token`);
+- `mix:A`:   `head` over each pair's max(own score, A x its token's best over every layer and head);
 - `uniform`: the same share in every layer and head, each by its own scores (`budgets=uniform`);
 - `rank`:    like `token`, but each token takes its best place in any layer's and head's own ranking (so a layer
              whose scores are small counts as much as one whose scores are large);
@@ -71,6 +72,13 @@ def keep_masks(scores: dict[int, torch.Tensor], share: float, how: str) -> dict[
         best = torch.stack([p.amax(dim=1) for p in places]).amax(0)  # [1, T]
         chooser = {li: best_ahead(best[:, None].expand_as(s), SPAN) for li, s in scores.items()}
         counts = {li: torch.full((H,), per_head) for li in scores}
+    elif name == "mix":  # mix:A: each pair scores max(its own, A x its token's best over every layer and head)
+        best = torch.stack([s.amax(dim=1) for s in scores.values()]).amax(0)  # [1, T]
+        mixed = {li: torch.maximum(s, float(args[0]) * best[:, None]) for li, s in scores.items()}
+        chooser = {li: best_ahead(m, SPAN) for li, m in mixed.items()}
+        flat = torch.cat([m.flatten() for m in mixed.values()])
+        threshold = flat.topk(total).values[-1]
+        counts = {li: (m[0] >= threshold).sum(-1).clamp(max=T) for li, m in mixed.items()}
     elif name == "uniform":
         counts = {li: torch.full((H,), per_head) for li in scores}
     elif name == "layer":
@@ -108,8 +116,8 @@ def keep_masks(scores: dict[int, torch.Tensor], share: float, how: str) -> dict[
         counts = {li: (r >= threshold).sum(-1).clamp(max=T) for li, r in ranked.items()}
     else:
         raise ValueError(
-            f"allocation must be head, token, rank, uniform, floor:F, lfloor:L=F,..., layer:L:F or shares:L=F,..., "
-            f"got {how!r}")
+            f"allocation must be head, token, rank, mix:A, uniform, floor:F, lfloor:L=F,..., layer:L:F or "
+            f"shares:L=F,..., got {how!r}")
     masks = {}
     for li, c in chooser.items():
         mask = torch.zeros(1, H, T, dtype=torch.bool)

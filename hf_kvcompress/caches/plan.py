@@ -229,7 +229,8 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     it attends locally, and KVzip's reconstruction queries, a window away, cannot score it. Chunked-attention
     layers keep their chunk. A policy's `sliding=N` sets the count itself (`dynamic:sliding=127` shrinks only the
     sliding layers; what such counts keep is measured in docs/results.md). `planned` (`plans_sliding_share`): a
-    ratio r keeps `planned_sliding_share(r)` of its window (r x r from a half up, less below), but never fewer than
+    ratio r keeps `planned_sliding_share(r)` of its window (r x r from a half up, less below; KVzip
+    `kvzip_sliding_share(r)`, 1.5 x r x r from a half up), but never fewer than
     SLIDING_FLOOR of the window (nor more than the share), and the full-attention layers what that gives up
     (`SlidingShare`): the sliding layers only
     attend locally and their tokens are not scored, while the pairs a full-attention layer needs to answer from far
@@ -245,7 +246,8 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     elif policy.budget is not None:
         kept = policy.budget
     elif (share := planned_share(policy)) is not None:
-        kept = planned_sliding_tokens(share, whole) if planned else math.ceil(share * whole)
+        rule = kvzip_sliding_share if policy.scores_by_reconstruction else None
+        kept = planned_sliding_tokens(share, whole, rule) if planned else math.ceil(share * whole)
     else:
         return None
     return max(kept, 1) if kept < whole else None
@@ -266,6 +268,18 @@ def planned_sliding_share(ratio: float) -> float:
     floor) where r x r (32) answered 9, as an eighth had kept more with 16 than with 31 (docs/results.md); a half
     keeps its 128."""
     return ratio * ratio * min(1.0, 2 * ratio)
+
+
+def kvzip_sliding_share(ratio: float) -> float:
+    """KVzip's planned sliding share (`planned_sliding_share` for KVzap): 1.5 x r x r of the window from a half up
+    (0.375 at a half: 192 of Gemma-3's 511 tokens), at most r, and 2 x r x r x r below. On Gemma-3-270M's
+    multi_needle development half a half answered 9 of 9 with 192, 8 with 128 (its first tenth lost to another
+    needle's number even with every full-attention pair kept) and 7 with 256 (the end band's digits lost, the
+    full-attention layers keeping half of the document); docs/results.md, "KVzip at a half on Gemma-3: the sliding
+    layers' cut". KVzap's plan is unchanged (not measured)."""
+    if ratio >= 0.5:
+        return min(ratio, 1.5 * ratio * ratio)
+    return planned_sliding_share(ratio)
 
 
 def sliding_layer_codec(codec: Codec, layer_type: str, exact_window: bool = False) -> Codec:

@@ -89,7 +89,9 @@ def _planned(ratio: float, tokens: int, window: int = WINDOW, sliding_layers: in
     """A plain reference of the planned share: (tokens per sliding layer, tokens per KV head per full layer)."""
     held = min(tokens, window - 1)
     window_share = math.ceil(ratio * (window - 1))
-    sliding = min(window_share, max(math.ceil(ratio * ratio * (window - 1)), math.ceil((window - 1) / 16)))
+    # r x r of the window from a half up, 2 x r x r x r below, at least a 32nd of it, at most the ratio's share
+    planned = 1.5 * ratio * ratio if ratio >= 0.5 else 2 * ratio ** 3  # KVzip's rule: plan.py kvzip_sliding_share
+    sliding = min(window_share, max(math.ceil(planned * (window - 1)), math.ceil((window - 1) / 32)))
     share = math.ceil(ratio * tokens)
     freed = max(math.ceil(ratio * held) - min(held, sliding), 0) * sliding_layers
     return min(sliding, held), min(share + freed // full_layers, tokens)
@@ -122,7 +124,7 @@ def test_the_planned_share_holds_while_decoding_and_an_explicit_sliding_keeps_th
     model = _model(HYBRID)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(7))
     planned = make_cache("kvzip:ratio=0.5,budgets=uniform", model.config)
-    explicit = make_cache("kvzip:ratio=0.5,budgets=uniform,sliding=4", model.config)
+    explicit = make_cache("kvzip:ratio=0.5,budgets=uniform,sliding=6", model.config)  # the plan's ceil(0.375 x 15)
     for cache in (planned, explicit):
         with torch.inference_mode():
             prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=REPEAT)
@@ -130,8 +132,8 @@ def test_the_planned_share_holds_while_decoding_and_an_explicit_sliding_keeps_th
     seen = 39 + 1 + 5  # the prompt, its last token fed by generate, five decoded tokens (the sixth is not fed)
     _, full = _planned(0.5, 39)
     extra = full - math.ceil(0.5 * 39)
-    assert [layer.stored_tokens for layer in planned.layers] == [4, 4, math.ceil(0.5 * seen) + extra]
-    assert [layer.stored_tokens for layer in explicit.layers] == [4, 4, math.ceil(0.5 * seen)]
+    assert [layer.stored_tokens for layer in planned.layers] == [6, 6, math.ceil(0.5 * seen) + extra]
+    assert [layer.stored_tokens for layer in explicit.layers] == [6, 6, math.ceil(0.5 * seen)]
 
 
 @pytest.mark.parametrize("spec", ["dynamic", "int4:residual_length=0,group_size=8",
