@@ -675,20 +675,7 @@ def test_budget_holds_the_bytes_on_a_hybrid_model_with_several_full_attention_la
     between them): the two ranked layers hold one allowance while decoding, the bytes equal the promise at every
     step, and from the ranking on they never exceed the ranking's by more than a tail per ranked layer (the newest
     `recent` + ABSORB_BLOCK tokens, stored until they join the pairs), however long the generation."""
-    import transformers
-
-    config = transformers.Gemma3TextConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, sliding_window=6,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
-    model = use_kvcompress_attention(model)
-    model.config._name_or_path = "tiny-gemma3-two-full"
-    write_probe(model.config, tmp_path, scale=0.1)
+    model = _hybrid_two_full(tmp_path, window=6)
     cache = make_cache(f"kvzap:budget=24,recent=4,probe={tmp_path}", model.config)
     ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(13))
     with torch.no_grad():
