@@ -73,8 +73,7 @@ inline void touch(const uint8_t* codes, int64_t count) {
 
 // logits[r * stride + k] for rows r < R (query rows m0 + r) and tokens t + k, k < 16, over one tile's 16 tokens:
 // `codes` points at token t's bytes (rows of W bytes), `scale` / `zero` [D] are the channel scales of t's group,
-// `query` [M, D, O] the (offset) queries in channel order, `o0` the offset of
-// token t within its key group.
+// `query` [M, D, O] the (offset) queries in channel order, `o0` the offset of token t within its key group.
 template <int BITS, int R>
 inline void key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, const float* scale, const float* zero,
                           const float* query, int64_t offsets, int64_t o0, int64_t m0, float* logits,
@@ -129,6 +128,21 @@ inline void folded_key_logits_16(const uint8_t* codes, int64_t width, int64_t di
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(logits + r * stride, valid, acc[r]);
 }
 
+// Calls f(std::integral_constant<int, R>{}, m) over query rows [0, m_rows) in blocks of R = 4 rows, then one block
+// of the 1-3 rows left: the row count is a template argument of the kernels (their accumulators live in registers).
+// std::integral_constant comes with torch's headers, which cpu_decode.cpp includes before this file.
+template <typename F>
+inline void in_row_blocks(int64_t m_rows, F&& f) {
+  int64_t m = 0;
+  for (; m + 4 <= m_rows; m += 4) f(std::integral_constant<int, 4>{}, m);
+  switch (m_rows - m) {
+    case 3: f(std::integral_constant<int, 3>{}, m); break;
+    case 2: f(std::integral_constant<int, 2>{}, m); break;
+    case 1: f(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
 // Logits [m_rows, TILE] (row stride `stride`) of the tile's tokens [t0, t1) of KV row `row`. `query` [M, D, O]:
 // query row m, channel d, offset o at (m * D + d) * O + o (O = 1: one query for every token). `scale_buf` /
 // `zero_buf` [D] hold the channel scales of one key group at a time; with O = 1, `folded` [M, D] and `folded_zero`
@@ -173,27 +187,18 @@ void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float
     const uint8_t* codes = k.codes + (row * k.tokens + t) * width;
     touch(codes, n * width);
     float* out = logits + (t - t0);
-    int64_t m = 0;
     if (fold) {
-      for (; m + 4 <= m_rows; m += 4)
-        folded_key_logits_16<BITS, 4>(codes, width, dim, folded, folded_zero, m, out + m * stride, stride, valid);
-      switch (m_rows - m) {
-        case 3: folded_key_logits_16<BITS, 3>(codes, width, dim, folded, folded_zero, m, out + m * stride, stride, valid); break;
-        case 2: folded_key_logits_16<BITS, 2>(codes, width, dim, folded, folded_zero, m, out + m * stride, stride, valid); break;
-        case 1: folded_key_logits_16<BITS, 1>(codes, width, dim, folded, folded_zero, m, out + m * stride, stride, valid); break;
-        default: break;
-      }
+      in_row_blocks(m_rows, [&](auto rows, int64_t m) {
+        folded_key_logits_16<BITS, decltype(rows)::value>(codes, width, dim, folded, folded_zero, m, out + m * stride,
+                                                          stride, valid);
+      });
       continue;
     }
     const int64_t o0 = offsets == 1 ? 0 : t % offsets;
-    for (; m + 4 <= m_rows; m += 4)
-      key_logits_16<BITS, 4>(codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m, out + m * stride, stride, valid);
-    switch (m_rows - m) {
-      case 3: key_logits_16<BITS, 3>(codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m, out + m * stride, stride, valid); break;
-      case 2: key_logits_16<BITS, 2>(codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m, out + m * stride, stride, valid); break;
-      case 1: key_logits_16<BITS, 1>(codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m, out + m * stride, stride, valid); break;
-      default: break;
-    }
+    in_row_blocks(m_rows, [&](auto rows, int64_t m) {
+      key_logits_16<BITS, decltype(rows)::value>(codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m,
+                                                 out + m * stride, stride, valid);
+    });
   }
 }
 
