@@ -74,9 +74,9 @@ class JoinedHeads:
         """Buffer `kind`'s pairs as one flat [N, D] tensor (heads back to back, as `RaggedHeads` keeps them) and its
         tail as [B, H_kv, t, D] (None when t is 0), both fresh tensors."""
         buffer, tail = self.buffers[kind], self.tail
-        pairs = torch.cat([buffer[start : start + count] for start, count in zip(self.starts, self.counts, strict=True)])
+        heads = list(zip(self.starts, self.counts, strict=True))
+        pairs = torch.cat([buffer[start : start + count] for start, count in heads])
         if tail == 0:
             return pairs, None
-        recent = torch.stack([buffer[start + count : start + count + tail]
-                              for start, count in zip(self.starts, self.counts, strict=True)])
+        recent = torch.stack([buffer[start + count : start + count + tail] for start, count in heads])
         return pairs, recent.view(self.rows, self.heads, tail, buffer.shape[-1])
