@@ -7,7 +7,7 @@ Command:
         [--specs "int4;fp8"] [--layers 30] [--clock wall|cpu] [--model smollm2-135m] [--dtype float32]
         [--warmup 0]
 Written up: docs/benchmark-notes.md, the cache-only tables of "Baseline" and sections 5, 7, 10 and 12; docs/speed.md,
-"KVzap's steady decode step (session 25, issues 28/29)".
+"KVzap's decode step without a copy of its pairs".
 
 The model's weights cost the same with every cache, so their time only dilutes the ratios; this isolates what
 the caches change, on the embedded model's shapes (30 layers, 9 query heads on 3 KV heads of 64 dims, float32).
