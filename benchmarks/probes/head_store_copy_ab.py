@@ -5,7 +5,7 @@ copy of every held pair); they now attend over views of each head's pairs and ta
 (caches/joined_heads.py). What does that save per model step, measured in one process so that the load of a shared
 machine hits both forms alike?
 Command:
-    python benchmarks/probes/head_store_copy_ab.py [--spec "kvzap:ratio=0.25"] [--tokens 4096]
+    python benchmarks/probes/head_store_copy_ab.py [--spec "kvzap:ratio=0.25"] [--tokens 4096] [--batch 1]
         [--dtype float32|bfloat16] [--block 8] [--rounds 10]
 Written up: docs/speed.md, "KVzap's decode step without a copy of its pairs".
 
@@ -52,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spec", default="kvzap:ratio=0.25")
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1, help="rows, each the same prompt")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=10)
@@ -70,7 +71,7 @@ def main() -> None:
     forms = {"joined": joined_attend, "copied": copied_attend}
     times: dict[str, list[float]] = {form: [] for form in forms}
     with torch.inference_mode():
-        ids = prompt_ids(tokenizer.vocab_size, args.tokens + 1, 1)
+        ids = prompt_ids(tokenizer.vocab_size, args.tokens, args.batch)  # [B, tokens + 1]: the last decodes first
         cache = make_cache(args.spec, model.config)
         prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=repeat_prompt_ids(tokenizer))
         token = ids[:, -1:]
@@ -91,8 +92,8 @@ def main() -> None:
         finally:
             HeadStore.attend = joined_attend  # type: ignore[method-assign]
     differences = [c - j for c, j in zip(times["copied"], times["joined"], strict=True)]
-    print(f"{args.spec} after {args.tokens} tokens, {args.dtype}, {args.rounds} rounds of {args.block} steps per form, "
-          f"torch threads {torch.get_num_threads()}")
+    print(f"{args.spec} after {args.tokens} tokens x {args.batch} rows, {args.dtype}, {args.rounds} rounds of "
+          f"{args.block} steps per form, torch threads {torch.get_num_threads()}")
     for form in forms:
         print(f"{form:8s} ms/step median {statistics.median(times[form]):7.2f}   rounds "
               + " ".join(f"{t:.1f}" for t in times[form]))
