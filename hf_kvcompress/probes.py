@@ -40,6 +40,8 @@ class LinearProbe(torch.nn.Module):
             self.to(hidden.device)
         batch, new, width = hidden.shape
         scores = torch.addmm(self.bias, hidden.reshape(batch * new, width).float(), self.weight)
+        if new == 1:  # a decode step: [B, 1, H_kv] and [B, H_kv, 1] lie alike in memory
+            return scores.view(batch, -1, 1)
         return scores.reshape(batch, new, -1).transpose(1, 2).contiguous()
 
 

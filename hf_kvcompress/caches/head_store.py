@@ -7,8 +7,9 @@ would hold slots for the most any head keeps; here the pairs of row 0 head 0, ro
 mask of the slots that hold a pair; the view is transient. Each head's pairs are one contiguous slice of the store,
 so the view is one `torch.cat` of [zeros, head's pairs] pieces (the zeros one expanded row): a single copy, with the
 per-head lengths read to the host only when the pairs change (evicting, appending), not at every step. A decode
-step of a lossless store needs no view at all: each head's pairs are attended as they lie in the store
-(`HeadStore.attend`), as a cache holding only them would; the view serves lossy codecs, sinks and prompt chunks.
+step of a lossless store needs no view at all: each head's pairs are attended as they lie, joined with that head's
+recent tokens in a buffer with room (`HeadStore.attend`, joined_heads.py), as a cache holding only them would; the
+view serves lossy codecs, sinks and prompt chunks.
 
 `HeadStore` is the store of a layer after KVzip's global ranking (`CompressedLayer.rank_heads`): the kept pairs in
 `RaggedHeads`, the context's pairs still within the codec's residual in a second one (full precision), the tokens
@@ -25,6 +26,7 @@ import torch
 from ..codecs.base import Codec, Encoded, Kind, index_op
 from ..codecs.identity import IdentityCodec
 from ..policies.base import Policy
+from .joined_heads import JoinedHeads
 from .storage import TokenStore
 
 LATER_TOKENS = 2.0  # scores of tokens after the ranking start here: above any attention probability
@@ -324,9 +326,8 @@ class HeadStore:
                "real_seen", "allowance", "share_then")
     # `TENSORS`, set in `__init__`: the tail's four are None while no token came since the ranking (or since
     # `absorb` took them all; `tail_scores` also when its tokens are not scored), the sinks' three without codec
-    # sinks; the per-row counts are always held (`rank`, `from_state`).
-    tail_keys: torch.Tensor | None
-    tail_values: torch.Tensor | None
+    # sinks; the per-row counts are always held (`rank`, `from_state`). `tail_keys` and `tail_values` are
+    # properties (below): while the pairs and the tail are joined for decode steps they are in `joined`.
     tail_valid: torch.Tensor | None
     tail_scores: torch.Tensor | None
     sink_keys: torch.Tensor | None
@@ -340,7 +341,14 @@ class HeadStore:
                  **tensors: torch.Tensor | None):
         self.codec = codec
         self.dtype = dtype
-        self.encoded = encoded
+        # The pairs; while `joined` is held their keys and values are in it, and `encoded` gives them back first.
+        self._encoded = encoded
+        # Each head's pairs and tail back to back with room, for decode steps over each head's own pairs (`attend`;
+        # joined_heads.py); None: the pairs' keys and values are in `_encoded` and the tail in `_tail_keys` /
+        # `_tail_values`.
+        self.joined: JoinedHeads | None = None
+        self._tail_keys: torch.Tensor | None = None
+        self._tail_values: torch.Tensor | None = None
         self.exact = exact
         for name in self.TENSORS:
             setattr(self, name, tensors.get(name))
@@ -411,11 +419,72 @@ class HeadStore:
         head.share_then = policy.held_per_row(head.real_seen)
         return head
 
+    # -- the pairs and the tail, joined or apart ----------------------------------------------------------------------
+
+    @property
+    def encoded(self) -> RaggedHeads:
+        """The kept pairs (`RaggedHeads`), with their keys and values (given back by `joined` first, `settle`)."""
+        self.settle()
+        return self._encoded
+
+    @property
+    def tail_keys(self) -> torch.Tensor | None:
+        """[B, H_kv, t, D]: the tokens since the ranking (given back by `joined` first, `settle`)."""
+        self.settle()
+        return self._tail_keys
+
+    @tail_keys.setter
+    def tail_keys(self, tensor: torch.Tensor | None) -> None:
+        self.settle()
+        self._tail_keys = tensor
+
+    @property
+    def tail_values(self) -> torch.Tensor | None:
+        self.settle()
+        return self._tail_values
+
+    @tail_values.setter
+    def tail_values(self, tensor: torch.Tensor | None) -> None:
+        self.settle()
+        self._tail_values = tensor
+
+    def settle(self) -> None:
+        """Give the pairs' keys and values back to `encoded` and the recent tokens back to the tail from `joined`
+        (a copy of each), before anything reads or changes them apart."""
+        joined, self.joined = self.joined, None
+        if joined is None:
+            return
+        keys, self._tail_keys = joined.unjoin(0)
+        values, self._tail_values = joined.unjoin(1)
+        self._encoded.keys, self._encoded.values = self.codec.encode(keys, "key"), self.codec.encode(values, "value")
+
+    def _join(self, policy: Policy) -> None:
+        """Join each head's pairs and tail, with room for the tail to grow until `absorb` takes its oldest block
+        (joined_heads.py); the pairs' keys and values and the tail are then held there only."""
+        pairs = self._encoded
+        heads = (pairs.heads(self.codec, "key", self.dtype), pairs.heads(self.codec, "value", self.dtype))
+        tail = None
+        if self._tail_keys is not None:
+            assert self._tail_values is not None  # the tail's keys and values are held together
+            tail = (self._tail_keys, self._tail_values)
+        # `absorb` takes a block once the tail holds a block beyond what it keeps: the room never runs out before.
+        kept = self._tail_kept(policy if self.tail_scores is not None else None)
+        capacity = max(self.tail_tokens, kept + ABSORB_BLOCK)
+        self.joined = JoinedHeads(heads, tail, capacity, self.real_seen.shape[0])
+        empty: dict[str, torch.Tensor] = {}
+        pairs.keys, pairs.values = empty, dict(empty)  # held by `joined` now (bytes counted once)
+        self._tail_keys = self._tail_values = None
+
+    def _tail_kept(self, policy: Policy | None) -> int:
+        """Recent tokens `absorb` leaves in the tail: the codec's residual (and, with scored tokens, the `policy`'s
+        `recent`)."""
+        return max(self.codec.exact_residual, 0 if policy is None else policy.recent)
+
     # -- what the layer reads -----------------------------------------------------------------------------------------
 
     @property
     def kv_heads(self) -> int:
-        return self.encoded.lengths.shape[1]
+        return self._encoded.lengths.shape[1]
 
     @property
     def device(self) -> torch.device:
@@ -430,17 +499,17 @@ class HeadStore:
     def view_tokens(self) -> int:
         """Slots attention reads (`full`): the codec's sinks, the widest head's pairs of each part, the tail."""
         exact = 0 if self.exact is None else self.exact.most
-        return self._sink_count() + self.encoded.most + exact + self.tail_tokens
+        return self._sink_count() + self._encoded.most + exact + self.tail_tokens
 
     @property
     def tail_tokens(self) -> int:
-        return 0 if self.tail_keys is None else self.tail_keys.shape[-2]
+        return 0 if self.tail_valid is None else self.tail_valid.shape[-1]  # a flag per recent token, joined or not
 
     def held_pairs(self) -> torch.Tensor:
         """Pairs each row holds, all heads together, [B]."""
         tail = 0 if self.tail_valid is None else self.tail_valid.sum(-1)
         exact = 0 if self.exact is None else self.exact.row_pairs()
-        return self.encoded.row_pairs() + exact + self._sink_pairs() + tail * self.kv_heads
+        return self._encoded.row_pairs() + exact + self._sink_pairs() + tail * self.kv_heads
 
     def _sink_pairs(self):
         """The codec's exact sink pairs per row, all heads together ([B], or 0 without sinks)."""
@@ -460,15 +529,22 @@ class HeadStore:
         if holder.headroom is not None:
             holder.headroom -= new * self.kv_heads
         self.real_seen = self.real_seen + new  # padding only ever leads a row's prompt
-        self.tail_keys = key_states.clone() if self.tail_keys is None else torch.cat([self.tail_keys, key_states], -2)
-        self.tail_values = (
-            value_states.clone() if self.tail_values is None else torch.cat([self.tail_values, value_states], -2)
-        )
+        if self.joined is not None and new == 1 and self.joined.has_room and self.attends_by_head:
+            self.joined.append(key_states, value_states)  # in place, after each head's tail
+        else:
+            self._append_apart(key_states, value_states)
         fresh = torch.ones(batch, new, dtype=torch.bool, device=self.device)
         self.tail_valid = fresh if self.tail_valid is None else torch.cat([self.tail_valid, fresh], -1)
         if scores is not None:
             scores = scores.to(torch.float32)
             self.tail_scores = scores if self.tail_scores is None else torch.cat([self.tail_scores, scores], -1)
+
+    def _append_apart(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """New states join the tail tensors (`settle`d first when joined)."""
+        self.tail_keys = key_states.clone() if self.tail_keys is None else torch.cat([self.tail_keys, key_states], -2)
+        self.tail_values = (
+            value_states.clone() if self.tail_values is None else torch.cat([self.tail_values, value_states], -2)
+        )
 
     def full(self, kind: Kind, sink_slots: torch.Tensor | None = None) -> torch.Tensor:
         """What attention sees: [sinks | padded encoded view | padded exact view | tail] (slots that hold no pair
@@ -498,25 +574,27 @@ class HeadStore:
         visible to the step (no codec sinks beside them, no tail token evicted)."""
         return self.codec.lossless and self.sink_valid is None and self.exact is None and not self.tail_dropped
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, scaling: float, policy: Policy) -> torch.Tensor:
         """Decode attention of `query` [B, H_q, 1, D] (after `append`; `attends_by_head`) over what each KV head
         holds: [B, 1, H_q, Dv], as transformers' attention functions return it.
 
-        One SDPA per (row, KV head) over that head's pairs (views of the store) followed by the tail, with the
-        head's query heads as its queries: each head reads exactly the pairs it keeps, as a cache of only those
-        tokens would, instead of a view padded to the widest head (on KVzip's rankings ~1.8x the pairs) and a mask.
-        The same softmax over the same keys as `full` + `mask` + SDPA (the reference), up to summation order."""
+        One SDPA per (row, KV head) over that head's pairs followed by the tail, with the head's query heads as its
+        queries: each head reads exactly the pairs it keeps, as a cache of only those tokens would, instead of a
+        view padded to the widest head (on KVzip's rankings ~1.8x the pairs) and a mask. The same softmax over the
+        same keys as `full` + `mask` + SDPA (the reference), up to summation order. Each head's keys are a view of
+        `joined` (joined here if they are apart: `_join`), so a step copies no pair (`policy`: the layer's, for the
+        room the tail needs)."""
         batch, q_heads, _, dim = query.shape
         heads = self.kv_heads
-        assert self.tail_keys is not None and self.tail_values is not None  # the step's token joined the tail
+        assert self.tail_valid is not None  # the step's token joined the tail
+        if self.joined is None:
+            self._join(policy)
+        assert self.joined is not None
         grouped = query.reshape(batch * heads, 1, q_heads // heads, dim)  # query heads k * groups + g: KV head k
-        keys = self.encoded.heads(self.codec, "key", self.dtype)
-        values = self.encoded.heads(self.codec, "value", self.dtype)
-        tail_keys, tail_values = self.tail_keys.flatten(0, 1), self.tail_values.flatten(0, 1)  # [B * H, t, D]
+        keys, values = self.joined.views(0), self.joined.views(1)
         out = [
             torch.nn.functional.scaled_dot_product_attention(
-                grouped[i : i + 1], torch.cat([keys[i], tail_keys[i]])[None, None],
-                torch.cat([values[i], tail_values[i]])[None, None], scale=scaling,
+                grouped[i : i + 1], keys[i][None, None], values[i][None, None], scale=scaling
             )
             for i in range(batch * heads)
         ]
@@ -554,11 +632,10 @@ class HeadStore:
         for every row: a padded row is stored as it is alone). Scored tokens join with `policy.score` of the tail's
         scores (KVzap's span: each takes the best of the tokens after it, as the prompt's pairs did at the ranking);
         unscored ones rank above the ranked pairs, newest first."""
-        recent = 0 if policy is None else policy.recent
         t = self.tail_tokens
         if self.exact is not None and t >= self.codec.exact_residual:
             self._encode_exact()  # the later tokens fill the residual: the context's pairs are older than all of them
-        n = (t - max(self.codec.exact_residual, recent)) // ABSORB_BLOCK * ABSORB_BLOCK
+        n = (t - self._tail_kept(policy)) // ABSORB_BLOCK * ABSORB_BLOCK
         if n <= 0:
             return
         # n > 0 tokens in the tail: its three tensors are held.
@@ -652,11 +729,15 @@ class HeadStore:
         pair = self.codec.bytes_per_token(head_dim, "key", dtype) + self.codec.bytes_per_token(
             value_dim, "value", dtype
         )
-        total = self.encoded.pairs * (pair + 4) + self.encoded.lengths.numel() * 8
+        total = self._encoded.pairs * (pair + 4) + self._encoded.lengths.numel() * 8
         if self.exact is not None:
             total += self.exact.pairs * ((head_dim + value_dim) * element + 4) + self.exact.lengths.numel() * 8
         batch = self.real_seen.shape[0]
-        total += rows * self.tail_tokens * (head_dim + value_dim) * element
+        # Joined, the tail's room is held whole (its rows are the store's), with the row of each head's next token.
+        tail_rows = self.tail_tokens if self.joined is None else self.joined.capacity
+        total += rows * tail_rows * (head_dim + value_dim) * element
+        if self.joined is not None:
+            total += rows * 8  # `next_rows` (int64)
         total += batch * self.tail_tokens  # tail_valid
         if self.tail_scores is not None:
             total += rows * self.tail_tokens * 4  # float32

@@ -241,7 +241,7 @@ class CompressedLayer(CacheLayerMixin):
         holds, then the step's eviction and encoding. A head store (`_per_head_step`) attends over each head's own
         pairs: it holds no padding pair, so transformers' mask has nothing to add."""
         if isinstance(self.store, HeadStore):
-            output = self.store.attend(query, scaling)
+            output = self.store.attend(query, scaling, self.policy)
             self.store.compress(self.policy, self.seen)
             return output
         output = attend_store(self, query, attention_mask, scaling)

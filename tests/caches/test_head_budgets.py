@@ -586,6 +586,36 @@ def test_decode_over_each_heads_own_pairs_equals_the_padded_view_and_mask(name, 
     torch.testing.assert_close(fast, reference, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "kvzip:ratio=0.5,decoding=evict"])
+def test_a_steady_head_store_decode_step_copies_no_pair(spec):
+    """A decode step over a lossless head store writes its token into each head's room and attends over views
+    (caches/joined_heads.py): between the steps where tokens join the pairs or a row evicts, the joined buffers stay
+    the same tensors, and the bytes are what the store promises (its room counted)."""
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids, mask = _left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
+    cache = make_cache(spec, model.config)
+    tokens = _ids(70, seed=18, batch=2)
+    position, attention = mask.sum(-1, keepdim=True) - 1, mask
+    steady = 0
+    with torch.inference_mode():
+        prefill(model, ids[:, :-1], mask[:, :-1], cache, repeat_prompt_ids=REPEAT)
+        feed = torch.cat([ids[:, -1:], tokens], 1)
+        for i in range(feed.shape[1]):
+            before = [(layer.store.joined, layer.store._encoded.pairs) for layer in cache.layers]
+            buffers = [None if joined is None else [b.data_ptr() for b in joined.buffers] for joined, _ in before]
+            model(input_ids=feed[:, i : i + 1], attention_mask=attention, position_ids=position + i,
+                  **cache_kwargs(cache))
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
+            for layer, (joined, pairs), pointers in zip(cache.layers, before, buffers, strict=True):
+                if joined is not None and layer.store.joined is joined and layer.store._encoded.pairs == pairs:
+                    steady += 1
+                    assert [b.data_ptr() for b in joined.buffers] == pointers  # written in place
+            assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    # Every layer joins at its first fused step and gives the pairs back once a block joins them (every 32 steps)
+    # or a row evicts: most of its steps are steady (130 and 118 of 140 layer steps when written).
+    assert steady >= len(cache.layers) * 55
+
+
 def test_a_steady_head_store_decode_step_reads_nothing_on_the_host():
     """Between the steps where tokens join the pairs or a row evicts (a block at a time), a decode step over a head
     store reads no tensor value on the host beyond the model's own: the per-head lengths it slices by were read
