@@ -200,6 +200,13 @@ class LowRankCodec(ReducingCodec):
             cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
             most either asks for (`exact_residual`); 0: none. None (the default): 128 when fewer than half of the
             dimensions are kept (a ratio below 0.5, the default ratio included), else 0 (with `rank`: 0).
+        outliers: the share of each encoded block of tokens (a prompt's, as it leaves the window) kept exact beside
+            the store: the tokens whose keys and values the codec reads back worst (`token_errors`), chosen when
+            they are encoded, with no knowledge of a later question (ShadowKV, arXiv:2410.21465, keeps its worst
+            key chunks exact beside the low-rank keys). Paid out of `ratio`: the projected tokens keep `ratio -
+            outliers` of the dimensions, so that an outlier (its latent and its exact copy) and the rest together
+            hold `ratio` of a prompt's dimensions; with `rank`, on top of the rank's bytes. Blocks of fewer than
+            1 / outliers tokens (a decode step's) keep none. 0: none.
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
 
@@ -213,6 +220,7 @@ class LowRankCodec(ReducingCodec):
     allocate: str | None = None
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
     residual_length: int | None = None  # type: ignore[assignment,misc]  # as sink_tokens: lowrank's own (stack: the most)
+    outliers: float = 0.0
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
@@ -247,6 +255,11 @@ class LowRankCodec(ReducingCodec):
             object.__setattr__(self, "floor", "none")
         if self.floor not in FLOORS:
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}, got {self.floor!r}")
+        if isinstance(self.outliers, bool) or not isinstance(self.outliers, (int, float)) or not 0 <= self.outliers < 1:
+            raise ValueError(f"outliers must be a number in [0, 1) (the share of tokens kept exact), got {self.outliers!r}")
+        if self.outliers and self.rank is None and self.outliers >= (self.ratio or DEFAULT_RATIO):
+            raise ValueError(f"outliers must be below ratio ({self.ratio or DEFAULT_RATIO}: the outliers are paid out of "
+                             f"its dimensions), got {self.outliers!r}")
         if self.residual_length is None:
             share = self.ratio if self.ratio is not None else (DEFAULT_RATIO if self.rank is None else 1.0)
             object.__setattr__(self, "residual_length", WINDOW_BELOW_HALF if share < 0.5 else 0)
@@ -283,7 +296,8 @@ class LowRankCodec(ReducingCodec):
                     raise ValueError(f"rank must be below head_dim ({head_dim}), got {self.rank}")
                 ranks = [(self.rank * heads, self.rank * heads)] * layers
             else:
-                ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
+                # The outliers' exact copies are paid out of the ratio (see `outliers`).
+                ratio = (self.ratio if self.ratio is not None else DEFAULT_RATIO) - self.outliers
                 step, floored = self._rank_step(heads * head_dim), self._floored(config, layers)
                 allocate = self.allocate or ("error" if ratio < 0.5 and has_error_curves(tensors) else "variance")
                 if allocate == "error":
@@ -417,6 +431,23 @@ class LowRankCodec(ReducingCodec):
             unrotated = self.expand(self.storage.decode(encoded, kind, torch.float32), kind, torch.float32)
             return rerotate(unrotated, self._positions(positions, unrotated), self._inv_freq()).to(dtype)
         return self.expand(self.storage.decode(encoded, kind, dtype), kind, dtype)
+
+    @property
+    def exact_outliers(self) -> float:  # type: ignore[override]
+        return float(self.outliers)
+
+    def token_errors(self, keys: torch.Tensor, values: torch.Tensor,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
+        """keys, values [B, H_kv, T, D] -> [B, T]: each token's squared error once encoded and decoded (the storage
+        included) over the layer's KV heads, keys and values each divided by their mean over the T tokens, so that
+        the two kinds weigh alike. Keys are compared as the cache receives them (RoPE turns both alike)."""
+        total = torch.zeros(keys.shape[0], keys.shape[2], device=keys.device)
+        for kind, states in (("key", keys), ("value", values)):
+            at = {"positions": positions} if kind == "key" and self._joint else {}
+            rebuilt = self.decode(self.encode(states, kind, **at), kind, torch.float32, **at)
+            error = (rebuilt - states.float()).square().sum(dim=(1, 3))  # [B, T]
+            total += error / error.mean(dim=-1, keepdim=True).clamp(min=1e-30)
+        return total
 
     # -- attention over the latents (caches/store_attention.py) ------------------------------------------------------
 
