@@ -255,11 +255,13 @@ class LowRankCodec(ReducingCodec):
             object.__setattr__(self, "floor", "none")
         if self.floor not in FLOORS:
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}, got {self.floor!r}")
-        if isinstance(self.outliers, bool) or not isinstance(self.outliers, (int, float)) or not 0 <= self.outliers < 1:
-            raise ValueError(f"outliers must be a number in [0, 1) (the share of tokens kept exact), got {self.outliers!r}")
-        if self.outliers and self.rank is None and self.outliers >= (self.ratio or DEFAULT_RATIO):
-            raise ValueError(f"outliers must be below ratio ({self.ratio or DEFAULT_RATIO}: the outliers are paid out of "
-                             f"its dimensions), got {self.outliers!r}")
+        outliers = self.outliers
+        if isinstance(outliers, bool) or not isinstance(outliers, (int, float)) or not 0 <= outliers < 1:
+            raise ValueError(f"outliers must be a number in [0, 1) (the share of tokens kept exact), got {outliers!r}")
+        ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
+        if outliers and self.rank is None and outliers >= ratio:
+            raise ValueError(f"outliers must be below ratio ({ratio}: the outliers are paid out of its dimensions), "
+                             f"got {outliers!r}")
         if self.residual_length is None:
             share = self.ratio if self.ratio is not None else (DEFAULT_RATIO if self.rank is None else 1.0)
             object.__setattr__(self, "residual_length", WINDOW_BELOW_HALF if share < 0.5 else 0)

@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes, parse_spec, use_kvcompress_attention
-from hf_kvcompress.calibration import calibrate, calibrate_joint, save_bases
 from hf_kvcompress.caches.codec_sinks import worst_slots
+from hf_kvcompress.calibration import calibrate, calibrate_joint, save_bases
 from hf_kvcompress.codecs.lowrank import LowRankCodec
 from hf_kvcompress.generation import generate
 from hf_kvcompress.study import promised_bytes
