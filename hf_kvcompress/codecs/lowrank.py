@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from ..calibration import ERROR_STEP, JOINT, has_error_curves, load_bases, rope_frequencies
+from ..calibration import ERROR_STEP, JOINT, has_copy_weights, has_error_curves, load_bases, rope_frequencies
 from ..hf.compat import text_config
 from ..ops.rerotate import rerotate
 from .base import Encoded, Kind
@@ -92,7 +92,7 @@ class LayerBases:
 
 
 FLOORS = ("none", "full")  # lowrank's `floor`: which layers keep at least the ratio of each kind's dimensions
-ALLOCATIONS = ("error", "variance")  # lowrank's `allocate`: what a ratio's dimensions are spread by
+ALLOCATIONS = ("copy", "error", "variance")  # lowrank's `allocate`: what a ratio's dimensions are spread by
 
 
 def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: float, step: int,
@@ -181,10 +181,13 @@ class LowRankCodec(ReducingCodec):
         bases: a directory (or file) written by `hf-kvcompress calibrate`; None: the bases shipped for the model.
         allocate: with `ratio`, how the dimensions are spread over layers and kinds: "error" spends each next step
             where it lowers the calibrated attention-output error most (summed over layers; the curves
-            `hf-kvcompress calibrate` writes beside the bases), "variance" by the share of variance each step holds;
-            None: "error" below half of the dimensions when the bases hold error curves, else "variance" (chosen on
-            SmolLM2's development half: at a quarter the error allocation answered more, at a half without a
-            window it lost answers that variance kept; docs/results.md, "Low rank at a quarter").
+            `hf-kvcompress calibrate` writes beside the bases), "copy" as "error" with each layer's curves
+            multiplied by its copy weight (`calibrate --copy-weights`: what the layer's errors cost the model's
+            copy of a text it has just read, copy_weights.py), "variance" by the share of variance each step
+            holds; None: below half of the dimensions "copy" when the bases hold copy weights, else "error" when
+            they hold error curves, else "variance" (chosen on SmolLM2's development half: at a quarter the error
+            allocation answered more than variance, and the copy weights more than the plain errors; at a half
+            without a window error lost answers that variance kept; docs/results.md, "Low rank at a quarter").
         floor: with `ratio`, "full" (the default): in a model with sliding-window layers, each full-attention layer
             (the layers that read the whole document) keeps at least `ratio` of its key and of its value dimensions,
             the rest allocated by variance; "none": every layer by variance alone. The default was chosen on the
@@ -301,13 +304,20 @@ class LowRankCodec(ReducingCodec):
                 # The outliers' exact copies are paid out of the ratio (see `outliers`).
                 ratio = (self.ratio if self.ratio is not None else DEFAULT_RATIO) - self.outliers
                 step, floored = self._rank_step(heads * head_dim), self._floored(config, layers)
-                allocate = self.allocate or ("error" if ratio < 0.5 and has_error_curves(tensors) else "variance")
-                if allocate == "error":
+                allocate = self.allocate or self._default_allocation(ratio, tensors)
+                if allocate in ("error", "copy"):
                     if not has_error_curves(tensors):
-                        raise ValueError("allocate=error needs bases with attention-error curves (hf-kvcompress "
+                        raise ValueError(f"allocate={allocate} needs bases with attention-error curves (hf-kvcompress "
                                          "calibrate writes them; --attention-errors adds them): give allocate=variance")
-                    curves = [(tensors[f"layers.{i}.key_error"].tolist(), tensors[f"layers.{i}.value_error"].tolist())
-                              for i in range(layers)]
+                    if allocate == "copy" and not has_copy_weights(tensors):
+                        raise ValueError("allocate=copy needs bases with copy weights (hf-kvcompress calibrate "
+                                         "--copy-weights adds them): give allocate=error")
+                    # "copy": each layer's curves scaled by what its errors cost a copy of the text (its weight).
+                    weights = [float(tensors[f"layers.{i}.copy_weight"]) if allocate == "copy" else 1.0
+                               for i in range(layers)]
+                    curves = [([w * e for e in tensors[f"layers.{i}.key_error"].tolist()],
+                               [w * e for e in tensors[f"layers.{i}.value_error"].tolist()])
+                              for i, w in enumerate(weights)]
                     ranks = allocate_ranks_by_error(curves, ratio, step, max_rank, heads * head_dim, floored,
                                                     ERROR_STEP)
                 else:
@@ -327,6 +337,16 @@ class LowRankCodec(ReducingCodec):
                             ("_inv_freqs", rope_frequencies(config) if joint else None), ("_encoders", encoders)):
             object.__setattr__(bound, name, value)
         return bound
+
+    @staticmethod
+    def _default_allocation(ratio: float, tensors: dict) -> str:
+        """Below half of the dimensions: "copy" when the bases hold copy weights, else "error" when they hold error
+        curves; otherwise (and from a half on) "variance" (see `allocate`)."""
+        if ratio >= 0.5:
+            return "variance"
+        if has_copy_weights(tensors):
+            return "copy"
+        return "error" if has_error_curves(tensors) else "variance"
 
     def _floored(self, config, layers: int) -> tuple[bool, ...] | None:
         """The layers `floor` keeps at least the ratio in: a hybrid model's full-attention layers (none otherwise)."""
