@@ -455,7 +455,7 @@ class LowRankCodec(ReducingCodec):
         return self.expand(self.storage.decode(encoded, kind, dtype), kind, dtype)
 
     @property
-    def exact_outliers(self) -> float:  # type: ignore[override]
+    def exact_outliers(self) -> float:
         return float(self.outliers)
 
     def token_errors(self, keys: torch.Tensor, values: torch.Tensor,
@@ -464,7 +464,8 @@ class LowRankCodec(ReducingCodec):
         included) over the layer's KV heads, keys and values each divided by their mean over the T tokens, so that
         the two kinds weigh alike. Keys are compared as the cache receives them (RoPE turns both alike)."""
         total = torch.zeros(keys.shape[0], keys.shape[2], device=keys.device)
-        for kind, states in (("key", keys), ("value", values)):
+        pairs: tuple[tuple[Kind, torch.Tensor], ...] = (("key", keys), ("value", values))
+        for kind, states in pairs:
             at = {"positions": positions} if kind == "key" and self._joint else {}
             rebuilt = self.decode(self.encode(states, kind, **at), kind, torch.float32, **at)
             error = (rebuilt - states.float()).square().sum(dim=(1, 3))  # [B, T]
