@@ -159,3 +159,28 @@ def test_head_budgets_refuse_outliers(tmp_path):
     bases = save_bases(tensors, metadata, tmp_path).parent
     with pytest.raises(ValueError, match="outliers"):
         make_cache(f"kvzip:ratio=0.5,budgets=head+lowrank:rank=8,outliers=0.1,bases={bases}", model.config)
+
+
+def test_outliers_of_each_chunk_survive_a_save_and_load(llama, tmp_path):
+    """A prompt in chunks: each chunk's encoded block keeps its own outliers; the saved cache holds them all."""
+    from hf_kvcompress import load_cache, save_cache
+    from hf_kvcompress.generation import prefill
+
+    model, bases = llama
+    ids, mask = _padded_prompts()
+    cache = make_cache(_spec(bases, "lowrank:ratio=0.25,outliers=0.2,residual_length=0"), model.config)
+    prefill(model, ids, mask, cache, chunk_size=10)  # three blocks of 10 slots: 2 outliers each
+    layer = cache.layers[0]
+    assert layer.sink_slots.shape[-1] == 4 + 3 * 2
+    outliers = layer.sink_slots[1, 0, 4:].tolist()
+    assert all(block * 10 <= s < block * 10 + 10 for block, pair in enumerate(zip(outliers[::2], outliers[1::2],
+                                                                                   strict=True)) for s in pair)
+    save_cache(cache, tmp_path / "c.safetensors")
+    loaded = load_cache(tmp_path / "c.safetensors")
+    assert torch.equal(loaded.layers[0].sink_slots, layer.sink_slots)
+    assert measured_kv_bytes(loaded) == measured_kv_bytes(cache) == loaded.promised_kv_bytes()
+    question = torch.randint(3, 128, (2, 4), generator=torch.Generator().manual_seed(5))
+    full, full_mask = torch.cat([ids, question], 1), torch.cat([mask, torch.ones_like(question)], 1)
+    a = generate(model, full, full_mask, cache, max_new_tokens=4).new_tokens
+    b = generate(model, full, full_mask, loaded, max_new_tokens=4).new_tokens
+    assert torch.equal(a, b)
