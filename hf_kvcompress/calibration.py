@@ -760,3 +760,8 @@ def add_error_curves(model, input_ids: torch.Tensor, tensors: dict[str, torch.Te
 
 def has_error_curves(tensors: dict[str, torch.Tensor]) -> bool:
     return "layers.0.key_error" in tensors
+
+
+def has_copy_weights(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether joint bases hold `layers.i.copy_weight` (copy_weights.py), what lowrank's `allocate=copy` reads."""
+    return "layers.0.copy_weight" in tensors

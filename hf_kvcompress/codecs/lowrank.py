@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from ..calibration import ERROR_STEP, JOINT, has_error_curves, load_bases, rope_frequencies
+from ..calibration import ERROR_STEP, JOINT, has_copy_weights, has_error_curves, load_bases, rope_frequencies
 from ..hf.compat import text_config
 from ..ops.rerotate import rerotate
 from .base import Encoded, Kind
@@ -92,7 +92,7 @@ class LayerBases:
 
 
 FLOORS = ("none", "full")  # lowrank's `floor`: which layers keep at least the ratio of each kind's dimensions
-ALLOCATIONS = ("error", "variance")  # lowrank's `allocate`: what a ratio's dimensions are spread by
+ALLOCATIONS = ("copy", "error", "variance")  # lowrank's `allocate`: what a ratio's dimensions are spread by
 
 
 def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: float, step: int,
@@ -181,10 +181,14 @@ class LowRankCodec(ReducingCodec):
         bases: a directory (or file) written by `hf-kvcompress calibrate`; None: the bases shipped for the model.
         allocate: with `ratio`, how the dimensions are spread over layers and kinds: "error" spends each next step
             where it lowers the calibrated attention-output error most (summed over layers; the curves
-            `hf-kvcompress calibrate` writes beside the bases), "variance" by the share of variance each step holds;
-            None: "error" below half of the dimensions when the bases hold error curves, else "variance" (chosen on
-            SmolLM2's development half: at a quarter the error allocation answered more, at a half without a
-            window it lost answers that variance kept; docs/results.md, "Low rank at a quarter").
+            `hf-kvcompress calibrate` writes beside the bases), "copy" as "error" with each layer's curves
+            multiplied by its copy weight (`calibrate --copy-weights`: what the layer's errors cost the model's
+            copy of a text it has just read, copy_weights.py), "variance" by the share of variance each step
+            holds; None: below half of the dimensions "copy" when the bases hold copy weights and the model has no
+            sliding-window layers, else "error" when they hold error curves, else "variance" (chosen on SmolLM2's
+            development half: at a quarter the error allocation answered more than variance, and the copy weights
+            more than the plain errors; at a half without a window error lost answers that variance kept;
+            docs/results.md, "Low rank at a quarter").
         floor: with `ratio`, "full" (the default): in a model with sliding-window layers, each full-attention layer
             (the layers that read the whole document) keeps at least `ratio` of its key and of its value dimensions,
             the rest allocated by variance; "none": every layer by variance alone. The default was chosen on the
@@ -200,6 +204,13 @@ class LowRankCodec(ReducingCodec):
             cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
             most either asks for (`exact_residual`); 0: none. None (the default): 128 when fewer than half of the
             dimensions are kept (a ratio below 0.5, the default ratio included), else 0 (with `rank`: 0).
+        outliers: the share of each encoded block of tokens (a prompt's, as it leaves the window) kept exact beside
+            the store: the tokens whose keys and values the codec reads back worst (`token_errors`), chosen when
+            they are encoded, with no knowledge of a later question (ShadowKV, arXiv:2410.21465, keeps its worst
+            key chunks exact beside the low-rank keys). Paid out of `ratio`: the projected tokens keep `ratio -
+            outliers` of the dimensions, so that an outlier (its latent and its exact copy) and the rest together
+            hold `ratio` of a prompt's dimensions; with `rank`, on top of the rank's bytes. Blocks of fewer than
+            1 / outliers tokens (a decode step's) keep none. 0: none.
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
 
@@ -213,6 +224,7 @@ class LowRankCodec(ReducingCodec):
     allocate: str | None = None
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
     residual_length: int | None = None  # type: ignore[assignment,misc]  # as sink_tokens: lowrank's own (stack: the most)
+    outliers: float = 0.0
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
@@ -247,6 +259,13 @@ class LowRankCodec(ReducingCodec):
             object.__setattr__(self, "floor", "none")
         if self.floor not in FLOORS:
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}, got {self.floor!r}")
+        outliers = self.outliers
+        if isinstance(outliers, bool) or not isinstance(outliers, (int, float)) or not 0 <= outliers < 1:
+            raise ValueError(f"outliers must be a number in [0, 1) (the share of tokens kept exact), got {outliers!r}")
+        ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
+        if outliers and self.rank is None and outliers >= ratio:
+            raise ValueError(f"outliers must be below ratio ({ratio}: the outliers are paid out of its dimensions), "
+                             f"got {outliers!r}")
         if self.residual_length is None:
             share = self.ratio if self.ratio is not None else (DEFAULT_RATIO if self.rank is None else 1.0)
             object.__setattr__(self, "residual_length", WINDOW_BELOW_HALF if share < 0.5 else 0)
@@ -283,15 +302,23 @@ class LowRankCodec(ReducingCodec):
                     raise ValueError(f"rank must be below head_dim ({head_dim}), got {self.rank}")
                 ranks = [(self.rank * heads, self.rank * heads)] * layers
             else:
-                ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
+                # The outliers' exact copies are paid out of the ratio (see `outliers`).
+                ratio = (self.ratio if self.ratio is not None else DEFAULT_RATIO) - self.outliers
                 step, floored = self._rank_step(heads * head_dim), self._floored(config, layers)
-                allocate = self.allocate or ("error" if ratio < 0.5 and has_error_curves(tensors) else "variance")
-                if allocate == "error":
+                allocate = self.allocate or self._default_allocation(ratio, tensors, self._hybrid(config))
+                if allocate in ("error", "copy"):
                     if not has_error_curves(tensors):
-                        raise ValueError("allocate=error needs bases with attention-error curves (hf-kvcompress "
+                        raise ValueError(f"allocate={allocate} needs bases with attention-error curves (hf-kvcompress "
                                          "calibrate writes them; --attention-errors adds them): give allocate=variance")
-                    curves = [(tensors[f"layers.{i}.key_error"].tolist(), tensors[f"layers.{i}.value_error"].tolist())
-                              for i in range(layers)]
+                    if allocate == "copy" and not has_copy_weights(tensors):
+                        raise ValueError("allocate=copy needs bases with copy weights (hf-kvcompress calibrate "
+                                         "--copy-weights adds them): give allocate=error")
+                    # "copy": each layer's curves scaled by what its errors cost a copy of the text (its weight).
+                    weights = [float(tensors[f"layers.{i}.copy_weight"]) if allocate == "copy" else 1.0
+                               for i in range(layers)]
+                    curves = [([w * e for e in tensors[f"layers.{i}.key_error"].tolist()],
+                               [w * e for e in tensors[f"layers.{i}.value_error"].tolist()])
+                              for i, w in enumerate(weights)]
                     ranks = allocate_ranks_by_error(curves, ratio, step, max_rank, heads * head_dim, floored,
                                                     ERROR_STEP)
                 else:
@@ -311,6 +338,24 @@ class LowRankCodec(ReducingCodec):
                             ("_inv_freqs", rope_frequencies(config) if joint else None), ("_encoders", encoders)):
             object.__setattr__(bound, name, value)
         return bound
+
+    @staticmethod
+    def _default_allocation(ratio: float, tensors: dict, hybrid: bool) -> str:
+        """Below half of the dimensions: "copy" when the bases hold copy weights (on a model without sliding-window
+        layers), else "error" when they hold error curves; otherwise (and from a half on) "variance" (see
+        `allocate`). On a hybrid model the copy weights go to the full-attention layers, whose dimensions hold every
+        token where a sliding layer's hold its window: the same ratio would hold more bytes (Gemma-3 at 2,000
+        tokens: 0.476 of them for 0.425), so there `allocate=copy` is asked for, with a lower ratio."""
+        if ratio >= 0.5:
+            return "variance"
+        if has_copy_weights(tensors) and not hybrid:
+            return "copy"
+        return "error" if has_error_curves(tensors) else "variance"
+
+    @staticmethod
+    def _hybrid(config) -> bool:
+        """Whether the model mixes sliding-window and full-attention layers."""
+        return "sliding_attention" in (getattr(text_config(config), "layer_types", None) or ())
 
     def _floored(self, config, layers: int) -> tuple[bool, ...] | None:
         """The layers `floor` keeps at least the ratio in: a hybrid model's full-attention layers (none otherwise)."""
@@ -417,6 +462,24 @@ class LowRankCodec(ReducingCodec):
             unrotated = self.expand(self.storage.decode(encoded, kind, torch.float32), kind, torch.float32)
             return rerotate(unrotated, self._positions(positions, unrotated), self._inv_freq()).to(dtype)
         return self.expand(self.storage.decode(encoded, kind, dtype), kind, dtype)
+
+    @property
+    def exact_outliers(self) -> float:
+        return float(self.outliers)
+
+    def token_errors(self, keys: torch.Tensor, values: torch.Tensor,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
+        """keys, values [B, H_kv, T, D] -> [B, T]: each token's squared error once encoded and decoded (the storage
+        included) over the layer's KV heads, keys and values each divided by their mean over the T tokens, so that
+        the two kinds weigh alike. Keys are compared as the cache receives them (RoPE turns both alike)."""
+        total = torch.zeros(keys.shape[0], keys.shape[2], device=keys.device)
+        pairs: tuple[tuple[Kind, torch.Tensor], ...] = (("key", keys), ("value", values))
+        for kind, states in pairs:
+            at = {"positions": positions} if kind == "key" and self._joint else {}
+            rebuilt = self.decode(self.encode(states, kind, **at), kind, torch.float32, **at)
+            error = (rebuilt - states.float()).square().sum(dim=(1, 3))  # [B, T]
+            total += error / error.mean(dim=-1, keepdim=True).clamp(min=1e-30)
+        return total
 
     # -- attention over the latents (caches/store_attention.py) ------------------------------------------------------
 

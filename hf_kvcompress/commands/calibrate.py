@@ -53,8 +53,14 @@ def add_parser(subparsers) -> None:
                         help="add the attention-output error curves (what lowrank:allocate=error reads) to existing "
                         "joint bases (--bases, default: the ones shipped for the model), measured on the same "
                         "calibration text, and write bases and curves to OUT (a fresh fit writes them anyway)")
+    parser.add_argument("--copy-weights", action="store_true",
+                        help="add each layer's copy weight (what lowrank:allocate=copy, the quarter's default, reads) "
+                        "to existing joint bases with error curves (--bases, default: the shipped ones): the rise of "
+                        "the model's loss on a second reading of 1,024 held-out calibration tokens when only that "
+                        "layer is stored at a quarter (copy_weights.py); write bases and weights to OUT")
     parser.add_argument("--bases", default=None,
-                        help="with --attention-errors: the bases to add the curves to (default: the shipped ones)")
+                        help="with --attention-errors or --copy-weights: the bases to add to (default: the shipped "
+                        "ones)")
     parser.add_argument("--value-fit", choices=("pca", "attention", "oblique"), default="pca",
                         help="joint bases: plain PCA of the values (pca, default: what the package ships), or (for "
                         "research) value bases fitted to the attention output after the output projection, tokens "
@@ -84,6 +90,8 @@ def run(args) -> int:
         return run_floors(args)
     if args.attention_errors:
         return run_attention_errors(args)
+    if args.copy_weights:
+        return run_copy_weights(args)
     model, tokenizer = load_model(args.model)
     if args.heads == "joint":
         tensors, metadata, report = calibrate_joint(
@@ -122,6 +130,24 @@ def run_attention_errors(args) -> int:
             cells.append("/".join(f"{float(curve[min(r // step, len(curve) - 1)]):.3f}"
                                   for r in (width // 4, width // 2)))
         print(f"{layer:5d}  {cells[0]:>12s}  {cells[1]:>12s}")
+    return 0
+
+
+def run_copy_weights(args) -> int:
+    """`calibrate --copy-weights`: add each layer's copy weight to existing joint bases (copy_weights.py)."""
+    from ..calibration import held_out_ids, load_bases, save_bases
+    from ..copy_weights import COPY_TOKENS, add_copy_weights, boost_weights
+    from ..models import load_model
+
+    model, tokenizer = load_model(args.model)
+    tensors, metadata = load_bases(args.bases, model.config)
+    ids = held_out_ids(tokenizer, int(metadata["tokens"]), COPY_TOKENS)
+    costs = add_copy_weights(model, ids, args.bases, tensors, metadata, progress=lambda line: print(line, flush=True))
+    path = save_bases(tensors, metadata, args.out)
+    print(f"Bases with copy weights for {metadata['model']}: {path}")
+    print("layer  copy-loss rise  weight")
+    for layer, (cost, weight) in enumerate(zip(costs, boost_weights(costs), strict=True)):
+        print(f"{layer:5d}  {cost:+14.4f}  {weight:6.2f}")
     return 0
 
 

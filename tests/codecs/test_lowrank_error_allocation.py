@@ -152,7 +152,7 @@ def test_bytes_follow_the_error_ranks(fitted):
 
 
 def test_bad_allocate_is_refused(fitted, tmp_path):
-    with pytest.raises(ValueError, match="allocate must be one of error, variance"):
+    with pytest.raises(ValueError, match="allocate must be one of copy, error, variance"):
         LowRankCodec(ratio=0.5, allocate="attention")
     with pytest.raises(ValueError, match="allocate spreads a ratio"):
         LowRankCodec(rank=8, allocate="error")
