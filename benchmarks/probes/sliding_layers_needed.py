@@ -1,14 +1,14 @@
 """Which of a hybrid model's sliding-window layers need their whole window for multi_needle's answers?
 
 Question: KVzip's plan at a quarter cuts every sliding layer of Gemma-3-270M to its 16 newest tokens, and with every
-full-attention pair kept that cut alone answers another needle's number (docs/results.md, "KVzip at a quarter on
-Gemma-3: the sliding layers' cut"). Do all fifteen sliding layers need their window back, or a few (those before the
-first full-attention layer, between two, after the last)? Nothing is evicted from the full-attention layers here
-(`dynamic:sliding=S`, no KVzip pass): only the sliding layers' count moves.
+full-attention pair kept that cut alone answers another needle's number on multi_needle (the section named below). Do
+all fifteen sliding layers need their window back, or a few (those before the first full-attention layer, between
+two, after the last)? Nothing is evicted from the full-attention layers here (`dynamic:sliding=S`, no KVzip pass):
+only the sliding layers' count moves.
 Command:
     python benchmarks/probes/sliding_layers_needed.py [--model gemma-3-270m] [--split dev] [--depths 10 50 90]
         [--samples 4] [--sliding 16] [--whole 0-4 6-10 12-16]
-Written up: docs/results.md, "KVzip at a quarter on Gemma-3: the sliding layers' cut" (issue 27, session 25).
+Written up: docs/results.md, "KVzip at a quarter on Gemma-3's multi_needle: the sliding layers' cut".
 
 Each prompt is answered by `dynamic`, by `dynamic:sliding=S` (the document prefilled first; every sliding layer
 then keeps its S newest tokens, also while the question is read), and by `dynamic:sliding=S` with the sliding layers
