@@ -8,13 +8,14 @@ from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes, parse_spec, use_kvcompress_attention
 from hf_kvcompress.caches.codec_sinks import worst_slots
-from hf_kvcompress.calibration import calibrate, calibrate_joint, save_bases
+from hf_kvcompress.calibration import calibrate, save_bases
 from hf_kvcompress.codecs.lowrank import LowRankCodec
 from hf_kvcompress.generation import generate
 from hf_kvcompress.study import promised_bytes
 
 from ..caches.test_sinks import _forward, _padded_prompts
 from ..caches.tiny_models import padded_batch_against_rows_alone, tiny_model
+from .lowrank_tiny import llama_with_bases, with_bases
 
 # Everything encoded in one block of 30 slots: int(0.125 * 30) = 3 outliers per row and layer.
 SPEC = "lowrank:ratio=0.25,outliers=0.125,residual_length=0"
@@ -24,15 +25,10 @@ SAME_RANKS = "lowrank:ratio=0.125,residual_length=0"  # what the projected token
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """(model, joint bases dir): 2 layers, 2 KV heads, head_dim 32."""
-    model = use_kvcompress_attention(tiny_model("llama"))
-    model.config._name_or_path = "tiny-llama"
-    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
-    tensors, metadata, _ = calibrate_joint(model, ids, text="random ids")
-    return model, save_bases(tensors, metadata, tmp_path_factory.mktemp("bases")).parent
+    return llama_with_bases(tmp_path_factory)
 
 
-def _spec(bases, spec):
-    return spec.replace("lowrank:", f"lowrank:bases={bases},")
+_spec = with_bases
 
 
 def test_outliers_refuse_bad_values_and_name_a_change():

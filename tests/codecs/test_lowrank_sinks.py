@@ -7,14 +7,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvcompress import make_cache, measured_kv_bytes, parse_spec, use_kvcompress_attention
-from hf_kvcompress.calibration import calibrate_joint, save_bases
+from hf_kvcompress import make_cache, measured_kv_bytes, parse_spec
 from hf_kvcompress.codecs.lowrank import LowRankCodec
 from hf_kvcompress.generation import generate
 from hf_kvcompress.study import promised_bytes
 
 from ..caches.test_sinks import _forward, _padded_prompts
-from ..caches.tiny_models import padded_batch_against_rows_alone, tiny_model
+from ..caches.tiny_models import padded_batch_against_rows_alone
+from .lowrank_tiny import llama_with_bases, with_bases
 
 INT4 = "int4:residual_length=0,group_size=8,key_axis=token"  # everything encoded; int4's own 4 sinks
 
@@ -22,15 +22,10 @@ INT4 = "int4:residual_length=0,group_size=8,key_axis=token"  # everything encode
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """(model, joint bases dir): 2 layers, 2 KV heads, head_dim 32; every component kept (ratio=1.0: full rank)."""
-    model = use_kvcompress_attention(tiny_model("llama"))
-    model.config._name_or_path = "tiny-llama"
-    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
-    tensors, metadata, _ = calibrate_joint(model, ids, text="random ids")
-    return model, save_bases(tensors, metadata, tmp_path_factory.mktemp("bases")).parent
+    return llama_with_bases(tmp_path_factory)
 
 
-def _spec(bases, spec):
-    return spec.replace("lowrank:", f"lowrank:bases={bases},")
+_spec = with_bases
 
 
 def test_sink_tokens_default_compose_and_refuse_bad_values():
