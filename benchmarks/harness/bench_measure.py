@@ -83,6 +83,25 @@ def timed_run(model, ids: torch.Tensor, prefill, step, new_tokens: int, clock_na
     }
 
 
+def prefilled_decoder(model, tokenizer, cache, ids: torch.Tensor):
+    """Prefill `cache` with `ids[:, :-1]` (`hf_kvcompress.prefill`, which runs KVzip's reconstruction pass for a cache
+    that scores by it) and return `decode(n)`: n greedy steps of `model` from `ids[:, -1:]`, each feeding the token
+    the last one chose, under torch's inference mode as the caller holds it. For the probes in our own environment
+    (the package is imported here, not at the module's top: the peers' workers load this module without it)."""
+    from hf_kvcompress.generation import prefill, repeat_prompt_ids
+    from hf_kvcompress.hf.compat import cache_kwargs
+
+    prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=repeat_prompt_ids(tokenizer))
+    token = ids[:, -1:]
+
+    def decode(n: int) -> None:
+        nonlocal token
+        for _ in range(n):
+            token = model(input_ids=token, use_cache=True, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+
+    return decode
+
+
 def _package_measure():
     """hf_kvcompress/measure.py, loaded by path: it imports only torch, so it runs where the package is not
     installed."""

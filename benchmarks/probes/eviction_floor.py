@@ -45,23 +45,12 @@ def _cache(spec: str, config):
 
 def _run(model, tokenizer, run: str, steps: int, profile: bool) -> tuple[float, int]:
     """Mean CPU ms per decode step of `run` (SPEC@TOKENS) and the tokens its cache holds after them."""
-    from bench_measure import prompt_ids
-
-    from hf_kvcompress.generation import prefill, repeat_prompt_ids
-    from hf_kvcompress.hf.compat import cache_kwargs
+    from bench_measure import prefilled_decoder, prompt_ids
 
     spec, tokens = run.rsplit("@", 1)
     ids = prompt_ids(tokenizer.vocab_size, PROMPT, 1)[:, -(int(tokens) + 1):]
     cache = _cache(spec, model.config)
-    # The reconstruction prompt is read only by a cache that scores by reconstruction (KVzip's pass).
-    prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=repeat_prompt_ids(tokenizer))
-    token = ids[:, -1:]
-
-    def decode(n: int) -> None:
-        nonlocal token
-        for _ in range(n):
-            token = model(input_ids=token, use_cache=True, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-
+    decode = prefilled_decoder(model, tokenizer, cache, ids)
     decode(2)
     profiler = cProfile.Profile() if profile else None
     start = time.process_time()

@@ -57,12 +57,10 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
-    from bench_measure import prompt_ids
+    from bench_measure import prefilled_decoder, prompt_ids
 
     from hf_kvcompress import load_model, make_cache, use_kvcompress_attention
     from hf_kvcompress.caches.head_store import HeadStore
-    from hf_kvcompress.generation import prefill, repeat_prompt_ids
-    from hf_kvcompress.hf.compat import cache_kwargs
 
     torch.set_num_threads(1)
     model, tokenizer = load_model(None, dtype=args.dtype)
@@ -72,15 +70,7 @@ def main() -> None:
     times: dict[str, list[float]] = {form: [] for form in forms}
     with torch.inference_mode():
         ids = prompt_ids(tokenizer.vocab_size, args.tokens, args.batch)  # [B, tokens + 1]: the last decodes first
-        cache = make_cache(args.spec, model.config)
-        prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=repeat_prompt_ids(tokenizer))
-        token = ids[:, -1:]
-
-        def decode(n: int) -> None:
-            nonlocal token
-            for _ in range(n):
-                token = model(input_ids=token, use_cache=True, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-
+        decode = prefilled_decoder(model, tokenizer, make_cache(args.spec, model.config), ids)
         decode(2)
         try:
             for _ in range(args.rounds):
