@@ -684,18 +684,25 @@ def test_budget_holds_the_bytes_on_a_hybrid_model_with_several_full_attention_la
     assert len(ranked) == 2 and ranked[0].store.together is ranked[1].store.together is not None
     allowance = sum(int(layer.store.allowance[0]) for layer in ranked)
     at_ranking = measured_kv_bytes(cache)
-    held = []
-
-    def record():  # after every step
-        held.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
-                     sum(int(layer.store.held_pairs()[0]) for layer in ranked)))
-
-    generate(model, torch.cat([ids, ids[:, -1:]], 1), None, cache, max_new_tokens=120, min_new_tokens=120,
-             streamer=AfterEachStep(record))
+    held = _bytes_while_decoding(model, ids, cache, ranked, 120)
     assert all(m == p for m, p, _ in held)
     assert all(pairs <= allowance for _, _, pairs in held)
     tail = (4 + ABSORB_BLOCK) * (2 * 32 * 4 + 4 + 1)  # float32 key, value and score per token; valid flag
     assert max(m for m, _, _ in held) <= at_ranking + tail * len(ranked)
+
+
+def _bytes_while_decoding(model, ids, cache, ranked, steps: int) -> list[tuple[int, int, int]]:
+    """Decode `steps` greedy tokens after the prefilled `ids` (its last token fed first); after every step (measured
+    bytes, promised bytes, pairs row 0 holds in the `ranked` layers)."""
+    trace = []
+
+    def record():
+        trace.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
+                      sum(int(layer.store.held_pairs()[0]) for layer in ranked)))
+
+    generate(model, torch.cat([ids, ids[:, -1:]], 1), None, cache, max_new_tokens=steps, min_new_tokens=steps,
+             streamer=AfterEachStep(record))
+    return trace
 
 
 def _hybrid_two_full(tmp_path, window: int):
@@ -744,14 +751,7 @@ def test_a_budget_gives_the_full_layers_what_the_sliding_layers_leave(tmp_path, 
     loaded = load_cache(path)
     assert loaded.planned_sliding == sliding
     assert {layer.policy.budget for layer in loaded.layers if not layer.is_sliding} == {full}
-    trace = []
-
-    def record():  # after every step
-        trace.append((measured_kv_bytes(cache), cache.promised_kv_bytes(),
-                      sum(int(layer.store.held_pairs()[0]) for layer in ranked)))
-
-    generate(model, torch.cat([ids, ids[:, -1:]], 1), None, cache, max_new_tokens=40, min_new_tokens=40,
-             streamer=AfterEachStep(record))
+    trace = _bytes_while_decoding(model, ids, cache, ranked, 40)
     assert all(m == p for m, p, _ in trace)
     assert all(pairs <= 2 * full for _, _, pairs in trace)
     assert [layer.stored_tokens for layer in cache.layers if layer.is_sliding] == [sliding, sliding]
