@@ -173,14 +173,18 @@ def layer_floors(policy: Policy, config, ratio: float) -> tuple[tuple[int, float
     return tuple((int(layer), float(floor)) for layer, floor in zip(layers, floors[nearest], strict=True) if floor > 0)
 
 
+def is_hybrid(layer_types: list[str]) -> bool:
+    """Whether a model of these layer types mixes sliding_attention layers with full-attention ones."""
+    return "sliding_attention" in layer_types and any(t not in SLIDING_LAYER_TYPES for t in layer_types)
+
+
 def plans_sliding_share(policy: Policy, layer_types: list[str]) -> bool:
     """Whether `plan_layers` shares the pairs of `policy` between sliding and full-attention layers (`SlidingShare`):
     a ratio with no `sliding=` of a policy whose cache ranks every layer's pairs at once (KVzip at its
     reconstruction pass's end, compressed.py `end_reconstruction`; KVzap's head budgets once the prompt is read,
     `rank_prompt`), on a model with sliding_attention and full-attention layers."""
     ranks_all = policy.scores_by_reconstruction or policy.ranks_prompt
-    return (ranks_all and planned_share(policy) is not None and policy.sliding is None
-            and "sliding_attention" in layer_types and any(t not in SLIDING_LAYER_TYPES for t in layer_types))
+    return ranks_all and planned_share(policy) is not None and policy.sliding is None and is_hybrid(layer_types)
 
 
 def plans_budget_share(policy: Policy, layer_types: list[str]) -> bool:
@@ -189,8 +193,7 @@ def plans_budget_share(policy: Policy, layer_types: list[str]) -> bool:
     `RankedTogether`) on a model with sliding_attention and full-attention layers. Each sliding layer keeps
     `budget_sliding_tokens` newest tokens and the full-attention layers the budget's allowance those leave
     (`budget_full_tokens`). KVzip's budgets are not planned so (not measured)."""
-    return (policy.ranks_prompt and policy.budget is not None and "sliding_attention" in layer_types
-            and any(t not in SLIDING_LAYER_TYPES for t in layer_types))
+    return policy.ranks_prompt and policy.budget is not None and is_hybrid(layer_types)
 
 
 def budget_sliding_tokens(policy: Policy, whole: int) -> int:

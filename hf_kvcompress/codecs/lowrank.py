@@ -304,7 +304,7 @@ class LowRankCodec(ReducingCodec):
             else:
                 # The outliers' exact copies are paid out of the ratio (see `outliers`).
                 ratio = (self.ratio if self.ratio is not None else DEFAULT_RATIO) - self.outliers
-                step, floored = self._rank_step(heads * head_dim), self._floored(config, layers)
+                step, floored = self._rank_step(heads * head_dim), self._floored(config)
                 allocate = self.allocate or self._default_allocation(ratio, tensors, self._hybrid(config))
                 if allocate in ("error", "copy"):
                     if not has_error_curves(tensors):
@@ -357,14 +357,11 @@ class LowRankCodec(ReducingCodec):
         """Whether the model mixes sliding-window and full-attention layers."""
         return "sliding_attention" in (getattr(text_config(config), "layer_types", None) or ())
 
-    def _floored(self, config, layers: int) -> tuple[bool, ...] | None:
+    def _floored(self, config) -> tuple[bool, ...] | None:
         """The layers `floor` keeps at least the ratio in: a hybrid model's full-attention layers (none otherwise)."""
-        if self.floor == "none":  # only a ratio's allocation asks (rank= gives every layer that rank)
+        if self.floor == "none" or not self._hybrid(config):  # only a ratio's allocation asks (rank=: that rank)
             return None
-        kinds = getattr(text_config(config), "layer_types", None) or ["full_attention"] * layers
-        if "sliding_attention" not in kinds:
-            return None
-        return tuple(kind != "sliding_attention" for kind in kinds)
+        return tuple(kind != "sliding_attention" for kind in text_config(config).layer_types)
 
     def _rank_step(self, width: int) -> int:
         """The granularity of a joint layer's rank: the storage's value groups must divide it (int4's group_size)."""
