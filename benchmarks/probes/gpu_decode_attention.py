@@ -4,11 +4,8 @@ Question: on a GPU, how fast is one decode query over int4 and int2 stores (Trit
 path) against bf16 SDPA over the full cache, as a share of the HBM bandwidth, and how far is its output from SDPA's?
 Command:
     python benchmarks/probes/gpu_decode_attention.py [--lengths 8192,32768,131072] [--batches 1,8] [--repeats 50]
-Written up: not yet measured; docs/benchmark-notes.md section 4 ("Triton kernel (GPU)") and docs/speed.md,
-"Speed (`make bench`)", say it is still to be run.
-
-NOT RUN in the session that wrote it (no GPU was lent to it): its figures are still to be measured. Written for
-one H200 (about 4.3 TB/s of HBM bandwidth); it takes a few minutes (well under ten).
+Written up: docs/speed.md, "On a GPU: the first measurements (session 26)" (one H200: the Triton path is
+host-bound, 1.2-1.7 ms per layer at batch 1 against SDPA's 40-90 us); docs/benchmark-notes.md section 4.
 
 Shapes: one attention layer of a ~1B-parameter Llama (Llama-3.2-1B: 32 query heads on 8 KV heads of 64 dims,
 bf16), built from a config with random weights; a real model's weights do not change the cost of attention. For
@@ -34,7 +31,9 @@ from hf_kvcompress.measure import measured_kv_bytes
 
 HBM_BYTES_PER_S = 4.3e12  # H200
 Q_HEADS, KV_HEADS, DIM = 32, 8, 64
-CODECS = ["int4", "int2"]
+# int2's plain name stores pre-RoPE keys on Gaussian levels, which the kernel leaves to PyTorch (store_attention's
+# `store_kernel`); the kernel's 2-bit form is the uniform grid on post-RoPE keys.
+CODECS = ["int4", "int2:codebook=uniform,pre_rope=false"]
 
 
 def _time(fn, repeats: int) -> float:
@@ -102,7 +101,7 @@ def main() -> None:
                     out = attend_store(layer, query, None, scale, backend=backend)
                     error = (out.float() - reference).abs().max().item()
                     seconds = _time(partial(attend_store, layer, query, None, scale, backend=backend), args.repeats)
-                    rows.append((f"{codec} {backend}", seconds, measured_kv_bytes(cache), error))
+                    rows.append((f"{codec.split(':')[0]} {backend}", seconds, measured_kv_bytes(cache), error))
                 del cache, layer
                 torch.cuda.empty_cache()
             for name, seconds, nbytes, error in rows:

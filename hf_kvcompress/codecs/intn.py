@@ -73,10 +73,15 @@ class KeyScales:
 
 
 @lru_cache(maxsize=64)
-def _offset_turns(inv_freq: tuple[float, ...], group: int, direction: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rope_table` [group, 2 * len(inv_freq)] of turning by `direction` x offset positions (offsets 0..group-1):
-    pre_rope's offset queries need the same table at every decode step of every layer, and building it (arange,
-    cos, sin, cat) cost about as much as turning the queries."""
+def _offset_turns(inv_freq: tuple[float, ...], group: int, direction: int,
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_table` [group, 2 * len(inv_freq)] of turning by `direction` x offset positions (offsets 0..group-1),
+    on `device`: pre_rope's offset queries need the same table at every decode step of every layer, and building it
+    (arange, cos, sin, cat) cost about as much as turning the queries; kept per device, as a copy from the host per
+    step blocks a GPU."""
+    if torch.device(device).type != "cpu":
+        cos, sin = _offset_turns(inv_freq, group, direction)
+        return cos.to(device), sin.to(device)
     offsets = torch.arange(group, dtype=torch.float32) * direction
     return rope_table(offsets, torch.tensor(inv_freq, dtype=torch.float32))
 
@@ -530,7 +535,7 @@ class IntNCodec(Codec):
         b, h, n, d = plain.shape
         g = self.group_size
         if self.inv_freq:  # _group_rope(copies, -1) with its table cached and the half-swap once per row, not per copy
-            cos, sin = (part.to(plain.device) for part in _offset_turns(self.inv_freq, g, -1))
+            cos, sin = _offset_turns(self.inv_freq, g, -1, plain.device)
             turned = turn(plain.float()[:, :, :, None, :], cos, sin)  # [B, H, n, g, D]: the table broadcasts over g
             turned = turned.reshape(b, h, n * g, d)  # row n*g + o: offset o
         else:  # no RoPE frequencies: _group_rope says what is missing, or leaves the copies as they are

@@ -49,8 +49,11 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=256)
-def random_signs(dim: int, seed: int) -> torch.Tensor:
-    """Fixed +-1 signs of length `dim` drawn from `seed` (CPU, float32): the same seed gives the same rotation."""
+def random_signs(dim: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Fixed +-1 signs of length `dim` drawn from `seed` (float32, on `device`): the same seed gives the same
+    rotation. Kept per device: a copy from the host at every decode step would be a blocking copy on a GPU."""
+    if torch.device(device).type != "cpu":
+        return random_signs(dim, seed).to(device)
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, 2, (dim,), generator=generator).float() * 2 - 1
 
@@ -64,37 +67,41 @@ def _blockwise(x: torch.Tensor) -> torch.Tensor:
 
 def rotate(x: torch.Tensor, seed: int) -> torch.Tensor:
     """x @ (diag(signs) H): flip signs, then the (block-diagonal) Hadamard transform; computed in float32."""
-    signs = random_signs(x.shape[-1], seed).to(x.device)
+    signs = random_signs(x.shape[-1], seed, x.device)
     return _blockwise(x.float() * signs)
 
 
 def unrotate(y: torch.Tensor, seed: int) -> torch.Tensor:
     """Inverse of `rotate` (H is symmetric and orthonormal, so H^-1 = H); float32."""
-    signs = random_signs(y.shape[-1], seed).to(y.device)
+    signs = random_signs(y.shape[-1], seed, y.device)
     return _blockwise(y.float()) * signs
 
 
-# Tokens (the second-to-last axis) up to which `rotate_rows` multiplies by the rotation's matrix on the CPU.
+# Tokens (the second-to-last axis) up to which `rotate_rows` multiplies by the rotation's matrix.
 MATRIX_TOKENS = 16
 _PRODUCT_VALUES = 1 << 22  # values of one [rows, D, D] broadcast product, at most
 
 
 @lru_cache(maxsize=256)
-def rotation_matrix(dim: int, seed: int) -> torch.Tensor:
-    """`rotate` as a [dim, dim] float32 matrix on the CPU: x @ M == rotate(x, seed), and M's transpose undoes it."""
+def rotation_matrix(dim: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`rotate` as a [dim, dim] float32 matrix on `device`: x @ M == rotate(x, seed), and M's transpose undoes it.
+    Built on the CPU once and kept per device (no copy from the host per step)."""
+    if torch.device(device).type != "cpu":
+        return rotation_matrix(dim, seed).to(device)
     return rotate(torch.eye(dim), seed)
 
 
 def rotate_rows(x: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tensor:
     """`rotate` (or `unrotate`) of x [..., T, D]. A decode step's query, attention output and new token are a few
     rows, for which the transform's 4 log2(D) small ops cost ~100 us on CPU and a product with the cached matrix
-    ~7 us (equal up to rounding). The product is a broadcast multiply and a sum, not a matmul, so each row's
-    result does not depend on how many rows came with it (BLAS picks kernels by size); the choice between the two
-    depends on T only, so a batch row is rotated exactly as it is alone."""
-    if not x.is_cpu or x.dim() < 2 or x.shape[-2] > MATRIX_TOKENS:
+    ~7 us (equal up to rounding); on a GPU the product is 2 kernel launches instead of ~30. The product is a
+    broadcast multiply and a sum, not a matmul, so each row's result does not depend on how many rows came with it
+    (BLAS picks kernels by size); the choice between the two depends on T only, so a batch row is rotated exactly as
+    it is alone."""
+    if x.dim() < 2 or x.shape[-2] > MATRIX_TOKENS:
         return unrotate(x, seed) if inverse else rotate(x, seed)
     dim = x.shape[-1]
-    matrix = rotation_matrix(dim, seed)
+    matrix = rotation_matrix(dim, seed, x.device)
     matrix = matrix.T if inverse else matrix
     rows = x.float().reshape(-1, dim)
     step = max(1, _PRODUCT_VALUES // (dim * dim))  # bounds the [rows, D, D] product's memory
@@ -105,12 +112,12 @@ def rotate_rows(x: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tens
 
 
 def rotate_batch_rows(x: torch.Tensor, seed: int) -> torch.Tensor:
-    """`rotate` of x [B, ..., D] on the CPU as one matmul per batch row with the cached matrix: for the many rows
+    """`rotate` of x [B, ..., D] as one matmul per batch row with the cached matrix: for the many rows
     of pre_rope's offset queries one product costs less than the transform's many small ops (docs/speed.md).
     BLAS may round a row differently with another number of rows, so each batch row is its own product (of the same
     shape whatever the batch size): a row is rotated within a batch exactly as it is alone."""
-    if not x.is_cpu or x.dim() < 2:
+    if x.dim() < 2:
         return rotate(x, seed)
-    matrix = rotation_matrix(x.shape[-1], seed)
+    matrix = rotation_matrix(x.shape[-1], seed, x.device)
     rows = x.float().reshape(x.shape[0], -1, x.shape[-1])
     return torch.stack([torch.matmul(row, matrix) for row in rows.unbind(0)]).reshape(x.shape)
