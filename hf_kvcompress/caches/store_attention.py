@@ -7,9 +7,9 @@ output once at the end) through the codec's `key_logits` and `mix_values` (which
 codecs/plane_attention.py), its logits folded into a running max and sum (flash-decoding, Dao et al. 2023), and
 dropped: the transient memory is one block, not the whole cache in float32. The exact attention sinks and the
 full-precision tail are two more segments of the same softmax. `CompressedLayer._full` + SDPA is the reference.
-A kernel may read the store segment instead: Triton on CUDA returns its softmax partials (ops/triton_decode.py); on
-CPU the C++ kernel (ops/cpu_decode.py) attends to the sinks and the tail too and returns the normalised output, one
-call per step. The PyTorch loop stays the reference (`backend="torch"`).
+A kernel may read the layer instead, store, sinks and tail in one call per step: Triton on CUDA returns the softmax's
+partials in both bases (ops/triton_decode.py), the C++ kernel on CPU (ops/cpu_decode.py) the normalised output.
+The PyTorch loop stays the reference (`backend="torch"`).
 """
 
 from __future__ import annotations
@@ -43,14 +43,6 @@ class _OnlineSoftmax:
         probs = torch.exp(logits - safe)
         mixed = values(probs) if callable(values) else torch.matmul(probs, values)
         self._accumulate(probs.sum(-1, keepdim=True), mixed, stored_basis)
-
-    def add_partial(self, block_max: torch.Tensor, total: torch.Tensor, acc: torch.Tensor, stored_basis: bool) -> None:
-        """A segment already reduced elsewhere (the Triton kernel): its max and sum [B, H_kv, n, 1] and its
-        output [B, H_kv, n, Dv], both relative to `block_max`."""
-        safe = self._rescale(block_max)
-        block_safe = block_max.masked_fill(block_max == float("-inf"), 0.0)
-        weight = torch.exp(block_safe - safe).masked_fill(block_max == float("-inf"), 0.0)
-        self._accumulate(total * weight, acc * weight, stored_basis)
 
     def _rescale(self, block_max: torch.Tensor) -> torch.Tensor:
         """Raise the running max to cover `block_max`, rescaling what is accumulated; returns the max to subtract."""
@@ -125,21 +117,23 @@ def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _Onl
         softmax.add(logits, lambda probs, values=values: codec.mix_values(values, probs), stored_basis=True)
 
 
-def _store_by_kernel(layer, stored_q, attention_mask, softmax: _OnlineSoftmax) -> None:
-    """The store segment through the Triton kernel (one query per row: the bias is shared by the groups)."""
-    n_enc = layer.store.n_encoded
+def _attend_by_triton(layer, plain_q, stored_q, attention_mask) -> torch.Tensor:
+    """Store, exact sinks and tail through the Triton kernel in one launch (one query per row: the mask row is
+    shared by the groups): [B, H_kv, groups, Dv], normalised. On a GPU each PyTorch op around a kernel costs a
+    launch on the host, which at batch 1 costs more than the kernel's read (docs/speed.md, "On a GPU")."""
+    store = layer.store
+    tail_keys, tail_values = store.tail_keys, store.tail_values
+    tail = 0 if tail_keys is None else tail_keys.shape[-2]
     bias = None
     if attention_mask is not None:
-        bias = _bias(attention_mask, 1, slice(0, n_enc))[:, :, 0]  # [B, 1, n_enc]
-        bias = bias.expand(stored_q.shape[0], layer.kv_heads, n_enc)
-    if layer.slots.sink_slots is not None:
-        hidden = _sink_hidden(layer, 0, n_enc)
-        bias = torch.zeros(hidden.shape, device=hidden.device) if bias is None else bias
-        bias = bias.masked_fill(hidden, float("-inf"))
-    block_max, total, acc = triton_decode.decode_attention_partials(
-        stored_q, layer.store.encoded_keys, layer.store.encoded_values, layer.value_dim, bias
+        bias = _bias(attention_mask, 1, slice(0, store.n_encoded + tail))[:, :, 0]  # [B, 1 or H_kv, T + Tt]
+    best, total, stored, plain = triton_decode.decode_attention(
+        stored_q, plain_q, store.encoded_keys, store.encoded_values, layer.value_dim, bias, layer.slots.sink_slots,
+        store.sink_keys, store.sink_values, tail_keys, tail_values,
     )
-    softmax.add_partial(block_max, total, acc, stored_basis=True)
+    assert plain is not None
+    out = layer.codec.from_basis(stored, "value") + plain
+    return out / total.clamp(min=torch.finfo(torch.float32).tiny)  # a fully masked row gives 0, not NaN
 
 
 def _attend_by_cpu_kernel(layer, plain_q, attention_mask) -> torch.Tensor:
@@ -219,21 +213,20 @@ def attend_store(
     kernel = store_kernel(layer, query, backend) if n_enc else None
     if kernel == "cpu":
         out = _attend_by_cpu_kernel(layer, plain_q, attention_mask)
+    elif kernel == "triton":
+        out = _attend_by_triton(layer, plain_q, codec.key_query(plain_q), attention_mask)
     else:
-        out = _attend_in_segments(layer, plain_q, codec.key_query(plain_q), attention_mask, groups, kernel)
+        out = _attend_in_segments(layer, plain_q, codec.key_query(plain_q), attention_mask, groups)
     out = out.reshape(batch, kv_heads, groups, q_len, -1).reshape(batch, q_heads, q_len, -1)
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
-def _attend_in_segments(layer, plain_q, stored_q, attention_mask, groups: int, kernel: str | None) -> torch.Tensor:
-    """The store (through the Triton kernel, or PyTorch blocks), the exact sinks and the tail as segments of one
-    online softmax in PyTorch: [B, H_kv, groups * q, Dv], normalised."""
+def _attend_in_segments(layer, plain_q, stored_q, attention_mask, groups: int) -> torch.Tensor:
+    """The store (PyTorch blocks), the exact sinks and the tail as segments of one online softmax in PyTorch:
+    [B, H_kv, groups * q, Dv], normalised. The reference for both kernels."""
     codec, n_enc = layer.codec, layer.store.n_encoded
     softmax = _OnlineSoftmax()
-    if kernel == "triton":
-        _store_by_kernel(layer, stored_q, attention_mask, softmax)
-    else:
-        _store_by_blocks(layer, stored_q, attention_mask, groups, softmax)
+    _store_by_blocks(layer, stored_q, attention_mask, groups, softmax)
     if layer.slots.sink_slots is not None:
         slots = layer.slots.sink_slots
         logits = torch.matmul(plain_q, layer.store.sink_keys.float().transpose(-1, -2))

@@ -21,6 +21,7 @@ SUPPORTED_BITS = (2, 4, 8)
 triton: Any = None
 tl: Any = None
 _dequantise: Any = None
+_online: Any = None
 
 
 def available() -> bool:
@@ -31,7 +32,7 @@ def available() -> bool:
 @cache
 def _kernel():
     """The jitted kernel, built on first use (importing triton then, not with the package)."""
-    global triton, tl, _dequantise  # jitted kernels find the functions they call among the module's globals
+    global triton, tl, _dequantise, _online  # jitted kernels find the functions they call among the module's globals
     import triton  # the triton extra, imported when the kernel is first built
     import triton.language as tl
 
@@ -50,50 +51,98 @@ def _kernel():
         return code.to(tl.float32) * scale + zero
 
     @triton.jit
+    def _online(logits, values, run_max, run_sum, acc):
+        """Fold a tile's logits [BLOCK_M, BLOCK_T] and values [BLOCK_T, DV] into the running max, sum, output."""
+        new_max = tl.maximum(run_max, tl.max(logits, 1))
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.exp(logits - safe[:, None])
+        rescale = tl.exp(run_max - safe)
+        acc = acc * rescale[:, None] + tl.dot(probs, values)
+        return new_max, run_sum * rescale + tl.sum(probs, 1), acc
+
+    @triton.jit
     def _decode_attention_kernel(
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bias,
-        out_max, out_sum, out_acc,
-        M, T, tokens_per_split, k_row_bytes, v_row_bytes, ks_t, ks_d, vs_t, vs_d,
-        D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+        pq, sink_k, sink_v, sink_slots, tail_k, tail_v,
+        out_max, out_sum, out_acc, out_plain,
+        M, T, tokens_per_split, store_splits, heads, k_row_bytes, v_row_bytes, ks_t, ks_d, vs_t, vs_d,
+        bias_b, bias_h, S, sink_b, sink_h, sink_t, Tt, tail_b, tail_h, tail_t,
+        D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
         K_BITS: tl.constexpr, K_TOKEN_GROUP: tl.constexpr, K_CHANNEL_GROUP: tl.constexpr,
         V_BITS: tl.constexpr, V_TOKEN_GROUP: tl.constexpr, V_CHANNEL_GROUP: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
+        # Programs (row, split) for split < store_splits read the store's tokens of their split; one more program
+        # per row (split == store_splits, when the grid has it) reads the exact sinks and the recent tail with the
+        # plain query: its output stays in the model's basis (out_plain), the store's in the storage basis.
         row = tl.program_id(0)  # batch * KV heads + head
         split = tl.program_id(1)
         splits = tl.num_programs(1)
+        batch_row = row // heads
+        head = row % heads
+        bias_row = bias + batch_row * bias_b + head * bias_h  # [T + Tt] float32: the mask's columns (-inf hidden)
         m_offs = tl.arange(0, BLOCK_M)
         d_offs = tl.arange(0, D)
         dv_offs = tl.arange(0, DV)
+        s_offs = tl.arange(0, BLOCK_S)
         m_valid = m_offs < M
-        query = tl.load(q + row * M * D + m_offs[:, None] * D + d_offs[None, :], mask=m_valid[:, None], other=0.0)
         run_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         run_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, DV), tl.float32)
-        start = split * tokens_per_split
-        stop = tl.minimum(start + tokens_per_split, T)
-        for t0 in range(start, stop, BLOCK_T):
-            t_offs = t0 + tl.arange(0, BLOCK_T)
-            t_valid = t_offs < stop
-            keys = _dequantise(k_codes, k_scale, k_zero, row, T, k_row_bytes, ks_t, ks_d, t_offs, t_valid, d_offs,
-                               K_BITS, K_TOKEN_GROUP, K_CHANNEL_GROUP)  # [BLOCK_T, D]
-            logits = tl.dot(query, tl.trans(keys))  # [BLOCK_M, BLOCK_T]
-            if HAS_BIAS:
-                logits += tl.load(bias + row * T + t_offs, mask=t_valid, other=float("-inf"))[None, :]
-            logits = tl.where(t_valid[None, :], logits, float("-inf"))
-            new_max = tl.maximum(run_max, tl.max(logits, 1))
-            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-            probs = tl.exp(logits - safe[:, None])
-            rescale = tl.exp(run_max - safe)
-            values = _dequantise(v_codes, v_scale, v_zero, row, T, v_row_bytes, vs_t, vs_d, t_offs, t_valid, dv_offs,
-                                 V_BITS, V_TOKEN_GROUP, V_CHANNEL_GROUP)  # [BLOCK_T, DV]
-            acc = acc * rescale[:, None] + tl.dot(probs, values)
-            run_sum = run_sum * rescale + tl.sum(probs, 1)
-            run_max = new_max
         part = row * splits + split
+        if HAS_SINKS:  # [BLOCK_S] the sinks' slots in the store (-1: no sink there)
+            slots = tl.load(sink_slots + row * S + s_offs, mask=s_offs < S, other=-1)
+        if split < store_splits:
+            query = tl.load(q + row * M * D + m_offs[:, None] * D + d_offs[None, :], mask=m_valid[:, None],
+                            other=0.0)
+            start = split * tokens_per_split
+            stop = tl.minimum(start + tokens_per_split, T)
+            for t0 in range(start, stop, BLOCK_T):
+                t_offs = t0 + tl.arange(0, BLOCK_T)
+                t_valid = t_offs < stop
+                keys = _dequantise(k_codes, k_scale, k_zero, row, T, k_row_bytes, ks_t, ks_d, t_offs, t_valid,
+                                   d_offs, K_BITS, K_TOKEN_GROUP, K_CHANNEL_GROUP)  # [BLOCK_T, D]
+                logits = tl.dot(query, tl.trans(keys))  # [BLOCK_M, BLOCK_T]
+                if HAS_BIAS:
+                    logits += tl.load(bias_row + t_offs, mask=t_valid, other=float("-inf"))[None, :]
+                if HAS_SINKS:  # a sink's slot is attended exactly by the plain program, not in its decoded form
+                    t_valid = t_valid & (tl.sum((t_offs[:, None] == slots[None, :]).to(tl.int32), 1) == 0)
+                logits = tl.where(t_valid[None, :], logits, float("-inf"))
+                values = _dequantise(v_codes, v_scale, v_zero, row, T, v_row_bytes, vs_t, vs_d, t_offs, t_valid,
+                                     dv_offs, V_BITS, V_TOKEN_GROUP, V_CHANNEL_GROUP)  # [BLOCK_T, DV]
+                run_max, run_sum, acc = _online(logits, values, run_max, run_sum, acc)
+            tl.store(out_acc + (row * store_splits + split) * M * DV + m_offs[:, None] * DV + dv_offs[None, :], acc,
+                     mask=m_valid[:, None])
+        else:
+            query = tl.load(pq + row * M * D + m_offs[:, None] * D + d_offs[None, :], mask=m_valid[:, None],
+                            other=0.0)
+            if HAS_SINKS:  # a sink whose slot is still in the tail (or no sink) is attended there, or not at all
+                s_valid = (s_offs < S) & (slots >= 0) & (slots < T)
+                s_at = sink_k + batch_row * sink_b + head * sink_h + s_offs[:, None] * sink_t + d_offs[None, :]
+                s_keys = tl.load(s_at, mask=s_valid[:, None], other=0.0).to(tl.float32)  # [BLOCK_S, D]
+                s_logits = tl.dot(query, tl.trans(s_keys), input_precision="ieee")
+                if HAS_BIAS:
+                    s_logits += tl.load(bias_row + tl.where(s_valid, slots, 0), mask=s_valid,
+                                      other=float("-inf"))[None, :]
+                s_logits = tl.where(s_valid[None, :], s_logits, float("-inf"))
+                s_at = sink_v + batch_row * sink_b + head * sink_h + s_offs[:, None] * sink_t + dv_offs[None, :]
+                s_values = tl.load(s_at, mask=s_valid[:, None], other=0.0).to(tl.float32)
+                run_max, run_sum, acc = _online(s_logits, s_values, run_max, run_sum, acc)
+            for t0 in range(0, Tt, BLOCK_T):
+                t_offs = t0 + tl.arange(0, BLOCK_T)
+                t_valid = t_offs < Tt
+                at = tail_k + batch_row * tail_b + head * tail_h + t_offs[:, None] * tail_t + d_offs[None, :]
+                keys = tl.load(at, mask=t_valid[:, None], other=0.0).to(tl.float32)  # [BLOCK_T, D]
+                logits = tl.dot(query, tl.trans(keys), input_precision="ieee")
+                if HAS_BIAS:
+                    logits += tl.load(bias_row + T + t_offs, mask=t_valid, other=float("-inf"))[None, :]
+                logits = tl.where(t_valid[None, :], logits, float("-inf"))
+                at = tail_v + batch_row * tail_b + head * tail_h + t_offs[:, None] * tail_t + dv_offs[None, :]
+                values = tl.load(at, mask=t_valid[:, None], other=0.0).to(tl.float32)
+                run_max, run_sum, acc = _online(logits, values, run_max, run_sum, acc)
+            tl.store(out_plain + row * M * DV + m_offs[:, None] * DV + dv_offs[None, :], acc, mask=m_valid[:, None])
         tl.store(out_max + part * M + m_offs, run_max, mask=m_valid)
         tl.store(out_sum + part * M + m_offs, run_sum, mask=m_valid)
-        tl.store(out_acc + part * M * DV + m_offs[:, None] * DV + dv_offs[None, :], acc, mask=m_valid[:, None])
 
     return _decode_attention_kernel
 
@@ -122,8 +171,38 @@ def decode_attention_partials(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax partials of `query` [B, H_kv, M, D] (scaled, in the store's basis) over the store's T tokens.
 
-    `bias` [B, H_kv, T] float32 is added to the logits (the mask, -inf for hidden slots). Returns the running max
+    `bias` [B, H_kv or 1, T] float32 is added to the logits (the mask, -inf for hidden slots). Returns the running max
     and sum [B, H_kv, M, 1] and the unnormalised output [B, H_kv, M, Dv], merged over the token splits."""
+    best, total, stored, _ = _launch(query, None, encoded_keys, encoded_values, value_dim, bias, None, None, None,
+                                     None, None, block_t, tokens_per_split)
+    return best, total, stored
+
+
+def decode_attention(
+    query: torch.Tensor, plain_query: torch.Tensor, encoded_keys: dict, encoded_values: dict, value_dim: int,
+    bias: torch.Tensor | None, sink_slots: torch.Tensor | None, sink_keys: torch.Tensor | None,
+    sink_values: torch.Tensor | None, tail_keys: torch.Tensor | None, tail_values: torch.Tensor | None,
+    block_t: int = 64, tokens_per_split: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A whole layer's decode attention in one launch: the store (through `query`, in its basis), the exact sinks
+    and the recent tail (through `plain_query` [B, H_kv, M, D], the model's basis), as one softmax.
+
+    `bias` [B, H_kv or 1, T + Tt] float32: the mask's columns over the store then the tail (a sink reads its slot's
+    column). `sink_slots` [B, H_kv, S] (-1: none; a slot >= T is a sink still in the tail, attended there) with
+    `sink_keys`/`sink_values` [B, H_kv, S, D]; `tail_keys`/`tail_values` [B, H_kv, Tt, D] (None: no tail). The
+    store's slots that hold a sink are hidden in the store. Returns the max and sum [B, H_kv, M, 1], the store's
+    output in its basis and the plain output [B, H_kv, M, Dv], both relative to the max (unnormalised)."""
+    return _launch(query, plain_query, encoded_keys, encoded_values, value_dim, bias, sink_slots, sink_keys,
+                   sink_values, tail_keys, tail_values, block_t, tokens_per_split)
+
+
+def _strides(x: torch.Tensor | None) -> tuple[int, int, int]:
+    """(batch, head, token) strides in elements of a [B, H, T, D] tensor whose last axis is contiguous."""
+    return (0, 0, 0) if x is None else (x.stride(0), x.stride(1), x.stride(2))
+
+
+def _launch(query, plain_query, encoded_keys, encoded_values, value_dim, bias, sink_slots, sink_keys, sink_values,
+            tail_keys, tail_values, block_t, tokens_per_split):
     batch, heads, m, dim = query.shape
     tokens = encoded_keys["codes"].shape[2]
     k_bits, k_tg, k_cg = _layout(encoded_keys, tokens, dim)
@@ -132,31 +211,69 @@ def decode_attention_partials(
         want = max(1, 512 // (batch * heads))
         tokens_per_split = max(block_t, -(-tokens // want))
     tokens_per_split = -(-tokens_per_split // block_t) * block_t
-    splits = -(-tokens // tokens_per_split)
+    store_splits = -(-tokens // tokens_per_split)
+    plain = plain_query is not None
+    splits = store_splits + plain
     rows = batch * heads
-    out_max = torch.empty(rows, splits, m, device=query.device, dtype=torch.float32)
+    device = query.device
+    out_max = torch.empty(rows, splits, m, device=device, dtype=torch.float32)
     out_sum = torch.empty_like(out_max)
-    out_acc = torch.empty(rows, splits, m, value_dim, device=query.device, dtype=torch.float32)
-    kernel = _kernel()
-    block_m = max(16, triton.next_power_of_2(m))
+    out_acc = torch.empty(rows, store_splits, m, value_dim, device=device, dtype=torch.float32)
+    out_plain = torch.empty(rows, m, value_dim, device=device, dtype=torch.float32) if plain else out_acc
     q = query.float().contiguous()
+    pq = plain_query.float().contiguous() if plain else q
     kc, vc = encoded_keys["codes"].contiguous(), encoded_values["codes"].contiguous()
     ks, kz = encoded_keys["scale"].contiguous(), encoded_keys["zero"].contiguous()
     vs, vz = encoded_values["scale"].contiguous(), encoded_values["zero"].contiguous()
-    bias_arg = bias.float().contiguous() if bias is not None else out_max
+    if bias is not None:
+        bias = bias.float()
+        if bias.stride(-1) != 1:
+            bias = bias.contiguous()
+    bias_b, bias_h = (bias.stride(0), bias.stride(1) if bias.shape[1] > 1 else 0) if bias is not None else (0, 0)
+    has_sinks = plain and sink_slots is not None
+    if has_sinks:
+        assert sink_keys is not None and sink_values is not None and sink_slots is not None
+        slots = sink_slots.to(torch.int32).contiguous()
+        sink_k, sink_v = _last_contiguous(sink_keys), _last_contiguous(sink_values)
+        sinks = slots.shape[-1]
+    else:
+        slots, sink_k, sink_v, sinks = out_max, out_max, out_max, 0
+    has_tail = plain and tail_keys is not None and tail_keys.shape[-2] > 0
+    if has_tail:
+        assert tail_values is not None and tail_keys is not None
+        tail_k, tail_v = _last_contiguous(tail_keys), _last_contiguous(tail_values)
+        tail = tail_k.shape[-2]
+        if tail_k.stride() != tail_v.stride():
+            tail_k, tail_v = tail_k.contiguous(), tail_v.contiguous()
+    else:
+        tail_k, tail_v, tail = out_max, out_max, 0
+    if has_sinks and sink_k.stride() != sink_v.stride():
+        sink_k, sink_v = sink_k.contiguous(), sink_v.contiguous()
+    kernel = _kernel()
+    block_m = max(16, triton.next_power_of_2(m))
+    block_s = max(16, triton.next_power_of_2(max(sinks, 1)))
     kernel[(rows, splits)](
-        q, kc, ks, kz, vc, vs, vz, bias_arg, out_max, out_sum, out_acc,
-        m, tokens, tokens_per_split, kc.shape[-1], vc.shape[-1], ks.shape[2], ks.shape[3], vs.shape[2], vs.shape[3],
-        D=dim, DV=value_dim, BLOCK_M=block_m, BLOCK_T=block_t,
+        q, kc, ks, kz, vc, vs, vz, bias if bias is not None else out_max,
+        pq, sink_k, sink_v, slots, tail_k, tail_v,
+        out_max, out_sum, out_acc, out_plain,
+        m, tokens, tokens_per_split, store_splits, heads, kc.shape[-1], vc.shape[-1], ks.shape[2], ks.shape[3],
+        vs.shape[2], vs.shape[3], bias_b, bias_h,
+        sinks, *(_strides(sink_k)[:3] if has_sinks else (0, 0, 0)),
+        tail, *(_strides(tail_k)[:3] if has_tail else (0, 0, 0)),
+        D=dim, DV=value_dim, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_S=block_s,
         K_BITS=k_bits, K_TOKEN_GROUP=k_tg, K_CHANNEL_GROUP=k_cg,
         V_BITS=v_bits, V_TOKEN_GROUP=v_tg, V_CHANNEL_GROUP=v_cg,
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias is not None, HAS_SINKS=has_sinks,
     )
-    # Merge the splits (a split with no visible token has max -inf and sum 0: it weighs nothing).
+    # Merge the programs (one with no visible token has max -inf and sum 0: it weighs nothing).
     best = out_max.amax(1, keepdim=True)
-    safe = best.masked_fill(best == float("-inf"), 0.0)
-    weight = torch.exp(out_max - safe)  # [rows, splits, M]
+    weight = torch.exp(out_max - best.masked_fill(best == float("-inf"), 0.0))  # [rows, splits, M]
     total = (out_sum * weight).sum(1)
-    acc = (out_acc * weight[..., None]).sum(1)
+    acc = (out_acc * weight[:, :store_splits, :, None]).sum(1)
     shape = (batch, heads, m)
-    return best.reshape(*shape, 1), total.reshape(*shape, 1), acc.reshape(*shape, value_dim)
+    plain_acc = (out_plain * weight[:, store_splits, :, None]).reshape(*shape, value_dim) if plain else None
+    return best.reshape(*shape, 1), total.reshape(*shape, 1), acc.reshape(*shape, value_dim), plain_acc
+
+
+def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()

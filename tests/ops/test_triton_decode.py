@@ -49,6 +49,46 @@ def test_partials_equal_softmax_over_decoded_states(bits, key_axis):
     torch.testing.assert_close(got_acc, probs @ codec.decode(enc_v, "value", torch.float32), **tolerance)
 
 
+@pytest.mark.parametrize("per_head_bias", [False, True])
+def test_one_launch_reads_store_sinks_and_tail_as_one_softmax(per_head_bias):
+    """`decode_attention`: the store (its query, its basis; sink slots hidden), exact sinks (a slot in the tail or -1
+    attends nowhere here) and a tail longer than one tile (the plain query), against the same softmax written out."""
+    g = torch.Generator().manual_seed(5)
+    codec = IntNCodec(bits=4, group_size=16, key_axis="channel", rotate="none")
+    batch, heads, tokens, tail, dim, rows, sinks = 2, 2, 96, 70, 32, 3, 3
+    def states(n):
+        return torch.randn(batch, heads, n, dim, generator=g).to(DEVICE)
+    keys, values, tail_k, tail_v, sink_k, sink_v = (states(n) for n in (tokens, tokens, tail, tail, sinks, sinks))
+    enc_k, enc_v = codec.encode(keys, "key"), codec.encode(values, "value")
+    stored_q = (torch.randn(batch, heads, rows, dim, generator=g) * 0.3).to(DEVICE)
+    plain_q = (torch.randn(batch, heads, rows, dim, generator=g) * 0.3).to(DEVICE)
+    slots = torch.tensor([[[0, 5, -1], [2, 7, tokens + 3]], [[1, 4, 9], [-1, 0, 50]]], device=DEVICE)
+    bias = torch.zeros(batch, heads if per_head_bias else 1, tokens + tail, device=DEVICE)
+    bias[0, :, :4] = float("-inf")  # row 0's left padding: sink slot 0 lies in it and must stay hidden
+    bias[1, -1, tokens + 10] = float("-inf")  # a masked tail column (head 1 only when per head)
+    full_bias = bias.expand(batch, heads, tokens + tail)
+    decoded_keys = codec.decode(enc_k, "key", torch.float32)
+    store_logits = stored_q @ decoded_keys.transpose(-1, -2) + full_bias[:, :, None, :tokens]
+    in_store = (slots >= 0) & (slots < tokens)
+    hidden = torch.zeros(batch, heads, tokens + 1, dtype=torch.bool, device=DEVICE)
+    hidden.scatter_(2, torch.where(in_store, slots, tokens), True)
+    store_logits = store_logits.masked_fill(hidden[:, :, None, :tokens], float("-inf"))
+    sink_logits = plain_q @ sink_k.transpose(-1, -2) + full_bias.gather(2, slots.clamp(min=0))[:, :, None]
+    sink_logits = sink_logits.masked_fill(~in_store[:, :, None], float("-inf"))
+    tail_logits = plain_q @ tail_k.transpose(-1, -2) + full_bias[:, :, None, tokens:]
+    logits = torch.cat([store_logits, sink_logits, tail_logits], dim=-1)
+    best = logits.amax(-1, keepdim=True)
+    probs = torch.exp(logits - best)
+    stored = probs[..., :tokens] @ codec.decode(enc_v, "value", torch.float32)
+    plain = probs[..., tokens:tokens + sinks] @ sink_v + probs[..., tokens + sinks:] @ tail_v
+    got = triton_decode.decode_attention(stored_q, plain_q, enc_k, enc_v, dim, bias, slots, sink_k, sink_v,
+                                         tail_k, tail_v, block_t=16, tokens_per_split=32)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if INTERPRETED else dict(atol=2e-2, rtol=2e-2)  # GPU dots in tf32
+    for name, value, expected in zip(("max", "sum", "stored", "plain"), got,
+                                     (best, probs.sum(-1, keepdim=True), stored, plain), strict=True):
+        torch.testing.assert_close(value, expected, **tolerance, msg=name)
+
+
 def test_unsupported_stores_are_declined():
     fp8 = {"values": torch.zeros(1, 1, 4, 32, dtype=torch.uint8), "scale": torch.zeros(1, 1, 4, 1)}
     assert not triton_decode.supports(fp8, fp8, 4, 32, 32)
