@@ -20,3 +20,21 @@ def embedded():
 
     model, tokenizer = load_model()
     return use_kvcompress_attention(model), tokenizer
+
+
+@pytest.fixture
+def store_reads(monkeypatch):
+    """Which kernel each decode step's read of an encoded store went through ("cpu", "triton", or None: PyTorch),
+    one entry per layer and step (tests/hf/test_fast_path.py, tests/gpu)."""
+    from hf_kvcompress.caches import store_attention
+
+    calls = []
+    original = store_attention.attend_store
+
+    def counted(layer, query, attention_mask, scaling, backend="auto"):
+        calls.append(store_attention.store_kernel(layer, query, backend) if layer.store.n_encoded else None)
+        return original(layer, query, attention_mask, scaling, backend)
+
+    monkeypatch.setattr(store_attention, "attend_store", counted)
+    monkeypatch.setattr("hf_kvcompress.caches.layer.attend_store", counted)  # what `CompressedLayer.attend` calls
+    return calls

@@ -48,21 +48,6 @@ def test_caches_that_keep_everything_answer_as_dynamic_cache(spec, name, dtype):
     assert (logits - reference[1]).abs().max() <= tolerance * scale, (spec, name, dtype)
 
 
-@pytest.fixture
-def store_reads(monkeypatch):
-    """Which kernel each decode step's read of an encoded store went through."""
-    calls = []
-    original = store_attention.attend_store
-
-    def counted(layer, query, attention_mask, scaling, backend="auto"):
-        calls.append(store_attention.store_kernel(layer, query, backend) if layer.store.n_encoded else None)
-        return original(layer, query, attention_mask, scaling, backend)
-
-    monkeypatch.setattr(store_attention, "attend_store", counted)
-    monkeypatch.setattr("hf_kvcompress.caches.layer.attend_store", counted)
-    return calls
-
-
 def _decode(model, ids, mask, cache, steps: int, tokens=None):
     """Prefill `ids` then decode `steps` tokens one forward at a time, positions from the mask as `generate` sets
     them: the given `tokens` [B, steps] (teacher-forced) or greedy ones. Returns (logits [steps, B, V], the last

@@ -10,7 +10,6 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import QuantizedCache, load_model, make_cache, use_kvcompress_attention
-from hf_kvcompress.caches import store_attention
 from hf_kvcompress.hf.attention import ATTENTION_NAME, engage
 from hf_kvcompress.ops import cpu_decode
 
@@ -28,21 +27,6 @@ def kernel_calls(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(cpu_decode, "decode_attention", counted)
-    return calls
-
-
-@pytest.fixture
-def store_reads(monkeypatch):
-    """How many times decode attention read a layer's encoded store, and through which kernel."""
-    calls = []
-    original = store_attention.attend_store
-
-    def counted(layer, query, attention_mask, scaling, backend="auto"):
-        calls.append(store_attention.store_kernel(layer, query, backend) if layer.store.n_encoded else None)
-        return original(layer, query, attention_mask, scaling, backend)
-
-    monkeypatch.setattr(store_attention, "attend_store", counted)
-    monkeypatch.setattr("hf_kvcompress.caches.layer.attend_store", counted)  # what `CompressedLayer.attend` calls
     return calls
 
 
