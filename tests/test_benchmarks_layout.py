@@ -124,3 +124,16 @@ def test_every_probe_imports_and_answers_help():
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert {Path(path).name: why for path, why in results.items() if why != "ok"} == {}
+
+
+def test_the_gpu_generate_probe_runs_on_cpu():
+    """The GPU probes are run in the sessions that are lent a GPU, once: their dry run must work before then."""
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "probes" / "gpu_generate_speed.py"), "--device", "cpu", "--tiny",
+         "--lengths", "64", "--batches", "1", "--new-tokens", "3", "--specs", "int4;snapkv:ratio=0.25"],
+        capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip().startswith("64")]
+    assert [row[2] for row in rows] == ["dynamic", "int4", "snapkv:ratio=0.25"]
+    assert all(float(row[3]) > 0 for row in rows)
