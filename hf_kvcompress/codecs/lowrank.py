@@ -241,13 +241,6 @@ class LowRankCodec(ReducingCodec):
             cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
             most either asks for (`exact_residual`); 0: none. None (the default): 128 when fewer than half of the
             dimensions are kept (a ratio below 0.5, the default ratio included), else 0 (with `rank`: 0).
-        outliers: the share of each encoded block of tokens (a prompt's, as it leaves the window) kept exact beside
-            the store: the tokens whose keys and values the codec reads back worst (`token_errors`), chosen when
-            they are encoded, with no knowledge of a later question (ShadowKV, arXiv:2410.21465, keeps its worst
-            key chunks exact beside the low-rank keys). Paid out of `ratio`: the projected tokens keep `ratio -
-            outliers` of the dimensions, so that an outlier (its latent and its exact copy) and the rest together
-            hold `ratio` of a prompt's dimensions; with `rank`, on top of the rank's bytes. Blocks of fewer than
-            1 / outliers tokens (a decode step's) keep none. 0: none.
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
 
@@ -261,7 +254,6 @@ class LowRankCodec(ReducingCodec):
     allocate: str | None = None
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
     residual_length: int | None = None  # type: ignore[assignment,misc]  # as sink_tokens: lowrank's own (stack: the most)
-    outliers: float = 0.0
     length: int = BYTES_AT_LENGTH
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
@@ -297,13 +289,6 @@ class LowRankCodec(ReducingCodec):
             object.__setattr__(self, "floor", "none")
         if self.floor not in FLOORS:
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}, got {self.floor!r}")
-        outliers = self.outliers
-        if isinstance(outliers, bool) or not isinstance(outliers, (int, float)) or not 0 <= outliers < 1:
-            raise ValueError(f"outliers must be a number in [0, 1) (the share of tokens kept exact), got {outliers!r}")
-        ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
-        if outliers and self.rank is None and outliers >= ratio:
-            raise ValueError(f"outliers must be below ratio ({ratio}: the outliers are paid out of its dimensions), "
-                             f"got {outliers!r}")
         if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
             raise ValueError(f"length must be a positive integer (the prompt tokens a hybrid model's ratio counts "
                              f"bytes at), got {self.length!r}")
@@ -343,8 +328,7 @@ class LowRankCodec(ReducingCodec):
                     raise ValueError(f"rank must be below head_dim ({head_dim}), got {self.rank}")
                 ranks = [(self.rank * heads, self.rank * heads)] * layers
             else:
-                # The outliers' exact copies are paid out of the ratio (see `outliers`).
-                ratio = (self.ratio if self.ratio is not None else DEFAULT_RATIO) - self.outliers
+                ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
                 step, floored = self._rank_step(heads * head_dim), self._floored(config)
                 costs = self._costs(config)
                 allocate = self.allocate or self._default_allocation(ratio, tensors, costs is not None)
@@ -510,24 +494,6 @@ class LowRankCodec(ReducingCodec):
             unrotated = self.expand(self.storage.decode(encoded, kind, torch.float32), kind, torch.float32)
             return rerotate(unrotated, self._positions(positions, unrotated), self._inv_freq()).to(dtype)
         return self.expand(self.storage.decode(encoded, kind, dtype), kind, dtype)
-
-    @property
-    def exact_outliers(self) -> float:
-        return float(self.outliers)
-
-    def token_errors(self, keys: torch.Tensor, values: torch.Tensor,
-                     positions: torch.Tensor | None = None) -> torch.Tensor:
-        """keys, values [B, H_kv, T, D] -> [B, T]: each token's squared error once encoded and decoded (the storage
-        included) over the layer's KV heads, keys and values each divided by their mean over the T tokens, so that
-        the two kinds weigh alike. Keys are compared as the cache receives them (RoPE turns both alike)."""
-        total = torch.zeros(keys.shape[0], keys.shape[2], device=keys.device)
-        pairs: tuple[tuple[Kind, torch.Tensor], ...] = (("key", keys), ("value", values))
-        for kind, states in pairs:
-            at = {"positions": positions} if kind == "key" and self._joint else {}
-            rebuilt = self.decode(self.encode(states, kind, **at), kind, torch.float32, **at)
-            error = (rebuilt - states.float()).square().sum(dim=(1, 3))  # [B, T]
-            total += error / error.mean(dim=-1, keepdim=True).clamp(min=1e-30)
-        return total
 
     # -- attention over the latents (caches/store_attention.py) ------------------------------------------------------
 
