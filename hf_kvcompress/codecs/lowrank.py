@@ -213,22 +213,27 @@ class LowRankCodec(ReducingCodec):
 
     Args:
         rank: coordinates per KV head in every layer (< head_dim; a joint basis keeps rank x KV heads per layer).
-        ratio: the share of all layers' key and value dimensions kept, spread over the layers and kinds by their
-            calibrated variances (joint bases only). Neither: ratio 0.25 (joint bases) or rank head_dim // 4.
+        ratio: the share of all layers' key and value dimensions kept, spread over the layers and kinds by
+            `allocate` (joint bases only). On a model with sliding-window layers each layer's dimensions count at
+            the tokens they are stored for at `length` (a sliding layer's window, a full-attention layer's every
+            token, less the exact window and sinks; `layer_costs`), so that the ratio is the share of the latents'
+            bytes there rather than of the dimensions. Neither: ratio 0.25 (joint bases) or rank head_dim // 4.
         bases: a directory (or file) written by `hf-kvcompress calibrate`; None: the bases shipped for the model.
         allocate: with `ratio`, how the dimensions are spread over layers and kinds: "error" spends each next step
             where it lowers the calibrated attention-output error most (summed over layers; the curves
             `hf-kvcompress calibrate` writes beside the bases), "copy" as "error" with each layer's curves
             multiplied by its copy weight (`calibrate --copy-weights`: what the layer's errors cost the model's
             copy of a text it has just read, copy_weights.py), "variance" by the share of variance each step
-            holds; None: below half of the dimensions "copy" when the bases hold copy weights and the model has no
-            sliding-window layers, else "error" when they hold error curves, else "variance" (chosen on SmolLM2's
-            development half: at a quarter the error allocation answered more than variance, and the copy weights
-            more than the plain errors; at a half without a window error lost answers that variance kept;
-            docs/results.md, "Low rank at a quarter").
+            holds; None: on a model with sliding-window layers "copy" when the bases hold copy weights; otherwise
+            below half of the dimensions "copy" when the bases hold copy weights, else "error" when they hold error
+            curves, and "variance" from a half on or without curves (chosen on the development halves: on SmolLM2 at
+            a quarter the error allocation answered more than variance, and the copy weights more than the plain
+            errors; at a half without a window error lost answers that variance kept; on Gemma-3, with the bytes
+            counted per layer, copy answered more than error at a quarter and more than variance at a half;
+            docs/results.md, "Low rank at a quarter" and "Low rank on Gemma-3 by bytes").
         floor: with `ratio`, "full" (the default): in a model with sliding-window layers, each full-attention layer
             (the layers that read the whole document) keeps at least `ratio` of its key and of its value dimensions,
-            the rest allocated by variance; "none": every layer by variance alone. The default was chosen on the
+            the rest allocated by `allocate`; "none": every layer by `allocate` alone. The default was chosen on the
             development half: by variance alone Gemma-3's full-attention layers, whose pre-RoPE key spectra are the
             steepest, fall below the ratio and lose the document's facts. A model without sliding-window layers is
             the same either way; with `rank` every layer has that rank.
@@ -241,6 +246,9 @@ class LowRankCodec(ReducingCodec):
             cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
             most either asks for (`exact_residual`); 0: none. None (the default): 128 when fewer than half of the
             dimensions are kept (a ratio below 0.5, the default ratio included), else 0 (with `rank`: 0).
+        length: on a model with sliding-window layers, the prompt tokens at which `ratio` is a share of the
+            latents' bytes (2,000, the suite's prompts); at longer prompts the full-attention layers' share of the
+            bytes weighs more. Ignored without sliding-window layers (every layer holds every token).
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
 
@@ -367,14 +375,15 @@ class LowRankCodec(ReducingCodec):
 
     @staticmethod
     def _default_allocation(ratio: float, tensors: dict, hybrid: bool) -> str:
-        """Below half of the dimensions: "copy" when the bases hold copy weights (on a model without sliding-window
-        layers), else "error" when they hold error curves; otherwise (and from a half on) "variance" (see
-        `allocate`). On a hybrid model the copy weights go to the full-attention layers, whose dimensions hold every
-        token where a sliding layer's hold its window: the same ratio would hold more bytes (Gemma-3 at 2,000
-        tokens: 0.476 of them for 0.425), so there `allocate=copy` is asked for, with a lower ratio."""
+        """"copy" when the bases hold copy weights and the model has sliding-window layers (its ratio counts bytes,
+        `layer_costs`, so the weights' dimensions in the full-attention layers are paid for at their tokens);
+        otherwise below half of the dimensions "copy" when the bases hold copy weights, else "error" when they hold
+        error curves, and "variance" from a half on or without curves (see `allocate`)."""
+        if hybrid and has_copy_weights(tensors):
+            return "copy"
         if ratio >= 0.5:
             return "variance"
-        if has_copy_weights(tensors) and not hybrid:
+        if has_copy_weights(tensors):
             return "copy"
         return "error" if has_error_curves(tensors) else "variance"
 
