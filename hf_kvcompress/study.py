@@ -180,11 +180,6 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
         if layer_codec.exact_sinks and (encoded > 0 or kept < tokens):
             # full-precision sinks, copied at the first encoding or eviction: keys, values and an int64 slot each
             total += shape.kv_heads * layer_codec.exact_sinks * (2 * shape.head_dim * model_bytes + 8)
-        if layer_codec.exact_outliers and not layer_codec.lossless:
-            # outliers, chosen from the prompt's encoded block as it leaves the window (caches/codec_sinks.py): kept
-            # exact as the sinks are (an estimate for a prompt encoded in one block; chunks round each down)
-            outliers = int(layer_codec.exact_outliers * encoded)
-            total += shape.kv_heads * outliers * (2 * shape.head_dim * model_bytes + 8)
     return total
 
 

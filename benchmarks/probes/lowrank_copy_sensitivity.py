@@ -8,7 +8,7 @@ allocation that weighs each layer's calibrated error curves by that cost answer 
 Command:
     python benchmarks/probes/lowrank_copy_sensitivity.py [--model smollm2-135m] [--spec lowrank:ratio=0.25]
         [--tokens 1024] [--out DIR]
-Written up: docs/results.md, "Low rank at a quarter: exact outliers, and which layers lose the answers".
+Written up: docs/results.md, "Low rank at a quarter: exact outliers and copy weights".
 
 With `--out DIR`, writes copies of the model's shipped bases whose error curves are multiplied by each layer's weight
 (`weightings`: DIR/ratio and DIR/boost), for `lowrank:ratio=...,bases=DIR/boost` (the error allocation reads the

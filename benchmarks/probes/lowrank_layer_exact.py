@@ -3,11 +3,11 @@
 Question: on the samples that `lowrank:ratio=0.25` misses (and `dynamic` answers), does keeping the keys and
 values of some decoder layers exact (those layers' caches full precision, the others as the spec stores them) bring
 the answer back, and which layers do? And where do the answer's own tokens rank among each layer's tokens by the
-codec's reconstruction error (`token_errors`, what `outliers=` keeps exact)?
+codec's reconstruction error (`token_errors`: what exact outliers, ShadowKV's, would have kept)?
 Command:
     python benchmarks/probes/lowrank_layer_exact.py [--model smollm2-135m] [--spec lowrank:ratio=0.25]
         [--tasks needle multi_question] [--split dev] [--depths 10 50 90] [--samples 2] [--group 6]
-Written up: docs/results.md, "Low rank at a quarter: exact outliers, and which layers lose the answers".
+Written up: docs/results.md, "Low rank at a quarter: exact outliers and copy weights".
 
 Each prompt is answered as the eval's document-first protocol does (the document prefilled, then the question
 generated from the cache). For a missed sample, the layers are made exact `--group` at a time (consecutive
@@ -43,8 +43,21 @@ def answer(model, tok, row, doc, question, spec, exact_layers=()):
     return text, all(ref in text for ref in row["references"]), cache
 
 
+def token_errors(codec, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """keys, values [B, H_kv, T, D] -> [B, T]: each token's squared error once encoded and decoded by a layer's
+    `codec` (its storage included), over the layer's KV heads, keys and values each divided by their mean over the
+    T tokens so that the two kinds weigh alike; keys at `positions` [B, H_kv, T] for a codec that needs them."""
+    total = torch.zeros(keys.shape[0], keys.shape[2])
+    for kind, states in (("key", keys), ("value", values)):
+        at = {"positions": positions} if kind == "key" and codec.needs_positions else {}
+        rebuilt = codec.decode(codec.encode(states, kind, **at), kind, torch.float32, **at)
+        error = (rebuilt - states.float()).square().sum(dim=(1, 3))  # [B, T]
+        total += error / error.mean(dim=-1, keepdim=True).clamp(min=1e-30)
+    return total
+
+
 def answer_ranks(model, tok, row, doc, spec):
-    """Per layer, the answer tokens' best rank percentile by the codec's `token_errors` (0: the worst-read token)."""
+    """Per layer, the answer tokens' best rank percentile by `token_errors` (0: the worst-read token)."""
     reference = DynamicCache()  # every layer's states whole (a sliding layer's too)
     with torch.no_grad():
         model(input_ids=torch.tensor([doc]), cache=reference)
@@ -61,7 +74,7 @@ def answer_ranks(model, tok, row, doc, spec):
     ranks = []
     for exact, layer in zip(reference.layers, codec_cache.layers, strict=True):
         heads = exact.keys.shape[1]
-        errors = layer.codec.token_errors(exact.keys, exact.values, positions.expand(1, heads, -1))[0]
+        errors = token_errors(layer.codec, exact.keys, exact.values, positions.expand(1, heads, -1))[0]
         order = errors.argsort(descending=True).argsort().float() / len(doc)  # 0: the worst
         ranks.append(float(order[spans].min()))
     return ranks

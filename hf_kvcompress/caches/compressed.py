@@ -79,11 +79,6 @@ def _check_head_budgets(policy: Policy, codec: Codec, rerotate: bool) -> None:
         )
     if rerotate:
         raise ValueError("rerotate re-rotates a window of whole tokens; budgets=head keeps other tokens per head")
-    if codec.exact_outliers > 0:
-        raise ValueError(
-            f"budgets=head ranks pairs with the codec's exact tokens first in each row; codec {codec.spec()!r} keeps "
-            "outliers anywhere: use budgets=layer with it, or outliers=0"
-        )
     if codec.needs_positions:
         raise ValueError(
             f"budgets=head keeps no per-slot positions, and codec {codec.spec()!r} decodes keys at theirs: use "

@@ -26,7 +26,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..codecs.base import Codec, Kind
 from ..policies.base import Policy
 from ..policies.block_window import BlockWindowPolicy
-from .codec_sinks import first_real_slots, worst_slots
+from .codec_sinks import first_real_slots
 from .eviction import Eviction
 from .finite_check import FINITE_CHECK_EVERY, NON_FINITE, FiniteCheck
 from .head_store import HeadStore
@@ -357,7 +357,7 @@ class CompressedLayer(CacheLayerMixin):
         assert isinstance(self.store, TokenStore)  # a token layer's step (a head store encodes in `compress`)
         self.store.encode_tail(self._before_encoding, self.slots.positions)
 
-    def _before_encoding(self, first: bool, n: int) -> None:
+    def _before_encoding(self, first: bool) -> None:
         # Padding grows only with prompt chunks: decode steps after the first encoding need not ask (a host read).
         block_k = self.codec.token_block("key")
         assert self.padding is not None  # called by a token store's `encode_tail`
@@ -365,8 +365,6 @@ class CompressedLayer(CacheLayerMixin):
             warnings.warn(PADDING_SPLITS_GROUPS.format(group=block_k), stacklevel=4)
         if first:
             self._capture_sinks()
-        if self.codec.exact_outliers > 0:
-            self._capture_outliers(n)
 
     # -- eviction ---------------------------------------------------------------------------------------------------
 
@@ -459,23 +457,6 @@ class CompressedLayer(CacheLayerMixin):
         assert isinstance(self.store, TokenStore) and self.padding is not None
         self.slots.sink_slots = first_real_slots(sinks, self.padding, self.kv_heads)
         self.store.capture_sinks(self.slots.sink_slots)
-
-    def _capture_outliers(self, n: int) -> None:
-        """Copy the tokens of the tail's `n` oldest slots, about to be encoded, that the codec reads back worst: the
-        share `codec.exact_outliers` of the block (codec_sinks.py `worst_slots`), kept exact beside the sinks."""
-        count = int(self.codec.exact_outliers * n)
-        if count == 0:  # a block too small to hold one (a decode step's token)
-            return
-        assert isinstance(self.store, TokenStore) and self.padding is not None  # called by a token store's encoding
-        store, start = self.store, self.store.n_encoded
-        assert store.tail_keys is not None and store.tail_values is not None  # `encode_tail` encodes from them
-        positions = None if self.slots.positions is None else self.slots.positions[:, :, start : start + n]
-        errors = self.codec.token_errors(store.tail_keys[:, :, :n], store.tail_values[:, :, :n], positions)
-        picked = worst_slots(errors, count, start, self.padding.pads, self.slots.sink_slots, self.kv_heads)
-        store.capture_sinks(picked)
-        slots = torch.where(picked >= 0, picked + start, -1)
-        held = self.slots.sink_slots
-        self.slots.sink_slots = slots if held is None else torch.cat([held, slots], dim=-1)
 
     # -- save and load (persist.py), under the names files were always saved with ---------------------------------
 

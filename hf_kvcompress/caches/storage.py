@@ -193,21 +193,16 @@ class TokenStore:
         return encoded if fresh is None else cat_encoded(encoded, fresh)
 
     def capture_sinks(self, slots: torch.Tensor) -> None:
-        """Copy the exact states of the tail's `slots` [B, H_kv, S] (counted from the tail's first slot; -1: none),
-        the codec's sink tokens or outliers, after the sinks already held (the layer's `slots.sink_slots` in the same
-        order)."""
+        """Copy the exact states of the tail's `slots` [B, H_kv, S] (-1: none), the codec's sink tokens."""
         assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
-        keys = gather_states(self.tail_keys, slots.clamp(min=0))
-        values = gather_states(self.tail_values, slots.clamp(min=0))
-        self.sink_keys = keys if self.sink_keys is None else torch.cat([self.sink_keys, keys], dim=-2)
-        self.sink_values = values if self.sink_values is None else torch.cat([self.sink_values, values], dim=-2)
+        self.sink_keys = gather_states(self.tail_keys, slots.clamp(min=0))
+        self.sink_values = gather_states(self.tail_values, slots.clamp(min=0))
 
     # -- encoding ---------------------------------------------------------------------------------------------------
 
-    def encode_tail(self, before_encoding: Callable[[bool, int], None], positions: torch.Tensor | None = None) -> None:
+    def encode_tail(self, before_encoding: Callable[[bool], None], positions: torch.Tensor | None = None) -> None:
         """Encode tail tokens beyond the codec's full-precision residual, whole blocks at a time.
-        `before_encoding(first, n)` runs before the tail's n oldest tokens are encoded (`first`: none were before);
-        `positions`
+        `before_encoding(first)` runs before any tokens are encoded (`first`: none were before); `positions`
         [B, H_kv, slots]: each slot's key position, for a codec that `needs_positions`."""
         if self.codec.lossless and self.encoded_keys is None:
             return  # full precision: the tail is the store
@@ -220,7 +215,7 @@ class TokenStore:
             self._trim_exact(residual - (self.tail_keys.shape[-2] - max(n, 0)))
         if n <= 0:
             return
-        before_encoding(self.encoded_keys is None, n)
+        before_encoding(self.encoded_keys is None)
         at = self._at("key", positions, self.n_encoded, self.n_encoded + n)
         self.encoded_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys[:, :, :n], "key", **at))
         self.encoded_values = cat_encoded(self.encoded_values, self.codec.encode(self.tail_values[:, :, :n], "value"))

@@ -56,18 +56,6 @@ class Codec(ABC):
         for."""
         return self.residual_length
 
-    @property
-    def exact_outliers(self) -> float:
-        """The share of encoded tokens the layer keeps exact beside the store, chosen as the ones the codec rebuilds
-        worst (`token_errors`; caches/codec_sinks.py): 0 for most codecs (lowrank's `outliers`)."""
-        return 0.0
-
-    def token_errors(self, keys: torch.Tensor, values: torch.Tensor,
-                     positions: torch.Tensor | None = None) -> torch.Tensor:
-        """keys, values [B, H_kv, T, D] -> [B, T]: how badly each token reads back once encoded (the larger, the
-        worse), over the layer's KV heads; asked only by a codec whose `exact_outliers` is above 0."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no outliers (exact_outliers is 0)")
-
     def token_block(self, kind: Kind) -> int:
         """How many tokens are encoded together along the token axis."""
         return 1

@@ -28,6 +28,9 @@ DEFAULT_RATIO = 0.25  # the lesson's 128 -> 32
 # half (a quarter: no window 0 / 10, 32 tokens 7 / 10, 128 tokens 8 / 10; docs/results.md); a half answered its
 # needles without one (by variance).
 WINDOW_BELOW_HALF = 128
+# The prompt length at which a ratio on a model with sliding-window layers is a share of the latents' bytes
+# (`length`): the suite's prompts (needle, multi_question at 2,000 tokens).
+BYTES_AT_LENGTH = 2000
 
 
 class LayerBases:
@@ -96,36 +99,68 @@ ALLOCATIONS = ("copy", "error", "variance")  # lowrank's `allocate`: what a rati
 
 
 def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: float, step: int,
-                   max_rank: int, floored: tuple[bool, ...] | None = None) -> list[tuple[int, int]]:
+                   max_rank: int, floored: tuple[bool, ...] | None = None,
+                   costs: tuple[float, ...] | None = None) -> list[tuple[int, int]]:
     """Per-layer (key rank, value rank) keeping `ratio` of all layers' dimensions, in steps of `step`.
 
     Each (layer, kind) ranks its components by the share of its own variance they hold; the kept dimensions go to
     the steps that hold the largest shares anywhere (so every layer stops at about the same share of its variance
     left, the variance target that `ratio` stands for). Every layer and kind keeps at least one step and at most
     `max_rank` (what the bases hold); a layer marked in `floored` keeps at least `ratio` of each kind's dimensions
-    (in whole steps, at most `max_rank`), paid for by the other layers' smallest steps."""
+    (in whole steps, at most `max_rank`), paid for by the other layers' smallest steps. `costs`: what a dimension
+    of each layer costs (`layer_costs`: the tokens it is stored for); then `ratio` is a share of the dimensions
+    counted at their costs, and a step goes where its share of variance per cost is largest. None: every layer
+    alike."""
     width = variances[0][0].numel()
     steps = width // step
-    total = round(ratio * len(variances) * 2 * steps)
+    cost = costs if costs is not None else (1.0,) * len(variances)
     floor = min(max(1, round(ratio * steps)), max_rank // step)
     lowest = [floor if floored is not None and floored[layer] else 1 for layer in range(len(variances))]
     gains: list[tuple[float, int, int, int]] = []
     for layer, pair in enumerate(variances):
         for k, v in enumerate(pair):
             share = v.double().clamp(min=0) / v.double().clamp(min=0).sum().clamp(min=1e-30)
-            chunks = share[: steps * step].reshape(steps, step).sum(-1)
+            chunks = share[: steps * step].reshape(steps, step).sum(-1) / cost[layer]
             gains.extend((float(chunks[c]), layer, k, c) for c in range(lowest[layer], min(steps, max_rank // step)))
     ranks = [[step * low, step * low] for low in lowest]
-    picked = max(0, total - 2 * sum(lowest))
-    # Shares fall along each (layer, kind), so the largest gains anywhere are prefixes of each.
-    for _, layer, k, _ in sorted(gains, key=lambda g: (-g[0], g[1], g[2], g[3]))[:picked]:
-        ranks[layer][k] += step
+    budget = _step_budget(ratio, steps, cost) - sum(2 * low * cost[layer] for layer, low in enumerate(lowest))
+    # Shares fall along each (layer, kind), and a layer's steps cost alike, so the largest gains anywhere are prefixes
+    # of each; a step that no longer fits the budget is passed over for cheaper ones.
+    for _, layer, k, _ in sorted(gains, key=lambda g: (-g[0], g[1], g[2], g[3])):
+        if cost[layer] <= budget + _SLACK:
+            ranks[layer][k] += step
+            budget -= cost[layer]
     return [(key, value) for key, value in ranks]
+
+
+# Budgets in cost units are sums of floats: a step that fits up to rounding fits (with unit costs every sum is exact).
+_SLACK = 1e-9
+
+
+def _step_budget(ratio: float, steps: int, costs: tuple[float, ...]) -> float:
+    """`ratio` of all layers' key and value steps, counted at their layers' costs (unit costs: a whole number of
+    steps, rounded as before costs existed)."""
+    if all(c == 1.0 for c in costs):
+        return float(round(ratio * len(costs) * 2 * steps))
+    return ratio * 2 * steps * sum(costs)
+
+
+def layer_costs(layer_types: list[str], window: int, length: int, exact: int) -> tuple[float, ...] | None:
+    """What a dimension of each layer costs in a model with sliding-window layers: the tokens its latents hold at a
+    prompt of `length` tokens, relative to a full-attention layer's. A sliding layer holds its window (transformers
+    keeps `window - 1` tokens) and a full-attention layer every token, less the `exact` newest tokens and sinks each
+    keeps exact in both; so a ratio of the dimensions counted at these costs is that share of the latents' bytes at
+    `length`. None (every layer alike) without sliding layers."""
+    if "sliding_attention" not in layer_types:
+        return None
+    full = max(length - exact, 1)
+    held = max(min(window - 1, length) - exact, 1)
+    return tuple(held / full if kind == "sliding_attention" else 1.0 for kind in layer_types)
 
 
 def allocate_ranks_by_error(curves: list[tuple[list[float], list[float]]], ratio: float, step: int, max_rank: int,
                             width: int, floored: tuple[bool, ...] | None = None,
-                            curve_step: int = 8) -> list[tuple[int, int]]:
+                            curve_step: int = 8, costs: tuple[float, ...] | None = None) -> list[tuple[int, int]]:
     """Per-layer (key rank, value rank) keeping `ratio` of all layers' dimensions, in steps of `step`, chosen to
     lower the sum over layers of the calibrated attention-output errors (`calibration.error_curves`: per layer and
     kind, the error at ranks 0, curve_step, 2 curve_step, ... up to `max_rank`; `width`: KV heads x head_dim) the
@@ -134,31 +169,33 @@ def allocate_ranks_by_error(curves: list[tuple[list[float], list[float]]], ratio
     Greedy: each next step goes to the (layer, kind) whose error falls most per step there; an error curve that
     flattens and then falls again (a few large components late) is looked at over every later step, so a long run of
     small gains does not hide it. Bounds as `allocate_ranks` (at least one step, at most `max_rank`, `floored`
-    layers at least `ratio` of each kind)."""
+    layers at least `ratio` of each kind); with `costs`, `ratio` counts each layer's dimensions at its cost and the
+    error's fall is taken per cost."""
     if step % curve_step:
         raise ValueError(f"step must be a multiple of the error curves' step ({curve_step}), got {step}")
     steps = width // step
-    total = round(ratio * len(curves) * 2 * steps)
+    cost = costs if costs is not None else (1.0,) * len(curves)
     floor = min(max(1, round(ratio * steps)), max_rank // step)
     top = min(steps, max_rank // step)
     lowest = [floor if floored is not None and floored[layer] else 1 for layer in range(len(curves))]
     ranks = [[low, low] for low in lowest]
-    budget = total - 2 * sum(lowest)
+    budget = _step_budget(ratio, steps, cost) - sum(2 * low * cost[layer] for layer, low in enumerate(lowest))
     every = step // curve_step
-    while budget > 0:
+    while budget > _SLACK:
         best: tuple[float, int, int, int] | None = None
         for layer, pair in enumerate(curves):
+            fits = int((budget + _SLACK) // cost[layer])  # the steps of this layer the budget still pays for
             for k, curve in enumerate(pair):
                 at = ranks[layer][k]
-                for more in range(1, min(top - at, budget) + 1):  # the best rate over any run of later steps
-                    rate = (curve[at * every] - curve[(at + more) * every]) / more
+                for more in range(1, min(top - at, fits) + 1):  # the best rate over any run of later steps
+                    rate = (curve[at * every] - curve[(at + more) * every]) / (more * cost[layer])
                     if best is None or rate > best[0] + 1e-15:
                         best = (rate, layer, k, more)
         if best is None:
             break
         _, layer, k, more = best
         ranks[layer][k] += more
-        budget -= more
+        budget -= more * cost[layer]
     return [(step * key, step * value) for key, value in ranks]
 
 
@@ -176,22 +213,27 @@ class LowRankCodec(ReducingCodec):
 
     Args:
         rank: coordinates per KV head in every layer (< head_dim; a joint basis keeps rank x KV heads per layer).
-        ratio: the share of all layers' key and value dimensions kept, spread over the layers and kinds by their
-            calibrated variances (joint bases only). Neither: ratio 0.25 (joint bases) or rank head_dim // 4.
+        ratio: the share of all layers' key and value dimensions kept, spread over the layers and kinds by
+            `allocate` (joint bases only). On a model with sliding-window layers each layer's dimensions count at
+            the tokens they are stored for at `length` (a sliding layer's window, a full-attention layer's every
+            token, less the exact window and sinks; `layer_costs`), so that the ratio is the share of the latents'
+            bytes there rather than of the dimensions. Neither: ratio 0.25 (joint bases) or rank head_dim // 4.
         bases: a directory (or file) written by `hf-kvcompress calibrate`; None: the bases shipped for the model.
         allocate: with `ratio`, how the dimensions are spread over layers and kinds: "error" spends each next step
             where it lowers the calibrated attention-output error most (summed over layers; the curves
             `hf-kvcompress calibrate` writes beside the bases), "copy" as "error" with each layer's curves
             multiplied by its copy weight (`calibrate --copy-weights`: what the layer's errors cost the model's
             copy of a text it has just read, copy_weights.py), "variance" by the share of variance each step
-            holds; None: below half of the dimensions "copy" when the bases hold copy weights and the model has no
-            sliding-window layers, else "error" when they hold error curves, else "variance" (chosen on SmolLM2's
-            development half: at a quarter the error allocation answered more than variance, and the copy weights
-            more than the plain errors; at a half without a window error lost answers that variance kept;
-            docs/results.md, "Low rank at a quarter").
+            holds; None: on a model with sliding-window layers "copy" when the bases hold copy weights; otherwise
+            below half of the dimensions "copy" when the bases hold copy weights, else "error" when they hold error
+            curves, and "variance" from a half on or without curves (chosen on the development halves: on SmolLM2 at
+            a quarter the error allocation answered more than variance, and the copy weights more than the plain
+            errors; at a half without a window error lost answers that variance kept; on Gemma-3, with the bytes
+            counted per layer, copy answered more than error at a quarter and more than variance at a half;
+            docs/results.md, "Low rank at a quarter" and "Low rank on Gemma-3 by bytes").
         floor: with `ratio`, "full" (the default): in a model with sliding-window layers, each full-attention layer
             (the layers that read the whole document) keeps at least `ratio` of its key and of its value dimensions,
-            the rest allocated by variance; "none": every layer by variance alone. The default was chosen on the
+            the rest allocated by `allocate`; "none": every layer by `allocate` alone. The default was chosen on the
             development half: by variance alone Gemma-3's full-attention layers, whose pre-RoPE key spectra are the
             steepest, fall below the ratio and lose the document's facts. A model without sliding-window layers is
             the same either way; with `rank` every layer has that rank.
@@ -204,13 +246,9 @@ class LowRankCodec(ReducingCodec):
             cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
             most either asks for (`exact_residual`); 0: none. None (the default): 128 when fewer than half of the
             dimensions are kept (a ratio below 0.5, the default ratio included), else 0 (with `rank`: 0).
-        outliers: the share of each encoded block of tokens (a prompt's, as it leaves the window) kept exact beside
-            the store: the tokens whose keys and values the codec reads back worst (`token_errors`), chosen when
-            they are encoded, with no knowledge of a later question (ShadowKV, arXiv:2410.21465, keeps its worst
-            key chunks exact beside the low-rank keys). Paid out of `ratio`: the projected tokens keep `ratio -
-            outliers` of the dimensions, so that an outlier (its latent and its exact copy) and the rest together
-            hold `ratio` of a prompt's dimensions; with `rank`, on top of the rank's bytes. Blocks of fewer than
-            1 / outliers tokens (a decode step's) keep none. 0: none.
+        length: on a model with sliding-window layers, the prompt tokens at which `ratio` is a share of the
+            latents' bytes (2,000, the suite's prompts); at longer prompts the full-attention layers' share of the
+            bytes weighs more. Ignored without sliding-window layers (every layer holds every token).
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
     """
 
@@ -224,7 +262,7 @@ class LowRankCodec(ReducingCodec):
     allocate: str | None = None
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
     residual_length: int | None = None  # type: ignore[assignment,misc]  # as sink_tokens: lowrank's own (stack: the most)
-    outliers: float = 0.0
+    length: int = BYTES_AT_LENGTH
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
@@ -259,13 +297,9 @@ class LowRankCodec(ReducingCodec):
             object.__setattr__(self, "floor", "none")
         if self.floor not in FLOORS:
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}, got {self.floor!r}")
-        outliers = self.outliers
-        if isinstance(outliers, bool) or not isinstance(outliers, (int, float)) or not 0 <= outliers < 1:
-            raise ValueError(f"outliers must be a number in [0, 1) (the share of tokens kept exact), got {outliers!r}")
-        ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
-        if outliers and self.rank is None and outliers >= ratio:
-            raise ValueError(f"outliers must be below ratio ({ratio}: the outliers are paid out of its dimensions), "
-                             f"got {outliers!r}")
+        if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
+            raise ValueError(f"length must be a positive integer (the prompt tokens a hybrid model's ratio counts "
+                             f"bytes at), got {self.length!r}")
         if self.residual_length is None:
             share = self.ratio if self.ratio is not None else (DEFAULT_RATIO if self.rank is None else 1.0)
             object.__setattr__(self, "residual_length", WINDOW_BELOW_HALF if share < 0.5 else 0)
@@ -302,10 +336,10 @@ class LowRankCodec(ReducingCodec):
                     raise ValueError(f"rank must be below head_dim ({head_dim}), got {self.rank}")
                 ranks = [(self.rank * heads, self.rank * heads)] * layers
             else:
-                # The outliers' exact copies are paid out of the ratio (see `outliers`).
-                ratio = (self.ratio if self.ratio is not None else DEFAULT_RATIO) - self.outliers
+                ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
                 step, floored = self._rank_step(heads * head_dim), self._floored(config)
-                allocate = self.allocate or self._default_allocation(ratio, tensors, self._hybrid(config))
+                costs = self._costs(config)
+                allocate = self.allocate or self._default_allocation(ratio, tensors, costs is not None)
                 if allocate in ("error", "copy"):
                     if not has_error_curves(tensors):
                         raise ValueError(f"allocate={allocate} needs bases with attention-error curves (hf-kvcompress "
@@ -320,11 +354,11 @@ class LowRankCodec(ReducingCodec):
                                [w * e for e in tensors[f"layers.{i}.value_error"].tolist()])
                               for i, w in enumerate(weights)]
                     ranks = allocate_ranks_by_error(curves, ratio, step, max_rank, heads * head_dim, floored,
-                                                    ERROR_STEP)
+                                                    ERROR_STEP, costs)
                 else:
                     variances = [(tensors[f"layers.{i}.key_variance"], tensors[f"layers.{i}.value_variance"])
                                  for i in range(layers)]
-                    ranks = allocate_ranks(variances, ratio, step, max_rank, floored)
+                    ranks = allocate_ranks(variances, ratio, step, max_rank, floored, costs)
         else:
             rank = self.rank if self.rank is not None else head_dim // 4
             ranks = [(rank, rank)] * layers
@@ -341,14 +375,15 @@ class LowRankCodec(ReducingCodec):
 
     @staticmethod
     def _default_allocation(ratio: float, tensors: dict, hybrid: bool) -> str:
-        """Below half of the dimensions: "copy" when the bases hold copy weights (on a model without sliding-window
-        layers), else "error" when they hold error curves; otherwise (and from a half on) "variance" (see
-        `allocate`). On a hybrid model the copy weights go to the full-attention layers, whose dimensions hold every
-        token where a sliding layer's hold its window: the same ratio would hold more bytes (Gemma-3 at 2,000
-        tokens: 0.476 of them for 0.425), so there `allocate=copy` is asked for, with a lower ratio."""
+        """"copy" when the bases hold copy weights and the model has sliding-window layers (its ratio counts bytes,
+        `layer_costs`, so the weights' dimensions in the full-attention layers are paid for at their tokens);
+        otherwise below half of the dimensions "copy" when the bases hold copy weights, else "error" when they hold
+        error curves, and "variance" from a half on or without curves (see `allocate`)."""
+        if hybrid and has_copy_weights(tensors):
+            return "copy"
         if ratio >= 0.5:
             return "variance"
-        if has_copy_weights(tensors) and not hybrid:
+        if has_copy_weights(tensors):
             return "copy"
         return "error" if has_error_curves(tensors) else "variance"
 
@@ -356,6 +391,15 @@ class LowRankCodec(ReducingCodec):
     def _hybrid(config) -> bool:
         """Whether the model mixes sliding-window and full-attention layers."""
         return "sliding_attention" in (getattr(text_config(config), "layer_types", None) or ())
+
+    def _costs(self, config) -> tuple[float, ...] | None:
+        """Each layer's cost of a dimension on a model with sliding-window layers (`layer_costs` at `length`, less
+        the tokens the stack keeps exact); None otherwise."""
+        if not self._hybrid(config):
+            return None
+        decoder = text_config(config)
+        return layer_costs(list(decoder.layer_types), int(decoder.sliding_window), self.length,
+                           self.exact_residual + self.exact_sinks)
 
     def _floored(self, config) -> tuple[bool, ...] | None:
         """The layers `floor` keeps at least the ratio in: a hybrid model's full-attention layers (none otherwise)."""
@@ -459,24 +503,6 @@ class LowRankCodec(ReducingCodec):
             unrotated = self.expand(self.storage.decode(encoded, kind, torch.float32), kind, torch.float32)
             return rerotate(unrotated, self._positions(positions, unrotated), self._inv_freq()).to(dtype)
         return self.expand(self.storage.decode(encoded, kind, dtype), kind, dtype)
-
-    @property
-    def exact_outliers(self) -> float:
-        return float(self.outliers)
-
-    def token_errors(self, keys: torch.Tensor, values: torch.Tensor,
-                     positions: torch.Tensor | None = None) -> torch.Tensor:
-        """keys, values [B, H_kv, T, D] -> [B, T]: each token's squared error once encoded and decoded (the storage
-        included) over the layer's KV heads, keys and values each divided by their mean over the T tokens, so that
-        the two kinds weigh alike. Keys are compared as the cache receives them (RoPE turns both alike)."""
-        total = torch.zeros(keys.shape[0], keys.shape[2], device=keys.device)
-        pairs: tuple[tuple[Kind, torch.Tensor], ...] = (("key", keys), ("value", values))
-        for kind, states in pairs:
-            at = {"positions": positions} if kind == "key" and self._joint else {}
-            rebuilt = self.decode(self.encode(states, kind, **at), kind, torch.float32, **at)
-            error = (rebuilt - states.float()).square().sum(dim=(1, 3))  # [B, T]
-            total += error / error.mean(dim=-1, keepdim=True).clamp(min=1e-30)
-        return total
 
     # -- attention over the latents (caches/store_attention.py) ------------------------------------------------------
 

@@ -54,8 +54,9 @@ def add_parser(subparsers) -> None:
                         "joint bases (--bases, default: the ones shipped for the model), measured on the same "
                         "calibration text, and write bases and curves to OUT (a fresh fit writes them anyway)")
     parser.add_argument("--copy-weights", action="store_true",
-                        help="add each layer's copy weight (what lowrank:allocate=copy, the quarter's default, reads) "
-                        "to existing joint bases with error curves (--bases, default: the shipped ones): the rise of "
+                        help="add each layer's copy weight (what lowrank:allocate=copy, the default below a half "
+                        "and on models with sliding-window layers, reads) to existing joint bases with error curves "
+                        "(--bases, default: the shipped ones): the rise of "
                         "the model's loss on a second reading of 1,024 held-out calibration tokens when only that "
                         "layer is stored at a quarter (copy_weights.py); write bases and weights to OUT")
     parser.add_argument("--bases", default=None,
