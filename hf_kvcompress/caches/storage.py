@@ -402,6 +402,8 @@ class TokenStore:
             prefix = f"encoded_{kind}."
             encoded = {k[len(prefix):]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith(prefix)}
             setattr(store, f"encoded_{kind}s", encoded or None)
+            if encoded and n_encoded:
+                _check_readable(codec, encoded, kind, n_encoded, dtype)
         return store
 
     def promised_bytes(self, rows: int, head_dim: int, value_dim: int, dtype: torch.dtype | None = None) -> float:
@@ -439,3 +441,18 @@ def stored(name: str, empty=None) -> property:
     by its name from before `store` (`layer.tail_keys`, `layer.n_encoded`, ...)."""
     return property(lambda layer: empty if layer.store is None else getattr(layer.store, name),
                     doc=f"`store.{name}` (see caches/storage.py).")
+
+
+def _check_readable(codec: Codec, encoded: Encoded, kind: Kind, tokens: int, dtype: torch.dtype) -> None:
+    """Refuse a saved store that the codec the spec builds now cannot read: decoding its first token block fails
+    when the codec's plan for the spec changed since the file was saved (lowrank's ranks per layer, a group size), a
+    failure that would otherwise come at the first decode step, deep in attention."""
+    block = min(tokens, max(codec.token_block(kind), 1))
+    try:
+        codec.decode(slice_encoded(encoded, 0, block, tokens), kind, dtype)
+    except (RuntimeError, ValueError, IndexError) as error:
+        raise ValueError(
+            f"the saved cache's {kind}s do not fit the codec {codec.spec()!r} builds for this layer now ({error}): "
+            "the file was probably saved by another version of hf-kvcompress, whose plan for this spec differed; "
+            "build the cache from the document again and save it"
+        ) from error

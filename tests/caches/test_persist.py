@@ -227,3 +227,25 @@ def test_a_byte_target_cache_loads_with_its_planned_sliding_layers(tmp_path):
             out = model(input_ids=step, cache=loaded, position_ids=where).logits
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
         position += 3
+
+
+def test_a_store_the_codec_now_builds_differently_is_refused_at_load(tmp_path):
+    # A file saved when the spec planned another layout (here: int4's key groups of 8 tokens read as groups of 16;
+    # for real, lowrank's ranks per layer changed in session 26) is refused when loaded, by name, instead of failing
+    # at the first decode step deep in attention.
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids, mask = _document(length=40)
+    cache = make_cache("int4:residual_length=4,group_size=8", model.config)
+    prefill(model, ids, mask, cache)
+    path = tmp_path / "cache.safetensors"
+    save_cache(cache, path)
+    assert load_cache(path, model=model).get_seq_length() == cache.get_seq_length()
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+    metadata["spec"] = "int4:residual_length=4,group_size=16"
+    save_file(load_file(str(path)), str(path), metadata=metadata)
+    with pytest.raises(ValueError, match="do not fit the codec 'int4:.*group_size=16.*' builds for this layer now"):
+        load_cache(path, model=model)
