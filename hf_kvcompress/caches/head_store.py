@@ -8,8 +8,8 @@ mask of the slots that hold a pair; the view is transient. Each head's pairs are
 so the view is one `torch.cat` of [zeros, head's pairs] pieces (the zeros one expanded row): a single copy, with the
 per-head lengths read to the host only when the pairs change (evicting, appending), not at every step. A decode
 step of a lossless store needs no view at all: each head's pairs are attended as they lie, joined with that head's
-recent tokens in a buffer with room (`HeadStore.attend`, joined_heads.py), as a cache holding only them would; the
-view serves lossy codecs, sinks and prompt chunks.
+recent tokens in a buffer with room (`HeadStore.attend`, joined_heads.py), as a cache holding only them would, heads
+of close lengths laid out to share one attention call; the view serves lossy codecs, sinks and prompt chunks.
 
 `HeadStore` is the store of a layer after KVzip's global ranking (`CompressedLayer.rank_heads`): the kept pairs in
 `RaggedHeads`, the context's pairs still within the codec's residual in a second one (full precision), the tokens
