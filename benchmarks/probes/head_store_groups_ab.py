@@ -14,10 +14,11 @@ The head store's cache is prefilled once from the bench's prompt (`hf_kvcompress
 pass), and a DynamicCache with the prompt's newest K tokens, K the pairs the store holds per (row, KV head) on
 average after two warm-up steps (`stored_tokens`): the floor. Then blocks of `--block` decode steps alternate between
 `grouped` (`JoinedHeads.attend` as shipped), `per_head` (the form before: one SDPA per head over the same views) and
-`floor`, `--rounds` times each. The two head-store forms give the same logits within float rounding
-(tests/caches/test_kvzap.py, test_joined_heads.py). The figure per form is the median over rounds of the mean process
-CPU time per step in its blocks, with the median of the paired differences; one torch thread. Also printed: SDPA calls
-per layer step (groups) against heads, and the gaps' share of the rows the joined buffers hold.
+`floor`, `--rounds` times each; the floor decodes a second block each round, untimed, to grow as the store does. The
+two head-store forms give the same logits within float rounding (tests/caches/test_kvzap.py, test_joined_heads.py).
+The figure per form is the median over rounds of the mean process CPU time per step in its blocks, with the median of
+the paired differences and ratios; one torch thread. Also printed: SDPA calls per layer step (groups) against heads,
+and the gaps' share of the rows the joined buffers hold.
 """
 
 from __future__ import annotations
@@ -94,11 +95,13 @@ def main() -> None:
                     times[form].append(1000 * (time.process_time() - start) / args.block)
                     if form == "grouped":
                         seen.append(layout(cache))
+                decode["floor"](args.block)  # untimed: the floor grows as the head store does (two blocks a round)
         finally:
             JoinedHeads.attend = grouped_attend  # type: ignore[method-assign]
     print(f"{args.spec} after {args.tokens} tokens x {args.batch} rows, {args.dtype}, {args.rounds} rounds of "
           f"{args.block} steps per form, torch threads {torch.get_num_threads()}; the floor: DynamicCache of "
-          f"{kept} tokens (+ the steps), the head store holds {cache.stored_tokens} per head at the end")
+          f"{kept} tokens, {floor.get_seq_length()} at the end; the head store holds {cache.stored_tokens} per "
+          "head at the end")
     calls, heads, gaps = (statistics.mean(s[i] for s in seen) for i in range(3))
     print(f"SDPA calls per layer step: grouped {calls:.1f}, per_head {heads:.1f}; gaps {gaps:.2%} of the rows held")
     for form in forms:
