@@ -7,7 +7,7 @@ model step, against the form before and against the floor (a DynamicCache of as 
 head), measured in one process so that the load of a shared machine hits all three alike?
 Command:
     python benchmarks/probes/head_store_groups_ab.py [--spec "kvzap:ratio=0.25"] [--tokens 4096] [--batch 1]
-        [--dtype float32|bfloat16] [--block 8] [--rounds 6]
+        [--dtype float32|bfloat16] [--block 8] [--rounds 6] [--full]
 Written up: docs/speed.md, "Per-head stores in groups".
 
 The head store's cache is prefilled once from the bench's prompt (`hf_kvcompress.prefill`, which also runs KVzip's
@@ -18,7 +18,8 @@ average after two warm-up steps (`stored_tokens`): the floor. Then blocks of `--
 two head-store forms give the same logits within float rounding (tests/caches/test_kvzap.py, test_joined_heads.py).
 The figure per form is the median over rounds of the mean process CPU time per step in its blocks, with the median of
 the paired differences and ratios; one torch thread. Also printed: SDPA calls per layer step (groups) against heads,
-and the gaps' share of the rows the joined buffers hold.
+and the gaps' share of the rows the joined buffers hold. `--full`: a DynamicCache of the whole prompt joins the
+rounds too (`full`, grown as the floor), for the ratio the issues' targets name.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--full", action="store_true", help="also a DynamicCache of the whole prompt")
     args = parser.parse_args()
     from bench_measure import prefilled_decoder, prompt_ids
     from transformers import DynamicCache
@@ -73,7 +75,7 @@ def main() -> None:
     model, tokenizer = load_model(None, dtype=args.dtype)
     use_kvcompress_attention(model)
     grouped_attend = JoinedHeads.attend
-    forms = ("grouped", "per_head", "floor")
+    forms = ("grouped", "per_head", "floor", *(("full",) if args.full else ()))
     times: dict[str, list[float]] = {form: [] for form in forms}
     seen: list[tuple[float, float, float]] = []
     with torch.inference_mode():
@@ -86,6 +88,9 @@ def main() -> None:
         floor = DynamicCache(config=model.config)
         decode["floor"] = prefilled_decoder(model, tokenizer, floor, ids[:, -(kept + 1):])
         decode["floor"](2)
+        if args.full:
+            decode["full"] = prefilled_decoder(model, tokenizer, DynamicCache(config=model.config), ids)
+            decode["full"](2)
         try:
             for _ in range(args.rounds):
                 for form in forms:
@@ -95,7 +100,8 @@ def main() -> None:
                     times[form].append(1000 * (time.process_time() - start) / args.block)
                     if form == "grouped":
                         seen.append(layout(cache))
-                decode["floor"](args.block)  # untimed: the floor grows as the head store does (two blocks a round)
+                for form in forms[2:]:  # untimed: the DynamicCaches grow as the head store does (two blocks a round)
+                    decode[form](args.block)
         finally:
             JoinedHeads.attend = grouped_attend  # type: ignore[method-assign]
     print(f"{args.spec} after {args.tokens} tokens x {args.batch} rows, {args.dtype}, {args.rounds} rounds of "
@@ -110,9 +116,10 @@ def main() -> None:
     saved = [p - g for p, g in zip(times["per_head"], times["grouped"], strict=True)]
     print(f"per_head - grouped: median {statistics.median(saved):.2f} ms/step, "
           f"{sum(d > 0 for d in saved)} of {len(saved)} rounds positive")
-    for form in ("grouped", "per_head"):
-        ratios = [t / f for t, f in zip(times[form], times["floor"], strict=True)]
-        print(f"{form} / floor: median of the paired rounds {statistics.median(ratios):.3f}")
+    for base in forms[2:]:
+        for form in ("grouped", "per_head"):
+            ratios = [t / f for t, f in zip(times[form], times[base], strict=True)]
+            print(f"{form} / {base}: median of the paired rounds {statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":
