@@ -12,9 +12,9 @@ the pairs or the tail as tensors.
 
 Heads whose pairs are equal in number, or close (`group_heads`), are laid out at one stride, each right-aligned
 after a gap of zeros that makes it as long as the group's widest: the group is then one strided [n, 1, m + t, D] view
-of the buffer and one SDPA call (`attend`), with a mask of the gaps when there are any. One call per (row, KV head)
-was 24 calls per layer and step at batch 8 on SmolLM2; on its KVzap rankings the groups make ~4-7, for gaps of under
-1% of the rows held (docs/speed.md, "Per-head stores in groups").
+of the buffer and one SDPA call (`attend`), with a mask of the gaps when there are any, where one call per (row, KV
+head) made 24 calls per layer and step at batch 8 on SmolLM2 (what groups save and cost: docs/speed.md, "Per-head
+stores in groups").
 
 The room is the tail's growth until its next absorb, no more: the store then holds, from the join on, the bytes its
 tail would hold at its longest (just before the absorb), plus the groups' gaps, masks and order (`layout_bytes`),
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-# A head joins a group when the group's widest head holds at most this fraction of a slot (its pairs plus the
-# tail's capacity) more pairs than it: the gaps cost at most 1/GROUP_SLACK of the group's rows in bytes and reads,
-# against one SDPA call saved per head (~10-15 us on CPU, as much as reading ~400 keys).
+# A head joins a group when the group's widest head holds at most 1/GROUP_SLACK of a slot (its pairs plus the
+# tail's capacity) more pairs than it: the gaps cost at most that share of the group's rows in bytes and reads, and a
+# call saved is worth only a few hundred keys' reads on CPU, so heads far apart stay apart.
 GROUP_SLACK = 32
 
 
