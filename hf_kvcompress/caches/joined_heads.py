@@ -33,12 +33,13 @@ GROUP_SLACK = 32
 
 def group_heads(counts: list[int], capacity: int, slack: float = GROUP_SLACK) -> list[list[int]]:
     """Heads (indices of `counts`, pairs per head) grouped to be attended together: widest first, a head joins the
-    group being formed while the group's widest holds at most (widest + `capacity`) / `slack` pairs more than it.
+    group being formed while the group's widest holds at most (widest + `capacity`) / `slack` pairs more than it
+    (equal heads always share a group; `slack` 0: every head in one group).
     Groups are ordered by their first head, heads within a group by index; all alone, the order is the heads'."""
     groups: list[list[int]] = []
     widest = 0
     for head in sorted(range(len(counts)), key=lambda i: (-counts[i], i)):
-        if groups and (widest - counts[head]) * slack <= widest + capacity:
+        if groups and (counts[head] == widest or (widest - counts[head]) * slack <= widest + capacity):
             groups[-1].append(head)
         else:
             groups.append([head])

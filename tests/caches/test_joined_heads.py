@@ -51,6 +51,7 @@ def test_heads_group_while_the_widest_holds_at_most_a_slot_over_slack_more():
     assert group_heads([10, 0, 10, 9, 100], capacity=22, slack=32) == [[0, 2, 3], [1], [4]]
     assert group_heads([10, 0, 10, 9, 100], capacity=22, slack=0) == [[0, 1, 2, 3, 4]]  # every head in one group
     assert group_heads([3, 1, 2], capacity=4, slack=1e9) == [[0], [1], [2]]  # alone: the heads' own order
+    assert group_heads([2, 5, 2], capacity=4, slack=float("inf")) == [[0, 2], [1]]  # equal heads share a call
     g = torch.Generator().manual_seed(1)
     counts = torch.randint(0, 300, (48,), generator=g).tolist()
     groups = group_heads(counts, capacity=40, slack=8)
