@@ -8,8 +8,8 @@ mask of the slots that hold a pair; the view is transient. Each head's pairs are
 so the view is one `torch.cat` of [zeros, head's pairs] pieces (the zeros one expanded row): a single copy, with the
 per-head lengths read to the host only when the pairs change (evicting, appending), not at every step. A decode
 step of a lossless store needs no view at all: each head's pairs are attended as they lie, joined with that head's
-recent tokens in a buffer with room (`HeadStore.attend`, joined_heads.py), as a cache holding only them would; the
-view serves lossy codecs, sinks and prompt chunks.
+recent tokens in a buffer with room (`HeadStore.attend`, joined_heads.py), as a cache holding only them would, heads
+of close lengths laid out to share one attention call; the view serves lossy codecs, sinks and prompt chunks.
 
 `HeadStore` is the store of a layer after KVzip's global ranking (`CompressedLayer.rank_heads`): the kept pairs in
 `RaggedHeads`, the context's pairs still within the codec's residual in a second one (full precision), the tokens
@@ -578,12 +578,12 @@ class HeadStore:
         """Decode attention of `query` [B, H_q, 1, D] (after `append`; `attends_by_head`) over what each KV head
         holds: [B, 1, H_q, Dv], as transformers' attention functions return it.
 
-        One SDPA per (row, KV head) over that head's pairs followed by the tail, with the head's query heads as its
-        queries: each head reads exactly the pairs it keeps, as a cache of only those tokens would, instead of a
-        view padded to the widest head (on KVzip's rankings ~1.8x the pairs) and a mask. The same softmax over the
-        same keys as `full` + `mask` + SDPA (the reference), up to summation order. Each head's keys are a view of
-        `joined` (joined here if they are apart: `_join`), so a step copies no pair (`policy`: the layer's, for the
-        room the tail needs)."""
+        Each head attends over its pairs followed by the tail, with the head's query heads as its queries: it reads
+        the pairs it keeps, as a cache of only those tokens would, instead of a view padded to the widest head (on
+        KVzip's rankings ~1.8x the pairs) and a mask; heads of close lengths share one SDPA call, padded by a few
+        masked slots (`JoinedHeads.attend`). The same softmax over the same keys as `full` + `mask` + SDPA (the
+        reference), up to summation order. Each head's keys are a view of `joined` (joined here if they are apart:
+        `_join`), so a step copies no pair (`policy`: the layer's, for the room the tail needs)."""
         batch, q_heads, _, dim = query.shape
         heads = self.kv_heads
         assert self.tail_valid is not None  # the step's token joined the tail
@@ -591,14 +591,7 @@ class HeadStore:
             self._join(policy)
         assert self.joined is not None
         grouped = query.reshape(batch * heads, 1, q_heads // heads, dim)  # query heads k * groups + g: KV head k
-        keys, values = self.joined.views(0), self.joined.views(1)
-        out = [
-            torch.nn.functional.scaled_dot_product_attention(
-                grouped[i : i + 1], keys[i][None, None], values[i][None, None], scale=scaling
-            )
-            for i in range(batch * heads)
-        ]
-        return torch.cat(out).reshape(batch, 1, q_heads, -1)
+        return self.joined.attend(grouped, scaling).reshape(batch, 1, q_heads, -1)
 
     def mask(self, new: int, length: int) -> torch.Tensor:
         """[B, H_kv, new, length] bool: each head's slots of `full` that hold a pair, causal over the new tokens."""
@@ -733,11 +726,12 @@ class HeadStore:
         if self.exact is not None:
             total += self.exact.pairs * ((head_dim + value_dim) * element + 4) + self.exact.lengths.numel() * 8
         batch = self.real_seen.shape[0]
-        # Joined, the tail's room is held whole (its rows are the store's), with the row of each head's next token.
+        # Joined, the tail's room is held whole (its rows are the store's), with the groups' gaps, masks and order
+        # and the row of each head's next token (`JoinedHeads.layout_bytes`).
         tail_rows = self.tail_tokens if self.joined is None else self.joined.capacity
         total += rows * tail_rows * (head_dim + value_dim) * element
         if self.joined is not None:
-            total += rows * 8  # `next_rows` (int64)
+            total += self.joined.layout_bytes((head_dim + value_dim) * element)
         total += batch * self.tail_tokens  # tail_valid
         if self.tail_scores is not None:
             total += rows * self.tail_tokens * 4  # float32

@@ -13,9 +13,12 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress.caches import joined_heads
 from hf_kvcompress.caches.head_store import ABSORB_BLOCK
+from hf_kvcompress.caches.joined_heads import JoinedHeads
 from hf_kvcompress.calibration import ridge
 from hf_kvcompress.generation import generate, prefill
+from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.hf.hidden_states import attention_modules
 from hf_kvcompress.policies.kvzap import KVzapPolicy
 from hf_kvcompress.probe_calibration import (
@@ -764,3 +767,60 @@ def test_a_budget_plans_only_kvzaps_head_budgets_on_hybrid_models(tmp_path):
     cache = make_cache(f"kvzap:budget=12,recent=4,budgets=uniform,probe={tmp_path}", model.config)
     assert cache.planned_sliding is None
     assert {layer.policy.budget for layer in cache.layers if not layer.is_sliding} == {12}
+
+
+def _attend_per_head(joined, query, scaling):
+    """`JoinedHeads.attend` before heads were grouped: one SDPA per (row, KV head) over its view (the reference)."""
+    keys, values = joined.views(0), joined.views(1)
+    return torch.cat([
+        torch.nn.functional.scaled_dot_product_attention(
+            query[i : i + 1], keys[i][None, None], values[i][None, None], scale=scaling)
+        for i in range(query.shape[0])
+    ])
+
+
+def _teacher_forced_logits(model, ids, mask, cache, tokens):
+    """Logits [B, 1 + t, V] of decode steps fed the prompt's last token, then `tokens` [B, t]."""
+    with torch.inference_mode():
+        prefill(model, ids[:, :-1], mask[:, :-1], cache, repeat_prompt_ids=REPEAT)
+        feed, position, attention = torch.cat([ids[:, -1:], tokens], 1), mask.sum(-1, keepdim=True) - 1, mask
+        logits = []
+        for i in range(feed.shape[1]):
+            logits.append(model(input_ids=feed[:, i : i + 1], attention_mask=attention, position_ids=position + i,
+                                **cache_kwargs(cache)).logits[:, -1].float())
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("slack", [None, 0])  # None: GROUP_SLACK; 0: each layer's heads all in one masked call
+@pytest.mark.parametrize("lengths", [(60,), (60, 90, 75)])
+@pytest.mark.parametrize("spec", ["kvzap:ratio=0.25,recent=8", "kvzap:budget=40,recent=8", "kvzip:ratio=0.25"])
+def test_heads_attended_in_groups_decode_as_one_call_per_head(probed, spec, lengths, slack, monkeypatch):
+    """A head store's decode step attends over heads of close lengths in one SDPA call each group (gaps masked,
+    caches/joined_heads.py): the same logits as one call per (row, KV head), within float32 rounding, and the same
+    greedy tokens, alone and in a left-padded batch, through blocks joining the pairs and (budget) evictions."""
+    model, directory = probed
+    _, ids, mask = left_padded_prompts(seed=5, lengths=lengths)
+    tokens = torch.randint(3, 128, (len(lengths), 45), generator=torch.Generator().manual_seed(6))
+    if spec.startswith("kvzap"):
+        spec = _spec(spec, directory)
+    monkeypatch.setattr(joined_heads, "GROUP_SLACK", 0 if slack == 0 else joined_heads.GROUP_SLACK)
+    grouped_calls, heads = [], []
+    attend = JoinedHeads.attend
+
+    def counted(joined, query, scaling):
+        grouped_calls.append(len(joined.groups))
+        heads.append(len(joined.counts))
+        return attend(joined, query, scaling)
+
+    monkeypatch.setattr(JoinedHeads, "attend", counted)
+    cache = make_cache(spec, model.config)
+    grouped = _teacher_forced_logits(model, ids, mask, cache, tokens)
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    monkeypatch.setattr(JoinedHeads, "attend", _attend_per_head)
+    reference = _teacher_forced_logits(model, ids, mask, make_cache(spec, model.config), tokens)
+    torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(grouped.argmax(-1), reference.argmax(-1))
+    assert len(grouped_calls) == len(heads) > 0
+    if slack == 0:  # a layer's heads in one call, those shorter than its widest after a masked gap
+        assert set(grouped_calls) == {1}

@@ -132,13 +132,15 @@ def test_head_budget_files_saved_before_still_load_and_answer_the_same(name):
     tokens = generate(model, ids, mask, loaded, max_new_tokens=6).new_tokens
     assert tokens.tolist() == expected["new_tokens"]
     # A lossless head store decodes over its pairs and tail joined per head (caches/joined_heads.py), which hold the
-    # tail's room until its next absorb besides what the file's code held: the bytes after are those plus the room.
+    # tail's room until its next absorb besides what the file's code held, and the layout's own (gaps of grouped
+    # heads, their masks and order, each head's next row): the bytes after are those plus the room and the layout.
     room = 0
     for layer in loaded.layers:
         joined = getattr(layer.store, "joined", None)
         if joined is not None:
             rows = joined.rows * joined.heads
-            room += rows * (joined.capacity - joined.tail) * (layer.head_dim + layer.value_dim) * 4 + rows * 8
+            width = (layer.head_dim + layer.value_dim) * 4
+            room += rows * (joined.capacity - joined.tail) * width + joined.layout_bytes(width)
     assert measured_kv_bytes(loaded) == loaded.promised_kv_bytes() == expected["bytes_after"] + room
     assert (name == "gemma3") == (room > 0)  # the llama file's int4 store attends through its padded view
     lengths = (expected["stored_tokens_after"], expected["seq_length_after"])
