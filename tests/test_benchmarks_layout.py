@@ -136,4 +136,5 @@ def test_the_gpu_generate_probe_runs_on_cpu():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines() if line.strip().startswith("64")]
     assert [row[2] for row in rows] == ["dynamic", "int4", "snapkv:ratio=0.25"]
-    assert all(float(row[3]) > 0 for row in rows)
+    for row in rows:  # a difference of two timings: on a tiny model it can come out negative; only its form is checked
+        float(row[3]), float(row[4].rstrip("x"))
