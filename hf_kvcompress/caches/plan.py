@@ -46,12 +46,12 @@ SLIDING_FLOOR = 1 / 32
 # "KVzap's budget on Gemma-3: the sliding layers' allowance"); `sliding=16` is the recipe for fewer bytes.
 BUDGET_SLIDING_SHARE = 0.5
 # KVzip's `bytes=B` on a hybrid model (`byte_sliding_tokens`, `byte_codecs`): each sliding layer keeps
-# BYTES_SLIDING_WIDTH x B of its window (320 of Gemma-3-270M's 511 at a quarter, the whole window from 0.4 up) in
-# int4 with a 32-token full-precision residual, and a plain `bytes=B` stores the full-attention layers so too. On
-# Gemma-3-270M's development half a quarter of the bytes kept 8 of 9 multi_needle answers so (16 sliding tokens: 4;
-# 192 with int4's default 128-token residual: 6, the full-attention layers left half of the document), and 11 of 11
-# needle and multi_question answers (docs/results.md, "KVzip's byte target on hybrid models").
-BYTES_SLIDING_WIDTH = 2.5
+# BYTES_SLIDING_SCALE x B x B of its window (320 of Gemma-3-270M's 511 at a quarter, 80 at an eighth, the whole window
+# from about 0.32 up) in int4 with a 32-token full-precision residual, and a plain `bytes=B` stores the full-attention
+# layers so too. On Gemma-3-270M's multi_needle development half a quarter of the bytes kept 8 of 9 answers so (16
+# sliding tokens: 4; 192 with int4's default 128-token residual: 6) and an eighth 5 of 9 with 80 (160: 0; 32: fewer);
+# docs/results.md, "KVzip's byte target on hybrid models".
+BYTES_SLIDING_SCALE = 10.0
 BYTES_SLIDING_CODEC = IntNCodec(bits=4, residual_length=32, **PLAIN_NAME_DEFAULTS[4])  # `int4:residual_length=32`
 
 
@@ -272,10 +272,13 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
 
 def byte_sliding_tokens(share: float, whole: int) -> int:
     """The newest tokens a sliding layer of `whole` (its window - 1) keeps under KVzip's `bytes=share`:
-    ceil(BYTES_SLIDING_WIDTH x share x whole), at most `whole`, never fewer than SLIDING_FLOOR of it. The same for
-    every document length: the sliding layers hold at most their window, so the longer the document the larger the
+    ceil(BYTES_SLIDING_SCALE x share x share x whole), at most `whole`, never fewer than SLIDING_FLOOR of it. Falling
+    as the square of the share, as a ratio's sliding share does (`planned_sliding_share`): below a quarter the
+    full-attention layers need what is left more than the sliding layers need their window. The same for every
+    document length: the sliding layers hold at most their window, so the longer the document the larger the
     full-attention layers' part of the bytes."""
-    return min(whole, max(math.ceil(BYTES_SLIDING_WIDTH * share * whole), math.ceil(SLIDING_FLOOR * whole)))
+    wide = math.ceil(round(BYTES_SLIDING_SCALE * share * share * whole, 9))  # 10 x 0.25^2 x 511 = 319.375 -> 320
+    return min(whole, max(wide, math.ceil(SLIDING_FLOOR * whole)))
 
 
 def byte_codecs(policy: Policy, codec: Codec, layer_types: list[str]) -> tuple[Codec, Codec | None]:

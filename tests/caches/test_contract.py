@@ -72,7 +72,7 @@ def test_padded_batch_matches_rows_alone(model, spec):
         assert torch.equal(batched[i], alone[0]), f"row {i} differs with {spec}"
 
 
-@pytest.mark.parametrize("spec", ["kvzip:bytes=0.3", "kvzip:bytes=0.3+int8", "kvzip:bytes=0.6+int4:group_size=16"])
+@pytest.mark.parametrize("spec", ["kvzip:bytes=0.2", "kvzip:bytes=0.3+int8", "kvzip:bytes=0.6+int4:group_size=16"])
 def test_a_byte_target_in_a_padded_batch_matches_rows_alone_and_holds_its_measured_bytes(model, spec):
     """KVzip's `bytes=` (on the hybrid model: sliding windows in int4, plan.py `byte_codecs`) keeps each row's pairs
     as the row alone would, and the cache's measured bytes are the bytes it promises."""

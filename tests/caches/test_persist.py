@@ -209,7 +209,7 @@ def test_a_byte_target_cache_loads_with_its_planned_sliding_layers(tmp_path):
     with the same logits as the cache it was saved from."""
     model = use_kvcompress_attention(tiny_model("gemma3"))
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
-    cache = make_cache("kvzip:bytes=0.3", model.config)
+    cache = make_cache("kvzip:bytes=0.2", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
     assert cache.sliding_share is None and cache.planned_sliding is not None
     path = tmp_path / "bytes.safetensors"
