@@ -133,9 +133,9 @@ class ByteTarget:
     same, `budget.served_dtype`). `token_bytes` and `held`, per decoder layer: the bytes one token's keys and
     values take there uncompressed (KV heads x (head_dim + head_dim) x the served width) and the tokens
     transformers' layer holds at most (a sliding layer's window - 1; None: every token). The sliding layers keep
-    their planned newest tokens (`sliding_kept`, planned as a ratio of B); at the ranking the full-attention layers
-    keep the best pairs whose bytes fit in what is left (`spendable`; caches/head_ranking.py counts each pair's). On
-    a hybrid model the sliding layers keep `byte_sliding_tokens` in BYTES_SLIDING_CODEC (`byte_codecs`)."""
+    their planned newest tokens (`byte_sliding_tokens`) in BYTES_SLIDING_CODEC (`byte_codecs`); at the ranking the
+    full-attention layers keep the best pairs whose bytes fit in what is left (`spendable`; caches/head_ranking.py
+    counts each pair's)."""
 
     share: float
     served: torch.dtype
