@@ -70,6 +70,9 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
         "sliding_share": json.dumps(cache.planned_sliding is not None),
         # The planned sliding layers' count as built; files without it were planned by r x r (`_r2_sliding`).
         "sliding_kept": json.dumps(cache.planned_sliding),
+        # Whether KVzip's bytes= stored a hybrid model's sliding layers in the plan's int4 (plan.py `byte_codecs`);
+        # files without it were saved before, with the spec's codec in every layer, and load so.
+        "byte_plan": json.dumps(True),
         # KVzip's or KVzap's `decoding` as the cache ran it: files without it were saved before "append" was a
         # default, and load as they ran ("evict").
         "decoding": json.dumps(getattr(cache.policy, "resolved_decoding", None)),
@@ -118,7 +121,8 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     if shared and "sliding_kept" not in metadata:
         planned_sliding = _r2_sliding(policy, config)
     cache = CompressedCache(policy, codec, config=config, rerotate=json.loads(metadata["rerotate"]),
-                            share_sliding=shared, planned_sliding=planned_sliding)
+                            share_sliding=shared, planned_sliding=planned_sliding,
+                            byte_plan=json.loads(metadata.get("byte_plan", "false")))
     cache.model_name = metadata["model_name"]
     cache.architecture = json.loads(metadata["architecture"])
     if model is not None:

@@ -116,8 +116,19 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     the model, with values of `model_bytes` bytes; tested against measured (tests/test_study_bytes.py)."""
     policy, codec = parse_spec(spec)
     share = getattr(policy, "bytes", None)
-    if share is not None:  # KVzip's bytes=: the ranking spends that share of the uncompressed bytes (plan.py)
-        return share * promised_bytes("dynamic", config, tokens, model_bytes)
+    if share is not None:
+        # KVzip's bytes=: the ranking spends that share of the uncompressed bytes (plan.py `ByteTarget`), but never
+        # less than the other layers and the ranked layers' sinks hold (a hybrid model's sliding windows, on a
+        # document too short for them to fit in the share), nor more than every pair costs (int4 layers that all fit).
+        target = share * promised_bytes("dynamic", config, tokens, model_bytes)
+        least = _plan_bytes(policy, codec, config, tokens, model_bytes, ranked_all=False)
+        return min(max(target, least), _plan_bytes(policy, codec, config, tokens, model_bytes))
+    return _plan_bytes(policy, codec, config, tokens, model_bytes)
+
+
+def _plan_bytes(policy, codec, config, tokens: int, model_bytes: float, ranked_all: bool = True) -> float:
+    """`promised_bytes` of `policy` x `codec` by the plan's layers. Under KVzip's `bytes=` the ranked layers keep
+    every pair, or with `ranked_all=False` their codec's sinks alone."""
     shape = kv_shape_from_config(config)
     dtype = {4: torch.float32, 2: torch.bfloat16}.get(int(model_bytes), torch.float32)
     windows = shape.windows or (None,) * shape.layers
@@ -140,6 +151,8 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
                 kept = min(tokens, sliding.window)
         else:
             kept = kept_tokens(plan.policy, tokens)  # KVzap's planned budget: the layer's (plan.py)
+            if plan.byte_target is not None:  # KVzip's bytes=: every pair, or the sinks (`promised_bytes`)
+                kept = tokens if ranked_all else min(tokens, 0 if plan.codec.lossless else plan.codec.exact_sinks)
             if plan.sliding_share is not None:  # what the sliding layers gave up (plan.py: `SlidingShare`)
                 seen = torch.tensor([round(tokens)])
                 kept += int(plan.sliding_share.extra(seen, torch.tensor([round(kept)])))

@@ -8,7 +8,10 @@ Command:
 Written up: the docs/results.md retention tables in "The suite: retention at each width", "Eviction policies side by
 side (question after the document)", "Expected Attention" and "Gemma-3's sliding layers under eviction (0.4.0)".
 
-Bytes are the method's mean measured document bytes over the uncompressed cache's, on the same samples. Records
+Bytes are the method's mean measured document bytes over the uncompressed cache's, on the same samples, counted in
+the dtype the model is served in (`kv_bytes_document_served`; the run's own dtype for records without it): a float32
+run of a 16-bit model would otherwise count a codec's exact residual at twice its served width beside its encoded
+tokens, and an int4 cache as a smaller share than it holds. Records
 from several folders (models) are kept apart by model. kvpress_side_by_side.py writes its records in the same form.
 """
 
@@ -29,6 +32,11 @@ def load(folder: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _document_bytes(record: dict) -> float:
+    """A record's bytes after the document, in the served dtype where the record has them."""
+    return record.get("kv_bytes_document_served") or record.get("kv_bytes_document") or 0.0
+
+
 def table(records: list[dict]) -> str:
     """A Markdown table, one row per (model, method), baseline first."""
     by = defaultdict(list)
@@ -40,7 +48,7 @@ def table(records: list[dict]) -> str:
     for model in dict.fromkeys(m for m, _ in by):
         base = {r["sample_id"]: r for r in by.get((model, BASELINE), [])}
         answered = {s for s, r in base.items() if r["correct"]}
-        base_bytes = [r["kv_bytes_document"] for r in base.values()]
+        base_bytes = [_document_bytes(r) for r in base.values()]
         for (m, method), rows in by.items():
             if m != model:
                 continue
@@ -51,9 +59,9 @@ def table(records: list[dict]) -> str:
             for _, lo, hi in BANDS:
                 band = [r for r in paired if lo <= r["depth"] < hi]
                 bands.append(f"{100 * sum(r['correct'] for r in band) / len(band):.0f} ({len(band)})" if band else "-")
-            same = [r["kv_bytes_document"] for r in rows if r["sample_id"] in base and r.get("kv_bytes_document")]
-            ref = [base[r["sample_id"]]["kv_bytes_document"] for r in rows
-                   if r["sample_id"] in base and r.get("kv_bytes_document")]
+            same = [_document_bytes(r) for r in rows if r["sample_id"] in base and _document_bytes(r)]
+            ref = [_document_bytes(base[r["sample_id"]]) for r in rows
+                   if r["sample_id"] in base and _document_bytes(r)]
             fraction = f"{sum(same) / sum(ref):.3f}" if same and sum(ref) else "-"
             retention = f"{100 * kept / len(paired):.0f} ({low:.0f}-{high:.0f})" if paired else "-"
             lines.append(f"| {model} | {method} | {len(paired)} of {len(rows)} | {retention} | {' | '.join(bands)} "

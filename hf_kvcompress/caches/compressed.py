@@ -21,8 +21,10 @@ from .plan import (
     ByteTarget,
     LayerPlan,
     SlidingShare,
+    byte_codecs,
     cache_codec,
     check_without_config,
+    config_layer_types,
     for_model,
     plan_layers,
     unplanned_layer,
@@ -107,6 +109,9 @@ class CompressedCache(Cache):
             share existed were built (persist.py).
         planned_sliding: the tokens a planned sliding layer keeps instead of the plan's (a saved cache's own count,
             persist.py); None: the plan's.
+        byte_plan: KVzip's bytes= on a hybrid model stores the sliding layers (and, with no codec given, every
+            layer) in the plan's int4 (plan.py `byte_codecs`); False keeps the codec given in every layer, as caches
+            saved before that plan were built (persist.py).
     """
 
     # Every layer is one: built from a plan, or by `_LayerFactory` without a config (list is invariant, so the
@@ -117,7 +122,7 @@ class CompressedCache(Cache):
     architecture: dict
 
     def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False,
-                 share_sliding: bool = True, planned_sliding: int | None = None):
+                 share_sliding: bool = True, planned_sliding: int | None = None, byte_plan: bool = True):
         # The model config whose attention the cache switches to 'kvcompress_sdpa' at its first request to attention
         # (`adopt_attention_config`, `_engage_attention`); decided once in the cache's life.
         self.attention_config = config
@@ -125,6 +130,8 @@ class CompressedCache(Cache):
         # Layout-dependent defaults (KVzip's span) settled once here, so every layer and the spec hold what is used.
         self.policy = for_model(policy if policy is not None else KeepAllPolicy(), config)
         requested = codec if codec is not None else IdentityCodec()
+        if config is not None and byte_plan:  # KVzip's plain bytes= on a hybrid model: every layer the plan's codec
+            requested = byte_codecs(self.policy, requested, config_layer_types(config))[0]
         self.codec = cache_codec(self.policy, requested, config)
         self.config = config
         self.rerotate = rerotate
@@ -142,7 +149,7 @@ class CompressedCache(Cache):
             self.num_layers = None
             return
         plans = plan_layers(self.policy, requested, config, rerotate, full_codec=self.codec,
-                            share_sliding=share_sliding, planned_sliding=planned_sliding)
+                            share_sliding=share_sliding, planned_sliding=planned_sliding, byte_plan=byte_plan)
         super().__init__(layers=[layer_from_plan(plan) for plan in plans])
         self.num_layers = len(plans)
         self.sliding_share = next((plan.sliding_share for plan in plans if plan.sliding_share is not None), None)

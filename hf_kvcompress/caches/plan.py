@@ -7,7 +7,8 @@ newest tokens; the policy applies to the full-attention layers. A plain ratio of
 reconstruction pass plans how the hybrid model's pairs are shared (`SlidingShare`): the sliding layers keep fewer
 than the ratio's share of their window and the full-attention layers, where long-range retrieval happens, keep what
 they give up, so the whole cache still holds the ratio of its uncompressed pairs. KVzip's `bytes=B` (`ByteTarget`)
-shares the sliding layers the same way and gives the full-attention layers the pairs whose bytes fit in B of the
+gives a hybrid model's sliding layers a wide window of their newest tokens in a cheap codec (`byte_sliding_tokens`,
+`BYTES_SLIDING_CODEC`) and the full-attention layers the pairs whose bytes fit in what is left of B of the
 uncompressed cache's bytes. KVzap's `budget=N` with head budgets (`plans_budget_share`) keeps a half's planned share
 in the sliding layers and gives the full-attention layers the rest of the pairs N tokens in every layer would hold.
 """
@@ -24,6 +25,8 @@ import torch
 from ..budget import served_dtype
 from ..calibration import floors_file, load_floors
 from ..codecs.base import Codec, resolve_for_model, resolve_for_policy
+from ..codecs.identity import IdentityCodec
+from ..codecs.intn import PLAIN_NAME_DEFAULTS, IntNCodec
 from ..codecs.reducing import ReducingCodec
 from ..hf.compat import text_config
 from ..hf.rope import rope_inv_freq
@@ -42,6 +45,14 @@ SLIDING_FLOOR = 1 / 32
 # On Gemma-3-270M's development half after 512 decoded tokens 128 and 16 kept the same 5 of 5 answers (docs/results.md,
 # "KVzap's budget on Gemma-3: the sliding layers' allowance"); `sliding=16` is the recipe for fewer bytes.
 BUDGET_SLIDING_SHARE = 0.5
+# KVzip's `bytes=B` on a hybrid model (`byte_sliding_tokens`, `byte_codecs`): each sliding layer keeps
+# BYTES_SLIDING_SCALE x B x B of its window (320 of Gemma-3-270M's 511 at a quarter, 80 at an eighth, the whole window
+# from about 0.32 up) in int4 with a 32-token full-precision residual, and a plain `bytes=B` stores the full-attention
+# layers so too. On Gemma-3-270M's multi_needle development half a quarter of the bytes kept 8 of 9 answers so (16
+# sliding tokens: 4; 192 with int4's default 128-token residual: 6) and an eighth 5 of 9 with 80 (160: 0; 32: fewer);
+# docs/results.md, "KVzip's byte target on hybrid models".
+BYTES_SLIDING_SCALE = 10.0
+BYTES_SLIDING_CODEC = IntNCodec(bits=4, residual_length=32, **PLAIN_NAME_DEFAULTS[4])  # `int4:residual_length=32`
 
 
 @dataclass(frozen=True)
@@ -122,8 +133,9 @@ class ByteTarget:
     same, `budget.served_dtype`). `token_bytes` and `held`, per decoder layer: the bytes one token's keys and
     values take there uncompressed (KV heads x (head_dim + head_dim) x the served width) and the tokens
     transformers' layer holds at most (a sliding layer's window - 1; None: every token). The sliding layers keep
-    their planned newest tokens (`sliding_kept`, planned as a ratio of B); at the ranking the full-attention layers
-    keep the best pairs whose bytes fit in what is left (`spendable`; caches/head_ranking.py counts each pair's)."""
+    their planned newest tokens (`byte_sliding_tokens`) in BYTES_SLIDING_CODEC (`byte_codecs`); at the ranking the
+    full-attention layers keep the best pairs whose bytes fit in what is left (`spendable`; caches/head_ranking.py
+    counts each pair's)."""
 
     share: float
     served: torch.dtype
@@ -238,7 +250,7 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
     (`SlidingShare`): the sliding layers only
     attend locally and their tokens are not scored, while the pairs a full-attention layer needs to answer from far
     back shrink more slowly than the ratio (chosen on Gemma-3-270M's development half, docs/results.md). KVzip's
-    `bytes=B` keeps what a ratio of B keeps here (`planned_share`)."""
+    `bytes=B` keeps `byte_sliding_tokens(B)` in a cheaper codec (`byte_codecs`)."""
     if layer_type != "sliding_attention":
         return None
     whole = max(window - 1, 1)
@@ -248,12 +260,37 @@ def sliding_kept(policy: Policy, layer_type: str, window: int, planned: bool = F
         kept = policy.sliding
     elif policy.budget is not None:
         kept = policy.budget
+    elif planned and getattr(policy, "bytes", None) is not None:
+        kept = byte_sliding_tokens(policy.bytes, whole)  # type: ignore[attr-defined]  # KVzip's field: checked
     elif (share := planned_share(policy)) is not None:
         rule = kvzip_sliding_share if policy.scores_by_reconstruction else None
         kept = planned_sliding_tokens(share, whole, rule) if planned else math.ceil(share * whole)
     else:
         return None
     return max(kept, 1) if kept < whole else None
+
+
+def byte_sliding_tokens(share: float, whole: int) -> int:
+    """The newest tokens a sliding layer of `whole` (its window - 1) keeps under KVzip's `bytes=share`:
+    ceil(BYTES_SLIDING_SCALE x share x share x whole), at most `whole`, never fewer than SLIDING_FLOOR of it. Falling
+    as the square of the share, as a ratio's sliding share does (`planned_sliding_share`): below a quarter the
+    full-attention layers need what is left more than the sliding layers need their window. The same for every
+    document length: the sliding layers hold at most their window, so the longer the document the larger the
+    full-attention layers' part of the bytes."""
+    wide = math.ceil(round(BYTES_SLIDING_SCALE * share * share * whole, 9))  # 10 x 0.25^2 x 511 = 319.375 -> 320
+    return min(whole, max(wide, math.ceil(SLIDING_FLOOR * whole)))
+
+
+def byte_codecs(policy: Policy, codec: Codec, layer_types: list[str]) -> tuple[Codec, Codec | None]:
+    """(the full-attention layers' codec as requested, the sliding layers' codec or None: `codec`'s own) under
+    `policy` on a model of `layer_types`. KVzip's `bytes=` on a hybrid model stores the sliding layers' window in
+    BYTES_SLIDING_CODEC, whatever the full-attention layers' codec (a wide window in few bytes: the sliding layers
+    attend locally, the answers needed them wide, and the full-attention layers need the bytes), and a plain
+    `bytes=` (no codec) stores the full-attention layers so too: at a quarter exact pairs would leave them about a
+    quarter of the document, where answers were lost (docs/results.md). Any other policy or model: unchanged."""
+    if getattr(policy, "bytes", None) is None or not is_hybrid(layer_types):
+        return codec, None
+    return (BYTES_SLIDING_CODEC if isinstance(codec, IdentityCodec) else codec), BYTES_SLIDING_CODEC
 
 
 def planned_sliding_tokens(share: float, whole: int, rule: Callable[[float], float] | None = None) -> int:
@@ -376,18 +413,20 @@ def for_model(policy: Policy, config) -> Policy:
 
 def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
                 full_codec: Codec | None = None, share_sliding: bool = True,
-                planned_sliding: int | None = None) -> list[LayerPlan]:
+                planned_sliding: int | None = None, byte_plan: bool = True) -> list[LayerPlan]:
     """Each decoder layer's plan under `policy` x `codec` for the model of `config`.
 
     `codec` is the codec as requested (unbound); `full_codec` is `cache_codec(policy, codec, config)` when the
     caller has it already (binding may read calibration files). `share_sliding=False` gives a ratio the same share
     in every layer even where `plans_sliding_share` would share it (the plan of caches saved before it existed);
     `planned_sliding`: the tokens a planned sliding layer keeps instead of `sliding_kept`'s (a saved cache's, as it
-    was built: persist.py).
+    was built: persist.py); `byte_plan=False` keeps `codec` in the sliding layers under KVzip's bytes= (no
+    `byte_codecs`: caches saved before it existed).
     Raises ValueError for what the model cannot store or the policy cannot apply to: a head_dim the codec refuses,
     `sliding=` without sliding layers or past their window.
     """
     policy = for_model(policy, config)  # the layers run the layout's defaults (the cache's own policy holds them too)
+    codec, sliding_codec = byte_codecs(policy, codec, config_layer_types(config)) if byte_plan else (codec, None)
     if full_codec is None:
         full_codec = cache_codec(policy, codec, config)
     inv_freq = rope_inv_freq(config, "full_attention") if rerotate else None
@@ -442,7 +481,8 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
     # Settle key_axis before binding to the model (replace() would drop what binding sets), once per layer type:
     # binding may load calibration files (lowrank).
     sliding_codecs = {
-        kind: resolve_for_model(sliding_layer_codec(codec, kind, kept[kind] is not None), config) for kind in kept
+        kind: resolve_for_model(sliding_layer_codec(sliding_codec or codec, kind, kept[kind] is not None), config)
+        for kind in kept
     }
     plans = []
     for i, layer_type in enumerate(layer_types):

@@ -45,7 +45,9 @@ class KVzipPolicy(Policy):
             config's 16-bit dtype, else bfloat16), against what transformers' own cache holds (a sliding layer its
             window). The plan turns it into the pairs kept (caches/plan.py, `ByteTarget`): at the ranking, the
             full-attention layers keep the best pairs whose bytes (the codec's rate, each pair's score, the
-            full-precision residual and sinks) fit in what the sliding layers leave. Tokens that arrive later
+            full-precision residual and sinks) fit in what the sliding layers leave. On a model with sliding
+            layers these keep a wide window of their newest tokens in int4, and without a codec the full-attention
+            layers are stored in that int4 too (caches/plan.py, `byte_codecs`). Tokens that arrive later
             (questions, answers) are stored at full precision and appended (`decoding="append"`), or held to
             `bytes` of their pairs, as a ratio holds them (`decoding="evict"`). Needs `budgets="head"` (the
             ranking of every pair, where each pair's bytes are counted).

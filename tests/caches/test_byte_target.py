@@ -5,11 +5,13 @@ import pytest
 import torch
 import transformers
 
-from hf_kvcompress import make_cache, prefill, use_kvcompress_attention
+from hf_kvcompress import make_cache, prefill, study, use_kvcompress_attention
+from hf_kvcompress.caches.plan import for_model, plan_layers
 from hf_kvcompress.measure import served_kv_bytes
+from hf_kvcompress.policies.sink_window import SinkWindowPolicy
 from hf_kvcompress.registry import parse_spec
 
-from .tiny_models import COMMON
+from .tiny_models import COMMON, CONFIGS
 
 REPEAT = [5, 6, 7]
 HYBRID = ["sliding_attention", "sliding_attention", "full_attention"]
@@ -42,14 +44,16 @@ def test_the_cache_holds_the_share_of_the_uncompressed_bytes(layer_types, spec, 
     reference, _ = _served(model, "dynamic", ids)  # the eval's uncompressed cache (a sliding layer: its window)
     held, cache = _served(model, spec, ids)
     head, _, codec = spec.partition("+")  # the spec names the span the layout chose: 4 with sliding layers, else 0
-    span = 4 if "sliding_attention" in layer_types else 0
-    assert cache.spec == f"{head},span={span}" + (f"+{codec}" if codec else "")
+    hybrid = "sliding_attention" in layer_types  # and a plain bytes= there the codec the plan chose (plan.py)
+    codec = codec or ("int4:residual_length=32" if hybrid else "")
+    assert cache.spec == f"{head},span={4 if hybrid else 0}" + (f"+{codec}" if codec else "")
     # Never above (span re-chooses pairs within a head's residual and encoded slots separately, so the pairs cost
     # what the ranking paid), and below by little: the pair that did not fit, the sliding layers' rounding.
     assert 0.93 * share <= held / reference <= share, held / reference
-    # The byte count and the ratio it stands for differ where the codec compresses: int4 keeps more pairs.
+    # The byte count and the ratio it stands for differ where the codec compresses: int4 keeps more pairs (on the
+    # full-attention model; the hybrid one's sliding windows take their own share, tested below).
     kept = sum(layer.store.held_pairs().sum() for layer in cache.layers if layer.per_head)
-    if "int4" in spec:
+    if "int4" in spec and not hybrid:
         assert kept > share * 400 * sum(t == "full_attention" for t in layer_types)
 
 
@@ -63,11 +67,60 @@ def test_span_zero_spends_the_bytes_to_a_pair():
     assert target - pair - 64 <= held <= target + 64  # 64: the layers' small bookkeeping
 
 
-def test_a_hybrid_model_shares_the_sliding_layers_as_a_ratio_of_b_does():
+@pytest.mark.parametrize("spec,kept,full_residual", [
+    ("kvzip:bytes=0.25", 40, 32), ("kvzip:bytes=0.1", 7, 32), ("kvzip:bytes=0.05", 2, 32),
+    ("kvzip:bytes=0.25+int4", 40, 128), ("kvzip:bytes=0.4", None, 32), ("kvzip:bytes=0.25,sliding=20", 20, 32)])
+def test_a_hybrid_model_keeps_a_wide_sliding_window_in_int4(spec, kept, full_residual):
+    """The sliding layers keep ceil(10 x B x B x 63) of their 63 tokens (0.25: 39.4; 0.1: 6.3; 0.05: 1.6, and at
+    least 63 / 32; the whole window from about 0.32 up; `sliding=` sets it) in int4 with a 32-token exact residual,
+    where a ratio of B keeps fewer (16 of Gemma-3's 511 at a quarter);
+    a plain bytes= stores the full-attention layers so too, and a codec given keeps its own there."""
     model = _model(HYBRID)
-    got = [layer.policy for layer in make_cache("kvzip:bytes=0.25", model.config).layers[:2]]
-    same = [layer.policy for layer in make_cache("kvzip:ratio=0.25", model.config).layers[:2]]
-    assert got == same
+    cache = make_cache(spec, model.config)
+    ratio = make_cache(spec.replace("bytes", "ratio").partition("+")[0], model.config)
+    for layer, by_ratio in zip(cache.layers[:2], ratio.layers[:2], strict=True):
+        assert (layer.codec.bits, layer.codec.residual_length) == (4, 32)
+        assert layer.policy == (SinkWindowPolicy(sink_tokens=0, window=kept) if kept else layer.policy)
+        assert kept is None or by_ratio.policy.window <= kept or "sliding=" in spec
+    if kept is None:  # the whole window: transformers' window - 1, in int4's key groups
+        assert cache.layers[0].policy.window == 63 and cache.planned_sliding is None
+    full = cache.layers[2].codec
+    assert (full.bits, full.residual_length) == (4, full_residual)
+
+
+def test_a_model_without_sliding_layers_plans_bytes_as_before():
+    """SmolLM2's layout (Llama, full attention only): a plain bytes= keeps exact pairs, a codec given is the codec
+    of every layer, and the policy is the one asked for in every layer."""
+    config = CONFIGS["llama"]()
+    for spec in ("kvzip:bytes=0.25", "kvzip:bytes=0.25+int4"):
+        policy, codec = parse_spec(spec)
+        for plan in plan_layers(policy, codec, config):
+            assert plan.codec.spec() == codec.spec() and plan.policy == for_model(policy, config)
+            assert plan.byte_target is not None and plan.sliding_share is None
+        assert make_cache(spec, config).spec == spec.replace("+", ",span=0+", 1) if "+" in spec else f"{spec},span=0"
+
+
+@pytest.mark.parametrize("tokens", [40, 200, 400])
+@pytest.mark.parametrize("spec", ["kvzip:bytes=0.1", "kvzip:bytes=0.25", "kvzip:bytes=0.6", "kvzip:bytes=0.25+int8"])
+def test_the_bytes_held_are_the_promised_bytes_at_any_length(spec, tokens):
+    """`study.promised_bytes` is what the cache holds: B of the uncompressed bytes (counted here by hand, one
+    bfloat16 pair per token and layer, a sliding layer its window - 1), more on a document too short for the
+    sliding windows to fit in B (they and the full-attention layer's sinks), less where every pair fits."""
+    model = _model(["sliding_attention"] * 4 + ["full_attention"])
+    ids = torch.randint(3, 128, (1, tokens), generator=torch.Generator().manual_seed(3))
+    held, cache = _served(model, spec, ids)
+    uncompressed = 1 * 2 * 32 * 2 * (4 * min(tokens, 63) + tokens)  # KV heads x (key + value) x head_dim x bf16
+    assert 0 <= _served(model, "dynamic", ids)[0] - uncompressed <= 16 * 5  # the layers' own counters
+    promised = study.promised_bytes(spec, model.config, tokens, 2)
+    assert promised == pytest.approx(held, abs=2 * (2 * 32 * 2 + 4) + 64)  # two pairs and the layers' bookkeeping
+    share = float(spec.split("=")[1].partition("+")[0])
+    full = cache.layers[-1].store.held_pairs().sum()
+    if full >= tokens:  # every pair fits
+        assert held <= share * uncompressed
+    elif full > 4:  # the ranking bought pairs: B of the bytes, to a pair
+        assert share * uncompressed - (2 * 32 * 2 + 4) - 64 <= held <= share * uncompressed
+    else:  # the sliding windows alone hold more than B: the ranked layer keeps its sinks only
+        assert held > share * uncompressed
 
 
 @pytest.mark.parametrize("spec,match", [

@@ -72,6 +72,19 @@ def test_padded_batch_matches_rows_alone(model, spec):
         assert torch.equal(batched[i], alone[0]), f"row {i} differs with {spec}"
 
 
+@pytest.mark.parametrize("spec", ["kvzip:bytes=0.2", "kvzip:bytes=0.3+int8", "kvzip:bytes=0.6+int4:group_size=16"])
+def test_a_byte_target_in_a_padded_batch_matches_rows_alone_and_holds_its_measured_bytes(model, spec):
+    """KVzip's `bytes=` (on the hybrid model: sliding windows in int4, plan.py `byte_codecs`) keeps each row's pairs
+    as the row alone would, and the cache's measured bytes are the bytes it promises."""
+    rows, ids, mask = left_padded_prompts(14, lengths=(5, 13, 9))
+    cache = make_cache(spec, model.config)
+    batched = _greedy(model, ids, mask, cache)
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    for i, row in enumerate(rows):
+        alone = _greedy(model, row[None], torch.ones(1, len(row), dtype=torch.long), make_cache(spec, model.config))
+        assert torch.equal(batched[i], alone[0]), f"row {i} differs with {spec}"
+
+
 @pytest.mark.parametrize("spec", LARGE_BUDGET)
 def test_large_budget_equals_dynamic_cache(model, spec):
     _, ids, mask = left_padded_prompts(1)

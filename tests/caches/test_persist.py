@@ -211,7 +211,7 @@ def test_a_byte_target_cache_loads_with_its_planned_sliding_layers(tmp_path):
     with the same logits as the cache it was saved from."""
     model = use_kvcompress_attention(tiny_model("gemma3"))
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
-    cache = make_cache("kvzip:bytes=0.3", model.config)
+    cache = make_cache("kvzip:bytes=0.2", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
     assert cache.sliding_share is None and cache.planned_sliding is not None
     path = tmp_path / "bytes.safetensors"
@@ -251,3 +251,34 @@ def test_a_store_the_codec_now_builds_differently_is_refused_at_load(tmp_path):
     save_file(load_file(str(path)), str(path), metadata=metadata)
     with pytest.raises(ValueError, match="do not fit the codec 'int4:.*group_size=16.*' builds for this layer now"):
         load_cache(path, model=model)
+
+
+def test_a_byte_target_file_saved_before_the_byte_plan_loads_with_its_codec_in_every_layer(tmp_path):
+    """A plain `kvzip:bytes=B` on a hybrid model now stores every layer in int4 (plan.py `byte_codecs`), and its
+    file loads so; a file saved before (no `byte_plan` entry, the spec's codec in every layer) loads as it was built,
+    with the same logits."""
+    from hf_kvcompress.caches.compressed import CompressedCache
+    from hf_kvcompress.registry import parse_spec
+
+    model = use_kvcompress_attention(tiny_model("gemma3"))
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(12))
+    policy, codec = parse_spec("kvzip:bytes=0.3")
+    built = {}
+    for byte_plan in (True, False):
+        cache = CompressedCache(policy, codec, config=model.config, byte_plan=byte_plan)
+        prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
+        path = tmp_path / f"bytes-{byte_plan}.safetensors"
+        save_cache(cache, path)
+        built[byte_plan] = (cache, path)
+    (new, new_path), (old, old_path) = built[True], built[False]
+    assert {type(layer.codec).__name__ for layer in new.layers} == {"IntNCodec"}
+    assert {type(layer.codec).__name__ for layer in old.layers} == {"IdentityCodec"}
+    assert load_cache(new_path).spec == new.spec
+    _, older = _saved_before(old_path, "byte_plan", tmp_path)
+    loaded = load_cache(older)
+    assert [layer.codec for layer in loaded.layers] == [layer.codec for layer in old.layers]
+    step, where = torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(13)), torch.arange(30, 33)[None]
+    with torch.inference_mode():
+        ref = model(input_ids=step, cache=copy.deepcopy(old), position_ids=where).logits
+        out = model(input_ids=step, cache=loaded, position_ids=where).logits
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
