@@ -15,7 +15,7 @@ from hf_kvcompress.generation import generate, prefill
 from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.ops.host_syncs import HostSyncCounter
 
-from .tiny_models import masked_reference_logits, tiny_model
+from .tiny_models import kvzip_forced_logits, masked_reference_logits, tiny_model
 
 REPEAT = [5, 6, 7]
 
@@ -548,20 +548,6 @@ def test_a_non_finite_decode_step_is_refused_within_the_check_interval():
     assert step == FINITE_CHECK_EVERY - 1
 
 
-def _forced_logits(model, ids, mask, cache, tokens):
-    """Logits [B, 1 + t, V] of decode steps fed the prompt's last token and then `tokens` [B, t] (teacher forcing:
-    both caches compared see the same tokens), after KVzip's pass over the rest of the prompt."""
-    with torch.inference_mode():
-        prefill(model, ids[:, :-1], mask[:, :-1], cache, repeat_prompt_ids=REPEAT)
-        feed, position, attention = torch.cat([ids[:, -1:], tokens], 1), mask.sum(-1, keepdim=True) - 1, mask
-        logits = []
-        for i in range(feed.shape[1]):
-            logits.append(model(input_ids=feed[:, i : i + 1], attention_mask=attention, position_ids=position + i,
-                                **cache_kwargs(cache)).logits[:, -1].float())
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
-    return torch.stack(logits, 1)
-
-
 @pytest.mark.parametrize(("name", "dtype", "tolerance"), [
     ("llama", torch.float32, 1e-5), ("llama", torch.bfloat16, 3e-2), ("llama", torch.float16, 3e-3),
     ("gemma3", torch.float32, 1e-5),  # sliding layers, its own query scaling
@@ -577,11 +563,11 @@ def test_decode_over_each_heads_own_pairs_equals_the_padded_view_and_mask(name, 
     original = HeadStore.attend
     monkeypatch.setattr(HeadStore, "attend", lambda self, *a: attended.append(1) or original(self, *a))
     cache = make_cache("kvzip:ratio=0.5", model.config)
-    fast = _forced_logits(model, ids, mask, cache, tokens)
+    fast = kvzip_forced_logits(model, ids, mask, cache, tokens)
     layers = sum(isinstance(layer.store, HeadStore) for layer in cache.layers)
     assert layers and len(attended) == layers * 79  # every decode step but the first (which confirms our attention)
     monkeypatch.setattr(HeadStore, "attends_by_head", property(lambda self: False))
-    reference = _forced_logits(model, ids, mask, make_cache("kvzip:ratio=0.5", model.config), tokens)
+    reference = kvzip_forced_logits(model, ids, mask, make_cache("kvzip:ratio=0.5", model.config), tokens)
     assert len(attended) == layers * 79
     torch.testing.assert_close(fast, reference, rtol=tolerance, atol=tolerance)
 

@@ -5,6 +5,8 @@ import torch
 
 from hf_kvcompress.caches.joined_heads import JoinedHeads, group_heads
 
+from .tiny_models import attend_per_head
+
 
 @pytest.mark.parametrize("slack", [None, 0])  # 0: every head in one group, each after a gap to the widest
 @pytest.mark.parametrize("tail_tokens", [0, 3])
@@ -61,16 +63,6 @@ def test_heads_group_while_the_widest_holds_at_most_a_slot_over_slack_more():
         assert all((widest - counts[h]) * 8 <= widest + 40 for h in group)
 
 
-def _per_head(joined, query, scaling):
-    """The reference: one SDPA per head over its view (as `HeadStore.attend` attended before groups)."""
-    keys, values = joined.views(0), joined.views(1)
-    return torch.cat([
-        torch.nn.functional.scaled_dot_product_attention(
-            query[i : i + 1], keys[i][None, None], values[i][None, None], scale=scaling)
-        for i in range(query.shape[0])
-    ])
-
-
 @pytest.mark.parametrize("slack", [None, 0, 8, 1e9])
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_grouped_attention_equals_one_call_per_head_and_its_bytes_are_counted(slack, dtype, tolerance):
@@ -85,7 +77,7 @@ def test_grouped_attention_equals_one_call_per_head_and_its_bytes_are_counted(sl
         assert len(joined.groups) == 1 and joined.gaps == sum(60 - c for c in counts)
     for _ in range(capacity - tail_tokens):
         query = torch.randn(rows * heads, 1, 3, dim, generator=g).to(dtype)
-        torch.testing.assert_close(joined.attend(query, 0.3), _per_head(joined, query, 0.3),
+        torch.testing.assert_close(joined.attend(query, 0.3), attend_per_head(joined, query, 0.3),
                                    rtol=tolerance, atol=tolerance)
         step = torch.randn(rows, heads, 1, dim, generator=g).to(dtype)
         joined.append(step, -step)

@@ -18,7 +18,6 @@ from hf_kvcompress.caches.head_store import ABSORB_BLOCK
 from hf_kvcompress.caches.joined_heads import JoinedHeads
 from hf_kvcompress.calibration import ridge
 from hf_kvcompress.generation import generate, prefill
-from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.hf.hidden_states import attention_modules
 from hf_kvcompress.policies.kvzap import KVzapPolicy
 from hf_kvcompress.probe_calibration import (
@@ -30,7 +29,7 @@ from hf_kvcompress.probe_calibration import (
 )
 from hf_kvcompress.probes import PROBE_FORMAT, estimated_score, load_probes, save_probe
 
-from .tiny_models import left_padded_prompts, masked_reference_logits, tiny_model
+from .tiny_models import attend_per_head, kvzip_forced_logits, left_padded_prompts, masked_reference_logits, tiny_model
 
 REPEAT = [5, 6, 7]
 
@@ -769,29 +768,6 @@ def test_a_budget_plans_only_kvzaps_head_budgets_on_hybrid_models(tmp_path):
     assert {layer.policy.budget for layer in cache.layers if not layer.is_sliding} == {12}
 
 
-def _attend_per_head(joined, query, scaling):
-    """`JoinedHeads.attend` before heads were grouped: one SDPA per (row, KV head) over its view (the reference)."""
-    keys, values = joined.views(0), joined.views(1)
-    return torch.cat([
-        torch.nn.functional.scaled_dot_product_attention(
-            query[i : i + 1], keys[i][None, None], values[i][None, None], scale=scaling)
-        for i in range(query.shape[0])
-    ])
-
-
-def _teacher_forced_logits(model, ids, mask, cache, tokens):
-    """Logits [B, 1 + t, V] of decode steps fed the prompt's last token, then `tokens` [B, t]."""
-    with torch.inference_mode():
-        prefill(model, ids[:, :-1], mask[:, :-1], cache, repeat_prompt_ids=REPEAT)
-        feed, position, attention = torch.cat([ids[:, -1:], tokens], 1), mask.sum(-1, keepdim=True) - 1, mask
-        logits = []
-        for i in range(feed.shape[1]):
-            logits.append(model(input_ids=feed[:, i : i + 1], attention_mask=attention, position_ids=position + i,
-                                **cache_kwargs(cache)).logits[:, -1].float())
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
-    return torch.stack(logits, 1)
-
-
 @pytest.mark.parametrize("slack", [None, 0])  # None: GROUP_SLACK; 0: each layer's heads all in one masked call
 @pytest.mark.parametrize("lengths", [(60,), (60, 90, 75)])
 @pytest.mark.parametrize("spec", ["kvzap:ratio=0.25,recent=8", "kvzap:budget=40,recent=8", "kvzip:ratio=0.25"])
@@ -815,10 +791,10 @@ def test_heads_attended_in_groups_decode_as_one_call_per_head(probed, spec, leng
 
     monkeypatch.setattr(JoinedHeads, "attend", counted)
     cache = make_cache(spec, model.config)
-    grouped = _teacher_forced_logits(model, ids, mask, cache, tokens)
+    grouped = kvzip_forced_logits(model, ids, mask, cache, tokens)
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
-    monkeypatch.setattr(JoinedHeads, "attend", _attend_per_head)
-    reference = _teacher_forced_logits(model, ids, mask, make_cache(spec, model.config), tokens)
+    monkeypatch.setattr(JoinedHeads, "attend", attend_per_head)
+    reference = kvzip_forced_logits(model, ids, mask, make_cache(spec, model.config), tokens)
     torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
     assert torch.equal(grouped.argmax(-1), reference.argmax(-1))
     assert len(grouped_calls) == len(heads) > 0

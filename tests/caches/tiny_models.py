@@ -156,3 +156,32 @@ def fitted_joint_bases(mktemp) -> dict:
         assert metadata["heads"] == JOINT and metadata["keys"] == "pre_rope" and len(report) == len(model.model.layers)
         out[family] = model, save_bases(tensors, metadata, mktemp(family)).parent
     return out
+
+
+def kvzip_forced_logits(model, ids, mask, cache, tokens, repeat_prompt_ids=(5, 6, 7)):
+    """Logits [B, 1 + t, V] of decode steps fed the prompt's last token and then `tokens` [B, t] (teacher forcing:
+    caches compared see the same tokens), after KVzip's pass (`prefill` with `repeat_prompt_ids`) over the rest of the
+    prompt; positions from the mask, as `generate` sets them."""
+    from hf_kvcompress.generation import prefill
+    from hf_kvcompress.hf.compat import cache_kwargs
+
+    with torch.inference_mode():
+        prefill(model, ids[:, :-1], mask[:, :-1], cache, repeat_prompt_ids=list(repeat_prompt_ids))
+        feed, position, attention = torch.cat([ids[:, -1:], tokens], 1), mask.sum(-1, keepdim=True) - 1, mask
+        logits = []
+        for i in range(feed.shape[1]):
+            logits.append(model(input_ids=feed[:, i : i + 1], attention_mask=attention, position_ids=position + i,
+                                **cache_kwargs(cache)).logits[:, -1].float())
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
+    return torch.stack(logits, 1)
+
+
+def attend_per_head(joined, query, scaling):
+    """Per-head stores' attention before heads were grouped (caches/joined_heads.py): one SDPA per (row, KV head)
+    over its view, the reference for the grouped calls."""
+    keys, values = joined.views(0), joined.views(1)
+    return torch.cat([
+        torch.nn.functional.scaled_dot_product_attention(
+            query[i : i + 1], keys[i][None, None], values[i][None, None], scale=scaling)
+        for i in range(query.shape[0])
+    ])

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from hf_kvcompress import make_cache
 from hf_kvcompress.caches import store_attention
 
-from ..caches.tiny_models import left_padded_prompts, tiny_model
+from ..caches.tiny_models import attend_per_head, kvzip_forced_logits, left_padded_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -127,16 +127,6 @@ def test_a_steady_decode_step_adds_no_host_syncs_to_transformers_own(spec):
     assert counts[spec] <= counts["dynamic"], counts
 
 
-def _one_call_per_head(joined, query, scaling):
-    """Per-head stores' attention before heads were grouped: one SDPA per (row, KV head) over its view."""
-    keys, values = joined.views(0), joined.views(1)
-    return torch.cat([
-        torch.nn.functional.scaled_dot_product_attention(
-            query[i : i + 1], keys[i][None, None], values[i][None, None], scale=scaling)
-        for i in range(query.shape[0])
-    ])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("slack", [None, 0])  # None: GROUP_SLACK; 0: each layer's heads in one masked call
 def test_per_head_stores_attend_in_groups_as_one_call_per_head(dtype, slack, monkeypatch):
@@ -144,37 +134,15 @@ def test_per_head_stores_attend_in_groups_as_one_call_per_head(dtype, slack, mon
     gaps masked (caches/joined_heads.py); the logits equal one call per head over the same store, teacher-forced,
     on a left-padded batch."""
     from hf_kvcompress.caches import joined_heads
-    from hf_kvcompress.generation import prefill
 
     _, ids, mask = left_padded_prompts(seed=5, lengths=(60, 90, 75))
     ids, mask = ids.cuda(), mask.cuda()
     tokens = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(6)).cuda()
     monkeypatch.setattr(joined_heads, "GROUP_SLACK", 0 if slack == 0 else joined_heads.GROUP_SLACK)
     model = _on_gpu("llama", dtype)
-
-    def logits():
-        cache = make_cache("kvzip:ratio=0.25", model.config)
-        prefill(model, ids[:, :-1], mask[:, :-1], cache, repeat_prompt_ids=[5, 6, 7])
-        out, _ = _decode_after_prefill(model, ids[:, -1:], mask, cache, tokens)
-        return out
-
-    grouped = logits()
-    monkeypatch.setattr(joined_heads.JoinedHeads, "attend", _one_call_per_head)
-    reference = logits()
+    grouped = kvzip_forced_logits(model, ids, mask, make_cache("kvzip:ratio=0.25", model.config), tokens)
+    monkeypatch.setattr(joined_heads.JoinedHeads, "attend", attend_per_head)
+    reference = kvzip_forced_logits(model, ids, mask, make_cache("kvzip:ratio=0.25", model.config), tokens)
     scale = reference.abs().max()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert grouped.isfinite().all() and (grouped - reference).abs().max() <= tolerance * scale
-
-
-def _decode_after_prefill(model, last, mask, cache, tokens):
-    """Logits [1 + t, B, V] of decode steps fed the prompt's `last` token [B, 1], then `tokens` [B, t], after a
-    prefill of the rest of the prompt into `cache`; positions from the mask, as `generate` sets them."""
-    feed = torch.cat([last, tokens], 1)
-    position = mask.sum(-1, keepdim=True) - 1
-    out = []
-    with torch.inference_mode():
-        for i in range(feed.shape[1]):
-            out.append(model(input_ids=feed[:, i : i + 1], attention_mask=mask, position_ids=position + i,
-                             cache=cache).logits[:, -1].float())
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-    return torch.stack(out), mask
