@@ -46,11 +46,10 @@ SLIDING_FLOOR = 1 / 32
 # "KVzap's budget on Gemma-3: the sliding layers' allowance"); `sliding=16` is the recipe for fewer bytes.
 BUDGET_SLIDING_SHARE = 0.5
 # KVzip's `bytes=B` on a hybrid model (`byte_sliding_tokens`, `byte_codecs`): each sliding layer keeps
-# BYTES_SLIDING_SCALE x B x B of its window (320 of Gemma-3-270M's 511 at a quarter, 80 at an eighth, the whole window
-# from about 0.32 up) in int4 with a 32-token full-precision residual, and a plain `bytes=B` stores the full-attention
-# layers so too. On Gemma-3-270M's multi_needle development half a quarter of the bytes kept 8 of 9 answers so (16
-# sliding tokens: 4; 192 with int4's default 128-token residual: 6) and an eighth 5 of 9 with 80 (160: 0; 32: fewer);
-# docs/results.md, "KVzip's byte target on hybrid models".
+# BYTES_SLIDING_SCALE x B x B of its window in int4 with a 32-token full-precision residual, and a plain `bytes=B`
+# stores the full-attention layers so too. Why: at a quarter the answers were lost to the sliding layers' cut, not to
+# the ranking, and a wide window in few bytes kept them; below a quarter the full-attention layers need what is left
+# more (chosen on the development half: docs/results.md, "KVzip's byte target on hybrid models").
 BYTES_SLIDING_SCALE = 10.0
 BYTES_SLIDING_CODEC = IntNCodec(bits=4, residual_length=32, **PLAIN_NAME_DEFAULTS[4])  # `int4:residual_length=32`
 
