@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 import transformers
@@ -338,7 +339,19 @@ class CompressedCache(Cache):
         batch = real_seen.shape[0]
         others = sum(layer.promised_bytes(target.served) for layer in self.layers if layer not in scored)
         counts = sum(head_store_counts(layer.kv_heads, sinks) for layer in scored)
-        return target.spendable(real_seen, torch.full_like(real_seen, others // batch + counts)), target.served
+        spent = torch.full_like(real_seen, others // batch + counts)
+        spendable = target.spendable(real_seen, spent)
+        # Read on the host once per prompt (the ranking's end, not a decode step): a target the plan cannot meet
+        # is said, not held silently above.
+        if bool((spendable == 0).any()):
+            warnings.warn(
+                f"bytes={target.share}: on this document ({int(real_seen.min())} tokens) what the plan keeps outside "
+                f"the ranking (the sliding layers' newest tokens, exact sinks, the ranked layers' counters) already "
+                f"takes more than {target.share} of the uncompressed bytes, so the cache holds more than the target; "
+                "the ranked layers keep no pair beyond them. A larger bytes= or a longer document meets it",
+                RuntimeWarning, stacklevel=2,
+            )
+        return spendable, target.served
 
     def promised_kv_bytes(self, dtype: torch.dtype | None = None) -> int:
         """What the method promises to hold now, computed from what each layer keeps (see `measured_kv_bytes`);

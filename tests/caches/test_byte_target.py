@@ -1,6 +1,8 @@
 """KVzip's `bytes=B`: the cache holds B of the uncompressed cache's bytes (codec included), on a full-attention and a
 hybrid (sliding-window) tiny model, and bad input is refused naming the parameter."""
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -108,7 +110,10 @@ def test_the_bytes_held_are_the_promised_bytes_at_any_length(spec, tokens):
     sliding windows to fit in B (they and the full-attention layer's sinks), less where every pair fits."""
     model = _model(["sliding_attention"] * 4 + ["full_attention"])
     ids = torch.randint(3, 128, (1, tokens), generator=torch.Generator().manual_seed(3))
-    held, cache = _served(model, spec, ids)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        held, cache = _served(model, spec, ids)
+    missed = [w for w in caught if "so the cache holds more than the target" in str(w.message)]
     uncompressed = 1 * 2 * 32 * 2 * (4 * min(tokens, 63) + tokens)  # KV heads x (key + value) x head_dim x bf16
     assert 0 <= _served(model, "dynamic", ids)[0] - uncompressed <= 16 * 5  # the layers' own counters
     promised = study.promised_bytes(spec, model.config, tokens, 2)
@@ -116,11 +121,12 @@ def test_the_bytes_held_are_the_promised_bytes_at_any_length(spec, tokens):
     share = float(spec.split("=")[1].partition("+")[0])
     full = cache.layers[-1].store.held_pairs().sum()
     if full >= tokens:  # every pair fits
-        assert held <= share * uncompressed
+        assert held <= share * uncompressed and not missed
     elif full > 4:  # the ranking bought pairs: B of the bytes, to a pair
-        assert share * uncompressed - (2 * 32 * 2 + 4) - 64 <= held <= share * uncompressed
-    else:  # the sliding windows alone hold more than B: the ranked layer keeps its sinks only
+        assert share * uncompressed - (2 * 32 * 2 + 4) - 64 <= held <= share * uncompressed and not missed
+    else:  # the sliding windows alone hold more than B: the ranked layer keeps its sinks only, and the cache says so
         assert held > share * uncompressed
+        assert len(missed) == 1 and f"bytes={share}" in str(missed[0].message)
 
 
 @pytest.mark.parametrize("spec,match", [
