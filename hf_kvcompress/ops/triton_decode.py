@@ -196,9 +196,15 @@ def decode_attention(
                    sink_values, tail_keys, tail_values, block_t, tokens_per_split)
 
 
-def _strides(x: torch.Tensor | None) -> tuple[int, int, int]:
-    """(batch, head, token) strides in elements of a [B, H, T, D] tensor whose last axis is contiguous."""
-    return (0, 0, 0) if x is None else (x.stride(0), x.stride(1), x.stride(2))
+def _segment(keys: torch.Tensor | None, values: torch.Tensor | None, placeholder: torch.Tensor):
+    """A plain segment (the exact sinks, the tail) as the kernel reads it: keys and values [B, H, n, D] with their
+    last axis contiguous and one set of strides for both (copied where not), their n and (batch, head, token)
+    strides in elements; an absent or empty segment gives the placeholder, 0 and zero strides."""
+    if keys is None or values is None or keys.shape[-2] == 0:
+        return placeholder, placeholder, 0, (0, 0, 0)
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or keys.stride() != values.stride():
+        keys, values = keys.contiguous(), values.contiguous()
+    return keys, values, keys.shape[-2], (keys.stride(0), keys.stride(1), keys.stride(2))
 
 
 def _launch(query, plain_query, encoded_keys, encoded_values, value_dim, bias, sink_slots, sink_keys, sink_values,
@@ -231,24 +237,9 @@ def _launch(query, plain_query, encoded_keys, encoded_values, value_dim, bias, s
             bias = bias.contiguous()
     bias_b, bias_h = (bias.stride(0), bias.stride(1) if bias.shape[1] > 1 else 0) if bias is not None else (0, 0)
     has_sinks = plain and sink_slots is not None
-    if has_sinks:
-        assert sink_keys is not None and sink_values is not None and sink_slots is not None
-        slots = sink_slots.to(torch.int32).contiguous()
-        sink_k, sink_v = _last_contiguous(sink_keys), _last_contiguous(sink_values)
-        sinks = slots.shape[-1]
-    else:
-        slots, sink_k, sink_v, sinks = out_max, out_max, out_max, 0
-    has_tail = plain and tail_keys is not None and tail_keys.shape[-2] > 0
-    if has_tail:
-        assert tail_values is not None and tail_keys is not None
-        tail_k, tail_v = _last_contiguous(tail_keys), _last_contiguous(tail_values)
-        tail = tail_k.shape[-2]
-        if tail_k.stride() != tail_v.stride():
-            tail_k, tail_v = tail_k.contiguous(), tail_v.contiguous()
-    else:
-        tail_k, tail_v, tail = out_max, out_max, 0
-    if has_sinks and sink_k.stride() != sink_v.stride():
-        sink_k, sink_v = sink_k.contiguous(), sink_v.contiguous()
+    slots = sink_slots.to(torch.int32).contiguous() if has_sinks else out_max
+    sink_k, sink_v, sinks, sink_strides = _segment(sink_keys if has_sinks else None, sink_values, out_max)
+    tail_k, tail_v, tail, tail_strides = _segment(tail_keys if plain else None, tail_values, out_max)
     kernel = _kernel()
     block_m = max(16, triton.next_power_of_2(m))
     block_s = max(16, triton.next_power_of_2(max(sinks, 1)))
@@ -258,8 +249,7 @@ def _launch(query, plain_query, encoded_keys, encoded_values, value_dim, bias, s
         out_max, out_sum, out_acc, out_plain,
         m, tokens, tokens_per_split, store_splits, heads, kc.shape[-1], vc.shape[-1], ks.shape[2], ks.shape[3],
         vs.shape[2], vs.shape[3], bias_b, bias_h,
-        sinks, *(_strides(sink_k)[:3] if has_sinks else (0, 0, 0)),
-        tail, *(_strides(tail_k)[:3] if has_tail else (0, 0, 0)),
+        sinks, *sink_strides, tail, *tail_strides,
         D=dim, DV=value_dim, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_S=block_s,
         K_BITS=k_bits, K_TOKEN_GROUP=k_tg, K_CHANNEL_GROUP=k_cg,
         V_BITS=v_bits, V_TOKEN_GROUP=v_tg, V_CHANNEL_GROUP=v_cg,
@@ -274,6 +264,3 @@ def _launch(query, plain_query, encoded_keys, encoded_values, value_dim, bias, s
     plain_acc = (out_plain * weight[:, store_splits, :, None]).reshape(*shape, value_dim) if plain else None
     return best.reshape(*shape, 1), total.reshape(*shape, 1), acc.reshape(*shape, value_dim), plain_acc
 
-
-def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
