@@ -8,22 +8,20 @@ from transformers import DynamicCache
 
 from hf_kvcompress import make_cache
 from hf_kvcompress.caches.layer import CompressedLayer
-from hf_kvcompress.calibration import calibrate_joint, has_copy_weights, load_bases, save_bases
+from hf_kvcompress.calibration import has_copy_weights, load_bases, save_bases
 from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.codecs.lowrank import allocate_ranks_by_error
 from hf_kvcompress.copy_weights import add_copy_weights, boost_weights, copy_costs, copy_loss
 from hf_kvcompress.models import load_config
 
-from ..caches.tiny_models import calibration_model
+from .lowrank_tiny import fit_with_errors
 
 
 @pytest.fixture(scope="module")
 def weighted(tmp_path_factory):
     """(model, bases dir without weights, bases dir with them, costs): a 2-layer llama."""
     g = torch.Generator().manual_seed(0)
-    model = calibration_model("llama")
-    ids, held = torch.randint(3, 128, (1, 200), generator=g), torch.randint(3, 128, (1, 120), generator=g)
-    tensors, metadata, _ = calibrate_joint(model, ids, text="random ids", error_ids=held)
+    model, tensors, metadata, _, _ = fit_with_errors("llama", g)
     plain = save_bases(tensors, metadata, tmp_path_factory.mktemp("plain")).parent
     copy_ids = torch.randint(3, 128, (1, 200), generator=g)  # past the quarter's 128-token window
     costs = add_copy_weights(model, copy_ids, str(plain), tensors, metadata)

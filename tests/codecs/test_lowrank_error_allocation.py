@@ -20,7 +20,7 @@ from hf_kvcompress.calibration import (
 from hf_kvcompress.codecs.lowrank import LowRankCodec, allocate_ranks_by_error
 from hf_kvcompress.ops.rerotate import rerotate
 
-from ..caches.tiny_models import calibration_model
+from .lowrank_tiny import fit_with_errors
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +29,7 @@ def fitted(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     out = {}
     for family in ("llama", "gemma3"):
-        model = calibration_model(family)
-        ids, held = torch.randint(3, 128, (1, 200), generator=g), torch.randint(3, 128, (1, 120), generator=g)
-        tensors, metadata, _ = calibrate_joint(model, ids, text="random ids", error_ids=held)
+        model, tensors, metadata, ids, held = fit_with_errors(family, g)
         out[family] = model, save_bases(tensors, metadata, tmp_path_factory.mktemp(family)).parent, ids, held
     return out
 

@@ -6,10 +6,10 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes
-from hf_kvcompress.calibration import calibrate_joint, save_bases
+from hf_kvcompress.calibration import save_bases
 from hf_kvcompress.codecs.lowrank import LowRankCodec, allocate_ranks, allocate_ranks_by_error, layer_costs
 
-from ..caches.tiny_models import calibration_model
+from .lowrank_tiny import fit_with_errors
 
 WIDTH = 32  # the tiny Gemma-3: one KV head of 32 dimensions, layers sliding, sliding, full; window 6 (5 tokens held)
 LENGTH = 45
@@ -19,9 +19,7 @@ LENGTH = 45
 def hybrid(tmp_path_factory):
     """(model, joint bases dir with error curves) for the tiny Gemma-3."""
     g = torch.Generator().manual_seed(0)
-    model = calibration_model("gemma3")
-    ids, held = torch.randint(3, 128, (1, 200), generator=g), torch.randint(3, 128, (1, 120), generator=g)
-    tensors, metadata, _ = calibrate_joint(model, ids, text="random ids", error_ids=held)
+    model, tensors, metadata, _, _ = fit_with_errors("gemma3", g)
     return model, save_bases(tensors, metadata, tmp_path_factory.mktemp("bases")).parent
 
 
