@@ -408,13 +408,13 @@ class CompressedLayer(CacheLayerMixin):
             # gathering every kept one; rows without padding drop the slot after their sinks, the others a padding
             # slot. `moves` is read before `kept` moves the padding.
             moves = self.padding.pads == 0
-            self.padding.kept(most, keep, length)
+            self.padding.kept(most, keep, length, self.eviction.fixed_budget)
             self.store.slide(moves, self.policy.sink_tokens)
             return
         kept = self.eviction.choose(self.padding, scores, self.kv_heads, length, keep, most, even)  # [B, H_kv, budget]
         positions = self.slots.positions  # before the move: the store encodes kept tail keys at them
         self.slots.take(kept)  # scores, positions and sink slots follow the kept slots
-        self.padding.kept(kept.shape[-1], keep, length)
+        self.padding.kept(kept.shape[-1], keep, length, self.eviction.fixed_budget)
         rerotate = self.store.encoded_keys is None and self.inv_freq is not None
         self.store.take(kept, positions)
         if rerotate:

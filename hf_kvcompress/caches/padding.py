@@ -161,9 +161,16 @@ class RowPadding:
 
     # -- moves: the padding slots follow the slots --------------------------------------------------------------
 
-    def kept(self, budget: int, keep: torch.Tensor, length: int) -> None:
-        """After eviction keeps `budget` slots of `length`, each row `keep[b]` real tokens at most behind padding."""
+    def kept(self, budget: int, keep: torch.Tensor, length: int, fixed_budget: bool) -> None:
+        """After eviction keeps `budget` slots of `length`, each row `keep[b]` real tokens at most behind padding.
+
+        Under a fixed budget every row keeps min(budget, real) real slots behind its padding, so whether
+        transformers' mask fits is unchanged; any other keep (a ratio, a per-layer shift) may leave a padded row with
+        a share of its tokens, and the last `misplaces_shared_mask` answer, read before this eviction, is stale:
+        ask again at the next step (a ratio whose decode steps append would otherwise attend the padding it keeps)."""
         self.pads = budget - torch.minimum(keep, length - self.pads)
+        if not fixed_budget:
+            self.mask_misplaced = True
 
     def drop(self, n: int) -> None:
         """The `n` oldest slots are dropped (a block window): padding is the oldest slots."""

@@ -26,7 +26,8 @@ from .tiny_models import CONFIGS, left_padded_prompts, tiny_model
 EVICTING = ["sink_window:sink_tokens=2,window=6", "h2o:budget=8,recent=3", "h2o:budget=8,recent=2,sink_tokens=1+int8",
             "h2o:budget=8,recent=2,sink_tokens=1+int3:residual_length=2,group_size=8,rotate=hadamard,sink_tokens=2",
             "kvzip:budget=8,budgets=uniform+int8"]
-SCORED = ["h2o:ratio=0.5,recent=2", "snapkv:budget=8,window=3,recent=2", "tova:ratio=0.5", "keydiff:budget=8+fp8",
+SCORED = ["h2o:ratio=0.5,recent=2", "snapkv:budget=8,window=3,recent=2", "snapkv:ratio=0.5,window=3,recent=2",
+          "snapkv:ratio=0.5,window=3,recent=2+int8", "tova:ratio=0.5", "keydiff:budget=8+fp8",
           "random:ratio=0.5", "kvzip:ratio=0.5,budgets=uniform", "kvzip:ratio=0.5,budgets=layer",
           "kvzip:ratio=0.5,budgets=token", "kvzip:ratio=0.5", "kvzip:ratio=0.5,span=2",
           "kvzip:budget=8,budgets=head+int4:residual_length=2,group_size=16,rotate=none",
