@@ -15,10 +15,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from ..calibration import ERROR_STEP, JOINT, has_copy_weights, has_error_curves, load_bases, rope_frequencies
 from ..hf.compat import text_config
+from ..ops.bf16_matmul import fast_bfloat16_matmul
 from ..ops.rerotate import rerotate
 from .base import Encoded, Kind
 from .reducing import ReducingCodec
@@ -94,7 +96,46 @@ class LayerBases:
         return self
 
 
+class TurnTables:
+    """The cos and sin of RoPE's turn at a decode step's slot positions, shared by the layers of one cache that hold
+    the same positions and frequencies (every layer, unless a policy evicts per layer): one table per step instead
+    of one per layer (~0.3 ms each at 4k tokens on one CPU core, the same in every layer).
+
+    Transient: the cache's last layer drops the tables when it has read its store's last block, so between steps
+    nothing is held (and `measured_kv_bytes`, which walks the codec, would count whatever were). At most
+    MAX_ENTRIES tables (a store read in several blocks holds one per block); a miss beyond that drops the oldest.
+    CPU tensors only: matching positions on a GPU would read the device on the host at every layer, where the
+    table's few launches cost less than that read.
+    """
+
+    MAX_ENTRIES = 4
+
+    def __init__(self):
+        self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def lookup(self, inv_freq: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, 1, R / 2, T] of `position` [B, 1, T] (float32) at `inv_freq` [R / 2]: built, or one held
+        for equal frequencies and positions. The comparison reads CPU memory only (no device to wait for)."""
+        if position.device.type == "cpu":
+            for freq, held, cos, sin in self.entries:
+                if held.shape == position.shape and freq.shape == inv_freq.shape \
+                        and np.array_equal(held.numpy(), position.numpy()) \
+                        and np.array_equal(freq.numpy(), inv_freq.numpy()):
+                    return cos, sin
+        angles = inv_freq[:, None] * position[:, :, None, :]  # [B, 1, R / 2, T]
+        cos, sin = angles.cos(), angles.sin()
+        if position.device.type == "cpu":
+            # Copies: the layer's positions may change in place later (a crop, a reorder), the held key must not.
+            self.entries.append((inv_freq.clone(), position.clone(), cos, sin))
+            del self.entries[: -self.MAX_ENTRIES]
+        return cos, sin
+
+    def release(self) -> None:
+        self.entries.clear()
+
+
 FLOORS = ("none", "full")  # lowrank's `floor`: which layers keep at least the ratio of each kind's dimensions
+COMPUTE_DTYPES = ("auto", "bfloat16", "float32")  # lowrank's `compute`: the dtype of a decode step's key rebuild
 ALLOCATIONS = ("copy", "error", "variance")  # lowrank's `allocate`: what a ratio's dimensions are spread by
 
 
@@ -250,6 +291,13 @@ class LowRankCodec(ReducingCodec):
             latents' bytes (2,000, the suite's prompts); at longer prompts the full-attention layers' share of the
             bytes weighs more. Ignored without sliding-window layers (every layer holds every token).
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
+        compute: the dtype a decode step rebuilds the keys in from their latents (joint bases; the products that
+            dominate a step at long contexts): "bfloat16" rounds the bases and latents to bf16 for the product (the
+            sums stay float32 inside the GEMM; the turn and the query's product stay float32), "float32" does not,
+            "auto" (the default) takes bf16 on a CPU that multiplies it natively (`ops.bf16_matmul`: measured once
+            per process, `HF_KVCOMPRESS_BF16_MATMUL` forces it) and float32 elsewhere. A bf16 key differs from the
+            float32 one by ~2^-9 of its size, far below the bases' own reconstruction error
+            (tests/codecs/test_lowrank_attention.py). Stored bytes are the same either way.
     """
 
     name: ClassVar[str] = "lowrank"
@@ -263,6 +311,7 @@ class LowRankCodec(ReducingCodec):
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
     residual_length: int | None = None  # type: ignore[assignment,misc]  # as sink_tokens: lowrank's own (stack: the most)
     length: int = BYTES_AT_LENGTH
+    compute: str = "auto"
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
@@ -273,6 +322,8 @@ class LowRankCodec(ReducingCodec):
     _encoders: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)  # kinds with oblique bases
     _layer: LayerBases | None = field(default=None, init=False, repr=False, compare=False)
     _layer_idx: int | None = field(default=None, init=False, repr=False, compare=False)
+    # One per bound codec, shared by its layers' copies (`for_layer`): the step's cos/sin tables (transient).
+    _turns: TurnTables | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
@@ -297,6 +348,8 @@ class LowRankCodec(ReducingCodec):
             object.__setattr__(self, "floor", "none")
         if self.floor not in FLOORS:
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}, got {self.floor!r}")
+        if self.compute not in COMPUTE_DTYPES:
+            raise ValueError(f"compute must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute!r}")
         if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
             raise ValueError(f"length must be a positive integer (the prompt tokens a hybrid model's ratio counts "
                              f"bytes at), got {self.length!r}")
@@ -369,7 +422,8 @@ class LowRankCodec(ReducingCodec):
         bound = replace(self, rank=None if joint and self.rank is None else (self.rank or ranks[0][0]))
         encoders = tuple(kind for kind in ("key", "value") if joint and f"layers.0.{kind}_encoder" in tensors)
         for name, value in (("_tensors", tensors), ("_joint", joint), ("_ranks", tuple(ranks)), ("_kv_heads", heads),
-                            ("_inv_freqs", rope_frequencies(config) if joint else None), ("_encoders", encoders)):
+                            ("_inv_freqs", rope_frequencies(config) if joint else None), ("_encoders", encoders),
+                            ("_turns", TurnTables() if joint else None)):
             object.__setattr__(bound, name, value)
         return bound
 
@@ -515,23 +569,31 @@ class LowRankCodec(ReducingCodec):
         at a time."""
         return self._joint
 
-    def key_logits(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def key_logits(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None = None,
+                   last_block: bool = True) -> torch.Tensor:
         """`positions` [B, H_kv, T]: the position each key was rotated to (joint bases share each slot over the
-        layer's KV heads, so every head holds the same positions and the first head's serve all)."""
+        layer's KV heads, so every head holds the same positions and the first head's serve all). `last_block`:
+        whether this is the last block of the layer's store read this step (the last layer's drops the step's
+        cos/sin tables, `TurnTables`)."""
         if not self._joint:
             return super().key_logits(encoded, query)
-        latent = self.storage.decode(encoded, "key", torch.float32).float()  # [B, 1, T, r]
+        compute = self._compute_dtype(query.device)
+        latent = self.storage.decode(encoded, "key", compute).to(compute)  # [B, 1, T, r]
         mean, basis = self._bases("key", query.shape[1], latent.device)
         heads, dim, rank = basis.shape
         batch, tokens = latent.shape[0], latent.shape[2]
         # The pre-RoPE keys as [B, H, D, T]: one [H * D, r] x [r, B * T] product for the layer's heads and rows,
         # laid out so that (batch 1) each head's keys are the second operand of the query's product as they are.
-        keys = torch.mm(basis.reshape(heads * dim, rank), latent[:, 0].reshape(batch * tokens, rank).t())
-        keys = keys.view(heads, dim, batch, tokens).permute(2, 0, 1, 3).add_(mean[None, :, :, None])
+        # In bf16 (`compute`) the product's rounding is below the bases' error; the keys are widened back to float32
+        # for the mean, the turn and the query (one widening copy: a mixed-dtype add would cost 6x the product).
+        keys = torch.mm(basis.reshape(heads * dim, rank).to(compute), latent[:, 0].reshape(batch * tokens, rank).t())
+        keys = keys.float().view(heads, dim, batch, tokens).permute(2, 0, 1, 3).add_(mean[None, :, :, None])
         inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
         position = self._positions(positions, latent.expand(-1, heads, -1, -1))[:, :1].to(torch.float32)
-        angles = inv_freq[:, None] * position[:, :, None, :]  # [B, 1, R / 2, T]
-        cos, sin = angles.cos(), angles.sin()
+        assert self._turns is not None  # bound with the joint bases
+        cos, sin = self._turns.lookup(inv_freq, position)  # [B, 1, R / 2, T]
+        if last_block and self._layer_idx == len(self._ranks or ()) - 1:
+            self._turns.release()  # the step's last read of the tables (`TurnTables`)
         # Rotate-half RoPE (ops/rerotate.py) met by the query half by half: q . turn(k) = q1 . (k1 cos - k2 sin) +
         # q2 . (k2 cos + k1 sin); channels past the rotated ones (partial rotary) meet the query as they are.
         half = inv_freq.numel()
@@ -569,6 +631,12 @@ class LowRankCodec(ReducingCodec):
             return x
         mean, basis = self._bases(kind, x.shape[1], x.device)
         return torch.matmul(x[..., :-1], basis.transpose(-1, -2)) + x[..., -1:] * mean[None, :, None, :]
+
+    def _compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the keys are rebuilt in on `device` (`compute`)."""
+        if self.compute == "auto":
+            return torch.bfloat16 if fast_bfloat16_matmul(device) else torch.float32
+        return getattr(torch, self.compute)
 
     @staticmethod
     def _positions(positions: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
