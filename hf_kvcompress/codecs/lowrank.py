@@ -101,9 +101,10 @@ class TurnTables:
     the same positions and frequencies (every layer, unless a policy evicts per layer): one table per step instead
     of one per layer (~0.3 ms each at 4k tokens on one CPU core, the same in every layer).
 
-    Transient: the cache's last layer drops the tables when it has read its store's last block, so between steps
-    nothing is held (and `measured_kv_bytes`, which walks the codec, would count whatever were). At most
-    MAX_ENTRIES tables (a store read in several blocks holds one per block); a miss beyond that drops the oldest.
+    Transient: the last of the layers bound to these tables (`register`; a hybrid model binds its sliding and its
+    full-attention layers apart) drops them when it has read its store's last block, so between steps nothing is
+    held (and `measured_kv_bytes`, which walks the codec, would count whatever were). At most MAX_ENTRIES tables (a
+    store read in several blocks holds one per block); a miss beyond that drops the oldest.
     CPU tensors only: matching positions on a GPU would read the device on the host at every layer, where the
     table's few launches cost less than that read.
     """
@@ -112,6 +113,11 @@ class TurnTables:
 
     def __init__(self):
         self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.last_layer = -1  # the highest layer index bound to these tables
+
+    def register(self, layer_idx: int) -> None:
+        """A layer of the cache reads these tables."""
+        self.last_layer = max(self.last_layer, layer_idx)
 
     def lookup(self, inv_freq: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, 1, R / 2, T] of `position` [B, 1, T] (float32) at `inv_freq` [R / 2]: built, or one held
@@ -477,6 +483,8 @@ class LowRankCodec(ReducingCodec):
         object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self._ranks[layer_idx], self._joint,
                                                        inv_freq))
         object.__setattr__(bound, "_layer_idx", layer_idx)
+        if self._turns is not None:
+            self._turns.register(layer_idx)
         object.__setattr__(bound, "_tensors", None)
         return bound
 
@@ -592,7 +600,7 @@ class LowRankCodec(ReducingCodec):
         position = self._positions(positions, latent.expand(-1, heads, -1, -1))[:, :1].to(torch.float32)
         assert self._turns is not None  # bound with the joint bases
         cos, sin = self._turns.lookup(inv_freq, position)  # [B, 1, R / 2, T]
-        if last_block and self._layer_idx == len(self._ranks or ()) - 1:
+        if last_block and self._layer_idx == self._turns.last_layer:
             self._turns.release()  # the step's last read of the tables (`TurnTables`)
         # Rotate-half RoPE (ops/rerotate.py) met by the query half by half: q . turn(k) = q1 . (k1 cos - k2 sin) +
         # q2 . (k2 cos + k1 sin); channels past the rotated ones (partial rotary) meet the query as they are.
