@@ -111,7 +111,7 @@ class TurnTables:
 
     MAX_ENTRIES = 4
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.last_layer = -1  # the highest layer index bound to these tables
 

@@ -104,7 +104,8 @@ def test_fused_decode_in_bfloat16_is_within_its_rounding(fitted):
 
 def test_key_logits_and_value_mix_equal_the_decoded_states(fitted):
     model, bases = fitted["gemma3"]
-    codec = make_cache(f"lowrank:ratio=0.5,bases={bases},compute=float32", model.config).layers[2].codec  # full attention
+    spec = f"lowrank:ratio=0.5,bases={bases},compute=float32"
+    codec = make_cache(spec, model.config).layers[2].codec  # a full-attention layer
     g = torch.Generator().manual_seed(5)
     keys, values = torch.randn(2, 1, 11, 32, generator=g), torch.randn(2, 1, 11, 32, generator=g)
     positions = torch.randint(0, 900, (2, 1, 11), generator=g)
