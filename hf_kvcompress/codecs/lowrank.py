@@ -140,6 +140,30 @@ class TurnTables:
         self.entries.clear()
 
 
+# Columns of one bf16 key product (`_product_in_chunks`): every product of a layer has the same shape.
+KEY_CHUNK = 1024
+
+
+def _product_in_chunks(basis: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+    """basis [M, r] x latent [N, r]^T in float32 [M, N], computed in basis's dtype (bf16) KEY_CHUNK columns at a time,
+    the last chunk padded with zero rows.
+
+    Every product then has the same shape, whatever the number of tokens: oneDNN, which runs CPU bf16 products,
+    keeps a compiled primitive per shape it has seen (~1.2 MB each here, up to 1,024 of them), so a product of all
+    N tokens at once, whose N grows at every decode step, grew the process by ~1.2 MB a step. The bf16 outputs are
+    widened to float32 as they are placed (the mean, the turn and the query's product run in float32): a
+    mixed-dtype add of the float32 mean to a bf16 product instead cost 6x the product on CPU."""
+    rows, rank = latent.shape
+    padded = torch.empty(-(-rows // KEY_CHUNK) * KEY_CHUNK, rank, dtype=basis.dtype, device=latent.device)
+    padded[:rows] = latent  # converted on the way in
+    padded[rows:] = 0
+    out = torch.empty(basis.shape[0], rows, dtype=torch.float32, device=basis.device)
+    for start in range(0, rows, KEY_CHUNK):
+        end = min(start + KEY_CHUNK, rows)
+        out[:, start:end] = torch.mm(basis, padded[start : start + KEY_CHUNK].t())[:, : end - start]
+    return out
+
+
 FLOORS = ("none", "full")  # lowrank's `floor`: which layers keep at least the ratio of each kind's dimensions
 COMPUTE_DTYPES = ("auto", "bfloat16", "float32")  # lowrank's `compute`: the dtype of a decode step's key rebuild
 ALLOCATIONS = ("copy", "error", "variance")  # lowrank's `allocate`: what a ratio's dimensions are spread by
@@ -586,16 +610,18 @@ class LowRankCodec(ReducingCodec):
         if not self._joint:
             return super().key_logits(encoded, query)
         compute = self._compute_dtype(query.device)
-        latent = self.storage.decode(encoded, "key", compute).to(compute)  # [B, 1, T, r]
+        latent = self.storage.decode(encoded, "key", compute)  # [B, 1, T, r]
         mean, basis = self._bases("key", query.shape[1], latent.device)
         heads, dim, rank = basis.shape
         batch, tokens = latent.shape[0], latent.shape[2]
         # The pre-RoPE keys as [B, H, D, T]: one [H * D, r] x [r, B * T] product for the layer's heads and rows,
         # laid out so that (batch 1) each head's keys are the second operand of the query's product as they are.
-        # In bf16 (`compute`) the product's rounding is below the bases' error; the keys are widened back to float32
-        # for the mean, the turn and the query (one widening copy: a mixed-dtype add would cost 6x the product).
-        keys = torch.mm(basis.reshape(heads * dim, rank).to(compute), latent[:, 0].reshape(batch * tokens, rank).t())
-        keys = keys.float().view(heads, dim, batch, tokens).permute(2, 0, 1, 3).add_(mean[None, :, :, None])
+        flat = latent[:, 0].reshape(batch * tokens, rank)
+        if compute == torch.float32:
+            keys = torch.mm(basis.reshape(heads * dim, rank), flat.float().t())
+        else:
+            keys = _product_in_chunks(basis.reshape(heads * dim, rank).to(compute), flat)
+        keys = keys.view(heads, dim, batch, tokens).permute(2, 0, 1, 3).add_(mean[None, :, :, None])
         inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
         position = self._positions(positions, latent.expand(-1, heads, -1, -1))[:, :1].to(torch.float32)
         assert self._turns is not None  # bound with the joint bases

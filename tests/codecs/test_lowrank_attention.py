@@ -229,3 +229,27 @@ def test_turn_tables_match_positions_by_value():
 def test_compute_must_be_a_known_dtype():
     with pytest.raises(ValueError, match="compute must be one of auto, bfloat16, float32"):
         LowRankCodec(compute="float16")
+
+
+def test_bf16_key_products_keep_one_shape_as_the_store_grows(monkeypatch):
+    """oneDNN compiles and keeps a primitive per bf16 product shape (~1.2 MB each): a product over all the tokens,
+    whose count grows at every step, grew the process at every step. Every product has KEY_CHUNK columns instead,
+    and the chunks together equal the whole product."""
+    from hf_kvcompress.codecs import lowrank
+
+    g = torch.Generator().manual_seed(4)
+    basis, latent = torch.randn(48, 16, generator=g), torch.randn(2 * lowrank.KEY_CHUNK + 300, 16, generator=g)
+    shapes = set()
+    original = torch.mm
+
+    def recorded(a, b):
+        shapes.add((tuple(a.shape), tuple(b.shape), b.stride()))
+        return original(a, b)
+
+    monkeypatch.setattr(torch, "mm", recorded)
+    for rows in (1, 7, lowrank.KEY_CHUNK, lowrank.KEY_CHUNK + 1, latent.shape[0]):
+        out = lowrank._product_in_chunks(basis.bfloat16(), latent[:rows])
+        assert out.dtype == torch.float32 and out.shape == (48, rows)
+        exact = basis.bfloat16().float() @ latent[:rows].bfloat16().float().t()
+        assert torch.allclose(out, exact, rtol=2 ** -7, atol=1e-2)  # the bf16 output's rounding, no more
+    assert shapes == {((48, 16), (16, lowrank.KEY_CHUNK), (1, 16))}
