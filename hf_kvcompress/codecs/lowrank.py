@@ -99,7 +99,7 @@ class LayerBases:
 class TurnTables:
     """The cos and sin of RoPE's turn at a decode step's slot positions, shared by the layers of one cache that hold
     the same positions and frequencies (every layer, unless a policy evicts per layer): one table per step instead
-    of one per layer (~0.3 ms each at 4k tokens on one CPU core, the same in every layer).
+    of one per layer (each costs about what the layer's turn does at long contexts on one CPU core).
 
     Transient: the last of the layers bound to these tables (`register`; a hybrid model binds its sliding and its
     full-attention layers apart) drops them when it has read its store's last block, so between steps nothing is
@@ -149,10 +149,11 @@ def _product_in_chunks(basis: torch.Tensor, latent: torch.Tensor) -> torch.Tenso
     the last chunk padded with zero rows.
 
     Every product then has the same shape, whatever the number of tokens: oneDNN, which runs CPU bf16 products,
-    keeps a compiled primitive per shape it has seen (~1.2 MB each here, up to 1,024 of them), so a product of all
-    N tokens at once, whose N grows at every decode step, grew the process by ~1.2 MB a step. The bf16 outputs are
-    widened to float32 as they are placed (the mean, the turn and the query's product run in float32): a
-    mixed-dtype add of the float32 mean to a bf16 product instead cost 6x the product on CPU."""
+    compiles and keeps a primitive per shape it has seen (up to 1,024 of them, each holding memory), so a product of
+    all N tokens at once, whose N grows at every decode step, grew the process at every step and paid a compilation
+    each time (docs/speed.md, "Low rank's float32 decode"). The bf16 outputs are widened to float32 as they are
+    placed (the mean, the turn and the query's product run in float32): a mixed-dtype add of the float32 mean to a
+    bf16 product costs several times the product on CPU."""
     rows, rank = latent.shape
     padded = torch.empty(-(-rows // KEY_CHUNK) * KEY_CHUNK, rank, dtype=basis.dtype, device=latent.device)
     padded[:rows] = latent  # converted on the way in

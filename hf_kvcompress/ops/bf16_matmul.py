@@ -1,8 +1,8 @@
 """Whether a device multiplies bfloat16 matrices natively, much faster than float32 ones.
 
 A CPU with bf16 dot-product instructions (AVX512-BF16, AMX) runs oneDNN's bf16 GEMM at several times float32's rate
-(a [192, 77] x [77, 4096] product: 0.27 ms against 1.19 ms on an EPYC with avx512_bf16); one without them widens
-bf16 to float32 in software and is slower than float32. torch has no public query for the instructions, so the first
+(docs/speed.md, "Low rank's float32 decode"); one without them widens bf16 to float32 in software and is slower
+than float32. torch has no public query for the instructions, so the first
 question per process and device kind times the two products once and keeps the answer. `HF_KVCOMPRESS_BF16_MATMUL`
 ("1" / "0") answers instead of the measurement. GPUs answer False: their float32 products are fast enough for the
 callers here (a decode step's key rebuild), so these never round there unasked.
