@@ -105,8 +105,10 @@ def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _Onl
     block = -(-tokens // unit) * unit
     for start in range(0, n_enc, block):
         end = min(start + block, n_enc)
-        # A codec that stores keys with their positions (lowrank's pre-RoPE latents) turns them at those positions.
-        at = {"positions": layer.slots.positions[:, :, start:end]} if codec.needs_positions else {}
+        # A codec that stores keys with their positions (lowrank's pre-RoPE latents) turns them at those positions,
+        # and learns which block is the layer's last (lowrank shares a step's turn tables over its layers).
+        at = {"positions": layer.slots.positions[:, :, start:end], "last_block": end == n_enc} \
+            if codec.needs_positions else {}
         logits = codec.key_logits(slice_encoded(layer.store.encoded_keys, start, end, n_enc), stored_q, **at)
         values = slice_encoded(layer.store.encoded_values, start, end, n_enc)
         bias = _bias(attention_mask, groups, slice(start, end))

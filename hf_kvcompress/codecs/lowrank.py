@@ -15,10 +15,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from ..calibration import ERROR_STEP, JOINT, has_copy_weights, has_error_curves, load_bases, rope_frequencies
 from ..hf.compat import text_config
+from ..ops.bf16_matmul import fast_bfloat16_matmul
 from ..ops.rerotate import rerotate
 from .base import Encoded, Kind
 from .reducing import ReducingCodec
@@ -94,7 +96,77 @@ class LayerBases:
         return self
 
 
+class TurnTables:
+    """The cos and sin of RoPE's turn at a decode step's slot positions, shared by the layers of one cache that hold
+    the same positions and frequencies (every layer, unless a policy evicts per layer): one table per step instead
+    of one per layer (each costs about what the layer's turn does at long contexts on one CPU core).
+
+    Transient: the last of the layers bound to these tables (`register`; a hybrid model binds its sliding and its
+    full-attention layers apart) drops them when it has read its store's last block, so between steps nothing is
+    held (and `measured_kv_bytes`, which walks the codec, would count whatever were). At most MAX_ENTRIES tables (a
+    store read in several blocks holds one per block); a miss beyond that drops the oldest.
+    CPU tensors only: matching positions on a GPU would read the device on the host at every layer, where the
+    table's few launches cost less than that read.
+    """
+
+    MAX_ENTRIES = 4
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.last_layer = -1  # the highest layer index bound to these tables
+
+    def register(self, layer_idx: int) -> None:
+        """A layer of the cache reads these tables."""
+        self.last_layer = max(self.last_layer, layer_idx)
+
+    def lookup(self, inv_freq: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, 1, R / 2, T] of `position` [B, 1, T] (float32) at `inv_freq` [R / 2]: built, or one held
+        for equal frequencies and positions. The comparison reads CPU memory only (no device to wait for)."""
+        if position.device.type == "cpu":
+            for freq, held, cos, sin in self.entries:
+                if held.shape == position.shape and freq.shape == inv_freq.shape \
+                        and np.array_equal(held.numpy(), position.numpy()) \
+                        and np.array_equal(freq.numpy(), inv_freq.numpy()):
+                    return cos, sin
+        angles = inv_freq[:, None] * position[:, :, None, :]  # [B, 1, R / 2, T]
+        cos, sin = angles.cos(), angles.sin()
+        if position.device.type == "cpu":
+            # Copies: the layer's positions may change in place later (a crop, a reorder), the held key must not.
+            self.entries.append((inv_freq.clone(), position.clone(), cos, sin))
+            del self.entries[: -self.MAX_ENTRIES]
+        return cos, sin
+
+    def release(self) -> None:
+        self.entries.clear()
+
+
+# Columns of one bf16 key product (`_product_in_chunks`): every product of a layer has the same shape.
+KEY_CHUNK = 1024
+
+
+def _product_in_chunks(basis: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+    """basis [M, r] x latent [N, r]^T in float32 [M, N], computed in basis's dtype (bf16) KEY_CHUNK columns at a time,
+    the last chunk padded with zero rows.
+
+    Every product then has the same shape, whatever the number of tokens: oneDNN, which runs CPU bf16 products,
+    compiles and keeps a primitive per shape it has seen (up to 1,024 of them, each holding memory), so a product of
+    all N tokens at once, whose N grows at every decode step, grew the process at every step and paid a compilation
+    each time (docs/speed.md, "Low rank's float32 decode"). The bf16 outputs are widened to float32 as they are
+    placed (the mean, the turn and the query's product run in float32): a mixed-dtype add of the float32 mean to a
+    bf16 product costs several times the product on CPU."""
+    rows, rank = latent.shape
+    padded = torch.empty(-(-rows // KEY_CHUNK) * KEY_CHUNK, rank, dtype=basis.dtype, device=latent.device)
+    padded[:rows] = latent  # converted on the way in
+    padded[rows:] = 0
+    out = torch.empty(basis.shape[0], rows, dtype=torch.float32, device=basis.device)
+    for start in range(0, rows, KEY_CHUNK):
+        end = min(start + KEY_CHUNK, rows)
+        out[:, start:end] = torch.mm(basis, padded[start : start + KEY_CHUNK].t())[:, : end - start]
+    return out
+
+
 FLOORS = ("none", "full")  # lowrank's `floor`: which layers keep at least the ratio of each kind's dimensions
+COMPUTE_DTYPES = ("auto", "bfloat16", "float32")  # lowrank's `compute`: the dtype of a decode step's key rebuild
 ALLOCATIONS = ("copy", "error", "variance")  # lowrank's `allocate`: what a ratio's dimensions are spread by
 
 
@@ -250,6 +322,13 @@ class LowRankCodec(ReducingCodec):
             latents' bytes (2,000, the suite's prompts); at longer prompts the full-attention layers' share of the
             bytes weighs more. Ignored without sliding-window layers (every layer holds every token).
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
+        compute: the dtype a decode step rebuilds the keys in from their latents (joint bases; the products that
+            dominate a step at long contexts): "bfloat16" rounds the bases and latents to bf16 for the product (the
+            sums stay float32 inside the GEMM; the turn and the query's product stay float32), "float32" does not,
+            "auto" (the default) takes bf16 on a CPU that multiplies it natively (`ops.bf16_matmul`: measured once
+            per process, `HF_KVCOMPRESS_BF16_MATMUL` forces it) and float32 elsewhere. A bf16 key differs from the
+            float32 one by ~2^-9 of its size, far below the bases' own reconstruction error
+            (tests/codecs/test_lowrank_attention.py). Stored bytes are the same either way.
     """
 
     name: ClassVar[str] = "lowrank"
@@ -263,6 +342,7 @@ class LowRankCodec(ReducingCodec):
     sink_tokens: int = 4  # type: ignore[misc]  # a field here: lowrank's own (the base's property reads the storage's)
     residual_length: int | None = None  # type: ignore[assignment,misc]  # as sink_tokens: lowrank's own (stack: the most)
     length: int = BYTES_AT_LENGTH
+    compute: str = "auto"
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
@@ -273,6 +353,8 @@ class LowRankCodec(ReducingCodec):
     _encoders: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)  # kinds with oblique bases
     _layer: LayerBases | None = field(default=None, init=False, repr=False, compare=False)
     _layer_idx: int | None = field(default=None, init=False, repr=False, compare=False)
+    # One per bound codec, shared by its layers' copies (`for_layer`): the step's cos/sin tables (transient).
+    _turns: TurnTables | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
@@ -297,6 +379,8 @@ class LowRankCodec(ReducingCodec):
             object.__setattr__(self, "floor", "none")
         if self.floor not in FLOORS:
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}, got {self.floor!r}")
+        if self.compute not in COMPUTE_DTYPES:
+            raise ValueError(f"compute must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute!r}")
         if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
             raise ValueError(f"length must be a positive integer (the prompt tokens a hybrid model's ratio counts "
                              f"bytes at), got {self.length!r}")
@@ -369,7 +453,8 @@ class LowRankCodec(ReducingCodec):
         bound = replace(self, rank=None if joint and self.rank is None else (self.rank or ranks[0][0]))
         encoders = tuple(kind for kind in ("key", "value") if joint and f"layers.0.{kind}_encoder" in tensors)
         for name, value in (("_tensors", tensors), ("_joint", joint), ("_ranks", tuple(ranks)), ("_kv_heads", heads),
-                            ("_inv_freqs", rope_frequencies(config) if joint else None), ("_encoders", encoders)):
+                            ("_inv_freqs", rope_frequencies(config) if joint else None), ("_encoders", encoders),
+                            ("_turns", TurnTables() if joint else None)):
             object.__setattr__(bound, name, value)
         return bound
 
@@ -423,6 +508,8 @@ class LowRankCodec(ReducingCodec):
         object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self._ranks[layer_idx], self._joint,
                                                        inv_freq))
         object.__setattr__(bound, "_layer_idx", layer_idx)
+        if self._turns is not None:
+            self._turns.register(layer_idx)
         object.__setattr__(bound, "_tensors", None)
         return bound
 
@@ -515,23 +602,33 @@ class LowRankCodec(ReducingCodec):
         at a time."""
         return self._joint
 
-    def key_logits(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def key_logits(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None = None,
+                   last_block: bool = True) -> torch.Tensor:
         """`positions` [B, H_kv, T]: the position each key was rotated to (joint bases share each slot over the
-        layer's KV heads, so every head holds the same positions and the first head's serve all)."""
+        layer's KV heads, so every head holds the same positions and the first head's serve all). `last_block`:
+        whether this is the last block of the layer's store read this step (the last layer's drops the step's
+        cos/sin tables, `TurnTables`)."""
         if not self._joint:
             return super().key_logits(encoded, query)
-        latent = self.storage.decode(encoded, "key", torch.float32).float()  # [B, 1, T, r]
+        compute = self._compute_dtype(query.device)
+        latent = self.storage.decode(encoded, "key", compute)  # [B, 1, T, r]
         mean, basis = self._bases("key", query.shape[1], latent.device)
         heads, dim, rank = basis.shape
         batch, tokens = latent.shape[0], latent.shape[2]
         # The pre-RoPE keys as [B, H, D, T]: one [H * D, r] x [r, B * T] product for the layer's heads and rows,
         # laid out so that (batch 1) each head's keys are the second operand of the query's product as they are.
-        keys = torch.mm(basis.reshape(heads * dim, rank), latent[:, 0].reshape(batch * tokens, rank).t())
+        flat = latent[:, 0].reshape(batch * tokens, rank)
+        if compute == torch.float32:
+            keys = torch.mm(basis.reshape(heads * dim, rank), flat.float().t())
+        else:
+            keys = _product_in_chunks(basis.reshape(heads * dim, rank).to(compute), flat)
         keys = keys.view(heads, dim, batch, tokens).permute(2, 0, 1, 3).add_(mean[None, :, :, None])
         inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
         position = self._positions(positions, latent.expand(-1, heads, -1, -1))[:, :1].to(torch.float32)
-        angles = inv_freq[:, None] * position[:, :, None, :]  # [B, 1, R / 2, T]
-        cos, sin = angles.cos(), angles.sin()
+        assert self._turns is not None  # bound with the joint bases
+        cos, sin = self._turns.lookup(inv_freq, position)  # [B, 1, R / 2, T]
+        if last_block and self._layer_idx == self._turns.last_layer:
+            self._turns.release()  # the step's last read of the tables (`TurnTables`)
         # Rotate-half RoPE (ops/rerotate.py) met by the query half by half: q . turn(k) = q1 . (k1 cos - k2 sin) +
         # q2 . (k2 cos + k1 sin); channels past the rotated ones (partial rotary) meet the query as they are.
         half = inv_freq.numel()
@@ -569,6 +666,12 @@ class LowRankCodec(ReducingCodec):
             return x
         mean, basis = self._bases(kind, x.shape[1], x.device)
         return torch.matmul(x[..., :-1], basis.transpose(-1, -2)) + x[..., -1:] * mean[None, :, None, :]
+
+    def _compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the keys are rebuilt in on `device` (`compute`)."""
+        if self.compute == "auto":
+            return torch.bfloat16 if fast_bfloat16_matmul(device) else torch.float32
+        return getattr(torch, self.compute)
 
     @staticmethod
     def _positions(positions: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:

@@ -41,8 +41,10 @@ def _run(model, cache, fused: bool, prompt=30, steps=8, batch=2, padded=False):
     return torch.cat(outs, 1)
 
 
-def _spec(bases, spec):
-    return spec.replace("lowrank:", f"lowrank:bases={bases},")
+def _spec(bases, spec, compute="float32"):
+    """`spec` reading `bases`; the keys rebuilt in `compute` ("float32" unless asked: the tests of the fused path's
+    algebra compare it with the decoded store at float32's rounding, which a bf16 product would exceed)."""
+    return spec.replace("lowrank:", f"lowrank:bases={bases},compute={compute},")
 
 
 def _codec_calls(monkeypatch):
@@ -80,7 +82,7 @@ def test_fused_decode_equals_the_decoded_store(fitted, family, spec, padded, mon
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_fused_decode_at_full_rank_equals_dynamic_cache(fitted, family):
     model, bases = fitted[family]
-    cache = make_cache(f"lowrank:ratio=1.0,bases={bases}", model.config)
+    cache = make_cache(f"lowrank:ratio=1.0,bases={bases},compute=float32", model.config)
     delta = (_run(model, cache, fused=True) - _run(model, DynamicCache(), fused=True)).abs().max()
     assert all(layer.offers.confirmed for layer in cache.layers) and cache.layers[-1].n_encoded == 38
     assert delta < 1e-4
@@ -102,7 +104,8 @@ def test_fused_decode_in_bfloat16_is_within_its_rounding(fitted):
 
 def test_key_logits_and_value_mix_equal_the_decoded_states(fitted):
     model, bases = fitted["gemma3"]
-    codec = make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config).layers[2].codec  # a full-attention layer
+    spec = f"lowrank:ratio=0.5,bases={bases},compute=float32"
+    codec = make_cache(spec, model.config).layers[2].codec  # a full-attention layer
     g = torch.Generator().manual_seed(5)
     keys, values = torch.randn(2, 1, 11, 32, generator=g), torch.randn(2, 1, 11, 32, generator=g)
     positions = torch.randint(0, 900, (2, 1, 11), generator=g)
@@ -126,7 +129,7 @@ def test_padded_rows_fused_match_rows_alone(fitted):
     from hf_kvcompress.generation import generate
 
     model, bases = fitted["llama"]
-    spec = _spec(bases, "lowrank:ratio=0.5")
+    spec = _spec(bases, "lowrank:ratio=0.5", compute="auto")  # the default path: bf16 keys where the CPU is fast at it
     rows, ids, mask = left_padded_prompts(seed=3, lengths=(5, 13))
     cache = make_cache(spec, model.config)
     batched = generate(model, ids, mask, cache, max_new_tokens=6).new_tokens
@@ -142,7 +145,7 @@ def test_fused_decode_steps_read_nothing_on_the_host(fitted, spec):
     from hf_kvcompress.ops.host_syncs import HostSyncCounter
 
     model, bases = fitted["llama"]
-    cache = make_cache(_spec(bases, spec), model.config)
+    cache = make_cache(_spec(bases, spec, compute="auto"), model.config)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, 128, (2, 30 + 12), generator=g)
     with torch.no_grad():
@@ -153,3 +156,100 @@ def test_fused_decode_steps_read_nothing_on_the_host(fitted, spec):
             if j > 31:
                 assert counter.count == 0, f"{counter.count} host reads at decode step {j - 30}"
     assert all(layer.offers.confirmed for layer in cache.layers)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bf16_key_rebuild_errs_far_less_than_the_bases(fitted, family):
+    """Rebuilding the keys in bf16 (`compute=bfloat16`) moves a step's logits far less than the bases themselves move
+    them from an exact cache: bf16 rounds each key by ~2^-9 of its size, half the dimensions drop far more."""
+    model, bases = fitted[family]
+    exact = _run(model, DynamicCache(), fused=True)
+    single = _run(model, make_cache(_spec(bases, "lowrank:ratio=0.5"), model.config), fused=True)
+    half = _run(model, make_cache(_spec(bases, "lowrank:ratio=0.5", compute="bfloat16"), model.config), fused=True)
+    steps = slice(30, None)  # the decode steps (the prompt is attended exactly, before anything is stored)
+    rounding = (half - single)[:, steps].abs().max()
+    basis_error = (single - exact)[:, steps].abs().max()
+    assert 0 < rounding < 0.01 * basis_error, (rounding, basis_error)  # 1e-4 and 1e-3 of it when written
+    assert torch.equal(half[:, steps].argmax(-1), single[:, steps].argmax(-1))  # the same greedy tokens
+
+
+def test_step_shares_one_turn_table_and_drops_it(fitted, monkeypatch):
+    """Every layer of a step holds the same positions: the cos/sin tables are built once per step, at the first
+    layer, read by the others and dropped after the last, so the cache holds nothing more between steps."""
+    from hf_kvcompress.codecs.lowrank import TurnTables
+
+    model, bases = fitted["llama"]
+    layers = model.config.num_hidden_layers
+    cache = make_cache(_spec(bases, "lowrank:ratio=0.5"), model.config)
+    builds, reads = [], []
+    original = TurnTables.lookup
+
+    def counted(self, inv_freq, position):
+        held = [entry[2] for entry in self.entries]
+        cos, sin = original(self, inv_freq, position)
+        (reads if any(cos is c for c in held) else builds).append(position.shape[-1])
+        return cos, sin
+
+    monkeypatch.setattr(TurnTables, "lookup", counted)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 128, (2, 34), generator=g)
+    with torch.no_grad():
+        model(input_ids=ids[:, :30], cache=cache)
+        for j in range(30, 34):
+            builds.clear()
+            reads.clear()
+            model(input_ids=ids[:, j:j + 1], cache=cache)
+            assert len({id(layer.codec._turns) for layer in cache.layers}) == 1
+            assert cache.layers[0].codec._turns.entries == []  # dropped by the last layer
+            if j > 30:  # a steady fused step (the first confirms the offer)
+                assert builds == [j] and reads == [j] * (layers - 1)  # one table of every stored slot, shared
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def test_turn_tables_match_positions_by_value():
+    from hf_kvcompress.codecs.lowrank import TurnTables
+
+    tables = TurnTables()
+    inv_freq = torch.tensor([1.0, 0.1])
+    positions = torch.arange(6, dtype=torch.float32).view(1, 1, 6)
+    cos, sin = tables.lookup(inv_freq, positions)
+    angles = inv_freq[:, None] * positions[:, :, None, :]
+    assert torch.equal(cos, angles.cos()) and torch.equal(sin, angles.sin())
+    assert tables.lookup(inv_freq.clone(), positions.clone())[0] is cos  # equal values: the same table
+    positions[0, 0, 2] = 9.0  # changed in place: the held copy no longer matches
+    assert tables.lookup(inv_freq, positions)[0] is not cos
+    assert tables.lookup(inv_freq * 2, positions)[0] is not cos  # other frequencies
+    for shift in range(TurnTables.MAX_ENTRIES + 2):
+        tables.lookup(inv_freq, positions + shift)
+    assert len(tables.entries) == TurnTables.MAX_ENTRIES
+    tables.release()
+    assert tables.entries == []
+
+
+def test_compute_must_be_a_known_dtype():
+    with pytest.raises(ValueError, match="compute must be one of auto, bfloat16, float32"):
+        LowRankCodec(compute="float16")
+
+
+def test_bf16_key_products_keep_one_shape_as_the_store_grows(monkeypatch):
+    """oneDNN compiles and keeps a primitive per bf16 product shape (~1.2 MB each): a product over all the tokens,
+    whose count grows at every step, grew the process at every step. Every product has KEY_CHUNK columns instead,
+    and the chunks together equal the whole product."""
+    from hf_kvcompress.codecs import lowrank
+
+    g = torch.Generator().manual_seed(4)
+    basis, latent = torch.randn(48, 16, generator=g), torch.randn(2 * lowrank.KEY_CHUNK + 300, 16, generator=g)
+    shapes = set()
+    original = torch.mm
+
+    def recorded(a, b):
+        shapes.add((tuple(a.shape), tuple(b.shape), b.stride()))
+        return original(a, b)
+
+    monkeypatch.setattr(torch, "mm", recorded)
+    for rows in (1, 7, lowrank.KEY_CHUNK, lowrank.KEY_CHUNK + 1, latent.shape[0]):
+        out = lowrank._product_in_chunks(basis.bfloat16(), latent[:rows])
+        assert out.dtype == torch.float32 and out.shape == (48, rows)
+        exact = basis.bfloat16().float() @ latent[:rows].bfloat16().float().t()
+        assert torch.allclose(out, exact, rtol=2 ** -7, atol=1e-2)  # the bf16 output's rounding, no more
+    assert shapes == {((48, 16), (16, lowrank.KEY_CHUNK), (1, 16))}

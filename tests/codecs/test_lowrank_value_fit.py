@@ -175,7 +175,9 @@ def test_full_rank_equals_dynamic_cache_and_bytes_match_pca_bases(fitted, family
                 outs.append(model(input_ids=ids[:, j:j + 1], cache=cache).logits)
         return torch.cat(outs, 1), cache
 
-    full, cache = steps(make_cache(f"lowrank:ratio=1.0,bases={dirs['attention']}", model.config))
+    # Keys rebuilt in float32: full rank equals DynamicCache to float32's rounding (a bf16 product, `compute`'s
+    # default on a CPU that multiplies bf16 natively, rounds keys by ~2^-9: test_lowrank_attention.py bounds it).
+    full, cache = steps(make_cache(f"lowrank:ratio=1.0,bases={dirs['attention']},compute=float32", model.config))
     assert (full - steps(DynamicCache())[0]).abs().max() < 1e-4
     assert cache.layers[-1].n_encoded == 35
     # The same ranks (rank=) hold the same bytes whichever fit wrote the bases.
@@ -258,7 +260,8 @@ def test_oblique_bases_encode_with_their_encoder_and_full_rank_equals_dynamic_ca
                 outs.append(model(input_ids=ids[:, j:j + 1], cache=cache).logits)
         return torch.cat(outs, 1)
 
-    full = steps(make_cache(f"lowrank:ratio=1.0,bases={bases}", model.config))
+    # compute=float32: full rank equals DynamicCache to float32's rounding (bf16 keys: test_lowrank_attention.py)
+    full = steps(make_cache(f"lowrank:ratio=1.0,bases={bases},compute=float32", model.config))
     assert (full - steps(DynamicCache())).abs().max() < 1e-4
 
 
