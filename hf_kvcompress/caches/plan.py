@@ -168,6 +168,28 @@ def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[st
     return ByteTarget(share, served, (kv_heads * 2 * head_dim * width,) * len(layer_types), held)
 
 
+def ratio_as_bytes(policy: Policy, codec: Codec, config) -> Policy:
+    """`policy` as the plan runs it on the model of `config`: on a hybrid model a plain ratio R of a policy that
+    takes a byte target (KVzip's, `Policy.with_byte_share`) is planned as `bytes=` R x the rate of `codec` (as
+    requested) with every pair kept: R of the uncompressed bytes in the dtype served, and with a codec R of that
+    codec's bytes (`ratio=0.25+int4`: a quarter of int4's). So a plain ratio gets the byte plan (`ByteTarget`,
+    `byte_sliding_tokens`, `byte_codecs`): on Gemma-3-270M's development half it kept at least the answers the
+    ratio's own plan (`SlidingShare`) kept at each share (docs/results.md, "A plain ratio on a hybrid model is a
+    byte target"). Any other policy, a ratio with a knob of its own plan (`sliding=`, `floors=`, `budgets=`), a
+    ratio of 1 (every pair kept as it is, as transformers' cache holds it), a model without sliding layers, or no
+    config: `policy` as it is."""
+    if policy.ratio is None or policy.ratio >= 1 or config is None or not is_hybrid(config_layer_types(config)):
+        return policy
+    decoder = text_config(config)
+    head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
+    served = getattr(torch, served_dtype(getattr(decoder, "dtype", None), getattr(config, "dtype", None))[0])
+    bound = resolve_for_policy(resolve_for_model(codec, config), True)
+    pair = bound.bytes_per_token(head_dim, "key", served) + bound.bytes_per_token(head_dim, "value", served)
+    rate = min(1.0, pair / (2 * head_dim * torch.empty((), dtype=served).element_size()))
+    share = round(policy.ratio * rate, 9)  # a spec without float noise: 0.25 x int4's 0.3125 -> 0.078125
+    return policy.with_byte_share(share) or policy
+
+
 def layer_floors(policy: Policy, config, ratio: float) -> tuple[tuple[int, float], ...]:
     """KVzip's and KVzap's per-layer floors at `ratio` (`SlidingShare.floors`; the policies whose cache ranks every
     layer's pairs at once): from the file its `floors=` names, else the one shipped for the model (none shipped, or
@@ -412,7 +434,8 @@ def for_model(policy: Policy, config) -> Policy:
 
 def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
                 full_codec: Codec | None = None, share_sliding: bool = True,
-                planned_sliding: int | None = None, byte_plan: bool = True) -> list[LayerPlan]:
+                planned_sliding: int | None = None, byte_plan: bool = True,
+                ratio_bytes: bool = True) -> list[LayerPlan]:
     """Each decoder layer's plan under `policy` x `codec` for the model of `config`.
 
     `codec` is the codec as requested (unbound); `full_codec` is `cache_codec(policy, codec, config)` when the
@@ -420,10 +443,13 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
     in every layer even where `plans_sliding_share` would share it (the plan of caches saved before it existed);
     `planned_sliding`: the tokens a planned sliding layer keeps instead of `sliding_kept`'s (a saved cache's, as it
     was built: persist.py); `byte_plan=False` keeps `codec` in the sliding layers under KVzip's bytes= (no
-    `byte_codecs`: caches saved before it existed).
+    `byte_codecs`: caches saved before it existed); `ratio_bytes=False` plans a plain ratio by its own rule
+    (`SlidingShare`) where `ratio_as_bytes` would make it a byte target (caches saved before that).
     Raises ValueError for what the model cannot store or the policy cannot apply to: a head_dim the codec refuses,
     `sliding=` without sliding layers or past their window.
     """
+    if ratio_bytes:
+        policy = ratio_as_bytes(policy, codec, config)
     policy = for_model(policy, config)  # the layers run the layout's defaults (the cache's own policy holds them too)
     codec, sliding_codec = byte_codecs(policy, codec, config_layer_types(config)) if byte_plan else (codec, None)
     if full_codec is None:

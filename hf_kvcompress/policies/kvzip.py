@@ -150,6 +150,13 @@ class KVzipPolicy(Policy):
         """`span` settled by the model's layout (`resolve_span`)."""
         return dataclasses.replace(self, span=resolve_span(self.span, windowed))
 
+    def with_byte_share(self, share: float) -> KVzipPolicy | None:
+        """A plain ratio as `bytes=share`; None for a budget, a byte target already, or a knob of the ratio's own
+        hybrid plan given (`sliding=`, `floors=`, budgets other than "head"), which keeps that plan for research."""
+        if self.ratio is None or self.sliding is not None or self.floors is not None or self.budgets != "head":
+            return None
+        return dataclasses.replace(self, ratio=None, bytes=share)
+
     def kept_per_row(self, real_seen: torch.Tensor) -> torch.Tensor:
         """With `bytes`: `bytes` of the tokens seen (never fewer than sinks + recent), the share tokens that arrive
         after the ranking keep (they are stored at full precision); the ranking itself keeps what the byte
