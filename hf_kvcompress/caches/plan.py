@@ -52,6 +52,11 @@ BUDGET_SLIDING_SHARE = 0.5
 # more (chosen on the development half: docs/results.md, "KVzip's byte target on hybrid models").
 BYTES_SLIDING_SCALE = 10.0
 BYTES_SLIDING_CODEC = IntNCodec(bits=4, residual_length=32, **PLAIN_NAME_DEFAULTS[4])  # `int4:residual_length=32`
+# A plain KVzip ratio below this is planned on a hybrid model as its byte target (`ratio_as_bytes`); from it up, by
+# the ratio's own rule (`SlidingShare`). On Gemma-3-270M's development half (2,000 tokens) the byte plan kept more
+# answers at a quarter and an eighth, and at a half one multi_needle answer fewer (a distractor's number, as every
+# int4 cache there): docs/results.md, "A plain ratio below a half on a hybrid model is a byte target".
+RATIO_BYTES_BELOW = 0.5
 
 
 @dataclass(frozen=True)
@@ -169,16 +174,16 @@ def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[st
 
 
 def ratio_as_bytes(policy: Policy, codec: Codec, config) -> Policy:
-    """`policy` as the plan runs it on the model of `config`: on a hybrid model a plain ratio R of a policy that
-    takes a byte target (KVzip's, `Policy.with_byte_share`) is planned as `bytes=` R x the rate of `codec` (as
-    requested) with every pair kept: R of the uncompressed bytes in the dtype served, and with a codec R of that
-    codec's bytes (`ratio=0.25+int4`: a quarter of int4's). So a plain ratio gets the byte plan (`ByteTarget`,
-    `byte_sliding_tokens`, `byte_codecs`): on Gemma-3-270M's development half it kept at least the answers the
-    ratio's own plan (`SlidingShare`) kept at each share (docs/results.md, "A plain ratio on a hybrid model is a
-    byte target"). Any other policy, a ratio with a knob of its own plan (`sliding=`, `floors=`, `budgets=`), a
-    ratio of 1 (every pair kept as it is, as transformers' cache holds it), a model without sliding layers, or no
-    config: `policy` as it is."""
-    if policy.ratio is None or policy.ratio >= 1 or config is None or not is_hybrid(config_layer_types(config)):
+    """`policy` as the plan runs it on the model of `config`: on a hybrid model a plain ratio R below
+    RATIO_BYTES_BELOW of a policy that takes a byte target (KVzip's, `Policy.with_byte_share`) is planned as
+    `bytes=` R x the rate of `codec` (as requested) with every pair kept: R of the uncompressed bytes in the dtype
+    served, and with a codec R of that codec's bytes (`ratio=0.25+int4`: a quarter of int4's). So such a ratio gets
+    the byte plan (`ByteTarget`, `byte_sliding_tokens`, `byte_codecs`), which kept more answers than the ratio's own
+    plan (`SlidingShare`) there (RATIO_BYTES_BELOW's measurements). Any other policy, a ratio from
+    RATIO_BYTES_BELOW up, a ratio with a knob of its own plan (`sliding=`, `floors=`, `budgets=`), a model without
+    sliding layers, or no config: `policy` as it is."""
+    if (policy.ratio is None or policy.ratio >= RATIO_BYTES_BELOW or config is None
+            or not is_hybrid(config_layer_types(config))):
         return policy
     decoder = text_config(config)
     head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads

@@ -101,7 +101,7 @@ def test_only_a_plain_kvzip_ratio_on_a_hybrid_model_plans_a_sliding_share():
     (so nothing changes on SmolLM2); a plain kvzip ratio r on Gemma-3's layout planned by its own rule (a byte
     target by default: tests/caches/test_ratio_bytes.py) keeps r of the sliding layers' share."""
     unplanned = [("kvzip:ratio=0.25", "llama"), ("kvzip:budget=4", "gemma3"), ("kvzip:ratio=0.5,sliding=2", "gemma3"),
-                 ("h2o:ratio=0.5", "gemma3"), ("dynamic", "gemma3"), ("kvzip:ratio=0.5", "gemma3")]
+                 ("h2o:ratio=0.5", "gemma3"), ("dynamic", "gemma3"), ("kvzip:ratio=0.25", "gemma3")]
     for spec, name in unplanned:
         assert all(p.sliding_share is None for p in plans(spec, name)), spec
     # sliding_window=6: ceil(0.5 x 0.5 x 5) = 2 of the share's 3

@@ -1,8 +1,10 @@
-"""A plain KVzip ratio on a hybrid model is planned as its byte target (caches/plan.py `ratio_as_bytes`).
+"""A plain KVzip ratio below a half on a hybrid model is planned as its byte target (caches/plan.py
+`ratio_as_bytes`).
 
-`kvzip:ratio=R` on a model with sliding-window layers builds the very cache `kvzip:bytes=R` builds (same layers,
-codecs, kept pairs and bytes), and `ratio=R+CODEC` the cache of `bytes=R x CODEC's rate+CODEC`; a model without
-sliding layers, and a ratio with a knob of its own plan (`sliding=`, `budgets=`), keep the ratio's plan.
+`kvzip:ratio=R` (R < 0.5) on a model with sliding-window layers builds the very cache `kvzip:bytes=R` builds (same
+layers, codecs, kept pairs and bytes), and `ratio=R+CODEC` the cache of `bytes=R x CODEC's rate+CODEC`; a half and
+up, a model without sliding layers, and a ratio with a knob of its own plan (`sliding=`, `budgets=`) keep the
+ratio's plan.
 """
 
 import copy
@@ -54,7 +56,7 @@ def _kept(cache) -> list:
 
 
 @pytest.mark.parametrize("ratio_spec,bytes_spec", [
-    ("kvzip:ratio=0.5", "kvzip:bytes=0.5"),
+    ("kvzip:ratio=0.4", "kvzip:bytes=0.4"),
     ("kvzip:ratio=0.25", "kvzip:bytes=0.25"),
     ("kvzip:ratio=0.125", "kvzip:bytes=0.125"),
     ("kvzip:ratio=0.25+int4", f"kvzip:bytes={0.25 * INT4_RATE}+int4"),
@@ -67,7 +69,7 @@ def test_a_plain_ratio_on_a_hybrid_model_is_its_byte_target(ratio_spec, bytes_sp
     by_ratio, by_bytes = _prefilled(model, ratio_spec, ids), _prefilled(model, bytes_spec, ids)
     assert by_ratio.spec == by_bytes.spec and "bytes=" in by_ratio.spec and "ratio=" not in by_ratio.spec
     assert by_ratio.byte_target == by_bytes.byte_target is not None and by_ratio.sliding_share is None
-    assert by_ratio.planned_sliding == by_bytes.planned_sliding  # None at a half: the whole window
+    assert by_ratio.planned_sliding == by_bytes.planned_sliding  # None at 0.4: the whole window
     for (tensors, meta), (expected, expected_meta) in zip(_kept(by_ratio), _kept(by_bytes), strict=True):
         assert meta == expected_meta and tensors.keys() == expected.keys()
         assert all(torch.equal(tensors[k], expected[k]) for k in tensors)
@@ -89,16 +91,18 @@ def test_a_codecs_rate_sets_the_share_of_the_bytes():
     """`ratio=R+CODEC` holds R of what CODEC holds with every pair kept (its bytes per pair over bf16's)."""
     config = _model().config
     assert make_cache("kvzip:ratio=0.25+int4", config).spec == "kvzip:bytes=0.078125,span=4+int4"
-    assert make_cache("kvzip:ratio=0.5+int8", config).spec == "kvzip:bytes=0.28125,span=4+int8"  # (1 + 4/32) / 2
+    assert make_cache("kvzip:ratio=0.25+int8", config).spec == "kvzip:bytes=0.140625,span=4+int8"  # (1 + 4/32) / 2
     # A plain ratio stores every layer in the byte plan's int4, as a plain bytes= does.
-    assert make_cache("kvzip:ratio=0.5", config).spec == "kvzip:bytes=0.5,span=4+int4:residual_length=32"
+    assert make_cache("kvzip:ratio=0.25", config).spec == "kvzip:bytes=0.25,span=4+int4:residual_length=32"
 
 
 @pytest.mark.parametrize("spec,planned", [
     ("kvzip:ratio=0.25,sliding=20", "kvzip:ratio=0.25,span=4,sliding=20"),
     ("kvzip:ratio=0.25,budgets=token", "kvzip:ratio=0.25,budgets=token,span=4"),
     ("kvzip:ratio=0.25,budgets=layer+int8", "kvzip:ratio=0.25,budgets=layer,span=4+int8"),
-    ("kvzip:ratio=1", "kvzip:ratio=1,span=4"),  # every pair kept as it is: nothing to plan
+    ("kvzip:ratio=0.5", "kvzip:ratio=0.5,span=4"),  # a half and up: the ratio's own plan (plan.py RATIO_BYTES_BELOW)
+    ("kvzip:ratio=0.75+int4", "kvzip:ratio=0.75,span=4+int4"),
+    ("kvzip:ratio=1", "kvzip:ratio=1,span=4"),
     ("kvzip:budget=32", "kvzip:budget=32,span=4"),
     ("snapkv:ratio=0.25", None),  # no byte target: the ratio in every layer
 ])
@@ -107,7 +111,9 @@ def test_a_ratio_with_a_knob_of_its_own_plan_keeps_that_plan(spec, planned):
     assert cache.byte_target is None
     if planned is not None:
         assert cache.spec == planned
-    assert (cache.sliding_share is not None) == ("budgets=" in spec)  # the ratio's own share (`SlidingShare`)
+    # the ratio's own share (`SlidingShare`): planned for a plain ratio below 1 and for budgets=
+    assert (cache.sliding_share is not None) == ("budgets=" in spec or spec.startswith(("kvzip:ratio=0.5",
+                                                                                          "kvzip:ratio=0.75")))
 
 
 @pytest.mark.parametrize("spec", ["kvzip:ratio=0.25", "kvzip:ratio=0.25+int4", "kvzip:ratio=0.5,budgets=token"])
@@ -143,7 +149,7 @@ def test_a_saved_ratio_cache_loads_as_it_was_built(tmp_path):
     model = use_kvcompress_attention(tiny_model("gemma3"))
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
     step, where = torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(9)), torch.arange(30, 33)[None]
-    policy, codec = parse_spec("kvzip:ratio=0.5")
+    policy, codec = parse_spec("kvzip:ratio=0.4")  # a byte target whose sliding layers keep their whole window
     for ratio_bytes in (True, False):
         cache = CompressedCache(policy, codec, config=model.config, ratio_bytes=ratio_bytes)
         prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
