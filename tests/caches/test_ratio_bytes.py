@@ -13,8 +13,16 @@ import pytest
 import torch
 import transformers
 
-from hf_kvcompress import CompressedCache, load_cache, make_cache, measured_kv_bytes, prefill, save_cache, study
-from hf_kvcompress import use_kvcompress_attention
+from hf_kvcompress import (
+    CompressedCache,
+    load_cache,
+    make_cache,
+    measured_kv_bytes,
+    prefill,
+    save_cache,
+    study,
+    use_kvcompress_attention,
+)
 from hf_kvcompress.caches.plan import plan_layers
 from hf_kvcompress.generation import generate
 from hf_kvcompress.measure import served_kv_bytes
