@@ -54,10 +54,10 @@ BUDGET_SLIDING_SHARE = 0.5
 # more (chosen on the development half: docs/results.md, "KVzip's byte target on hybrid models").
 BYTES_SLIDING_SCALE = 10.0
 BYTES_SLIDING_CODEC = IntNCodec(bits=4, residual_length=32, **PLAIN_NAME_DEFAULTS[4])  # `int4:residual_length=32`
-# A plain KVzip ratio below this is planned on a hybrid model as its byte target (`ratio_as_bytes`); from it up, by
-# the ratio's own rule (`SlidingShare`). On Gemma-3-270M's development half (2,000 tokens) the byte plan kept more
-# answers at a quarter and an eighth, and at a half one multi_needle answer fewer (a distractor's number, as every
-# int4 cache there): docs/results.md, "A plain KVzip ratio below a half on Gemma-3 is a byte target".
+# A plain KVzip ratio below this (no codec) is planned on a hybrid model as its byte target (`ratio_as_bytes`); from
+# it up, by the ratio's own rule (`SlidingShare`). On Gemma-3-270M's development half (2,000 tokens) the byte plan
+# kept more answers at a quarter and an eighth, and at a half one multi_needle answer fewer (a distractor's number,
+# as every int4 cache there): docs/results.md, "A plain KVzip ratio below a half on Gemma-3 is a byte target".
 RATIO_BYTES_BELOW = 0.5
 
 
@@ -177,24 +177,17 @@ def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[st
 
 def ratio_as_bytes(policy: Policy, codec: Codec, config) -> Policy:
     """`policy` as the plan runs it on the model of `config`: on a hybrid model a plain ratio R below
-    RATIO_BYTES_BELOW of a policy that takes a byte target (KVzip's, `Policy.with_byte_share`) is planned as
-    `bytes=` R x the rate of `codec` (as requested) with every pair kept: R of the uncompressed bytes in the dtype
-    served, and with a codec R of that codec's bytes (`ratio=0.25+int4`: a quarter of int4's). So such a ratio gets
-    the byte plan (`ByteTarget`, `byte_sliding_tokens`, `byte_codecs`), which kept more answers than the ratio's own
-    plan (`SlidingShare`) there (RATIO_BYTES_BELOW's measurements). Any other policy, a ratio from
-    RATIO_BYTES_BELOW up, a ratio with a knob of its own plan (`sliding=`, `floors=`, `budgets=`), a model without
+    RATIO_BYTES_BELOW, with no codec, of a policy that takes a byte target (KVzip's, `Policy.with_byte_share`) is
+    planned as `bytes=R`: R of the uncompressed bytes in the dtype served. So such a ratio gets the byte plan
+    (`ByteTarget`, `byte_sliding_tokens`, `byte_codecs`: int4 in every layer), which kept more answers than the
+    ratio's own plan (`SlidingShare`) there (RATIO_BYTES_BELOW's measurements). Any other policy, a ratio from
+    RATIO_BYTES_BELOW up, a ratio with a codec (`ratio=0.25+int4` as `bytes=` a quarter of int4's bytes lost needles
+    its own plan keeps), a ratio with a knob of its own plan (`sliding=`, `floors=`, `budgets=`), a model without
     sliding layers, or no config: `policy` as it is."""
-    if (policy.ratio is None or policy.ratio >= RATIO_BYTES_BELOW or config is None
+    if (policy.ratio is None or policy.ratio >= RATIO_BYTES_BELOW or not codec.lossless or config is None
             or not is_hybrid(config_layer_types(config))):
         return policy
-    decoder = text_config(config)
-    head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
-    served = getattr(torch, served_dtype(getattr(decoder, "dtype", None), getattr(config, "dtype", None))[0])
-    bound = resolve_for_policy(resolve_for_model(codec, config), True)
-    pair = bound.bytes_per_token(head_dim, "key", served) + bound.bytes_per_token(head_dim, "value", served)
-    rate = min(1.0, pair / (2 * head_dim * torch.empty((), dtype=served).element_size()))
-    share = round(policy.ratio * rate, 9)  # a spec without float noise: 0.25 x int4's 0.3125 -> 0.078125
-    return policy.with_byte_share(share) or policy
+    return policy.with_byte_share(policy.ratio) or policy
 
 
 def layer_floors(policy: Policy, config, ratio: float) -> tuple[tuple[int, float], ...]:

@@ -1,10 +1,9 @@
 """A plain KVzip ratio below a half on a hybrid model is planned as its byte target (caches/plan.py
 `ratio_as_bytes`).
 
-`kvzip:ratio=R` (R < 0.5) on a model with sliding-window layers builds the very cache `kvzip:bytes=R` builds (same
-layers, codecs, kept pairs and bytes), and `ratio=R+CODEC` the cache of `bytes=R x CODEC's rate+CODEC`; a half and
-up, a model without sliding layers, and a ratio with a knob of its own plan (`sliding=`, `budgets=`) keep the
-ratio's plan.
+`kvzip:ratio=R` (R < 0.5, no codec) on a model with sliding-window layers builds the very cache `kvzip:bytes=R`
+builds (same layers, codecs, kept pairs and bytes); a half and up, a codec, a model without sliding layers, and a
+ratio with a knob of its own plan (`sliding=`, `budgets=`) keep the ratio's plan.
 """
 
 import copy
@@ -32,8 +31,6 @@ from .tiny_models import COMMON, tiny_model
 
 REPEAT = [5, 6, 7]
 HYBRID = ["sliding_attention", "sliding_attention", "full_attention"]
-# int4's bytes per value (4-bit codes, a bf16 scale and zero per 32-value group) over bf16's two: 0.3125.
-INT4_RATE = (4 / 8 + 2 * 2 / 32) / 2
 
 
 def _model(layer_types=HYBRID):
@@ -67,7 +64,6 @@ def _kept(cache) -> list:
     ("kvzip:ratio=0.4", "kvzip:bytes=0.4"),
     ("kvzip:ratio=0.25", "kvzip:bytes=0.25"),
     ("kvzip:ratio=0.125", "kvzip:bytes=0.125"),
-    ("kvzip:ratio=0.25+int4", f"kvzip:bytes={0.25 * INT4_RATE}+int4"),
     ("kvzip:ratio=0.25,recent=8,decoding=evict", "kvzip:bytes=0.25,recent=8,decoding=evict"),
 ])
 def test_a_plain_ratio_on_a_hybrid_model_is_its_byte_target(ratio_spec, bytes_spec):
@@ -86,7 +82,7 @@ def test_a_plain_ratio_on_a_hybrid_model_is_its_byte_target(ratio_spec, bytes_sp
     assert measured_kv_bytes(by_ratio) == by_ratio.promised_kv_bytes()
     assert study.promised_bytes(ratio_spec, model.config, 400, 2) == study.promised_bytes(bytes_spec, model.config,
                                                                                            400, 2)
-    # The share of the uncompressed bf16 bytes: R, or R of int4's (0.25 x 0.3125) with int4 given; never above.
+    # R of the uncompressed bf16 bytes, never above.
     share = float(bytes_spec.split("=")[1].split(",")[0].partition("+")[0])
     uncompressed = served_kv_bytes(_prefilled(model, "dynamic", ids), torch.bfloat16)
     assert 0.9 * share <= held / uncompressed <= share, held / uncompressed
@@ -95,12 +91,8 @@ def test_a_plain_ratio_on_a_hybrid_model_is_its_byte_target(ratio_spec, bytes_sp
                                                                                     model.config)]
 
 
-def test_a_codecs_rate_sets_the_share_of_the_bytes():
-    """`ratio=R+CODEC` holds R of what CODEC holds with every pair kept (its bytes per pair over bf16's)."""
+def test_a_plain_ratio_stores_every_layer_in_the_byte_plans_int4():
     config = _model().config
-    assert make_cache("kvzip:ratio=0.25+int4", config).spec == "kvzip:bytes=0.078125,span=4+int4"
-    assert make_cache("kvzip:ratio=0.25+int8", config).spec == "kvzip:bytes=0.140625,span=4+int8"  # (1 + 4/32) / 2
-    # A plain ratio stores every layer in the byte plan's int4, as a plain bytes= does.
     assert make_cache("kvzip:ratio=0.25", config).spec == "kvzip:bytes=0.25,span=4+int4:residual_length=32"
 
 
@@ -110,18 +102,20 @@ def test_a_codecs_rate_sets_the_share_of_the_bytes():
     ("kvzip:ratio=0.25,budgets=layer+int8", "kvzip:ratio=0.25,budgets=layer,span=4+int8"),
     ("kvzip:ratio=0.5", "kvzip:ratio=0.5,span=4"),  # a half and up: the ratio's own plan (plan.py RATIO_BYTES_BELOW)
     ("kvzip:ratio=0.75+int4", "kvzip:ratio=0.75,span=4+int4"),
+    ("kvzip:ratio=0.25+int4", "kvzip:ratio=0.25,span=4+int4"),  # a codec: the ratio's plan (plan.py `ratio_as_bytes`)
+    ("kvzip:ratio=0.125+int8", "kvzip:ratio=0.125,span=4+int8"),
     ("kvzip:ratio=1", "kvzip:ratio=1,span=4"),
     ("kvzip:budget=32", "kvzip:budget=32,span=4"),
     ("snapkv:ratio=0.25", None),  # no byte target: the ratio in every layer
 ])
-def test_a_ratio_with_a_knob_of_its_own_plan_keeps_that_plan(spec, planned):
+def test_a_half_a_codec_or_a_knob_of_its_own_plan_keeps_the_ratios_plan(spec, planned):
     cache = make_cache(spec, _model().config)
     assert cache.byte_target is None
     if planned is not None:
         assert cache.spec == planned
-    # the ratio's own share (`SlidingShare`): planned for a plain ratio below 1 and for budgets=
-    assert (cache.sliding_share is not None) == ("budgets=" in spec or spec.startswith(("kvzip:ratio=0.5",
-                                                                                          "kvzip:ratio=0.75")))
+    # the ratio's own share (`SlidingShare`): every KVzip ratio here below 1 without sliding=
+    planned = spec.startswith("kvzip:ratio") and "sliding=" not in spec and "ratio=1" not in spec
+    assert (cache.sliding_share is not None) == planned
 
 
 @pytest.mark.parametrize("spec", ["kvzip:ratio=0.25", "kvzip:ratio=0.25+int4", "kvzip:ratio=0.5,budgets=token"])
