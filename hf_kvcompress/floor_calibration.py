@@ -131,7 +131,7 @@ def scored_cache(model, doc: list[int], spec: str, repeat):
     cache = CompressedCache(*parse_spec(spec), config=model.config, ratio_bytes=False)
     # The pass ends by ranking and evicting (CompressedCache.end_reconstruction); here the ranking is run once
     # per candidate set of floors on copies, so this cache keeps every scored pair until then.
-    cache.end_reconstruction = lambda evict=True: None
+    cache.end_reconstruction = lambda evict=True: None  # type: ignore[method-assign]  # the instance's, deleted below
     try:
         prefill(model, torch.tensor([doc], device=model.device), None, cache, repeat_prompt_ids=repeat)
     finally:
