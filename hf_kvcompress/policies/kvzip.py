@@ -37,10 +37,10 @@ class KVzipPolicy(Policy):
     Args:
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
         ratio: share of the tokens seen that is kept, instead of `budget`. On a model with sliding-window layers
-            (Gemma 3) a plain ratio below a half is planned as `bytes=ratio` (with a codec, `ratio` of that codec's
-            bytes; caches/plan.py `ratio_as_bytes`); from a half up, or with `sliding=`, `floors=` or other
-            `budgets`, it is the share of the whole cache's pairs: the sliding layers keep fewer than their share
-            of the window and the full-attention layers the pairs that frees (caches/plan.py, `SlidingShare`).
+            (Gemma 3) a plain ratio below a half with no codec is planned as `bytes=ratio` (caches/plan.py
+            `ratio_as_bytes`); from a half up, with a codec, or with `sliding=`, `floors=` or other `budgets`, it
+            is the share of the whole cache's pairs: the sliding layers keep fewer than their share of the window
+            and the full-attention layers the pairs that frees (caches/plan.py, `SlidingShare`).
         bytes: share of the uncompressed cache's bytes kept, codec included, instead of `budget` or `ratio`
             (`kvzip:bytes=0.25`, `kvzip:bytes=0.1+int4`): counted in the dtype the model is served in (its
             config's 16-bit dtype, else bfloat16), against what transformers' own cache holds (a sliding layer its
