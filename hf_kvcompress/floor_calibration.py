@@ -27,10 +27,11 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
+from .caches.compressed import CompressedCache
 from .calibration import CALIBRATION_TEXT, FLOORS_FORMAT, calibration_text, model_identity
 from .generation import prefill, repeat_prompt_ids
 from .hf.compat import cache_kwargs, text_config
-from .registry import make_cache
+from .registry import parse_spec
 
 FLOOR_GRID = (0.0, 0.25, 0.5, 0.75)
 MIN_GAIN = 0.05  # nats of mean answer log-probability a change of floors must gain when as many tokens are right
@@ -125,11 +126,12 @@ def uncompressed_scores(model, doc: list[int], questions) -> list[tuple[float, f
 
 def scored_cache(model, doc: list[int], spec: str, repeat):
     """The cache of `spec` after the document and KVzip's scoring pass (`repeat`: its prompt, `repeat_prompt_ids`),
-    before its ranking evicts anything: `end_reconstruction()` ranks it."""
-    cache = make_cache(spec, model.config)
+    before its ranking evicts anything: `end_reconstruction()` ranks it. A plain ratio is planned by its own rule
+    (`SlidingShare`, whose floors these are), not as the byte target a plain ratio now is (plan.py `ratio_as_bytes`)."""
+    cache = CompressedCache(*parse_spec(spec), config=model.config, ratio_bytes=False)
     # The pass ends by ranking and evicting (CompressedCache.end_reconstruction); here the ranking is run once
     # per candidate set of floors on copies, so this cache keeps every scored pair until then.
-    cache.end_reconstruction = lambda evict=True: None
+    cache.end_reconstruction = lambda evict=True: None  # type: ignore[method-assign]  # the instance's, deleted below
     try:
         prefill(model, torch.tensor([doc], device=model.device), None, cache, repeat_prompt_ids=repeat)
     finally:

@@ -66,8 +66,9 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
         "spec": cache.spec,
         "rerotate": json.dumps(cache.rerotate),
         # Whether the sliding layers were planned (a plain ratio or bytes=); files without it were saved before a plain
-        # KVzip ratio shared a hybrid model's pairs: they load as built.
-        "sliding_share": json.dumps(cache.planned_sliding is not None),
+        # KVzip ratio shared a hybrid model's pairs: they load as built. A byte target is planned even where its
+        # sliding layers keep their whole window (no count: from about bytes=0.32 up, a plain ratio of a half).
+        "sliding_share": json.dumps(cache.planned_sliding is not None or cache.byte_target is not None),
         # The planned sliding layers' count as built; files without it were planned by r x r (`_r2_sliding`).
         "sliding_kept": json.dumps(cache.planned_sliding),
         # Whether KVzip's bytes= stored a hybrid model's sliding layers in the plan's int4 (plan.py `byte_codecs`);
@@ -120,9 +121,11 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     planned_sliding = json.loads(metadata.get("sliding_kept", "null"))
     if shared and "sliding_kept" not in metadata:
         planned_sliding = _r2_sliding(policy, config)
+    # ratio_bytes=False: a cache whose plain ratio was planned as a byte target saved its spec with that `bytes=`
+    # (CompressedCache names what it runs), so a ratio in a saved spec was planned by its own rule and loads so.
     cache = CompressedCache(policy, codec, config=config, rerotate=json.loads(metadata["rerotate"]),
                             share_sliding=shared, planned_sliding=planned_sliding,
-                            byte_plan=json.loads(metadata.get("byte_plan", "false")))
+                            byte_plan=json.loads(metadata.get("byte_plan", "false")), ratio_bytes=False)
     cache.model_name = metadata["model_name"]
     cache.architecture = json.loads(metadata["architecture"])
     if model is not None:

@@ -28,6 +28,7 @@ from .plan import (
     config_layer_types,
     for_model,
     plan_layers,
+    ratio_as_bytes,
     unplanned_layer,
 )
 from .requests import attention_kwargs, makes_requests
@@ -113,6 +114,8 @@ class CompressedCache(Cache):
         byte_plan: KVzip's bytes= on a hybrid model stores the sliding layers (and, with no codec given, every
             layer) in the plan's int4 (plan.py `byte_codecs`); False keeps the codec given in every layer, as caches
             saved before that plan were built (persist.py).
+        ratio_bytes: a plain KVzip ratio on a hybrid model is planned as its byte target (plan.py `ratio_as_bytes`);
+            False keeps the ratio's own plan, as caches saved before were built (persist.py).
     """
 
     # Every layer is one: built from a plan, or by `_LayerFactory` without a config (list is invariant, so the
@@ -123,14 +126,18 @@ class CompressedCache(Cache):
     architecture: dict
 
     def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False,
-                 share_sliding: bool = True, planned_sliding: int | None = None, byte_plan: bool = True):
+                 share_sliding: bool = True, planned_sliding: int | None = None, byte_plan: bool = True,
+                 ratio_bytes: bool = True):
         # The model config whose attention the cache switches to 'kvcompress_sdpa' at its first request to attention
         # (`adopt_attention_config`, `_engage_attention`); decided once in the cache's life.
         self.attention_config = config
         self.attention_settled = False
-        # Layout-dependent defaults (KVzip's span) settled once here, so every layer and the spec hold what is used.
-        self.policy = for_model(policy if policy is not None else KeepAllPolicy(), config)
         requested = codec if codec is not None else IdentityCodec()
+        policy = policy if policy is not None else KeepAllPolicy()
+        if ratio_bytes:  # a plain KVzip ratio on a hybrid model: its byte target (the spec then names it)
+            policy = ratio_as_bytes(policy, requested, config)
+        # Layout-dependent defaults (KVzip's span) settled once here, so every layer and the spec hold what is used.
+        self.policy = for_model(policy, config)
         if config is not None and byte_plan:  # KVzip's plain bytes= on a hybrid model: every layer the plan's codec
             requested = byte_codecs(self.policy, requested, config_layer_types(config))[0]
         self.codec = cache_codec(self.policy, requested, config)
@@ -150,7 +157,8 @@ class CompressedCache(Cache):
             self.num_layers = None
             return
         plans = plan_layers(self.policy, requested, config, rerotate, full_codec=self.codec,
-                            share_sliding=share_sliding, planned_sliding=planned_sliding, byte_plan=byte_plan)
+                            share_sliding=share_sliding, planned_sliding=planned_sliding, byte_plan=byte_plan,
+                            ratio_bytes=False)  # settled above
         super().__init__(layers=[layer_from_plan(plan) for plan in plans])
         self.num_layers = len(plans)
         self.sliding_share = next((plan.sliding_share for plan in plans if plan.sliding_share is not None), None)

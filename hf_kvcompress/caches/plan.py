@@ -3,14 +3,16 @@
 One pure function, `plan_layers`, decides them; `CompressedCache` builds its layers from the plans, and
 `study.promised_bytes` counts bytes from the same plans, so an estimate cannot follow other rules than the cache.
 Sliding-window layers keep transformers' window with the codec's own key grouping, or under a budget or ratio their
-newest tokens; the policy applies to the full-attention layers. A plain ratio of a policy scored by KVzip's
-reconstruction pass plans how the hybrid model's pairs are shared (`SlidingShare`): the sliding layers keep fewer
-than the ratio's share of their window and the full-attention layers, where long-range retrieval happens, keep what
-they give up, so the whole cache still holds the ratio of its uncompressed pairs. KVzip's `bytes=B` (`ByteTarget`)
-gives a hybrid model's sliding layers a wide window of their newest tokens in a cheap codec (`byte_sliding_tokens`,
-`BYTES_SLIDING_CODEC`) and the full-attention layers the pairs whose bytes fit in what is left of B of the
-uncompressed cache's bytes. KVzap's `budget=N` with head budgets (`plans_budget_share`) keeps a half's planned share
-in the sliding layers and gives the full-attention layers the rest of the pairs N tokens in every layer would hold.
+newest tokens; the policy applies to the full-attention layers. A plain KVzip ratio below a half is planned as
+KVzip's byte target (`ratio_as_bytes`, below). Other plain ratios of a policy that ranks every layer's pairs at
+once (KVzip's from a half up, KVzap's) plan how the hybrid model's pairs are shared (`SlidingShare`): the sliding
+layers keep fewer than the ratio's share of their window and the full-attention layers, where long-range retrieval
+happens, keep what they give up, so the whole cache still holds the ratio of its uncompressed pairs. KVzip's
+`bytes=B` (`ByteTarget`) gives a hybrid model's sliding layers a wide window of their newest tokens in a cheap codec
+(`byte_sliding_tokens`, `BYTES_SLIDING_CODEC`) and the full-attention layers the pairs whose bytes fit in what is
+left of B of the uncompressed cache's bytes. KVzap's `budget=N` with head budgets (`plans_budget_share`) keeps a
+half's planned share in the sliding layers and gives the full-attention layers the rest of the pairs N tokens in
+every layer would hold.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ BUDGET_SLIDING_SHARE = 0.5
 # more (chosen on the development half: docs/results.md, "KVzip's byte target on hybrid models").
 BYTES_SLIDING_SCALE = 10.0
 BYTES_SLIDING_CODEC = IntNCodec(bits=4, residual_length=32, **PLAIN_NAME_DEFAULTS[4])  # `int4:residual_length=32`
+# A plain KVzip ratio below this (no codec) is planned on a hybrid model as its byte target (`ratio_as_bytes`); from
+# it up, by the ratio's own rule (`SlidingShare`). On Gemma-3-270M's development half (2,000 tokens) the byte plan
+# kept more answers at a quarter and an eighth, and at a half one multi_needle answer fewer (a distractor's number,
+# as every int4 cache there): docs/results.md, "A plain KVzip ratio below a half on Gemma-3 is a byte target".
+RATIO_BYTES_BELOW = 0.5
 
 
 @dataclass(frozen=True)
@@ -166,6 +173,21 @@ def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[st
     width = torch.empty((), dtype=served).element_size()
     held = tuple(max(windows[t] - 1, 1) if t == "sliding_attention" else None for t in layer_types)
     return ByteTarget(share, served, (kv_heads * 2 * head_dim * width,) * len(layer_types), held)
+
+
+def ratio_as_bytes(policy: Policy, codec: Codec, config) -> Policy:
+    """`policy` as the plan runs it on the model of `config`: on a hybrid model a plain ratio R below
+    RATIO_BYTES_BELOW, with no codec, of a policy that takes a byte target (KVzip's, `Policy.with_byte_share`) is
+    planned as `bytes=R`: R of the uncompressed bytes in the dtype served. So such a ratio gets the byte plan
+    (`ByteTarget`, `byte_sliding_tokens`, `byte_codecs`: int4 in every layer), which kept more answers than the
+    ratio's own plan (`SlidingShare`) there (RATIO_BYTES_BELOW's measurements). Any other policy, a ratio from
+    RATIO_BYTES_BELOW up, a ratio with a codec (`ratio=0.25+int4` as `bytes=` a quarter of int4's bytes lost needles
+    its own plan keeps), a ratio with a knob of its own plan (`sliding=`, `floors=`, `budgets=`), a model without
+    sliding layers, or no config: `policy` as it is."""
+    if (policy.ratio is None or policy.ratio >= RATIO_BYTES_BELOW or not codec.lossless or config is None
+            or not is_hybrid(config_layer_types(config))):
+        return policy
+    return policy.with_byte_share(policy.ratio) or policy
 
 
 def layer_floors(policy: Policy, config, ratio: float) -> tuple[tuple[int, float], ...]:
@@ -412,7 +434,8 @@ def for_model(policy: Policy, config) -> Policy:
 
 def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
                 full_codec: Codec | None = None, share_sliding: bool = True,
-                planned_sliding: int | None = None, byte_plan: bool = True) -> list[LayerPlan]:
+                planned_sliding: int | None = None, byte_plan: bool = True,
+                ratio_bytes: bool = True) -> list[LayerPlan]:
     """Each decoder layer's plan under `policy` x `codec` for the model of `config`.
 
     `codec` is the codec as requested (unbound); `full_codec` is `cache_codec(policy, codec, config)` when the
@@ -420,10 +443,13 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
     in every layer even where `plans_sliding_share` would share it (the plan of caches saved before it existed);
     `planned_sliding`: the tokens a planned sliding layer keeps instead of `sliding_kept`'s (a saved cache's, as it
     was built: persist.py); `byte_plan=False` keeps `codec` in the sliding layers under KVzip's bytes= (no
-    `byte_codecs`: caches saved before it existed).
+    `byte_codecs`: caches saved before it existed); `ratio_bytes=False` plans a plain ratio by its own rule
+    (`SlidingShare`) where `ratio_as_bytes` would make it a byte target (caches saved before that).
     Raises ValueError for what the model cannot store or the policy cannot apply to: a head_dim the codec refuses,
     `sliding=` without sliding layers or past their window.
     """
+    if ratio_bytes:
+        policy = ratio_as_bytes(policy, codec, config)
     policy = for_model(policy, config)  # the layers run the layout's defaults (the cache's own policy holds them too)
     codec, sliding_codec = byte_codecs(policy, codec, config_layer_types(config)) if byte_plan else (codec, None)
     if full_codec is None:

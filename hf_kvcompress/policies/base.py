@@ -86,6 +86,12 @@ class Policy:
         when it is built (caches/compressed.py), so its layers and its spec hold what was used."""
         return self
 
+    def with_byte_share(self, share: float) -> Policy | None:
+        """This policy holding `share` of the uncompressed cache's bytes in place of its plain ratio (KVzip's
+        `bytes=`), which is how a hybrid model plans that ratio (caches/plan.py `ratio_as_bytes`); None: the policy
+        keeps its ratio and the plan its own rule."""
+        return None
+
     def kept_per_row(self, real_seen: torch.Tensor) -> torch.Tensor:
         """Real tokens each row may keep, [B], from the real tokens it has seen (never fewer than sinks + recent)."""
         if self.budget is not None:

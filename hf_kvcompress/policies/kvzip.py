@@ -37,9 +37,10 @@ class KVzipPolicy(Policy):
     Args:
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
         ratio: share of the tokens seen that is kept, instead of `budget`. On a model with sliding-window layers
-            (Gemma 3) a ratio without `sliding=` is the share of the whole cache's pairs: the sliding layers keep
-            `ratio` of their share of the window and the full-attention layers the pairs that frees
-            (caches/plan.py, `SlidingShare`).
+            (Gemma 3) a plain ratio below a half with no codec is planned as `bytes=ratio` (caches/plan.py
+            `ratio_as_bytes`); from a half up, with a codec, or with `sliding=`, `floors=` or other `budgets`, it
+            is the share of the whole cache's pairs: the sliding layers keep fewer than their share of the window
+            and the full-attention layers the pairs that frees (caches/plan.py, `SlidingShare`).
         bytes: share of the uncompressed cache's bytes kept, codec included, instead of `budget` or `ratio`
             (`kvzip:bytes=0.25`, `kvzip:bytes=0.1+int4`): counted in the dtype the model is served in (its
             config's 16-bit dtype, else bfloat16), against what transformers' own cache holds (a sliding layer its
@@ -149,6 +150,13 @@ class KVzipPolicy(Policy):
     def for_layout(self, windowed: bool) -> KVzipPolicy:
         """`span` settled by the model's layout (`resolve_span`)."""
         return dataclasses.replace(self, span=resolve_span(self.span, windowed))
+
+    def with_byte_share(self, share: float) -> KVzipPolicy | None:
+        """A plain ratio as `bytes=share`; None for a budget, a byte target already, or a knob of the ratio's own
+        hybrid plan given (`sliding=`, `floors=`, budgets other than "head"), which keeps that plan for research."""
+        if self.ratio is None or self.sliding is not None or self.floors is not None or self.budgets != "head":
+            return None
+        return dataclasses.replace(self, ratio=None, bytes=share)
 
     def kept_per_row(self, real_seen: torch.Tensor) -> torch.Tensor:
         """With `bytes`: `bytes` of the tokens seen (never fewer than sinks + recent), the share tokens that arrive

@@ -657,13 +657,14 @@ def test_span_is_chosen_by_the_layout_and_the_spec_names_it(family, span, method
         assert for_model(KVzapPolicy(ratio=0.5), config).span == span
         assert for_model(KVzapPolicy(ratio=0.5, span=2), config).span == 2
         return
-    cache = make_cache(f"{method}:ratio=0.25", config)
+    # A half: below it a plain KVzip ratio on a hybrid model is its byte target (tests/caches/test_ratio_bytes.py)
+    cache = make_cache(f"{method}:ratio=0.5", config)
     assert cache.policy.span == span
     assert {layer.policy.span for layer in cache.layers if not layer.is_sliding} == {span}
-    assert cache.spec == f"{method}:ratio=0.25,span={span}"
-    assert make_cache(f"{method}:ratio=0.25,span=2", config).policy.span == 2
+    assert cache.spec == f"{method}:ratio=0.5,span={span}"
+    assert make_cache(f"{method}:ratio=0.5,span=2", config).policy.span == 2
     # Without a config the layers are full attention: as a model without sliding layers.
-    assert make_cache(f"{method}:ratio=0.25").policy.span == 0
+    assert make_cache(f"{method}:ratio=0.5").policy.span == 0
 
 
 def test_span_is_checked_and_an_unsettled_span_is_not_scored():

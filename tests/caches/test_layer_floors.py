@@ -6,12 +6,13 @@ import pytest
 import torch
 import transformers
 
-from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress import CompressedCache, make_cache, measured_kv_bytes, use_kvcompress_attention
 from hf_kvcompress.caches.plan import layer_floors
 from hf_kvcompress.calibration import FLOORS_FORMAT, load_floors, save_floors
 from hf_kvcompress.floor_calibration import calibrate_floors, scored_cache
 from hf_kvcompress.generation import generate, prefill
 from hf_kvcompress.policies.kvzip import KVzipPolicy
+from hf_kvcompress.registry import parse_spec
 
 from .tiny_models import tiny_model
 
@@ -83,8 +84,8 @@ def test_floors_keep_each_layers_share_first_and_one_ranking_shares_the_rest(tmp
     expected = _reference(scores, per_head, floors)
     assert expected != without
 
-    def counts(spec):
-        cache = make_cache(spec, model.config)
+    def counts(spec):  # the ratio's own plan, whose floors these are (a plain ratio is a byte target by default)
+        cache = CompressedCache(*parse_spec(spec), config=model.config, ratio_bytes=False)
         prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
         assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
         return [cache.layers[i].store.encoded.lengths[0].tolist() for i in full], cache

@@ -147,12 +147,16 @@ def test_head_budget_files_saved_before_still_load_and_answer_the_same(name):
     assert (loaded.stored_tokens, loaded.get_seq_length()) == lengths
 
 
-def _planned_round_trip(spec, tmp_path):
+def _planned_round_trip(spec, tmp_path, ratio_bytes=True):
     """A tiny Gemma-3's `spec` cache over a 30-token prompt, saved and loaded back: (cache, loaded, path), once the
-    loaded cache is checked to share the pairs as the saved one and to generate the same tokens."""
+    loaded cache is checked to share the pairs as the saved one and to generate the same tokens. `ratio_bytes=False`:
+    a plain ratio planned by its own rule (`SlidingShare`), as caches saved before it became a byte target."""
+    from hf_kvcompress.caches.compressed import CompressedCache
+    from hf_kvcompress.registry import parse_spec
+
     model = use_kvcompress_attention(tiny_model("gemma3"))
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
-    cache = make_cache(spec, model.config)
+    cache = CompressedCache(*parse_spec(spec), config=model.config, ratio_bytes=ratio_bytes)
     prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
     path = tmp_path / "planned.safetensors"
     save_cache(cache, path)
@@ -179,9 +183,10 @@ def _saved_before(path, entry, tmp_path):
 
 
 def test_a_planned_sliding_share_is_saved_and_loads_as_planned(tmp_path):
-    """A plain kvzip ratio on Gemma-3's layout shares the pairs (plan.py `SlidingShare`); the loaded cache plans the
-    same, and a file saved before the share existed (no `sliding_share` entry) loads with the plain share."""
-    cache, loaded, path = _planned_round_trip("kvzip:ratio=0.5", tmp_path)
+    """A plain kvzip ratio on Gemma-3's layout planned by its own rule shares the pairs (plan.py `SlidingShare`; a
+    byte target now, tests/caches/test_ratio_bytes.py); the loaded cache plans the same, and a file saved before the
+    share existed (no `sliding_share` entry) loads with the plain share."""
+    cache, loaded, path = _planned_round_trip("kvzip:ratio=0.5", tmp_path, ratio_bytes=False)
     assert cache.sliding_share is not None
     assert [layer.policy for layer in loaded.layers] == [layer.policy for layer in cache.layers]
     _, older = _saved_before(path, "sliding_share", tmp_path)
@@ -195,7 +200,7 @@ def test_a_planned_sliding_share_is_saved_and_loads_as_planned(tmp_path):
 def test_a_planned_sliding_count_loads_as_it_was_built(tmp_path):
     """A saved cache records its planned sliding layers' count (`sliding_kept`) and loads with it; a file saved
     before it was recorded loads with the r x r count it was planned with (below half the plan now keeps fewer)."""
-    cache, _, path = _planned_round_trip("kvzip:ratio=0.45", tmp_path)
+    cache, _, path = _planned_round_trip("kvzip:ratio=0.45", tmp_path, ratio_bytes=False)
     # tiny gemma3: sliding_window 6; ceil(2 x 0.45^3 x 5) = 1 (r x r: ceil(0.45 x 0.45 x 5) = 2, the share 3)
     assert [layer.policy.window for layer in cache.layers[:2]] == [1, 1]
     kept, older = _saved_before(path, "sliding_kept", tmp_path)

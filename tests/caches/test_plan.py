@@ -98,12 +98,14 @@ def test_a_cache_without_config_numbers_its_layers_as_the_plan_does():
 
 def test_only_a_plain_kvzip_ratio_on_a_hybrid_model_plans_a_sliding_share():
     """A full-attention model, a budget, an explicit sliding= or a policy without KVzip's pass keep the plain share
-    (so nothing changes on SmolLM2); a plain kvzip ratio r on Gemma-3's layout keeps r of the sliding layers' share."""
+    (so nothing changes on SmolLM2); a plain kvzip ratio r on Gemma-3's layout planned by its own rule (a byte
+    target by default: tests/caches/test_ratio_bytes.py) keeps r of the sliding layers' share."""
     unplanned = [("kvzip:ratio=0.25", "llama"), ("kvzip:budget=4", "gemma3"), ("kvzip:ratio=0.5,sliding=2", "gemma3"),
-                 ("h2o:ratio=0.5", "gemma3"), ("dynamic", "gemma3")]
+                 ("h2o:ratio=0.5", "gemma3"), ("dynamic", "gemma3"), ("kvzip:ratio=0.25", "gemma3")]
     for spec, name in unplanned:
         assert all(p.sliding_share is None for p in plans(spec, name)), spec
-    got = plans("kvzip:ratio=0.5", "gemma3")  # sliding_window=6: ceil(0.5 x 0.5 x 5) = 2 of the share's 3
+    # sliding_window=6: ceil(0.5 x 0.5 x 5) = 2 of the share's 3
+    got = plans("kvzip:ratio=0.5", "gemma3", ratio_bytes=False)
     assert [p.policy for p in got[:2]] == [SinkWindowPolicy(sink_tokens=0, window=2)] * 2
     share = got[2].sliding_share
     assert share is not None and (share.kept, share.held, share.sliding_layers, share.full_layers) == (2, 5, 2, 1)
@@ -124,7 +126,7 @@ def test_a_planned_sliding_layer_keeps_r_of_its_share_above_a_32nd_of_its_window
         layer_types=["sliding_attention"] * 5 + ["full_attention"],
     )
     policy, codec = parse_spec(f"kvzip:ratio={ratio}")
-    got = plan_layers(policy, codec, config)
+    got = plan_layers(policy, codec, config, ratio_bytes=False)  # the ratio's own plan (a byte target by default)
     # 1.5 x r x r of the 511 tokens from a half up (0.5: 191.6, where 128 lost Gemma-3's first tenth of multi_needle
     # and 256 its last; 0.6: 275.9), at most the ratio's own share (0.9: 459.9), 2 x r x r x r below (0.35: 43.8), at
     # least 511 / 32 (16)

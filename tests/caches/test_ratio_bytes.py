@@ -1,0 +1,183 @@
+"""A plain KVzip ratio below a half on a hybrid model is planned as its byte target (caches/plan.py
+`ratio_as_bytes`).
+
+`kvzip:ratio=R` (R < 0.5, no codec) on a model with sliding-window layers builds the very cache `kvzip:bytes=R`
+builds (same layers, codecs, kept pairs and bytes); a half and up, a codec, a model without sliding layers, and a
+ratio with a knob of its own plan (`sliding=`, `budgets=`) keep the ratio's plan.
+"""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from hf_kvcompress import (
+    CompressedCache,
+    load_cache,
+    make_cache,
+    measured_kv_bytes,
+    prefill,
+    save_cache,
+    study,
+    use_kvcompress_attention,
+)
+from hf_kvcompress.caches.plan import plan_layers
+from hf_kvcompress.generation import generate
+from hf_kvcompress.measure import served_kv_bytes
+from hf_kvcompress.registry import parse_spec
+
+from .tiny_models import COMMON, tiny_model
+
+REPEAT = [5, 6, 7]
+HYBRID = ["sliding_attention", "sliding_attention", "full_attention"]
+
+
+def _model(layer_types=HYBRID):
+    config = transformers.Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": len(layer_types)}, num_key_value_heads=1, head_dim=32, sliding_window=64,
+        layer_types=layer_types, max_position_embeddings=1024,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return use_kvcompress_attention(model)
+
+
+def _prefilled(model, spec, ids):
+    cache = make_cache(spec, model.config)
+    with torch.no_grad():
+        prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+    return cache
+
+
+def _kept(cache) -> list:
+    """Each layer's kept state (tensors and numbers, as saved), for comparing two caches exactly."""
+    out = []
+    for layer in cache.layers:
+        tensors, meta = layer.export_state()
+        out.append(({k: t.clone() for k, t in tensors.items()}, meta))
+    return out
+
+
+@pytest.mark.parametrize("ratio_spec,bytes_spec", [
+    ("kvzip:ratio=0.4", "kvzip:bytes=0.4"),
+    ("kvzip:ratio=0.25", "kvzip:bytes=0.25"),
+    ("kvzip:ratio=0.125", "kvzip:bytes=0.125"),
+    ("kvzip:ratio=0.25,recent=8,decoding=evict", "kvzip:bytes=0.25,recent=8,decoding=evict"),
+])
+def test_a_plain_ratio_on_a_hybrid_model_is_its_byte_target(ratio_spec, bytes_spec):
+    """Same plan, same kept pairs and codes, same bytes: measured = promised = the study's estimate."""
+    model = _model()
+    ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(2))
+    by_ratio, by_bytes = _prefilled(model, ratio_spec, ids), _prefilled(model, bytes_spec, ids)
+    assert by_ratio.spec == by_bytes.spec and "bytes=" in by_ratio.spec and "ratio=" not in by_ratio.spec
+    assert by_ratio.byte_target == by_bytes.byte_target is not None and by_ratio.sliding_share is None
+    assert by_ratio.planned_sliding == by_bytes.planned_sliding  # None at 0.4: the whole window
+    for (tensors, meta), (expected, expected_meta) in zip(_kept(by_ratio), _kept(by_bytes), strict=True):
+        assert meta == expected_meta and tensors.keys() == expected.keys()
+        assert all(torch.equal(tensors[k], expected[k]) for k in tensors)
+    held = served_kv_bytes(by_ratio, torch.bfloat16)
+    assert held == served_kv_bytes(by_bytes, torch.bfloat16)
+    assert measured_kv_bytes(by_ratio) == by_ratio.promised_kv_bytes()
+    assert study.promised_bytes(ratio_spec, model.config, 400, 2) == study.promised_bytes(bytes_spec, model.config,
+                                                                                           400, 2)
+    # R of the uncompressed bf16 bytes, never above.
+    share = float(bytes_spec.split("=")[1].split(",")[0].partition("+")[0])
+    uncompressed = served_kv_bytes(_prefilled(model, "dynamic", ids), torch.bfloat16)
+    assert 0.9 * share <= held / uncompressed <= share, held / uncompressed
+    plans = plan_layers(*parse_spec(ratio_spec), model.config)
+    assert [p.codec.spec() for p in plans] == [p.codec.spec() for p in plan_layers(*parse_spec(bytes_spec),
+                                                                                    model.config)]
+
+
+def test_a_plain_ratio_stores_every_layer_in_the_byte_plans_int4():
+    config = _model().config
+    assert make_cache("kvzip:ratio=0.25", config).spec == "kvzip:bytes=0.25,span=4+int4:residual_length=32"
+
+
+@pytest.mark.parametrize("spec,planned", [
+    ("kvzip:ratio=0.25,sliding=20", "kvzip:ratio=0.25,span=4,sliding=20"),
+    ("kvzip:ratio=0.25,budgets=token", "kvzip:ratio=0.25,budgets=token,span=4"),
+    ("kvzip:ratio=0.25,budgets=layer+int8", "kvzip:ratio=0.25,budgets=layer,span=4+int8"),
+    ("kvzip:ratio=0.5", "kvzip:ratio=0.5,span=4"),  # a half and up: the ratio's own plan (plan.py RATIO_BYTES_BELOW)
+    ("kvzip:ratio=0.75+int4", "kvzip:ratio=0.75,span=4+int4"),
+    ("kvzip:ratio=0.25+int4", "kvzip:ratio=0.25,span=4+int4"),  # a codec: the ratio's plan (plan.py `ratio_as_bytes`)
+    ("kvzip:ratio=0.125+int8", "kvzip:ratio=0.125,span=4+int8"),
+    ("kvzip:ratio=1", "kvzip:ratio=1,span=4"),
+    ("kvzip:budget=32", "kvzip:budget=32,span=4"),
+    ("snapkv:ratio=0.25", None),  # no byte target: the ratio in every layer
+])
+def test_a_half_a_codec_or_a_knob_of_its_own_plan_keeps_the_ratios_plan(spec, planned):
+    cache = make_cache(spec, _model().config)
+    assert cache.byte_target is None
+    if planned is not None:
+        assert cache.spec == planned
+    # the ratio's own share (`SlidingShare`): every KVzip ratio here below 1 without sliding=
+    planned = spec.startswith("kvzip:ratio") and "sliding=" not in spec and "ratio=1" not in spec
+    assert (cache.sliding_share is not None) == planned
+
+
+@pytest.mark.parametrize("spec", ["kvzip:ratio=0.25", "kvzip:ratio=0.25+int4", "kvzip:ratio=0.5,budgets=token"])
+def test_a_model_without_sliding_layers_keeps_the_ratio(spec):
+    """SmolLM2's layout (full attention only): the ratio of the tokens in every layer, as before."""
+    config = tiny_model("llama").config
+    cache = make_cache(spec, config)
+    head, _, codec = spec.partition("+")
+    assert cache.spec == f"{head},span=0" + (f"+{codec}" if codec else "")
+    assert cache.byte_target is None and cache.sliding_share is None
+    policy, requested = parse_spec(spec)
+    assert all(plan.policy.ratio == policy.ratio for plan in plan_layers(policy, requested, config))
+
+
+def test_a_ratio_of_1_on_a_hybrid_model_answers_as_dynamic_cache():
+    """Nothing is evicted nor encoded: the same greedy logits as transformers' own cache."""
+    model = _model()
+    ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(4))
+    logits = []
+    for cache in (transformers.DynamicCache(config=model.config), make_cache("kvzip:ratio=1", model.config)):
+        with torch.inference_mode():
+            if not isinstance(cache, transformers.DynamicCache):
+                prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=REPEAT)
+            out = model.generate(input_ids=ids, cache=cache, max_new_tokens=5, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        logits.append(torch.stack(out.logits, 1))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_saved_ratio_cache_loads_as_it_was_built(tmp_path):
+    """A plain ratio's cache saves its byte target's spec and loads as built; a file whose spec holds a plain ratio
+    was planned by the ratio's own rule (saved before) and loads so (`SlidingShare`), with the same logits."""
+    model = use_kvcompress_attention(tiny_model("gemma3"))
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
+    step, where = torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(9)), torch.arange(30, 33)[None]
+    policy, codec = parse_spec("kvzip:ratio=0.4")  # a byte target whose sliding layers keep their whole window
+    for ratio_bytes in (True, False):
+        cache = CompressedCache(policy, codec, config=model.config, ratio_bytes=ratio_bytes)
+        prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+        path = tmp_path / f"ratio-{ratio_bytes}.safetensors"
+        save_cache(cache, path)
+        loaded = load_cache(path)
+        assert loaded.spec == cache.spec and ("bytes=" in cache.spec) == ratio_bytes
+        assert (loaded.sliding_share is not None) == (not ratio_bytes) and loaded.sliding_share == cache.sliding_share
+        assert [layer.policy for layer in loaded.layers] == [layer.policy for layer in cache.layers]
+        assert [layer.codec for layer in loaded.layers] == [layer.codec for layer in cache.layers]
+        with torch.inference_mode():
+            ref = model(input_ids=step, cache=copy.deepcopy(cache), position_ids=where).logits
+            out = model(input_ids=step, cache=loaded, position_ids=where).logits
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        full = torch.cat([ids, step], 1)
+        assert torch.equal(generate(model, full, torch.ones_like(full), load_cache(path), max_new_tokens=4).new_tokens,
+                           generate(model, full, torch.ones_like(full), copy.deepcopy(cache),
+                                    max_new_tokens=4).new_tokens)
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("kvzip:ratio=0", "ratio must be a number in \\(0, 1\\]"),
+    ("kvzip:ratio=1.5", "ratio must be a number in \\(0, 1\\]"),
+    ("kvzip:ratio=0.25,bytes=0.25", "one of budget .* ratio .* or bytes"),
+    ("kvzip:ratio=0.25,budgets=rows", "budgets must be one of uniform, layer, head, token"),
+])
+def test_bad_ratios_on_a_hybrid_model_are_refused_naming_the_parameter(spec, match):
+    with pytest.raises(ValueError, match=match):
+        make_cache(spec, _model().config)
