@@ -5,29 +5,16 @@ import warnings
 
 import pytest
 import torch
-import transformers
 
-from hf_kvcompress import make_cache, prefill, study, use_kvcompress_attention
+from hf_kvcompress import make_cache, prefill, study
 from hf_kvcompress.caches.plan import for_model, plan_layers
 from hf_kvcompress.measure import served_kv_bytes
 from hf_kvcompress.policies.sink_window import SinkWindowPolicy
 from hf_kvcompress.registry import parse_spec
 
-from .tiny_models import COMMON, CONFIGS
+from .tiny_models import CONFIGS, HYBRID, tiny_hybrid_gemma
 
 REPEAT = [5, 6, 7]
-HYBRID = ["sliding_attention", "sliding_attention", "full_attention"]
-
-
-def _model(layer_types):
-    config = transformers.Gemma3TextConfig(
-        **{**COMMON, "num_hidden_layers": len(layer_types)}, num_key_value_heads=1, head_dim=32, sliding_window=64,
-        layer_types=layer_types, max_position_embeddings=1024,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    return use_kvcompress_attention(model)
 
 
 def _served(model, spec, ids):
@@ -41,7 +28,7 @@ def _served(model, spec, ids):
 @pytest.mark.parametrize("spec,share", [("kvzip:bytes=0.25", 0.25), ("kvzip:bytes=0.5", 0.5),
                                         ("kvzip:bytes=0.1+int4", 0.1), ("kvzip:bytes=0.2+int8", 0.2)])
 def test_the_cache_holds_the_share_of_the_uncompressed_bytes(layer_types, spec, share):
-    model = _model(layer_types)
+    model = tiny_hybrid_gemma(layer_types)
     ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(2))
     reference, _ = _served(model, "dynamic", ids)  # the eval's uncompressed cache (a sliding layer: its window)
     held, cache = _served(model, spec, ids)
@@ -61,7 +48,7 @@ def test_the_cache_holds_the_share_of_the_uncompressed_bytes(layer_types, spec, 
 
 def test_span_zero_spends_the_bytes_to_a_pair():
     """Without span re-choosing pairs, the ranking buys pairs exactly up to the target (less under one pair)."""
-    model = _model(["full_attention"] * 2)
+    model = tiny_hybrid_gemma(["full_attention"] * 2)
     ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(2))
     held, cache = _served(model, "kvzip:bytes=0.1,span=0+int4", ids)
     target = cache.byte_target.uncompressed(torch.tensor([400])) * 0.1
@@ -77,7 +64,7 @@ def test_a_hybrid_model_keeps_a_wide_sliding_window_in_int4(spec, kept, full_res
     least 63 / 32; the whole window from about 0.32 up; `sliding=` sets it) in int4 with a 32-token exact residual,
     where a ratio of B keeps fewer (16 of Gemma-3's 511 at a quarter);
     a plain bytes= stores the full-attention layers so too, and a codec given keeps its own there."""
-    model = _model(HYBRID)
+    model = tiny_hybrid_gemma(HYBRID)
     cache = make_cache(spec, model.config)
     ratio = make_cache(spec.replace("bytes", "ratio").partition("+")[0], model.config)
     for layer, by_ratio in zip(cache.layers[:2], ratio.layers[:2], strict=True):
@@ -108,7 +95,7 @@ def test_the_bytes_held_are_the_promised_bytes_at_any_length(spec, tokens):
     """`study.promised_bytes` is what the cache holds: B of the uncompressed bytes (counted here by hand, one
     bfloat16 pair per token and layer, a sliding layer its window - 1), more on a document too short for the
     sliding windows to fit in B (they and the full-attention layer's sinks), less where every pair fits."""
-    model = _model(["sliding_attention"] * 4 + ["full_attention"])
+    model = tiny_hybrid_gemma(["sliding_attention"] * 4 + ["full_attention"])
     ids = torch.randint(3, 128, (1, tokens), generator=torch.Generator().manual_seed(3))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -27,21 +27,9 @@ from hf_kvcompress.generation import generate
 from hf_kvcompress.measure import served_kv_bytes
 from hf_kvcompress.registry import parse_spec
 
-from .tiny_models import COMMON, tiny_model
+from .tiny_models import greedy_logits_after_prefill, tiny_hybrid_gemma, tiny_model
 
 REPEAT = [5, 6, 7]
-HYBRID = ["sliding_attention", "sliding_attention", "full_attention"]
-
-
-def _model(layer_types=HYBRID):
-    config = transformers.Gemma3TextConfig(
-        **{**COMMON, "num_hidden_layers": len(layer_types)}, num_key_value_heads=1, head_dim=32, sliding_window=64,
-        layer_types=layer_types, max_position_embeddings=1024,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    return use_kvcompress_attention(model)
 
 
 def _prefilled(model, spec, ids):
@@ -68,7 +56,7 @@ def _kept(cache) -> list:
 ])
 def test_a_plain_ratio_on_a_hybrid_model_is_its_byte_target(ratio_spec, bytes_spec):
     """Same plan, same kept pairs and codes, same bytes: measured = promised = the study's estimate."""
-    model = _model()
+    model = tiny_hybrid_gemma()
     ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(2))
     by_ratio, by_bytes = _prefilled(model, ratio_spec, ids), _prefilled(model, bytes_spec, ids)
     assert by_ratio.spec == by_bytes.spec and "bytes=" in by_ratio.spec and "ratio=" not in by_ratio.spec
@@ -92,7 +80,7 @@ def test_a_plain_ratio_on_a_hybrid_model_is_its_byte_target(ratio_spec, bytes_sp
 
 
 def test_a_plain_ratio_stores_every_layer_in_the_byte_plans_int4():
-    config = _model().config
+    config = tiny_hybrid_gemma().config
     assert make_cache("kvzip:ratio=0.25", config).spec == "kvzip:bytes=0.25,span=4+int4:residual_length=32"
 
 
@@ -109,7 +97,7 @@ def test_a_plain_ratio_stores_every_layer_in_the_byte_plans_int4():
     ("snapkv:ratio=0.25", None),  # no byte target: the ratio in every layer
 ])
 def test_a_half_a_codec_or_a_knob_of_its_own_plan_keeps_the_ratios_plan(spec, planned):
-    cache = make_cache(spec, _model().config)
+    cache = make_cache(spec, tiny_hybrid_gemma().config)
     assert cache.byte_target is None
     if planned is not None:
         assert cache.spec == planned
@@ -132,16 +120,10 @@ def test_a_model_without_sliding_layers_keeps_the_ratio(spec):
 
 def test_a_ratio_of_1_on_a_hybrid_model_answers_as_dynamic_cache():
     """Nothing is evicted nor encoded: the same greedy logits as transformers' own cache."""
-    model = _model()
+    model = tiny_hybrid_gemma()
     ids = torch.randint(3, 128, (1, 80), generator=torch.Generator().manual_seed(4))
-    logits = []
-    for cache in (transformers.DynamicCache(config=model.config), make_cache("kvzip:ratio=1", model.config)):
-        with torch.inference_mode():
-            if not isinstance(cache, transformers.DynamicCache):
-                prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=REPEAT)
-            out = model.generate(input_ids=ids, cache=cache, max_new_tokens=5, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)
-        logits.append(torch.stack(out.logits, 1))
+    logits = [greedy_logits_after_prefill(model, cache, ids) for cache in (
+        transformers.DynamicCache(config=model.config), make_cache("kvzip:ratio=1", model.config))]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
 
@@ -180,4 +162,4 @@ def test_a_saved_ratio_cache_loads_as_it_was_built(tmp_path):
 ])
 def test_bad_ratios_on_a_hybrid_model_are_refused_naming_the_parameter(spec, match):
     with pytest.raises(ValueError, match=match):
-        make_cache(spec, _model().config)
+        make_cache(spec, tiny_hybrid_gemma().config)

@@ -16,7 +16,7 @@ from hf_kvcompress import CompressedCache, make_cache, measured_kv_bytes, prefil
 from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.registry import parse_spec
 
-from .tiny_models import COMMON, left_padded_prompts
+from .tiny_models import COMMON, greedy_logits_after_prefill, left_padded_prompts
 
 WINDOW = 16  # sliding_window: 15 tokens kept between steps
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -212,14 +212,8 @@ def test_a_kvzip_budget_under_the_window_and_above_prompt_and_answer_evicts_noth
     # the ranking and evict the document while decoding.
     model = _model(HYBRID)
     ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(2))
-    logits = []
-    for cache in (transformers.DynamicCache(config=model.config), make_cache(spec, model.config)):
-        with torch.inference_mode():
-            if not isinstance(cache, transformers.DynamicCache):
-                prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=REPEAT)
-            out = model.generate(input_ids=ids, cache=cache, max_new_tokens=5, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)
-        logits.append(torch.stack(out.logits, 1))
+    logits = [greedy_logits_after_prefill(model, cache, ids) for cache in (
+        transformers.DynamicCache(config=model.config), make_cache(spec, model.config))]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
 

@@ -185,3 +185,35 @@ def attend_per_head(joined, query, scaling):
             query[i : i + 1], keys[i][None, None], values[i][None, None], scale=scaling)
         for i in range(query.shape[0])
     ])
+
+
+HYBRID = ["sliding_attention", "sliding_attention", "full_attention"]
+
+
+def tiny_hybrid_gemma(layer_types=HYBRID):
+    """A tiny Gemma-3 with `layer_types` (64-token sliding windows, 1,024 positions) on our attention: the byte
+    plans' tests need windows wider than CONFIGS' gemma3 holds."""
+    from hf_kvcompress import use_kvcompress_attention
+
+    config = transformers.Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": len(layer_types)}, num_key_value_heads=1, head_dim=32, sliding_window=64,
+        layer_types=layer_types, max_position_embeddings=1024,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return use_kvcompress_attention(model)
+
+
+def greedy_logits_after_prefill(model, cache, ids, new_tokens=5, repeat_prompt_ids=(5, 6, 7)):
+    """[B, new_tokens, V] greedy logits of model.generate on `ids`; a package cache is first prefilled with all but the
+    last token by KVzip's pass (a DynamicCache is not)."""
+    from hf_kvcompress.generation import prefill
+
+    with torch.inference_mode():
+        if not isinstance(cache, transformers.DynamicCache):
+            prefill(model, ids[:, :-1], None, cache, repeat_prompt_ids=list(repeat_prompt_ids))
+        out = model.generate(input_ids=ids, cache=cache, max_new_tokens=new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    return torch.stack(out.logits, 1)
+
