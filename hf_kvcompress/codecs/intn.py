@@ -14,7 +14,7 @@ from ..hf.compat import text_config
 from ..hf.rope import rope_inv_freq
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
 from ..ops.cpu_decode import KernelLayout
-from ..ops.hadamard import rotate_batch_rows, rotate_rows
+from ..ops.hadamard import rotate_batch_rows, rotate_rows, rotation_matrix
 from ..ops.rerotate import rerotate, rope_table, turn
 from ..spec_text import changed_fields, join_spec
 from . import plane_attention
@@ -529,6 +529,19 @@ class IntNCodec(Codec):
         if not (self.pre_rope and self._per_channel("key")):
             return super().kernel_queries(query)
         return self._turned_offsets(query)
+
+    def kernel_rotations(
+        self, key_dim: int, value_dim: int, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        # The key query is the rotation alone where keys take no scale and one query per token (not pre_rope's
+        # offsets); values come back by the rotation alone (the key scale and pre_rope are the keys').
+        plain_keys = self.layer_key_scale is None or self._per_channel("key")
+        per_token_query = not (self.pre_rope and self._per_channel("key"))
+        key = None
+        if self._rotates("key") and plain_keys and per_token_query:
+            key = rotation_matrix(key_dim, self._seed("key"), device)
+        value = rotation_matrix(value_dim, self._seed("value"), device) if self._rotates("value") else None
+        return key, value
 
     def _turned_offsets(self, plain: torch.Tensor) -> torch.Tensor:
         """`offset_queries` of the query [B, H, n, D] in the model's basis: [B, H, n, group_size, D]."""

@@ -303,6 +303,11 @@ struct Problem {
   at::ScalarType plain_type;
   int64_t tail_tokens;
   float* plain_out;  // [B, H, M, Dv]; with it, acc and plain_out are written normalised by the whole sum
+  // Rotations the kernel applies itself (decode_attention; null: none): the query rows are met with the keys as
+  // query @ key_rotation [D, D] (O = 1), and the store's output is brought back from the values' basis by
+  // value_back [Dv (plane-major position), Dv] (the values' rotation transposed, its rows in plane-major order).
+  const float* key_rotation;
+  const float* value_back;
 };
 
 // n values of a float32, bfloat16 or float16 buffer from element `start`, as float32 into out.
@@ -417,11 +422,25 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
   std::vector<float> channel_q(vector_keys ? rows_q * dim : 0);
   // ... and with one query per token, that query times a key group's scales (and its dot with their zero points).
   std::vector<float> folded_q(vector_keys ? m_rows * dim : 0), folded_zero(vector_keys ? m_rows : 0);
+  std::vector<float> rotated_q(pb.key_rotation ? m_rows * dim : 0);
   for (int64_t row = begin; row < end; ++row) {
     const int64_t b = row / pb.heads, h = row % pb.heads;
+    const float* query = pb.query + row * rows_q * dim;
+    if (pb.key_rotation) {  // into the keys' basis: query @ R, summed over j in order (a row's own products only)
+      for (int64_t m = 0; m < m_rows; ++m) {
+        float* out = rotated_q.data() + m * dim;
+        std::fill(out, out + dim, 0.0f);
+        for (int64_t j = 0; j < dim; ++j) {
+          const float qj = query[m * dim + j];
+          const float* r = pb.key_rotation + j * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dims<D>(pb.dim); ++d) out[d] += qj * r[d];
+        }
+      }
+      query = rotated_q.data();
+    }
     // The query in the order its key path reads (no division per value: with pre_rope's 32 offsets a division
     // per value here cost a tenth of the kernel).
-    const float* query = pb.query + row * rows_q * dim;
     if (vector_keys) {
       for (int64_t m = 0; m < m_rows; ++m)
         for (int64_t o = 0; o < offsets; ++o)
@@ -552,8 +571,19 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
         pb.max[out_row] = run_max[m];
         pb.sum[out_row] = run_sum[m];
       }
+      float* out = pb.acc + out_row * value_dim;
+      if (pb.value_back) {  // out = acc @ value_back: back from the plane-major order and the values' basis at once
+        std::fill(out, out + value_dim, 0.0f);
+        for (int64_t p = 0; p < value_dim; ++p) {
+          const float a = acc[m * value_dim + p];
+          const float* back = pb.value_back + p * value_dim;
+#pragma omp simd
+          for (int64_t c = 0; c < dims<D>(pb.value_dim); ++c) out[c] += a * back[c];
+        }
+        continue;
+      }
       for (int64_t c = 0; c < value_dim; ++c)  // back from the values' plane-major order
-        pb.acc[out_row * value_dim + c] = acc[m * value_dim + values.plane_pos(c)];
+        out[c] = acc[m * value_dim + values.plane_pos(c)];
     }
   }
 }
@@ -661,7 +691,10 @@ std::vector<at::Tensor> decode_attention_partials(
 // [B, H, Tt, D]) in one softmax. plain_query [B, H, M, D] float32 (scaled, the model's basis) meets sinks and tail;
 // bias, when given, covers the store's and the tail's columns [0, T + Tt). Returns (store part [B, H, M, Dv] in the
 // values' storage basis, plain part [B, H, M, Dv]), each already divided by the whole softmax sum (a fully masked
-// row: zeros); the output is the store part brought back from its basis plus the plain part.
+// row: zeros); the output is the store part brought back from its basis plus the plain part. key_rotation [D, D]:
+// `query` is in the model's basis (O = 1) and meets the keys as query @ key_rotation; value_rotation [Dv, Dv]: the
+// values were stored as x @ value_rotation (orthogonal), and the store part comes back in the model's basis,
+// times value_rotation's transpose. Each saves the caller two small tensor ops per layer and step.
 std::vector<at::Tensor> decode_attention(
     const at::Tensor& query, const at::Tensor& plain_query, const at::Tensor& k_codes, const at::Tensor& k_scale,
     const c10::optional<at::Tensor>& k_zero, int64_t k_levels, double k_l0, double k_a, double k_b,
@@ -669,7 +702,8 @@ std::vector<at::Tensor> decode_attention(
     const c10::optional<at::Tensor>& v_zero, int64_t v_levels, double v_l0, double v_a, double v_b,
     int64_t value_dim, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden,
     const c10::optional<at::Tensor>& sink_keys, const c10::optional<at::Tensor>& sink_values,
-    const at::Tensor& tail_keys, const at::Tensor& tail_values, bool vectorised) {
+    const at::Tensor& tail_keys, const at::Tensor& tail_values, bool vectorised,
+    const c10::optional<at::Tensor>& key_rotation, const c10::optional<at::Tensor>& value_rotation) {
   const int64_t batch = query.size(0), heads = query.size(1), m_rows = query.size(2), dim = query.size(4);
   const int64_t tail_tokens = tail_keys.size(2);
   const auto type = tail_keys.scalar_type();
@@ -698,6 +732,23 @@ std::vector<at::Tensor> decode_attention(
   pb.plain_type = type;
   pb.tail_tokens = tail_tokens;
   pb.plain_query = plain_query.data_ptr<float>();
+  auto rotation = [](const c10::optional<at::Tensor>& r, int64_t width, const char* name) {
+    TORCH_CHECK(r->scalar_type() == at::kFloat && r->is_contiguous() && r->dim() == 2 && r->size(0) == width &&
+                    r->size(1) == width, "cpu_decode: ", name, " must be contiguous float32 [D, D]");
+    return r->data_ptr<float>();
+  };
+  if (key_rotation.has_value()) {
+    TORCH_CHECK(pb.offsets == 1, "cpu_decode: key_rotation needs one query per token (O = 1)");
+    pb.key_rotation = rotation(key_rotation, dim, "key_rotation");
+  }
+  std::vector<float> value_back;  // value_back[plane_pos(j), c] = R[c, j]: the rows of R^T in plane-major order
+  if (value_rotation.has_value()) {
+    const float* r = rotation(value_rotation, value_dim, "value_rotation");
+    value_back.resize(value_dim * value_dim);
+    for (int64_t j = 0; j < value_dim; ++j)
+      for (int64_t c = 0; c < value_dim; ++c) value_back[call.values.plane_pos(j) * value_dim + c] = r[c * value_dim + j];
+    pb.value_back = value_back.data();
+  }
   auto options = query.options();
   at::Tensor stored = at::empty({batch, heads, m_rows, value_dim}, options);
   at::Tensor plain = at::empty({batch, heads, m_rows, value_dim}, options);
