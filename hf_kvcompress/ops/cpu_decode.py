@@ -160,7 +160,7 @@ def decode_attention(
     value_layout: KernelLayout, value_dim: int, bias: torch.Tensor | None, sink_slots: torch.Tensor | None,
     sink_keys: torch.Tensor | None, sink_values: torch.Tensor | None, tail_keys: torch.Tensor,
     tail_values: torch.Tensor, vectorised: bool = True, key_rotation: torch.Tensor | None = None,
-    value_rotation: torch.Tensor | None = None,
+    value_rotation: torch.Tensor | None = None, key_turns: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's whole decode attention in one call: the store (as `decode_attention_partials` reads it), its exact
     sinks [B, H_kv, S, D] at `sink_slots` [B, H_kv, S] (a slot outside the store weighs nothing there: no sink, or one
@@ -173,8 +173,11 @@ def decode_attention(
 
     `key_rotation` [D, D] float32: `query` [B, H_kv, M, 1, D] is in the model's basis and the kernel meets the keys
     with query @ key_rotation. `value_rotation` [Dv, Dv] float32 (orthogonal): the values were stored as
-    x @ value_rotation, and the store's part is returned in the model's basis (times its transpose). Both are a
-    row's own products summed in a fixed order, so a batch row gives what it gives alone."""
+    x @ value_rotation, and the store's part is returned in the model's basis (times its transpose). `key_turns`
+    [2, O, R] float32 (cos, sin; `rerotate.rope_table` of each offset o < O over the first R channels): `query`
+    [B, H_kv, M, 1, D] (the model's basis) is turned by each offset (`rerotate.turn`) into the O offset queries of
+    per-channel key groups, then rotated by `key_rotation` if given (pre_rope keys). All are a row's own products
+    summed in a fixed order, so a batch row gives what it gives alone."""
     extension = _extension()
     if extension is None:
         raise RuntimeError("the CPU decode-attention kernel is not available on this machine (see the warning)")
@@ -189,4 +192,5 @@ def decode_attention(
         tail_keys.to(plain_dtype).contiguous(), tail_values.to(plain_dtype).contiguous(), vectorised,
         None if key_rotation is None else key_rotation.float().contiguous(),
         None if value_rotation is None else value_rotation.float().contiguous(),
+        None if key_turns is None else key_turns.float().contiguous(),
     ))

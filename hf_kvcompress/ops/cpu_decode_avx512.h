@@ -71,22 +71,63 @@ inline void touch(const uint8_t* codes, int64_t count) {
   __asm__ volatile("" : : "v"(any));  // the loads are kept for their effect on the caches
 }
 
+// Token j's 32 bytes at `codes + 32 * j`, or zeros for j >= n (nothing read past the store).
+inline __m256i token_bytes(const uint8_t* codes, int64_t j, int64_t n) {
+  return _mm256_maskz_loadu_epi32(j < n ? static_cast<__mmask8>(0xff) : static_cast<__mmask8>(0), codes + 32 * j);
+}
+
+// words[w] = the w-th 32-bit word of each of the 16 tokens at `codes` (rows of `width` bytes; lane k: token k, zeros
+// past the n valid ones), for rows of 32 bytes (int4 at head_dim 64): plain loads, tokens j and j + 8 to a vector,
+// and the 8 x 8 word transpose of 256-bit registers in both halves at once (24 shuffles), instead of 8 gathers: 4%
+// off a cold 8k-token int4 layer on this AVX-512 CPU (docs/speed.md, session 27). Other widths gather each word
+// where it is used, after plain loads of their lines (`touch`): for int2's 16 bytes, loads and a 4 x 4 transpose
+// were slower cold, and so were its gathers into an array.
+inline void token_words(const uint8_t* codes, int64_t n, __m512i* words) {
+  __m512i r[8];
+  for (int j = 0; j < 8; ++j)
+    r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(token_bytes(codes, j, n)), token_bytes(codes, j + 8, n), 1);
+  __m512i t[8], u[8];
+  for (int j = 0; j < 4; ++j) {
+    t[2 * j] = _mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
+    t[2 * j + 1] = _mm512_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
+  }
+  for (int j = 0; j < 2; ++j) {
+    u[4 * j] = _mm512_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+    u[4 * j + 1] = _mm512_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+    u[4 * j + 2] = _mm512_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+    u[4 * j + 3] = _mm512_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+  }
+  // 128-bit lanes: low = [a.0, b.0, a.2, b.2], high = [a.1, b.1, a.3, b.3] (in 64-bit units: 0 1 8 9 4 5 12 13)
+  const __m512i low = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+  const __m512i high = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  for (int j = 0; j < 4; ++j) {
+    words[j] = _mm512_permutex2var_epi64(u[j], low, u[j + 4]);
+    words[j + 4] = _mm512_permutex2var_epi64(u[j], high, u[j + 4]);
+  }
+}
+
+// Word `word` of each of the 16 tokens at `codes`: from `words` (token_words) where given, else gathered (tokens
+// past the valid ones read nothing: their lanes are zero and dropped at the store).
+inline __m512i word_of_tokens(const __m512i* words, const uint8_t* codes, int64_t width, int64_t word,
+                              __mmask16 valid) {
+  if (words) return words[word];
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(width)));
+  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, rows, codes + 4 * word, 1);
+}
+
 // logits[r * stride + k] for rows r < R (query rows m0 + r) and tokens t + k, k < 16, over one tile's 16 tokens:
 // `codes` points at token t's bytes (rows of W bytes), `scale` / `zero` [D] are the channel scales of t's group,
 // `query` [M, D, O] the (offset) queries in channel order, `o0` the offset of token t within its key group.
 template <int BITS, int R>
-inline void key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, const float* scale, const float* zero,
-                          const float* query, int64_t offsets, int64_t o0, int64_t m0, float* logits,
+inline void key_logits_16(const __m512i* words, const uint8_t* codes, int64_t width, int64_t dim, const float* scale,
+                          const float* zero, const float* query, int64_t offsets, int64_t o0, int64_t m0, float* logits,
                           int64_t stride, __mmask16 valid) {
   constexpr int U = 8 / BITS;
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int>(width)));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t word = 0; word < width / 4; ++word) {
-    // bytes 4w..4w+3 of each of the 16 tokens (tokens past the valid ones read token t's bytes: their lanes are
-    // dropped at the store)
-    const __m512i bytes = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, rows, codes + 4 * word, 1);
+    const __m512i bytes = word_of_tokens(words, codes, width, word, valid);  // bytes 4w..4w+3 of each token
     for (int byte = 0; byte < 4; ++byte) {
       for (int i = 0; i < U; ++i) {
         const int64_t d = (4 * word + byte) * U + i;  // byte j holds dims j*U + i (ops/bitpack.py)
@@ -107,16 +148,14 @@ inline void key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, cons
 // logit = sum_d (q_d * scale_d) * code_d + sum_d q_d * zero_d, so a channel costs its code's extraction and one
 // FMA per query row (not also an FMA for its scale). `folded` [M, D] holds the first factors, `folded_zero` [M] the sums.
 template <int BITS, int R>
-inline void folded_key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, const float* folded,
-                                 const float* folded_zero, int64_t m0, float* logits, int64_t stride,
-                                 __mmask16 valid) {
+inline void folded_key_logits_16(const __m512i* words, const uint8_t* codes, int64_t width, int64_t dim,
+                                 const float* folded, const float* folded_zero, int64_t m0, float* logits,
+                                 int64_t stride, __mmask16 valid) {
   constexpr int U = 8 / BITS;
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int>(width)));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_ps(folded_zero[m0 + r]);
   for (int64_t word = 0; word < width / 4; ++word) {
-    const __m512i bytes = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, rows, codes + 4 * word, 1);
+    const __m512i bytes = word_of_tokens(words, codes, width, word, valid);
     for (int byte = 0; byte < 4; ++byte) {
       for (int i = 0; i < U; ++i) {
         const int64_t d = (4 * word + byte) * U + i;
@@ -185,18 +224,25 @@ void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float
       }
     }
     const uint8_t* codes = k.codes + (row * k.tokens + t) * width;
-    touch(codes, n * width);
+    __m512i transposed[8];
+    const __m512i* words = nullptr;
+    if (width == 32) {
+      token_words(codes, n, transposed);
+      words = transposed;
+    } else {
+      touch(codes, n * width);
+    }
     float* out = logits + (t - t0);
     if (fold) {
       in_row_blocks(m_rows, [&](auto rows, int64_t m) {
-        folded_key_logits_16<BITS, decltype(rows)::value>(codes, width, dim, folded, folded_zero, m, out + m * stride,
-                                                          stride, valid);
+        folded_key_logits_16<BITS, decltype(rows)::value>(words, codes, width, dim, folded, folded_zero, m,
+                                                          out + m * stride, stride, valid);
       });
       continue;
     }
     const int64_t o0 = offsets == 1 ? 0 : t % offsets;
     in_row_blocks(m_rows, [&](auto rows, int64_t m) {
-      key_logits_16<BITS, decltype(rows)::value>(codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m,
+      key_logits_16<BITS, decltype(rows)::value>(words, codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m,
                                                  out + m * stride, stride, valid);
     });
   }

@@ -179,11 +179,12 @@ def test_values_whose_groups_cover_whole_vectors_equal_the_portable_path(codec, 
     torch.testing.assert_close(fast[2], portable[2], atol=1e-5 * scale, rtol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["int4", "int4:key_axis=token", "int2:pre_rope=false"])
+@pytest.mark.parametrize("spec", ["int4", "int2", "int4:key_axis=token", "int2:pre_rope=false"])
 def test_the_kernels_rotations_equal_the_codecs(spec):
-    """`kernel_rotations`: the kernel rotates the query into the keys' basis and brings the store's output back from
-    the values' itself, as the codec's `kernel_queries` and `from_basis` do (up to rounding), and a batch row gives
-    bit for bit what it gives alone."""
+    """`kernel_rotations` and `kernel_turns`: the kernel turns the query by each offset of a key group (int2's
+    pre_rope keys), rotates it into the keys' basis and brings the store's output back from the values' itself, as
+    the codec's `kernel_queries` and `from_basis` do (up to rounding), and a batch row gives bit for bit what it
+    gives alone."""
     g = torch.Generator().manual_seed(11)
     cache = make_cache(spec, SMOLLM2_SHAPES)
     tokens = 160
@@ -192,21 +193,23 @@ def test_the_kernels_rotations_equal_the_codecs(spec):
     layer, codec = cache.layers[0], cache.layers[0].codec
     key_rotation, value_rotation = codec.kernel_rotations(64, 64, torch.device("cpu"))
     assert key_rotation is not None and value_rotation is not None  # the plain names rotate both (Hadamard)
+    turns = codec.kernel_turns(torch.device("cpu"))
+    assert (turns is not None) == (spec == "int2")  # a query per offset: pre_rope's per-channel keys
     store = layer.store
     query = torch.randn(3, 3, 3, 64, generator=g) * 0.3
 
-    def attend(rows, rotations):
+    def attend(rows, in_kernel):
         q = query[rows]
-        queries = q[:, :, :, None] if rotations else codec.kernel_queries(q)
+        queries = q[:, :, :, None] if in_kernel else codec.kernel_queries(q)
         parts = [{name: tensor[rows] for name, tensor in encoded.items()}
                  for encoded in (store.encoded_keys, store.encoded_values)]
         stored, plain = cpu_decode.decode_attention(
             queries, q, *parts, codec.kernel_layout("key"), codec.kernel_layout("value"), 64, None,
             layer.slots.sink_slots[rows], store.sink_keys[rows], store.sink_values[rows], store.tail_keys[rows],
-            store.tail_values[rows], key_rotation=key_rotation if rotations else None,
-            value_rotation=value_rotation if rotations else None,
+            store.tail_values[rows], key_rotation=key_rotation if in_kernel else None,
+            value_rotation=value_rotation if in_kernel else None, key_turns=turns if in_kernel else None,
         )
-        return (stored if rotations else codec.from_basis(stored, "value")) + plain
+        return (stored if in_kernel else codec.from_basis(stored, "value")) + plain
 
     everything = slice(None)
     torch.testing.assert_close(attend(everything, True), attend(everything, False), atol=1e-5, rtol=1e-5)
