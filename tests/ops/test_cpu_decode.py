@@ -216,6 +216,27 @@ def test_the_kernels_rotations_equal_the_codecs(spec):
     assert torch.equal(attend(everything, True)[1:2], attend(slice(1, 2), True))
 
 
+def test_a_prefill_chunks_rows_are_rotated_by_pytorch_not_the_kernel(monkeypatch):
+    """More query rows per KV head than `KERNEL_ROTATION_ROWS` (a prefill chunk): the codec rotates and turns them
+    (BLAS), not the kernel's loop over each; the output is the PyTorch path's either way."""
+    g = torch.Generator().manual_seed(2)
+    cache = make_cache("int2", SMOLLM2_SHAPES)
+    states = torch.randn(1, 3, 160 + 128, 64, generator=g)
+    cache.update(states, states.flip(-1), 0, {"position_ids": torch.arange(160 + 128)[None]})
+    layer = cache.layers[0]
+    asked = []
+    original = type(layer.codec).kernel_rotations
+    monkeypatch.setattr(type(layer.codec), "kernel_rotations",
+                        lambda self, *args: asked.append(True) or original(self, *args))
+    for q_len, rotated_by_kernel in ((store_attention.KERNEL_ROTATION_ROWS // 3, True),
+                                     (store_attention.KERNEL_ROTATION_ROWS // 3 + 1, False)):
+        asked.clear()
+        query = torch.randn(1, 9, q_len, 64, generator=g)
+        got = attend_store(layer, query, None, 0.125, backend="cpu")
+        assert bool(asked) == rotated_by_kernel
+        torch.testing.assert_close(got, attend_store(layer, query, None, 0.125, backend="torch"), atol=1e-5, rtol=1e-5)
+
+
 def test_a_fully_masked_row_gives_empty_partials():
     codec = CODECS["int4 keys per token"]
     states = torch.randn(1, 1, 64, 32)
