@@ -26,6 +26,10 @@ from ..ops import cpu_decode, triton_decode
 # block costs a few dozen small tensor ops, which at 1024 tokens were a third of the store's time on CPU.
 STORE_BLOCK = 8192
 STORE_BLOCK_VALUES = 1 << 20
+# Query rows per KV head up to which the C++ kernel rotates (and for pre_rope turns) the query itself: a decode step's
+# few rows. A prefill chunk's hundreds (times pre_rope's 32 offsets) go through BLAS, which multiplies many rows
+# faster than the kernel's plain loop over each.
+KERNEL_ROTATION_ROWS = 64
 BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
@@ -148,12 +152,20 @@ def _attend_by_cpu_kernel(layer, plain_q, attention_mask) -> torch.Tensor:
         tail_keys = tail_values = plain_q.new_zeros(*plain_q.shape[:2], 0, plain_q.shape[-1])
     columns = slice(0, store.n_encoded + tail_keys.shape[-2])
     bias = None if attention_mask is None else _bias(attention_mask, 1, columns)  # [B, 1 or H_kv, q, T + Tt]
-    queries = codec.kernel_queries(plain_q)  # [B, H_kv, groups * q, O, D]: one per offset of a key group
+    # The rotations (and pre_rope's offset turns) the kernel applies itself, where the codec's bases are plain
+    # rotations: a few small tensor ops fewer per layer and step.
+    key_rotation = value_rotation = turns = None
+    if plain_q.shape[2] <= KERNEL_ROTATION_ROWS:
+        key_rotation, value_rotation = codec.kernel_rotations(plain_q.shape[-1], layer.value_dim, plain_q.device)
+        turns = None if key_rotation is None else codec.kernel_turns(plain_q.device)
+    # [B, H_kv, groups * q, O, D]: one per offset of a key group; with key_rotation, the query as it is (O = 1)
+    queries = plain_q[:, :, :, None] if key_rotation is not None else codec.kernel_queries(plain_q)
     stored, plain = cpu_decode.decode_attention(
         queries, plain_q, store.encoded_keys, store.encoded_values, key_layout, value_layout, layer.value_dim, bias,
         layer.slots.sink_slots, store.sink_keys, store.sink_values, tail_keys, tail_values,
+        key_rotation=key_rotation, value_rotation=value_rotation, key_turns=turns,
     )
-    return codec.from_basis(stored, "value") + plain
+    return (stored if value_rotation is not None else codec.from_basis(stored, "value")) + plain
 
 
 def store_kernel(layer, query: torch.Tensor, backend: str) -> str | None:

@@ -103,6 +103,21 @@ class Codec(ABC):
         with, `offset_queries(key_query(query))`; a codec may get there in fewer steps."""
         return self.offset_queries(self.key_query(query))
 
+    def kernel_rotations(
+        self, key_dim: int, value_dim: int, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Orthogonal float32 matrices (R_k [D, D], R_v [Dv, Dv]) on `device` that a decode kernel applies itself:
+        `kernel_queries(q)` is (q @ R_k)[:, :, :, None], or with `kernel_turns` each offset's turned query times R_k,
+        and `from_basis(x, "value")` is x @ R_v.T, up to rounding. None where the codec does not get there by that
+        product (the caller then calls those methods)."""
+        return None, None
+
+    def kernel_turns(self, device: torch.device) -> torch.Tensor | None:
+        """[2, O, R] float32 (cos, sin: `rerotate.rope_table` of each offset o < O of a key group), where
+        `kernel_queries(q)` turns q by each offset (`rerotate.turn`) before `kernel_rotations`' R_k; None: one query
+        per token."""
+        return None
+
     def to_basis(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:
         """x [..., D] in the storage basis of `kind` (the identity unless the codec rotates)."""
         return x

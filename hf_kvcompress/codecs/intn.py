@@ -14,7 +14,7 @@ from ..hf.compat import text_config
 from ..hf.rope import rope_inv_freq
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
 from ..ops.cpu_decode import KernelLayout
-from ..ops.hadamard import rotate_batch_rows, rotate_rows
+from ..ops.hadamard import rotate_batch_rows, rotate_rows, rotation_matrix
 from ..ops.rerotate import rerotate, rope_table, turn
 from ..spec_text import changed_fields, join_spec
 from . import plane_attention
@@ -84,6 +84,12 @@ def _offset_turns(inv_freq: tuple[float, ...], group: int, direction: int,
         return cos.to(device), sin.to(device)
     offsets = torch.arange(group, dtype=torch.float32) * direction
     return rope_table(offsets, torch.tensor(inv_freq, dtype=torch.float32))
+
+
+@lru_cache(maxsize=64)
+def _offset_turn_table(inv_freq: tuple[float, ...], group: int, device: torch.device) -> torch.Tensor:
+    """`_offset_turns(inv_freq, group, -1)` stacked [2, group, rot] (cos, sin), as the decode kernel reads it."""
+    return torch.stack(_offset_turns(inv_freq, group, -1, device))
 
 
 def _layer_list(text) -> tuple[int, ...]:
@@ -529,6 +535,25 @@ class IntNCodec(Codec):
         if not (self.pre_rope and self._per_channel("key")):
             return super().kernel_queries(query)
         return self._turned_offsets(query)
+
+    def kernel_rotations(
+        self, key_dim: int, value_dim: int, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        # The key query is the rotation alone where keys take no scale, after pre_rope's turns where the offsets are
+        # turned by the model's RoPE (`kernel_turns`); values come back by the rotation alone (the key scale and
+        # pre_rope are the keys').
+        plain_keys = self.layer_key_scale is None or self._per_channel("key")
+        turns_known = not (self.pre_rope and self._per_channel("key")) or bool(self.inv_freq)
+        key = None
+        if self._rotates("key") and plain_keys and turns_known:
+            key = rotation_matrix(key_dim, self._seed("key"), device)
+        value = rotation_matrix(value_dim, self._seed("value"), device) if self._rotates("value") else None
+        return key, value
+
+    def kernel_turns(self, device: torch.device) -> torch.Tensor | None:
+        if not (self.pre_rope and self._per_channel("key") and self.inv_freq):
+            return None
+        return _offset_turn_table(self.inv_freq, self.group_size, device)
 
     def _turned_offsets(self, plain: torch.Tensor) -> torch.Tensor:
         """`offset_queries` of the query [B, H, n, D] in the model's basis: [B, H, n, group_size, D]."""

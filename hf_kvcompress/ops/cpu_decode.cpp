@@ -140,6 +140,31 @@ inline float dot(const float* a, const float* b, int64_t runtime) {
   return sum;
 }
 
+// out [n] = x [n] @ matrix [n, n] (row-major), each sum over j in order (a row's result does not depend on other
+// rows). With n known when compiling, the sums stay in registers instead of going through `out` at every j.
+template <int D>
+inline void times_matrix(const float* x, const float* matrix, float* out, int64_t runtime) {
+  const int64_t n = dims<D>(runtime);
+  if (D > 0) {
+    float local[D > 0 ? D : 1] = {};
+    for (int64_t j = 0; j < D; ++j) {
+      const float xj = x[j];
+      const float* row = matrix + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) local[d] += xj * row[d];
+    }
+    std::copy(local, local + n, out);
+    return;
+  }
+  std::fill(out, out + n, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float xj = x[j];
+    const float* row = matrix + j * n;
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) out[d] += xj * row[d];
+  }
+}
+
 // The largest of x[0..n): 16 running lanes and a tree (an `omp simd` max reduction compiled to a scalar chain of
 // dependent maxima, a third of the kernel's own time outside the key and value paths).
 inline float row_max(const float* x, int64_t n) {
@@ -303,6 +328,15 @@ struct Problem {
   at::ScalarType plain_type;
   int64_t tail_tokens;
   float* plain_out;  // [B, H, M, Dv]; with it, acc and plain_out are written normalised by the whole sum
+  // What the kernel applies itself (decode_attention; null: nothing), `query` then holding one row per query row
+  // in the model's basis: key_turns [2, O, turn_width] (cos, sin) turn it by each offset's RoPE (rotate-half form,
+  // channels past turn_width unturned) into the O offset queries, and key_rotation [D, D] takes each into the keys'
+  // basis (x @ key_rotation); value_back [Dv (plane-major position), Dv] brings the store's output back from the
+  // values' basis (the values' rotation transposed, its rows in plane-major order).
+  const float* key_turns;
+  int64_t turn_width;
+  const float* key_rotation;
+  const float* value_back;
 };
 
 // n values of a float32, bfloat16 or float16 buffer from element `start`, as float32 into out.
@@ -417,11 +451,36 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
   std::vector<float> channel_q(vector_keys ? rows_q * dim : 0);
   // ... and with one query per token, that query times a key group's scales (and its dot with their zero points).
   std::vector<float> folded_q(vector_keys ? m_rows * dim : 0), folded_zero(vector_keys ? m_rows : 0);
+  const bool own_query = pb.key_turns || pb.key_rotation;  // the offset queries are built here (see Problem)
+  std::vector<float> own_q(own_query ? rows_q * dim : 0), turned(own_query ? dim : 0);
   for (int64_t row = begin; row < end; ++row) {
     const int64_t b = row / pb.heads, h = row % pb.heads;
+    const float* query = pb.query + row * (own_query ? m_rows : rows_q) * dim;
+    if (own_query) {  // each a row's own products, summed in a fixed order: a batch row gives what it gives alone
+      const int64_t rot = pb.turn_width, half = rot / 2;
+      for (int64_t m = 0; m < m_rows; ++m) {
+        const float* q = query + m * dim;
+        for (int64_t o = 0; o < offsets; ++o) {
+          const float* t = q;
+          if (pb.key_turns) {  // RoPE by offset o: q * cos + rotate_half(q) * sin
+            const float* cos = pb.key_turns + o * rot;
+            const float* sin = pb.key_turns + (offsets + o) * rot;
+            for (int64_t d = 0; d < half; ++d) turned[d] = q[d] * cos[d] - q[d + half] * sin[d];
+            for (int64_t d = half; d < rot; ++d) turned[d] = q[d] * cos[d] + q[d - half] * sin[d];
+            std::copy(q + rot, q + dim, turned.data() + rot);
+            t = turned.data();
+          }
+          float* out = own_q.data() + (m * offsets + o) * dim;
+          if (pb.key_rotation)
+            times_matrix<D>(t, pb.key_rotation, out, dim);
+          else
+            std::copy(t, t + dim, out);
+        }
+      }
+      query = own_q.data();
+    }
     // The query in the order its key path reads (no division per value: with pre_rope's 32 offsets a division
     // per value here cost a tenth of the kernel).
-    const float* query = pb.query + row * rows_q * dim;
     if (vector_keys) {
       for (int64_t m = 0; m < m_rows; ++m)
         for (int64_t o = 0; o < offsets; ++o)
@@ -552,8 +611,13 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
         pb.max[out_row] = run_max[m];
         pb.sum[out_row] = run_sum[m];
       }
+      float* out = pb.acc + out_row * value_dim;
+      if (pb.value_back) {  // out = acc @ value_back: back from the plane-major order and the values' basis at once
+        times_matrix<D>(acc.data() + m * value_dim, pb.value_back, out, value_dim);
+        continue;
+      }
       for (int64_t c = 0; c < value_dim; ++c)  // back from the values' plane-major order
-        pb.acc[out_row * value_dim + c] = acc[m * value_dim + values.plane_pos(c)];
+        out[c] = acc[m * value_dim + values.plane_pos(c)];
     }
   }
 }
@@ -566,17 +630,20 @@ struct Call {
 };
 
 // query [B, H, M, O, D] float32 (scaled, storage basis; O = 1, or one query per offset within a per-channel key
-// group: pre_rope keys). bias: [B or 1, H or 1, Q, >= columns] float32 additive mask with M a multiple of Q (row m
-// reads bias row m % Q), or absent. hidden: [B, H, S] int64 slots of the store to leave out (-1: none), or absent.
+// group: pre_rope keys; with turned_offsets > 0, O = 1 and the kernel turns it into that many, Problem::key_turns).
+// bias: [B or 1, H or 1, Q, >= columns] float32 additive mask with M a multiple of Q (row m reads bias row m % Q), or
+// absent. hidden: [B, H, S] int64 slots of the store to leave out (-1: none), or absent.
 Call prepare(const at::Tensor& query, const at::Tensor& k_codes, const at::Tensor& k_scale,
              const c10::optional<at::Tensor>& k_zero, int64_t k_levels, double k_l0, double k_a, double k_b,
              const at::Tensor& v_codes, const at::Tensor& v_scale, const c10::optional<at::Tensor>& v_zero,
              int64_t v_levels, double v_l0, double v_a, double v_b, int64_t value_dim,
              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden, bool vectorised,
-             int64_t extra_columns) {
+             int64_t extra_columns, int64_t turned_offsets = 0) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 5 && query.is_contiguous(),
               "cpu_decode: query must be contiguous float32 [B, H, M, O, D]");
-  const int64_t batch = query.size(0), heads = query.size(1), m_rows = query.size(2), offsets = query.size(3);
+  TORCH_CHECK(turned_offsets == 0 || query.size(3) == 1, "cpu_decode: turned queries start from one per row");
+  const int64_t batch = query.size(0), heads = query.size(1), m_rows = query.size(2);
+  const int64_t offsets = turned_offsets > 0 ? turned_offsets : query.size(3);
   const int64_t dim = query.size(4);
   const Store keys = make_store(k_codes, k_scale, k_zero, dim, k_levels, k_l0, k_a, k_b);
   const Store values = make_store(v_codes, v_scale, v_zero, value_dim, v_levels, v_l0, v_a, v_b);
@@ -661,7 +728,12 @@ std::vector<at::Tensor> decode_attention_partials(
 // [B, H, Tt, D]) in one softmax. plain_query [B, H, M, D] float32 (scaled, the model's basis) meets sinks and tail;
 // bias, when given, covers the store's and the tail's columns [0, T + Tt). Returns (store part [B, H, M, Dv] in the
 // values' storage basis, plain part [B, H, M, Dv]), each already divided by the whole softmax sum (a fully masked
-// row: zeros); the output is the store part brought back from its basis plus the plain part.
+// row: zeros); the output is the store part brought back from its basis plus the plain part. key_rotation [D, D]:
+// `query` is in the model's basis (O = 1) and meets the keys as query @ key_rotation; value_rotation [Dv, Dv]: the
+// values were stored as x @ value_rotation (orthogonal), and the store part comes back in the model's basis,
+// times value_rotation's transpose. key_turns [2, O, R] (cos, sin of turning by each offset o < O, rotate-half RoPE
+// over the first R channels): `query` (O = 1, model's basis) becomes O offset queries, turned and then rotated
+// (pre_rope keys). Each saves the caller a few small tensor ops per layer and step.
 std::vector<at::Tensor> decode_attention(
     const at::Tensor& query, const at::Tensor& plain_query, const at::Tensor& k_codes, const at::Tensor& k_scale,
     const c10::optional<at::Tensor>& k_zero, int64_t k_levels, double k_l0, double k_a, double k_b,
@@ -669,7 +741,9 @@ std::vector<at::Tensor> decode_attention(
     const c10::optional<at::Tensor>& v_zero, int64_t v_levels, double v_l0, double v_a, double v_b,
     int64_t value_dim, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden,
     const c10::optional<at::Tensor>& sink_keys, const c10::optional<at::Tensor>& sink_values,
-    const at::Tensor& tail_keys, const at::Tensor& tail_values, bool vectorised) {
+    const at::Tensor& tail_keys, const at::Tensor& tail_values, bool vectorised,
+    const c10::optional<at::Tensor>& key_rotation, const c10::optional<at::Tensor>& value_rotation,
+    const c10::optional<at::Tensor>& key_turns) {
   const int64_t batch = query.size(0), heads = query.size(1), m_rows = query.size(2), dim = query.size(4);
   const int64_t tail_tokens = tail_keys.size(2);
   const auto type = tail_keys.scalar_type();
@@ -684,9 +758,18 @@ std::vector<at::Tensor> decode_attention(
   TORCH_CHECK(plain_query.scalar_type() == at::kFloat && plain_query.is_contiguous() && plain_query.dim() == 4 &&
                   plain_query.size(0) == batch && plain_query.size(1) == heads && plain_query.size(2) == m_rows &&
                   plain_query.size(3) == dim, "cpu_decode: plain_query must be contiguous float32 [B, H, M, D]");
+  if (key_turns.has_value())
+    TORCH_CHECK(key_turns->scalar_type() == at::kFloat && key_turns->is_contiguous() && key_turns->dim() == 3 &&
+                    key_turns->size(0) == 2 && key_turns->size(2) % 2 == 0 && key_turns->size(2) <= dim,
+                "cpu_decode: key_turns must be contiguous float32 [2, O, R] (cos, sin), R even and <= D");
   Call call = prepare(query, k_codes, k_scale, k_zero, k_levels, k_l0, k_a, k_b, v_codes, v_scale, v_zero, v_levels,
-                      v_l0, v_a, v_b, value_dim, bias, hidden, vectorised, tail_tokens);
+                      v_l0, v_a, v_b, value_dim, bias, hidden, vectorised, tail_tokens,
+                      key_turns.has_value() ? key_turns->size(1) : 0);
   Problem& pb = call.pb;
+  if (key_turns.has_value()) {
+    pb.key_turns = key_turns->data_ptr<float>();
+    pb.turn_width = key_turns->size(2);
+  }
   TORCH_CHECK(sink_keys.has_value() == (pb.sinks > 0) && sink_values.has_value() == (pb.sinks > 0),
               "cpu_decode: sink states come with their slots (hidden)");
   if (pb.sinks > 0) {
@@ -698,6 +781,24 @@ std::vector<at::Tensor> decode_attention(
   pb.plain_type = type;
   pb.tail_tokens = tail_tokens;
   pb.plain_query = plain_query.data_ptr<float>();
+  auto rotation = [](const c10::optional<at::Tensor>& r, int64_t width, const char* name) {
+    TORCH_CHECK(r->scalar_type() == at::kFloat && r->is_contiguous() && r->dim() == 2 && r->size(0) == width &&
+                    r->size(1) == width, "cpu_decode: ", name, " must be contiguous float32 [D, D]");
+    return r->data_ptr<float>();
+  };
+  if (key_rotation.has_value()) {
+    TORCH_CHECK(query.size(3) == 1, "cpu_decode: key_rotation takes one query per row (O = 1), turned or not");
+    pb.key_rotation = rotation(key_rotation, dim, "key_rotation");
+  }
+  std::vector<float> value_back;  // value_back[plane_pos(j), c] = R[c, j]: the rows of R^T in plane-major order
+  if (value_rotation.has_value()) {
+    const float* r = rotation(value_rotation, value_dim, "value_rotation");
+    value_back.resize(value_dim * value_dim);
+    for (int64_t j = 0; j < value_dim; ++j)
+      for (int64_t c = 0; c < value_dim; ++c)
+        value_back[call.values.plane_pos(j) * value_dim + c] = r[c * value_dim + j];
+    pb.value_back = value_back.data();
+  }
   auto options = query.options();
   at::Tensor stored = at::empty({batch, heads, m_rows, value_dim}, options);
   at::Tensor plain = at::empty({batch, heads, m_rows, value_dim}, options);

@@ -159,7 +159,8 @@ def decode_attention(
     query: torch.Tensor, plain_query: torch.Tensor, encoded_keys: dict, encoded_values: dict, key_layout: KernelLayout,
     value_layout: KernelLayout, value_dim: int, bias: torch.Tensor | None, sink_slots: torch.Tensor | None,
     sink_keys: torch.Tensor | None, sink_values: torch.Tensor | None, tail_keys: torch.Tensor,
-    tail_values: torch.Tensor, vectorised: bool = True,
+    tail_values: torch.Tensor, vectorised: bool = True, key_rotation: torch.Tensor | None = None,
+    value_rotation: torch.Tensor | None = None, key_turns: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's whole decode attention in one call: the store (as `decode_attention_partials` reads it), its exact
     sinks [B, H_kv, S, D] at `sink_slots` [B, H_kv, S] (a slot outside the store weighs nothing there: no sink, or one
@@ -168,7 +169,15 @@ def decode_attention(
     tail's columns (a sink reads its slot's). Returns the store's part [B, H_kv, M, Dv] in the values' storage basis and
     the plain part [B, H_kv, M, Dv], both divided by the whole softmax sum (a fully masked row gives zeros): the
     output is the first brought back from its basis plus the second. Each step pays one call instead of the few dozen
-    small tensor ops that merging the segments in PyTorch costs (docs/speed.md)."""
+    small tensor ops that merging the segments in PyTorch costs (docs/speed.md).
+
+    `key_rotation` [D, D] float32: `query` [B, H_kv, M, 1, D] is in the model's basis and the kernel meets the keys
+    with query @ key_rotation. `value_rotation` [Dv, Dv] float32 (orthogonal): the values were stored as
+    x @ value_rotation, and the store's part is returned in the model's basis (times its transpose). `key_turns`
+    [2, O, R] float32 (cos, sin; `rerotate.rope_table` of each offset o < O over the first R channels): `query`
+    [B, H_kv, M, 1, D] (the model's basis) is turned by each offset (`rerotate.turn`) into the O offset queries of
+    per-channel key groups, then rotated by `key_rotation` if given (pre_rope keys). All are a row's own products
+    summed in a fixed order, so a batch row gives what it gives alone."""
     extension = _extension()
     if extension is None:
         raise RuntimeError("the CPU decode-attention kernel is not available on this machine (see the warning)")
@@ -181,4 +190,7 @@ def decode_attention(
         *_arguments(encoded_values, value_layout), value_dim, bias,
         None if sink_slots is None else sink_slots.long().contiguous(), *plain,
         tail_keys.to(plain_dtype).contiguous(), tail_values.to(plain_dtype).contiguous(), vectorised,
+        None if key_rotation is None else key_rotation.float().contiguous(),
+        None if value_rotation is None else value_rotation.float().contiguous(),
+        None if key_turns is None else key_turns.float().contiguous(),
     ))

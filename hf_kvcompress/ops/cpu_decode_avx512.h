@@ -71,22 +71,63 @@ inline void touch(const uint8_t* codes, int64_t count) {
   __asm__ volatile("" : : "v"(any));  // the loads are kept for their effect on the caches
 }
 
+// Token j's 32 bytes at `codes + 32 * j`, or zeros for j >= n (nothing read past the store).
+inline __m256i token_bytes(const uint8_t* codes, int64_t j, int64_t n) {
+  return _mm256_maskz_loadu_epi32(j < n ? static_cast<__mmask8>(0xff) : static_cast<__mmask8>(0), codes + 32 * j);
+}
+
+// words[w] = the w-th 32-bit word of each of the 16 tokens at `codes` (rows of `width` bytes; lane k: token k, zeros
+// past the n valid ones), for rows of 32 bytes (int4 at head_dim 64): plain loads, tokens j and j + 8 to a vector,
+// and the 8 x 8 word transpose of 256-bit registers in both halves at once (24 shuffles), instead of 8 gathers: 4%
+// off a cold 8k-token int4 layer on this AVX-512 CPU (docs/speed.md, session 27). Other widths gather each word
+// where it is used, after plain loads of their lines (`touch`): for int2's 16 bytes, loads and a 4 x 4 transpose
+// were slower cold, and so were its gathers into an array.
+inline void token_words(const uint8_t* codes, int64_t n, __m512i* words) {
+  __m512i r[8];
+  for (int j = 0; j < 8; ++j)
+    r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(token_bytes(codes, j, n)), token_bytes(codes, j + 8, n), 1);
+  __m512i t[8], u[8];
+  for (int j = 0; j < 4; ++j) {
+    t[2 * j] = _mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
+    t[2 * j + 1] = _mm512_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
+  }
+  for (int j = 0; j < 2; ++j) {
+    u[4 * j] = _mm512_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+    u[4 * j + 1] = _mm512_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+    u[4 * j + 2] = _mm512_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+    u[4 * j + 3] = _mm512_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+  }
+  // 128-bit lanes: low = [a.0, b.0, a.2, b.2], high = [a.1, b.1, a.3, b.3] (in 64-bit units: 0 1 8 9 4 5 12 13)
+  const __m512i low = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+  const __m512i high = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  for (int j = 0; j < 4; ++j) {
+    words[j] = _mm512_permutex2var_epi64(u[j], low, u[j + 4]);
+    words[j + 4] = _mm512_permutex2var_epi64(u[j], high, u[j + 4]);
+  }
+}
+
+// Word `word` of each of the 16 tokens at `codes`: from `words` (token_words) where given, else gathered (tokens
+// past the valid ones read nothing: their lanes are zero and dropped at the store).
+inline __m512i word_of_tokens(const __m512i* words, const uint8_t* codes, int64_t width, int64_t word,
+                              __mmask16 valid) {
+  if (words) return words[word];
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(width)));
+  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, rows, codes + 4 * word, 1);
+}
+
 // logits[r * stride + k] for rows r < R (query rows m0 + r) and tokens t + k, k < 16, over one tile's 16 tokens:
 // `codes` points at token t's bytes (rows of W bytes), `scale` / `zero` [D] are the channel scales of t's group,
 // `query` [M, D, O] the (offset) queries in channel order, `o0` the offset of token t within its key group.
 template <int BITS, int R>
-inline void key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, const float* scale, const float* zero,
-                          const float* query, int64_t offsets, int64_t o0, int64_t m0, float* logits,
+inline void key_logits_16(const __m512i* words, const uint8_t* codes, int64_t width, int64_t dim, const float* scale,
+                          const float* zero, const float* query, int64_t offsets, int64_t o0, int64_t m0, float* logits,
                           int64_t stride, __mmask16 valid) {
   constexpr int U = 8 / BITS;
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int>(width)));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t word = 0; word < width / 4; ++word) {
-    // bytes 4w..4w+3 of each of the 16 tokens (tokens past the valid ones read token t's bytes: their lanes are
-    // dropped at the store)
-    const __m512i bytes = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, rows, codes + 4 * word, 1);
+    const __m512i bytes = word_of_tokens(words, codes, width, word, valid);  // bytes 4w..4w+3 of each token
     for (int byte = 0; byte < 4; ++byte) {
       for (int i = 0; i < U; ++i) {
         const int64_t d = (4 * word + byte) * U + i;  // byte j holds dims j*U + i (ops/bitpack.py)
@@ -107,16 +148,14 @@ inline void key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, cons
 // logit = sum_d (q_d * scale_d) * code_d + sum_d q_d * zero_d, so a channel costs its code's extraction and one
 // FMA per query row (not also an FMA for its scale). `folded` [M, D] holds the first factors, `folded_zero` [M] the sums.
 template <int BITS, int R>
-inline void folded_key_logits_16(const uint8_t* codes, int64_t width, int64_t dim, const float* folded,
-                                 const float* folded_zero, int64_t m0, float* logits, int64_t stride,
-                                 __mmask16 valid) {
+inline void folded_key_logits_16(const __m512i* words, const uint8_t* codes, int64_t width, int64_t dim,
+                                 const float* folded, const float* folded_zero, int64_t m0, float* logits,
+                                 int64_t stride, __mmask16 valid) {
   constexpr int U = 8 / BITS;
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int>(width)));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_ps(folded_zero[m0 + r]);
   for (int64_t word = 0; word < width / 4; ++word) {
-    const __m512i bytes = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, rows, codes + 4 * word, 1);
+    const __m512i bytes = word_of_tokens(words, codes, width, word, valid);
     for (int byte = 0; byte < 4; ++byte) {
       for (int i = 0; i < U; ++i) {
         const int64_t d = (4 * word + byte) * U + i;
@@ -185,18 +224,25 @@ void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float
       }
     }
     const uint8_t* codes = k.codes + (row * k.tokens + t) * width;
-    touch(codes, n * width);
+    __m512i transposed[8];
+    const __m512i* words = nullptr;
+    if (width == 32) {
+      token_words(codes, n, transposed);
+      words = transposed;
+    } else {
+      touch(codes, n * width);
+    }
     float* out = logits + (t - t0);
     if (fold) {
       in_row_blocks(m_rows, [&](auto rows, int64_t m) {
-        folded_key_logits_16<BITS, decltype(rows)::value>(codes, width, dim, folded, folded_zero, m, out + m * stride,
-                                                          stride, valid);
+        folded_key_logits_16<BITS, decltype(rows)::value>(words, codes, width, dim, folded, folded_zero, m,
+                                                          out + m * stride, stride, valid);
       });
       continue;
     }
     const int64_t o0 = offsets == 1 ? 0 : t % offsets;
     in_row_blocks(m_rows, [&](auto rows, int64_t m) {
-      key_logits_16<BITS, decltype(rows)::value>(codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m,
+      key_logits_16<BITS, decltype(rows)::value>(words, codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m,
                                                  out + m * stride, stride, valid);
     });
   }
@@ -213,13 +259,17 @@ inline void key_logits_any(const Store& k, int64_t row, int64_t t0, int64_t t1, 
 }
 
 // acc[m][plane-major D] += sum over the tile's tokens [t0, t1) of probs[m * stride + t - t0] * value(t), for the
-// query rows m0 <= m < m0 + R. A token's plane i, columns 16c..16c+15 are one vector; its scale and zero point
-// vectors (lane j of column block c belongs to group (16c + j) * U / channel_group, `group_index`) are built once
-// per token and serve every plane. The R rows' outputs (R x D / 16 vectors) stay in registers over the tile: with
-// a run-time row loop they went through memory at every token, half of the values' time.
-template <int BITS, int BLOCKS, int R>
+// query rows m0 <= m < m0 + R. A token's plane i, columns 16c..16c+15 are one vector. Its scale and zero point
+// vectors: where a column block lies within one group (BLOCK_GROUPS: a group runs over whole blocks, as int4's
+// groups of 32 do), a broadcast of that group's float32 scale from `tile_scale` / `tile_zero` [t - t0, groups]
+// (block_group[c]: the group of block c), a load that leaves the shuffle unit free; else lane j of block c belongs
+// to group (16c + j) * U / channel_group (`group_index`), and a permute per block builds them from the token's
+// scales once per token, serving every plane. The R rows' outputs (R x D / 16 vectors) stay in registers over the
+// tile: with a run-time row loop they went through memory at every token, half of the values' time.
+template <int BITS, int BLOCKS, int R, bool BLOCK_GROUPS>
 void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride, int64_t m0,
-              float* acc, __m512 table, const __m512i* group_index) {
+              float* acc, __m512 table, const __m512i* group_index, const float* tile_scale, const float* tile_zero,
+              const int64_t* block_group) {
   constexpr int U = 8 / BITS, VECTORS = U * BLOCKS;
   constexpr int64_t W = 16 * BLOCKS;
   const int64_t dim = v.dim, groups = v.scale_groups();
@@ -230,14 +280,23 @@ void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* 
       for (int c = 0; c < BLOCKS; ++c) sum[r][i * BLOCKS + c] = _mm512_loadu_ps(acc + (m0 + r) * dim + i * W + 16 * c);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* bytes = v.codes + (row * v.tokens + t) * W;
-    const int64_t scale_at = (row * v.tokens + t) * groups;
-    const __m512 token_scale = load_groups(v.scale, v.scale_type, scale_at, groups);
-    const __m512 token_zero = v.zero ? load_groups(v.zero, v.scale_type, scale_at, groups) : _mm512_setzero_ps();
+    __m512 token_scale = _mm512_setzero_ps(), token_zero = _mm512_setzero_ps();
+    if (!BLOCK_GROUPS) {
+      const int64_t scale_at = (row * v.tokens + t) * groups;
+      token_scale = load_groups(v.scale, v.scale_type, scale_at, groups);
+      token_zero = v.zero ? load_groups(v.zero, v.scale_type, scale_at, groups) : _mm512_setzero_ps();
+    }
     __m512 p[R];
     for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(probs[(m0 + r) * stride + t - t0]);
     for (int c = 0; c < BLOCKS; ++c) {
-      const __m512 scale = _mm512_permutexvar_ps(group_index[c], token_scale);
-      const __m512 zero = _mm512_permutexvar_ps(group_index[c], token_zero);
+      __m512 scale, zero;
+      if (BLOCK_GROUPS) {
+        scale = _mm512_set1_ps(tile_scale[(t - t0) * groups + block_group[c]]);
+        zero = _mm512_set1_ps(tile_zero[(t - t0) * groups + block_group[c]]);
+      } else {
+        scale = _mm512_permutexvar_ps(group_index[c], token_scale);
+        zero = _mm512_permutexvar_ps(group_index[c], token_zero);
+      }
       const __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * c)));
       for (int i = 0; i < U; ++i) {
         const __m512i code = _mm512_and_si512(_mm512_srli_epi32(packed, BITS * i), mask);
@@ -253,18 +312,22 @@ void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* 
 }
 
 // All query rows, a few at a time: as many as keep their outputs within 16 of the 32 vector registers.
-template <int BITS, int BLOCKS>
+template <int BITS, int BLOCKS, bool BLOCK_GROUPS>
 void mix_all_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
-                  int64_t m_rows, float* acc, __m512 table, const __m512i* group_index) {
+                  int64_t m_rows, float* acc, __m512 table, const __m512i* group_index, const float* tile_scale,
+                  const float* tile_zero, const int64_t* block_group) {
   constexpr int VECTORS = (8 / BITS) * BLOCKS;
   constexpr int CHUNK = VECTORS <= 4 ? 4 : VECTORS <= 8 ? 2 : 1;
+  auto rows = [&](auto count, int64_t m) {
+    mix_rows<BITS, BLOCKS, decltype(count)::value, BLOCK_GROUPS>(v, row, t0, t1, probs, stride, m, acc, table,
+                                                                 group_index, tile_scale, tile_zero, block_group);
+  };
   int64_t m = 0;
-  for (; m + CHUNK <= m_rows; m += CHUNK)
-    mix_rows<BITS, BLOCKS, CHUNK>(v, row, t0, t1, probs, stride, m, acc, table, group_index);
+  for (; m + CHUNK <= m_rows; m += CHUNK) rows(std::integral_constant<int, CHUNK>{}, m);
   switch (m_rows - m) {  // fewer than CHUNK (<= 4) left: one more pass
-    case 3: return mix_rows<BITS, BLOCKS, 3>(v, row, t0, t1, probs, stride, m, acc, table, group_index);
-    case 2: return mix_rows<BITS, BLOCKS, 2>(v, row, t0, t1, probs, stride, m, acc, table, group_index);
-    case 1: return mix_rows<BITS, BLOCKS, 1>(v, row, t0, t1, probs, stride, m, acc, table, group_index);
+    case 3: return rows(std::integral_constant<int, 3>{}, m);
+    case 2: return rows(std::integral_constant<int, 2>{}, m);
+    case 1: return rows(std::integral_constant<int, 1>{}, m);
     default: return;
   }
 }
@@ -273,7 +336,7 @@ void mix_all_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const flo
 template <int BITS>
 void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
                 int64_t m_rows, float* acc) {
-  const int64_t blocks = v.width / 16;
+  const int64_t blocks = v.width / 16, groups = v.scale_groups();
   __m512 table;  // level of code c (c < 16): c, or L0 + a*c + b*(c >> 1)
   {
     alignas(64) float levels[16];
@@ -285,17 +348,49 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
   constexpr int MAX_BLOCKS = 16;  // width / 16 <= 16: head_dim up to 256 at 8 bits
   const int64_t run = v.channel_group / (8 / BITS);  // columns of a plane per group
   __m512i group_index[MAX_BLOCKS];
+  int64_t block_group[MAX_BLOCKS];
   for (int64_t c = 0; c < blocks; ++c) {
     alignas(64) int32_t lanes[16];
     for (int j = 0; j < 16; ++j) lanes[j] = static_cast<int32_t>((16 * c + j) / run);
     group_index[c] = _mm512_load_si512(lanes);
+    block_group[c] = 16 * c / run;
   }
+  // A group over whole blocks: the tile's scales and zero points as float32 [t - t0, groups], read in place when
+  // they are float32, else converted here once per tile (at most 64 tokens x 16 groups).
+  const bool block_groups = run % 16 == 0;
+  alignas(64) float scale_buf[TILE * 16], zero_buf[TILE * 16];
+  const float* tile_scale = scale_buf;
+  const float* tile_zero = zero_buf;
+  if (block_groups) {
+    const int64_t first = (row * v.tokens + t0) * groups, count = (t1 - t0) * groups;
+    TORCH_CHECK(t1 - t0 <= TILE, "cpu_decode: more than a tile of tokens reached the AVX-512 values");
+    if (v.scale_type == at::kFloat) {
+      tile_scale = static_cast<const float*>(v.scale) + first;
+      if (v.zero) tile_zero = static_cast<const float*>(v.zero) + first;
+    } else {
+      for (int64_t i = 0; i < count; i += 16) {
+        const int64_t n = std::min<int64_t>(16, count - i);
+        const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
+        _mm512_mask_storeu_ps(scale_buf + i, lanes, load_groups(v.scale, v.scale_type, first + i, n));
+        if (v.zero) _mm512_mask_storeu_ps(zero_buf + i, lanes, load_groups(v.zero, v.scale_type, first + i, n));
+      }
+    }
+    if (!v.zero) std::fill(zero_buf, zero_buf + count, 0.0f);
+  }
+  auto mix = [&](auto width_blocks) {
+    constexpr int B = decltype(width_blocks)::value;
+    if (block_groups)
+      return mix_all_rows<BITS, B, true>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index, tile_scale,
+                                         tile_zero, block_group);
+    return mix_all_rows<BITS, B, false>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index, tile_scale,
+                                        tile_zero, block_group);
+  };
   switch (blocks) {  // reads_values: width is 16 to 256 bytes, so 1 to 16 blocks; head dims of 2^k tokens are 1-16
-    case 1: return mix_all_rows<BITS, 1>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
-    case 2: return mix_all_rows<BITS, 2>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
-    case 4: return mix_all_rows<BITS, 4>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
-    case 8: return mix_all_rows<BITS, 8>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
-    case 16: return mix_all_rows<BITS, 16>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index);
+    case 1: return mix(std::integral_constant<int, 1>{});
+    case 2: return mix(std::integral_constant<int, 2>{});
+    case 4: return mix(std::integral_constant<int, 4>{});
+    case 8: return mix(std::integral_constant<int, 8>{});
+    case 16: return mix(std::integral_constant<int, 16>{});
     default: TORCH_CHECK(false, "cpu_decode: values of ", v.width, " bytes per token reached the AVX-512 path");
   }
 }

@@ -154,6 +154,89 @@ def test_the_avx2_paths_give_softmax_over_decoded_states(name):
     torch.testing.assert_close(got_acc, expected, atol=1e-5 * scale, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("codec", [IntNCodec(bits=4, group_size=32), IntNCodec(bits=4, group_size=64),
+                                   IntNCodec(bits=2, group_size=64), IntNCodec(bits=8, group_size=16)],
+                         ids=["int4 g32", "int4 g64", "int2 g64", "int8 g16"])
+def test_values_whose_groups_cover_whole_vectors_equal_the_portable_path(codec, scale_dtype):
+    """Where a value group runs over whole 16-lane vectors of a plane (int4's groups of 32), the AVX-512 values
+    broadcast each group's scale instead of permuting the token's scales: against the portable loops, with the
+    scales in each dtype the kernel reads (converted per tile where they are not float32), over whole and partial
+    tiles."""
+    if cpu_decode.instruction_set() != "avx512":
+        pytest.skip("the AVX-512 paths are not built here")
+    g = torch.Generator().manual_seed(5)
+    dim, tokens = 128, 150
+    keys, values = torch.randn(2, 2, tokens, dim, generator=g) * 2, torch.randn(2, 2, tokens, dim, generator=g)
+    enc_k, enc_v = codec.encode(keys, "key"), codec.encode(values, "value")
+    enc_v = {**enc_v, "scale": enc_v["scale"].to(scale_dtype), "zero": enc_v["zero"].to(scale_dtype)}
+    args = [torch.randn(2, 2, 3, 1, dim, generator=g) * 0.3, *cpu_decode._arguments(enc_k, codec.kernel_layout("key")),
+            *cpu_decode._arguments(enc_v, codec.kernel_layout("value")), dim, None, None]
+    assert list(cpu_decode._extension().vector_paths(*args[1:5], *args[8:12], dim, dim, 1))[1]
+    fast = cpu_decode._extension().decode_attention_partials(*args, True)
+    portable = cpu_decode._extension().decode_attention_partials(*args, False)
+    scale = max(1.0, float(portable[1].max()))
+    torch.testing.assert_close(fast[2], portable[2], atol=1e-5 * scale, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["int4", "int2", "int4:key_axis=token", "int2:pre_rope=false"])
+def test_the_kernels_rotations_equal_the_codecs(spec):
+    """`kernel_rotations` and `kernel_turns`: the kernel turns the query by each offset of a key group (int2's
+    pre_rope keys), rotates it into the keys' basis and brings the store's output back from the values' itself, as
+    the codec's `kernel_queries` and `from_basis` do (up to rounding), and a batch row gives bit for bit what it
+    gives alone."""
+    g = torch.Generator().manual_seed(11)
+    cache = make_cache(spec, SMOLLM2_SHAPES)
+    tokens = 160
+    states = torch.randn(3, 3, tokens + 128, 64, generator=g) * 2
+    cache.update(states, states.flip(-1), 0, {"position_ids": torch.arange(tokens + 128)[None].expand(3, -1)})
+    layer, codec = cache.layers[0], cache.layers[0].codec
+    key_rotation, value_rotation = codec.kernel_rotations(64, 64, torch.device("cpu"))
+    assert key_rotation is not None and value_rotation is not None  # the plain names rotate both (Hadamard)
+    turns = codec.kernel_turns(torch.device("cpu"))
+    assert (turns is not None) == (spec == "int2")  # a query per offset: pre_rope's per-channel keys
+    store = layer.store
+    query = torch.randn(3, 3, 3, 64, generator=g) * 0.3
+
+    def attend(rows, in_kernel):
+        q = query[rows]
+        queries = q[:, :, :, None] if in_kernel else codec.kernel_queries(q)
+        parts = [{name: tensor[rows] for name, tensor in encoded.items()}
+                 for encoded in (store.encoded_keys, store.encoded_values)]
+        stored, plain = cpu_decode.decode_attention(
+            queries, q, *parts, codec.kernel_layout("key"), codec.kernel_layout("value"), 64, None,
+            layer.slots.sink_slots[rows], store.sink_keys[rows], store.sink_values[rows], store.tail_keys[rows],
+            store.tail_values[rows], key_rotation=key_rotation if in_kernel else None,
+            value_rotation=value_rotation if in_kernel else None, key_turns=turns if in_kernel else None,
+        )
+        return (stored if in_kernel else codec.from_basis(stored, "value")) + plain
+
+    everything = slice(None)
+    torch.testing.assert_close(attend(everything, True), attend(everything, False), atol=1e-5, rtol=1e-5)
+    assert torch.equal(attend(everything, True)[1:2], attend(slice(1, 2), True))
+
+
+def test_a_prefill_chunks_rows_are_rotated_by_pytorch_not_the_kernel(monkeypatch):
+    """More query rows per KV head than `KERNEL_ROTATION_ROWS` (a prefill chunk): the codec rotates and turns them
+    (BLAS), not the kernel's loop over each; the output is the PyTorch path's either way."""
+    g = torch.Generator().manual_seed(2)
+    cache = make_cache("int2", SMOLLM2_SHAPES)
+    states = torch.randn(1, 3, 160 + 128, 64, generator=g)
+    cache.update(states, states.flip(-1), 0, {"position_ids": torch.arange(160 + 128)[None]})
+    layer = cache.layers[0]
+    asked = []
+    original = type(layer.codec).kernel_rotations
+    monkeypatch.setattr(type(layer.codec), "kernel_rotations",
+                        lambda self, *args: asked.append(True) or original(self, *args))
+    for q_len, rotated_by_kernel in ((store_attention.KERNEL_ROTATION_ROWS // 3, True),
+                                     (store_attention.KERNEL_ROTATION_ROWS // 3 + 1, False)):
+        asked.clear()
+        query = torch.randn(1, 9, q_len, 64, generator=g)
+        got = attend_store(layer, query, None, 0.125, backend="cpu")
+        assert bool(asked) == rotated_by_kernel
+        torch.testing.assert_close(got, attend_store(layer, query, None, 0.125, backend="torch"), atol=1e-5, rtol=1e-5)
+
+
 def test_a_fully_masked_row_gives_empty_partials():
     codec = CODECS["int4 keys per token"]
     states = torch.randn(1, 1, 64, 32)
