@@ -18,34 +18,13 @@ from hf_kvcompress import (
 )
 from hf_kvcompress.generation import generate, prefill
 
-from .tiny_models import tiny_model
+from .tiny_models import assert_same_state, tiny_model
 
 DATA = Path(__file__).parent / "data"
 
 SPECS = ["dynamic", "int4:residual_length=4,group_size=8", "fp8", "int2:group_size=16,residual_length=0",
          "sink_window:sink_tokens=2,window=6+int8:residual_length=2", "h2o:budget=8,recent=3",
          "expected_attention:ratio=0.5,window=4"]
-
-
-def _state(cache):
-    out = {}
-    for i, layer in enumerate(cache.layers):
-        tensors, meta = layer.export_state()
-        out.update({f"{i}.{k}": t for k, t in tensors.items()})
-        out.update({f"{i}.{k}": v for k, v in meta.items()})
-    return out
-
-
-def _same(a, b):
-    sa, sb = _state(a), _state(b)
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        x, y = sa[key], sb[key]
-        if isinstance(x, torch.Tensor):
-            same = x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-            assert same, key
-        else:
-            assert x == y, key
 
 
 def _document(batch=2, length=30, seed=0):
@@ -65,7 +44,7 @@ def test_loaded_cache_holds_the_same_bytes_and_answers_the_same(tmp_path, name, 
     prefill(model, ids, mask, cache, chunk_size=11)
     save_cache(cache, tmp_path / "doc.safetensors")
     loaded = load_cache(tmp_path / "doc.safetensors")
-    _same(cache, loaded)
+    assert_same_state(cache, loaded)
     assert measured_kv_bytes(loaded) == measured_kv_bytes(cache) == loaded.promised_kv_bytes()
     assert loaded.spec == cache.spec
     for seed in (1, 2):  # two questions about the same document, each from a fresh copy
@@ -84,7 +63,7 @@ def test_rerotating_cache_round_trips(tmp_path):
     prefill(model, ids, mask, cache)
     save_cache(cache, tmp_path / "c.safetensors")
     loaded = load_cache(tmp_path / "c.safetensors", device="cpu")
-    _same(cache, loaded)
+    assert_same_state(cache, loaded)
     assert loaded.rerotate and loaded.layers[0].inv_freq is not None
 
 

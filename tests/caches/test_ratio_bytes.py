@@ -27,7 +27,7 @@ from hf_kvcompress.generation import generate
 from hf_kvcompress.measure import served_kv_bytes
 from hf_kvcompress.registry import parse_spec
 
-from .tiny_models import greedy_logits_after_prefill, tiny_hybrid_gemma, tiny_model
+from .tiny_models import assert_same_state, greedy_logits_after_prefill, tiny_hybrid_gemma, tiny_model
 
 REPEAT = [5, 6, 7]
 
@@ -37,15 +37,6 @@ def _prefilled(model, spec, ids):
     with torch.no_grad():
         prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     return cache
-
-
-def _kept(cache) -> list:
-    """Each layer's kept state (tensors and numbers, as saved), for comparing two caches exactly."""
-    out = []
-    for layer in cache.layers:
-        tensors, meta = layer.export_state()
-        out.append(({k: t.clone() for k, t in tensors.items()}, meta))
-    return out
 
 
 @pytest.mark.parametrize("ratio_spec,bytes_spec", [
@@ -62,9 +53,7 @@ def test_a_plain_ratio_on_a_hybrid_model_is_its_byte_target(ratio_spec, bytes_sp
     assert by_ratio.spec == by_bytes.spec and "bytes=" in by_ratio.spec and "ratio=" not in by_ratio.spec
     assert by_ratio.byte_target == by_bytes.byte_target is not None and by_ratio.sliding_share is None
     assert by_ratio.planned_sliding == by_bytes.planned_sliding  # None at 0.4: the whole window
-    for (tensors, meta), (expected, expected_meta) in zip(_kept(by_ratio), _kept(by_bytes), strict=True):
-        assert meta == expected_meta and tensors.keys() == expected.keys()
-        assert all(torch.equal(tensors[k], expected[k]) for k in tensors)
+    assert_same_state(by_ratio, by_bytes)
     held = served_kv_bytes(by_ratio, torch.bfloat16)
     assert held == served_kv_bytes(by_bytes, torch.bfloat16)
     assert measured_kv_bytes(by_ratio) == by_ratio.promised_kv_bytes()

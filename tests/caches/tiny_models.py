@@ -217,3 +217,25 @@ def greedy_logits_after_prefill(model, cache, ids, new_tokens=5, repeat_prompt_i
                              output_logits=True, return_dict_in_generate=True)
     return torch.stack(out.logits, 1)
 
+
+def _exported_state(cache) -> dict:
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        tensors, meta = layer.export_state()
+        out.update({f"{i}.{k}": t for k, t in tensors.items()})
+        out.update({f"{i}.{k}": v for k, v in meta.items()})
+    return out
+
+
+def assert_same_state(a, b) -> None:
+    """Two caches hold the same state, as saved (`export_state` of every layer): the same entries, tensors equal
+    bit for bit with the same dtype and shape, numbers equal."""
+    sa, sb = _exported_state(a), _exported_state(b)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        x, y = sa[key], sb[key]
+        if isinstance(x, torch.Tensor):
+            same = x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+            assert same, key
+        else:
+            assert x == y, key
