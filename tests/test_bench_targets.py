@@ -43,6 +43,11 @@ def test_each_target_cell_is_met_not_met_failed_or_not_measured():
     assert assess(_target("int4", 4096), results, ours, "float32", 1) == (1.0, "met", "`int4` at 4k")
     ratio, status, _ = assess(_target("int2", 4096), results, ours, "float32", 1)
     assert status == "not met" and ratio == pytest.approx(1.02)
+    results[("float32", "int4", 1024, 1)] = [_run(115.3)]
+    results[("float32", "int2", 1024, 1)] = [_run(115.6)]
+    results[("float32", "dynamic", 1024, 1)] = [_run(100.0)]
+    assert assess(_target("int4", 1024), results, ours, "float32", 1)[1] == "met"  # 1.15x as shown
+    assert assess(_target("int2", 1024), results, ours, "float32", 1)[1] == "not met"  # 1.16x
     assert assess(_target("fp8", 4096), results, ours, "float32", 1) == (None, "failed", "`fp8` at 4k")
     assert assess(_target("int4", 4096), results, ours, "bfloat16", 1) == (
         None, "failed", "`int4` at 4k (its DynamicCache)")
@@ -57,12 +62,13 @@ def test_each_target_cell_is_met_not_met_failed_or_not_measured():
     assert _row(text, "decode of `int2` at 4k <= 1x") == ["1.02x **not met**", "not measured", "not measured",
                                                           "not measured"]
     assert _row(text, "decode of `fp8` at 4k <= 1x")[0] == "failed"
+    assert _row(text, "decode of `int4` at 1k <= 1.15x")[0] == "1.15x met"
     assert len(text.splitlines()) == 2 + len(TARGETS) + 2
     # 12 targets x 4 columns; the prefill target fails in float32 (fp8) and bfloat16 (DynamicCache) at batch 1
     assert len(TARGETS) == 12
     assert _row(text, "prefill of every cache but kvzip <= 1.1x") == [
         "1.00x failed (`fp8` at 4k)", "not measured", "failed (`int4` at 4k (its DynamicCache))", "not measured"]
-    assert text.splitlines()[-1] == "Of 48 target cells: 1 met, 1 not met, 4 failed, 42 not measured."
+    assert text.splitlines()[-1] == "Of 48 target cells: 2 met, 2 not met, 4 failed, 40 not measured."
 
 
 def test_prefill_reads_the_worst_of_every_cache_of_ours_but_kvzip_and_no_peer_or_earlier_checkout():
