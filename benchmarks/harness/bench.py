@@ -44,7 +44,7 @@ both dtypes, takes about 1.7 hours a repeat, so 3.5 hours at the default 2 repea
 ObservedAttention runs eager attention at 3.5x; kvpress's KVzip scores batch 1 only and fails at batch 8 after its
 prefill); `--full` adds batch 8 at 8k tokens (the issue's whole grid), whose prefills add about 2.5 hours a repeat.
 `--targets` runs only the 15 (cache, length) runs the targets read (DynamicCache at 1k, 4k and 8k; int4 and int2 at
-each; fp8, int8, snapkv and kvzip at 4k; sink_window at 8k) at batch 1 and 8 in both dtypes, no peers: about 15
+each; fp8, int8, snapkv and kvzip at 4k; sink_window at 8k) at batch 1 and 8 in both dtypes, no peers: 15-20
 minutes a repeat at batch 1 (`--targets --batches 1`) and 1.7 hours at batch 8, where its 8k runs are half the time.
 `--quick` (1k and 4k tokens, batch 1, 8 new tokens, two peers) takes about a quarter of an hour. On a shared machine
 use `--threads 1 --clock cpu`: the CPU time of a single-threaded worker is what other processes disturb least.
