@@ -30,15 +30,24 @@ peer's ratios are against DynamicCache run in that environment in the same run, 
 or does not run is a row with its error. Default: every peer; `--quick`: quanto-int4 and kvpress-snapkv;
 `--compare-code`: none.
 
-Cost (estimates for a quiet 2-core CPU from the prefill rates measured here; every run also loads the model): the
-default grid, 9 caches at 1k, 4k and 8k tokens with batch 1 and at 1k and 4k with batch 8, 2 repeats, takes about
-an hour without peers, and the 10 peers with their 2 baselines about one and a half times as much again (at 1k and
-4k, batch 1, one repeat: 1,000 s with 4 of our caches, of which 730 s were the peers; kvpress's KVzip replays the
-prompt at 5.5x a prefill, ObservedAttention runs eager attention at 3.5x; kvpress's KVzip scores batch 1 only and
-fails at batch 8 after its prefill); `--full` adds batch 8 at 8k tokens (the issue's whole grid), whose prefills
-alone add about as much again; `--quick` (1k and 4k tokens, batch 1, 8 new tokens, two peers) takes about a quarter
-of an hour. On a shared machine use `--threads 1 --clock cpu`: the CPU time of a single-threaded worker is what other
-processes disturb least.
+After the tables, issue 29's targets (bench_targets.py): for each target, in each dtype and batch, the measured ratio
+to DynamicCache and whether it is met, not met, failed or not measured in this run. The default caches include every
+cache a target names (`snapkv:ratio=0.25` for that reason, where kvpress's SnapKV peer keeps the same quarter).
+
+Cost, with `--threads 1` on a quiet 2-core CPU (estimates from the single-thread prefills measured here: batch 1 at
+1k / 4k / 8k tokens about 3 / 17 / 48 s in float32 and 1.4 / 11 / 37 s in bfloat16, a batch-8 prefill of 4k tokens
+185-235 s in float32, KVzip's 3-4.5x a prefill, and ~7 s per worker to load the model; batch 8 at 8k, never run,
+taken as 8x batch 1): the default grid, 9 caches at 1k, 4k and 8k tokens with batch 1 and at 1k and 4k with batch 8,
+both dtypes, takes about 1.7 hours a repeat, so 3.5 hours at the default 2 repeats, over two thirds of it batch 8; the
+10 peers with their 2 baselines add about one and a half times as much again (at 1k and 4k, batch 1, one repeat:
+1,000 s with 4 of our caches, of which 730 s were the peers; kvpress's KVzip replays the prompt at 5.5x a prefill,
+ObservedAttention runs eager attention at 3.5x; kvpress's KVzip scores batch 1 only and fails at batch 8 after its
+prefill); `--full` adds batch 8 at 8k tokens (the issue's whole grid), whose prefills add about 2.5 hours a repeat.
+`--targets` runs only the 15 (cache, length) runs the targets read (DynamicCache at 1k, 4k and 8k; int4 and int2 at
+each; fp8, int8, snapkv and kvzip at 4k; sink_window at 8k) at batch 1 and 8 in both dtypes, no peers: 15-20
+minutes a repeat at batch 1 (`--targets --batches 1`) and 1.7 hours at batch 8, where its 8k runs are half the time.
+`--quick` (1k and 4k tokens, batch 1, 8 new tokens, two peers) takes about a quarter of an hour. On a shared machine
+use `--threads 1 --clock cpu`: the CPU time of a single-threaded worker is what other processes disturb least.
 """
 
 from __future__ import annotations
@@ -58,6 +67,9 @@ RESULTS = HERE.parent / "results"  # benchmarks/results, wherever it runs from; 
 sys.path.insert(0, str(HERE))  # its neighbours, also when imported from elsewhere (the tests)
 
 from bench_peer_worker import PEERS  # noqa: E402
+from bench_targets import BATCHES as TARGET_BATCHES  # noqa: E402
+from bench_targets import CELLS as TARGET_CELLS  # noqa: E402
+from bench_targets import targets_table  # noqa: E402
 from peer_envs import DEFAULT_PATHS, prepare  # noqa: E402
 
 PEER_ENVS = ["quantized", "kvpress"]  # the order of their rows
@@ -65,7 +77,7 @@ QUICK_PEERS = ["quanto-int4", "kvpress-snapkv"]
 
 SPECS = [
     "dynamic", "int8", "int4", "int2", "fp8",
-    "sink_window:sink_tokens=4,window=1020", "h2o:budget=1024,recent=128", "snapkv:budget=1024",
+    "sink_window:sink_tokens=4,window=1020", "h2o:budget=1024,recent=128", "snapkv:ratio=0.25",
     "kvzip:ratio=0.25",
 ]
 QUICK = dict(lengths=[1024, 4096], batches=[1], repeats=2, new_tokens=8)
@@ -209,10 +221,12 @@ def table(results: dict, rows: list[Row], grid: list[tuple[int, int]]) -> str:
     notes: dict[str, int] = {}  # note text -> its number
     for length, batch in grid:
         for row in rows:
-            runs = results[(row.label, length, batch)]
+            runs = results.get((row.label, length, batch))
+            if runs is None:
+                continue  # not a run of this grid (--targets)
             errors = sorted({r["error"] for r in runs if "error" in r})
             marks = "".join(f" [{notes.setdefault(f'`{row.label}` ({row.env}): {e}', len(notes) + 1)}]" for e in errors)
-            value, base = _medians(runs), _medians(results[(row.baseline, length, batch)])
+            value, base = _medians(runs), _medians(results.get((row.baseline, length, batch), []))
             cells = [str(length), str(batch), f"`{row.label}`", row.env]
             if value is None:
                 lines.append("| " + " | ".join(cells + [f"failed{marks}"] + ["-"] * 2 * len(COLUMNS)) + " |")
@@ -257,8 +271,8 @@ def plot(results: dict, rows: list[Row], grid: list[tuple[int, int]], path: Path
                     continue  # a peer environment's DynamicCache: 1.0 by definition, as ours
                 points = []
                 for n in lengths:
-                    value = _medians(results[(row.label, n, batch)])
-                    base = _medians(results[(row.baseline, n, batch)])
+                    value = _medians(results.get((row.label, n, batch), []))
+                    base = _medians(results.get((row.baseline, n, batch), []))
                     if value is not None and base is not None and base[key] > 0:
                         points.append((n, value[key] / base[key]))
                 if points:
@@ -274,17 +288,25 @@ def plot(results: dict, rows: list[Row], grid: list[tuple[int, int]], path: Path
     fig.savefig(path, dpi=120)
 
 
-def measure(rows: list[Row], grid: list[tuple[int, int]], repeats: int, run, unavailable: dict[str, str]) -> dict:
-    """{(label, length, batch): [result of each repeat]}: `run(row, length, batch)` for every row at every grid cell,
-    then again for the next repeat (interleaved). A row in `unavailable` is its reason as an error, without a run; a
-    run that failed is not repeated (the same error would come back)."""
-    results = {(row.label, n, b): [] for row in rows for n, b in grid}
+def planned(row: Row, length: int, only: set[tuple[str, int]] | None) -> bool:
+    """Whether `row` runs at `length`: always without `only`, else where `only` lists (spec, length) for our caches
+    (a --compare-code row as its spec) and at every length for the peers."""
+    return only is None or row.env != "ours" or (row.label.partition(" @")[0], length) in only
+
+
+def measure(rows: list[Row], grid: list[tuple[int, int]], repeats: int, run, unavailable: dict[str, str],
+            only: set[tuple[str, int]] | None = None) -> dict:
+    """{(label, length, batch): [result of each repeat]}: `run(row, length, batch)` for every row at every grid cell
+    (of our caches only the (spec, length) pairs in `only` when given), then again for the next repeat (interleaved).
+    A row in `unavailable` is its reason as an error, without a run; a run that failed is not repeated (the same error
+    would come back)."""
+    results = {(row.label, n, b): [] for row in rows for n, b in grid if planned(row, n, only)}
     started = time.time()
     for rep in range(repeats):
         for length, batch in grid:
             for row in rows:
-                runs = results[(row.label, length, batch)]
-                if any("error" in r for r in runs):
+                runs = results.get((row.label, length, batch))
+                if runs is None or any("error" in r for r in runs):
                     continue
                 runs.append({"error": unavailable[row.label]} if row.label in unavailable else run(row, length, batch))
                 r = runs[-1]
@@ -322,11 +344,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1k and 4k tokens, batch 1, 2 repeats, 8 new tokens")
     parser.add_argument("--full", action="store_true", help="also batch 8 at 8k tokens (the whole 3 x 2 grid)")
+    parser.add_argument("--targets", action="store_true", help="only the runs issue 29's targets read, at batch 1 "
+                        "and 8 (--lengths and --batches narrow it), no peers unless --peers")
     parser.add_argument("--lengths", default=None, help="prompt lengths, comma-separated (default 1024,4096,8192)")
     parser.add_argument("--batches", default=None, help="batch sizes, comma-separated (default 1,8)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats per run (default 2)")
     parser.add_argument("--new-tokens", type=int, default=None, help="decode steps per run (default 16)")
-    parser.add_argument("--specs", default=";".join(SPECS), help="cache specs separated by ';' (dynamic is added)")
+    parser.add_argument("--specs", default=None, help="cache specs separated by ';' (dynamic is added; default: "
+                        "the 9 caches of SPECS, or with --targets those the targets name)")
     parser.add_argument("--model", default=None, help="model alias or path (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         help="model dtypes, comma-separated, each a table of its own (default float32,bfloat16)")
@@ -343,7 +368,11 @@ def main() -> None:
                         help="environment of kvpress (built there if missing)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.targets and (args.quick or args.full or args.specs):
+        parser.error("--targets chooses its own runs: not with --quick, --full or --specs")
     quick = QUICK if args.quick else {}
+    if args.targets:
+        quick = dict(lengths=sorted({n for _, n in TARGET_CELLS}), batches=TARGET_BATCHES)
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else quick.get("lengths", [1024, 4096, 8192])
     batches = [int(x) for x in args.batches.split(",")] if args.batches else quick.get("batches", [1, 8])
     args.repeats = args.repeats or quick.get("repeats", 2)
@@ -353,15 +382,17 @@ def main() -> None:
         print(json.dumps(worker(args.worker, lengths[0], batches[0], args.new_tokens, args.model, args.clock, dtype)))
         return
     try:
-        peers = peer_names(args.peers, args.quick, bool(args.compare_code))
+        peers = peer_names(args.peers or ("none" if args.targets else None), args.quick, bool(args.compare_code))
     except ValueError as error:
         parser.error(str(error))
-    specs = ["dynamic"] + [s for s in args.specs.split(";") if s and s != "dynamic"]
+    only = set(TARGET_CELLS) if args.targets else None
+    chosen = sorted({spec for spec, _ in TARGET_CELLS}, key=lambda s: (s != "dynamic", s)) if args.targets else SPECS
+    specs = ["dynamic"] + [s for s in (args.specs or ";".join(chosen)).split(";") if s and s != "dynamic"]
     if args.compare_code:
         code = str(Path(args.compare_code).resolve())
         specs = ["dynamic"] + [v for s in specs[1:] for v in (f"{s} @{code}", s)]
     grid = [(n, b) for b in batches for n in lengths]
-    if not (args.full or args.lengths or args.batches):  # the default: batch 8 up to 4k tokens (see the cost above)
+    if not (args.full or args.targets or args.lengths or args.batches):  # default: batch 8 up to 4k (the cost above)
         grid = [(n, b) for n, b in grid if b == 1 or n <= 4096]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -382,7 +413,8 @@ def main() -> None:
     for dtype in [d for d in args.dtypes.split(",") if d]:
         args.dtype = dtype
         print(f"dtype {dtype}", flush=True)
-        measured = measure(rows, grid, args.repeats, lambda row, n, b: _run_worker(args, row, n, b), unavailable)
+        measured = measure(rows, grid, args.repeats, lambda row, n, b: _run_worker(args, row, n, b), unavailable,
+                           only)
         results.update({(dtype, *key): runs for key, runs in measured.items()})
         sections.append(f"### {dtype}\n\n" + table(measured, rows, grid) + "\n")
         plot(measured, rows, grid, out / f"bench-{stamp}-{dtype}.png")
@@ -391,6 +423,11 @@ def main() -> None:
         f"clock {args.clock}, threads {args.threads or 'default'}, {time.time() - started:.0f} s in all. Peak MiB: "
         "resident memory above the worker's level after loading the model and one warm-up forward.\n\n"
     )
+    ours = [row.label for row in rows if row.env == "ours" and " @" not in row.label]
+    sections.append(
+        "### Issue 29's targets\n\nRatios to DynamicCache in the same dtype, batch and run (decode ms/token, prefill "
+        "s), the worst of its runs where a target reads several; not measured: no such run in this grid "
+        "(`--targets` runs every one).\n\n" + targets_table(results, ours) + "\n")
     text = header + "\n".join(sections)
     (out / f"bench-{stamp}.md").write_text(text)
     (out / f"bench-{stamp}.json").write_text(json.dumps({"|".join(map(str, k)): v for k, v in results.items()}))
