@@ -117,6 +117,8 @@ namespace simd = avx2;
 #define HF_KVCOMPRESS_SIMD 0
 #endif
 
+#include "cpu_lowrank.h"
+
 // Head dims known when compiling (D > 0) let the compiler unroll every per-token loop; D = 0 reads it at run time.
 template <int D>
 inline int64_t dims(int64_t runtime) {
@@ -826,7 +828,63 @@ std::string instruction_set() {
 #endif
 }
 
+// Logits of decode queries over a joint low-rank store's pre-RoPE key latents (cpu_lowrank.h): latent [B, T, r]
+// (float32, bfloat16 or float16, unit stride over r); basis [H, r, D] float32 (the layer's key basis transposed; bf16
+// values when `round`); pairs [H, ceil(r / 2), D] int32 (the bf16 basis as pairs of rank entries) or absent; round:
+// the latents rounded to bf16 (bf16 products); mean [H, D] float32; cos, sin [B, R / 2, T] float32 (unit stride over
+// T); query [B, H, M, D] float32 (scaled). Returns [B, H, M, T]: query . RoPE(p_t)(basis z_t + mean).
+at::Tensor lowrank_key_logits(const at::Tensor& latent, const at::Tensor& basis, const c10::optional<at::Tensor>& pairs,
+                              bool round, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& query, bool vectorised) {
+  const auto type = latent.scalar_type();
+  TORCH_CHECK(latent.dim() == 3 && latent.stride(2) == 1 &&
+                  (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
+              "lowrank_key_logits: latent must be float32, bfloat16 or float16 [B, T, r] with unit stride over r");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 4 && query.is_contiguous(),
+              "lowrank_key_logits: query must be contiguous float32 [B, H, M, D]");
+  const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
+  const int64_t tokens = latent.size(1), rank = latent.size(2);
+  TORCH_CHECK(latent.size(0) == batch, "lowrank_key_logits: latent and query disagree on the batch");
+  TORCH_CHECK(basis.scalar_type() == at::kFloat && basis.is_contiguous() && basis.dim() == 3 &&
+                  basis.size(0) == heads && basis.size(1) == rank && basis.size(2) == dim,
+              "lowrank_key_logits: basis must be contiguous float32 [H, r, D]");
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.dim() == 2 && mean.size(0) == heads &&
+                  mean.size(1) == dim, "lowrank_key_logits: mean must be contiguous float32 [H, D]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 3 &&
+                  cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && cos.size(0) == batch &&
+                  cos.size(2) == tokens && cos.stride(2) == 1 && 2 * cos.size(1) <= dim,
+              "lowrank_key_logits: cos and sin must be float32 [B, R / 2, T] alike, unit stride over T, R <= D");
+  const int64_t pair_rank = (rank + 1) / 2;
+  const bool use_pairs = pairs.has_value() && vectorised && lowrank::native_pairs();
+  if (pairs.has_value())
+    TORCH_CHECK(pairs->scalar_type() == at::kInt && pairs->is_contiguous() && pairs->dim() == 3 &&
+                    pairs->size(0) == heads && pairs->size(1) == pair_rank && pairs->size(2) == dim,
+                "lowrank_key_logits: pairs must be contiguous int32 [H, ceil(r / 2), D]");
+  at::Tensor out = at::empty({batch, heads, rows, tokens}, query.options());
+  lowrank::Keys k;
+  k.latent = latent.data_ptr(), k.latent_type = type, k.latent_b = latent.stride(0), k.latent_t = latent.stride(1);
+  k.tokens = tokens, k.rank = rank, k.basis = basis.data_ptr<float>(), k.pair_rank = pair_rank, k.round = round;
+  k.pairs = use_pairs ? reinterpret_cast<const uint32_t*>(pairs->data_ptr<int32_t>()) : nullptr;
+  k.mean = mean.data_ptr<float>(), k.cos = cos.data_ptr<float>(), k.sin = sin.data_ptr<float>();
+  k.trig_b = cos.stride(0), k.trig_f = cos.stride(1), k.query = query.data_ptr<float>(), k.out = out.data_ptr<float>();
+  k.heads = heads, k.rows = rows, k.dim = dim, k.half = cos.size(1);
+  if (tokens == 0) return out;
+  const int64_t tiles = (tokens + lowrank::LANES - 1) / lowrank::LANES;
+  at::parallel_for(0, batch * tiles, 16, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    if (vectorised) {
+      if (use_pairs) return lowrank::key_logits_tiles<true, true>(k, begin, end);
+      return lowrank::key_logits_tiles<true, false>(k, begin, end);
+    }
+#endif
+    lowrank::key_logits_tiles<false, false>(k, begin, end);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("lowrank_key_logits", &lowrank_key_logits,
+             "Logits of decode queries over a joint low-rank store's pre-RoPE key latents, rebuilt and turned in tiles");
   module.def("decode_attention_partials", &decode_attention_partials,
              "Softmax partials of decode queries over a bit-packed KV store (max, sum, unnormalised output)");
   module.def("decode_attention", &decode_attention,
