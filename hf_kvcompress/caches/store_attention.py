@@ -100,8 +100,9 @@ def _sink_hidden(layer, start: int, end: int) -> torch.Tensor:
     return hidden[:, :, : end - start]
 
 
-def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _OnlineSoftmax) -> None:
-    """The store segment in PyTorch, `STORE_BLOCK` tokens at a time (the reference for the kernel)."""
+def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _OnlineSoftmax, kernel: bool) -> None:
+    """The store segment in PyTorch, `STORE_BLOCK` tokens at a time (the reference for the kernels). `kernel`: a
+    codec that stores keys with their positions may meet them in a kernel of its own (lowrank's C++ key logits)."""
     codec, n_enc = layer.codec, layer.store.n_encoded
     unit = max(codec.token_block("key"), codec.token_block("value"))
     batch, heads, _, dim = stored_q.shape
@@ -111,7 +112,7 @@ def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _Onl
         end = min(start + block, n_enc)
         # A codec that stores keys with their positions (lowrank's pre-RoPE latents) turns them at those positions,
         # and learns which block is the layer's last (lowrank shares a step's turn tables over its layers).
-        at = {"positions": layer.slots.positions[:, :, start:end], "last_block": end == n_enc} \
+        at = {"positions": layer.slots.positions[:, :, start:end], "last_block": end == n_enc, "kernel": kernel} \
             if codec.needs_positions else {}
         logits = codec.key_logits(slice_encoded(layer.store.encoded_keys, start, end, n_enc), stored_q, **at)
         values = slice_encoded(layer.store.encoded_values, start, end, n_enc)
@@ -230,17 +231,18 @@ def attend_store(
     elif kernel == "triton":
         out = _attend_by_triton(layer, plain_q, codec.key_query(plain_q), attention_mask)
     else:
-        out = _attend_in_segments(layer, plain_q, codec.key_query(plain_q), attention_mask, groups)
+        out = _attend_in_segments(layer, plain_q, codec.key_query(plain_q), attention_mask, groups, backend != "torch")
     out = out.reshape(batch, kv_heads, groups, q_len, -1).reshape(batch, q_heads, q_len, -1)
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
-def _attend_in_segments(layer, plain_q, stored_q, attention_mask, groups: int) -> torch.Tensor:
+def _attend_in_segments(layer, plain_q, stored_q, attention_mask, groups: int, kernel: bool) -> torch.Tensor:
     """The store (PyTorch blocks), the exact sinks and the tail as segments of one online softmax in PyTorch:
-    [B, H_kv, groups * q, Dv], normalised. The reference for both kernels."""
+    [B, H_kv, groups * q, Dv], normalised. The reference for both kernels (`kernel` False: for a codec's own key
+    kernel too)."""
     codec, n_enc = layer.codec, layer.store.n_encoded
     softmax = _OnlineSoftmax()
-    _store_by_blocks(layer, stored_q, attention_mask, groups, softmax)
+    _store_by_blocks(layer, stored_q, attention_mask, groups, softmax, kernel)
     if layer.slots.sink_slots is not None:
         slots = layer.slots.sink_slots
         logits = torch.matmul(plain_q, layer.store.sink_keys.float().transpose(-1, -2))

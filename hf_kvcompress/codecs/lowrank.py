@@ -20,6 +20,7 @@ import torch
 
 from ..calibration import ERROR_STEP, JOINT, has_copy_weights, has_error_curves, load_bases, rope_frequencies
 from ..hf.compat import text_config
+from ..ops import cpu_decode
 from ..ops.bf16_matmul import fast_bfloat16_matmul
 from ..ops.rerotate import rerotate
 from .base import Encoded, Kind
@@ -45,7 +46,8 @@ class LayerBases:
     (`LowRankCodec.model_bytes` counts them, once per model).
     """
 
-    __slots__ = ("key_mean", "key_basis", "key_encoder", "value_mean", "value_basis", "value_encoder", "inv_freq")
+    __slots__ = ("key_mean", "key_basis", "key_encoder", "value_mean", "value_basis", "value_encoder", "inv_freq",
+                 "kernel_keys")
     key_mean: torch.Tensor
     key_basis: torch.Tensor
     key_encoder: torch.Tensor
@@ -53,10 +55,13 @@ class LayerBases:
     value_basis: torch.Tensor
     value_encoder: torch.Tensor
     inv_freq: torch.Tensor
+    # The key basis as the CPU kernel reads it (`key_basis_for_kernel`), per compute dtype: made at the first step.
+    kernel_keys: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]]
 
     def __init__(self, tensors: dict[str, torch.Tensor], layer_idx: int, ranks: tuple[int, int], joint: bool,
                  inv_freq: tuple[float, ...] = ()):
         self.inv_freq = torch.tensor(inv_freq, dtype=torch.float32)
+        self.kernel_keys = {}
         for kind, rank in zip(("key", "value"), ranks, strict=True):
             mean = tensors[f"layers.{layer_idx}.{kind}_mean"].float()
             basis = tensors[f"layers.{layer_idx}.{kind}_basis"][..., :rank].float()
@@ -93,7 +98,19 @@ class LayerBases:
                 setattr(self, f"{kind}_encoder", getattr(self, f"{kind}_basis") if encoder is basis
                         else encoder.to(device))
             self.inv_freq = self.inv_freq.to(device)
+            self.kernel_keys = {}
         return self
+
+    def key_basis_for_kernel(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The key basis as `cpu_decode.lowrank_key_logits` reads it for products in `compute`: [H, r, D] float32
+        (rounded to bf16 for bf16 products) and, for bf16 products, the bf16 pairs (`cpu_decode.bf16_pairs`); made
+        once per layer and dtype (per model, like the bases: not counted per cache)."""
+        if compute not in self.kernel_keys:
+            basis = self.key_basis
+            rounded = basis.to(compute).float() if compute != torch.float32 else basis
+            pairs = cpu_decode.bf16_pairs(basis) if compute == torch.bfloat16 else None
+            self.kernel_keys[compute] = (rounded.transpose(1, 2).contiguous(), pairs)
+        return self.kernel_keys[compute]
 
 
 class TurnTables:
@@ -142,6 +159,10 @@ class TurnTables:
 
 # Columns of one bf16 key product (`_product_in_chunks`): every product of a layer has the same shape.
 KEY_CHUNK = 1024
+# Query rows per KV head up to which a CPU step meets the keys in the C++ kernel (`cpu_decode.lowrank_key_logits`,
+# which rebuilds, turns and meets them a tile at a time): a decode step's few rows. A prefill chunk's hundreds go
+# through BLAS, whose products of many rows outrun the kernel's per-row FMAs.
+KERNEL_ROWS = 64
 
 
 def _product_in_chunks(basis: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
@@ -603,11 +624,13 @@ class LowRankCodec(ReducingCodec):
         return self._joint
 
     def key_logits(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None = None,
-                   last_block: bool = True) -> torch.Tensor:
+                   last_block: bool = True, kernel: bool = True) -> torch.Tensor:
         """`positions` [B, H_kv, T]: the position each key was rotated to (joint bases share each slot over the
         layer's KV heads, so every head holds the same positions and the first head's serve all). `last_block`:
         whether this is the last block of the layer's store read this step (the last layer's drops the step's
-        cos/sin tables, `TurnTables`)."""
+        cos/sin tables, `TurnTables`). `kernel`: a decode step on CPU meets the keys in the C++ kernel where it is
+        built (`cpu_decode.lowrank_key_logits`; the same sums in another order); False: in PyTorch (the
+        reference, and what runs without a compiler)."""
         if not self._joint:
             return super().key_logits(encoded, query)
         compute = self._compute_dtype(query.device)
@@ -615,6 +638,17 @@ class LowRankCodec(ReducingCodec):
         mean, basis = self._bases("key", query.shape[1], latent.device)
         heads, dim, rank = basis.shape
         batch, tokens = latent.shape[0], latent.shape[2]
+        inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
+        position = self._positions(positions, latent.expand(-1, heads, -1, -1))[:, :1].to(torch.float32)
+        assert self._turns is not None  # bound with the joint bases
+        cos, sin = self._turns.lookup(inv_freq, position)  # [B, 1, R / 2, T]
+        if last_block and self._layer_idx == self._turns.last_layer:
+            self._turns.release()  # the step's last read of the tables (`TurnTables`)
+        if kernel and query.device.type == "cpu" and query.shape[2] <= KERNEL_ROWS and cpu_decode.available():
+            assert self._layer is not None  # bound per layer (`_bases` checked)
+            kernel_basis, pairs = self._layer.key_basis_for_kernel(compute)
+            return cpu_decode.lowrank_key_logits(latent[:, 0], kernel_basis, pairs, compute == torch.bfloat16, mean,
+                                                 cos[:, 0], sin[:, 0], query.float().contiguous())
         # The pre-RoPE keys as [B, H, D, T]: one [H * D, r] x [r, B * T] product for the layer's heads and rows,
         # laid out so that (batch 1) each head's keys are the second operand of the query's product as they are.
         flat = latent[:, 0].reshape(batch * tokens, rank)
@@ -623,12 +657,6 @@ class LowRankCodec(ReducingCodec):
         else:
             keys = _product_in_chunks(basis.reshape(heads * dim, rank).to(compute), flat)
         keys = keys.view(heads, dim, batch, tokens).permute(2, 0, 1, 3).add_(mean[None, :, :, None])
-        inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
-        position = self._positions(positions, latent.expand(-1, heads, -1, -1))[:, :1].to(torch.float32)
-        assert self._turns is not None  # bound with the joint bases
-        cos, sin = self._turns.lookup(inv_freq, position)  # [B, 1, R / 2, T]
-        if last_block and self._layer_idx == self._turns.last_layer:
-            self._turns.release()  # the step's last read of the tables (`TurnTables`)
         # Rotate-half RoPE (ops/rerotate.py) met by the query half by half: q . turn(k) = q1 . (k1 cos - k2 sin) +
         # q2 . (k2 cos + k1 sin); channels past the rotated ones (partial rotary) meet the query as they are.
         half = inv_freq.numel()

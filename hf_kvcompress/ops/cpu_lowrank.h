@@ -21,10 +21,18 @@
 #include <immintrin.h>
 #endif
 
+#ifndef HF_LOWRANK_VECS
+#define HF_LOWRANK_VECS 2
+#endif
+#ifndef HF_LOWRANK_FREQS
+#define HF_LOWRANK_FREQS 4
+#endif
+
 namespace lowrank {
 
-constexpr int64_t LANES = 16;  // tokens per tile: one float32 vector of AVX-512
-constexpr int64_t FREQS = 8;   // frequencies per block: 2 x 8 accumulators of LANES tokens (16 of 32 registers)
+constexpr int64_t VECS = HF_LOWRANK_VECS;   // float32 vectors of AVX-512 (16 tokens each) per tile
+constexpr int64_t LANES = 16 * VECS;  // tokens per tile
+constexpr int FREQS = HF_LOWRANK_FREQS;  // frequencies per block: 2 x FREQS x VECS accumulators
 
 // A bf16 value's bits (round to nearest even; a NaN stays a quiet NaN), as torch converts float32.
 inline uint32_t bf16_bits(float x) {
@@ -143,18 +151,24 @@ inline void plain_channel(const Keys& k, int64_t h, int64_t d, const float* zt, 
 template <int K, bool PAIRS>
 void turned_block_avx512(const Keys& k, int64_t h, int64_t i0, const void* tile, const float* cs, const float* sn,
                          int64_t trig, const float* q, float* lg) {
-  __m512 a1[K], a2[K];
-  for (int c = 0; c < K; ++c) a1[c] = a2[c] = _mm512_setzero_ps();
+  __m512 a1[K][VECS], a2[K][VECS];
+  for (int c = 0; c < K; ++c)
+    for (int v = 0; v < VECS; ++v) a1[c][v] = a2[c][v] = _mm512_setzero_ps();
   const int64_t dim = k.dim, half = k.half;
   if constexpr (PAIRS) {
 #if defined(__AVX512BF16__)
     const uint32_t* zp = static_cast<const uint32_t*>(tile);
     for (int64_t j = 0; j < k.pair_rank; ++j) {
       const int32_t* row = reinterpret_cast<const int32_t*>(k.pairs + (h * k.pair_rank + j) * dim);
-      const __m512bh z = (__m512bh)_mm512_loadu_si512(zp + j * LANES);
+      __m512bh z[VECS];
+      for (int v = 0; v < VECS; ++v) z[v] = (__m512bh)_mm512_loadu_si512(zp + j * LANES + 16 * v);
       for (int c = 0; c < K; ++c) {
-        a1[c] = _mm512_dpbf16_ps(a1[c], (__m512bh)_mm512_set1_epi32(row[i0 + c]), z);
-        a2[c] = _mm512_dpbf16_ps(a2[c], (__m512bh)_mm512_set1_epi32(row[half + i0 + c]), z);
+        const __m512bh b1 = (__m512bh)_mm512_set1_epi32(row[i0 + c]);
+        const __m512bh b2 = (__m512bh)_mm512_set1_epi32(row[half + i0 + c]);
+        for (int v = 0; v < VECS; ++v) {
+          a1[c][v] = _mm512_dpbf16_ps(a1[c][v], b1, z[v]);
+          a2[c][v] = _mm512_dpbf16_ps(a2[c][v], b2, z[v]);
+        }
       }
     }
 #endif
@@ -162,30 +176,38 @@ void turned_block_avx512(const Keys& k, int64_t h, int64_t i0, const void* tile,
     const float* zt = static_cast<const float*>(tile);
     for (int64_t j = 0; j < k.rank; ++j) {
       const float* row = k.basis + (h * k.rank + j) * dim;
-      const __m512 z = _mm512_loadu_ps(zt + j * LANES);
+      __m512 z[VECS];
+      for (int v = 0; v < VECS; ++v) z[v] = _mm512_loadu_ps(zt + j * LANES + 16 * v);
       for (int c = 0; c < K; ++c) {
-        a1[c] = _mm512_fmadd_ps(_mm512_set1_ps(row[i0 + c]), z, a1[c]);
-        a2[c] = _mm512_fmadd_ps(_mm512_set1_ps(row[half + i0 + c]), z, a2[c]);
+        const __m512 b1 = _mm512_set1_ps(row[i0 + c]), b2 = _mm512_set1_ps(row[half + i0 + c]);
+        for (int v = 0; v < VECS; ++v) {
+          a1[c][v] = _mm512_fmadd_ps(b1, z[v], a1[c][v]);
+          a2[c][v] = _mm512_fmadd_ps(b2, z[v], a2[c][v]);
+        }
       }
     }
   }
   const float* mu = k.mean + h * dim;
   for (int c = 0; c < K; ++c) {
     const int64_t f = i0 + c;
-    const __m512 co = _mm512_loadu_ps(cs + f * trig), si = _mm512_loadu_ps(sn + f * trig);
-    const __m512 k1 = _mm512_add_ps(a1[c], _mm512_set1_ps(mu[f]));
-    const __m512 k2 = _mm512_add_ps(a2[c], _mm512_set1_ps(mu[half + f]));
-    a1[c] = _mm512_fmsub_ps(k1, co, _mm512_mul_ps(k2, si));
-    a2[c] = _mm512_fmadd_ps(k1, si, _mm512_mul_ps(k2, co));
+    const __m512 m1 = _mm512_set1_ps(mu[f]), m2 = _mm512_set1_ps(mu[half + f]);
+    for (int v = 0; v < VECS; ++v) {
+      const __m512 co = _mm512_loadu_ps(cs + f * trig + 16 * v), si = _mm512_loadu_ps(sn + f * trig + 16 * v);
+      const __m512 k1 = _mm512_add_ps(a1[c][v], m1), k2 = _mm512_add_ps(a2[c][v], m2);
+      a1[c][v] = _mm512_fmsub_ps(k1, co, _mm512_mul_ps(k2, si));
+      a2[c][v] = _mm512_fmadd_ps(k1, si, _mm512_mul_ps(k2, co));
+    }
   }
   for (int64_t m = 0; m < k.rows; ++m) {
     const float* qm = q + m * dim;
-    __m512 acc = _mm512_loadu_ps(lg + m * LANES);
-    for (int c = 0; c < K; ++c) {
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(qm[i0 + c]), a1[c], acc);
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(qm[half + i0 + c]), a2[c], acc);
+    for (int v = 0; v < VECS; ++v) {
+      __m512 acc = _mm512_loadu_ps(lg + m * LANES + 16 * v);
+      for (int c = 0; c < K; ++c) {
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(qm[i0 + c]), a1[c][v], acc);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(qm[half + i0 + c]), a2[c][v], acc);
+      }
+      _mm512_storeu_ps(lg + m * LANES + 16 * v, acc);
     }
-    _mm512_storeu_ps(lg + m * LANES, acc);
   }
 }
 #endif
@@ -195,43 +217,48 @@ void turned_block_avx512(const Keys& k, int64_t h, int64_t i0, const void* tile,
 // in whole tiles; a scalar loop per element costs about what the tile's products do). False: not read here.
 inline bool pack_avx512(const Keys& k, int64_t b, int64_t t0, int64_t n, float* zt, uint32_t* zp) {
   if (n < LANES || (k.latent_type != at::kFloat && k.latent_type != at::kBFloat16)) return false;
+  if (k.latent_type == at::kBFloat16 && (k.rank % 2 != 0 || k.latent_t % 2 != 0 || k.latent_b % 2 != 0)) return false;
+#if !defined(__AVX512BF16__)
+  if (k.round && k.latent_type == at::kFloat) return false;
+#endif
   const __m512i tokens = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(static_cast<int32_t>(k.latent_t)));
-  const int64_t start = b * k.latent_b + t0 * k.latent_t;
-  if (k.latent_type == at::kFloat) {
-    const float* base = static_cast<const float*>(k.latent) + start;
-    auto gather = [&](int64_t j) { return _mm512_i32gather_ps(tokens, base + j, 4); };
-    if (zt != nullptr)
-      for (int64_t j = 0; j < k.rank; ++j) {
-        __m512 z = gather(j);
+  for (int v = 0; v < VECS; ++v) {
+    const int64_t start = b * k.latent_b + (t0 + 16 * v) * k.latent_t;
+    if (k.latent_type == at::kFloat) {
+      const float* base = static_cast<const float*>(k.latent) + start;
+      auto gather = [&](int64_t j) { return _mm512_i32gather_ps(tokens, base + j, 4); };
+      if (zt != nullptr)
+        for (int64_t j = 0; j < k.rank; ++j) {
+          __m512 z = gather(j);
 #if defined(__AVX512BF16__)
-        if (k.round) z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(z)), 16));
-#else
-        if (k.round) return false;
+          if (k.round)
+            z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(z)), 16));
 #endif
-        _mm512_storeu_ps(zt + j * LANES, z);
-      }
+          _mm512_storeu_ps(zt + j * LANES + 16 * v, z);
+        }
 #if defined(__AVX512BF16__)
-    if (zp != nullptr)
-      for (int64_t j = 0; j < k.pair_rank; ++j) {
-        const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(gather(2 * j)));
-        const __m512i hi = 2 * j + 1 < k.rank ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(gather(2 * j + 1)))
-                                              : _mm512_setzero_si512();
-        _mm512_storeu_si512(zp + j * LANES, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-      }
+      if (zp != nullptr)
+        for (int64_t j = 0; j < k.pair_rank; ++j) {
+          const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(gather(2 * j)));
+          const __m512i hi = 2 * j + 1 < k.rank
+                                 ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(gather(2 * j + 1)))
+                                 : _mm512_setzero_si512();
+          _mm512_storeu_si512(zp + j * LANES + 16 * v, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
 #endif
-    return true;
-  }
-  // bfloat16 latents: 32-bit words of two rank entries (2j at the lower address), gathered whole.
-  if (k.rank % 2 != 0 || k.latent_t % 2 != 0 || k.latent_b % 2 != 0) return false;
-  const uint16_t* base = static_cast<const uint16_t*>(k.latent) + start;
-  for (int64_t j = 0; j < k.pair_rank; ++j) {
-    const __m512i pair = _mm512_i32gather_epi32(tokens, base + 2 * j, 2);
-    if (zp != nullptr) _mm512_storeu_si512(zp + j * LANES, pair);
-    if (zt != nullptr) {
-      _mm512_storeu_ps(zt + 2 * j * LANES, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
-      _mm512_storeu_ps(zt + (2 * j + 1) * LANES,
-                       _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)))));
+      continue;
+    }
+    // bfloat16 latents: 32-bit words of two rank entries (2j at the lower address), gathered whole.
+    const uint16_t* base = static_cast<const uint16_t*>(k.latent) + start;
+    for (int64_t j = 0; j < k.pair_rank; ++j) {
+      const __m512i pair = _mm512_i32gather_epi32(tokens, base + 2 * j, 2);
+      if (zp != nullptr) _mm512_storeu_si512(zp + j * LANES + 16 * v, pair);
+      if (zt != nullptr) {
+        _mm512_storeu_ps(zt + 2 * j * LANES + 16 * v, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+        _mm512_storeu_ps(zt + (2 * j + 1) * LANES + 16 * v,
+                         _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)))));
+      }
     }
   }
   return true;
@@ -305,6 +332,17 @@ void key_logits_tiles(const Keys& k, int64_t begin, int64_t end) {
         }
       cs = trig_tile.data(), sn = trig_tile.data() + k.half * LANES, trig = LANES;
     }
+#if defined(__AVX512F__)
+    // The next tile's latents are read from memory (a layer's store outgrows the caches between steps): asked for
+    // now, they arrive while this tile's products run, instead of stalling its gathers line by line.
+    if (VECTOR && task + 1 < end) {
+      const int64_t next = task + 1, nb = next / tiles, nt = (next % tiles) * LANES;
+      const int64_t width = static_cast<int64_t>(c10::elementSize(k.latent_type));
+      const char* first = static_cast<const char*>(k.latent) + (nb * k.latent_b + nt * k.latent_t) * width;
+      const int64_t bytes = std::min(LANES, k.tokens - nt) * k.latent_t * width;
+      for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(first + offset, _MM_HINT_T0);
+    }
+#endif
     const void* tile = PAIRS ? static_cast<const void*>(zp.data()) : static_cast<const void*>(zt.data());
     for (int64_t h = 0; h < k.heads; ++h) {
       const float* q = k.query + (b * k.heads + h) * k.rows * k.dim;
