@@ -48,6 +48,12 @@ class _OnlineSoftmax:
         mixed = values(probs) if callable(values) else torch.matmul(probs, values)
         self._accumulate(probs.sum(-1, keepdim=True), mixed, stored_basis)
 
+    def merge(self, block_max: torch.Tensor, total: torch.Tensor, part: torch.Tensor, stored_basis: bool) -> None:
+        """A block's partials as a kernel returns them: its max, and its sum and output relative to that max."""
+        safe = self._rescale(block_max)
+        scale = torch.exp(block_max - safe)  # a block masked throughout (max -inf) weighs 0
+        self._accumulate(total * scale, part * scale, stored_basis)
+
     def _rescale(self, block_max: torch.Tensor) -> torch.Tensor:
         """Raise the running max to cover `block_max`, rescaling what is accumulated; returns the max to subtract."""
         new_max = block_max if self.max is None else torch.maximum(self.max, block_max)
@@ -101,8 +107,8 @@ def _sink_hidden(layer, start: int, end: int) -> torch.Tensor:
 
 
 def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _OnlineSoftmax, kernel: bool) -> None:
-    """The store segment in PyTorch, `STORE_BLOCK` tokens at a time (the reference for the kernels). `kernel`: a
-    codec that stores keys with their positions may meet them in a kernel of its own (lowrank's C++ key logits)."""
+    """The store segment, `STORE_BLOCK` tokens at a time: in PyTorch (the reference for the kernels), or with
+    `kernel` through the codec's own kernel where it has one (`attend_block`: lowrank's on CPU)."""
     codec, n_enc = layer.codec, layer.store.n_encoded
     unit = max(codec.token_block("key"), codec.token_block("value"))
     batch, heads, _, dim = stored_q.shape
@@ -112,14 +118,22 @@ def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _Onl
         end = min(start + block, n_enc)
         # A codec that stores keys with their positions (lowrank's pre-RoPE latents) turns them at those positions,
         # and learns which block is the layer's last (lowrank shares a step's turn tables over its layers).
-        at = {"positions": layer.slots.positions[:, :, start:end], "last_block": end == n_enc, "kernel": kernel} \
+        at = {"positions": layer.slots.positions[:, :, start:end], "last_block": end == n_enc} \
             if codec.needs_positions else {}
-        logits = codec.key_logits(slice_encoded(layer.store.encoded_keys, start, end, n_enc), stored_q, **at)
+        keys = slice_encoded(layer.store.encoded_keys, start, end, n_enc)
         values = slice_encoded(layer.store.encoded_values, start, end, n_enc)
+        sinks = layer.slots.sink_slots
+        if kernel:  # the codec's own kernel, where it has one for this block (lowrank on CPU)
+            partials = codec.attend_block(keys, values, stored_q, _bias(attention_mask, 1, slice(start, end)),
+                                          None if sinks is None else sinks - start, **at)
+            if partials is not None:
+                softmax.merge(*partials, stored_basis=True)
+                continue
+        logits = codec.key_logits(keys, stored_q, **at)
         bias = _bias(attention_mask, groups, slice(start, end))
         if bias is not None:
             logits = logits + bias
-        if layer.slots.sink_slots is not None:  # sinks are attended exactly below, not in their decoded form
+        if sinks is not None:  # sinks are attended exactly below, not in their decoded form
             logits = logits.masked_fill(_sink_hidden(layer, start, end)[:, :, None], float("-inf"))
         softmax.add(logits, lambda probs, values=values: codec.mix_values(values, probs), stored_basis=True)
 

@@ -88,6 +88,16 @@ class Codec(ABC):
         """probs [B, H, n, T] times the encoded values -> [B, H, n, Dv] in the storage basis (see `key_logits`)."""
         return torch.matmul(probs, self.decode_in_basis(encoded, "value", torch.float32))
 
+    def attend_block(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
+                     hidden: torch.Tensor | None, **at) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A block's softmax partials in one call of the codec's own kernel, or None (the default: attention reads
+        the block through `key_logits` and `mix_values`). query [B, H, n, D] (storage basis); bias [B or 1, H or 1,
+        q, T] float32 added to the logits (row m of n reads row m % q), or None; hidden [B, H, S] slots of the block
+        left out (outside [0, T): none), or None; `at`: what `key_logits` reads besides (positions, last_block).
+        Returns (max [B, H, n, 1], sum [B, H, n, 1], mix [B, H, n, *] in `mix_values`' basis), sum and mix relative
+        to the max (caches/store_attention.py)."""
+        return None
+
     def kernel_layout(self, kind: Kind) -> KernelLayout | None:
         """How a decode-attention kernel reads this kind's encoding (ops/cpu_decode.py), or None: then attention
         reads it through `key_logits` and `mix_values`."""

@@ -102,7 +102,7 @@ class LayerBases:
         return self
 
     def key_basis_for_kernel(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The key basis as `cpu_decode.lowrank_key_logits` reads it for products in `compute`: [H, r, D] float32
+        """The key basis as `cpu_decode.lowrank_store_partials` reads it for products in `compute`: [H, r, D] float32
         (rounded to bf16 for bf16 products) and, for bf16 products, the bf16 pairs (`cpu_decode.bf16_pairs`); made
         once per layer and dtype (per model, like the bases: not counted per cache)."""
         if compute not in self.kernel_keys:
@@ -159,9 +159,8 @@ class TurnTables:
 
 # Columns of one bf16 key product (`_product_in_chunks`): every product of a layer has the same shape.
 KEY_CHUNK = 1024
-# Query rows per KV head up to which a CPU step meets the keys in the C++ kernel (`cpu_decode.lowrank_key_logits`,
-# which rebuilds, turns and meets them a tile at a time): a decode step's few rows. A prefill chunk's hundreds go
-# through BLAS, whose products of many rows outrun the kernel's per-row FMAs.
+# Query rows per KV head up to which a CPU step reads a block in the C++ kernel (`attend_block`): a decode step's few
+# rows. A prefill chunk's hundreds go through BLAS, whose products of many rows outrun the kernel's per-row FMAs.
 KERNEL_ROWS = 64
 
 
@@ -624,31 +623,17 @@ class LowRankCodec(ReducingCodec):
         return self._joint
 
     def key_logits(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None = None,
-                   last_block: bool = True, kernel: bool = True) -> torch.Tensor:
+                   last_block: bool = True) -> torch.Tensor:
         """`positions` [B, H_kv, T]: the position each key was rotated to (joint bases share each slot over the
         layer's KV heads, so every head holds the same positions and the first head's serve all). `last_block`:
         whether this is the last block of the layer's store read this step (the last layer's drops the step's
-        cos/sin tables, `TurnTables`). `kernel`: a decode step on CPU meets the keys in the C++ kernel where it is
-        built (`cpu_decode.lowrank_key_logits`; the same sums in another order); False: in PyTorch (the
-        reference, and what runs without a compiler)."""
+        cos/sin tables, `TurnTables`)."""
         if not self._joint:
             return super().key_logits(encoded, query)
-        compute = self._compute_dtype(query.device)
-        latent = self.storage.decode(encoded, "key", compute)  # [B, 1, T, r]
-        mean, basis = self._bases("key", query.shape[1], latent.device)
+        compute, latent, mean, cos, sin = self._key_inputs(encoded, query, positions, last_block)
+        _, basis = self._bases("key", query.shape[1], latent.device)
         heads, dim, rank = basis.shape
         batch, tokens = latent.shape[0], latent.shape[2]
-        inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
-        position = self._positions(positions, latent.expand(-1, heads, -1, -1))[:, :1].to(torch.float32)
-        assert self._turns is not None  # bound with the joint bases
-        cos, sin = self._turns.lookup(inv_freq, position)  # [B, 1, R / 2, T]
-        if last_block and self._layer_idx == self._turns.last_layer:
-            self._turns.release()  # the step's last read of the tables (`TurnTables`)
-        if kernel and query.device.type == "cpu" and query.shape[2] <= KERNEL_ROWS and cpu_decode.available():
-            assert self._layer is not None  # bound per layer (`_bases` checked)
-            kernel_basis, pairs = self._layer.key_basis_for_kernel(compute)
-            return cpu_decode.lowrank_key_logits(latent[:, 0], kernel_basis, pairs, compute == torch.bfloat16, mean,
-                                                 cos[:, 0], sin[:, 0], query.float().contiguous())
         # The pre-RoPE keys as [B, H, D, T]: one [H * D, r] x [r, B * T] product for the layer's heads and rows,
         # laid out so that (batch 1) each head's keys are the second operand of the query's product as they are.
         flat = latent[:, 0].reshape(batch * tokens, rank)
@@ -659,7 +644,7 @@ class LowRankCodec(ReducingCodec):
         keys = keys.view(heads, dim, batch, tokens).permute(2, 0, 1, 3).add_(mean[None, :, :, None])
         # Rotate-half RoPE (ops/rerotate.py) met by the query half by half: q . turn(k) = q1 . (k1 cos - k2 sin) +
         # q2 . (k2 cos + k1 sin); channels past the rotated ones (partial rotary) meet the query as they are.
-        half = inv_freq.numel()
+        half = cos.shape[2]
         first, second = keys[:, :, :half], keys[:, :, half : 2 * half]
         turned_first = (first * cos).addcmul_(second, sin, value=-1)
         turned_second = (second * cos).addcmul_(first, sin)
@@ -668,6 +653,42 @@ class LowRankCodec(ReducingCodec):
         if 2 * half < dim:
             logits += torch.matmul(query[..., 2 * half :], keys[:, :, 2 * half :])
         return logits
+
+    def _key_inputs(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None,
+                    last_block: bool) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a block's key logits read: the compute dtype, the latents [B, 1, T, r] (decoded by the storage), the
+        key mean [H, D] and the step's cos and sin [B, 1, R / 2, T] at the keys' positions (`TurnTables`; the last
+        block of the bound layers drops them)."""
+        compute = self._compute_dtype(query.device)
+        latent = self.storage.decode(encoded, "key", compute)  # [B, 1, T, r]
+        mean, _ = self._bases("key", query.shape[1], latent.device)
+        inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
+        position = self._positions(positions, latent.expand(-1, query.shape[1], -1, -1))[:, :1].to(torch.float32)
+        assert self._turns is not None  # bound with the joint bases
+        cos, sin = self._turns.lookup(inv_freq, position)  # [B, 1, R / 2, T]
+        if last_block and self._layer_idx == self._turns.last_layer:
+            self._turns.release()  # the step's last read of the tables (`TurnTables`)
+        return compute, latent, mean, cos, sin
+
+    def attend_block(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
+                     hidden: torch.Tensor | None, positions: torch.Tensor | None = None,
+                     last_block: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Joint bases, a CPU decode step (at most KERNEL_ROWS query rows per KV head) and the C++ kernel built:
+        the block in one call (`cpu_decode.lowrank_store_partials`, which rebuilds, turns and meets the keys and
+        mixes the value latents a tile of tokens at a time in registers), its partials in `mix_values`' basis;
+        the same sums as `key_logits` and `mix_values` in another order (bf16 products where `compute` asks).
+        `positions` and `last_block` as `key_logits`."""
+        if not (self._joint and query.device.type == "cpu" and query.shape[2] <= KERNEL_ROWS
+                and cpu_decode.available()):
+            return None
+        compute, latent, mean, cos, sin = self._key_inputs(keys, query, positions, last_block)
+        assert self._layer is not None  # bound per layer (`_bases` checked)
+        kernel_basis, pairs = self._layer.key_basis_for_kernel(compute)
+        value_latent = self.storage.decode(values, "value", torch.float32)  # [B, 1, T, r_v]; the store's own as kept
+        block_max, total, mixed = cpu_decode.lowrank_store_partials(
+            latent[:, 0], kernel_basis, pairs, compute == torch.bfloat16, mean, cos[:, 0], sin[:, 0],
+            query.float().contiguous(), value_latent[:, 0], bias, hidden)
+        return block_max, total, mixed
 
     def decode_in_basis(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         """Joint values: [B, 1, T, r + 1], each token's latent and a 1, the weight of the mean (`from_basis`)."""

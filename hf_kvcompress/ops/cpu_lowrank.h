@@ -1,4 +1,4 @@
-// Decode logits over a joint low-rank store's pre-RoPE key latents (codecs/lowrank.py, `key_logits`), fused.
+// A decode step's softmax over a joint low-rank store's latents (codecs/lowrank.py, `attend_block`), fused.
 //
 // A joint store holds one latent z_t [r] per token for a layer's KV heads; head h's key at position p_t is
 // RoPE(p_t)(B_h z_t + mu_h). The PyTorch path rebuilds a block's keys [H, D, T] in one product, adds the mean, turns
@@ -8,14 +8,21 @@
 // frequencies' two halves (channels i and i + R/2 of rotate-half RoPE) are accumulated over the rank, one FMA per
 // basis entry (broadcast) and latent vector; the mean is added, the pair turned with the tile's cos and sin and met
 // by each query row's two channels, so only the logits leave the registers. Channels past the rotated ones (partial
-// rotary) meet the query as they are.
+// rotary) meet the query as they are. The tile's logits are then masked (the additive mask, the slots of the exact
+// sinks) and folded into one online softmax per (head, query row) (flash-decoding), whose weights mix the value
+// latents (shared by the heads, as the keys' are: a value is B_v z_v + mu_v, so the mix stays in the latent and the
+// caller maps it to values once). The next tile's latents are prefetched while this one's products run: at long
+// contexts a layer's store comes from memory at every step.
 //
 // Products: float32 FMAs, or with bf16 products (lowrank's compute="bfloat16") the basis and the latents rounded to
 // bf16 (round to nearest even, as torch's conversion), their products exact in float32 and summed in float32: on a
 // CPU with AVX512-BF16 one VDPBF16PS per pair of rank entries (two products into the float32 lane), elsewhere the
 // rounded values through the float32 path. Only the order of the float32 sums differs from the PyTorch path.
 //
-// Included by cpu_decode.cpp inside its anonymous namespace, after its instruction-set paths (HF_KVCOMPRESS_SIMD).
+// Included by cpu_decode.cpp inside its anonymous namespace, after its helpers (load_float, load_floats,
+// exp_nonpositive). HF_LOWRANK_VECS and HF_LOWRANK_FREQS set the register blocking (chosen on an AVX-512 core with
+// VDPBF16PS: 2 vectors x 4 frequencies read 10 operands per 16 products, 1 x 8 read 17 and ran 1.7x slower;
+// docs/speed.md).
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -63,7 +70,6 @@ struct Keys {
   const float* sin = nullptr;
   int64_t trig_b = 0, trig_f = 0;   // strides in elements
   const float* query = nullptr;     // [B, H, M, D] contiguous (scaled)
-  float* out = nullptr;             // [B, H, M, T] contiguous
   int64_t heads = 0, rows = 0, dim = 0, half = 0;
 };
 
@@ -299,60 +305,189 @@ void turned_head(const Keys& k, int64_t h, const void* tile, const float* cs, co
   }
 }
 
-// Tiles [begin, end) of the (batch row, tile) grid: every head's logits of each tile's tokens.
+// A tile's working buffers, one set per thread.
+struct Buffers {
+  std::vector<float> zt;          // float32 latents, rank-major (also the plain channels' tile)
+  std::vector<uint32_t> zp;       // bf16 pairs, rank-major
+  std::vector<float> trig_tile;   // a last, partial tile's cos and sin
+  Buffers(const Keys& k, bool pairs)
+      : zt(static_cast<size_t>(k.rank * LANES)), zp(pairs ? static_cast<size_t>(k.pair_rank * LANES) : 0),
+        trig_tile(static_cast<size_t>(2 * k.half * LANES)) {}
+};
+
+// Ask for `bytes` from `first` (the next tile's latents: a layer's store outgrows the caches between steps, and
+// asked for now they arrive while this tile's products run, instead of stalling its gathers line by line).
+inline void prefetch(const void* first, int64_t bytes) {
+#if defined(__AVX512F__)
+  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(static_cast<const char*>(first) + offset, _MM_HINT_T0);
+#else
+  (void)first, (void)bytes;
+#endif
+}
+
+// The bytes of rows [t0, t0 + n) of batch row b of a [B, T, r] latent with strides (latent_b, latent_t).
+inline void prefetch_rows(const void* latent, at::ScalarType type, int64_t latent_b, int64_t latent_t, int64_t b,
+                          int64_t t0, int64_t n) {
+  const int64_t width = static_cast<int64_t>(c10::elementSize(type));
+  prefetch(static_cast<const char*>(latent) + (b * latent_b + t0 * latent_t) * width, n * latent_t * width);
+}
+
+// Every head's logits of the tile of row b from t0: lg [H, M, LANES] (lanes past the store's end hold garbage).
 template <bool VECTOR, bool PAIRS>
-void key_logits_tiles(const Keys& k, int64_t begin, int64_t end) {
-  const int64_t tiles = (k.tokens + LANES - 1) / LANES;
-  std::vector<float> zt(static_cast<size_t>(k.rank * LANES));  // float32 latents (also the plain channels' tile)
-  std::vector<uint32_t> zp(PAIRS ? static_cast<size_t>(k.pair_rank * LANES) : 0);
-  std::vector<float> lg(static_cast<size_t>(k.rows * LANES));
-  std::vector<float> trig_tile(static_cast<size_t>(2 * k.half * LANES));  // a last, partial tile's cos and sin
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t b = task / tiles, t0 = (task % tiles) * LANES;
-    const int64_t n = std::min(LANES, k.tokens - t0);
-    const bool plain_channels = 2 * k.half < k.dim;
-    bool packed = false;
+void tile_logits(const Keys& k, int64_t b, int64_t t0, Buffers& buf, float* lg) {
+  const int64_t n = std::min(LANES, k.tokens - t0);
+  const bool plain_channels = 2 * k.half < k.dim;
+  bool packed = false;
 #if defined(__AVX512F__)
-    if constexpr (VECTOR)
-      packed = pack_avx512(k, b, t0, n, !PAIRS || plain_channels ? zt.data() : nullptr, PAIRS ? zp.data() : nullptr);
+  if constexpr (VECTOR)
+    packed = pack_avx512(k, b, t0, n, !PAIRS || plain_channels ? buf.zt.data() : nullptr,
+                         PAIRS ? buf.zp.data() : nullptr);
 #endif
-    if (!packed) {
-      if (!PAIRS || plain_channels) pack_floats(k, b, t0, n, zt.data());
-      if (PAIRS) pack_pairs(k, b, t0, n, zp.data());
+  if (!packed) {
+    if (!PAIRS || plain_channels) pack_floats(k, b, t0, n, buf.zt.data());
+    if (PAIRS) pack_pairs(k, b, t0, n, buf.zp.data());
+  }
+  const float* cs = k.cos + b * k.trig_b + t0;
+  const float* sn = k.sin + b * k.trig_b + t0;
+  int64_t trig = k.trig_f;
+  if (n < LANES) {  // reads stay inside the tables: the tile's columns copied, the rest 0
+    std::fill(buf.trig_tile.begin(), buf.trig_tile.end(), 0.0f);
+    for (int64_t f = 0; f < k.half; ++f)
+      for (int64_t l = 0; l < n; ++l) {
+        buf.trig_tile[f * LANES + l] = cs[f * k.trig_f + l];
+        buf.trig_tile[(k.half + f) * LANES + l] = sn[f * k.trig_f + l];
+      }
+    cs = buf.trig_tile.data(), sn = buf.trig_tile.data() + k.half * LANES, trig = LANES;
+  }
+  const void* tile = PAIRS ? static_cast<const void*>(buf.zp.data()) : static_cast<const void*>(buf.zt.data());
+  std::fill(lg, lg + k.heads * k.rows * LANES, 0.0f);
+  for (int64_t h = 0; h < k.heads; ++h) {
+    const float* q = k.query + (b * k.heads + h) * k.rows * k.dim;
+    float* out = lg + h * k.rows * LANES;
+    turned_head<VECTOR, PAIRS>(k, h, tile, cs, sn, trig, q, out);
+    for (int64_t d = 2 * k.half; d < k.dim; ++d) plain_channel(k, h, d, buf.zt.data(), q, out);
+  }
+}
+
+// What the store segment's softmax reads besides the keys: the value latents (shared by the layer's heads, as the
+// keys' are), the additive mask and the slots attended elsewhere (the exact sinks).
+struct Values {
+  const void* latent = nullptr;  // [B, T, rv], unit stride over rv
+  at::ScalarType type = at::kFloat;
+  int64_t latent_b = 0, latent_t = 0, rank = 0;
+  const float* bias = nullptr;  // [B or 1, H or 1, Q, T]: row m of a head's M reads bias row m % Q
+  int64_t bias_b = 0, bias_h = 0, bias_q = 0, bias_rows = 1;
+  const int64_t* hidden = nullptr;  // [B, H, S] slots of the store left out (outside [0, T): none)
+  int64_t sinks = 0;
+};
+
+// acc[row, :] += sum over the tile's n tokens of p[row, l] * z[l, :] (z's rows `stride` apart), 16 and 8 channels
+// at a time in registers.
+inline void mix_rows(const float* p, const float* z, int64_t stride, int64_t n, int64_t rows, int64_t rank,
+                     float* acc) {
+  for (int64_t row = 0; row < rows; ++row) {
+    float* a = acc + row * rank;
+    const float* pr = p + row * LANES;
+    int64_t c = 0;
+    for (; c + 16 <= rank; c += 16) {
+      float part[16];
+      for (int i = 0; i < 16; ++i) part[i] = a[c + i];
+      for (int64_t l = 0; l < n; ++l) {
+        const float w = pr[l];
+        const float* zl = z + l * stride + c;
+#pragma omp simd
+        for (int i = 0; i < 16; ++i) part[i] += w * zl[i];
+      }
+      for (int i = 0; i < 16; ++i) a[c + i] = part[i];
     }
-    const float* cs = k.cos + b * k.trig_b + t0;
-    const float* sn = k.sin + b * k.trig_b + t0;
-    int64_t trig = k.trig_f;
-    if (n < LANES) {  // reads stay inside the tables: the tile's columns copied, the rest 0
-      std::fill(trig_tile.begin(), trig_tile.end(), 0.0f);
-      for (int64_t f = 0; f < k.half; ++f)
-        for (int64_t l = 0; l < n; ++l) {
-          trig_tile[f * LANES + l] = cs[f * k.trig_f + l];
-          trig_tile[(k.half + f) * LANES + l] = sn[f * k.trig_f + l];
+    for (; c + 8 <= rank; c += 8) {
+      float part[8];
+      for (int i = 0; i < 8; ++i) part[i] = a[c + i];
+      for (int64_t l = 0; l < n; ++l) {
+        const float w = pr[l];
+        const float* zl = z + l * stride + c;
+#pragma omp simd
+        for (int i = 0; i < 8; ++i) part[i] += w * zl[i];
+      }
+      for (int i = 0; i < 8; ++i) a[c + i] = part[i];
+    }
+    for (; c < rank; ++c) {
+      float sum = a[c];
+      for (int64_t l = 0; l < n; ++l) sum += pr[l] * z[l * stride + c];
+      a[c] = sum;
+    }
+  }
+}
+
+// Tiles [tile_begin, tile_end) of row b folded into one online softmax per (head, query row): running max mx [R],
+// sum sm [R] and value-latent mix acc [R, rv] (R = H * M), relative to mx, as caches/store_attention.py's
+// _OnlineSoftmax folds a block (masked logits weigh nothing; a row masked so far keeps max -inf and zeros).
+template <bool VECTOR, bool PAIRS>
+void fold_tiles(const Keys& k, const Values& v, int64_t b, int64_t tile_begin, int64_t tile_end, float* mx,
+                float* sm, float* acc) {
+  const int64_t rows = k.heads * k.rows, rank = v.rank;
+  std::fill(mx, mx + rows, NEG_INF);
+  std::fill(sm, sm + rows, 0.0f);
+  std::fill(acc, acc + rows * rank, 0.0f);
+  Buffers buf(k, PAIRS);
+  std::vector<float> lg(static_cast<size_t>(rows * LANES)), zv(static_cast<size_t>(LANES * rank));
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    const int64_t t0 = tile * LANES, n = std::min(LANES, k.tokens - t0);
+    if (VECTOR && tile + 1 < tile_end) {
+      const int64_t nt = t0 + LANES, nn = std::min(LANES, k.tokens - nt);
+      prefetch_rows(k.latent, k.latent_type, k.latent_b, k.latent_t, b, nt, nn);
+      prefetch_rows(v.latent, v.type, v.latent_b, v.latent_t, b, nt, nn);
+    }
+    tile_logits<VECTOR, PAIRS>(k, b, t0, buf, lg.data());
+    for (int64_t h = 0; h < k.heads; ++h)
+      for (int64_t m = 0; m < k.rows; ++m) {
+        float* l = lg.data() + (h * k.rows + m) * LANES;
+        if (v.bias != nullptr) {
+          const float* bias = v.bias + b * v.bias_b + h * v.bias_h + (m % v.bias_rows) * v.bias_q + t0;
+          for (int64_t t = 0; t < n; ++t) l[t] += bias[t];
         }
-      cs = trig_tile.data(), sn = trig_tile.data() + k.half * LANES, trig = LANES;
+        for (int64_t t = n; t < LANES; ++t) l[t] = NEG_INF;
+      }
+    for (int64_t h = 0; h < k.heads && v.hidden != nullptr; ++h)
+      for (int64_t s = 0; s < v.sinks; ++s) {
+        const int64_t slot = v.hidden[(b * k.heads + h) * v.sinks + s];
+        if (slot >= t0 && slot < t0 + n)
+          for (int64_t m = 0; m < k.rows; ++m) lg[(h * k.rows + m) * LANES + slot - t0] = NEG_INF;
+      }
+    for (int64_t row = 0; row < rows; ++row) {
+      float* l = lg.data() + row * LANES;
+      float top = NEG_INF;
+      for (int64_t t = 0; t < LANES; ++t) top = std::max(top, l[t]);
+      const float best = std::max(mx[row], top);
+      if (best == NEG_INF) {  // nothing seen yet: weights 0
+        std::fill(l, l + LANES, 0.0f);
+        continue;
+      }
+      if (mx[row] != best) {
+        const float scale = exp_nonpositive(mx[row] - best);  // 0 from -inf
+        sm[row] *= scale;
+        for (int64_t c = 0; c < rank; ++c) acc[row * rank + c] *= scale;
+        mx[row] = best;
+      }
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < LANES; ++t) {
+        l[t] = exp_nonpositive(l[t] - best);
+        total += l[t];
+      }
+      sm[row] += total;
     }
-#if defined(__AVX512F__)
-    // The next tile's latents are read from memory (a layer's store outgrows the caches between steps): asked for
-    // now, they arrive while this tile's products run, instead of stalling its gathers line by line.
-    if (VECTOR && task + 1 < end) {
-      const int64_t next = task + 1, nb = next / tiles, nt = (next % tiles) * LANES;
-      const int64_t width = static_cast<int64_t>(c10::elementSize(k.latent_type));
-      const char* first = static_cast<const char*>(k.latent) + (nb * k.latent_b + nt * k.latent_t) * width;
-      const int64_t bytes = std::min(LANES, k.tokens - nt) * k.latent_t * width;
-      for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(first + offset, _MM_HINT_T0);
+    // The tile's value latents as float32 rows: the store's own for float32 latents.
+    const float* z = nullptr;
+    int64_t stride = rank;
+    if (v.type == at::kFloat) {
+      z = static_cast<const float*>(v.latent) + b * v.latent_b + t0 * v.latent_t, stride = v.latent_t;
+    } else {
+      for (int64_t t = 0; t < n; ++t)
+        load_floats(v.latent, v.type, b * v.latent_b + (t0 + t) * v.latent_t, rank, zv.data() + t * rank);
+      z = zv.data();
     }
-#endif
-    const void* tile = PAIRS ? static_cast<const void*>(zp.data()) : static_cast<const void*>(zt.data());
-    for (int64_t h = 0; h < k.heads; ++h) {
-      const float* q = k.query + (b * k.heads + h) * k.rows * k.dim;
-      std::fill(lg.begin(), lg.end(), 0.0f);
-      turned_head<VECTOR, PAIRS>(k, h, tile, cs, sn, trig, q, lg.data());
-      for (int64_t d = 2 * k.half; d < k.dim; ++d) plain_channel(k, h, d, zt.data(), q, lg.data());
-      for (int64_t m = 0; m < k.rows; ++m)
-        std::memcpy(k.out + ((b * k.heads + h) * k.rows + m) * k.tokens + t0, lg.data() + m * LANES,
-                    static_cast<size_t>(n) * sizeof(float));
-    }
+    mix_rows(lg.data(), z, stride, n, rows, rank, acc);
   }
 }
 
