@@ -929,8 +929,9 @@ std::vector<at::Tensor> lowrank_store_partials(
   at::Tensor out_mix = at::zeros({batch, k.heads, k.rows, v.rank + 1}, options);
   const int64_t tiles = (k.tokens + lowrank::LANES - 1) / lowrank::LANES;
   if (tiles == 0) return {out_max, out_sum, out_mix};
-  // A few chunks of tokens per row for the threads; one per row on one thread.
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(tiles, (at::get_num_threads() + batch - 1) / batch));
+  // Chunks of tokens per row, one per thread (one in all on one thread), whatever the batch: a row's sums then run in
+  // the same order batched or alone, so a row gives what it gives alone.
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(tiles, at::get_num_threads()));
   std::vector<float> mx(static_cast<size_t>(batch * chunks * rows)), sm(mx.size());
   std::vector<float> acc(static_cast<size_t>(batch * chunks * rows * v.rank));
   at::parallel_for(0, batch * chunks, 1, [&](int64_t begin, int64_t end) {
