@@ -127,7 +127,8 @@ def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _Onl
             partials = codec.attend_block(keys, values, stored_q, _bias(attention_mask, 1, slice(start, end)),
                                           None if sinks is None else sinks - start, **at)
             if partials is not None:
-                softmax.merge(*partials, stored_basis=True)
+                block_max, total, part = partials
+                softmax.merge(block_max, total, part, stored_basis=True)
                 continue
         logits = codec.key_logits(keys, stored_q, **at)
         bias = _bias(attention_mask, groups, slice(start, end))

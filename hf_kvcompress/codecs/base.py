@@ -89,11 +89,12 @@ class Codec(ABC):
         return torch.matmul(probs, self.decode_in_basis(encoded, "value", torch.float32))
 
     def attend_block(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
-                     hidden: torch.Tensor | None, **at) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                     hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A block's softmax partials in one call of the codec's own kernel, or None (the default: attention reads
         the block through `key_logits` and `mix_values`). query [B, H, n, D] (storage basis); bias [B or 1, H or 1,
         q, T] float32 added to the logits (row m of n reads row m % q), or None; hidden [B, H, S] slots of the block
-        left out (outside [0, T): none), or None; `at`: what `key_logits` reads besides (positions, last_block).
+        left out (outside [0, T): none), or None; a codec that `needs_positions` also takes what its `key_logits`
+        reads besides (positions, last_block).
         Returns (max [B, H, n, 1], sum [B, H, n, 1], mix [B, H, n, *] in `mix_values`' basis), sum and mix relative
         to the max (caches/store_attention.py)."""
         return None

@@ -80,7 +80,7 @@ SHAPES = {  # batch, tokens, rank, value rank, KV heads, head_dim, rotated pairs
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_partials_equal_the_softmax_written_out(shape, dtype, bf16, vectorised):
     case = _case(*SHAPES[shape], dtype)
-    batch, tokens, heads, rows = SHAPES[shape][0], SHAPES[shape][1], SHAPES[shape][4], SHAPES[shape][7]
+    batch, tokens, heads = SHAPES[shape][0], SHAPES[shape][1], SHAPES[shape][4]
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(batch, 1, 1, tokens, generator=g).masked_fill(torch.rand(batch, 1, 1, tokens, generator=g) < 0.2,
                                                                      float("-inf"))
