@@ -344,7 +344,8 @@ class LowRankCodec(ReducingCodec):
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
         compute: the dtype a decode step rebuilds the keys in from their latents (joint bases; the products that
             dominate a step at long contexts): "bfloat16" rounds the bases and latents to bf16 for the product (the
-            sums stay float32 inside the GEMM; the turn and the query's product stay float32), "float32" does not,
+            sums stay float32; the C++ kernel of a CPU decode step keeps them so, PyTorch's product returns its keys
+            rounded to bf16 once more; the turn and the query's product stay float32), "float32" does not,
             "auto" (the default) takes bf16 on a CPU that multiplies it natively (`ops.bf16_matmul`: measured once
             per process, `HF_KVCOMPRESS_BF16_MATMUL` forces it) and float32 elsewhere. A bf16 key differs from the
             float32 one by ~2^-9 of its size, far below the bases' own reconstruction error

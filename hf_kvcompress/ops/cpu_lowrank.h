@@ -20,9 +20,9 @@
 // rounded values through the float32 path. Only the order of the float32 sums differs from the PyTorch path.
 //
 // Included by cpu_decode.cpp inside its anonymous namespace, after its helpers (load_float, load_floats,
-// exp_nonpositive). HF_LOWRANK_VECS and HF_LOWRANK_FREQS set the register blocking (chosen on an AVX-512 core with
-// VDPBF16PS: 2 vectors x 4 frequencies read 10 operands per 16 products, 1 x 8 read 17 and ran 1.7x slower;
-// docs/speed.md).
+// exp_nonpositive). HF_LOWRANK_VECS and HF_LOWRANK_FREQS set the register blocking: VECS x 2 x FREQS accumulators
+// read VECS latent vectors and 2 x FREQS broadcast basis entries per rank entry, and loads, not products, set the
+// pace when they outnumber the products' half (timed in docs/speed.md, "Low rank's decode step in one kernel call").
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
