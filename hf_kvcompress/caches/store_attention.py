@@ -9,6 +9,8 @@ dropped: the transient memory is one block, not the whole cache in float32. The 
 full-precision tail are two more segments of the same softmax. `CompressedLayer._full` + SDPA is the reference.
 A kernel may read the layer instead, store, sinks and tail in one call per step: Triton on CUDA returns the softmax's
 partials in both bases (ops/triton_decode.py), the C++ kernel on CPU (ops/cpu_decode.py) the normalised output.
+A codec may also read a block of the PyTorch loop in a kernel of its own (`block_kernel`, `attend_block`: lowrank's
+keys rebuilt from latents on CPU, ops/cpu_lowrank.h), whose partials join the same softmax.
 The PyTorch loop stays the reference (`backend="torch"`).
 """
 
@@ -123,7 +125,7 @@ def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _Onl
         keys = slice_encoded(layer.store.encoded_keys, start, end, n_enc)
         values = slice_encoded(layer.store.encoded_values, start, end, n_enc)
         sinks = layer.slots.sink_slots
-        if kernel:  # the codec's own kernel, where it has one for this block (lowrank on CPU)
+        if kernel and codec.block_kernel:  # the codec's own kernel, where it reads this block (lowrank on CPU)
             partials = codec.attend_block(keys, values, stored_q, _bias(attention_mask, 1, slice(start, end)),
                                           None if sinks is None else sinks - start, **at)
             if partials is not None:

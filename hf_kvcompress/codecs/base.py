@@ -42,6 +42,8 @@ class Codec(ABC):
     # `decode(encoded, "key", dtype, positions=...)`, positions [B, H_kv, T] the position each key was rotated to
     # (lowrank's joint bases project keys with RoPE undone). The layer then tracks each slot's position.
     needs_positions: ClassVar[bool] = False
+    # A block of the store may be read in one call of the codec's own kernel (`attend_block`; lowrank's on CPU).
+    block_kernel: ClassVar[bool] = False
 
     @property
     def exact_sinks(self) -> int:

@@ -104,7 +104,9 @@ class LayerBases:
     def key_basis_for_kernel(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The key basis as `cpu_decode.lowrank_store_partials` reads it for products in `compute`: [H, r, D] float32
         (rounded to bf16 for bf16 products) and, for bf16 products, the bf16 pairs (`cpu_decode.bf16_pairs`); made
-        once per layer and dtype (per model, like the bases: not counted per cache)."""
+        once per layer and dtype. Like the bases they hold the model's numbers, not a user's (so `measured_kv_bytes`
+        does not count them); `model_bytes` counts the bases as loaded, not these copies (1.5x the key basis's bytes
+        for bf16 products)."""
         if compute not in self.kernel_keys:
             basis = self.key_basis
             rounded = basis.to(compute).float() if compute != torch.float32 else basis
@@ -354,6 +356,7 @@ class LowRankCodec(ReducingCodec):
 
     name: ClassVar[str] = "lowrank"
     keeps_rope: ClassVar[bool] = False  # coordinates on a basis: the storage cannot undo RoPE on them (pre_rope)
+    block_kernel: ClassVar[bool] = True  # a CPU decode step's blocks in one C++ call (`attend_block`)
 
     rank: int | None = None
     ratio: float | None = None
