@@ -9,6 +9,8 @@ dropped: the transient memory is one block, not the whole cache in float32. The 
 full-precision tail are two more segments of the same softmax. `CompressedLayer._full` + SDPA is the reference.
 A kernel may read the layer instead, store, sinks and tail in one call per step: Triton on CUDA returns the softmax's
 partials in both bases (ops/triton_decode.py), the C++ kernel on CPU (ops/cpu_decode.py) the normalised output.
+A codec may also read a block of the PyTorch loop in a kernel of its own (`block_kernel`, `attend_block`: lowrank's
+keys rebuilt from latents on CPU, ops/cpu_lowrank.h), whose partials join the same softmax.
 The PyTorch loop stays the reference (`backend="torch"`).
 """
 
@@ -47,6 +49,12 @@ class _OnlineSoftmax:
         probs = torch.exp(logits - safe)
         mixed = values(probs) if callable(values) else torch.matmul(probs, values)
         self._accumulate(probs.sum(-1, keepdim=True), mixed, stored_basis)
+
+    def merge(self, block_max: torch.Tensor, total: torch.Tensor, part: torch.Tensor, stored_basis: bool) -> None:
+        """A block's partials as a kernel returns them: its max, and its sum and output relative to that max."""
+        safe = self._rescale(block_max)
+        scale = torch.exp(block_max - safe)  # a block masked throughout (max -inf) weighs 0
+        self._accumulate(total * scale, part * scale, stored_basis)
 
     def _rescale(self, block_max: torch.Tensor) -> torch.Tensor:
         """Raise the running max to cover `block_max`, rescaling what is accumulated; returns the max to subtract."""
@@ -100,8 +108,9 @@ def _sink_hidden(layer, start: int, end: int) -> torch.Tensor:
     return hidden[:, :, : end - start]
 
 
-def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _OnlineSoftmax) -> None:
-    """The store segment in PyTorch, `STORE_BLOCK` tokens at a time (the reference for the kernel)."""
+def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _OnlineSoftmax, kernel: bool) -> None:
+    """The store segment, `STORE_BLOCK` tokens at a time: in PyTorch (the reference for the kernels), or with
+    `kernel` through the codec's own kernel where it has one (`attend_block`: lowrank's on CPU)."""
     codec, n_enc = layer.codec, layer.store.n_encoded
     unit = max(codec.token_block("key"), codec.token_block("value"))
     batch, heads, _, dim = stored_q.shape
@@ -113,12 +122,21 @@ def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _Onl
         # and learns which block is the layer's last (lowrank shares a step's turn tables over its layers).
         at = {"positions": layer.slots.positions[:, :, start:end], "last_block": end == n_enc} \
             if codec.needs_positions else {}
-        logits = codec.key_logits(slice_encoded(layer.store.encoded_keys, start, end, n_enc), stored_q, **at)
+        keys = slice_encoded(layer.store.encoded_keys, start, end, n_enc)
         values = slice_encoded(layer.store.encoded_values, start, end, n_enc)
+        sinks = layer.slots.sink_slots
+        if kernel and codec.block_kernel:  # the codec's own kernel, where it reads this block (lowrank on CPU)
+            partials = codec.attend_block(keys, values, stored_q, _bias(attention_mask, 1, slice(start, end)),
+                                          None if sinks is None else sinks - start, **at)
+            if partials is not None:
+                block_max, total, part = partials
+                softmax.merge(block_max, total, part, stored_basis=True)
+                continue
+        logits = codec.key_logits(keys, stored_q, **at)
         bias = _bias(attention_mask, groups, slice(start, end))
         if bias is not None:
             logits = logits + bias
-        if layer.slots.sink_slots is not None:  # sinks are attended exactly below, not in their decoded form
+        if sinks is not None:  # sinks are attended exactly below, not in their decoded form
             logits = logits.masked_fill(_sink_hidden(layer, start, end)[:, :, None], float("-inf"))
         softmax.add(logits, lambda probs, values=values: codec.mix_values(values, probs), stored_basis=True)
 
@@ -230,17 +248,18 @@ def attend_store(
     elif kernel == "triton":
         out = _attend_by_triton(layer, plain_q, codec.key_query(plain_q), attention_mask)
     else:
-        out = _attend_in_segments(layer, plain_q, codec.key_query(plain_q), attention_mask, groups)
+        out = _attend_in_segments(layer, plain_q, codec.key_query(plain_q), attention_mask, groups, backend != "torch")
     out = out.reshape(batch, kv_heads, groups, q_len, -1).reshape(batch, q_heads, q_len, -1)
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
-def _attend_in_segments(layer, plain_q, stored_q, attention_mask, groups: int) -> torch.Tensor:
+def _attend_in_segments(layer, plain_q, stored_q, attention_mask, groups: int, kernel: bool) -> torch.Tensor:
     """The store (PyTorch blocks), the exact sinks and the tail as segments of one online softmax in PyTorch:
-    [B, H_kv, groups * q, Dv], normalised. The reference for both kernels."""
+    [B, H_kv, groups * q, Dv], normalised. The reference for both kernels (`kernel` False: for a codec's own key
+    kernel too)."""
     codec, n_enc = layer.codec, layer.store.n_encoded
     softmax = _OnlineSoftmax()
-    _store_by_blocks(layer, stored_q, attention_mask, groups, softmax)
+    _store_by_blocks(layer, stored_q, attention_mask, groups, softmax, kernel)
     if layer.slots.sink_slots is not None:
         slots = layer.slots.sink_slots
         logits = torch.matmul(plain_q, layer.store.sink_keys.float().transpose(-1, -2))

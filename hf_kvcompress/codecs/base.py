@@ -42,6 +42,8 @@ class Codec(ABC):
     # `decode(encoded, "key", dtype, positions=...)`, positions [B, H_kv, T] the position each key was rotated to
     # (lowrank's joint bases project keys with RoPE undone). The layer then tracks each slot's position.
     needs_positions: ClassVar[bool] = False
+    # A block of the store may be read in one call of the codec's own kernel (`attend_block`; lowrank's on CPU).
+    block_kernel: ClassVar[bool] = False
 
     @property
     def exact_sinks(self) -> int:
@@ -87,6 +89,17 @@ class Codec(ABC):
     def mix_values(self, encoded: Encoded, probs: torch.Tensor) -> torch.Tensor:
         """probs [B, H, n, T] times the encoded values -> [B, H, n, Dv] in the storage basis (see `key_logits`)."""
         return torch.matmul(probs, self.decode_in_basis(encoded, "value", torch.float32))
+
+    def attend_block(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
+                     hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A block's softmax partials in one call of the codec's own kernel, or None (the default: attention reads
+        the block through `key_logits` and `mix_values`). query [B, H, n, D] (storage basis); bias [B or 1, H or 1,
+        q, T] float32 added to the logits (row m of n reads row m % q), or None; hidden [B, H, S] slots of the block
+        left out (outside [0, T): none), or None; a codec that `needs_positions` also takes what its `key_logits`
+        reads besides (positions, last_block).
+        Returns (max [B, H, n, 1], sum [B, H, n, 1], mix [B, H, n, *] in `mix_values`' basis), sum and mix relative
+        to the max (caches/store_attention.py)."""
+        return None
 
     def kernel_layout(self, kind: Kind) -> KernelLayout | None:
         """How a decode-attention kernel reads this kind's encoding (ops/cpu_decode.py), or None: then attention

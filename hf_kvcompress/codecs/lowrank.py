@@ -20,6 +20,7 @@ import torch
 
 from ..calibration import ERROR_STEP, JOINT, has_copy_weights, has_error_curves, load_bases, rope_frequencies
 from ..hf.compat import text_config
+from ..ops import cpu_decode
 from ..ops.bf16_matmul import fast_bfloat16_matmul
 from ..ops.rerotate import rerotate
 from .base import Encoded, Kind
@@ -45,7 +46,8 @@ class LayerBases:
     (`LowRankCodec.model_bytes` counts them, once per model).
     """
 
-    __slots__ = ("key_mean", "key_basis", "key_encoder", "value_mean", "value_basis", "value_encoder", "inv_freq")
+    __slots__ = ("key_mean", "key_basis", "key_encoder", "value_mean", "value_basis", "value_encoder", "inv_freq",
+                 "kernel_keys")
     key_mean: torch.Tensor
     key_basis: torch.Tensor
     key_encoder: torch.Tensor
@@ -53,10 +55,13 @@ class LayerBases:
     value_basis: torch.Tensor
     value_encoder: torch.Tensor
     inv_freq: torch.Tensor
+    # The key basis as the CPU kernel reads it (`key_basis_for_kernel`), per compute dtype: made at the first step.
+    kernel_keys: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]]
 
     def __init__(self, tensors: dict[str, torch.Tensor], layer_idx: int, ranks: tuple[int, int], joint: bool,
                  inv_freq: tuple[float, ...] = ()):
         self.inv_freq = torch.tensor(inv_freq, dtype=torch.float32)
+        self.kernel_keys = {}
         for kind, rank in zip(("key", "value"), ranks, strict=True):
             mean = tensors[f"layers.{layer_idx}.{kind}_mean"].float()
             basis = tensors[f"layers.{layer_idx}.{kind}_basis"][..., :rank].float()
@@ -93,7 +98,21 @@ class LayerBases:
                 setattr(self, f"{kind}_encoder", getattr(self, f"{kind}_basis") if encoder is basis
                         else encoder.to(device))
             self.inv_freq = self.inv_freq.to(device)
+            self.kernel_keys = {}
         return self
+
+    def key_basis_for_kernel(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The key basis as `cpu_decode.lowrank_store_partials` reads it for products in `compute`: [H, r, D] float32
+        (rounded to bf16 for bf16 products) and, for bf16 products, the bf16 pairs (`cpu_decode.bf16_pairs`); made
+        once per layer and dtype. Like the bases they hold the model's numbers, not a user's (so `measured_kv_bytes`
+        does not count them); `model_bytes` counts the bases as loaded, not these copies (1.5x the key basis's bytes
+        for bf16 products)."""
+        if compute not in self.kernel_keys:
+            basis = self.key_basis
+            rounded = basis.to(compute).float() if compute != torch.float32 else basis
+            pairs = cpu_decode.bf16_pairs(basis) if compute == torch.bfloat16 else None
+            self.kernel_keys[compute] = (rounded.transpose(1, 2).contiguous(), pairs)
+        return self.kernel_keys[compute]
 
 
 class TurnTables:
@@ -142,6 +161,9 @@ class TurnTables:
 
 # Columns of one bf16 key product (`_product_in_chunks`): every product of a layer has the same shape.
 KEY_CHUNK = 1024
+# Query rows per KV head up to which a CPU step reads a block in the C++ kernel (`attend_block`): a decode step's few
+# rows. A prefill chunk's hundreds go through BLAS, whose products of many rows outrun the kernel's per-row FMAs.
+KERNEL_ROWS = 64
 
 
 def _product_in_chunks(basis: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
@@ -324,7 +346,8 @@ class LowRankCodec(ReducingCodec):
         storage: how the coordinates are stored (`lowrank+int4` quantizes them).
         compute: the dtype a decode step rebuilds the keys in from their latents (joint bases; the products that
             dominate a step at long contexts): "bfloat16" rounds the bases and latents to bf16 for the product (the
-            sums stay float32 inside the GEMM; the turn and the query's product stay float32), "float32" does not,
+            sums stay float32; the C++ kernel of a CPU decode step keeps them so, PyTorch's product returns its keys
+            rounded to bf16 once more; the turn and the query's product stay float32), "float32" does not,
             "auto" (the default) takes bf16 on a CPU that multiplies it natively (`ops.bf16_matmul`: measured once
             per process, `HF_KVCOMPRESS_BF16_MATMUL` forces it) and float32 elsewhere. A bf16 key differs from the
             float32 one by ~2^-9 of its size, far below the bases' own reconstruction error
@@ -333,6 +356,7 @@ class LowRankCodec(ReducingCodec):
 
     name: ClassVar[str] = "lowrank"
     keeps_rope: ClassVar[bool] = False  # coordinates on a basis: the storage cannot undo RoPE on them (pre_rope)
+    block_kernel: ClassVar[bool] = True  # a CPU decode step's blocks in one C++ call (`attend_block`)
 
     rank: int | None = None
     ratio: float | None = None
@@ -610,9 +634,8 @@ class LowRankCodec(ReducingCodec):
         cos/sin tables, `TurnTables`)."""
         if not self._joint:
             return super().key_logits(encoded, query)
-        compute = self._compute_dtype(query.device)
-        latent = self.storage.decode(encoded, "key", compute)  # [B, 1, T, r]
-        mean, basis = self._bases("key", query.shape[1], latent.device)
+        compute, latent, mean, cos, sin = self._key_inputs(encoded, query, positions, last_block)
+        _, basis = self._bases("key", query.shape[1], latent.device)
         heads, dim, rank = basis.shape
         batch, tokens = latent.shape[0], latent.shape[2]
         # The pre-RoPE keys as [B, H, D, T]: one [H * D, r] x [r, B * T] product for the layer's heads and rows,
@@ -623,15 +646,9 @@ class LowRankCodec(ReducingCodec):
         else:
             keys = _product_in_chunks(basis.reshape(heads * dim, rank).to(compute), flat)
         keys = keys.view(heads, dim, batch, tokens).permute(2, 0, 1, 3).add_(mean[None, :, :, None])
-        inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
-        position = self._positions(positions, latent.expand(-1, heads, -1, -1))[:, :1].to(torch.float32)
-        assert self._turns is not None  # bound with the joint bases
-        cos, sin = self._turns.lookup(inv_freq, position)  # [B, 1, R / 2, T]
-        if last_block and self._layer_idx == self._turns.last_layer:
-            self._turns.release()  # the step's last read of the tables (`TurnTables`)
         # Rotate-half RoPE (ops/rerotate.py) met by the query half by half: q . turn(k) = q1 . (k1 cos - k2 sin) +
         # q2 . (k2 cos + k1 sin); channels past the rotated ones (partial rotary) meet the query as they are.
-        half = inv_freq.numel()
+        half = cos.shape[2]
         first, second = keys[:, :, :half], keys[:, :, half : 2 * half]
         turned_first = (first * cos).addcmul_(second, sin, value=-1)
         turned_second = (second * cos).addcmul_(first, sin)
@@ -640,6 +657,42 @@ class LowRankCodec(ReducingCodec):
         if 2 * half < dim:
             logits += torch.matmul(query[..., 2 * half :], keys[:, :, 2 * half :])
         return logits
+
+    def _key_inputs(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None,
+                    last_block: bool) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a block's key logits read: the compute dtype, the latents [B, 1, T, r] (decoded by the storage), the
+        key mean [H, D] and the step's cos and sin [B, 1, R / 2, T] at the keys' positions (`TurnTables`; the last
+        block of the bound layers drops them)."""
+        compute = self._compute_dtype(query.device)
+        latent = self.storage.decode(encoded, "key", compute)  # [B, 1, T, r]
+        mean, _ = self._bases("key", query.shape[1], latent.device)
+        inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
+        position = self._positions(positions, latent.expand(-1, query.shape[1], -1, -1))[:, :1].to(torch.float32)
+        assert self._turns is not None  # bound with the joint bases
+        cos, sin = self._turns.lookup(inv_freq, position)  # [B, 1, R / 2, T]
+        if last_block and self._layer_idx == self._turns.last_layer:
+            self._turns.release()  # the step's last read of the tables (`TurnTables`)
+        return compute, latent, mean, cos, sin
+
+    def attend_block(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
+                     hidden: torch.Tensor | None, positions: torch.Tensor | None = None,
+                     last_block: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Joint bases, a CPU decode step (at most KERNEL_ROWS query rows per KV head) and the C++ kernel built:
+        the block in one call (`cpu_decode.lowrank_store_partials`, which rebuilds, turns and meets the keys and
+        mixes the value latents a tile of tokens at a time in registers), its partials in `mix_values`' basis;
+        the same sums as `key_logits` and `mix_values` in another order (bf16 products where `compute` asks).
+        `positions` and `last_block` as `key_logits`."""
+        if not (self._joint and query.device.type == "cpu" and query.shape[2] <= KERNEL_ROWS
+                and cpu_decode.available()):
+            return None
+        compute, latent, mean, cos, sin = self._key_inputs(keys, query, positions, last_block)
+        assert self._layer is not None  # bound per layer (`_bases` checked)
+        kernel_basis, pairs = self._layer.key_basis_for_kernel(compute)
+        value_latent = self.storage.decode(values, "value", torch.float32)  # [B, 1, T, r_v]; the store's own as kept
+        block_max, total, mixed = cpu_decode.lowrank_store_partials(
+            latent[:, 0], kernel_basis, pairs, compute == torch.bfloat16, mean, cos[:, 0], sin[:, 0],
+            query.float().contiguous(), value_latent[:, 0], bias, hidden)
+        return block_max, total, mixed
 
     def decode_in_basis(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         """Joint values: [B, 1, T, r + 1], each token's latent and a 1, the weight of the mean (`from_basis`)."""

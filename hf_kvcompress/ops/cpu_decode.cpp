@@ -355,6 +355,8 @@ inline void load_floats(const void* base, at::ScalarType type, int64_t start, in
   }
 }
 
+#include "cpu_lowrank.h"  // low rank's fused key logits and store segment (reads load_float / load_floats above)
+
 // Which parts of a call the instruction-set paths take: {keys, values}.
 std::vector<bool> vector_parts(const Store& keys, const Store& values, int64_t offsets, bool vectorised) {
 #if HF_KVCOMPRESS_SIMD
@@ -826,7 +828,147 @@ std::string instruction_set() {
 #endif
 }
 
+namespace {
+
+// The keys' half of lowrank_store_partials's arguments, checked.
+lowrank::Keys lowrank_keys(const at::Tensor& latent, const at::Tensor& basis, const c10::optional<at::Tensor>& pairs,
+                           bool round, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& query, bool vectorised) {
+  const auto type = latent.scalar_type();
+  TORCH_CHECK(latent.dim() == 3 && latent.stride(2) == 1 &&
+                  (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
+              "lowrank: latent must be float32, bfloat16 or float16 [B, T, r] with unit stride over r");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 4 && query.is_contiguous(),
+              "lowrank: query must be contiguous float32 [B, H, M, D]");
+  const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
+  const int64_t tokens = latent.size(1), rank = latent.size(2);
+  TORCH_CHECK(latent.size(0) == batch, "lowrank: latent and query disagree on the batch");
+  TORCH_CHECK(basis.scalar_type() == at::kFloat && basis.is_contiguous() && basis.dim() == 3 &&
+                  basis.size(0) == heads && basis.size(1) == rank && basis.size(2) == dim,
+              "lowrank: basis must be contiguous float32 [H, r, D]");
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.dim() == 2 && mean.size(0) == heads &&
+                  mean.size(1) == dim, "lowrank: mean must be contiguous float32 [H, D]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 3 &&
+                  cos.sizes() == sin.sizes() && cos.strides() == sin.strides() && cos.size(0) == batch &&
+                  cos.size(2) == tokens && cos.stride(2) == 1 && 2 * cos.size(1) <= dim,
+              "lowrank: cos and sin must be float32 [B, R / 2, T] alike, unit stride over T, R <= D");
+  const int64_t pair_rank = (rank + 1) / 2;
+  if (pairs.has_value())
+    TORCH_CHECK(pairs->scalar_type() == at::kInt && pairs->is_contiguous() && pairs->dim() == 3 &&
+                    pairs->size(0) == heads && pairs->size(1) == pair_rank && pairs->size(2) == dim,
+                "lowrank: pairs must be contiguous int32 [H, ceil(r / 2), D]");
+  const bool use_pairs = pairs.has_value() && vectorised && lowrank::native_pairs();
+  lowrank::Keys k;
+  k.latent = latent.data_ptr(), k.latent_type = type, k.latent_b = latent.stride(0), k.latent_t = latent.stride(1);
+  k.tokens = tokens, k.rank = rank, k.basis = basis.data_ptr<float>(), k.pair_rank = pair_rank, k.round = round;
+  k.pairs = use_pairs ? reinterpret_cast<const uint32_t*>(pairs->data_ptr<int32_t>()) : nullptr;
+  k.mean = mean.data_ptr<float>(), k.cos = cos.data_ptr<float>(), k.sin = sin.data_ptr<float>();
+  k.trig_b = cos.stride(0), k.trig_f = cos.stride(1), k.query = query.data_ptr<float>();
+  k.heads = heads, k.rows = rows, k.dim = dim, k.half = cos.size(1);
+  return k;
+}
+
+// Run `body<VECTOR, PAIRS>` with the instantiation this call reads: VDPBF16PS pairs, float32 FMAs in AVX-512, or
+// the portable loops.
+template <class Body>
+void lowrank_dispatch(const lowrank::Keys& k, bool vectorised, Body&& body) {
+#if defined(__AVX512F__)
+  if (vectorised) {
+    if (k.pairs != nullptr) return body(std::true_type{}, std::true_type{});
+    return body(std::true_type{}, std::false_type{});
+  }
+#endif
+  (void)k, (void)vectorised;
+  body(std::false_type{}, std::false_type{});
+}
+
+}  // namespace
+
+// The store segment of a decode step's softmax over a joint low-rank store, fused (cpu_lowrank.h). The keys' logits:
+// latent [B, T, r] (float32, bfloat16 or float16, unit stride over r); basis [H, r, D] float32 (the layer's key basis
+// transposed; bf16 values when `round`); pairs [H, ceil(r / 2), D] int32 (the bf16 basis as pairs of rank entries) or
+// absent; round: the latents rounded to bf16 (bf16 products); mean [H, D] float32; cos, sin [B, R / 2, T] float32
+// (unit stride over T); query [B, H, M, D] float32 (scaled): query . RoPE(p_t)(basis z_t + mean). Plus bias [B or 1, H or 1, Q, T] float32 (row m reads bias row m % Q; unit stride
+// over T) or absent, the slots `hidden` [B, H, S] int64 left out (outside [0, T): none) or absent, folded into an
+// online softmax that mixes the value latents value_latent [B, T, rv] (float32, bfloat16 or float16, unit stride over
+// rv). Returns (max [B, H, M, 1], sum [B, H, M, 1], mixed [B, H, M, rv + 1]): the sum and the mix relative to the max,
+// the mix's last column the sum again (the weight of the values' mean, codecs/lowrank.py's `mix_values`); a row with
+// every logit masked has max -inf and zeros. Token chunks run in parallel and merge at the end.
+std::vector<at::Tensor> lowrank_store_partials(
+    const at::Tensor& latent, const at::Tensor& basis, const c10::optional<at::Tensor>& pairs, bool round,
+    const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& query,
+    const at::Tensor& value_latent, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden,
+    bool vectorised) {
+  const lowrank::Keys k = lowrank_keys(latent, basis, pairs, round, mean, cos, sin, query, vectorised);
+  const int64_t batch = query.size(0), rows = k.heads * k.rows;
+  const auto vtype = value_latent.scalar_type();
+  TORCH_CHECK(value_latent.dim() == 3 && value_latent.stride(2) == 1 && value_latent.size(0) == batch &&
+                  value_latent.size(1) == k.tokens &&
+                  (vtype == at::kFloat || vtype == at::kBFloat16 || vtype == at::kHalf),
+              "lowrank: value_latent must be float32, bfloat16 or float16 [B, T, rv] with unit stride over rv");
+  lowrank::Values v;
+  v.latent = value_latent.data_ptr(), v.type = vtype, v.latent_b = value_latent.stride(0);
+  v.latent_t = value_latent.stride(1), v.rank = value_latent.size(2);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 4 && bias->size(3) == k.tokens &&
+                    (k.tokens <= 1 || bias->stride(3) == 1) && (bias->size(0) == 1 || bias->size(0) == batch) &&
+                    (bias->size(1) == 1 || bias->size(1) == k.heads) && k.rows % bias->size(2) == 0,
+                "lowrank: bias must be float32 [B or 1, H or 1, Q, T] with unit stride over T");
+    v.bias = bias->data_ptr<float>();
+    v.bias_b = bias->size(0) == 1 ? 0 : bias->stride(0), v.bias_h = bias->size(1) == 1 ? 0 : bias->stride(1);
+    v.bias_q = bias->stride(2), v.bias_rows = bias->size(2);
+  }
+  if (hidden.has_value()) {
+    TORCH_CHECK(hidden->scalar_type() == at::kLong && hidden->dim() == 3 && hidden->size(0) == batch &&
+                    hidden->size(1) == k.heads && hidden->is_contiguous(), "lowrank: hidden must be int64 [B, H, S]");
+    v.hidden = hidden->data_ptr<int64_t>(), v.sinks = hidden->size(2);
+  }
+  auto options = query.options();
+  at::Tensor out_max = at::full({batch, k.heads, k.rows, 1}, NEG_INF, options);
+  at::Tensor out_sum = at::zeros({batch, k.heads, k.rows, 1}, options);
+  at::Tensor out_mix = at::zeros({batch, k.heads, k.rows, v.rank + 1}, options);
+  const int64_t tiles = (k.tokens + lowrank::LANES - 1) / lowrank::LANES;
+  if (tiles == 0) return {out_max, out_sum, out_mix};
+  // Chunks of tokens per row, one per thread (one in all on one thread), whatever the batch: a row's sums then run in
+  // the same order batched or alone, so a row gives what it gives alone.
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(tiles, at::get_num_threads()));
+  std::vector<float> mx(static_cast<size_t>(batch * chunks * rows)), sm(mx.size());
+  std::vector<float> acc(static_cast<size_t>(batch * chunks * rows * v.rank));
+  at::parallel_for(0, batch * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / chunks, c = task % chunks;
+      lowrank_dispatch(k, vectorised, [&](auto vector, auto pairs_) {
+        lowrank::fold_tiles<decltype(vector)::value, decltype(pairs_)::value>(
+            k, v, b, tiles * c / chunks, tiles * (c + 1) / chunks, mx.data() + task * rows, sm.data() + task * rows,
+            acc.data() + task * rows * v.rank);
+      });
+    }
+  });
+  float* o_max = out_max.data_ptr<float>();
+  float* o_sum = out_sum.data_ptr<float>();
+  float* o_mix = out_mix.data_ptr<float>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t row = 0; row < rows; ++row) {
+      float best = NEG_INF;
+      for (int64_t c = 0; c < chunks; ++c) best = std::max(best, mx[(b * chunks + c) * rows + row]);
+      if (best == NEG_INF) continue;  // every logit masked: max -inf, zeros
+      const int64_t out = b * rows + row;
+      float* mix = o_mix + out * (v.rank + 1);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t part = (b * chunks + c) * rows + row;
+        const float scale = exp_nonpositive(mx[part] - best);
+        o_sum[out] += scale * sm[part];
+        for (int64_t i = 0; i < v.rank; ++i) mix[i] += scale * acc[part * v.rank + i];
+      }
+      o_max[out] = best;
+      mix[v.rank] = o_sum[out];
+    }
+  return {out_max, out_sum, out_mix};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("lowrank_store_partials", &lowrank_store_partials,
+             "Softmax partials of decode queries over a joint low-rank store (max, sum, value-latent mix), fused");
   module.def("decode_attention_partials", &decode_attention_partials,
              "Softmax partials of decode queries over a bit-packed KV store (max, sum, unnormalised output)");
   module.def("decode_attention", &decode_attention,

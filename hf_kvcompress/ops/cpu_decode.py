@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-# What SOURCE includes (the AVX-512 and AVX2 paths): part of the build's digest and copied next to it.
-HEADERS = [Path(__file__).with_name("cpu_decode_avx512.h"), Path(__file__).with_name("cpu_decode_avx2.h")]
+# What SOURCE includes (the AVX-512 and AVX2 paths, low rank's key logits): part of the build's digest and copied next
+# to it.
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_decode_avx512.h", "cpu_decode_avx2.h", "cpu_lowrank.h")]
 PLAIN, AFFINE, FLOAT8 = 0, 1, 2  # how codes become levels (see cpu_decode.cpp)
 
 
@@ -194,3 +195,41 @@ def decode_attention(
         None if value_rotation is None else value_rotation.float().contiguous(),
         None if key_turns is None else key_turns.float().contiguous(),
     ))
+
+
+def lowrank_store_partials(
+    latent: torch.Tensor, basis: torch.Tensor, pairs: torch.Tensor | None, round_bf16: bool, mean: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, value_latent: torch.Tensor, bias: torch.Tensor | None,
+    hidden: torch.Tensor | None, vectorised: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax partials of `query` [B, H, M, D] (float32, scaled) over a block of a joint low-rank store, in one call
+    (cpu_lowrank.h): the keys query . RoPE(p_t)(basis_h z_t + mean_h) rebuilt, turned and met a tile of tokens at a
+    time without leaving registers, masked, and folded into an online softmax that mixes the value latents.
+
+    `latent` [B, T, r] (float32, bfloat16 or float16, unit stride over r): the key latents; `basis` [H, r, D] float32
+    (the key basis transposed); `mean` [H, D]; `cos`, `sin` [B, R / 2, T] float32 (RoPE's turn at each token's
+    position over the first R channels, rotate-half; unit stride over T). `round_bf16`: bf16 products (the latents
+    rounded to bf16, `basis` holding bf16 values); `pairs` [H, ceil(r / 2), D] int32, the bf16 basis as pairs of rank
+    entries (`bf16_pairs`), read where the build multiplies bf16 pairs natively (AVX512-BF16), or None.
+    `value_latent` [B, T, rv] (unit stride over rv); `bias` [B or 1, H or 1, Q, T] float32 added to the logits (row m
+    reads bias row m % Q) or None; `hidden` [B, H, S] the slots left out (outside [0, T): none) or None. Returns
+    (max [B, H, M, 1], sum [B, H, M, 1], mix [B, H, M, rv + 1]): sum and mix relative to the max, the mix's last
+    column the sum (the weight of the values' mean); a row with every logit masked has max -inf and zeros.
+    `vectorised=False` keeps to the portable loops (the reference for the instruction-set paths)."""
+    extension = _extension()
+    if extension is None:
+        raise RuntimeError("the CPU decode-attention kernel is not available on this machine (see the warning)")
+    return tuple(extension.lowrank_store_partials(
+        latent, basis, pairs, round_bf16, mean, cos, sin, query, value_latent,
+        None if bias is None else bias.float(), None if hidden is None else hidden.long().contiguous(), vectorised,
+    ))
+
+
+def bf16_pairs(basis: torch.Tensor) -> torch.Tensor:
+    """`basis` [H, D, r] as the bf16 pairs `lowrank_store_partials` reads: [H, ceil(r / 2), D] int32, each word holding
+    rank entries 2j (low half) and 2j + 1 (high half; 0 past r) of a channel, rounded to bf16."""
+    heads, dim, rank = basis.shape
+    padded = torch.zeros(heads, dim, rank + rank % 2, dtype=torch.bfloat16, device=basis.device)
+    padded[..., :rank] = basis
+    # Little-endian: element 2j of a pair is the word's low half.
+    return padded.view(torch.int32).transpose(1, 2).contiguous()

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes
 from hf_kvcompress.codecs.lowrank import LowRankCodec
+from hf_kvcompress.ops import cpu_decode
 
 from ..caches.tiny_models import fitted_joint_bases, left_padded_prompts
 
@@ -48,32 +49,50 @@ def _spec(bases, spec, compute="float32"):
 
 
 def _codec_calls(monkeypatch):
-    calls = {"key_logits": 0, "mix_values": 0}
+    """Calls of the PyTorch reads of a block (`key_logits`, `mix_values`) and blocks read by the C++ kernel
+    (`attend_block` answering)."""
+    calls = {"key_logits": 0, "mix_values": 0, "attend_block": 0}
     for name in calls:
         original = getattr(LowRankCodec, name)
 
         def counted(self, *args, name=name, original=original, **kwargs):
-            calls[name] += 1
-            return original(self, *args, **kwargs)
+            out = original(self, *args, **kwargs)
+            calls[name] += out is not None
+            return out
 
         monkeypatch.setattr(LowRankCodec, name, counted)
     return calls
+
+
+def _without_kernel(monkeypatch):
+    """As on a machine without a compiler: lowrank's blocks are read in PyTorch."""
+    monkeypatch.setattr(cpu_decode, "available", lambda: False)
+
+
+KERNEL = pytest.mark.skipif(not cpu_decode.available(), reason="the CPU kernel cannot be built here")
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("spec", ["lowrank:ratio=0.5", "lowrank:ratio=0.25,residual_length=4",
                                   f"lowrank:ratio=0.5+{INT4}", "sink_window:sink_tokens=2,window=24+lowrank:ratio=0.5"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_fused_decode_equals_the_decoded_store(fitted, family, spec, padded, monkeypatch):
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=KERNEL), False], ids=["kernel", "pytorch"])
+def test_fused_decode_equals_the_decoded_store(fitted, family, spec, padded, kernel, monkeypatch):
     model, bases = fitted[family]
     spec = _spec(bases, spec)
     reference_cache = make_cache(spec, model.config)
     reference = _run(model, reference_cache, fused=False, padded=padded)
+    if not kernel:
+        _without_kernel(monkeypatch)
     calls = _codec_calls(monkeypatch)
     cache = make_cache(spec, model.config)
     fused = _run(model, cache, fused=True, padded=padded)
     layers = model.config.num_hidden_layers
-    assert calls["key_logits"] == calls["mix_values"] == 8 * layers  # every decode step of every layer read latents
+    # Every decode step of every layer read latents: in one kernel call per block, or in PyTorch.
+    if kernel:
+        assert calls["attend_block"] == 8 * layers and calls["key_logits"] == calls["mix_values"] == 0
+    else:
+        assert calls["key_logits"] == calls["mix_values"] == 8 * layers and calls["attend_block"] == 0
     assert all(layer.offers.confirmed for layer in cache.layers)
     assert (fused - reference).abs().max() < 1e-4
     assert measured_kv_bytes(cache) == measured_kv_bytes(reference_cache) == cache.promised_kv_bytes()
@@ -100,6 +119,57 @@ def test_fused_decode_in_bfloat16_is_within_its_rounding(fitted):
     # The reference rounds every rebuilt key and value to bf16 before attention; the fused path keeps them in
     # float32 (as the quantized stores' kernels do): a few bf16 units at logits of this size.
     assert (fused - reference).abs().max() <= 0.05 * reference.abs().max()
+
+
+@KERNEL
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("spec", ["lowrank:ratio=0.5",
+                                  "sink_window:sink_tokens=2,window=24+lowrank:ratio=0.25,residual_length=4"])
+def test_kernel_steps_equal_the_pytorch_steps(fitted, family, spec, monkeypatch):
+    """The C++ kernel's blocks (`attend_block`) against the PyTorch blocks they replace: a padded batch of two,
+    eviction (the sliding window) included. In float32 the same logits up to float32's rounding (the sums run in
+    another order). With bf16 products both round the basis and the latents to bf16 (PyTorch's product also returns
+    its keys in bf16, where the kernel keeps its float32 sums): the kernel's distance from float32 is a bf16
+    rounding's, as the PyTorch path's is, and it picks float32's greedy token wherever float32's lead is wider
+    than that rounding (tests/ops/test_cpu_lowrank.py compares the kernel's bf16 products with their exact sums)."""
+    model, bases = fitted[family]
+    runs = {}
+    for compute in ("float32", "bfloat16"):
+        runs["kernel", compute] = _run(model, make_cache(_spec(bases, spec, compute), model.config), True, padded=True)
+    _without_kernel(monkeypatch)
+    for compute in ("float32", "bfloat16"):
+        runs["torch", compute] = _run(model, make_cache(_spec(bases, spec, compute), model.config), True, padded=True)
+    steps = slice(30, None)
+    exact = runs["torch", "float32"][:, steps]
+    assert (runs["kernel", "float32"][:, steps] - exact).abs().max() < 1e-4 * max(1.0, exact.abs().max().item())
+    kernel_bf16, torch_bf16 = runs["kernel", "bfloat16"][:, steps], runs["torch", "bfloat16"][:, steps]
+    rounding = (kernel_bf16 - exact).abs().max()
+    assert 0 < rounding <= 2 * (torch_bf16 - exact).abs().max()
+    top2 = exact.topk(2, dim=-1).values
+    clear = top2[..., 0] - top2[..., 1] > 2 * rounding
+    assert clear.float().mean() > 0.5  # most steps are clear of the rounding: the comparison below says something
+    assert torch.equal(kernel_bf16.argmax(-1)[clear], exact.argmax(-1)[clear])
+    assert torch.equal(runs["kernel", "float32"][:, steps].argmax(-1), exact.argmax(-1))
+
+
+@KERNEL
+def test_attend_block_answers_only_a_cpu_decode_step(fitted):
+    """The kernel reads a decode step's few query rows; a prefill chunk's many rows (and a codec without joint
+    bases) are left to PyTorch's products."""
+    from hf_kvcompress.codecs.lowrank import KERNEL_ROWS
+
+    model, bases = fitted["llama"]
+    codec = make_cache(f"lowrank:ratio=0.5,bases={bases}", model.config).layers[1].codec
+    heads, dim = codec._kv_heads, model.config.hidden_size // model.config.num_attention_heads
+    g = torch.Generator().manual_seed(2)
+    positions = torch.arange(40)[None, None].expand(1, heads, 40)
+    keys = codec.encode(torch.randn(1, heads, 40, dim, generator=g), "key", positions=positions)
+    values = codec.encode(torch.randn(1, heads, 40, dim, generator=g), "value")
+    few = torch.randn(1, heads, 3, dim, generator=g)
+    many = torch.randn(1, heads, KERNEL_ROWS + 1, dim, generator=g)
+    at = {"positions": positions}
+    assert codec.attend_block(keys, values, few, None, None, **at) is not None
+    assert codec.attend_block(keys, values, many, None, None, **at) is None
 
 
 def test_key_logits_and_value_mix_equal_the_decoded_states(fitted):

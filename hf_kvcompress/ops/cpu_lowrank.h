@@ -1,0 +1,494 @@
+// A decode step's softmax over a joint low-rank store's latents (codecs/lowrank.py, `attend_block`), fused.
+//
+// A joint store holds one latent z_t [r] per token for a layer's KV heads; head h's key at position p_t is
+// RoPE(p_t)(B_h z_t + mu_h). The PyTorch path rebuilds a block's keys [H, D, T] in one product, adds the mean, turns
+// them in four elementwise passes and meets the query in two more products: every pass writes and rereads the
+// rebuilt keys (3 KiB per token at 3 x 64 float32 dims), together about what the product costs (docs/speed.md).
+// Here a tile of LANES tokens is rebuilt in registers, lane l of a vector being token t0 + l: a block of FREQS
+// frequencies' two halves (channels i and i + R/2 of rotate-half RoPE) are accumulated over the rank, one FMA per
+// basis entry (broadcast) and latent vector; the mean is added, the pair turned with the tile's cos and sin and met
+// by each query row's two channels, so only the logits leave the registers. Channels past the rotated ones (partial
+// rotary) meet the query as they are. The tile's logits are then masked (the additive mask, the slots of the exact
+// sinks) and folded into one online softmax per (head, query row) (flash-decoding), whose weights mix the value
+// latents (shared by the heads, as the keys' are: a value is B_v z_v + mu_v, so the mix stays in the latent and the
+// caller maps it to values once). The next tile's latents are prefetched while this one's products run: at long
+// contexts a layer's store comes from memory at every step.
+//
+// Products: float32 FMAs, or with bf16 products (lowrank's compute="bfloat16") the basis and the latents rounded to
+// bf16 (round to nearest even, as torch's conversion), their products exact in float32 and summed in float32: on a
+// CPU with AVX512-BF16 one VDPBF16PS per pair of rank entries (two products into the float32 lane), elsewhere the
+// rounded values through the float32 path. Only the order of the float32 sums differs from the PyTorch path.
+//
+// Included by cpu_decode.cpp inside its anonymous namespace, after its helpers (load_float, load_floats,
+// exp_nonpositive). HF_LOWRANK_VECS and HF_LOWRANK_FREQS set the register blocking: VECS x 2 x FREQS accumulators
+// read VECS latent vectors and 2 x FREQS broadcast basis entries per rank entry, and loads, not products, set the
+// pace when they outnumber the products' half (timed in docs/speed.md, "Low rank's decode step in one kernel call").
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#ifndef HF_LOWRANK_VECS
+#define HF_LOWRANK_VECS 2
+#endif
+#ifndef HF_LOWRANK_FREQS
+#define HF_LOWRANK_FREQS 4
+#endif
+
+namespace lowrank {
+
+constexpr int64_t VECS = HF_LOWRANK_VECS;   // float32 vectors of AVX-512 (16 tokens each) per tile
+constexpr int64_t LANES = 16 * VECS;  // tokens per tile
+constexpr int FREQS = HF_LOWRANK_FREQS;  // frequencies per block: 2 x FREQS x VECS accumulators
+
+// A bf16 value's bits (round to nearest even; a NaN stays a quiet NaN), as torch converts float32.
+inline uint32_t bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
+inline float bf16_float(uint32_t half) {
+  const uint32_t bits = half << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+struct Keys {
+  const void* latent = nullptr;  // [B, T, r] in latent_type, unit stride over r
+  at::ScalarType latent_type = at::kFloat;
+  int64_t latent_b = 0, latent_t = 0;  // strides in elements
+  int64_t tokens = 0, rank = 0;
+  const float* basis = nullptr;     // [H, r, D] float32 (bf16 values with `round`): the float32 products' operand
+  const uint32_t* pairs = nullptr;  // [H, r2, D] bf16 pairs (rank entries 2j low, 2j + 1 high): VDPBF16PS
+  int64_t pair_rank = 0;            // r2 = ceil(r / 2)
+  bool round = false;               // latents rounded to bf16 (bf16 products)
+  const float* mean = nullptr;      // [H, D]
+  const float* cos = nullptr;       // [B, R / 2, T], unit stride over T
+  const float* sin = nullptr;
+  int64_t trig_b = 0, trig_f = 0;   // strides in elements
+  const float* query = nullptr;     // [B, H, M, D] contiguous (scaled)
+  int64_t heads = 0, rows = 0, dim = 0, half = 0;
+};
+
+inline float latent_at(const Keys& k, int64_t b, int64_t t, int64_t j) {
+  return load_float(k.latent, k.latent_type, b * k.latent_b + t * k.latent_t + j);
+}
+
+// The tile's latents, rank-major: zt[j * LANES + l] = z_{t0 + l}[j] (rounded to bf16 with `round`), 0 past n tokens.
+inline void pack_floats(const Keys& k, int64_t b, int64_t t0, int64_t n, float* zt) {
+  for (int64_t j = 0; j < k.rank; ++j)
+    for (int64_t l = 0; l < LANES; ++l) {
+      const float z = l < n ? latent_at(k, b, t0 + l, j) : 0.0f;
+      zt[j * LANES + l] = k.round ? bf16_float(bf16_bits(z)) : z;
+    }
+}
+
+// The tile's latents as bf16 pairs: zp[j * LANES + l] holds z_{t0 + l}[2j] (low half) and [2j + 1] (high half).
+inline void pack_pairs(const Keys& k, int64_t b, int64_t t0, int64_t n, uint32_t* zp) {
+  for (int64_t j = 0; j < k.pair_rank; ++j)
+    for (int64_t l = 0; l < LANES; ++l) {
+      const float lo = l < n ? latent_at(k, b, t0 + l, 2 * j) : 0.0f;
+      const float hi = l < n && 2 * j + 1 < k.rank ? latent_at(k, b, t0 + l, 2 * j + 1) : 0.0f;
+      zp[j * LANES + l] = bf16_bits(lo) | (bf16_bits(hi) << 16);
+    }
+}
+
+// Portable: K frequencies from i0 (both halves) of head h over a tile, added into lg [M, LANES]. cs / sn: the
+// tile's cos and sin at frequency f, f * trig apart.
+template <int K>
+void turned_block(const Keys& k, int64_t h, int64_t i0, const float* zt, const float* cs, const float* sn,
+                  int64_t trig, const float* q, float* lg) {
+  float a1[K][LANES] = {}, a2[K][LANES] = {};
+  const int64_t dim = k.dim, half = k.half;
+  for (int64_t j = 0; j < k.rank; ++j) {
+    const float* row = k.basis + (h * k.rank + j) * dim;
+    const float* z = zt + j * LANES;
+    for (int c = 0; c < K; ++c) {
+      const float b1 = row[i0 + c], b2 = row[half + i0 + c];
+#pragma omp simd
+      for (int64_t l = 0; l < LANES; ++l) {
+        a1[c][l] += b1 * z[l];
+        a2[c][l] += b2 * z[l];
+      }
+    }
+  }
+  const float* mu = k.mean + h * dim;
+  for (int c = 0; c < K; ++c) {
+    const int64_t f = i0 + c;
+    const float* co = cs + f * trig;
+    const float* si = sn + f * trig;
+    float t1[LANES], t2[LANES];
+#pragma omp simd
+    for (int64_t l = 0; l < LANES; ++l) {
+      const float k1 = a1[c][l] + mu[f], k2 = a2[c][l] + mu[half + f];
+      t1[l] = k1 * co[l] - k2 * si[l];
+      t2[l] = k2 * co[l] + k1 * si[l];
+    }
+    for (int64_t m = 0; m < k.rows; ++m) {
+      const float q1 = q[m * dim + f], q2 = q[m * dim + half + f];
+#pragma omp simd
+      for (int64_t l = 0; l < LANES; ++l) lg[m * LANES + l] += q1 * t1[l] + q2 * t2[l];
+    }
+  }
+}
+
+// Portable: channel d of head h past the rotated ones, as it is.
+inline void plain_channel(const Keys& k, int64_t h, int64_t d, const float* zt, const float* q, float* lg) {
+  float a[LANES] = {};
+  for (int64_t j = 0; j < k.rank; ++j) {
+    const float b = k.basis[(h * k.rank + j) * k.dim + d];
+#pragma omp simd
+    for (int64_t l = 0; l < LANES; ++l) a[l] += b * zt[j * LANES + l];
+  }
+  const float mu = k.mean[h * k.dim + d];
+  for (int64_t m = 0; m < k.rows; ++m) {
+    const float qd = q[m * k.dim + d];
+#pragma omp simd
+    for (int64_t l = 0; l < LANES; ++l) lg[m * LANES + l] += qd * (a[l] + mu);
+  }
+}
+
+#if defined(__AVX512F__)
+// AVX-512: as turned_block, the accumulators in registers; PAIRS: bf16 pairs by VDPBF16PS (zp), else float32 FMAs
+// (zt).
+template <int K, bool PAIRS>
+void turned_block_avx512(const Keys& k, int64_t h, int64_t i0, const void* tile, const float* cs, const float* sn,
+                         int64_t trig, const float* q, float* lg) {
+  __m512 a1[K][VECS], a2[K][VECS];
+  for (int c = 0; c < K; ++c)
+    for (int v = 0; v < VECS; ++v) a1[c][v] = a2[c][v] = _mm512_setzero_ps();
+  const int64_t dim = k.dim, half = k.half;
+  if constexpr (PAIRS) {
+#if defined(__AVX512BF16__)
+    const uint32_t* zp = static_cast<const uint32_t*>(tile);
+    for (int64_t j = 0; j < k.pair_rank; ++j) {
+      const int32_t* row = reinterpret_cast<const int32_t*>(k.pairs + (h * k.pair_rank + j) * dim);
+      __m512bh z[VECS];
+      for (int v = 0; v < VECS; ++v) z[v] = (__m512bh)_mm512_loadu_si512(zp + j * LANES + 16 * v);
+      for (int c = 0; c < K; ++c) {
+        const __m512bh b1 = (__m512bh)_mm512_set1_epi32(row[i0 + c]);
+        const __m512bh b2 = (__m512bh)_mm512_set1_epi32(row[half + i0 + c]);
+        for (int v = 0; v < VECS; ++v) {
+          a1[c][v] = _mm512_dpbf16_ps(a1[c][v], b1, z[v]);
+          a2[c][v] = _mm512_dpbf16_ps(a2[c][v], b2, z[v]);
+        }
+      }
+    }
+#endif
+  } else {
+    const float* zt = static_cast<const float*>(tile);
+    for (int64_t j = 0; j < k.rank; ++j) {
+      const float* row = k.basis + (h * k.rank + j) * dim;
+      __m512 z[VECS];
+      for (int v = 0; v < VECS; ++v) z[v] = _mm512_loadu_ps(zt + j * LANES + 16 * v);
+      for (int c = 0; c < K; ++c) {
+        const __m512 b1 = _mm512_set1_ps(row[i0 + c]), b2 = _mm512_set1_ps(row[half + i0 + c]);
+        for (int v = 0; v < VECS; ++v) {
+          a1[c][v] = _mm512_fmadd_ps(b1, z[v], a1[c][v]);
+          a2[c][v] = _mm512_fmadd_ps(b2, z[v], a2[c][v]);
+        }
+      }
+    }
+  }
+  const float* mu = k.mean + h * dim;
+  for (int c = 0; c < K; ++c) {
+    const int64_t f = i0 + c;
+    const __m512 m1 = _mm512_set1_ps(mu[f]), m2 = _mm512_set1_ps(mu[half + f]);
+    for (int v = 0; v < VECS; ++v) {
+      const __m512 co = _mm512_loadu_ps(cs + f * trig + 16 * v), si = _mm512_loadu_ps(sn + f * trig + 16 * v);
+      const __m512 k1 = _mm512_add_ps(a1[c][v], m1), k2 = _mm512_add_ps(a2[c][v], m2);
+      a1[c][v] = _mm512_fmsub_ps(k1, co, _mm512_mul_ps(k2, si));
+      a2[c][v] = _mm512_fmadd_ps(k1, si, _mm512_mul_ps(k2, co));
+    }
+  }
+  for (int64_t m = 0; m < k.rows; ++m) {
+    const float* qm = q + m * dim;
+    for (int v = 0; v < VECS; ++v) {
+      __m512 acc = _mm512_loadu_ps(lg + m * LANES + 16 * v);
+      for (int c = 0; c < K; ++c) {
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(qm[i0 + c]), a1[c][v], acc);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(qm[half + i0 + c]), a2[c][v], acc);
+      }
+      _mm512_storeu_ps(lg + m * LANES + 16 * v, acc);
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+// The tile's latents gathered, LANES tokens per rank entry (pack_floats / pack_pairs for float32 and bfloat16 latents
+// in whole tiles; a scalar loop per element costs about what the tile's products do). False: not read here.
+inline bool pack_avx512(const Keys& k, int64_t b, int64_t t0, int64_t n, float* zt, uint32_t* zp) {
+  if (n < LANES || (k.latent_type != at::kFloat && k.latent_type != at::kBFloat16)) return false;
+  if (k.latent_type == at::kBFloat16 && (k.rank % 2 != 0 || k.latent_t % 2 != 0 || k.latent_b % 2 != 0)) return false;
+#if !defined(__AVX512BF16__)
+  if (k.round && k.latent_type == at::kFloat) return false;
+#endif
+  const __m512i tokens = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int32_t>(k.latent_t)));
+  for (int v = 0; v < VECS; ++v) {
+    const int64_t start = b * k.latent_b + (t0 + 16 * v) * k.latent_t;
+    if (k.latent_type == at::kFloat) {
+      const float* base = static_cast<const float*>(k.latent) + start;
+      auto gather = [&](int64_t j) { return _mm512_i32gather_ps(tokens, base + j, 4); };
+      if (zt != nullptr)
+        for (int64_t j = 0; j < k.rank; ++j) {
+          __m512 z = gather(j);
+#if defined(__AVX512BF16__)
+          if (k.round)
+            z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(z)), 16));
+#endif
+          _mm512_storeu_ps(zt + j * LANES + 16 * v, z);
+        }
+#if defined(__AVX512BF16__)
+      if (zp != nullptr)
+        for (int64_t j = 0; j < k.pair_rank; ++j) {
+          const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(gather(2 * j)));
+          const __m512i hi = 2 * j + 1 < k.rank
+                                 ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(gather(2 * j + 1)))
+                                 : _mm512_setzero_si512();
+          _mm512_storeu_si512(zp + j * LANES + 16 * v, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+#endif
+      continue;
+    }
+    // bfloat16 latents: 32-bit words of two rank entries (2j at the lower address), gathered whole.
+    const uint16_t* base = static_cast<const uint16_t*>(k.latent) + start;
+    for (int64_t j = 0; j < k.pair_rank; ++j) {
+      const __m512i pair = _mm512_i32gather_epi32(tokens, base + 2 * j, 2);
+      if (zp != nullptr) _mm512_storeu_si512(zp + j * LANES + 16 * v, pair);
+      if (zt != nullptr) {
+        _mm512_storeu_ps(zt + 2 * j * LANES + 16 * v, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+        _mm512_storeu_ps(zt + (2 * j + 1) * LANES + 16 * v,
+                         _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)))));
+      }
+    }
+  }
+  return true;
+}
+#endif
+
+// Whether this build rebuilds with VDPBF16PS (the kernel then wants the basis as bf16 pairs for bf16 products).
+constexpr bool native_pairs() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The frequencies of head h from i0 on, FREQS at a time (the last block narrower), added into lg.
+template <bool VECTOR, bool PAIRS>
+void turned_head(const Keys& k, int64_t h, const void* tile, const float* cs, const float* sn, int64_t trig,
+                 const float* q, float* lg) {
+  int64_t i0 = 0;
+  for (; i0 + FREQS <= k.half; i0 += FREQS) {
+#if defined(__AVX512F__)
+    if constexpr (VECTOR) {
+      turned_block_avx512<FREQS, PAIRS>(k, h, i0, tile, cs, sn, trig, q, lg);
+      continue;
+    }
+#endif
+    turned_block<FREQS>(k, h, i0, static_cast<const float*>(tile), cs, sn, trig, q, lg);
+  }
+  for (; i0 < k.half; ++i0) {
+#if defined(__AVX512F__)
+    if constexpr (VECTOR) {
+      turned_block_avx512<1, PAIRS>(k, h, i0, tile, cs, sn, trig, q, lg);
+      continue;
+    }
+#endif
+    turned_block<1>(k, h, i0, static_cast<const float*>(tile), cs, sn, trig, q, lg);
+  }
+}
+
+// A tile's working buffers, one set per thread.
+struct Buffers {
+  std::vector<float> zt;          // float32 latents, rank-major (also the plain channels' tile)
+  std::vector<uint32_t> zp;       // bf16 pairs, rank-major
+  std::vector<float> trig_tile;   // a last, partial tile's cos and sin
+  Buffers(const Keys& k, bool pairs)
+      : zt(static_cast<size_t>(k.rank * LANES)), zp(pairs ? static_cast<size_t>(k.pair_rank * LANES) : 0),
+        trig_tile(static_cast<size_t>(2 * k.half * LANES)) {}
+};
+
+// Ask for `bytes` from `first` (the next tile's latents: a layer's store outgrows the caches between steps, and
+// asked for now they arrive while this tile's products run, instead of stalling its gathers line by line).
+inline void prefetch(const void* first, int64_t bytes) {
+#if defined(__AVX512F__)
+  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(static_cast<const char*>(first) + offset, _MM_HINT_T0);
+#else
+  (void)first, (void)bytes;
+#endif
+}
+
+// The bytes of rows [t0, t0 + n) of batch row b of a [B, T, r] latent with strides (latent_b, latent_t).
+inline void prefetch_rows(const void* latent, at::ScalarType type, int64_t latent_b, int64_t latent_t, int64_t b,
+                          int64_t t0, int64_t n) {
+  const int64_t width = static_cast<int64_t>(c10::elementSize(type));
+  prefetch(static_cast<const char*>(latent) + (b * latent_b + t0 * latent_t) * width, n * latent_t * width);
+}
+
+// Every head's logits of the tile of row b from t0: lg [H, M, LANES] (lanes past the store's end hold garbage).
+template <bool VECTOR, bool PAIRS>
+void tile_logits(const Keys& k, int64_t b, int64_t t0, Buffers& buf, float* lg) {
+  const int64_t n = std::min(LANES, k.tokens - t0);
+  const bool plain_channels = 2 * k.half < k.dim;
+  bool packed = false;
+#if defined(__AVX512F__)
+  if constexpr (VECTOR)
+    packed = pack_avx512(k, b, t0, n, !PAIRS || plain_channels ? buf.zt.data() : nullptr,
+                         PAIRS ? buf.zp.data() : nullptr);
+#endif
+  if (!packed) {
+    if (!PAIRS || plain_channels) pack_floats(k, b, t0, n, buf.zt.data());
+    if (PAIRS) pack_pairs(k, b, t0, n, buf.zp.data());
+  }
+  const float* cs = k.cos + b * k.trig_b + t0;
+  const float* sn = k.sin + b * k.trig_b + t0;
+  int64_t trig = k.trig_f;
+  if (n < LANES) {  // reads stay inside the tables: the tile's columns copied, the rest 0
+    std::fill(buf.trig_tile.begin(), buf.trig_tile.end(), 0.0f);
+    for (int64_t f = 0; f < k.half; ++f)
+      for (int64_t l = 0; l < n; ++l) {
+        buf.trig_tile[f * LANES + l] = cs[f * k.trig_f + l];
+        buf.trig_tile[(k.half + f) * LANES + l] = sn[f * k.trig_f + l];
+      }
+    cs = buf.trig_tile.data(), sn = buf.trig_tile.data() + k.half * LANES, trig = LANES;
+  }
+  const void* tile = PAIRS ? static_cast<const void*>(buf.zp.data()) : static_cast<const void*>(buf.zt.data());
+  std::fill(lg, lg + k.heads * k.rows * LANES, 0.0f);
+  for (int64_t h = 0; h < k.heads; ++h) {
+    const float* q = k.query + (b * k.heads + h) * k.rows * k.dim;
+    float* out = lg + h * k.rows * LANES;
+    turned_head<VECTOR, PAIRS>(k, h, tile, cs, sn, trig, q, out);
+    for (int64_t d = 2 * k.half; d < k.dim; ++d) plain_channel(k, h, d, buf.zt.data(), q, out);
+  }
+}
+
+// What the store segment's softmax reads besides the keys: the value latents (shared by the layer's heads, as the
+// keys' are), the additive mask and the slots attended elsewhere (the exact sinks).
+struct Values {
+  const void* latent = nullptr;  // [B, T, rv], unit stride over rv
+  at::ScalarType type = at::kFloat;
+  int64_t latent_b = 0, latent_t = 0, rank = 0;
+  const float* bias = nullptr;  // [B or 1, H or 1, Q, T]: row m of a head's M reads bias row m % Q
+  int64_t bias_b = 0, bias_h = 0, bias_q = 0, bias_rows = 1;
+  const int64_t* hidden = nullptr;  // [B, H, S] slots of the store left out (outside [0, T): none)
+  int64_t sinks = 0;
+};
+
+// acc[row, :] += sum over the tile's n tokens of p[row, l] * z[l, :] (z's rows `stride` apart), 16 and 8 channels
+// at a time in registers.
+inline void mix_rows(const float* p, const float* z, int64_t stride, int64_t n, int64_t rows, int64_t rank,
+                     float* acc) {
+  for (int64_t row = 0; row < rows; ++row) {
+    float* a = acc + row * rank;
+    const float* pr = p + row * LANES;
+    int64_t c = 0;
+    for (; c + 16 <= rank; c += 16) {
+      float part[16];
+      for (int i = 0; i < 16; ++i) part[i] = a[c + i];
+      for (int64_t l = 0; l < n; ++l) {
+        const float w = pr[l];
+        const float* zl = z + l * stride + c;
+#pragma omp simd
+        for (int i = 0; i < 16; ++i) part[i] += w * zl[i];
+      }
+      for (int i = 0; i < 16; ++i) a[c + i] = part[i];
+    }
+    for (; c + 8 <= rank; c += 8) {
+      float part[8];
+      for (int i = 0; i < 8; ++i) part[i] = a[c + i];
+      for (int64_t l = 0; l < n; ++l) {
+        const float w = pr[l];
+        const float* zl = z + l * stride + c;
+#pragma omp simd
+        for (int i = 0; i < 8; ++i) part[i] += w * zl[i];
+      }
+      for (int i = 0; i < 8; ++i) a[c + i] = part[i];
+    }
+    for (; c < rank; ++c) {
+      float sum = a[c];
+      for (int64_t l = 0; l < n; ++l) sum += pr[l] * z[l * stride + c];
+      a[c] = sum;
+    }
+  }
+}
+
+// Tiles [tile_begin, tile_end) of row b folded into one online softmax per (head, query row): running max mx [R],
+// sum sm [R] and value-latent mix acc [R, rv] (R = H * M), relative to mx, as caches/store_attention.py's
+// _OnlineSoftmax folds a block (masked logits weigh nothing; a row masked so far keeps max -inf and zeros).
+template <bool VECTOR, bool PAIRS>
+void fold_tiles(const Keys& k, const Values& v, int64_t b, int64_t tile_begin, int64_t tile_end, float* mx,
+                float* sm, float* acc) {
+  const int64_t rows = k.heads * k.rows, rank = v.rank;
+  std::fill(mx, mx + rows, NEG_INF);
+  std::fill(sm, sm + rows, 0.0f);
+  std::fill(acc, acc + rows * rank, 0.0f);
+  Buffers buf(k, PAIRS);
+  std::vector<float> lg(static_cast<size_t>(rows * LANES)), zv(static_cast<size_t>(LANES * rank));
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    const int64_t t0 = tile * LANES, n = std::min(LANES, k.tokens - t0);
+    if (VECTOR && tile + 1 < tile_end) {
+      const int64_t nt = t0 + LANES, nn = std::min(LANES, k.tokens - nt);
+      prefetch_rows(k.latent, k.latent_type, k.latent_b, k.latent_t, b, nt, nn);
+      prefetch_rows(v.latent, v.type, v.latent_b, v.latent_t, b, nt, nn);
+    }
+    tile_logits<VECTOR, PAIRS>(k, b, t0, buf, lg.data());
+    for (int64_t h = 0; h < k.heads; ++h)
+      for (int64_t m = 0; m < k.rows; ++m) {
+        float* l = lg.data() + (h * k.rows + m) * LANES;
+        if (v.bias != nullptr) {
+          const float* bias = v.bias + b * v.bias_b + h * v.bias_h + (m % v.bias_rows) * v.bias_q + t0;
+          for (int64_t t = 0; t < n; ++t) l[t] += bias[t];
+        }
+        for (int64_t t = n; t < LANES; ++t) l[t] = NEG_INF;
+      }
+    for (int64_t h = 0; h < k.heads && v.hidden != nullptr; ++h)
+      for (int64_t s = 0; s < v.sinks; ++s) {
+        const int64_t slot = v.hidden[(b * k.heads + h) * v.sinks + s];
+        if (slot >= t0 && slot < t0 + n)
+          for (int64_t m = 0; m < k.rows; ++m) lg[(h * k.rows + m) * LANES + slot - t0] = NEG_INF;
+      }
+    for (int64_t row = 0; row < rows; ++row) {
+      float* l = lg.data() + row * LANES;
+      float top = NEG_INF;
+      for (int64_t t = 0; t < LANES; ++t) top = std::max(top, l[t]);
+      const float best = std::max(mx[row], top);
+      if (best == NEG_INF) {  // nothing seen yet: weights 0
+        std::fill(l, l + LANES, 0.0f);
+        continue;
+      }
+      if (mx[row] != best) {
+        const float scale = exp_nonpositive(mx[row] - best);  // 0 from -inf
+        sm[row] *= scale;
+        for (int64_t c = 0; c < rank; ++c) acc[row * rank + c] *= scale;
+        mx[row] = best;
+      }
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < LANES; ++t) {
+        l[t] = exp_nonpositive(l[t] - best);
+        total += l[t];
+      }
+      sm[row] += total;
+    }
+    // The tile's value latents as float32 rows: the store's own for float32 latents.
+    const float* z = nullptr;
+    int64_t stride = rank;
+    if (v.type == at::kFloat) {
+      z = static_cast<const float*>(v.latent) + b * v.latent_b + t0 * v.latent_t, stride = v.latent_t;
+    } else {
+      for (int64_t t = 0; t < n; ++t)
+        load_floats(v.latent, v.type, b * v.latent_b + (t0 + t) * v.latent_t, rank, zv.data() + t * rank);
+      z = zv.data();
+    }
+    mix_rows(lg.data(), z, stride, n, rows, rank, acc);
+  }
+}
+
+}  // namespace lowrank
