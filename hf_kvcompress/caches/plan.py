@@ -54,10 +54,12 @@ BUDGET_SLIDING_SHARE = 0.5
 # more (chosen on the development half: docs/results.md, "KVzip's byte target on hybrid models").
 BYTES_SLIDING_SCALE = 10.0
 BYTES_SLIDING_CODEC = IntNCodec(bits=4, residual_length=32, **PLAIN_NAME_DEFAULTS[4])  # `int4:residual_length=32`
-# A plain KVzip ratio below this (no codec) is planned on a hybrid model as its byte target (`ratio_as_bytes`); from
-# it up, by the ratio's own rule (`SlidingShare`). On Gemma-3-270M's development half (2,000 tokens) the byte plan
-# kept more answers at a quarter and an eighth, and at a half one multi_needle answer fewer (a distractor's number,
-# as every int4 cache there): docs/results.md, "A plain KVzip ratio below a half on Gemma-3 is a byte target".
+# A plain KVzip ratio below this (no codec) is planned as its byte target (`ratio_as_bytes`) on every layout; from it
+# up, by the ratio's own rule (`SlidingShare` on a hybrid model). On the development halves (2,000 tokens) the byte
+# plan kept at least the ratio's answers per task at a quarter and an eighth: more on Gemma-3-270M, on SmolLM2 the
+# same needle and multi_question answers and one multi_needle answer more at each. At a half Gemma-3 lost one
+# multi_needle answer (a distractor's number, as every int4 cache there); SmolLM2's half was measured on needle only
+# (docs/results.md, "A plain KVzip ratio below a half on Gemma-3 is a byte target" and "... on SmolLM2 too").
 RATIO_BYTES_BELOW = 0.5
 
 
