@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from .caches.compressed import CompressedCache
-from .caches.plan import planned_share, planned_sliding_tokens
+from .caches.plan import config_layer_types, is_hybrid, planned_share, planned_sliding_tokens
 from .hf.compat import text_config
 from .registry import parse_spec
 
@@ -121,11 +121,15 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     planned_sliding = json.loads(metadata.get("sliding_kept", "null"))
     if shared and "sliding_kept" not in metadata:
         planned_sliding = _r2_sliding(policy, config)
+    # The byte plan's codecs (plan.py `byte_codecs`) matter on load for a hybrid model's sliding layers only: the
+    # spec names the codec the full-attention layers ran (a plain bytes= its int4 since the plan stored them so), and
+    # a plain bytes= spec on a model without sliding layers was saved when that plan kept its exact pairs.
+    byte_plan = json.loads(metadata.get("byte_plan", "false")) and is_hybrid(config_layer_types(config))
     # ratio_bytes=False: a cache whose plain ratio was planned as a byte target saved its spec with that `bytes=`
     # (CompressedCache names what it runs), so a ratio in a saved spec was planned by its own rule and loads so.
     cache = CompressedCache(policy, codec, config=config, rerotate=json.loads(metadata["rerotate"]),
-                            share_sliding=shared, planned_sliding=planned_sliding,
-                            byte_plan=json.loads(metadata.get("byte_plan", "false")), ratio_bytes=False)
+                            share_sliding=shared, planned_sliding=planned_sliding, byte_plan=byte_plan,
+                            ratio_bytes=False)
     cache.model_name = metadata["model_name"]
     cache.architecture = json.loads(metadata["architecture"])
     if model is not None:

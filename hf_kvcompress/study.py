@@ -115,7 +115,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
     it (codec rates, scales, the full-precision residual and sinks; tokens kept as `kept_tokens`), without running
     the model, with values of `model_bytes` bytes; tested against measured (tests/test_study_bytes.py)."""
     policy, codec = parse_spec(spec)
-    policy = ratio_as_bytes(policy, codec, config)  # a plain KVzip ratio on a hybrid model: its byte target
+    policy = ratio_as_bytes(policy, codec, config)  # a plain KVzip ratio below a half: its byte target
     share = getattr(policy, "bytes", None)
     if share is not None:
         # KVzip's bytes=: the ranking spends that share of the uncompressed bytes (plan.py `ByteTarget`), but never

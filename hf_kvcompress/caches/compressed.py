@@ -111,10 +111,10 @@ class CompressedCache(Cache):
             share existed were built (persist.py).
         planned_sliding: the tokens a planned sliding layer keeps instead of the plan's (a saved cache's own count,
             persist.py); None: the plan's.
-        byte_plan: KVzip's bytes= on a hybrid model stores the sliding layers (and, with no codec given, every
-            layer) in the plan's int4 (plan.py `byte_codecs`); False keeps the codec given in every layer, as caches
-            saved before that plan were built (persist.py).
-        ratio_bytes: a plain KVzip ratio on a hybrid model is planned as its byte target (plan.py `ratio_as_bytes`);
+        byte_plan: KVzip's bytes= with no codec given stores the full-attention layers in the plan's int4, and on
+            a hybrid model the sliding layers whatever the codec (plan.py `byte_codecs`); False keeps the codec given
+            in every layer, as caches saved before that plan were built (persist.py).
+        ratio_bytes: a plain KVzip ratio below a half is planned as its byte target (plan.py `ratio_as_bytes`);
             False keeps the ratio's own plan, as caches saved before were built (persist.py).
     """
 
@@ -134,11 +134,11 @@ class CompressedCache(Cache):
         self.attention_settled = False
         requested = codec if codec is not None else IdentityCodec()
         policy = policy if policy is not None else KeepAllPolicy()
-        if ratio_bytes:  # a plain KVzip ratio on a hybrid model: its byte target (the spec then names it)
+        if ratio_bytes:  # a plain KVzip ratio below a half: its byte target (the spec then names it)
             policy = ratio_as_bytes(policy, requested, config)
         # Layout-dependent defaults (KVzip's span) settled once here, so every layer and the spec hold what is used.
         self.policy = for_model(policy, config)
-        if config is not None and byte_plan:  # KVzip's plain bytes= on a hybrid model: every layer the plan's codec
+        if config is not None and byte_plan:  # KVzip's plain bytes=: the full-attention layers in the plan's codec
             requested = byte_codecs(self.policy, requested, config_layer_types(config))[0]
         self.codec = cache_codec(self.policy, requested, config)
         self.config = config

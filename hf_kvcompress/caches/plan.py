@@ -54,10 +54,12 @@ BUDGET_SLIDING_SHARE = 0.5
 # more (chosen on the development half: docs/results.md, "KVzip's byte target on hybrid models").
 BYTES_SLIDING_SCALE = 10.0
 BYTES_SLIDING_CODEC = IntNCodec(bits=4, residual_length=32, **PLAIN_NAME_DEFAULTS[4])  # `int4:residual_length=32`
-# A plain KVzip ratio below this (no codec) is planned on a hybrid model as its byte target (`ratio_as_bytes`); from
-# it up, by the ratio's own rule (`SlidingShare`). On Gemma-3-270M's development half (2,000 tokens) the byte plan
-# kept more answers at a quarter and an eighth, and at a half one multi_needle answer fewer (a distractor's number,
-# as every int4 cache there): docs/results.md, "A plain KVzip ratio below a half on Gemma-3 is a byte target".
+# A plain KVzip ratio below this (no codec) is planned as its byte target (`ratio_as_bytes`) on every layout; from it
+# up, by the ratio's own rule (`SlidingShare` on a hybrid model). On the development halves (2,000 tokens) the byte
+# plan kept at least the ratio's answers per task at a quarter and an eighth: more on Gemma-3-270M, on SmolLM2 the
+# same needle and multi_question answers and one multi_needle answer more at each. At a half Gemma-3 lost one
+# multi_needle answer (a distractor's number, as every int4 cache there); SmolLM2's half was measured on needle only
+# (docs/results.md, "A plain KVzip ratio below a half on Gemma-3 is a byte target" and "... on SmolLM2 too").
 RATIO_BYTES_BELOW = 0.5
 
 
@@ -176,16 +178,15 @@ def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[st
 
 
 def ratio_as_bytes(policy: Policy, codec: Codec, config) -> Policy:
-    """`policy` as the plan runs it on the model of `config`: on a hybrid model a plain ratio R below
-    RATIO_BYTES_BELOW, with no codec, of a policy that takes a byte target (KVzip's, `Policy.with_byte_share`) is
-    planned as `bytes=R`: R of the uncompressed bytes in the dtype served. So such a ratio gets the byte plan
-    (`ByteTarget`, `byte_sliding_tokens`, `byte_codecs`: int4 in every layer), which kept more answers than the
-    ratio's own plan (`SlidingShare`) there (RATIO_BYTES_BELOW's measurements). Any other policy, a ratio from
-    RATIO_BYTES_BELOW up, a ratio with a codec (`ratio=0.25+int4` as `bytes=` a quarter of int4's bytes lost needles
-    its own plan keeps), a ratio with a knob of its own plan (`sliding=`, `floors=`, `budgets=`), a model without
-    sliding layers, or no config: `policy` as it is."""
-    if (policy.ratio is None or policy.ratio >= RATIO_BYTES_BELOW or not codec.lossless or config is None
-            or not is_hybrid(config_layer_types(config))):
+    """`policy` as the plan runs it on the model of `config`: a plain ratio R below RATIO_BYTES_BELOW, with no
+    codec, of a policy that takes a byte target (KVzip's, `Policy.with_byte_share`) is planned as `bytes=R`: R of
+    the uncompressed bytes in the dtype served. So such a ratio gets the byte plan (`ByteTarget`, `byte_codecs`:
+    every layer in BYTES_SLIDING_CODEC, and on a hybrid model `byte_sliding_tokens`): about three times as many
+    pairs, each in int4, for the same bytes, which kept more answers than the ratio's exact pairs on both layouts
+    (RATIO_BYTES_BELOW's measurements). Any other policy, a ratio from RATIO_BYTES_BELOW up, a ratio with a codec
+    (`ratio=0.25+int4` as `bytes=` a quarter of int4's bytes lost needles its own plan keeps), a ratio with a knob
+    of its own plan (`sliding=`, `floors=`, `budgets=`), or no config: `policy` as it is."""
+    if policy.ratio is None or policy.ratio >= RATIO_BYTES_BELOW or not codec.lossless or config is None:
         return policy
     return policy.with_byte_share(policy.ratio) or policy
 
@@ -304,14 +305,16 @@ def byte_sliding_tokens(share: float, whole: int) -> int:
 
 def byte_codecs(policy: Policy, codec: Codec, layer_types: list[str]) -> tuple[Codec, Codec | None]:
     """(the full-attention layers' codec as requested, the sliding layers' codec or None: `codec`'s own) under
-    `policy` on a model of `layer_types`. KVzip's `bytes=` on a hybrid model stores the sliding layers' window in
-    BYTES_SLIDING_CODEC, whatever the full-attention layers' codec (a wide window in few bytes: the sliding layers
-    attend locally, the answers needed them wide, and the full-attention layers need the bytes), and a plain
-    `bytes=` (no codec) stores the full-attention layers so too: at a quarter exact pairs would leave them about a
-    quarter of the document, where answers were lost (docs/results.md). Any other policy or model: unchanged."""
-    if getattr(policy, "bytes", None) is None or not is_hybrid(layer_types):
+    `policy` on a model of `layer_types`. A plain KVzip `bytes=` (no codec) stores the full-attention layers in
+    BYTES_SLIDING_CODEC on every model: exact pairs would leave them about B of the document, where answers were
+    lost that three times as many int4 pairs keep (on Gemma-3 and on SmolLM2, docs/results.md). On a hybrid model
+    `bytes=` also stores the sliding layers' window so, whatever the full-attention layers' codec (a wide window in
+    few bytes: the sliding layers attend locally, the answers needed them wide, and the full-attention layers need
+    the bytes). Any other policy: unchanged."""
+    if getattr(policy, "bytes", None) is None:
         return codec, None
-    return (BYTES_SLIDING_CODEC if isinstance(codec, IdentityCodec) else codec), BYTES_SLIDING_CODEC
+    full = BYTES_SLIDING_CODEC if isinstance(codec, IdentityCodec) else codec
+    return full, (BYTES_SLIDING_CODEC if is_hybrid(layer_types) else None)
 
 
 def planned_sliding_tokens(share: float, whole: int, rule: Callable[[float], float] | None = None) -> int:

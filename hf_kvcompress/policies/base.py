@@ -88,8 +88,8 @@ class Policy:
 
     def with_byte_share(self, share: float) -> Policy | None:
         """This policy holding `share` of the uncompressed cache's bytes in place of its plain ratio (KVzip's
-        `bytes=`), which is how a hybrid model plans that ratio (caches/plan.py `ratio_as_bytes`); None: the policy
-        keeps its ratio and the plan its own rule."""
+        `bytes=`), which is how the plan runs that ratio below a half (caches/plan.py `ratio_as_bytes`); None: the
+        policy keeps its ratio and the plan its own rule."""
         return None
 
     def kept_per_row(self, real_seen: torch.Tensor) -> torch.Tensor:

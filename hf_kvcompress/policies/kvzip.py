@@ -36,22 +36,23 @@ class KVzipPolicy(Policy):
 
     Args:
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
-        ratio: share of the tokens seen that is kept, instead of `budget`. On a model with sliding-window layers
-            (Gemma 3) a plain ratio below a half with no codec is planned as `bytes=ratio` (caches/plan.py
-            `ratio_as_bytes`); from a half up, with a codec, or with `sliding=`, `floors=` or other `budgets`, it
-            is the share of the whole cache's pairs: the sliding layers keep fewer than their share of the window
-            and the full-attention layers the pairs that frees (caches/plan.py, `SlidingShare`).
+        ratio: share of the tokens seen that is kept, instead of `budget`. A plain ratio below a half with no
+            codec is planned as `bytes=ratio` (caches/plan.py `ratio_as_bytes`: the same bytes, more pairs in
+            int4). From a half up, with a codec, or with `sliding=`, `floors=` or other `budgets`, it is the share
+            of the whole cache's pairs: on a model with sliding-window layers (Gemma 3) these keep fewer than their
+            share of the window and the full-attention layers the pairs that frees (caches/plan.py,
+            `SlidingShare`).
         bytes: share of the uncompressed cache's bytes kept, codec included, instead of `budget` or `ratio`
             (`kvzip:bytes=0.25`, `kvzip:bytes=0.1+int4`): counted in the dtype the model is served in (its
             config's 16-bit dtype, else bfloat16), against what transformers' own cache holds (a sliding layer its
             window). The plan turns it into the pairs kept (caches/plan.py, `ByteTarget`): at the ranking, the
             full-attention layers keep the best pairs whose bytes (the codec's rate, each pair's score, the
-            full-precision residual and sinks) fit in what the sliding layers leave. On a model with sliding
-            layers these keep a wide window of their newest tokens in int4, and without a codec the full-attention
-            layers are stored in that int4 too (caches/plan.py, `byte_codecs`). Tokens that arrive later
-            (questions, answers) are stored at full precision and appended (`decoding="append"`), or held to
-            `bytes` of their pairs, as a ratio holds them (`decoding="evict"`). Needs `budgets="head"` (the
-            ranking of every pair, where each pair's bytes are counted).
+            full-precision residual and sinks) fit in what the sliding layers leave. Without a codec the
+            full-attention layers are stored in `int4:residual_length=32`, and on a model with sliding layers these
+            keep a wide window of their newest tokens in that int4 (caches/plan.py, `byte_codecs`). Tokens that
+            arrive later (questions, answers) are stored at full precision and appended (`decoding="append"`), or
+            held to `bytes` of their pairs, as a ratio holds them (`decoding="evict"`). Needs `budgets="head"`
+            (the ranking of every pair, where each pair's bytes are counted).
         recent: newest tokens always kept (0 in KVzip): the end of the document, whatever its score. 128 gained
             two of 15 needles at each share on Gemma-3-270M and none on SmolLM2 (docs/results.md); not the default,
             since it is kept whatever the ratio and would refuse token budgets of 128 or less.

@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
+from hf_kvcompress.caches.compressed import CompressedCache
 from hf_kvcompress.caches.head_store import EVICTION_SLACK, SLACK_SHARE, HeadStore, RaggedHeads
 from hf_kvcompress.caches.layer import CompressedLayer
 from hf_kvcompress.caches.requests import MASK_KEY
@@ -14,10 +15,17 @@ from hf_kvcompress.codecs.identity import IdentityCodec
 from hf_kvcompress.generation import generate, prefill
 from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.ops.host_syncs import HostSyncCounter
+from hf_kvcompress.registry import parse_spec
 
 from .tiny_models import kvzip_forced_logits, masked_reference_logits, tiny_model
 
 REPEAT = [5, 6, 7]
+
+
+def _exact_pairs(spec, config):
+    """The cache of `spec` by the ratio's own plan: exact pairs, whose ranking these tests compare with a reference
+    (a plain KVzip ratio below a half is otherwise its byte target, in int4: caches/plan.py `ratio_as_bytes`)."""
+    return CompressedCache(*parse_spec(spec), config=config, ratio_bytes=False)
 
 
 def _ids(n, seed=16, batch=1):
@@ -89,7 +97,7 @@ def test_head_budgets_keep_each_rows_best_pairs_of_all_layers_and_heads():
     heads = scores[0].shape[0]
     expected = _reference_keep(scores, 10, heads)  # a quarter of 40 tokens per head, on average
 
-    cache = make_cache("kvzip:ratio=0.25,budgets=head,span=0", model.config)
+    cache = _exact_pairs("kvzip:ratio=0.25,budgets=head,span=0", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     assert all(isinstance(layer.store, HeadStore) for layer in cache.layers)
     lengths = [layer.store.encoded.lengths[0] for layer in cache.layers]
@@ -111,7 +119,7 @@ def test_span_chooses_which_pairs_each_head_keeps_but_not_how_many():
     scores = [layer.accumulated[0] for layer in _scored(model, ids).layers]
     heads = scores[0].shape[0]
     counts = [e.view(heads, -1).sum(-1) for e in _reference_keep(scores, 10, heads)]
-    cache = make_cache("kvzip:ratio=0.25,span=3", model.config)
+    cache = _exact_pairs("kvzip:ratio=0.25,span=3", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     for layer, s, n in zip(cache.layers, scores, counts, strict=True):
         assert torch.equal(layer.store.encoded.lengths[0], n)
@@ -131,7 +139,7 @@ def test_span_0_keeps_kvzips_own_ranking_of_every_pair():
     scores = [layer.accumulated[0] for layer in _scored(model, ids).layers]
     heads = scores[0].shape[0]
     expected = _reference_keep(scores, 10, heads)
-    cache = make_cache("kvzip:ratio=0.25,span=0", model.config)
+    cache = _exact_pairs("kvzip:ratio=0.25,span=0", model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     for layer, s, e in zip(cache.layers, scores, expected, strict=True):
         mask = e.view(heads, -1)
@@ -149,7 +157,7 @@ def _ranked_beside_reference(spec):
     ids, question = _ids(30, seed=3), _ids(4, seed=4)
     scored = _scored(model, ids)
     expected_keep = _reference_keep([layer.accumulated[0] for layer in scored.layers], 12, 2)
-    cache = make_cache(spec, model.config)
+    cache = _exact_pairs(spec, model.config)
     prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
     return model, question, scored, expected_keep, cache
 

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, measured_kv_bytes, use_kvcompress_attention
 from hf_kvcompress.caches import joined_heads
+from hf_kvcompress.caches.compressed import CompressedCache
 from hf_kvcompress.caches.head_store import ABSORB_BLOCK
 from hf_kvcompress.caches.joined_heads import JoinedHeads
 from hf_kvcompress.calibration import ridge
@@ -28,6 +29,7 @@ from hf_kvcompress.probe_calibration import (
     spearman,
 )
 from hf_kvcompress.probes import PROBE_FORMAT, estimated_score, load_probes, save_probe
+from hf_kvcompress.registry import parse_spec
 
 from .tiny_models import attend_per_head, kvzip_forced_logits, left_padded_prompts, masked_reference_logits, tiny_model
 
@@ -781,9 +783,12 @@ def test_heads_attended_in_groups_decode_as_one_call_per_head(probed, spec, leng
     if spec.startswith("kvzap"):
         spec = _spec(spec, directory)
     elif "sliding_attention" in (getattr(model.config, "layer_types", None) or ()):
-        # tiny gemma3: a plain quarter is a byte target in int4, whose store attends otherwise; the ratio's own plan
-        # (an explicit sliding=) keeps exact pairs
+        # a plain quarter is a byte target in int4, whose store attends otherwise; the ratio's own plan (an explicit
+        # sliding= on tiny gemma3, ratio_bytes=False below on the others) keeps exact pairs
         spec += ",sliding=2"
+
+    def build():
+        return CompressedCache(*parse_spec(spec), config=model.config, ratio_bytes=not spec.startswith("kvzip"))
     monkeypatch.setattr(joined_heads, "GROUP_SLACK", 0 if slack == 0 else joined_heads.GROUP_SLACK)
     grouped_calls, heads = [], []
     attend = JoinedHeads.attend
@@ -794,11 +799,11 @@ def test_heads_attended_in_groups_decode_as_one_call_per_head(probed, spec, leng
         return attend(joined, query, scaling)
 
     monkeypatch.setattr(JoinedHeads, "attend", counted)
-    cache = make_cache(spec, model.config)
+    cache = build()
     grouped = kvzip_forced_logits(model, ids, mask, cache, tokens)
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
     monkeypatch.setattr(JoinedHeads, "attend", attend_per_head)
-    reference = kvzip_forced_logits(model, ids, mask, make_cache(spec, model.config), tokens)
+    reference = kvzip_forced_logits(model, ids, mask, build(), tokens)
     torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
     assert torch.equal(grouped.argmax(-1), reference.argmax(-1))
     assert len(grouped_calls) == len(heads) > 0

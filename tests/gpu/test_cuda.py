@@ -11,6 +11,8 @@ from transformers import DynamicCache
 
 from hf_kvcompress import make_cache
 from hf_kvcompress.caches import store_attention
+from hf_kvcompress.caches.compressed import CompressedCache
+from hf_kvcompress.registry import parse_spec
 
 from ..caches.tiny_models import attend_per_head, kvzip_forced_logits, left_padded_prompts, tiny_model
 
@@ -140,9 +142,13 @@ def test_per_head_stores_attend_in_groups_as_one_call_per_head(dtype, slack, mon
     tokens = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(6)).cuda()
     monkeypatch.setattr(joined_heads, "GROUP_SLACK", 0 if slack == 0 else joined_heads.GROUP_SLACK)
     model = _on_gpu("llama", dtype)
-    grouped = kvzip_forced_logits(model, ids, mask, make_cache("kvzip:ratio=0.25", model.config), tokens)
+
+    def exact_pairs():  # the ratio's own plan: a plain quarter is its byte target in int4 (caches/plan.py)
+        return CompressedCache(*parse_spec("kvzip:ratio=0.25"), config=model.config, ratio_bytes=False)
+
+    grouped = kvzip_forced_logits(model, ids, mask, exact_pairs(), tokens)
     monkeypatch.setattr(joined_heads.JoinedHeads, "attend", attend_per_head)
-    reference = kvzip_forced_logits(model, ids, mask, make_cache("kvzip:ratio=0.25", model.config), tokens)
+    reference = kvzip_forced_logits(model, ids, mask, exact_pairs(), tokens)
     scale = reference.abs().max()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert grouped.isfinite().all() and (grouped - reference).abs().max() <= tolerance * scale
