@@ -381,6 +381,25 @@ struct Values {
   int64_t sinks = 0;
 };
 
+// Columns [c, c + W), [c + W, c + 2W), ... of one row's accumulator while W fit before `rank`: each block of W
+// sums over the tile's n tokens in registers. Returns the first column left.
+template <int W>
+inline int64_t mix_columns(const float* pr, const float* z, int64_t stride, int64_t n, int64_t c, int64_t rank,
+                           float* a) {
+  for (; c + W <= rank; c += W) {
+    float part[W];
+    for (int i = 0; i < W; ++i) part[i] = a[c + i];
+    for (int64_t l = 0; l < n; ++l) {
+      const float w = pr[l];
+      const float* zl = z + l * stride + c;
+#pragma omp simd
+      for (int i = 0; i < W; ++i) part[i] += w * zl[i];
+    }
+    for (int i = 0; i < W; ++i) a[c + i] = part[i];
+  }
+  return c;
+}
+
 // acc[row, :] += sum over the tile's n tokens of p[row, l] * z[l, :] (z's rows `stride` apart), 16 and 8 channels
 // at a time in registers.
 inline void mix_rows(const float* p, const float* z, int64_t stride, int64_t n, int64_t rows, int64_t rank,
@@ -388,29 +407,8 @@ inline void mix_rows(const float* p, const float* z, int64_t stride, int64_t n, 
   for (int64_t row = 0; row < rows; ++row) {
     float* a = acc + row * rank;
     const float* pr = p + row * LANES;
-    int64_t c = 0;
-    for (; c + 16 <= rank; c += 16) {
-      float part[16];
-      for (int i = 0; i < 16; ++i) part[i] = a[c + i];
-      for (int64_t l = 0; l < n; ++l) {
-        const float w = pr[l];
-        const float* zl = z + l * stride + c;
-#pragma omp simd
-        for (int i = 0; i < 16; ++i) part[i] += w * zl[i];
-      }
-      for (int i = 0; i < 16; ++i) a[c + i] = part[i];
-    }
-    for (; c + 8 <= rank; c += 8) {
-      float part[8];
-      for (int i = 0; i < 8; ++i) part[i] = a[c + i];
-      for (int64_t l = 0; l < n; ++l) {
-        const float w = pr[l];
-        const float* zl = z + l * stride + c;
-#pragma omp simd
-        for (int i = 0; i < 8; ++i) part[i] += w * zl[i];
-      }
-      for (int i = 0; i < 8; ++i) a[c + i] = part[i];
-    }
+    int64_t c = mix_columns<16>(pr, z, stride, n, 0, rank, a);
+    c = mix_columns<8>(pr, z, stride, n, c, rank, a);
     for (; c < rank; ++c) {
       float sum = a[c];
       for (int64_t l = 0; l < n; ++l) sum += pr[l] * z[l * stride + c];
