@@ -634,8 +634,7 @@ class LowRankCodec(ReducingCodec):
         cos/sin tables, `TurnTables`)."""
         if not self._joint:
             return super().key_logits(encoded, query)
-        compute, latent, mean, cos, sin = self._key_inputs(encoded, query, positions, last_block)
-        _, basis = self._bases("key", query.shape[1], latent.device)
+        compute, latent, mean, basis, cos, sin = self._key_inputs(encoded, query, positions, last_block)
         heads, dim, rank = basis.shape
         batch, tokens = latent.shape[0], latent.shape[2]
         # The pre-RoPE keys as [B, H, D, T]: one [H * D, r] x [r, B * T] product for the layer's heads and rows,
@@ -659,20 +658,21 @@ class LowRankCodec(ReducingCodec):
         return logits
 
     def _key_inputs(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None,
-                    last_block: bool) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    last_block: bool) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
         """What a block's key logits read: the compute dtype, the latents [B, 1, T, r] (decoded by the storage), the
-        key mean [H, D] and the step's cos and sin [B, 1, R / 2, T] at the keys' positions (`TurnTables`; the last
-        block of the bound layers drops them)."""
+        key mean [H, D] and basis [H, D, r], and the step's cos and sin [B, 1, R / 2, T] at the keys' positions
+        (`TurnTables`; the last block of the bound layers drops them)."""
         compute = self._compute_dtype(query.device)
         latent = self.storage.decode(encoded, "key", compute)  # [B, 1, T, r]
-        mean, _ = self._bases("key", query.shape[1], latent.device)
+        mean, basis = self._bases("key", query.shape[1], latent.device)
         inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
         position = self._positions(positions, latent.expand(-1, query.shape[1], -1, -1))[:, :1].to(torch.float32)
         assert self._turns is not None  # bound with the joint bases
         cos, sin = self._turns.lookup(inv_freq, position)  # [B, 1, R / 2, T]
         if last_block and self._layer_idx == self._turns.last_layer:
             self._turns.release()  # the step's last read of the tables (`TurnTables`)
-        return compute, latent, mean, cos, sin
+        return compute, latent, mean, basis, cos, sin
 
     def attend_block(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
                      hidden: torch.Tensor | None, positions: torch.Tensor | None = None,
@@ -685,7 +685,7 @@ class LowRankCodec(ReducingCodec):
         if not (self._joint and query.device.type == "cpu" and query.shape[2] <= KERNEL_ROWS
                 and cpu_decode.available()):
             return None
-        compute, latent, mean, cos, sin = self._key_inputs(keys, query, positions, last_block)
+        compute, latent, mean, _, cos, sin = self._key_inputs(keys, query, positions, last_block)
         assert self._layer is not None  # bound per layer (`_bases` checked)
         kernel_basis, pairs = self._layer.key_basis_for_kernel(compute)
         value_latent = self.storage.decode(values, "value", torch.float32)  # [B, 1, T, r_v]; the store's own as kept

@@ -116,6 +116,14 @@ def available() -> bool:
     return _extension() is not None
 
 
+def _built():
+    """The built extension; a RuntimeError where it could not be built (callers check `available()` first)."""
+    extension = _extension()
+    if extension is None:
+        raise RuntimeError("the CPU decode-attention kernel is not available on this machine (see the warning)")
+    return extension
+
+
 def instruction_set() -> str:
     """The instruction-set paths compiled into the kernel: "avx512" (cpu_decode_avx512.h) or "portable"."""
     extension = _extension()
@@ -143,9 +151,7 @@ def decode_attention_partials(
     [B, H_kv, S] int64 lists slots to leave out (-1: none). Returns the max and sum [B, H_kv, M, 1] and the
     unnormalised output [B, H_kv, M, Dv], as triton_decode.decode_attention_partials. `vectorised=False` keeps
     to the portable loops (the reference for the instruction-set paths, `instruction_set()`)."""
-    extension = _extension()
-    if extension is None:
-        raise RuntimeError("the CPU decode-attention kernel is not available on this machine (see the warning)")
+    extension = _built()
     return tuple(extension.decode_attention_partials(
         query.float().contiguous(), *_arguments(encoded_keys, key_layout), *_arguments(encoded_values, value_layout),
         value_dim, bias, None if hidden is None else hidden.long().contiguous(), vectorised,
@@ -179,9 +185,7 @@ def decode_attention(
     [B, H_kv, M, 1, D] (the model's basis) is turned by each offset (`rerotate.turn`) into the O offset queries of
     per-channel key groups, then rotated by `key_rotation` if given (pre_rope keys). All are a row's own products
     summed in a fixed order, so a batch row gives what it gives alone."""
-    extension = _extension()
-    if extension is None:
-        raise RuntimeError("the CPU decode-attention kernel is not available on this machine (see the warning)")
+    extension = _built()
     plain_dtype = tail_keys.dtype if tail_keys.dtype in PLAIN_DTYPES else torch.float32
     plain = [None if t is None else t.to(plain_dtype).contiguous() for t in (sink_keys, sink_values)]
     if sink_slots is None:
@@ -216,9 +220,7 @@ def lowrank_store_partials(
     (max [B, H, M, 1], sum [B, H, M, 1], mix [B, H, M, rv + 1]): sum and mix relative to the max, the mix's last
     column the sum (the weight of the values' mean); a row with every logit masked has max -inf and zeros.
     `vectorised=False` keeps to the portable loops (the reference for the instruction-set paths)."""
-    extension = _extension()
-    if extension is None:
-        raise RuntimeError("the CPU decode-attention kernel is not available on this machine (see the warning)")
+    extension = _built()
     return tuple(extension.lowrank_store_partials(
         latent, basis, pairs, round_bf16, mean, cos, sin, query, value_latent,
         None if bias is None else bias.float(), None if hidden is None else hidden.long().contiguous(), vectorised,
