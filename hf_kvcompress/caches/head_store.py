@@ -9,7 +9,10 @@ so the view is one `torch.cat` of [zeros, head's pairs] pieces (the zeros one ex
 per-head lengths read to the host only when the pairs change (evicting, appending), not at every step. A decode
 step of a lossless store needs no view at all: each head's pairs are attended as they lie, joined with that head's
 recent tokens in a buffer with room (`HeadStore.attend`, joined_heads.py), as a cache holding only them would, heads
-of close lengths laid out to share one attention call; the view serves lossy codecs, sinks and prompt chunks.
+of close lengths laid out to share one attention call. A decode step of a lossy store the C++ kernel reads (int2,
+int4, int8, fp8 on CPU) needs no view either: the kernel reads each head's encoded pairs where they lie, given each
+head's first pair and count (`RaggedHeads.spans`, `HeadStore.attend_encoded`), with the codec's exact sinks, the exact
+pairs and the tail as its full-precision segment. The view serves the rest: GPUs, no compiler, prompt chunks.
 
 `HeadStore` is the store of a layer after KVzip's global ranking (`CompressedLayer.rank_heads`): the kept pairs in
 `RaggedHeads`, the context's pairs still within the codec's residual in a second one (full precision), the tokens
@@ -332,7 +335,8 @@ class HeadStore:
     lowest-scored pairs of any head go, the context's first, a block at a time: down to the allowance less some slack
     (`EVICTION_SLACK`), so that eviction runs every few dozen steps instead of nearly every step; the row never holds
     more than its allowance after a step. Attention reads [sinks | padded encoded view | padded exact view | tail]
-    with the per-head `mask`, through 'kvcompress_sdpa' (`use_kvcompress_attention`).
+    with the per-head `mask`, through 'kvcompress_sdpa' (`use_kvcompress_attention`): the reference, and what prompt
+    chunks and stores without a faster decode step read (`attend`: `attends_by_head`, `attends_encoded`).
     """
 
     per_head = True  # heads hold different numbers of pairs: attention needs the layer's own, per-head mask

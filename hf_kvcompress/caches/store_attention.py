@@ -8,7 +8,8 @@ codecs/plane_attention.py), its logits folded into a running max and sum (flash-
 dropped: the transient memory is one block, not the whole cache in float32. The exact attention sinks and the
 full-precision tail are two more segments of the same softmax. `CompressedLayer._full` + SDPA is the reference.
 A kernel may read the layer instead, store, sinks and tail in one call per step: Triton on CUDA returns the softmax's
-partials in both bases (ops/triton_decode.py), the C++ kernel on CPU (ops/cpu_decode.py) the normalised output.
+partials in both bases (ops/triton_decode.py), the C++ kernel on CPU (ops/cpu_decode.py) the normalised output
+(`attend_by_cpu_kernel`, which a per-head store calls too, with its pairs where they lie: head_store.py).
 A codec may also read a block of the PyTorch loop in a kernel of its own (`block_kernel`, `attend_block`: lowrank's
 keys rebuilt from latents on CPU, ops/cpu_lowrank.h), whose partials join the same softmax.
 The PyTorch loop stays the reference (`backend="torch"`).

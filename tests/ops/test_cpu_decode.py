@@ -443,6 +443,10 @@ def _bytes(encoded: dict) -> dict:
     return {n: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for n, t in encoded.items()}
 
 
+def _cut(encoded: dict, tokens: int) -> dict:
+    return {n: t[:, :, :tokens] for n, t in encoded.items()}
+
+
 SPAN_CODECS = {  # the codecs a per-head store holds: one encoded entry per token (caches/head_store.py)
     "int4 per token": IntNCodec(bits=4, group_size=32, key_axis="token"),
     "int2 per token, Lloyd-Max levels": IntNCodec(bits=2, group_size=16, key_axis="token", codebook="gaussian"),
@@ -470,7 +474,7 @@ def test_spans_read_ragged_rows_as_the_padded_store_with_its_empty_slots_masked(
     states = [[torch.randn(1, 1, max(n, 1), dim, generator=g) * 2 for n in row] for row in lengths]  # 0: cut below
     flat, padded = {}, {}
     for kind in ("key", "value"):
-        encoded = [[{n: t[:, :, :count] for n, t in _bytes(codec.encode(s if kind == "key" else s.flip(-1), kind)).items()}
+        encoded = [[_cut(_bytes(codec.encode(s if kind == "key" else s.flip(-1), kind)), count)
                     for s, count in zip(row, counts, strict=True)] for row, counts in zip(states, lengths, strict=True)]
         empty = _bytes(codec.encode(torch.zeros(1, 1, 1, dim), kind))
         flat[kind] = {n: torch.cat([e[n] for row in encoded for e in row], 2) for n in empty}
