@@ -606,8 +606,8 @@ class HeadStore:
         return self._kernel and self._encoded.pairs > 0
 
     def attend(self, query: torch.Tensor, scaling: float, policy: Policy) -> torch.Tensor:
-        """Decode attention of `query` [B, H_q, 1, D] (after `append`; `attends_by_head`) over what each KV head
-        holds: [B, 1, H_q, Dv], as transformers' attention functions return it.
+        """Decode attention of `query` [B, H_q, 1, D] (after `append`; `attends_by_head`, else `attends_encoded`:
+        `attend_encoded`) over what each KV head holds: [B, 1, H_q, Dv], as transformers' attention functions return it.
 
         Each head attends over its pairs followed by the tail, with the head's query heads as its queries: it reads
         the pairs it keeps, as a cache of only those tokens would, instead of a view padded to the widest head (on
