@@ -9,7 +9,10 @@ so the view is one `torch.cat` of [zeros, head's pairs] pieces (the zeros one ex
 per-head lengths read to the host only when the pairs change (evicting, appending), not at every step. A decode
 step of a lossless store needs no view at all: each head's pairs are attended as they lie, joined with that head's
 recent tokens in a buffer with room (`HeadStore.attend`, joined_heads.py), as a cache holding only them would, heads
-of close lengths laid out to share one attention call; the view serves lossy codecs, sinks and prompt chunks.
+of close lengths laid out to share one attention call. A decode step of a lossy store the C++ kernel reads (int2,
+int4, int8, fp8 on CPU) needs no view either: the kernel reads each head's encoded pairs where they lie, given each
+head's first pair and count (`RaggedHeads.spans`, `HeadStore.attend_encoded`), with the codec's exact sinks, the exact
+pairs and the tail as its full-precision segment. The view serves the rest: GPUs, no compiler, prompt chunks.
 
 `HeadStore` is the store of a layer after KVzip's global ranking (`CompressedLayer.rank_heads`): the kept pairs in
 `RaggedHeads`, the context's pairs still within the codec's residual in a second one (full precision), the tokens
@@ -25,9 +28,11 @@ import torch
 
 from ..codecs.base import Codec, Encoded, Kind, index_op
 from ..codecs.identity import IdentityCodec
+from ..ops import cpu_decode
 from ..policies.base import Policy
 from .joined_heads import JoinedHeads
 from .storage import TokenStore
+from .store_attention import attend_by_cpu_kernel, kernel_layouts
 
 LATER_TOKENS = 2.0  # scores of tokens after the ranking start here: above any attention probability
 ABSORB_BLOCK = 32  # recent tokens beyond the codec's residual join the store this many at a time
@@ -54,6 +59,7 @@ class RaggedHeads:
         """Forget what the views were assembled from: the pairs were evicted, appended or reordered."""
         self.most = int(self.lengths.max()) if self.lengths.numel() else 0  # the padded view's width, on the host
         self._counts: list[int] | None = None  # `lengths` flattened, on the host (no tensor: bytes stay exact)
+        self._spans: list[tuple[int, int]] | None = None  # (first pair, pairs) of each head, on the host (`spans`)
 
     @classmethod
     def pack(cls, keys: Encoded, values: Encoded, scores: torch.Tensor, keep: torch.Tensor) -> RaggedHeads:
@@ -104,6 +110,19 @@ class RaggedHeads:
 
             encoded[name] = index_op(tensor, assemble)
         return codec.decode(encoded, kind, dtype)
+
+    def spans(self) -> torch.Tensor:
+        """[B, H, 2] int64: each (row, head)'s first pair in the flat tensors and its number of pairs, as the C++
+        kernel reads the pairs where they lie (ops/cpu_decode.py `decode_attention`'s `spans`). Built for the step
+        from numbers kept on the host since the pairs last changed: transient, so the store's bytes stay its pairs'."""
+        if self._spans is None:
+            counts = self._head_counts()
+            starts = [0] * len(counts)
+            for i in range(1, len(counts)):
+                starts[i] = starts[i - 1] + counts[i - 1]
+            self._spans = list(zip(starts, counts, strict=True))
+        batch, heads = self.lengths.shape
+        return torch.tensor(self._spans, dtype=torch.long, device=self.lengths.device).view(batch, heads, 2)
 
     def heads(self, codec: Codec, kind: Kind, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Each (row, KV head)'s pairs decoded, [n, D] each, in (row, head) order. For a lossless codec (decoding
@@ -316,7 +335,8 @@ class HeadStore:
     lowest-scored pairs of any head go, the context's first, a block at a time: down to the allowance less some slack
     (`EVICTION_SLACK`), so that eviction runs every few dozen steps instead of nearly every step; the row never holds
     more than its allowance after a step. Attention reads [sinks | padded encoded view | padded exact view | tail]
-    with the per-head `mask`, through 'kvcompress_sdpa' (`use_kvcompress_attention`).
+    with the per-head `mask`, through 'kvcompress_sdpa' (`use_kvcompress_attention`): the reference, and what prompt
+    chunks and stores without a faster decode step read (`attend`: `attends_by_head`, `attends_encoded`).
     """
 
     per_head = True  # heads hold different numbers of pairs: attention needs the layer's own, per-head mask
@@ -358,6 +378,7 @@ class HeadStore:
         # Whether a row may have evicted some of the tail's tokens (`evict`): then only the masked view (`full`,
         # `mask`) says which tail slots hold a token. Known on the host, so that `attends_by_head` reads nothing.
         self.tail_dropped = self.tail_valid is not None and not bool(self.tail_valid.all())
+        self._kernel: bool | None = None  # whether the C++ kernel reads the pairs here (`attends_encoded`), once known
 
     @classmethod
     def rank(
@@ -574,9 +595,19 @@ class HeadStore:
         visible to the step (no codec sinks beside them, no tail token evicted)."""
         return self.codec.lossless and self.sink_valid is None and self.exact is None and not self.tail_dropped
 
+    @property
+    def attends_encoded(self) -> bool:
+        """Whether a decode step reads the encoded pairs where they lie through the C++ kernel (`attend_encoded`)
+        instead of decoding the padded view: a lossy codec the kernel reads, on a CPU where it is built, and pairs to
+        read (a kernel store holds at least one token)."""
+        if self._kernel is None:  # the codec and the device are the store's for its life
+            self._kernel = (not self.codec.lossless and kernel_layouts(self.codec, self.device)
+                            and cpu_decode.available())
+        return self._kernel and self._encoded.pairs > 0
+
     def attend(self, query: torch.Tensor, scaling: float, policy: Policy) -> torch.Tensor:
-        """Decode attention of `query` [B, H_q, 1, D] (after `append`; `attends_by_head`) over what each KV head
-        holds: [B, 1, H_q, Dv], as transformers' attention functions return it.
+        """Decode attention of `query` [B, H_q, 1, D] (after `append`; `attends_by_head`, else `attends_encoded`:
+        `attend_encoded`) over what each KV head holds: [B, 1, H_q, Dv], as transformers' attention functions return it.
 
         Each head attends over its pairs followed by the tail, with the head's query heads as its queries: it reads
         the pairs it keeps, as a cache of only those tokens would, instead of a view padded to the widest head (on
@@ -584,6 +615,8 @@ class HeadStore:
         masked slots (`JoinedHeads.attend`). The same softmax over the same keys as `full` + `mask` + SDPA (the
         reference), up to summation order. Each head's keys are a view of `joined` (joined here if they are apart:
         `_join`), so a step copies no pair (`policy`: the layer's, for the room the tail needs)."""
+        if not self.attends_by_head:
+            return self.attend_encoded(query, scaling)
         batch, q_heads, _, dim = query.shape
         heads = self.kv_heads
         assert self.tail_valid is not None  # the step's token joined the tail
@@ -592,6 +625,48 @@ class HeadStore:
         assert self.joined is not None
         grouped = query.reshape(batch * heads, 1, q_heads // heads, dim)  # query heads k * groups + g: KV head k
         return self.joined.attend(grouped, scaling).reshape(batch, 1, q_heads, -1)
+
+    def attend_encoded(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Decode attention of `query` [B, H_q, 1, D] (after `append`; `attends_encoded`) through the C++ kernel:
+        [B, 1, H_q, Dv], as `attend`.
+
+        The kernel reads each head's encoded pairs where they lie in the flat store (`RaggedHeads.spans`): no
+        padded view is assembled or decoded (dequantising and un-rotating every pair of the view, ~1.8x the pairs
+        on KVzip's rankings, at every step), and no empty slot is read. The codec's exact sinks, the exact pairs'
+        padded view (while they are within the residual) and the tail follow as the kernel's full-precision
+        segment, joined by one `cat` when there is more than the tail, with a bias that hides their empty slots;
+        every stored pair is valid, so the bias is needed only then. The same softmax over the same pairs as
+        `full` + `mask` + SDPA (the reference), up to summation order."""
+        batch, q_heads, q_len, dim = query.shape
+        heads = self.kv_heads
+        assert q_len == 1 and self.tail_valid is not None  # a decode step, after `append`
+        tail_keys, tail_values = self.tail_keys, self.tail_values
+        assert tail_keys is not None and tail_values is not None  # the step's token is in the tail
+        keys, values, valid = [tail_keys], [tail_values], [self.tail_valid[:, None, :].expand(-1, heads, -1)]
+        if self.exact is not None and self.exact.most:
+            keys.insert(0, self.exact.padded(EXACT, "key", self.dtype))
+            values.insert(0, self.exact.padded(EXACT, "value", self.dtype))
+            valid.insert(0, self.exact.valid())
+        if self.sink_valid is not None:
+            assert self.sink_keys is not None and self.sink_values is not None  # held with `sink_valid`
+            keys.insert(0, self.sink_keys.to(tail_keys.dtype))
+            values.insert(0, self.sink_values.to(tail_values.dtype))
+            valid.insert(0, self.sink_valid[:, None, :].expand(-1, heads, -1))
+        pairs = self._encoded
+        bias = None
+        if len(keys) > 1 or self.tail_dropped:  # some full-precision slot may hold nothing
+            plain_valid = torch.cat(valid, dim=-1) if len(valid) > 1 else valid[0]  # [B, H_kv, S + Me + Tt]
+            bias = torch.zeros(batch, heads, 1, pairs.most + plain_valid.shape[-1], device=self.device)
+            bias[:, :, 0, pairs.most:].masked_fill_(~plain_valid, float("-inf"))
+        plain_keys = torch.cat(keys, dim=-2) if len(keys) > 1 else tail_keys
+        plain_values = torch.cat(values, dim=-2) if len(values) > 1 else tail_values
+        plain_q = (query.float() * scaling).reshape(batch, heads, q_heads // heads, dim)  # query heads k * groups + g
+        out = attend_by_cpu_kernel(
+            self.codec, plain_q, {n: t[None, None] for n, t in pairs.keys.items()},
+            {n: t[None, None] for n, t in pairs.values.items()}, tail_values.shape[-1], bias, plain_keys,
+            plain_values, spans=pairs.spans(),
+        )
+        return out.reshape(batch, 1, q_heads, -1).to(query.dtype)
 
     def mask(self, new: int, length: int) -> torch.Tensor:
         """[B, H_kv, new, length] bool: each head's slots of `full` that hold a pair, causal over the new tokens."""

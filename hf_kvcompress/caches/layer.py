@@ -323,10 +323,11 @@ class CompressedLayer(CacheLayerMixin):
         self.seen += new
         assert isinstance(self.store, HeadStore)  # `update` comes here when `per_head`
         self.store.append(key_states, value_states, self.scorer.later_scores(self, attn_kwargs, new))
-        if new == 1 and self.store.attends_by_head:
+        if new == 1 and (self.store.attends_by_head or self.store.attends_encoded):
             # Offered as the fused path is (store_offer.py): once our attention function has taken an offer, it
-            # attends over each head's own pairs (`attend`) and `update` returns placeholders; until then (the first
-            # decode step) the padded view and mask below serve, and confirm that it runs.
+            # attends over each head's own pairs (`attend`: as they lie, or encoded through the C++ kernel) and
+            # `update` returns placeholders; until then (the first decode step) the padded view and mask below serve,
+            # and confirm that it runs.
             length = self.store.view_tokens
             placeholders = self.offers.offer(
                 self, attn_kwargs, (self.batch_size, self.kv_heads, length, self.head_dim),

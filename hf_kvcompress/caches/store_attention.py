@@ -8,7 +8,8 @@ codecs/plane_attention.py), its logits folded into a running max and sum (flash-
 dropped: the transient memory is one block, not the whole cache in float32. The exact attention sinks and the
 full-precision tail are two more segments of the same softmax. `CompressedLayer._full` + SDPA is the reference.
 A kernel may read the layer instead, store, sinks and tail in one call per step: Triton on CUDA returns the softmax's
-partials in both bases (ops/triton_decode.py), the C++ kernel on CPU (ops/cpu_decode.py) the normalised output.
+partials in both bases (ops/triton_decode.py), the C++ kernel on CPU (ops/cpu_decode.py) the normalised output
+(`attend_by_cpu_kernel`, which a per-head store calls too, with its pairs where they lie: head_store.py).
 A codec may also read a block of the PyTorch loop in a kernel of its own (`block_kernel`, `attend_block`: lowrank's
 keys rebuilt from latents on CPU, ops/cpu_lowrank.h), whose partials join the same softmax.
 The PyTorch loop stays the reference (`backend="torch"`).
@@ -20,7 +21,7 @@ from typing import overload
 
 import torch
 
-from ..codecs.base import slice_encoded
+from ..codecs.base import Codec, Encoded, slice_encoded
 from ..ops import cpu_decode, triton_decode
 
 # Tokens read at a time: at most STORE_BLOCK, and at most STORE_BLOCK_VALUES values (batch x KV heads x tokens x
@@ -163,25 +164,43 @@ def _attend_by_triton(layer, plain_q, stored_q, attention_mask) -> torch.Tensor:
 def _attend_by_cpu_kernel(layer, plain_q, attention_mask) -> torch.Tensor:
     """Store, exact sinks and tail through the C++ kernel in one call: [B, H_kv, groups * q, Dv], normalised. It
     takes the mask rows as they are (row m of a KV head's groups * q query rows reads mask row m % q)."""
-    codec, store = layer.codec, layer.store
-    key_layout, value_layout = codec.kernel_layout("key"), codec.kernel_layout("value")
+    store = layer.store
     tail_keys, tail_values = store.tail_keys, store.tail_values
     if tail_keys is None:  # nothing appended since the store took everything
         tail_keys = tail_values = plain_q.new_zeros(*plain_q.shape[:2], 0, plain_q.shape[-1])
     columns = slice(0, store.n_encoded + tail_keys.shape[-2])
     bias = None if attention_mask is None else _bias(attention_mask, 1, columns)  # [B, 1 or H_kv, q, T + Tt]
+    return attend_by_cpu_kernel(
+        layer.codec, plain_q, store.encoded_keys, store.encoded_values, layer.value_dim, bias, tail_keys, tail_values,
+        sink_slots=layer.slots.sink_slots, sink_keys=store.sink_keys, sink_values=store.sink_values,
+    )
+
+
+def attend_by_cpu_kernel(
+    codec: Codec, plain_q: torch.Tensor, encoded_keys: Encoded, encoded_values: Encoded, value_dim: int,
+    bias: torch.Tensor | None, tail_keys: torch.Tensor, tail_values: torch.Tensor,
+    sink_slots: torch.Tensor | None = None, sink_keys: torch.Tensor | None = None,
+    sink_values: torch.Tensor | None = None, spans: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of `plain_q` [B, H_kv, M, D] (scaled, the model's basis) over an encoded store read by the C++
+    kernel, its exact sinks at `sink_slots` and a full-precision segment `tail_keys` / `tail_values`
+    [B, H_kv, Tt, D] after it, in one call (ops/cpu_decode.py `decode_attention`, whose arguments these are):
+    [B, H_kv, M, Dv], normalised. A token layer's store is [B, H_kv, T, ...]; a per-head store's is flat and read
+    by `spans` (caches/head_store.py `HeadStore.attend_encoded`)."""
+    key_layout, value_layout = codec.kernel_layout("key"), codec.kernel_layout("value")
+    assert key_layout is not None and value_layout is not None  # the caller chose the kernel (`store_kernel`)
     # The rotations (and pre_rope's offset turns) the kernel applies itself, where the codec's bases are plain
     # rotations: a few small tensor ops fewer per layer and step.
     key_rotation = value_rotation = turns = None
     if plain_q.shape[2] <= KERNEL_ROTATION_ROWS:
-        key_rotation, value_rotation = codec.kernel_rotations(plain_q.shape[-1], layer.value_dim, plain_q.device)
+        key_rotation, value_rotation = codec.kernel_rotations(plain_q.shape[-1], value_dim, plain_q.device)
         turns = None if key_rotation is None else codec.kernel_turns(plain_q.device)
     # [B, H_kv, groups * q, O, D]: one per offset of a key group; with key_rotation, the query as it is (O = 1)
     queries = plain_q[:, :, :, None] if key_rotation is not None else codec.kernel_queries(plain_q)
     stored, plain = cpu_decode.decode_attention(
-        queries, plain_q, store.encoded_keys, store.encoded_values, key_layout, value_layout, layer.value_dim, bias,
-        layer.slots.sink_slots, store.sink_keys, store.sink_values, tail_keys, tail_values,
-        key_rotation=key_rotation, value_rotation=value_rotation, key_turns=turns,
+        queries, plain_q, encoded_keys, encoded_values, key_layout, value_layout, value_dim, bias,
+        sink_slots, sink_keys, sink_values, tail_keys, tail_values,
+        key_rotation=key_rotation, value_rotation=value_rotation, key_turns=turns, spans=spans,
     )
     return (stored if value_rotation is not None else codec.from_basis(stored, "value")) + plain
 
@@ -211,8 +230,7 @@ def store_kernel(layer, query: torch.Tensor, backend: str) -> str | None:
             "power-of-two dims and codebook='uniform'"
         )
     codec = layer.codec
-    readable = (query.device.type == "cpu" and codec.kernel_layout("key") is not None
-                and codec.kernel_layout("value") is not None)
+    readable = kernel_layouts(codec, query.device)
     if backend == "cpu":
         if not readable:
             raise ValueError(
@@ -225,6 +243,12 @@ def store_kernel(layer, query: torch.Tensor, backend: str) -> str | None:
             )
         return "cpu"
     return "cpu" if readable and cpu_decode.available() else None
+
+
+def kernel_layouts(codec: Codec, device: torch.device) -> bool:
+    """Whether the C++ kernel has a layout for `codec`'s keys and values on `device` (CPU); whether it is built
+    here is `cpu_decode.available()`."""
+    return device.type == "cpu" and codec.kernel_layout("key") is not None and codec.kernel_layout("value") is not None
 
 
 def attend_store(

@@ -93,6 +93,17 @@ struct Store {
   at::ScalarType scale_type;
   int64_t tokens, width, dim, bits, token_group, channel_group, levels;
   float l0, a, b;
+  // Ragged rows (a per-head store: caches/head_store.py): spans [rows, 2] holds each row's first token in a flat store
+  // [1, 1, N, W] and its number of tokens; a row fills the last of `tokens` logical slots (right-aligned, as the
+  // padded view lays it out), so it reads its bias columns [tokens - n, tokens) and no slot holds nothing. Null:
+  // row r holds slots [0, tokens) at r * tokens. Tokens groups of 1 only (a group of tokens cannot be ragged).
+  const int64_t* spans;
+
+  // The first logical slot row `row` holds, and the token (of the store's) at its logical slot 0.
+  int64_t first(int64_t row) const { return spans ? tokens - spans[2 * row + 1] : 0; }
+  int64_t base(int64_t row) const { return spans ? spans[2 * row] - first(row) : row * tokens; }
+  // The row's first scale row (its token group 0).
+  int64_t scale_base(int64_t row) const { return spans ? base(row) : row * scale_rows(); }
 
   int64_t unit() const { return 8 / bits; }
   int64_t scale_groups() const { return dim / channel_group; }
@@ -209,7 +220,7 @@ inline void unpack_levels(const Store& s, const uint8_t* bytes, float* out) {
 // The scale and zero point of per-channel group `group` of row `row`, plane-major, into scale_buf / zero_buf [D].
 inline void load_channel_group(const Store& s, int64_t row, int64_t group, float* scale_buf, float* zero_buf) {
   const int64_t d = s.dim, unit = s.unit(), width = s.width;
-  const int64_t scale_row = (row * s.scale_rows() + group) * d;
+  const int64_t scale_row = (s.scale_base(row) + group) * d;
   for (int64_t c = 0; c < d; ++c) {
     scale_buf[(c % unit) * width + c / unit] = s.load_scale(scale_row + c);
     zero_buf[(c % unit) * width + c / unit] = s.load_zero(scale_row + c);
@@ -226,11 +237,11 @@ void dequantise_tile(const Store& s, int64_t row, int64_t t0, int64_t t1, float*
                      float* zero_buf, bool levels_only) {
   constexpr int U = 8 / BITS;
   const int64_t d = dims<D>(s.dim), width = d / U, groups = s.scale_groups();
-  const int64_t scale_base = row * s.scale_rows() * groups;
+  const int64_t scale_base = s.scale_base(row) * groups;
   int64_t loaded = -1;
   for (int64_t t = t0; t < t1; ++t) {
     float* o = out + (t - t0) * d;
-    unpack_levels<BITS, LEVELS, D>(s, s.codes + (row * s.tokens + t) * width, o);
+    unpack_levels<BITS, LEVELS, D>(s, s.codes + (s.base(row) + t) * width, o);
     const int64_t scale_row = scale_base + (t / s.token_group) * groups;
     if (s.channel_group == 1) {  // one scale per channel, shared by a group of tokens
       if (levels_only) continue;
@@ -279,6 +290,7 @@ Store make_store(const at::Tensor& codes, const at::Tensor& scale, const c10::op
   TORCH_CHECK(scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16 ||
                   scale.scalar_type() == at::kHalf, "cpu_decode: scales must be float32, bfloat16 or float16");
   Store s{};
+  s.spans = nullptr;
   s.codes = codes.data_ptr<uint8_t>();
   s.scale = scale.data_ptr();
   s.scale_type = scale.scalar_type();
@@ -496,7 +508,7 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(run_max.begin(), run_max.end(), NEG_INF);
     std::fill(run_sum.begin(), run_sum.end(), 0.0f);
-    for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
+    for (int64_t t0 = keys.first(row); t0 < tokens; t0 += TILE) {  // a ragged row's slots before its first are empty
       const int64_t t1 = std::min(t0 + TILE, tokens), n = t1 - t0;
 #if HF_KVCOMPRESS_SIMD
       if (vector_keys)
@@ -634,24 +646,47 @@ struct Call {
 // query [B, H, M, O, D] float32 (scaled, storage basis; O = 1, or one query per offset within a per-channel key
 // group: pre_rope keys; with turned_offsets > 0, O = 1 and the kernel turns it into that many, Problem::key_turns).
 // bias: [B or 1, H or 1, Q, >= columns] float32 additive mask with M a multiple of Q (row m reads bias row m % Q), or
-// absent. hidden: [B, H, S] int64 slots of the store to leave out (-1: none), or absent.
+// absent. hidden: [B, H, S] int64 slots of the store to leave out (-1: none), or absent. spans: [B, H, 2] int64 (first
+// token, tokens) of each row in a flat store [1, 1, N, ...] (Store::spans), whose T is then the most any row holds;
+// or absent: the store is [B, H, T, ...].
 Call prepare(const at::Tensor& query, const at::Tensor& k_codes, const at::Tensor& k_scale,
              const c10::optional<at::Tensor>& k_zero, int64_t k_levels, double k_l0, double k_a, double k_b,
              const at::Tensor& v_codes, const at::Tensor& v_scale, const c10::optional<at::Tensor>& v_zero,
              int64_t v_levels, double v_l0, double v_a, double v_b, int64_t value_dim,
              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden, bool vectorised,
-             int64_t extra_columns, int64_t turned_offsets = 0) {
+             int64_t extra_columns, int64_t turned_offsets = 0,
+             const c10::optional<at::Tensor>& spans = c10::nullopt) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 5 && query.is_contiguous(),
               "cpu_decode: query must be contiguous float32 [B, H, M, O, D]");
   TORCH_CHECK(turned_offsets == 0 || query.size(3) == 1, "cpu_decode: turned queries start from one per row");
   const int64_t batch = query.size(0), heads = query.size(1), m_rows = query.size(2);
   const int64_t offsets = turned_offsets > 0 ? turned_offsets : query.size(3);
   const int64_t dim = query.size(4);
-  const Store keys = make_store(k_codes, k_scale, k_zero, dim, k_levels, k_l0, k_a, k_b);
-  const Store values = make_store(v_codes, v_scale, v_zero, value_dim, v_levels, v_l0, v_a, v_b);
+  Store keys = make_store(k_codes, k_scale, k_zero, dim, k_levels, k_l0, k_a, k_b);
+  Store values = make_store(v_codes, v_scale, v_zero, value_dim, v_levels, v_l0, v_a, v_b);
+  TORCH_CHECK(values.tokens == keys.tokens, "cpu_decode: keys and values disagree on the tokens");
+  if (spans.has_value()) {
+    TORCH_CHECK(spans->scalar_type() == at::kLong && spans->is_contiguous() && spans->dim() == 3 &&
+                    spans->size(0) == batch && spans->size(1) == heads && spans->size(2) == 2,
+                "cpu_decode: spans must be contiguous int64 [B, H, 2]");
+    TORCH_CHECK(k_codes.size(0) == 1 && k_codes.size(1) == 1 && v_codes.size(0) == 1 && v_codes.size(1) == 1,
+                "cpu_decode: a store read by spans is flat, [1, 1, N, ...]");
+    TORCH_CHECK(keys.token_group == 1 && values.token_group == 1,
+                "cpu_decode: a store read by spans has one scale row per token");
+    const int64_t* span = spans->data_ptr<int64_t>();
+    int64_t most = 0;
+    for (int64_t r = 0; r < batch * heads; ++r) {
+      const int64_t start = span[2 * r], n = span[2 * r + 1];
+      TORCH_CHECK(start >= 0 && n >= 0 && start + n <= keys.tokens, "cpu_decode: a span reaches outside the store");
+      most = std::max(most, n);
+    }
+    keys.tokens = values.tokens = most;
+    keys.spans = values.spans = span;
+  } else {
+    TORCH_CHECK(k_codes.size(0) == batch && k_codes.size(1) == heads && v_codes.size(0) == batch &&
+                    v_codes.size(1) == heads, "cpu_decode: query and store disagree");
+  }
   const int64_t tokens = keys.tokens;
-  TORCH_CHECK(k_codes.size(0) == batch && k_codes.size(1) == heads && v_codes.size(0) == batch &&
-                  v_codes.size(1) == heads && values.tokens == tokens, "cpu_decode: query and store disagree");
   TORCH_CHECK(offsets == 1 || (keys.channel_group == 1 && offsets == keys.token_group),
               "cpu_decode: one query per offset needs per-channel key groups of that many tokens");
   const float* bias_data = nullptr;
@@ -735,7 +770,8 @@ std::vector<at::Tensor> decode_attention_partials(
 // values were stored as x @ value_rotation (orthogonal), and the store part comes back in the model's basis,
 // times value_rotation's transpose. key_turns [2, O, R] (cos, sin of turning by each offset o < O, rotate-half RoPE
 // over the first R channels): `query` (O = 1, model's basis) becomes O offset queries, turned and then rotated
-// (pre_rope keys). Each saves the caller a few small tensor ops per layer and step.
+// (pre_rope keys). Each saves the caller a few small tensor ops per layer and step. spans [B, H, 2]: the store is
+// flat and ragged (see prepare); the bias's store columns are then the most any row holds.
 std::vector<at::Tensor> decode_attention(
     const at::Tensor& query, const at::Tensor& plain_query, const at::Tensor& k_codes, const at::Tensor& k_scale,
     const c10::optional<at::Tensor>& k_zero, int64_t k_levels, double k_l0, double k_a, double k_b,
@@ -745,7 +781,7 @@ std::vector<at::Tensor> decode_attention(
     const c10::optional<at::Tensor>& sink_keys, const c10::optional<at::Tensor>& sink_values,
     const at::Tensor& tail_keys, const at::Tensor& tail_values, bool vectorised,
     const c10::optional<at::Tensor>& key_rotation, const c10::optional<at::Tensor>& value_rotation,
-    const c10::optional<at::Tensor>& key_turns) {
+    const c10::optional<at::Tensor>& key_turns, const c10::optional<at::Tensor>& spans) {
   const int64_t batch = query.size(0), heads = query.size(1), m_rows = query.size(2), dim = query.size(4);
   const int64_t tail_tokens = tail_keys.size(2);
   const auto type = tail_keys.scalar_type();
@@ -766,7 +802,7 @@ std::vector<at::Tensor> decode_attention(
                 "cpu_decode: key_turns must be contiguous float32 [2, O, R] (cos, sin), R even and <= D");
   Call call = prepare(query, k_codes, k_scale, k_zero, k_levels, k_l0, k_a, k_b, v_codes, v_scale, v_zero, v_levels,
                       v_l0, v_a, v_b, value_dim, bias, hidden, vectorised, tail_tokens,
-                      key_turns.has_value() ? key_turns->size(1) : 0);
+                      key_turns.has_value() ? key_turns->size(1) : 0, spans);
   Problem& pb = call.pb;
   if (key_turns.has_value()) {
     pb.key_turns = key_turns->data_ptr<float>();

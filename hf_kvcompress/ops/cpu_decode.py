@@ -168,6 +168,7 @@ def decode_attention(
     sink_keys: torch.Tensor | None, sink_values: torch.Tensor | None, tail_keys: torch.Tensor,
     tail_values: torch.Tensor, vectorised: bool = True, key_rotation: torch.Tensor | None = None,
     value_rotation: torch.Tensor | None = None, key_turns: torch.Tensor | None = None,
+    spans: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's whole decode attention in one call: the store (as `decode_attention_partials` reads it), its exact
     sinks [B, H_kv, S, D] at `sink_slots` [B, H_kv, S] (a slot outside the store weighs nothing there: no sink, or one
@@ -184,7 +185,13 @@ def decode_attention(
     [2, O, R] float32 (cos, sin; `rerotate.rope_table` of each offset o < O over the first R channels): `query`
     [B, H_kv, M, 1, D] (the model's basis) is turned by each offset (`rerotate.turn`) into the O offset queries of
     per-channel key groups, then rotated by `key_rotation` if given (pre_rope keys). All are a row's own products
-    summed in a fixed order, so a batch row gives what it gives alone."""
+    summed in a fixed order, so a batch row gives what it gives alone.
+
+    `spans` [B, H_kv, 2] int64 (first token, tokens): the store is flat, its encoded tensors [1, 1, N, ...], and
+    row (b, h) holds tokens [first, first + tokens) of it (a per-head store, each head with its own number of pairs:
+    caches/head_store.py), read as the last `tokens` of T logical slots, T the most any row holds: the bias's store
+    columns are those T, and a row reads none of the slots before its first (no padded view is built, no empty slot
+    read). Token groups of one only (`kernel_layout` of a codec that encodes each token alone)."""
     extension = _built()
     plain_dtype = tail_keys.dtype if tail_keys.dtype in PLAIN_DTYPES else torch.float32
     plain = [None if t is None else t.to(plain_dtype).contiguous() for t in (sink_keys, sink_values)]
@@ -198,6 +205,7 @@ def decode_attention(
         None if key_rotation is None else key_rotation.float().contiguous(),
         None if value_rotation is None else value_rotation.float().contiguous(),
         None if key_turns is None else key_turns.float().contiguous(),
+        None if spans is None else spans.long().contiguous(),
     ))
 
 

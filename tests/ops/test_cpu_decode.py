@@ -436,3 +436,72 @@ def test_generate_on_the_embedded_model_gives_the_pytorch_paths_tokens(embedded,
         tokens[backend] = generate(model, ids, None, cache, max_new_tokens=12).new_tokens
         assert cache.layers[0].offers.confirmed and cache.layers[0].n_encoded >= 32
     assert torch.equal(tokens["cpu"], tokens["torch"])
+
+
+def _bytes(encoded: dict) -> dict:
+    """float8 tensors as their bytes (CPU kernels lack float8 cat); `cpu_decode._arguments` reads them so."""
+    return {n: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for n, t in encoded.items()}
+
+
+def _cut(encoded: dict, tokens: int) -> dict:
+    return {n: t[:, :, :tokens] for n, t in encoded.items()}
+
+
+SPAN_CODECS = {  # the codecs a per-head store holds: one encoded entry per token (caches/head_store.py)
+    "int4 per token": IntNCodec(bits=4, group_size=32, key_axis="token"),
+    "int2 per token, Lloyd-Max levels": IntNCodec(bits=2, group_size=16, key_axis="token", codebook="gaussian"),
+    "int8 per token": IntNCodec(bits=8, group_size=16, key_axis="token"),
+    "fp8": Fp8Codec(),
+}
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("vectorised", [True, False], ids=["instruction-set paths", "portable"])
+@pytest.mark.parametrize("dim", [64, 48])
+@pytest.mark.parametrize("name", SPAN_CODECS)
+def test_spans_read_ragged_rows_as_the_padded_store_with_its_empty_slots_masked(name, dim, vectorised, build):
+    """`spans`: each (row, head) reads its own tokens of a flat store where they lie (a per-head store's pairs),
+    right-aligned in the most any row holds: the same output as the padded store [B, H, M, ...] whose empty slots
+    the bias hides, read by the portable loops (rows that hold nothing, a partial tile, several tiles; the tail's
+    bias columns after the M slots)."""
+    codec = SPAN_CODECS[name]
+    if dim % getattr(codec, "group_size", 1):
+        pytest.skip("the group does not divide this head_dim")
+    extension = _avx2_build() if build == "avx2" else cpu_decode._extension()
+    g = torch.Generator().manual_seed(dim)
+    lengths = [[70, 0, 131], [5, 64, 200]]
+    batch, heads, most, tail, rows = 2, 3, 200, 3, 3
+    states = [[torch.randn(1, 1, max(n, 1), dim, generator=g) * 2 for n in row] for row in lengths]  # 0: cut below
+    flat, padded = {}, {}
+    for kind in ("key", "value"):
+        encoded = [[_cut(_bytes(codec.encode(s if kind == "key" else s.flip(-1), kind)), count)
+                    for s, count in zip(row, counts, strict=True)] for row, counts in zip(states, lengths, strict=True)]
+        empty = _bytes(codec.encode(torch.zeros(1, 1, 1, dim), kind))
+        flat[kind] = {n: torch.cat([e[n] for row in encoded for e in row], 2) for n in empty}
+        padded[kind] = {n: torch.cat([torch.cat([
+            torch.cat([empty[n].expand(1, 1, most - e[n].shape[2], *empty[n].shape[3:]), e[n]], 2) for e in row
+        ], 1) for row in encoded]) for n in empty}
+    counts = torch.tensor(lengths)
+    starts = (counts.flatten().cumsum(0) - counts.flatten()).view(batch, heads)
+    spans = torch.stack([starts, counts], -1)
+    held = torch.arange(most) >= (most - counts)[..., None]  # [B, H, M]
+    tail_k, tail_v = (torch.randn(batch, heads, tail, dim, generator=g) for _ in range(2))
+    bias = torch.zeros(batch, heads, 1, most + tail)
+    bias[1, :, :, -1] = -2.0
+    query = torch.randn(batch, heads, rows, dim, generator=g) * 0.3
+    layout_k, layout_v = codec.kernel_layout("key"), codec.kernel_layout("value")
+
+    def attend(encoded, bias, vectorised, spans, module):
+        return module.decode_attention(
+            query[:, :, :, None].contiguous(), query, *cpu_decode._arguments(encoded["key"], layout_k),
+            *cpu_decode._arguments(encoded["value"], layout_v), dim, bias, None, None, None, tail_k, tail_v,
+            vectorised, None, None, None, spans)
+
+    masked = bias.clone()
+    masked[..., :most] = masked[..., :most].masked_fill(~held[:, :, None], float("-inf"))
+    expected = attend(padded, masked, False, None, cpu_decode._extension())
+    got = attend(flat, bias, vectorised, spans, extension)
+    for part, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(part, reference, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="outside the store"):
+        attend(flat, bias, vectorised, spans + torch.tensor([0, 1]), extension)
