@@ -54,13 +54,14 @@ BUDGET_SLIDING_SHARE = 0.5
 # more (chosen on the development half: docs/results.md, "KVzip's byte target on hybrid models").
 BYTES_SLIDING_SCALE = 10.0
 BYTES_SLIDING_CODEC = IntNCodec(bits=4, residual_length=32, **PLAIN_NAME_DEFAULTS[4])  # `int4:residual_length=32`
-# A plain KVzip ratio below this (no codec) is planned on a hybrid model as its byte target (`ratio_as_bytes`); from
-# it up, by the ratio's own rule (`SlidingShare`). On Gemma-3-270M's development half (2,000 tokens) the byte plan
-# kept more answers at a quarter and an eighth, and at a half one multi_needle answer fewer (a distractor's number,
-# as every int4 cache there): docs/results.md, "A plain KVzip ratio below a half on Gemma-3 is a byte target".
-# Without sliding layers (SmolLM2) the byte plan kept as many or more development answers too, but its per-head int4
-# stores are decoded whole at every step, 2-4x DynamicCache's decode where exact pairs take 0.5-0.7x (docs/speed.md),
-# so a ratio there keeps its exact pairs and `kvzip:bytes=R` is the way to the int4 pairs.
+# A plain KVzip ratio below this (no codec) is planned as its byte target (`ratio_as_bytes`) on every layout; from it
+# up, by the ratio's own rule (`SlidingShare` on a hybrid model). On the development halves (2,000 tokens) the byte
+# plan kept at least the ratio's answers per task at a quarter and an eighth: more on Gemma-3-270M, on SmolLM2 the
+# same needle and multi_question answers and one multi_needle answer more at each. At a half Gemma-3 lost one
+# multi_needle answer (a distractor's number, as every int4 cache there); SmolLM2's half was measured on needle only
+# (docs/results.md, "A plain KVzip ratio below a half on Gemma-3 is a byte target" and "... on SmolLM2 too"). The
+# int4 pairs decode through the C++ kernel where they lie (head_store.py `attend_encoded`); without it (GPU, no
+# compiler) each step decodes them whole, slower than exact pairs (docs/speed.md).
 RATIO_BYTES_BELOW = 0.5
 
 
@@ -179,16 +180,15 @@ def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[st
 
 
 def ratio_as_bytes(policy: Policy, codec: Codec, config) -> Policy:
-    """`policy` as the plan runs it on the model of `config`: on a hybrid model a plain ratio R below
-    RATIO_BYTES_BELOW, with no codec, of a policy that takes a byte target (KVzip's, `Policy.with_byte_share`) is
-    planned as `bytes=R`: R of the uncompressed bytes in the dtype served. So such a ratio gets the byte plan
-    (`ByteTarget`, `byte_sliding_tokens`, `byte_codecs`: int4 in every layer), which kept more answers than the
-    ratio's own plan (`SlidingShare`) there (RATIO_BYTES_BELOW's measurements). Any other policy, a ratio from
-    RATIO_BYTES_BELOW up, a ratio with a codec (`ratio=0.25+int4` as `bytes=` a quarter of int4's bytes lost needles
-    its own plan keeps), a ratio with a knob of its own plan (`sliding=`, `floors=`, `budgets=`), a model without
-    sliding layers (its byte plan decodes slower: RATIO_BYTES_BELOW's comment), or no config: `policy` as it is."""
-    if (policy.ratio is None or policy.ratio >= RATIO_BYTES_BELOW or not codec.lossless or config is None
-            or not is_hybrid(config_layer_types(config))):
+    """`policy` as the plan runs it on the model of `config`: a plain ratio R below RATIO_BYTES_BELOW, with no
+    codec, of a policy that takes a byte target (KVzip's, `Policy.with_byte_share`) is planned as `bytes=R`: R of
+    the uncompressed bytes in the dtype served. So such a ratio gets the byte plan (`ByteTarget`, `byte_codecs`:
+    every layer in BYTES_SLIDING_CODEC, and on a hybrid model `byte_sliding_tokens`): about three times as many
+    pairs, each in int4, for the same bytes, which kept more answers than the ratio's exact pairs on both layouts
+    (RATIO_BYTES_BELOW's measurements). Any other policy, a ratio from RATIO_BYTES_BELOW up, a ratio with a codec
+    (`ratio=0.25+int4` as `bytes=` a quarter of int4's bytes lost needles its own plan keeps), a ratio with a knob
+    of its own plan (`sliding=`, `floors=`, `budgets=`), or no config: `policy` as it is."""
+    if policy.ratio is None or policy.ratio >= RATIO_BYTES_BELOW or not codec.lossless or config is None:
         return policy
     return policy.with_byte_share(policy.ratio) or policy
 

@@ -1,10 +1,9 @@
-"""A plain KVzip ratio below a half on a hybrid model is planned as its byte target (caches/plan.py
-`ratio_as_bytes`), and a plain byte target stores its pairs in int4 on every layout (`byte_codecs`).
+"""A plain KVzip ratio below a half is planned as its byte target (caches/plan.py `ratio_as_bytes`).
 
-`kvzip:ratio=R` (R < 0.5, no codec) on a model with sliding-window layers builds the very cache `kvzip:bytes=R`
-builds (same layers, codecs, kept pairs and bytes: every layer in `int4:residual_length=32`); a half and up, a
-codec, a model without sliding layers (whose int4 head stores decode several times slower than its exact pairs:
-docs/speed.md), and a ratio with a knob of its own plan (`sliding=`, `budgets=`) keep the ratio's plan.
+`kvzip:ratio=R` (R < 0.5, no codec), on a model with sliding-window layers and on one without (SmolLM2's layout),
+builds the very cache `kvzip:bytes=R` builds (same layers, codecs, kept pairs and bytes: every layer in
+`int4:residual_length=32`); a half and up, a codec, and a ratio with a knob of its own plan (`sliding=`,
+`budgets=`) keep the ratio's plan.
 """
 
 import copy
@@ -46,7 +45,7 @@ def _model(layout):
     return tiny_hybrid_gemma() if layout == "hybrid" else use_kvcompress_attention(tiny_model("llama"))
 
 
-@pytest.mark.parametrize("layout", ["hybrid"])
+@pytest.mark.parametrize("layout", ["hybrid", "full"])
 @pytest.mark.parametrize("ratio_spec,bytes_spec", [
     ("kvzip:ratio=0.4", "kvzip:bytes=0.4"),
     ("kvzip:ratio=0.25", "kvzip:bytes=0.25"),
@@ -76,20 +75,20 @@ def test_a_plain_ratio_is_its_byte_target(layout, ratio_spec, bytes_spec):
                                                                                     model.config)]
 
 
-@pytest.mark.parametrize("layout,spec,span", [("hybrid", "kvzip:ratio=0.25", 4), ("full", "kvzip:bytes=0.25", 0)])
-def test_a_plain_ratio_or_byte_target_stores_every_layer_in_the_byte_plans_int4(layout, spec, span):
+@pytest.mark.parametrize("layout,span", [("hybrid", 4), ("full", 0)])
+def test_a_plain_ratio_stores_every_layer_in_the_byte_plans_int4(layout, span):
     config = _model(layout).config
-    cache = make_cache(spec, config)
+    cache = make_cache("kvzip:ratio=0.25", config)
     assert cache.spec == f"kvzip:bytes=0.25,span={span}+int4:residual_length=32"
     assert {layer.codec.spec() for layer in cache.layers} == {"int4:residual_length=32"}
 
 
-def test_a_plain_byte_target_keeps_more_pairs_than_its_exact_share_in_the_same_bytes():
-    """Without sliding layers a plain byte target buys int4 pairs: about three times the ratio's share of the document
+def test_a_plain_ratio_keeps_more_pairs_than_its_exact_share_in_the_same_bytes():
+    """Without sliding layers the byte target buys int4 pairs: about three times the ratio's share of the document
     (less the residual's and the scales' bytes), where exact pairs would hold the share itself."""
     model = _model("full")
     ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(2))
-    cache = _prefilled(model, "kvzip:bytes=0.25", ids)
+    cache = _prefilled(model, "kvzip:ratio=0.25", ids)
     kept = sum(int(layer.store.held_pairs().sum()) for layer in cache.layers)
     share = 0.25 * 400 * 2 * 2  # a quarter of 400 tokens, 2 layers x 2 KV heads
     assert 2 * share < kept < 4 * share, kept / share
@@ -117,10 +116,9 @@ def test_a_half_a_codec_or_a_knob_of_its_own_plan_keeps_the_ratios_plan(spec, pl
     assert (cache.sliding_share is not None) == planned
 
 
-@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "kvzip:ratio=0.25", "kvzip:ratio=0.125", "kvzip:ratio=0.25+int4",
-                                  "kvzip:ratio=0.25,budgets=layer",
+@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "kvzip:ratio=0.25+int4", "kvzip:ratio=0.25,budgets=layer",
                                   "kvzip:ratio=0.5,budgets=token", "kvzip:ratio=1"])
-def test_a_model_without_sliding_layers_keeps_the_ratio(spec):
+def test_a_model_without_sliding_layers_keeps_the_ratio_from_a_half_with_a_codec_or_a_knob(spec):
     """SmolLM2's layout (full attention only): the ratio of the tokens in every layer."""
     config = tiny_model("llama").config
     cache = make_cache(spec, config)
@@ -178,8 +176,8 @@ def test_bad_ratios_on_a_hybrid_model_are_refused_naming_the_parameter(spec, mat
         make_cache(spec, tiny_hybrid_gemma().config)
 
 
-def test_a_saved_byte_target_without_sliding_layers_loads_as_it_was_built(tmp_path):
-    """On SmolLM2's layout a plain byte target's cache saves its spec with int4 named and loads as built; a
+def test_a_saved_ratio_cache_without_sliding_layers_loads_as_it_was_built(tmp_path):
+    """On SmolLM2's layout a plain ratio's cache saves its byte target's spec (int4 named) and loads as built; a
     plain `bytes=` file saved when such a model kept exact pairs (its spec names no codec) loads with exact pairs,
     with the same logits."""
     model = _model("full")
@@ -187,7 +185,7 @@ def test_a_saved_byte_target_without_sliding_layers_loads_as_it_was_built(tmp_pa
     step, where = torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(9)), torch.arange(30, 33)[None]
     exact = CompressedCache(*parse_spec("kvzip:bytes=0.3"), config=model.config, byte_plan=False)  # the plan before
     assert {layer.codec.spec() for layer in exact.layers} == {"identity"} and exact.spec == "kvzip:bytes=0.3,span=0"
-    for cache in (make_cache("kvzip:bytes=0.3", model.config), exact):
+    for cache in (make_cache("kvzip:ratio=0.3", model.config), exact):
         prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
         path = tmp_path / "cache.safetensors"
         save_cache(cache, path)
