@@ -65,13 +65,13 @@ void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float
     const int64_t group = t / k.token_group;
     if (group != loaded) {  // in channel order: scale[(row, group), d]
       loaded = group;
-      const int64_t base = (row * k.scale_rows() + group) * dim;
+      const int64_t base = (row * k.row_scale_rows + group) * dim;
       for (int64_t d = 0; d < dim; ++d) {
         scale_buf[d] = k.load_scale(base + d);
         zero_buf[d] = k.load_zero(base + d);
       }
     }
-    const uint8_t* codes = k.codes + (row * k.tokens + t) * width;
+    const uint8_t* codes = k.codes + (row * k.row_tokens + t) * width;
     const int64_t o0 = offsets == 1 ? 0 : t % offsets;
     float* out = logits + (t - t0);
     int64_t m = 0;
@@ -118,8 +118,8 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
   }
   alignas(32) float scales[8] = {}, zeros[8] = {};
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* bytes = v.codes + (row * v.tokens + t) * width;
-    const int64_t scale_at = (row * v.tokens + t) * groups;
+    const uint8_t* bytes = v.codes + (row * v.row_tokens + t) * width;
+    const int64_t scale_at = (row * v.row_scale_rows + t) * groups;
     for (int64_t g = 0; g < groups; ++g) {  // a few per token: scalar loads and conversions
       scales[g] = v.load_scale(scale_at + g);
       zeros[g] = v.load_zero(scale_at + g);

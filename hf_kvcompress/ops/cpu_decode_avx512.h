@@ -201,7 +201,7 @@ void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float
     const int64_t group = t / k.token_group;
     if (group != loaded) {  // in channel order: scale[(row, group), d], 16 channels at a time
       loaded = group;
-      const int64_t base = (row * k.scale_rows() + group) * dim;
+      const int64_t base = (row * k.row_scale_rows + group) * dim;
       for (int64_t d = 0; d < dim; d += 16) {
         const int64_t count = std::min<int64_t>(16, dim - d);
         const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1u);
@@ -223,7 +223,7 @@ void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float
         }
       }
     }
-    const uint8_t* codes = k.codes + (row * k.tokens + t) * width;
+    const uint8_t* codes = k.codes + (row * k.row_tokens + t) * width;
     __m512i transposed[8];
     const __m512i* words = nullptr;
     if (width == 32) {
@@ -279,10 +279,10 @@ void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* 
     for (int i = 0; i < U; ++i)
       for (int c = 0; c < BLOCKS; ++c) sum[r][i * BLOCKS + c] = _mm512_loadu_ps(acc + (m0 + r) * dim + i * W + 16 * c);
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* bytes = v.codes + (row * v.tokens + t) * W;
+    const uint8_t* bytes = v.codes + (row * v.row_tokens + t) * W;
     __m512 token_scale = _mm512_setzero_ps(), token_zero = _mm512_setzero_ps();
     if (!BLOCK_GROUPS) {
-      const int64_t scale_at = (row * v.tokens + t) * groups;
+      const int64_t scale_at = (row * v.row_scale_rows + t) * groups;
       token_scale = load_groups(v.scale, v.scale_type, scale_at, groups);
       token_zero = v.zero ? load_groups(v.zero, v.scale_type, scale_at, groups) : _mm512_setzero_ps();
     }
@@ -362,7 +362,7 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
   const float* tile_scale = scale_buf;
   const float* tile_zero = zero_buf;
   if (block_groups) {
-    const int64_t first = (row * v.tokens + t0) * groups, count = (t1 - t0) * groups;
+    const int64_t first = (row * v.row_scale_rows + t0) * groups, count = (t1 - t0) * groups;
     TORCH_CHECK(t1 - t0 <= TILE, "cpu_decode: more than a tile of tokens reached the AVX-512 values");
     if (v.scale_type == at::kFloat) {
       tile_scale = static_cast<const float*>(v.scale) + first;
