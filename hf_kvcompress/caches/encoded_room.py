@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs.base import Encoded, index_op, slice_encoded
+from ..codecs.base import Encoded, slice_encoded
 
-# A grown room holds one spare token slot per this many of its tokens, and at least `MIN_SPARE` (rounded up to whole
-# codec token blocks): it is copied once per that many appended tokens, and the spare slots cost at most that share
-# of the store's bytes (1/32: ~3%) beyond the short stores the minimum covers (docs/speed.md, "The encoded store's
-# room").
+# A grown room holds one spare token slot per this many of its tokens (at least one, the whole rounded up to codec
+# token blocks): the spare slots cost at most that share of the store's bytes (1/32: ~3%, docs/speed.md, "The
+# encoded store grows in place"), also for an eviction's small budget, and a room is copied once per that share of
+# appended tokens, so a step pays a 32nd of a token's copy per stored token on average, at any length.
 TOKENS_PER_SPARE = 32
-MIN_SPARE = 64
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` as its raw bytes where a copy into a slice needs it (float8 has no CPU copy kernels of its own)."""
-    return index_op(tensor, lambda t: t)
+    """A one-byte float (float8) as its raw bytes: copies between slices of them then need no float8 kernels (CPU
+    builds lack many, codecs/base.py `index_op`); any other tensor as it is."""
+    return tensor.view(torch.uint8) if tensor.is_floating_point() and tensor.element_size() == 1 else tensor
 
 
 class EncodedRoom:
@@ -29,11 +29,11 @@ class EncodedRoom:
     `token_block` tokens, codecs/base.py) in buffers of `capacity` token slots, `capacity - tokens` of them spare.
 
     `encoded` is a view of the first `tokens` slots (the buffers themselves when there are no spare ones). `append`
-    writes new tokens into the spare slots; a full room is replaced by a larger one (`grown_capacity`). Everything
-    that replaces the store builds a room without spare slots (`EncodedRoom(encoded, tokens)`): an eviction or a crop
-    keeps no spare slots that the next steps may never use."""
+    writes new tokens into the spare slots; a full room is replaced by a larger one (`grown_capacity`). A store
+    replaced as a whole starts without spare slots (`EncodedRoom(encoded, tokens)`), or with `capacity` slots: an
+    eviction keeps the room's size, so a cache that evicts and grows in turn holds the same bytes throughout."""
 
-    def __init__(self, encoded: Encoded, tokens: int):
+    def __init__(self, encoded: Encoded, tokens: int, capacity: int | None = None):
         if tokens <= 0:
             raise ValueError(f"tokens must be > 0 (an empty store holds no room), got {tokens}")
         for name, tensor in encoded.items():
@@ -44,6 +44,11 @@ class EncodedRoom:
         self.tokens = tokens
         self.capacity = tokens
         self.encoded = encoded
+        # A capacity that some tensor cannot hold in whole entries (a per-group one) keeps the exact size instead.
+        if capacity is not None and capacity > tokens and all(
+                capacity % self._per_entry(name) == 0 for name in encoded):
+            self._grow(capacity)
+            self.encoded = slice_encoded(self._buffers, 0, tokens, capacity)
 
     def _per_entry(self, name: str) -> int:
         """Tokens per entry of `name`'s axis 2: 1, or a codec token block (per-channel groups' scales)."""
@@ -80,5 +85,5 @@ class EncodedRoom:
 def grown_capacity(needed: int, block: int) -> int:
     """Token slots of a room that must hold `needed` tokens: spare ones beyond (see `TOKENS_PER_SPARE`), the whole a
     multiple of the codec's token `block` so every per-group tensor has whole entries."""
-    spare = max(MIN_SPARE, needed // TOKENS_PER_SPARE)
+    spare = max(1, needed // TOKENS_PER_SPARE)
     return -(-(needed + spare) // block) * block

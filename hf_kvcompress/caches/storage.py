@@ -132,13 +132,17 @@ class TokenStore:
         """Token slots the encoded store holds, its room's spare ones included (what `promised_bytes` counts)."""
         return 0 if self._encoded is None else self._encoded[0].capacity
 
-    def _set_encoded(self, keys: Encoded | None, values: Encoded | None, tokens: int) -> None:
-        """Replace the encoded store by `keys` and `values`, encodings of `tokens` slots (no spare slots: the next
-        `encode_tail` grows a room; a store replaced by an eviction or a crop holds what it keeps)."""
+    def _set_encoded(self, keys: Encoded | None, values: Encoded | None, tokens: int, keep_room: bool = False) -> None:
+        """Replace the encoded store by `keys` and `values`, encodings of `tokens` slots: with `keep_room`, in a room
+        of the old room's size where it holds them (an eviction, a block window's drop, a beam's reorder: a cache
+        that evicts and grows in turn keeps its bytes), else without spare slots (the next `encode_tail` grows a
+        room; a crop or a load holds what it keeps)."""
         if keys is None or values is None or tokens == 0:
             self._encoded, self.n_encoded = None, 0
             return
-        self._encoded, self.n_encoded = (EncodedRoom(keys, tokens), EncodedRoom(values, tokens)), tokens
+        capacity = self.encoded_slots if keep_room else None
+        self._encoded = (EncodedRoom(keys, tokens, capacity), EncodedRoom(values, tokens, capacity))
+        self.n_encoded = tokens
 
     @property
     def stored_tokens(self) -> int:
@@ -295,7 +299,7 @@ class TokenStore:
         whole_keys, whole_values = self.encoded_whole("key", positions), self.encoded_whole("value")
         assert whole_keys is not None and whole_values is not None  # something is encoded (checked above)
         self._set_encoded(gather_encoded(whole_keys, to_store), gather_encoded(whole_values, to_store),
-                          budget - in_tail)
+                          budget - in_tail, keep_room=True)
         # The `most` newest kept slots from [old exact states | tail] (slots n_enc - before ...): a row's slots older
         # than its own exact ones read another slot (clamped), and `exact_rows` leaves them unused.
         before = 0 if self.exact_keys is None else self.exact_keys.shape[-2]
@@ -380,7 +384,8 @@ class TokenStore:
             assert self.encoded_keys is not None and self.encoded_values is not None  # n_encoded > from_store > 0
             held = self.n_encoded
             self._set_encoded(_owned_encoded(self.encoded_keys, from_store, held, held),
-                              _owned_encoded(self.encoded_values, from_store, held, held), held - from_store)
+                              _owned_encoded(self.encoded_values, from_store, held, held), held - from_store,
+                              keep_room=True)
         from_tail = n - from_store
         if from_tail:
             assert self.tail_keys is not None and self.tail_values is not None  # the slots dropped are held
@@ -403,7 +408,7 @@ class TokenStore:
     def select_rows(self, indices: torch.Tensor) -> None:
         """Keep the batch rows `indices` [B'] (long), in that order (beam search, batch selection)."""
         self._set_encoded(select_batch(self.encoded_keys, indices), select_batch(self.encoded_values, indices),
-                          self.n_encoded)
+                          self.n_encoded, keep_room=True)
         for name in self.TENSORS:
             tensor = getattr(self, name)
             if tensor is not None:

@@ -9,7 +9,7 @@ import torch
 
 from hf_kvcompress import load_cache, make_cache, measured_kv_bytes, parse_spec, save_cache
 from hf_kvcompress.caches import encoded_room
-from hf_kvcompress.caches.encoded_room import MIN_SPARE, TOKENS_PER_SPARE, EncodedRoom, grown_capacity
+from hf_kvcompress.caches.encoded_room import TOKENS_PER_SPARE, EncodedRoom, grown_capacity
 from hf_kvcompress.codecs.intn import IntNCodec
 
 from ..codecs.lowrank_tiny import llama_with_bases, with_bases
@@ -55,27 +55,30 @@ def _pointers(store) -> tuple[int, ...]:
 def test_a_decode_step_writes_into_the_room_instead_of_copying_the_store(llama, codec):
     model, bases = llama
     cache = make_cache(with_bases(bases, codec), model.config)
-    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    prompt = 400  # spare slots grow with the store (a 32nd): about 12 here
+    ids = torch.randint(3, 128, (2, prompt), generator=torch.Generator().manual_seed(0))
     block = max(cache.layers[0].codec.token_block("key"), cache.layers[0].codec.token_block("value"))
     history = []
     with torch.no_grad():
-        model(ids, cache=cache, position_ids=torch.arange(40).expand(2, -1))
+        model(ids, cache=cache, position_ids=torch.arange(prompt).expand(2, -1))
         token = ids[:, -1:]
-        for step in range(80):
-            token = model(token, cache=cache, position_ids=torch.full((2, 1), 40 + step)).logits[:, -1:].argmax(-1)
+        for step in range(64):
+            position = torch.full((2, 1), prompt + step)
+            token = model(token, cache=cache, position_ids=position).logits[:, -1:].argmax(-1)
             store = cache.layers[0].store
             history.append((store.n_encoded, store.encoded_slots, _pointers(store)))
             assert measured_kv_bytes(cache) == cache.promised_kv_bytes()  # the spare slots are counted
-            spare = store.encoded_slots - store.n_encoded
-            assert 0 <= spare < max(MIN_SPARE, store.n_encoded // TOKENS_PER_SPARE) + 2 * block
+            assert 0 <= store.encoded_slots - store.n_encoded <= max(1, store.n_encoded // TOKENS_PER_SPARE) + block
     grew = [i for i in range(1, len(history)) if history[i][0] > history[i - 1][0]]
-    assert len(grew) >= 80 // block - 1  # the store took tokens at (nearly) every block of steps
+    assert len(grew) >= 64 // block - 1  # the store took tokens at (nearly) every block of steps
+    for i in range(1, len(history)):
+        (_, slots, pointers), (_, old_slots, old_pointers) = history[i], history[i - 1]
+        # The store moves exactly when its room grows, and the room grows only when the tokens outgrow it.
+        assert (pointers != old_pointers) == (slots != old_slots)
+        assert slots == old_slots or history[i][0] > old_slots
     moved = [i for i in grew if history[i][2] != history[i - 1][2]]
-    # The store moved only when its room was full: it grew by 64 slots or more, so at most twice in 80 steps (the
-    # copying store moved at every step that encoded).
-    assert all(history[i][1] > history[i - 1][1] for i in moved) and len(moved) <= 2 < len(grew)
-    unmoved = [i for i in range(1, len(history)) if history[i][1] == history[i - 1][1]]
-    assert all(history[i][2] == history[i - 1][2] for i in unmoved)
+    # The copying store moved at every step that encoded; the room at one in several (per-token codecs: one in ~12).
+    assert len(moved) <= len(grew) // (4 if block == 1 else 1) and len(moved) < len(grew)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -85,11 +88,9 @@ def test_tokens_and_scores_equal_the_copying_store(llama, monkeypatch, policy, c
     spec = with_bases(bases, policy + codec)
     _, ids, mask = left_padded_prompts(lengths=(20, 41, 33))
     grown, cache = _generate(model, spec, ids, mask)
-    assert any(layer.store.encoded_slots > layer.store.n_encoded for layer in cache.layers) or policy.startswith("h2o")
     with monkeypatch.context() as patch:
         _copying(patch)
         copied, old = _generate(model, spec, ids, mask)
-    assert all(layer.store.encoded_slots == layer.store.n_encoded for layer in old.layers)
     assert torch.equal(grown.sequences, copied.sequences)
     torch.testing.assert_close(torch.stack(grown.scores), torch.stack(copied.scores), rtol=0, atol=1e-5)
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
@@ -97,10 +98,18 @@ def test_tokens_and_scores_equal_the_copying_store(llama, monkeypatch, policy, c
 
 @pytest.mark.parametrize("spec", ["int2:residual_length=8,group_size=8,key_axis=token", "fp8",
                                   "snapkv:budget=24,window=4,recent=4+lowrank:ratio=0.5"])
-def test_a_padded_row_answers_as_alone(llama, spec):
+def test_a_padded_row_answers_as_alone(llama, monkeypatch, spec):
     model, bases = llama
-    cache = padded_batch_against_rows_alone(model, with_bases(bases, spec), lengths=(9, 30), max_new_tokens=12)
-    assert any(layer.store.encoded_slots > layer.store.n_encoded for layer in cache.layers)
+    grown = encoded_room.grown_capacity
+    sizes = []
+
+    def recorded(needed: int, block: int) -> int:
+        sizes.append(grown(needed, block))
+        return sizes[-1]
+
+    monkeypatch.setattr(encoded_room, "grown_capacity", recorded)
+    padded_batch_against_rows_alone(model, with_bases(bases, spec), lengths=(9, 30), max_new_tokens=12)
+    assert sizes  # the rooms grew: the steps between wrote in place
 
 
 # int4 with key_axis=token and joint low rank are left out: a saved file of either is refused on load on main as
@@ -124,16 +133,38 @@ def test_a_saved_room_keeps_its_used_slots_and_goes_on_alike(llama, tmp_path, co
     torch.testing.assert_close(torch.stack(a.scores), torch.stack(b.scores), rtol=0, atol=1e-5)
 
 
-def test_rows_moves_and_crops_replace_the_room(llama):
+def test_row_moves_keep_the_room_and_a_crop_holds_what_it_keeps(llama):
     model, bases = llama
     _, ids, mask = left_padded_prompts(lengths=(30, 45))
     _, cache = _generate(model, "int2:residual_length=8,group_size=8,key_axis=token", ids, mask, steps=6)
     store = cache.layers[0].store
-    held = store.n_encoded
-    cache.reorder_cache(torch.tensor([1, 0]))  # select_rows: the used slots of the chosen rows, no spare ones
-    assert store.encoded_slots == store.n_encoded == held
-    cache.crop(-(store.tail_tokens + 5))  # into the encoded store: a gather of the kept slots
+    held, slots = store.n_encoded, store.encoded_slots
+    assert slots > held
+    before = store.encoded_keys["codes"].clone()
+    cache.reorder_cache(torch.tensor([1, 0]))  # select_rows: the rows swapped, in a room of the same size (beams)
+    assert (store.n_encoded, store.encoded_slots) == (held, slots)
+    assert torch.equal(store.encoded_keys["codes"], before.flip(0))
+    cache.crop(-(store.tail_tokens + 5))  # into the encoded store: a gather of the kept slots, no spare ones
     assert store.encoded_slots == store.n_encoded == held - 5 and store.tail_tokens == 0
+
+
+@pytest.mark.parametrize("spec", ["h2o:budget=30,recent=8+int2:residual_length=8,group_size=8,key_axis=token",
+                                  "snapkv:budget=24,window=4,recent=4,decoding=evict+fp8"])
+def test_an_evicting_cache_keeps_its_room_and_its_bytes(llama, spec):
+    """An eviction keeps the room's size: a cache that evicts and grows in turn holds the same bytes at every step
+    once its budget is reached (a room rebuilt without spare slots at each eviction would grow again after it)."""
+    model, bases = llama
+    cache = make_cache(spec, model.config)
+    ids = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(2))
+    held = []
+    with torch.no_grad():
+        model(ids, cache=cache, position_ids=torch.arange(60)[None])
+        token = ids[:, -1:]
+        for step in range(30):
+            token = model(token, cache=cache, position_ids=torch.full((1, 1), 60 + step)).logits[:, -1:].argmax(-1)
+            held.append(measured_kv_bytes(cache))
+            assert held[-1] == cache.promised_kv_bytes()
+    assert len(set(held[5:])) == 1
 
 
 def test_appending_blocks_equals_encoding_them_together():
@@ -156,9 +187,8 @@ def test_appending_blocks_equals_encoding_them_together():
 
 
 def test_the_room_grows_by_a_bounded_share_in_whole_blocks_and_refuses_bad_input():
-    assert grown_capacity(10, 1) == 10 + MIN_SPARE
-    assert grown_capacity(8192, 1) == 8192 + 8192 // TOKENS_PER_SPARE
-    assert grown_capacity(8192, 32) % 32 == 0 and grown_capacity(100, 32) == 192
+    assert grown_capacity(10, 1) == 11 and grown_capacity(8192, 1) == 8192 + 8192 // TOKENS_PER_SPARE
+    assert grown_capacity(8192, 32) % 32 == 0 and grown_capacity(100, 32) == 128
     codec = parse_spec("fp8")[1]
     with pytest.raises(ValueError, match="tokens must be > 0"):
         EncodedRoom(codec.encode(torch.randn(1, 1, 4, 8), "key"), 0)
