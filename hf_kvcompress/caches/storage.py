@@ -425,9 +425,11 @@ class TokenStore:
 
     @classmethod
     def from_state(
-        cls, codec: Codec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], n_encoded: int, device: torch.device
+        cls, codec: Codec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], n_encoded: int, device: torch.device,
+        positions: torch.Tensor | None = None,
     ) -> TokenStore:
-        """The store `state()` described (other names in `tensors` are ignored), copied to `device`."""
+        """The store `state()` described (other names in `tensors` are ignored), copied to `device`. `positions`
+        [B, H_kv, slots]: each slot's key position (the layer's records), for a codec that `needs_positions`."""
         store = cls(codec, dtype)
         for name in cls.TENSORS:
             if name in tensors:
@@ -437,7 +439,7 @@ class TokenStore:
             prefix = f"encoded_{kind}."
             encoded = {k[len(prefix):]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith(prefix)}
             if encoded and n_encoded:
-                _check_readable(codec, encoded, kind, n_encoded, dtype)
+                _check_readable(codec, encoded, kind, n_encoded, dtype, positions)
             encodings.append(encoded or None)
         store._set_encoded(encodings[0], encodings[1], n_encoded)
         return store
@@ -479,13 +481,21 @@ def stored(name: str, empty=None) -> property:
                     doc=f"`store.{name}` (see caches/storage.py).")
 
 
-def _check_readable(codec: Codec, encoded: Encoded, kind: Kind, tokens: int, dtype: torch.dtype) -> None:
+def _check_readable(codec: Codec, encoded: Encoded, kind: Kind, tokens: int, dtype: torch.dtype,
+                    positions: torch.Tensor | None) -> None:
     """Refuse a saved store that the codec the spec builds now cannot read: decoding its first token block fails
     when the codec's plan for the spec changed since the file was saved (lowrank's ranks per layer, a group size), a
-    failure that would otherwise come at the first decode step, deep in attention."""
+    failure that would otherwise come at the first decode step, deep in attention. Keys of a codec that
+    `needs_positions` are decoded at their saved positions, as every later step decodes them."""
     block = min(tokens, max(codec.token_block(kind), 1))
+    at = {}
+    if kind == "key" and codec.needs_positions:
+        if positions is None:
+            raise ValueError(f"the saved cache holds no key positions, which codec {codec.spec()!r} decodes its keys "
+                             "at: build the cache from the document again and save it")
+        at["positions"] = positions[:, :, :block]
     try:
-        codec.decode(slice_encoded(encoded, 0, block, tokens), kind, dtype)
+        codec.decode(slice_encoded(encoded, 0, block, tokens), kind, dtype, **at)
     except (RuntimeError, ValueError, IndexError) as error:
         raise ValueError(
             f"the saved cache's {kind}s do not fit the codec {codec.spec()!r} builds for this layer now ({error}): "
