@@ -2,7 +2,6 @@
 promises, for every codec (no tensor of the rows before the reorder is kept alive beside the new ones)."""
 
 import pytest
-import torch
 
 from hf_kvcompress import make_cache, measured_kv_bytes
 
