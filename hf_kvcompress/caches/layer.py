@@ -502,8 +502,10 @@ class CompressedLayer(CacheLayerMixin):
         self.device = self.padding.pads.device  # "cuda" resolves to "cuda:0", as the model's states will say
         self.eviction.load_state(tensors, self.device)
         self.scorer.load_state(tensors, meta, self.device)  # `_clear` gave it a fresh state
-        self.store = TokenStore.from_state(self.codec, self.dtype, tensors, int(meta["n_encoded"]), self.device)
         self.slots = type(self.slots).from_state(tensors, self.device)  # `_clear` chose the records
+        # The slots' positions first: a codec that `needs_positions` (lowrank's joint bases) decodes keys at them.
+        self.store = TokenStore.from_state(self.codec, self.dtype, tensors, int(meta["n_encoded"]), self.device,
+                                           self.slots.positions)
         self.is_initialized = True
 
     # -- the layer's own mask ---------------------------------------------------------------------------------------

@@ -180,10 +180,15 @@ class RowPadding:
         """Only the `keep` oldest slots (every token seen, nothing evicted) remain."""
         self.pads = self.pads.clamp(max=keep)
         self.real_seen = keep - self.pads
+        self.settled = None  # a row may now hold fewer than two real tokens; the old tensor is not held on to
 
     def select_rows(self, indices: torch.Tensor) -> None:
+        # The rows kept are rows that were settled (two real tokens or more), so a settled count stays settled; it
+        # must name the new tensor, or it would hold the old one (bytes that `nbytes` does not promise).
+        settled = self.settled is self.real_seen
         self.pads = self.pads.index_select(0, indices)
         self.real_seen = self.real_seen.index_select(0, indices)
+        self.settled = self.real_seen if settled else None
 
     # -- saving, loading and bytes ----------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import torch
 
 from ..codecs.base import Codec, Encoded, Kind, cat_encoded, gather_encoded, select_batch, slice_encoded
 from ..ops.rerotate import rerotate
+from .encoded_room import EncodedRoom
 
 # A sliding window's room holds one slot beyond its kept slots per this many of them: the window is copied once every
 # that many decode steps, and the store holds that share more (`TokenStore.slide`); shorter windows gather.
@@ -48,7 +49,9 @@ def _owned_encoded(encoded: Encoded, start: int, end: int, tokens: int) -> Encod
 class TokenStore:
     """One layer's stored states; only this object assigns them (the layer builds it at its first step).
 
-    `encoded_keys` / `encoded_values`: the codec's encoding of the `n_encoded` oldest slots (None: nothing encoded);
+    `encoded_keys` / `encoded_values`: the codec's encoding of the `n_encoded` oldest slots (None: nothing encoded),
+    views of a room with spare slots (encoded_room.py) into which each step's newly encoded tokens are written in
+    place: a decode step copies no stored token;
     `tail_keys` / `tail_values` [B, H_kv, t, D]: the newest slots, at full precision;
     `sink_keys` / `sink_values` [B, H_kv, S, D]: the codec's exact sink tokens (their slots are the layer's
     `slots.sink_slots`, which move with the slots; codec_sinks.py);
@@ -59,7 +62,8 @@ class TokenStore:
     A window that slides one token per decode step (`slide`) holds its tail in a room: buffers a few slots longer
     than the tail, of which the tail is a view. Each step appends in place and the window moves one slot up, so a
     steady step copies no kept token; once the room is full the window is copied to a fresh room (one copy every
-    `KEPT_PER_ROOM_SLOT` steps). The room is what the store holds, and its bytes are what `promised_bytes` counts.
+    `KEPT_PER_ROOM_SLOT` steps). The room is what the store holds, and its bytes are what `promised_bytes` counts;
+    so are the encoded store's spare slots.
     """
 
     per_head = False  # every KV head holds the same slots (a head store's heads differ: head_store.py)
@@ -76,8 +80,9 @@ class TokenStore:
     def __init__(self, codec: Codec, dtype: torch.dtype):
         self.codec = codec
         self.dtype = dtype
-        self.encoded_keys: Encoded | None = None
-        self.encoded_values: Encoded | None = None
+        # The encoded keys and values (`encoded_keys`, `encoded_values`), set together by `_set_encoded` and grown
+        # by `encode_tail`; None: nothing encoded.
+        self._encoded: tuple[EncodedRoom, EncodedRoom] | None = None
         self.n_encoded = 0
         self._tail: list[torch.Tensor | None] = [None, None]  # `tail_keys`, `tail_values` [B, H_kv, t, D]
         # A sliding window's room (`slide`): key and value buffers [B, H_kv, capacity, D] whose slots `room_start` ..
@@ -111,6 +116,33 @@ class TokenStore:
     def tail_values(self, tensor: torch.Tensor | None) -> None:
         self._settle()
         self._tail[1], self._room = tensor, None
+
+    # -- the encoded store ------------------------------------------------------------------------------------------
+
+    @property
+    def encoded_keys(self) -> Encoded | None:
+        return None if self._encoded is None else self._encoded[0].encoded
+
+    @property
+    def encoded_values(self) -> Encoded | None:
+        return None if self._encoded is None else self._encoded[1].encoded
+
+    @property
+    def encoded_slots(self) -> int:
+        """Token slots the encoded store holds, its room's spare ones included (what `promised_bytes` counts)."""
+        return 0 if self._encoded is None else self._encoded[0].capacity
+
+    def _set_encoded(self, keys: Encoded | None, values: Encoded | None, tokens: int, keep_room: bool = False) -> None:
+        """Replace the encoded store by `keys` and `values`, encodings of `tokens` slots: with `keep_room`, in a room
+        of the old room's size where it holds them (an eviction, a block window's drop, a beam's reorder: a cache
+        that evicts and grows in turn keeps its bytes), else without spare slots (the next `encode_tail` grows a
+        room; a crop or a load holds what it keeps)."""
+        if keys is None or values is None or tokens == 0:
+            self._encoded, self.n_encoded = None, 0
+            return
+        capacity = self.encoded_slots if keep_room else None
+        self._encoded = (EncodedRoom(keys, tokens, capacity), EncodedRoom(values, tokens, capacity))
+        self.n_encoded = tokens
 
     @property
     def stored_tokens(self) -> int:
@@ -217,9 +249,14 @@ class TokenStore:
             return
         before_encoding(self.encoded_keys is None)
         at = self._at("key", positions, self.n_encoded, self.n_encoded + n)
-        self.encoded_keys = cat_encoded(self.encoded_keys, self.codec.encode(self.tail_keys[:, :, :n], "key", **at))
-        self.encoded_values = cat_encoded(self.encoded_values, self.codec.encode(self.tail_values[:, :, :n], "value"))
-        self.n_encoded += n
+        new_keys = self.codec.encode(self.tail_keys[:, :, :n], "key", **at)
+        new_values = self.codec.encode(self.tail_values[:, :, :n], "value")
+        if self._encoded is None:  # the first encoding (a prompt's): held as it is, grown by the next
+            self._set_encoded(new_keys, new_values, n)
+        else:  # written in place into the rooms' spare slots (a full room grows first: encoded_room.py)
+            for room, new in zip(self._encoded, (new_keys, new_values), strict=True):
+                room.append(new, n, block)
+            self.n_encoded += n
         self.tail_keys = owned(self.tail_keys[:, :, n:])
         self.tail_values = owned(self.tail_values[:, :, n:])
 
@@ -261,9 +298,8 @@ class TokenStore:
         to_store = kept[..., : budget - in_tail]
         whole_keys, whole_values = self.encoded_whole("key", positions), self.encoded_whole("value")
         assert whole_keys is not None and whole_values is not None  # something is encoded (checked above)
-        self.encoded_keys = gather_encoded(whole_keys, to_store)
-        self.encoded_values = gather_encoded(whole_values, to_store)
-        self.n_encoded = budget - in_tail
+        self._set_encoded(gather_encoded(whole_keys, to_store), gather_encoded(whole_values, to_store),
+                          budget - in_tail, keep_room=True)
         # The `most` newest kept slots from [old exact states | tail] (slots n_enc - before ...): a row's slots older
         # than its own exact ones read another slot (clamped), and `exact_rows` leaves them unused.
         before = 0 if self.exact_keys is None else self.exact_keys.shape[-2]
@@ -343,13 +379,13 @@ class TokenStore:
         from the tail (a block window, layer.py `_drop_old_blocks`)."""
         from_store = min(n, self.n_encoded)
         if from_store == self.n_encoded:
-            self.encoded_keys = self.encoded_values = None
+            self._set_encoded(None, None, 0)
         elif from_store:
             assert self.encoded_keys is not None and self.encoded_values is not None  # n_encoded > from_store > 0
             held = self.n_encoded
-            self.encoded_keys = _owned_encoded(self.encoded_keys, from_store, held, held)
-            self.encoded_values = _owned_encoded(self.encoded_values, from_store, held, held)
-        self.n_encoded -= from_store
+            self._set_encoded(_owned_encoded(self.encoded_keys, from_store, held, held),
+                              _owned_encoded(self.encoded_values, from_store, held, held), held - from_store,
+                              keep_room=True)
         from_tail = n - from_store
         if from_tail:
             assert self.tail_keys is not None and self.tail_values is not None  # the slots dropped are held
@@ -363,17 +399,16 @@ class TokenStore:
             assert self.encoded_keys is not None and self.encoded_values is not None  # n_encoded > 0
             batch, heads = self.tail_keys.shape[:2]
             index = torch.arange(keep, device=self.tail_keys.device).expand(batch, heads, keep)
-            self.encoded_keys = gather_encoded(self.encoded_keys, index)
-            self.encoded_values = gather_encoded(self.encoded_values, index)
-            self.n_encoded = keep
+            self._set_encoded(gather_encoded(self.encoded_keys, index), gather_encoded(self.encoded_values, index),
+                              keep)
         tail_keep = keep - self.n_encoded
         self.tail_keys = owned(self.tail_keys[:, :, :tail_keep])
         self.tail_values = owned(self.tail_values[:, :, :tail_keep])
 
     def select_rows(self, indices: torch.Tensor) -> None:
         """Keep the batch rows `indices` [B'] (long), in that order (beam search, batch selection)."""
-        self.encoded_keys = select_batch(self.encoded_keys, indices)
-        self.encoded_values = select_batch(self.encoded_values, indices)
+        self._set_encoded(select_batch(self.encoded_keys, indices), select_batch(self.encoded_values, indices),
+                          self.n_encoded, keep_room=True)
         for name in self.TENSORS:
             tensor = getattr(self, name)
             if tensor is not None:
@@ -385,25 +420,28 @@ class TokenStore:
         tensors = {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
         for kind, encoded in (("key", self.encoded_keys), ("value", self.encoded_values)):
             for name, tensor in (encoded or {}).items():
-                tensors[f"encoded_{kind}.{name}"] = tensor
+                tensors[f"encoded_{kind}.{name}"] = owned(tensor)  # the used slots only, not the room's spare ones
         return tensors
 
     @classmethod
     def from_state(
-        cls, codec: Codec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], n_encoded: int, device: torch.device
+        cls, codec: Codec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], n_encoded: int, device: torch.device,
+        positions: torch.Tensor | None = None,
     ) -> TokenStore:
-        """The store `state()` described (other names in `tensors` are ignored), copied to `device`."""
+        """The store `state()` described (other names in `tensors` are ignored), copied to `device`. `positions`
+        [B, H_kv, slots]: each slot's key position (the layer's records), for a codec that `needs_positions`."""
         store = cls(codec, dtype)
-        store.n_encoded = n_encoded
         for name in cls.TENSORS:
             if name in tensors:
                 setattr(store, name, tensors[name].to(device, copy=True))
+        encodings = []
         for kind in ("key", "value"):
             prefix = f"encoded_{kind}."
             encoded = {k[len(prefix):]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith(prefix)}
-            setattr(store, f"encoded_{kind}s", encoded or None)
             if encoded and n_encoded:
-                _check_readable(codec, encoded, kind, n_encoded, dtype)
+                _check_readable(codec, encoded, kind, n_encoded, dtype, positions)
+            encodings.append(encoded or None)
+        store._set_encoded(encodings[0], encodings[1], n_encoded)
         return store
 
     def promised_bytes(self, rows: int, head_dim: int, value_dim: int, dtype: torch.dtype | None = None) -> float:
@@ -411,7 +449,7 @@ class TokenStore:
         tail at full precision, plus the exact sinks and rows. With `dtype`: had the model run in that dtype (keys
         and values at its width; codes, scales and slot indices keep theirs)."""
         dtype = dtype or self.dtype
-        encoded = self.n_encoded * (
+        encoded = self.encoded_slots * (  # the rooms are held whole, spare slots too
             self.codec.bytes_per_token(head_dim, "key", dtype) + self.codec.bytes_per_token(value_dim, "value", dtype)
         )
         element = torch.empty((), dtype=dtype).element_size()
@@ -443,13 +481,21 @@ def stored(name: str, empty=None) -> property:
                     doc=f"`store.{name}` (see caches/storage.py).")
 
 
-def _check_readable(codec: Codec, encoded: Encoded, kind: Kind, tokens: int, dtype: torch.dtype) -> None:
+def _check_readable(codec: Codec, encoded: Encoded, kind: Kind, tokens: int, dtype: torch.dtype,
+                    positions: torch.Tensor | None) -> None:
     """Refuse a saved store that the codec the spec builds now cannot read: decoding its first token block fails
     when the codec's plan for the spec changed since the file was saved (lowrank's ranks per layer, a group size), a
-    failure that would otherwise come at the first decode step, deep in attention."""
+    failure that would otherwise come at the first decode step, deep in attention. Keys of a codec that
+    `needs_positions` are decoded at their saved positions, as every later step decodes them."""
     block = min(tokens, max(codec.token_block(kind), 1))
+    at = {}
+    if kind == "key" and codec.needs_positions:
+        if positions is None:
+            raise ValueError(f"the saved cache holds no key positions, which codec {codec.spec()!r} decodes its keys "
+                             "at: build the cache from the document again and save it")
+        at["positions"] = positions[:, :, :block]
     try:
-        codec.decode(slice_encoded(encoded, 0, block, tokens), kind, dtype)
+        codec.decode(slice_encoded(encoded, 0, block, tokens), kind, dtype, **at)
     except (RuntimeError, ValueError, IndexError) as error:
         raise ValueError(
             f"the saved cache's {kind}s do not fit the codec {codec.spec()!r} builds for this layer now ({error}): "

@@ -231,6 +231,9 @@ class IntNCodec(Codec):
     inv_freq: tuple[float, ...] | None = field(default=None, init=False, repr=False, compare=False)
     # What `rotate=auto` means for the model this copy serves, set by `for_model` ("" until then: hadamard).
     settled_rotation: str = field(default="", init=False, repr=False, compare=False)
+    # Whether `key_axis` was settled by `for_policy` from None (the policy's choice, which the spec leaves to the
+    # policy) rather than given: a given axis is part of the spec, as it changes what is stored.
+    axis_settled: bool = field(default=False, init=False, repr=False, compare=False)
     # The decoder layer this copy serves (see `for_layer`): it seeds the rotation's signs.
     layer: int = field(default=0, init=False, repr=False)
     # The key channel scales: every layer's [layers, H_kv, D], set by `for_model` (key_scale), then this layer's
@@ -352,7 +355,8 @@ class IntNCodec(Codec):
     def spec(self) -> str:
         """`int{bits}` and the fields that differ from what that plain name means (see PLAIN_NAME_DEFAULTS)."""
         defaults = PLAIN_NAME_DEFAULTS.get(self.bits, {})
-        return join_spec(f"int{self.bits}", changed_fields(self, skip=("bits", "key_axis"), defaults=defaults))
+        skip = ("bits", "key_axis") if self.axis_settled else ("bits",)
+        return join_spec(f"int{self.bits}", changed_fields(self, skip=skip, defaults=defaults))
 
     def for_policy(self, evicts: bool) -> IntNCodec:
         """Settle `key_axis`: per-channel key groups cannot lose single tokens, so eviction needs per-token keys."""
@@ -360,6 +364,7 @@ class IntNCodec(Codec):
             settled = replace(self, key_axis="token" if evicts else "channel")
             for bound in ("inv_freq", "settled_rotation", "model_key_scales"):  # replace() resets init=False fields
                 object.__setattr__(settled, bound, getattr(self, bound))
+            object.__setattr__(settled, "axis_settled", True)
             return settled
         if self.key_axis == "channel" and evicts:
             raise ValueError(

@@ -85,29 +85,31 @@ inline float load_float(const void* base, at::ScalarType type, int64_t i) {
 }
 
 // One kind (keys or values) of the store: codes [B, H, T, W] uint8, scale and zero [B, H, T / token_group,
-// dim / channel_group] (zero may be absent: float8), and how to read them.
+// dim / channel_group] (zero may be absent: float8), and how to read them. Each row (b, h) of them may sit in a
+// longer one: the store's first T token slots of a room that holds more (caches/encoded_room.py), so row `row`'s
+// codes start at row * row_tokens * W and its scales at row * row_scale_rows * (dim / channel_group).
 struct Store {
   const uint8_t* codes;
   const void* scale;
   const void* zero;
   at::ScalarType scale_type;
-  int64_t tokens, width, dim, bits, token_group, channel_group, levels;
+  int64_t tokens, width, dim, bits, token_group, channel_group, levels, row_tokens, row_scale_rows;
   float l0, a, b;
   // Ragged rows (a per-head store: caches/head_store.py): spans [rows, 2] holds each row's first token in a flat store
   // [1, 1, N, W] and its number of tokens; a row fills the last of `tokens` logical slots (right-aligned, as the
   // padded view lays it out), so it reads its bias columns [tokens - n, tokens) and no slot holds nothing. Null:
-  // row r holds slots [0, tokens) at r * tokens. Tokens groups of 1 only (a group of tokens cannot be ragged).
+  // row r holds slots [0, tokens) at r * row_tokens (its scales at r * row_scale_rows). Token groups of 1 only (a
+  // group of tokens cannot be ragged).
   const int64_t* spans;
 
   // The first logical slot row `row` holds, and the token (of the store's) at its logical slot 0.
   int64_t first(int64_t row) const { return spans ? tokens - spans[2 * row + 1] : 0; }
-  int64_t base(int64_t row) const { return spans ? spans[2 * row] - first(row) : row * tokens; }
-  // The row's first scale row (its token group 0).
-  int64_t scale_base(int64_t row) const { return spans ? base(row) : row * scale_rows(); }
+  int64_t base(int64_t row) const { return spans ? spans[2 * row] - first(row) : row * row_tokens; }
+  // The row's first scale row (its token group 0); a token t's is scale_base(row) + t / token_group.
+  int64_t scale_base(int64_t row) const { return spans ? base(row) : row * row_scale_rows; }
 
   int64_t unit() const { return 8 / bits; }
   int64_t scale_groups() const { return dim / channel_group; }
-  int64_t scale_rows() const { return tokens / token_group; }
   // Plane-major position of dim d.
   int64_t plane_pos(int64_t d) const { return (d % unit()) * width + d / unit(); }
   // Once per group: a switch on the type costs nothing there.
@@ -282,22 +284,36 @@ TileFn pick_tile(const Store& s) {
   return s.channel_group == 32 && D % 32 == 0 ? pick_tile<D, 32>(s.bits, s.levels) : pick_tile<D, 0>(s.bits, s.levels);
 }
 
+// The distance between rows (b, h) of `t` [B, H, n, w] in its own rows of w elements: each row's n x w elements are
+// contiguous and the rows evenly spaced (a contiguous tensor, or a view of the first n slots of a longer one along
+// dim 2). Any other layout fails, naming `name`.
+int64_t row_stride(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 4, "cpu_decode: ", name, " must be [B, H, T, W]");
+  const int64_t batch = t.size(0), heads = t.size(1), n = t.size(2), w = t.size(3);
+  const bool rows_packed = (w <= 1 || t.stride(3) == 1) && (n <= 1 || t.stride(2) == w);
+  const int64_t stride = heads > 1 ? t.stride(1) : batch > 1 ? t.stride(0) : n * w;
+  TORCH_CHECK(rows_packed && stride >= n * w && w > 0 && stride % w == 0 &&
+                  (batch <= 1 || heads <= 1 || t.stride(0) == heads * stride),
+              "cpu_decode: ", name, " must be [B, H, T, W] rows of contiguous T x W, evenly spaced");
+  return stride / w;
+}
+
 Store make_store(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
                  int64_t dim, int64_t levels, double l0, double a, double b) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.is_contiguous(),
-              "cpu_decode: codes must be contiguous uint8 [B, H, T, W]");
-  TORCH_CHECK(scale.dim() == 4 && scale.is_contiguous(), "cpu_decode: scale must be contiguous [B, H, T', G]");
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "cpu_decode: codes must be uint8 [B, H, T, W]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16 ||
                   scale.scalar_type() == at::kHalf, "cpu_decode: scales must be float32, bfloat16 or float16");
   Store s{};
   s.spans = nullptr;
+  s.row_tokens = row_stride(codes, "codes");
+  s.row_scale_rows = row_stride(scale, "scale");
   s.codes = codes.data_ptr<uint8_t>();
   s.scale = scale.data_ptr();
   s.scale_type = scale.scalar_type();
   s.zero = nullptr;
   if (zero.has_value()) {
-    TORCH_CHECK(zero->sizes() == scale.sizes() && zero->scalar_type() == scale.scalar_type() && zero->is_contiguous(),
-                "cpu_decode: zero must match scale");
+    TORCH_CHECK(zero->sizes() == scale.sizes() && zero->scalar_type() == scale.scalar_type() &&
+                    row_stride(*zero, "zero") == s.row_scale_rows, "cpu_decode: zero must match scale");
     s.zero = zero->data_ptr();
   }
   s.tokens = codes.size(2);

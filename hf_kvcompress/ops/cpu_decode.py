@@ -130,13 +130,28 @@ def instruction_set() -> str:
     return "portable" if extension is None else extension.instruction_set()
 
 
+def in_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` [B, H, n, w] as the kernel reads a store's codes and scales: rows (b, h) of contiguous n x w elements,
+    evenly spaced (cpu_decode.cpp `row_stride`). A view of the first n slots of a room with spare ones
+    (caches/encoded_room.py) is read in place, not copied: the copy would cost a decode step what the room saves."""
+    batch, heads, n, width = tensor.shape
+    stride = tensor.stride(1) if heads > 1 else tensor.stride(0) if batch > 1 else n * width
+    packed = (width <= 1 or tensor.stride(3) == 1) and (n <= 1 or tensor.stride(2) == width)
+    if (packed and width > 0 and stride >= n * width and stride % width == 0
+            and (batch <= 1 or heads <= 1 or tensor.stride(0) == heads * stride)):
+        return tensor
+    return tensor.contiguous()
+
+
 def _arguments(encoded: dict, layout: KernelLayout) -> list:
     if layout.float8:
         codes = encoded["values"].view(torch.uint8)
-        return [codes.contiguous(), encoded["scale"].contiguous(), None, FLOAT8, 0.0, 1.0, 0.0]
+        return [in_rows(codes), in_rows(encoded["scale"]), None, FLOAT8, 0.0, 1.0, 0.0]
     mode = PLAIN if layout.levels == (0.0, 1.0, 0.0) else AFFINE
-    return [encoded["codes"].contiguous(), encoded["scale"].contiguous(), encoded["zero"].contiguous(), mode,
-            *layout.levels]
+    scale, zero = in_rows(encoded["scale"]), in_rows(encoded["zero"])
+    if scale.stride() != zero.stride():  # the kernel reads both at one row stride
+        scale, zero = scale.contiguous(), zero.contiguous()
+    return [in_rows(encoded["codes"]), scale, zero, mode, *layout.levels]
 
 
 def decode_attention_partials(

@@ -119,7 +119,7 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
   alignas(32) float scales[8] = {}, zeros[8] = {};
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* bytes = v.codes + (v.base(row) + t) * width;
-    const int64_t scale_at = (v.base(row) + t) * groups;
+    const int64_t scale_at = (v.scale_base(row) + t) * groups;
     for (int64_t g = 0; g < groups; ++g) {  // a few per token: scalar loads and conversions
       scales[g] = v.load_scale(scale_at + g);
       zeros[g] = v.load_zero(scale_at + g);

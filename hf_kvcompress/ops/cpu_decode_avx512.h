@@ -282,7 +282,7 @@ void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* 
     const uint8_t* bytes = v.codes + (v.base(row) + t) * W;
     __m512 token_scale = _mm512_setzero_ps(), token_zero = _mm512_setzero_ps();
     if (!BLOCK_GROUPS) {
-      const int64_t scale_at = (v.base(row) + t) * groups;
+      const int64_t scale_at = (v.scale_base(row) + t) * groups;
       token_scale = load_groups(v.scale, v.scale_type, scale_at, groups);
       token_zero = v.zero ? load_groups(v.zero, v.scale_type, scale_at, groups) : _mm512_setzero_ps();
     }
@@ -362,7 +362,7 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
   const float* tile_scale = scale_buf;
   const float* tile_zero = zero_buf;
   if (block_groups) {
-    const int64_t first = (v.base(row) + t0) * groups, count = (t1 - t0) * groups;
+    const int64_t first = (v.scale_base(row) + t0) * groups, count = (t1 - t0) * groups;
     TORCH_CHECK(t1 - t0 <= TILE, "cpu_decode: more than a tile of tokens reached the AVX-512 values");
     if (v.scale_type == at::kFloat) {
       tile_scale = static_cast<const float*>(v.scale) + first;

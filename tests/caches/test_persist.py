@@ -18,11 +18,13 @@ from hf_kvcompress import (
 )
 from hf_kvcompress.generation import generate, prefill
 
+from ..codecs.lowrank_tiny import llama_with_bases, with_bases
 from .tiny_models import assert_same_state, tiny_model
 
 DATA = Path(__file__).parent / "data"
 
 SPECS = ["dynamic", "int4:residual_length=4,group_size=8", "fp8", "int2:group_size=16,residual_length=0",
+         "int4:key_axis=token,residual_length=4", "int2:key_axis=token,residual_length=0",
          "sink_window:sink_tokens=2,window=6+int8:residual_length=2", "h2o:budget=8,recent=3",
          "expected_attention:ratio=0.5,window=4"]
 
@@ -45,7 +47,11 @@ def test_loaded_cache_holds_the_same_bytes_and_answers_the_same(tmp_path, name, 
     save_cache(cache, tmp_path / "doc.safetensors")
     loaded = load_cache(tmp_path / "doc.safetensors")
     assert_same_state(cache, loaded)
-    assert measured_kv_bytes(loaded) == measured_kv_bytes(cache) == loaded.promised_kv_bytes()
+    # The file holds the stored tokens, not the spare slots of the encoded store's room (caches/encoded_room.py)
+    assert measured_kv_bytes(loaded) == loaded.promised_kv_bytes()
+    assert measured_kv_bytes(loaded) <= measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    held = [layer for layer in loaded.layers if layer.n_encoded]
+    assert all(getattr(layer.store, "encoded_slots", 0) == layer.n_encoded for layer in held)
     assert loaded.spec == cache.spec
     for seed in (1, 2):  # two questions about the same document, each from a fresh copy
         question = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(seed))
@@ -54,6 +60,34 @@ def test_loaded_cache_holds_the_same_bytes_and_answers_the_same(tmp_path, name, 
         a = generate(model, full, full_mask, copy.deepcopy(cache), max_new_tokens=6).new_tokens
         b = generate(model, full, full_mask, load_cache(tmp_path / "doc.safetensors"), max_new_tokens=6).new_tokens
         assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def llama_bases(tmp_path_factory):
+    return llama_with_bases(tmp_path_factory)
+
+
+@pytest.mark.parametrize("spec", ["lowrank:residual_length=4", "lowrank:ratio=0.5",
+                                  "lowrank:ratio=0.5+int4:residual_length=0,key_axis=token",
+                                  "lowrank:residual_length=4+int8:residual_length=0,key_axis=token"])
+def test_a_low_rank_cache_loads_and_answers_the_same(tmp_path, llama_bases, spec):
+    """Joint bases store keys before RoPE: the saved positions are part of the state, and loading decodes the keys
+    at them (the readability check too)."""
+    model, bases = llama_bases
+    ids, mask = _document()
+    cache = make_cache(with_bases(bases, spec), model.config)
+    prefill(model, ids, mask, cache, chunk_size=11)
+    assert all(layer.n_encoded for layer in cache.layers)
+    save_cache(cache, tmp_path / "doc.safetensors")
+    loaded = load_cache(tmp_path / "doc.safetensors")
+    assert_same_state(cache, loaded)
+    assert loaded.spec == cache.spec
+    question = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+    full = torch.cat([ids, question], dim=1)
+    full_mask = torch.cat([mask, torch.ones_like(question)], dim=1)
+    a = generate(model, full, full_mask, copy.deepcopy(cache), max_new_tokens=6).new_tokens
+    b = generate(model, full, full_mask, loaded, max_new_tokens=6).new_tokens
+    assert torch.equal(a, b)
 
 
 def test_rerotating_cache_round_trips(tmp_path):

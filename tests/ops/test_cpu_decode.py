@@ -122,6 +122,40 @@ def test_the_instruction_set_paths_equal_the_portable_one(spec, rows, build):
     assert (fast[1] > 0).all()
 
 
+@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("codec", [IntNCodec(bits=4, group_size=32, key_axis="channel"),
+                                   IntNCodec(bits=2, group_size=32, key_axis="token"), Fp8Codec()],
+                         ids=["int4 keys per channel", "int2 per token", "fp8"])
+def test_a_room_of_spare_slots_is_read_in_place_as_its_copy(codec, build):
+    """The store's first T slots of a room that holds more (caches/encoded_room.py): rows of codes and scales at a
+    longer stride, read without a copy by every path, and read as their contiguous copy is."""
+    from hf_kvcompress.caches.encoded_room import EncodedRoom
+
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(2, 3, 160, 64, generator=g) * 2
+    keys = EncodedRoom(codec.encode(states, "key"), 160, capacity=256).encoded
+    values = EncodedRoom(codec.encode(states.flip(-1), "value"), 160, capacity=256).encoded
+    assert all(not t.is_contiguous() for t in [*keys.values(), *values.values()])
+    layout_k, layout_v = codec.kernel_layout("key"), codec.kernel_layout("value")
+    query = torch.randn(2, 3, 3, 64, generator=g) * 0.3
+    queries = codec.offset_queries(query) if layout_k.offset_queries else query[:, :, :, None]
+    bias = torch.zeros(2, 1, 1, 160)
+    bias[0, :, :, :70] = float("-inf")
+    hidden = torch.tensor([[[5, -1], [64, 150], [-1, -1]], [[-1, -1], [0, 159], [33, 31]]])
+
+    def partials(k, v):
+        args = [queries.contiguous(), *cpu_decode._arguments(k, layout_k), *cpu_decode._arguments(v, layout_v), 64,
+                bias, hidden]
+        codes, scale = (k["values"], k["scale"]) if layout_k.float8 else (k["codes"], k["scale"])
+        assert (args[1].data_ptr(), args[2].data_ptr()) == (codes.data_ptr(), scale.data_ptr())  # no copy
+        extension = _avx2_build() if build == "avx2" else cpu_decode._extension()
+        return extension.decode_attention_partials(*args, build != "portable")
+
+    copies = [{name: t.contiguous() for name, t in e.items()} for e in (keys, values)]
+    for got, expected in zip(partials(keys, values), partials(*copies), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 AVX2_CODECS = {  # at most 8 groups per token at head_dim 128
     "int2 keys per channel": IntNCodec(bits=2, group_size=16, key_axis="channel"),
     "int2 per token, Lloyd-Max levels": IntNCodec(bits=2, group_size=32, key_axis="token", codebook="gaussian"),
@@ -368,9 +402,10 @@ def _kernel_against_pytorch(spec, dtype, config):
             # here has one for the kernel to cover
             assert layer.n_encoded > 0 and (layer.tail_keys.shape[-2] > 0) != layer.codec.encodes_on_arrival
             assert (layer.sink_slots is not None) == ("sink" in spec or spec.startswith(("int4:", "int2:")))
-            # the kernel reads the store in place: a non-contiguous encoding is copied whole at every step
+            # the kernel reads the store in place (views of the room's used slots, caches/encoded_room.py): an
+            # encoding it could not read as it is would be copied whole at every step
             stored = [*layer.store.encoded_keys.values(), *layer.store.encoded_values.values()]
-            assert all(tensor.is_contiguous() for tensor in stored)
+            assert all(_read_in_place(tensor) for tensor in stored)
             for rows in (1, 3):  # three query rows: a causal mask over the last rows of the store
                 query = torch.randn(2, KV_HEADS * GROUPS, rows, DIM, generator=g).to(dtype)
                 rows_mask = mask & torch.ones(rows, k.shape[-2], dtype=torch.bool).tril(k.shape[-2] - rows - 20)
@@ -384,6 +419,12 @@ def _kernel_against_pytorch(spec, dtype, config):
         kvcompress_attention(module, query, k, v, mask, scaling=0.2, **kwargs)
     assert compared == 6
     return cache
+
+
+def _read_in_place(tensor: torch.Tensor) -> bool:
+    """Whether the kernel reads `tensor` (a store's codes, scales or float8 values) without copying it."""
+    raw = tensor.view(torch.uint8) if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else tensor
+    return cpu_decode.in_rows(raw) is raw
 
 
 def _filled_layer(spec):
