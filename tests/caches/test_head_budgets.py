@@ -17,7 +17,7 @@ from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.ops.host_syncs import HostSyncCounter
 from hf_kvcompress.registry import parse_spec
 
-from .tiny_models import kvzip_forced_logits, masked_reference_logits, tiny_model
+from .tiny_models import kvzip_forced_logits, left_padded, masked_reference_logits, tiny_model
 
 REPEAT = [5, 6, 7]
 
@@ -354,15 +354,6 @@ def test_budget_spent_by_the_answer_evicts_the_oldest_later_tokens_too():
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
 
 
-def _left_padded(rows):
-    width = max(len(row) for row in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
-    return ids, mask
-
-
 def _decode_logits(model, ids, mask, cache, new_tokens):
     """Greedy logits [B, new, V] of model.generate over `cache`, prefilled first by KVzip's pass (but a
     DynamicCache)."""
@@ -390,7 +381,7 @@ def test_a_budget_above_prompt_and_answer_keeps_every_token_alone_and_padded(spe
     model = use_kvcompress_attention(tiny_model("llama"))
     rows = [_ids(27, seed=3)[0], _ids(40, seed=4)[0]]
     for batch in ([rows[0]], rows):
-        ids, mask = _left_padded(batch)
+        ids, mask = left_padded(batch)
         expected = _decode_logits(model, ids, mask, DynamicCache(), 12)
         cache = make_cache(spec, model.config)
         torch.testing.assert_close(_decode_logits(model, ids, mask, cache, 12), expected, rtol=1e-4, atol=1e-4)
@@ -569,7 +560,7 @@ def test_decode_over_each_heads_own_pairs_equals_the_padded_view_and_mask(name, 
     row and KV head, no padded view, no mask): the same logits as the padded view + per-head mask it replaces, in a
     padded batch of rows that evict at different steps, through blocks of tokens joining the pairs."""
     model = use_kvcompress_attention(tiny_model(name)).to(dtype)
-    ids, mask = _left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
+    ids, mask = left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
     tokens = _ids(79, seed=17, batch=2)
     attended = []
     original = HeadStore.attend
@@ -590,7 +581,7 @@ def test_a_steady_head_store_decode_step_copies_no_pair(spec):
     (caches/joined_heads.py): between the steps where tokens join the pairs or a row evicts, the joined buffers stay
     the same tensors, and the bytes are what the store promises (its room counted)."""
     model = use_kvcompress_attention(tiny_model("llama"))
-    ids, mask = _left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
+    ids, mask = left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
     cache = make_cache(spec, model.config)
     tokens = _ids(70, seed=18, batch=2)
     position, attention = mask.sum(-1, keepdim=True) - 1, mask
@@ -619,7 +610,7 @@ def test_a_steady_head_store_decode_step_reads_nothing_on_the_host():
     store reads no tensor value on the host beyond the model's own: the per-head lengths it slices by were read
     when the pairs changed."""
     model = use_kvcompress_attention(tiny_model("llama"))
-    ids, mask = _left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
+    ids, mask = left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
     cache = make_cache("kvzip:ratio=0.5", model.config)
     tokens = _ids(70, seed=18, batch=2)
     position, attention = mask.sum(-1, keepdim=True) - 1, mask

@@ -10,7 +10,7 @@ from hf_kvcompress.generation import prefill
 from hf_kvcompress.hf.compat import cache_kwargs
 from hf_kvcompress.ops import cpu_decode
 
-from .tiny_models import kvzip_forced_logits, tiny_model
+from .tiny_models import kvzip_forced_logits, left_padded, tiny_model
 
 if not cpu_decode.available():
     pytest.skip("the CPU kernel cannot be built here (no C++ compiler?)", allow_module_level=True)
@@ -29,15 +29,6 @@ SPECS = {
 
 def _ids(n, seed, batch=1):
     return torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _left_padded(rows):
-    width = max(len(row) for row in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
-    return ids, mask
 
 
 def _reference(self, query, scaling):
@@ -59,7 +50,7 @@ def test_a_kernel_step_equals_the_padded_view_and_mask(name, dtype):
     joining the pairs, a tail token a row evicted): the kernel's output equals SDPA over the padded view and mask,
     and the bytes held stay what the store promises (nothing of the kernel's is held between steps)."""
     model = use_kvcompress_attention(tiny_model("llama")).to(dtype)
-    ids, mask = _left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
+    ids, mask = left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
     cache = make_cache(SPECS[name], model.config)
     with torch.inference_mode():
         prefill(model, ids, mask, cache, repeat_prompt_ids=REPEAT)
@@ -92,7 +83,7 @@ def test_decode_logits_equal_the_reference_path(name, dtype, monkeypatch):
     """Whole decode steps of the model (teacher-forced, 79 steps, a padded batch): the kernel path's logits equal
     the padded view's, every decode step of every layer takes the kernel, and the bytes are the promise."""
     model = use_kvcompress_attention(tiny_model("llama")).to(dtype)
-    ids, mask = _left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
+    ids, mask = left_padded([_ids(300, seed=15)[0], _ids(200, seed=16)[0]])
     tokens = _ids(79, seed=17, batch=2)
     calls = []
     original = cpu_decode.decode_attention
@@ -114,7 +105,7 @@ def test_greedy_generate_from_transformers_takes_the_kernel_and_gives_the_refere
     plain `model.generate(cache=...)`, nothing else called: decode steps read the pairs through the kernel (by spans,
     never decoding the pairs' padded view) and give the tokens the padded view gives, in a padded batch."""
     model = tiny_model("llama")
-    ids, mask = _left_padded([_ids(40, seed=3)[0], _ids(29, seed=4)[0]])
+    ids, mask = left_padded([_ids(40, seed=3)[0], _ids(29, seed=4)[0]])
     spans, padded = [], []
     original_spans, original_padded = RaggedHeads.spans, RaggedHeads.padded
     monkeypatch.setattr(RaggedHeads, "spans", lambda self: spans.append(1) or original_spans(self))
@@ -147,7 +138,7 @@ def test_padded_rows_equal_rows_alone(spec):
 
     model = use_kvcompress_attention(tiny_model("llama"))
     rows = [_ids(300, seed=15)[0], _ids(200, seed=16)[0]]
-    ids, mask = _left_padded(rows)
+    ids, mask = left_padded(rows)
     batched = generate(model, ids, mask, make_cache(spec, model.config), max_new_tokens=40,
                        repeat_prompt_ids=REPEAT).new_tokens
     for i, row in enumerate(rows):

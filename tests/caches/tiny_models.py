@@ -54,13 +54,17 @@ def left_padded_prompts(seed=0, lengths=(5, 13, 9)):
     """Random prompts of `lengths` tokens: (the rows alone, [B, T] left-padded ids, their attention mask)."""
     g = torch.Generator().manual_seed(seed)
     rows = [torch.randint(3, 128, (n,), generator=g) for n in lengths]
-    width = max(lengths)
+    return (rows, *left_padded(rows))
+
+
+def left_padded(rows):
+    """`rows` (1-D id tensors) as [B, T] left-padded ids and their attention mask."""
+    width = max(len(row) for row in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, width - len(row):] = row
-        mask[i, width - len(row):] = 1
-    return rows, ids, mask
+        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    return ids, mask
 
 
 def padded_batch_against_rows_alone(model, spec, seed=3, lengths=(5, 13), max_new_tokens=6):
