@@ -114,8 +114,8 @@ class CompressedCache(Cache):
         byte_plan: KVzip's bytes= with no codec given stores the full-attention layers in the plan's int4, and on
             a hybrid model the sliding layers whatever the codec (plan.py `byte_codecs`); False keeps the codec given
             in every layer, as caches saved before that plan were built (persist.py).
-        ratio_bytes: a plain KVzip ratio below a half on a hybrid model is planned as its byte target (plan.py
-            `ratio_as_bytes`); False keeps the ratio's own plan, as caches saved before were built (persist.py).
+        ratio_bytes: a plain KVzip ratio below a half is planned as its byte target (plan.py `ratio_as_bytes`);
+            False keeps the ratio's own plan, as caches saved before were built (persist.py).
     """
 
     # Every layer is one: built from a plan, or by `_LayerFactory` without a config (list is invariant, so the
