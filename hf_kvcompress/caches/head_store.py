@@ -22,6 +22,7 @@ since the ranking in a full-precision tail, and the codec's exact sinks, with th
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import cast
 
 import torch
@@ -117,10 +118,7 @@ class RaggedHeads:
         from numbers kept on the host since the pairs last changed: transient, so the store's bytes stay its pairs'."""
         if self._spans is None:
             counts = self._head_counts()
-            starts = [0] * len(counts)
-            for i in range(1, len(counts)):
-                starts[i] = starts[i - 1] + counts[i - 1]
-            self._spans = list(zip(starts, counts, strict=True))
+            self._spans = list(zip(accumulate(counts, initial=0), counts, strict=False))  # starts: one more
         batch, heads = self.lengths.shape
         return torch.tensor(self._spans, dtype=torch.long, device=self.lengths.device).view(batch, heads, 2)
 
