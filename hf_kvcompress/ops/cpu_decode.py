@@ -130,12 +130,19 @@ def instruction_set() -> str:
     return "portable" if extension is None else extension.instruction_set()
 
 
+def row_stride(tensor: torch.Tensor) -> int:
+    """The elements between rows (b, h) of `tensor` [B, H, n, w], as `in_rows` reads it (n x w for a single row)."""
+    batch, heads, n, width = tensor.shape
+    return tensor.stride(1) if heads > 1 else tensor.stride(0) if batch > 1 else n * width
+
+
 def in_rows(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` [B, H, n, w] as the kernel reads a store's codes and scales: rows (b, h) of contiguous n x w elements,
-    evenly spaced (cpu_decode.cpp `row_stride`). A view of the first n slots of a room with spare ones
-    (caches/encoded_room.py) is read in place, not copied: the copy would cost a decode step what the room saves."""
+    evenly spaced (cpu_decode.cpp `row_stride`; the Triton kernel reads the same). A view of the first n slots of a
+    room with spare ones (caches/encoded_room.py) is read in place, not copied: the copy would cost a decode step
+    what the room saves."""
     batch, heads, n, width = tensor.shape
-    stride = tensor.stride(1) if heads > 1 else tensor.stride(0) if batch > 1 else n * width
+    stride = row_stride(tensor)
     packed = (width <= 1 or tensor.stride(3) == 1) and (n <= 1 or tensor.stride(2) == width)
     if (packed and width > 0 and stride >= n * width and stride % width == 0
             and (batch <= 1 or heads <= 1 or tensor.stride(0) == heads * stride)):

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .cpu_decode import in_rows, row_stride
+
 SUPPORTED_BITS = (2, 4, 8)
 # Built on first use: Triton reads TRITON_INTERPRET when it is imported (the triton extra ships no types: Any).
 triton: Any = None
@@ -37,15 +39,16 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _dequantise(codes, scales, zeros, row, T, row_bytes, s_t, s_d, t_offs, t_valid, offs,
+    def _dequantise(codes, scales, zeros, row, codes_row, scales_row, row_bytes, s_d, t_offs, t_valid, offs,
                     BITS: tl.constexpr, TOKEN_GROUP: tl.constexpr, CHANNEL_GROUP: tl.constexpr):
         """A tile [BLOCK_T, len(offs)] of keys or values: each value's byte, its bits in it, and its group's scale
-        and zero point."""
+        and zero point. Row (b, h) starts `codes_row` bytes and `scales_row` scales after the previous one (a room's
+        view: its spare slots lie between the rows)."""
         UNIT: tl.constexpr = 8 // BITS  # values per byte
-        byte = tl.load(codes + row * T * row_bytes + t_offs[:, None] * row_bytes + (offs // UNIT)[None, :],
+        byte = tl.load(codes + row * codes_row + t_offs[:, None] * row_bytes + (offs // UNIT)[None, :],
                        mask=t_valid[:, None], other=0).to(tl.int32)
         code = (byte >> ((offs % UNIT) * BITS)[None, :]) & ((1 << BITS) - 1)
-        group = row * s_t * s_d + (t_offs // TOKEN_GROUP)[:, None] * s_d + (offs // CHANNEL_GROUP)[None, :]
+        group = row * scales_row + (t_offs // TOKEN_GROUP)[:, None] * s_d + (offs // CHANNEL_GROUP)[None, :]
         scale = tl.load(scales + group, mask=t_valid[:, None], other=0.0).to(tl.float32)
         zero = tl.load(zeros + group, mask=t_valid[:, None], other=0.0).to(tl.float32)
         return code.to(tl.float32) * scale + zero
@@ -65,7 +68,8 @@ def _kernel():
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bias,
         pq, sink_k, sink_v, sink_slots, tail_k, tail_v,
         out_max, out_sum, out_acc, out_plain,
-        M, T, tokens_per_split, store_splits, heads, k_row_bytes, v_row_bytes, ks_t, ks_d, vs_t, vs_d,
+        M, T, tokens_per_split, store_splits, heads, k_row_bytes, v_row_bytes, k_rows, ks_rows, ks_d, v_rows,
+        vs_rows, vs_d,
         bias_b, bias_h, S, sink_b, sink_h, sink_t, Tt, tail_b, tail_h, tail_t,
         D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
         K_BITS: tl.constexpr, K_TOKEN_GROUP: tl.constexpr, K_CHANNEL_GROUP: tl.constexpr,
@@ -100,7 +104,7 @@ def _kernel():
             for t0 in range(start, stop, BLOCK_T):
                 t_offs = t0 + tl.arange(0, BLOCK_T)
                 t_valid = t_offs < stop
-                keys = _dequantise(k_codes, k_scale, k_zero, row, T, k_row_bytes, ks_t, ks_d, t_offs, t_valid,
+                keys = _dequantise(k_codes, k_scale, k_zero, row, k_rows, ks_rows, k_row_bytes, ks_d, t_offs, t_valid,
                                    d_offs, K_BITS, K_TOKEN_GROUP, K_CHANNEL_GROUP)  # [BLOCK_T, D]
                 logits = tl.dot(query, tl.trans(keys))  # [BLOCK_M, BLOCK_T]
                 if HAS_BIAS:
@@ -108,7 +112,7 @@ def _kernel():
                 if HAS_SINKS:  # a sink's slot is attended exactly by the plain program, not in its decoded form
                     t_valid = t_valid & (tl.sum((t_offs[:, None] == slots[None, :]).to(tl.int32), 1) == 0)
                 logits = tl.where(t_valid[None, :], logits, float("-inf"))
-                values = _dequantise(v_codes, v_scale, v_zero, row, T, v_row_bytes, vs_t, vs_d, t_offs, t_valid,
+                values = _dequantise(v_codes, v_scale, v_zero, row, v_rows, vs_rows, v_row_bytes, vs_d, t_offs, t_valid,
                                      dv_offs, V_BITS, V_TOKEN_GROUP, V_CHANNEL_GROUP)  # [BLOCK_T, DV]
                 run_max, run_sum, acc = _online(logits, values, run_max, run_sum, acc)
             tl.store(out_acc + (row * store_splits + split) * M * DV + m_offs[:, None] * DV + dv_offs[None, :], acc,
@@ -196,6 +200,15 @@ def decode_attention(
                    sink_values, tail_keys, tail_values, block_t, tokens_per_split)
 
 
+def _in_rows(encoded: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A store's codes, scales and zero points as the kernel reads them: rows (b, h) of contiguous slots, evenly
+    spaced (a room's view read in place, as the CPU kernel does), the scales and zero points at one row stride."""
+    scale, zero = in_rows(encoded["scale"]), in_rows(encoded["zero"])
+    if scale.stride() != zero.stride():
+        scale, zero = scale.contiguous(), zero.contiguous()
+    return in_rows(encoded["codes"]), scale, zero
+
+
 def _segment(keys: torch.Tensor | None, values: torch.Tensor | None, placeholder: torch.Tensor):
     """A plain segment (the exact sinks, the tail) as the kernel reads it: keys and values [B, H, n, D] with their
     last axis contiguous and one set of strides for both (copied where not), their n and (batch, head, token)
@@ -228,9 +241,8 @@ def _launch(query, plain_query, encoded_keys, encoded_values, value_dim, bias, s
     out_plain = torch.empty(rows, m, value_dim, device=device, dtype=torch.float32) if plain else out_acc
     q = query.float().contiguous()
     pq = plain_query.float().contiguous() if plain else q
-    kc, vc = encoded_keys["codes"].contiguous(), encoded_values["codes"].contiguous()
-    ks, kz = encoded_keys["scale"].contiguous(), encoded_keys["zero"].contiguous()
-    vs, vz = encoded_values["scale"].contiguous(), encoded_values["zero"].contiguous()
+    kc, ks, kz = _in_rows(encoded_keys)
+    vc, vs, vz = _in_rows(encoded_values)
     if bias is not None:
         bias = bias.float()
         if bias.stride(-1) != 1:
@@ -247,8 +259,8 @@ def _launch(query, plain_query, encoded_keys, encoded_values, value_dim, bias, s
         q, kc, ks, kz, vc, vs, vz, bias if bias is not None else out_max,
         pq, sink_k, sink_v, slots, tail_k, tail_v,
         out_max, out_sum, out_acc, out_plain,
-        m, tokens, tokens_per_split, store_splits, heads, kc.shape[-1], vc.shape[-1], ks.shape[2], ks.shape[3],
-        vs.shape[2], vs.shape[3], bias_b, bias_h,
+        m, tokens, tokens_per_split, store_splits, heads, kc.shape[-1], vc.shape[-1], row_stride(kc), row_stride(ks),
+        ks.shape[3], row_stride(vc), row_stride(vs), vs.shape[3], bias_b, bias_h,
         sinks, *sink_strides, tail, *tail_strides,
         D=dim, DV=value_dim, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_S=block_s,
         K_BITS=k_bits, K_TOKEN_GROUP=k_tg, K_CHANNEL_GROUP=k_cg,

@@ -159,3 +159,31 @@ def test_the_kernel_leaves_a_lloyd_max_codebook_to_pytorch():
     assert store_kernel(layer, query, "auto") != "triton"
     with pytest.raises(ValueError, match="codebook='uniform'"):
         store_kernel(layer, query, "triton")
+
+
+@pytest.mark.parametrize("key_axis", ["channel", "token"])
+def test_a_room_view_is_read_in_place(key_axis):
+    """A store whose rows lie in a room with spare slots (caches/encoded_room.py keeps its encodings so) is read by
+    the rows' stride, not copied, and gives what the same store packed gives."""
+    g = torch.Generator().manual_seed(11)
+    codec = IntNCodec(bits=4, group_size=16, key_axis=key_axis, rotate="none")
+    batch, heads, tokens, spare, dim, rows = 2, 2, 64, 32, 32, 3
+    keys = torch.randn(batch, heads, tokens + spare, dim, generator=g).to(DEVICE)
+    values = torch.randn(batch, heads, tokens + spare, dim, generator=g).to(DEVICE)
+    full_k, full_v = codec.encode(keys, "key"), codec.encode(values, "value")
+    def view(encoded):  # the first `tokens` slots of each row (scales per 16 tokens where keys group along tokens)
+        return {name: part[:, :, : part.shape[2] * tokens // (tokens + spare)] for name, part in encoded.items()}
+    room_k, room_v = view(full_k), view(full_v)
+    assert not room_k["codes"].is_contiguous() and room_k["codes"].shape[2] == tokens
+    packed_k = {name: part.contiguous() for name, part in room_k.items()}
+    packed_v = {name: part.contiguous() for name, part in room_v.items()}
+    codes, scale, zero = triton_decode._in_rows(room_k)
+    assert codes.data_ptr() == room_k["codes"].data_ptr() and scale.data_ptr() == room_k["scale"].data_ptr()
+    query = (torch.randn(batch, heads, rows, dim, generator=g) * 0.3).to(DEVICE)
+    bias = torch.zeros(batch, heads, tokens, device=DEVICE)
+    bias[1, 0, 5] = float("-inf")
+    got = triton_decode.decode_attention_partials(query, room_k, room_v, dim, bias, block_t=16, tokens_per_split=32)
+    want = triton_decode.decode_attention_partials(query, packed_k, packed_v, dim, bias, block_t=16,
+                                                   tokens_per_split=32)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
