@@ -16,8 +16,8 @@
 // group_size and channel groups of 1, everything else token groups of 1 and channel groups of group_size.
 //
 // On a CPU with AVX-512 (or else AVX2) the layouts they read take cpu_decode_avx512.h's (cpu_decode_avx2.h's)
-// paths: 16 (8) logits per vector, values mixed in registers; this file's loops are the portable path and the
-// reference those paths are tested against.
+// paths (keys per channel or per token, values per token): 16 (8) logits per vector, values mixed in registers;
+// this file's loops are the portable path and the reference those paths are tested against.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -7,7 +7,9 @@
 // bytes per token, each channel's codes become one vector, scaled by that channel's scale and zero point (keys per
 // channel: one per group of tokens) and met by the query's channel (a broadcast, or with pre_rope keys the 16
 // offsets' own queries, which sit next to each other), so 16 logits come out of FMAs alone; with one query per
-// token the group's scales are folded into the query once per group instead. Values keep the
+// token the group's scales are folded into the query once per group instead. Keys grouped along head_dim per token
+// (as values are: `int4:key_axis=token`, KVzip's int4 pairs) take the same lanes, with each group's 16 scales a
+// vector gathered once per group (token_key_logits). Values keep the
 // token-major order (their output is a row per query, held across the tile): a token's codes become levels by one
 // permute through a 16-entry table (plain codes, or L0 + a*c + b*(c >> 1)) and are scaled and mixed in registers.
 //

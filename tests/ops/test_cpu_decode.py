@@ -91,9 +91,9 @@ def _avx2_build():
 @pytest.mark.parametrize("spec", ["int2", "int4", "int4:key_axis=token", "int2:key_axis=token,pre_rope=false"])
 def test_the_instruction_set_paths_equal_the_portable_one(spec, rows, build):
     """The plain names at SmolLM2's shapes (head_dim 64, key groups of 32 tokens; int2: a query per offset; keys per
-    token: groups of 32 channels) read through the instruction-set paths (this CPU's: cpu_decode_avx512.h where it has AVX-512; and
-    cpu_decode_avx2.h, built without AVX-512) against the portable loops: a masked first tile, hidden slots in
-    partial vectors, a store that ends inside a tile."""
+    token: groups of 32 channels) read through the instruction-set paths (this CPU's: cpu_decode_avx512.h where it
+    has AVX-512; and cpu_decode_avx2.h, built without AVX-512) against the portable loops: a masked first tile,
+    hidden slots in partial vectors, a store that ends inside a tile."""
     g = torch.Generator().manual_seed(rows)
     cache = make_cache(spec, SMOLLM2_SHAPES)
     tokens = 128 + 4 * 32 + 5 * 32  # 288 stored (+ the tail): four whole tiles and a half one
@@ -122,26 +122,31 @@ def test_the_instruction_set_paths_equal_the_portable_one(spec, rows, build):
     assert (fast[1] > 0).all()
 
 
+@pytest.mark.parametrize("start", [0, 32], ids=["from slot 0", "from slot 32"])
 @pytest.mark.parametrize("build", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("codec", [IntNCodec(bits=4, group_size=32, key_axis="channel"),
-                                   IntNCodec(bits=2, group_size=32, key_axis="token"), Fp8Codec()],
-                         ids=["int4 keys per channel", "int2 per token", "fp8"])
-def test_a_room_of_spare_slots_is_read_in_place_as_its_copy(codec, build):
-    """The store's first T slots of a room that holds more (caches/encoded_room.py): rows of codes and scales at a
-    longer stride, read without a copy by every path, and read as their contiguous copy is."""
+                                   IntNCodec(bits=2, group_size=32, key_axis="token"),
+                                   IntNCodec(bits=4, group_size=32, key_axis="token"), Fp8Codec()],
+                         ids=["int4 keys per channel", "int2 per token", "int4 per token", "fp8"])
+def test_a_room_of_spare_slots_is_read_in_place_as_its_copy(codec, build, start):
+    """The store's slots [start, 160) of a room that holds 256 (caches/encoded_room.py; from slot 32: a window
+    whose oldest slots were dropped by moving its view, not by a copy): rows of codes and scales at a longer stride
+    and from an offset, read without a copy by every path, and read as their contiguous copy is."""
     from hf_kvcompress.caches.encoded_room import EncodedRoom
+    from hf_kvcompress.codecs.base import slice_encoded
 
     g = torch.Generator().manual_seed(0)
     states = torch.randn(2, 3, 160, 64, generator=g) * 2
-    keys = EncodedRoom(codec.encode(states, "key"), 160, capacity=256).encoded
-    values = EncodedRoom(codec.encode(states.flip(-1), "value"), 160, capacity=256).encoded
+    keys, values = (slice_encoded(EncodedRoom(codec.encode(x, kind), 160, capacity=256).encoded, start, 160, 160)
+                    for x, kind in ((states, "key"), (states.flip(-1), "value")))
     assert all(not t.is_contiguous() for t in [*keys.values(), *values.values()])
+    tokens = 160 - start
     layout_k, layout_v = codec.kernel_layout("key"), codec.kernel_layout("value")
     query = torch.randn(2, 3, 3, 64, generator=g) * 0.3
     queries = codec.offset_queries(query) if layout_k.offset_queries else query[:, :, :, None]
-    bias = torch.zeros(2, 1, 1, 160)
+    bias = torch.zeros(2, 1, 1, tokens)
     bias[0, :, :, :70] = float("-inf")
-    hidden = torch.tensor([[[5, -1], [64, 150], [-1, -1]], [[-1, -1], [0, 159], [33, 31]]])
+    hidden = torch.tensor([[[5, -1], [64, tokens - 10], [-1, -1]], [[-1, -1], [0, tokens - 1], [33, 31]]])
 
     def partials(k, v):
         args = [queries.contiguous(), *cpu_decode._arguments(k, layout_k), *cpu_decode._arguments(v, layout_v), 64,
@@ -637,6 +642,10 @@ def test_spans_read_ragged_rows_as_the_padded_store_with_its_empty_slots_masked(
             *cpu_decode._arguments(encoded["value"], layout_v), dim, bias, None, None, None, tail_k, tail_v,
             vectorised, None, None, None, spans)
 
+    if extension.instruction_set() != "portable" and not layout_k.float8:  # int keys per token: the vector key path
+        stores = [*cpu_decode._arguments(flat["key"], layout_k)[:4],
+                  *cpu_decode._arguments(flat["value"], layout_v)[:4]]
+        assert list(extension.vector_paths(*stores, dim, dim, 1))[0]
     masked = bias.clone()
     masked[..., :most] = masked[..., :most].masked_fill(~held[:, :, None], float("-inf"))
     expected = attend(padded, masked, False, None, cpu_decode._extension())
