@@ -58,9 +58,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     layers = [_layer(codec, args.tokens, heads, rows, dim, g) for _ in range(args.layers)]
     first = layers[0]
-    paths = cpu_decode._extension().vector_paths(*cpu_decode._arguments(first[2], first[4])[:4],
-                                                 *cpu_decode._arguments(first[3], first[5])[:4], dim, dim, 1)
-    print(f"instruction set {cpu_decode.instruction_set()}, vector paths (keys, values): {list(paths)}")
+    paths = cpu_decode.vector_paths(first[2], first[3], first[4], first[5], dim, dim)
+    print(f"instruction set {cpu_decode.instruction_set()}, vector paths (keys, values): {paths}")
 
     def one_round(vectorised: bool) -> float:
         start = time.process_time()

@@ -241,6 +241,10 @@ def test_keys_grouped_per_token_take_the_instruction_set_path_and_equal_the_refe
     args, expected = _token_key_case(codec, dim, rows, scale_dtype)
     if extension.instruction_set() != "portable":
         assert list(extension.vector_paths(*args[1:5], *args[8:12], dim, dim, 1))[0]
+    if cpu_decode.instruction_set() != "portable":  # the public answer, for the default build
+        layouts = codec.kernel_layout("key"), codec.kernel_layout("value")
+        encoded = [codec.encode(torch.zeros(1, 1, 8, dim), kind) for kind in ("key", "value")]
+        assert cpu_decode.vector_paths(*encoded, *layouts, dim, dim)[0]
     fast = extension.decode_attention_partials(*args, True)
     portable = cpu_decode._extension().decode_attention_partials(*args, False)
     _assert_partials(fast, expected)
@@ -257,6 +261,9 @@ def test_keys_grouped_per_token_beyond_the_vector_paths_stay_portable(codec, dim
     extension = _avx2_build() if build == "avx2" else cpu_decode._extension()
     args, expected = _token_key_case(codec, dim, 3)
     assert not list(extension.vector_paths(*args[1:5], *args[8:12], dim, dim, 1))[0]
+    layouts = codec.kernel_layout("key"), codec.kernel_layout("value")
+    encoded = [codec.encode(torch.zeros(1, 1, 8, dim), kind) for kind in ("key", "value")]
+    assert not cpu_decode.vector_paths(*encoded, *layouts, dim, dim)[0]  # the public answer, the same
     _assert_partials(extension.decode_attention_partials(*args, True), expected)
 
 
