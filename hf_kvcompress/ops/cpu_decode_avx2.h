@@ -107,7 +107,7 @@ inline bool reads_token_keys(const Store& k) {
 // logits[r * stride + k] for rows r < R (query rows m0 + r) and tokens t + k, k < n (<= 8), keys grouped along
 // head_dim per token; see avx512::token_key_logits_16. `scales` / `zeros` [groups, 8]: group g's scales of the 8
 // tokens side by side (`zeros` null: none). Affine levels by arithmetic (AVX2 has no 16-entry permute).
-template <int BITS, int LEVELS, int R, bool FOLD>
+template <int BITS, int LEVELS, int R>
 inline void token_key_logits_8(const uint8_t* codes, int64_t width, int64_t dim, int64_t group_bytes,
                                int64_t groups, const float* scales, const float* zeros, const float* query,
                                const float* group_sums, const Store& k, int64_t m0, float* logits, int64_t stride,
@@ -134,7 +134,7 @@ inline void token_key_logits_8(const uint8_t* codes, int64_t width, int64_t dim,
                                                       rows, valid, 1);
     for (int byte = 0; byte < 4; ++byte) {
       if (left == 0) {  // a group starts at this byte
-        if (FOLD && group >= 0) close_group();
+        if (group >= 0) close_group();
         ++group;
         left = group_bytes;
         scale = _mm256_loadu_ps(scales + 8 * group);
@@ -147,18 +147,12 @@ inline void token_key_logits_8(const uint8_t* codes, int64_t width, int64_t dim,
         __m256 level = _mm256_cvtepi32_ps(code);
         if (LEVELS == AFFINE)
           level = _mm256_fmadd_ps(a, level, _mm256_fmadd_ps(b, _mm256_cvtepi32_ps(_mm256_srli_epi32(code, 1)), l0));
-        if (FOLD) {
-          for (int r = 0; r < R; ++r)
-            part[r] = _mm256_fmadd_ps(_mm256_set1_ps(query[(m0 + r) * dim + d]), level, part[r]);
-        } else {
-          const __m256 value = _mm256_fmadd_ps(level, scale, zero);
-          for (int r = 0; r < R; ++r)
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(query[(m0 + r) * dim + d]), value, acc[r]);
-        }
+        for (int r = 0; r < R; ++r)
+          part[r] = _mm256_fmadd_ps(_mm256_set1_ps(query[(m0 + r) * dim + d]), level, part[r]);
       }
     }
   }
-  if (FOLD && group >= 0) close_group();
+  if (group >= 0) close_group();
   for (int r = 0; r < R; ++r) _mm256_maskstore_ps(logits + r * stride, valid, acc[r]);
 }
 
@@ -180,7 +174,7 @@ void token_key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const
     float* out = logits + (t - t0);
     int64_t m = 0;
     auto rows = [&](auto count, int64_t m0) {
-      token_key_logits_8<BITS, LEVELS, decltype(count)::value, BITS <= 4>(
+      token_key_logits_8<BITS, LEVELS, decltype(count)::value>(
           codes, width, dim, group_bytes, groups, scales, zero, query, group_sums, k, m0, out + m0 * stride, stride, n);
     };
     for (; m + 4 <= m_rows; m += 4) rows(std::integral_constant<int, 4>{}, m);

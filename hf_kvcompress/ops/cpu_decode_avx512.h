@@ -270,12 +270,12 @@ inline bool reads_token_keys(const Store& k) {
 
 // As key_logits_16 for keys grouped along head_dim per token: lane k is token t + k, each channel's codes one
 // vector, and the scales of group g for the 16 tokens one vector gathered from `scales` / `zeros` (float32
-// [16, groups] from token t; `zeros` null: none). FOLD (codes up to 15): the group's sum of q_d * level_d is taken
-// first and met by its scale and zero point once, logit = sum_g s_g * (q . level)_g + z_g * (sum_{d in g} q_d)
-// (`group_sums` [M, groups] the second factors), a channel costing its extraction and one FMA per query row; else
-// (8 bits: codes up to 255 lose more to that sum's rounding than the kernel's tests allow, as key_logits' fold)
-// each channel is dequantised in registers, level * s + z, then met by every row. `query` [M, D] in channel order.
-template <int BITS, int LEVELS, int R, bool FOLD>
+// [16, groups] from token t; `zeros` null: none). The group's sum of q_d * level_d is taken first and met by its
+// scale and zero point once, logit = sum_g s_g * (q . level)_g + z_g * (sum_{d in g} q_d) (`group_sums` [M, groups]
+// the second factors), so a channel costs its extraction and one FMA per query row. Unlike key_logits' fold (zero
+// points per channel), a group's zero point here is its own minimum, so the two terms do not cancel: 8-bit codes
+// meet the kernel's tests too. `query` [M, D] in channel order.
+template <int BITS, int LEVELS, int R>
 inline void token_key_logits_16(const __m512i* words, const uint8_t* codes, int64_t width, int64_t dim,
                                 int64_t group_bytes, int64_t groups, const float* scales, const float* zeros,
                                 const float* query, const float* group_sums, __m512 table, int64_t m0,
@@ -288,7 +288,7 @@ inline void token_key_logits_16(const __m512i* words, const uint8_t* codes, int6
   for (int r = 0; r < R; ++r) acc[r] = part[r] = _mm512_setzero_ps();
   __m512 scale = _mm512_setzero_ps(), zero = _mm512_setzero_ps();
   int64_t group = -1, left = 0;  // the group of the byte being read, and its bytes still to come
-  auto close_group = [&]() {     // FOLD: the finished group's sums, scaled, with its zero points' share
+  auto close_group = [&]() {     // the finished group's sums, scaled, with its zero points' share
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(scale, part[r], acc[r]);
       acc[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(group_sums[(m0 + r) * groups + group]), acc[r]);
@@ -299,7 +299,7 @@ inline void token_key_logits_16(const __m512i* words, const uint8_t* codes, int6
     const __m512i bytes = word_of_tokens(words, codes, width, word, valid);
     for (int byte = 0; byte < 4; ++byte) {
       if (left == 0) {  // a group starts at this byte (a group holds whole bytes: make_store)
-        if (FOLD && group >= 0) close_group();
+        if (group >= 0) close_group();
         ++group;
         left = group_bytes;
         const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(group)));
@@ -311,24 +311,18 @@ inline void token_key_logits_16(const __m512i* words, const uint8_t* codes, int6
         const int64_t d = (4 * word + byte) * U + i;  // byte j holds dims j*U + i (ops/bitpack.py)
         const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * byte + BITS * i), mask);
         const __m512 level = LEVELS == AFFINE ? _mm512_permutexvar_ps(code, table) : _mm512_cvtepi32_ps(code);
-        if (FOLD) {
-          for (int r = 0; r < R; ++r)
-            part[r] = _mm512_fmadd_ps(_mm512_set1_ps(query[(m0 + r) * dim + d]), level, part[r]);
-        } else {
-          const __m512 value = _mm512_fmadd_ps(level, scale, zero);
-          for (int r = 0; r < R; ++r)
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(query[(m0 + r) * dim + d]), value, acc[r]);
-        }
+        for (int r = 0; r < R; ++r)
+          part[r] = _mm512_fmadd_ps(_mm512_set1_ps(query[(m0 + r) * dim + d]), level, part[r]);
       }
     }
   }
-  if (FOLD && group >= 0) close_group();
+  if (group >= 0) close_group();
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(logits + r * stride, valid, acc[r]);
 }
 
 // Logits [m_rows, TILE] (row stride `stride`) of the tile's tokens [t0, t1) of KV row `row`, keys grouped along
 // head_dim per token (reads_token_keys). `query` [M, D] in channel order, `group_sums` [M, groups] each row's sum
-// over each group's channels (token_key_logits_16's FOLD).
+// over each group's channels (token_key_logits_16).
 template <int BITS, int LEVELS>
 void token_key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float* query, int64_t m_rows,
                       float* logits, int64_t stride, const float* group_sums) {
@@ -374,7 +368,7 @@ void token_key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const
     const float* zeros = tile_zero ? tile_zero + (t - t0) * groups : nullptr;
     float* out = logits + (t - t0);
     in_row_blocks(m_rows, [&](auto rows, int64_t m) {
-      token_key_logits_16<BITS, LEVELS, decltype(rows)::value, BITS <= 4>(
+      token_key_logits_16<BITS, LEVELS, decltype(rows)::value>(
           words, codes, width, dim, group_bytes, groups, scales, zeros, query, group_sums, table, m,
           out + m * stride, stride, valid);
     });
