@@ -16,8 +16,8 @@
 // group_size and channel groups of 1, everything else token groups of 1 and channel groups of group_size.
 //
 // On a CPU with AVX-512 (or else AVX2) the layouts they read take cpu_decode_avx512.h's (cpu_decode_avx2.h's)
-// paths: 16 (8) logits per vector, values mixed in registers; this file's loops are the portable path and the
-// reference those paths are tested against.
+// paths (keys per channel or per token, values per token): 16 (8) logits per vector, values mixed in registers;
+// this file's loops are the portable path and the reference those paths are tested against.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -388,7 +389,8 @@ inline void load_floats(const void* base, at::ScalarType type, int64_t start, in
 // Which parts of a call the instruction-set paths take: {keys, values}.
 std::vector<bool> vector_parts(const Store& keys, const Store& values, int64_t offsets, bool vectorised) {
 #if HF_KVCOMPRESS_SIMD
-  const bool keys_fit = simd::reads_keys(keys) && (offsets == 1 || offsets % simd::LANES == 0);
+  const bool keys_fit = (simd::reads_keys(keys) && (offsets == 1 || offsets % simd::LANES == 0)) ||
+                        (simd::reads_token_keys(keys) && offsets == 1);
   return {vectorised && keys_fit, vectorised && simd::reads_values(values)};
 #else
   (void)keys, (void)values, (void)offsets, (void)vectorised;
@@ -481,6 +483,11 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
   std::vector<float> channel_q(vector_keys ? rows_q * dim : 0);
   // ... and with one query per token, that query times a key group's scales (and its dot with their zero points).
   std::vector<float> folded_q(vector_keys ? m_rows * dim : 0), folded_zero(vector_keys ? m_rows : 0);
+  // Keys grouped along head_dim per token (simd::reads_token_keys): each query row's sum over each group's channels,
+  // which meets the group's zero point once per token.
+  const bool token_keys = vector_keys && keys.channel_group > 1;
+  const int64_t key_groups = keys.scale_groups();
+  std::vector<float> group_q(token_keys ? m_rows * key_groups : 0);
   const bool own_query = pb.key_turns || pb.key_rotation;  // the offset queries are built here (see Problem)
   std::vector<float> own_q(own_query ? rows_q * dim : 0), turned(own_query ? dim : 0);
   for (int64_t row = begin; row < end; ++row) {
@@ -515,6 +522,11 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
       for (int64_t m = 0; m < m_rows; ++m)
         for (int64_t o = 0; o < offsets; ++o)
           for (int64_t c = 0; c < dim; ++c) channel_q[(m * dim + c) * offsets + o] = query[(m * offsets + o) * dim + c];
+      for (int64_t m = 0; m < (token_keys ? m_rows : 0); ++m)
+        for (int64_t g = 0; g < key_groups; ++g) {
+          const float* q = channel_q.data() + m * dim + g * keys.channel_group;
+          group_q[m * key_groups + g] = std::accumulate(q, q + keys.channel_group, 0.0f);
+        }
     } else {
       const int64_t unit = keys.unit();
       for (int64_t r = 0; r < rows_q; ++r)  // plane-major: dim c = j * unit + i at i * W + j
@@ -527,7 +539,9 @@ void attend_rows(const Problem& pb, const Store& keys, const Store& values, Tile
     for (int64_t t0 = keys.first(row); t0 < tokens; t0 += TILE) {  // a ragged row's slots before its first are empty
       const int64_t t1 = std::min(t0 + TILE, tokens), n = t1 - t0;
 #if HF_KVCOMPRESS_SIMD
-      if (vector_keys)
+      if (token_keys)
+        simd::token_key_logits_any(keys, row, t0, t1, channel_q.data(), m_rows, logits.data(), TILE, group_q.data());
+      else if (vector_keys)
         simd::key_logits_any(keys, row, t0, t1, channel_q.data(), offsets, m_rows, logits.data(), TILE,
                              k_scale_buf.data(), k_zero_buf.data(), folded_q.data(), folded_zero.data());
 #endif

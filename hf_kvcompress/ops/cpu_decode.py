@@ -161,6 +161,18 @@ def _arguments(encoded: dict, layout: KernelLayout) -> list:
     return [in_rows(encoded["codes"]), scale, zero, mode, *layout.levels]
 
 
+def vector_paths(
+    encoded_keys: dict, encoded_values: dict, key_layout: KernelLayout, value_layout: KernelLayout, dim: int,
+    value_dim: int, offsets: int = 1,
+) -> tuple[bool, bool]:
+    """Which parts of a call over this store the instruction-set paths (`instruction_set()`) read: (keys, values),
+    for keys of head_dim `dim` met by `offsets` queries per row (1, or one per offset of a per-channel key group).
+    What they do not read takes the portable loops; where the build has no such paths, (False, False)."""
+    keys, values = _arguments(encoded_keys, key_layout)[:4], _arguments(encoded_values, value_layout)[:4]
+    reads = _built().vector_paths(*keys, *values, dim, value_dim, offsets)
+    return bool(reads[0]), bool(reads[1])
+
+
 def decode_attention_partials(
     query: torch.Tensor, encoded_keys: dict, encoded_values: dict, key_layout: KernelLayout,
     value_layout: KernelLayout, value_dim: int, bias: torch.Tensor | None, hidden: torch.Tensor | None,

@@ -98,6 +98,109 @@ inline void key_logits_any(const Store& k, int64_t row, int64_t t0, int64_t t1, 
   }
 }
 
+// Keys in groups along head_dim, one scale and zero point per (token, group): see avx512::reads_token_keys.
+inline bool reads_token_keys(const Store& k) {
+  return k.token_group == 1 && k.channel_group > 1 && k.width % 4 == 0 && k.scale_groups() <= 16 &&
+         (k.levels == PLAIN || (k.levels == AFFINE && k.bits <= 4)) && (k.bits == 2 || k.bits == 4 || k.bits == 8);
+}
+
+// logits[r * stride + k] for rows r < R (query rows m0 + r) and tokens t + k, k < n (<= 8), keys grouped along
+// head_dim per token; see avx512::token_key_logits_16. `scales` / `zeros` [groups, 8]: group g's scales of the 8
+// tokens side by side (`zeros` null: none). Affine levels by arithmetic (AVX2 has no 16-entry permute).
+template <int BITS, int LEVELS, int R>
+inline void token_key_logits_8(const uint8_t* codes, int64_t width, int64_t dim, int64_t group_bytes,
+                               int64_t groups, const float* scales, const float* zeros, const float* query,
+                               const float* group_sums, const Store& k, int64_t m0, float* logits, int64_t stride,
+                               int64_t n) {
+  constexpr int U = 8 / BITS;
+  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m256i rows = _mm256_mullo_epi32(lane, _mm256_set1_epi32(static_cast<int>(width)));
+  const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane);  // all ones: a token
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  const __m256 l0 = _mm256_set1_ps(k.l0), a = _mm256_set1_ps(k.a), b = _mm256_set1_ps(k.b);
+  __m256 acc[R], part[R];
+  for (int r = 0; r < R; ++r) acc[r] = part[r] = _mm256_setzero_ps();
+  __m256 scale = _mm256_setzero_ps(), zero = _mm256_setzero_ps();
+  int64_t group = -1, left = 0;  // the group of the byte being read, and its bytes still to come
+  auto close_group = [&]() {
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_fmadd_ps(scale, part[r], acc[r]);
+      acc[r] = _mm256_fmadd_ps(zero, _mm256_set1_ps(group_sums[(m0 + r) * groups + group]), acc[r]);
+      part[r] = _mm256_setzero_ps();
+    }
+  };
+  for (int64_t word = 0; word < width / 4; ++word) {
+    const __m256i bytes = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(codes + 4 * word),
+                                                      rows, valid, 1);
+    for (int byte = 0; byte < 4; ++byte) {
+      if (left == 0) {  // a group starts at this byte
+        if (group >= 0) close_group();
+        ++group;
+        left = group_bytes;
+        scale = _mm256_loadu_ps(scales + 8 * group);
+        zero = zeros ? _mm256_loadu_ps(zeros + 8 * group) : _mm256_setzero_ps();
+      }
+      --left;
+      for (int i = 0; i < U; ++i) {
+        const int64_t d = (4 * word + byte) * U + i;  // byte j holds dims j*U + i (ops/bitpack.py)
+        const __m256i code = _mm256_and_si256(_mm256_srli_epi32(bytes, 8 * byte + BITS * i), mask);
+        __m256 level = _mm256_cvtepi32_ps(code);
+        if (LEVELS == AFFINE)
+          level = _mm256_fmadd_ps(a, level, _mm256_fmadd_ps(b, _mm256_cvtepi32_ps(_mm256_srli_epi32(code, 1)), l0));
+        for (int r = 0; r < R; ++r)
+          part[r] = _mm256_fmadd_ps(_mm256_set1_ps(query[(m0 + r) * dim + d]), level, part[r]);
+      }
+    }
+  }
+  if (group >= 0) close_group();
+  for (int r = 0; r < R; ++r) _mm256_maskstore_ps(logits + r * stride, valid, acc[r]);
+}
+
+template <int BITS, int LEVELS>
+void token_key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float* query, int64_t m_rows,
+                      float* logits, int64_t stride, const float* group_sums) {
+  const int64_t width = k.width, dim = k.dim, groups = k.scale_groups(), group_bytes = k.channel_group / k.unit();
+  alignas(32) float scales[16 * LANES], zeros[16 * LANES];  // [groups, 8]: reads_token_keys allows 16 groups
+  for (int64_t t = t0; t < t1; t += LANES) {
+    const int64_t n = std::min<int64_t>(LANES, t1 - t);
+    const int64_t scale_at = (k.scale_base(row) + t) * groups;
+    for (int64_t j = 0; j < LANES; ++j)  // scalar loads and conversions, the tokens past n as zeros
+      for (int64_t g = 0; g < groups; ++g) {
+        scales[g * LANES + j] = j < n ? k.load_scale(scale_at + j * groups + g) : 0.0f;
+        zeros[g * LANES + j] = j < n ? k.load_zero(scale_at + j * groups + g) : 0.0f;
+      }
+    const uint8_t* codes = k.codes + (k.base(row) + t) * width;
+    const float* zero = k.zero ? zeros : nullptr;
+    float* out = logits + (t - t0);
+    int64_t m = 0;
+    auto rows = [&](auto count, int64_t m0) {
+      token_key_logits_8<BITS, LEVELS, decltype(count)::value>(
+          codes, width, dim, group_bytes, groups, scales, zero, query, group_sums, k, m0, out + m0 * stride, stride, n);
+    };
+    for (; m + 4 <= m_rows; m += 4) rows(std::integral_constant<int, 4>{}, m);
+    switch (m_rows - m) {
+      case 3: rows(std::integral_constant<int, 3>{}, m); break;
+      case 2: rows(std::integral_constant<int, 2>{}, m); break;
+      case 1: rows(std::integral_constant<int, 1>{}, m); break;
+      default: break;
+    }
+  }
+}
+
+inline void token_key_logits_any(const Store& k, int64_t row, int64_t t0, int64_t t1, const float* query,
+                                 int64_t m_rows, float* logits, int64_t stride, const float* group_sums) {
+  const bool affine = k.levels == AFFINE;  // reads_token_keys: at 2 or 4 bits
+  switch (k.bits) {
+    case 2:
+      if (affine) return token_key_logits<2, AFFINE>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+      return token_key_logits<2, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+    case 4:
+      if (affine) return token_key_logits<4, AFFINE>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+      return token_key_logits<4, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+    default: return token_key_logits<8, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+  }
+}
+
 // acc[m][plane-major D] += sum over tokens [t0, t1) of probs[m * stride + t - t0] * value(t); see
 // avx512::mix_values. Levels by arithmetic (AVX2 has no 16-entry permute): c, or L0 + a*c + b*(c >> 1).
 template <int BITS>

@@ -7,7 +7,9 @@
 // bytes per token, each channel's codes become one vector, scaled by that channel's scale and zero point (keys per
 // channel: one per group of tokens) and met by the query's channel (a broadcast, or with pre_rope keys the 16
 // offsets' own queries, which sit next to each other), so 16 logits come out of FMAs alone; with one query per
-// token the group's scales are folded into the query once per group instead. Values keep the
+// token the group's scales are folded into the query once per group instead. Keys grouped along head_dim per token
+// (as values are: `int4:key_axis=token`, KVzip's int4 pairs) take the same lanes, with each group's 16 scales a
+// vector gathered once per group (token_key_logits). Values keep the
 // token-major order (their output is a row per query, held across the tile): a token's codes become levels by one
 // permute through a 16-entry table (plain codes, or L0 + a*c + b*(c >> 1)) and are scaled and mixed in registers.
 //
@@ -255,6 +257,135 @@ inline void key_logits_any(const Store& k, int64_t row, int64_t t0, int64_t t1, 
     case 2: return key_logits<2>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf, folded, folded_zero);
     case 4: return key_logits<4>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf, folded, folded_zero);
     default: return key_logits<8>(k, row, t0, t1, query, offsets, m_rows, logits, stride, scale_buf, zero_buf, folded, folded_zero);
+  }
+}
+
+// Keys in groups along head_dim, one scale and zero point per (token, group), as values are stored (int4 and int2
+// with key_axis=token; KVzip's per-head pairs, whose keys a token group of one must hold): codes of whole 32-bit
+// words per token, at most 16 groups per token, plain levels (or affine ones at 2 and 4 bits, a 16-entry table).
+inline bool reads_token_keys(const Store& k) {
+  return k.token_group == 1 && k.channel_group > 1 && k.width % 4 == 0 && k.scale_groups() <= 16 &&
+         (k.levels == PLAIN || (k.levels == AFFINE && k.bits <= 4)) && (k.bits == 2 || k.bits == 4 || k.bits == 8);
+}
+
+// As key_logits_16 for keys grouped along head_dim per token: lane k is token t + k, each channel's codes one
+// vector, and the scales of group g for the 16 tokens one vector gathered from `scales` / `zeros` (float32
+// [16, groups] from token t; `zeros` null: none). The group's sum of q_d * level_d is taken first and met by its
+// scale and zero point once, logit = sum_g s_g * (q . level)_g + z_g * (sum_{d in g} q_d) (`group_sums` [M, groups]
+// the second factors), so a channel costs its extraction and one FMA per query row. Unlike key_logits' fold (zero
+// points per channel), a group's zero point here is its own minimum, so the two terms do not cancel: 8-bit codes
+// meet the kernel's tests too. `query` [M, D] in channel order.
+template <int BITS, int LEVELS, int R>
+inline void token_key_logits_16(const __m512i* words, const uint8_t* codes, int64_t width, int64_t dim,
+                                int64_t group_bytes, int64_t groups, const float* scales, const float* zeros,
+                                const float* query, const float* group_sums, __m512 table, int64_t m0,
+                                float* logits, int64_t stride, __mmask16 valid) {
+  constexpr int U = 8 / BITS;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(static_cast<int>(groups)));
+  __m512 acc[R], part[R];
+  for (int r = 0; r < R; ++r) acc[r] = part[r] = _mm512_setzero_ps();
+  __m512 scale = _mm512_setzero_ps(), zero = _mm512_setzero_ps();
+  int64_t group = -1, left = 0;  // the group of the byte being read, and its bytes still to come
+  auto close_group = [&]() {     // the finished group's sums, scaled, with its zero points' share
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(scale, part[r], acc[r]);
+      acc[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(group_sums[(m0 + r) * groups + group]), acc[r]);
+      part[r] = _mm512_setzero_ps();
+    }
+  };
+  for (int64_t word = 0; word < width / 4; ++word) {
+    const __m512i bytes = word_of_tokens(words, codes, width, word, valid);
+    for (int byte = 0; byte < 4; ++byte) {
+      if (left == 0) {  // a group starts at this byte (a group holds whole bytes: make_store)
+        if (group >= 0) close_group();
+        ++group;
+        left = group_bytes;
+        const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(group)));
+        scale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, scales, 4);
+        zero = zeros ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, zeros, 4) : _mm512_setzero_ps();
+      }
+      --left;
+      for (int i = 0; i < U; ++i) {
+        const int64_t d = (4 * word + byte) * U + i;  // byte j holds dims j*U + i (ops/bitpack.py)
+        const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * byte + BITS * i), mask);
+        const __m512 level = LEVELS == AFFINE ? _mm512_permutexvar_ps(code, table) : _mm512_cvtepi32_ps(code);
+        for (int r = 0; r < R; ++r)
+          part[r] = _mm512_fmadd_ps(_mm512_set1_ps(query[(m0 + r) * dim + d]), level, part[r]);
+      }
+    }
+  }
+  if (group >= 0) close_group();
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(logits + r * stride, valid, acc[r]);
+}
+
+// Logits [m_rows, TILE] (row stride `stride`) of the tile's tokens [t0, t1) of KV row `row`, keys grouped along
+// head_dim per token (reads_token_keys). `query` [M, D] in channel order, `group_sums` [M, groups] each row's sum
+// over each group's channels (token_key_logits_16).
+template <int BITS, int LEVELS>
+void token_key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float* query, int64_t m_rows,
+                      float* logits, int64_t stride, const float* group_sums) {
+  const int64_t width = k.width, dim = k.dim, groups = k.scale_groups();
+  const int64_t group_bytes = k.channel_group / k.unit();
+  __m512 table = _mm512_setzero_ps();  // level of code c (c < 16), affine levels only
+  if (LEVELS == AFFINE) {
+    alignas(64) float levels[16];
+    for (int c = 0; c < 16; ++c) levels[c] = k.l0 + k.a * static_cast<float>(c) + k.b * static_cast<float>(c >> 1);
+    table = _mm512_load_ps(levels);
+  }
+  // The tile's scales and zero points as float32 [t1 - t0, groups]: read in place when they are float32, else
+  // converted here once per tile (at most 64 tokens x 16 groups), as mix_values does.
+  TORCH_CHECK(t1 - t0 <= TILE, "cpu_decode: more than a tile of tokens reached the AVX-512 keys");
+  alignas(64) float scale_buf[TILE * 16], zero_buf[TILE * 16];
+  const float* tile_scale = scale_buf;
+  const float* tile_zero = k.zero ? zero_buf : nullptr;
+  const int64_t first = (k.scale_base(row) + t0) * groups, count = (t1 - t0) * groups;
+  if (k.scale_type == at::kFloat) {
+    tile_scale = static_cast<const float*>(k.scale) + first;
+    if (k.zero) tile_zero = static_cast<const float*>(k.zero) + first;
+  } else {
+    for (int64_t i = 0; i < count; i += 16) {
+      const int64_t n = std::min<int64_t>(16, count - i);
+      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
+      _mm512_mask_storeu_ps(scale_buf + i, lanes, load_groups(k.scale, k.scale_type, first + i, n));
+      if (k.zero) _mm512_mask_storeu_ps(zero_buf + i, lanes, load_groups(k.zero, k.scale_type, first + i, n));
+    }
+  }
+  for (int64_t t = t0; t < t1; t += 16) {
+    const int64_t n = std::min<int64_t>(16, t1 - t);
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+    const uint8_t* codes = k.codes + (k.base(row) + t) * width;
+    __m512i transposed[8];
+    const __m512i* words = nullptr;
+    if (width == 32) {
+      token_words(codes, n, transposed);
+      words = transposed;
+    } else {
+      touch(codes, n * width);
+    }
+    const float* scales = tile_scale + (t - t0) * groups;
+    const float* zeros = tile_zero ? tile_zero + (t - t0) * groups : nullptr;
+    float* out = logits + (t - t0);
+    in_row_blocks(m_rows, [&](auto rows, int64_t m) {
+      token_key_logits_16<BITS, LEVELS, decltype(rows)::value>(
+          words, codes, width, dim, group_bytes, groups, scales, zeros, query, group_sums, table, m,
+          out + m * stride, stride, valid);
+    });
+  }
+}
+
+inline void token_key_logits_any(const Store& k, int64_t row, int64_t t0, int64_t t1, const float* query,
+                                 int64_t m_rows, float* logits, int64_t stride, const float* group_sums) {
+  const bool affine = k.levels == AFFINE;  // reads_token_keys: at 2 or 4 bits
+  switch (k.bits) {
+    case 2:
+      if (affine) return token_key_logits<2, AFFINE>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+      return token_key_logits<2, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+    case 4:
+      if (affine) return token_key_logits<4, AFFINE>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+      return token_key_logits<4, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+    default: return token_key_logits<8, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
   }
 }
 

@@ -90,10 +90,10 @@ def _avx2_build():
 @pytest.mark.parametrize("rows", [1, 3, 5])
 @pytest.mark.parametrize("spec", ["int2", "int4", "int4:key_axis=token", "int2:key_axis=token,pre_rope=false"])
 def test_the_instruction_set_paths_equal_the_portable_one(spec, rows, build):
-    """The plain names at SmolLM2's shapes (head_dim 64, key groups of 32 tokens; int2: a query per offset) read
-    through the instruction-set paths (this CPU's: cpu_decode_avx512.h where it has AVX-512; and
-    cpu_decode_avx2.h, built without AVX-512) against the portable loops: a masked first tile, hidden slots in
-    partial vectors, a store that ends inside a tile."""
+    """The plain names at SmolLM2's shapes (head_dim 64, key groups of 32 tokens; int2: a query per offset; keys per
+    token: groups of 32 channels) read through the instruction-set paths (this CPU's: cpu_decode_avx512.h where it
+    has AVX-512; and cpu_decode_avx2.h, built without AVX-512) against the portable loops: a masked first tile,
+    hidden slots in partial vectors, a store that ends inside a tile."""
     g = torch.Generator().manual_seed(rows)
     cache = make_cache(spec, SMOLLM2_SHAPES)
     tokens = 128 + 4 * 32 + 5 * 32  # 288 stored (+ the tail): four whole tiles and a half one
@@ -112,7 +112,7 @@ def test_the_instruction_set_paths_equal_the_portable_one(spec, rows, build):
     extension = _avx2_build() if build == "avx2" else cpu_decode._extension()
     if extension.instruction_set() != "portable":
         paths = extension.vector_paths(*args[1:5], *args[8:12], 64, 64, queries.shape[3])
-        assert list(paths) == ["key_axis=token" not in spec, True]
+        assert list(paths) == [True, True]  # keys per channel or per token (reads_keys / reads_token_keys)
     fast = extension.decode_attention_partials(*args, True)
     portable = cpu_decode._extension().decode_attention_partials(*args, False)
     scale = max(1.0, float(portable[1].max()))  # the output sums that many weighted values: rounding relative to it
@@ -122,26 +122,31 @@ def test_the_instruction_set_paths_equal_the_portable_one(spec, rows, build):
     assert (fast[1] > 0).all()
 
 
+@pytest.mark.parametrize("start", [0, 32], ids=["from slot 0", "from slot 32"])
 @pytest.mark.parametrize("build", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("codec", [IntNCodec(bits=4, group_size=32, key_axis="channel"),
-                                   IntNCodec(bits=2, group_size=32, key_axis="token"), Fp8Codec()],
-                         ids=["int4 keys per channel", "int2 per token", "fp8"])
-def test_a_room_of_spare_slots_is_read_in_place_as_its_copy(codec, build):
-    """The store's first T slots of a room that holds more (caches/encoded_room.py): rows of codes and scales at a
-    longer stride, read without a copy by every path, and read as their contiguous copy is."""
+                                   IntNCodec(bits=2, group_size=32, key_axis="token"),
+                                   IntNCodec(bits=4, group_size=32, key_axis="token"), Fp8Codec()],
+                         ids=["int4 keys per channel", "int2 per token", "int4 per token", "fp8"])
+def test_a_room_of_spare_slots_is_read_in_place_as_its_copy(codec, build, start):
+    """The store's slots [start, 160) of a room that holds 256 (caches/encoded_room.py; from slot 32: a window
+    whose oldest slots were dropped by moving its view, not by a copy): rows of codes and scales at a longer stride
+    and from an offset, read without a copy by every path, and read as their contiguous copy is."""
     from hf_kvcompress.caches.encoded_room import EncodedRoom
+    from hf_kvcompress.codecs.base import slice_encoded
 
     g = torch.Generator().manual_seed(0)
     states = torch.randn(2, 3, 160, 64, generator=g) * 2
-    keys = EncodedRoom(codec.encode(states, "key"), 160, capacity=256).encoded
-    values = EncodedRoom(codec.encode(states.flip(-1), "value"), 160, capacity=256).encoded
+    keys, values = (slice_encoded(EncodedRoom(codec.encode(x, kind), 160, capacity=256).encoded, start, 160, 160)
+                    for x, kind in ((states, "key"), (states.flip(-1), "value")))
     assert all(not t.is_contiguous() for t in [*keys.values(), *values.values()])
+    tokens = 160 - start
     layout_k, layout_v = codec.kernel_layout("key"), codec.kernel_layout("value")
     query = torch.randn(2, 3, 3, 64, generator=g) * 0.3
     queries = codec.offset_queries(query) if layout_k.offset_queries else query[:, :, :, None]
-    bias = torch.zeros(2, 1, 1, 160)
+    bias = torch.zeros(2, 1, 1, tokens)
     bias[0, :, :, :70] = float("-inf")
-    hidden = torch.tensor([[[5, -1], [64, 150], [-1, -1]], [[-1, -1], [0, 159], [33, 31]]])
+    hidden = torch.tensor([[[5, -1], [64, tokens - 10], [-1, -1]], [[-1, -1], [0, tokens - 1], [33, 31]]])
 
     def partials(k, v):
         args = [queries.contiguous(), *cpu_decode._arguments(k, layout_k), *cpu_decode._arguments(v, layout_v), 64,
@@ -154,6 +159,112 @@ def test_a_room_of_spare_slots_is_read_in_place_as_its_copy(codec, build):
     copies = [{name: t.contiguous() for name, t in e.items()} for e in (keys, values)]
     for got, expected in zip(partials(keys, values), partials(*copies), strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+TOKEN_KEY_CODECS = {  # keys grouped along head_dim per token: every bits, levels and group the key paths read
+    "int2 g8": IntNCodec(bits=2, group_size=8, key_axis="token"),
+    "int2 g32": IntNCodec(bits=2, group_size=32, key_axis="token"),
+    "int2 Lloyd-Max g16": IntNCodec(bits=2, group_size=16, key_axis="token", codebook="gaussian"),
+    "int2 Lloyd-Max g64": IntNCodec(bits=2, group_size=64, key_axis="token", codebook="gaussian"),
+    "int4 g16": IntNCodec(bits=4, group_size=16, key_axis="token"),
+    "int4 g32": IntNCodec(bits=4, group_size=32, key_axis="token"),
+    "int8 g8": IntNCodec(bits=8, group_size=8, key_axis="token"),
+    "int8 g32": IntNCodec(bits=8, group_size=32, key_axis="token"),
+}
+
+
+def _token_key_case(codec, dim, rows, scale_dtype=torch.bfloat16):
+    """Arguments of decode_attention_partials over 150 tokens of 3 x 2 (row, KV head), keys scales in
+    `scale_dtype`, with a left-padded row, a masked first tile, hidden slots (sinks) in partial vectors and a store
+    that ends inside a tile; and the float64 softmax partials over the decoded states (max, sum, output)."""
+    g = torch.Generator().manual_seed(dim + rows)
+    batch, heads, tokens = 3, 2, 150  # two whole tiles and a partial one of 16 + 6 tokens
+    keys = torch.randn(batch, heads, tokens, dim, generator=g) * 2 + torch.randn(batch, heads, 1, dim, generator=g)
+    values = torch.randn(batch, heads, tokens, dim, generator=g)
+    enc_k, enc_v = codec.encode(keys, "key"), codec.encode(values, "value")
+    enc_k = {**enc_k, "scale": enc_k["scale"].to(scale_dtype), "zero": enc_k["zero"].to(scale_dtype)}
+    query = torch.randn(batch, heads, rows, dim, generator=g) * 0.3
+    bias = torch.zeros(batch, 1, 1, tokens)
+    bias[0, :, :, :100] = float("-inf")  # a masked first tile, and a second masked to token 100
+    bias[1, :, :, :37] = float("-inf")  # a left-padded row
+    bias[2, :, :, 7] = -3.0
+    hidden = torch.tensor([[[5, -1], [64, 149]], [[-1, -1], [0, 100]], [[17, 18], [-1, 140]]])
+    args = [query[:, :, :, None].contiguous(), *cpu_decode._arguments(enc_k, codec.kernel_layout("key")),
+            *cpu_decode._arguments(enc_v, codec.kernel_layout("value")), dim, bias, hidden]
+    # float64 logits over the decoded keys (their scales as the kernel reads them)
+    decoded = codec.decode({**enc_k, "scale": enc_k["scale"].float(), "zero": enc_k["zero"].float()}, "key",
+                           torch.float32).double()
+    logits = query.double() @ decoded.transpose(-1, -2) + bias.double()
+    slots = torch.where(hidden >= 0, hidden, tokens)
+    hide = torch.zeros(batch, heads, tokens + 1, dtype=torch.bool).scatter_(2, slots, True)
+    logits.masked_fill_(hide[:, :, None, :tokens], float("-inf"))
+    best = logits.amax(-1, keepdim=True)
+    probs = torch.exp(logits - best)
+    expected = best, probs.sum(-1, keepdim=True), probs @ codec.decode(enc_v, "value", torch.float32).double()
+    return args, expected
+
+
+def _assert_partials(got, expected):
+    scale = max(1.0, float(expected[1].max()))  # the output sums that many weighted values: rounding relative to it
+    torch.testing.assert_close(got[0].double(), expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1].double(), expected[1], atol=1e-5 * scale, rtol=1e-5)
+    torch.testing.assert_close(got[2].double(), expected[2], atol=1e-5 * scale, rtol=1e-5)
+
+
+TOKEN_KEY_CODECS = {  # keys grouped along head_dim per token: every bits, levels and group the key paths read
+    "int2 g8": IntNCodec(bits=2, group_size=8, key_axis="token"),
+    "int2 g32": IntNCodec(bits=2, group_size=32, key_axis="token"),
+    "int2 Lloyd-Max g16": IntNCodec(bits=2, group_size=16, key_axis="token", codebook="gaussian"),
+    "int2 Lloyd-Max g64": IntNCodec(bits=2, group_size=64, key_axis="token", codebook="gaussian"),
+    "int4 g16": IntNCodec(bits=4, group_size=16, key_axis="token"),
+    "int4 g32": IntNCodec(bits=4, group_size=32, key_axis="token"),
+    "int8 g8": IntNCodec(bits=8, group_size=8, key_axis="token"),
+    "int8 g32": IntNCodec(bits=8, group_size=32, key_axis="token"),
+}
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=["bf16 scales", "fp32 scales"])
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("dim", [48, 64, 128, 256])
+@pytest.mark.parametrize("name", TOKEN_KEY_CODECS)
+def test_keys_grouped_per_token_take_the_instruction_set_path_and_equal_the_reference(name, dim, rows, scale_dtype,
+                                                                                      build):
+    """Keys in groups along head_dim with a scale and zero point per token (`int4:key_axis=token`, KVzip's int4
+    pairs): the instruction-set key path (`reads_token_keys`, as `vector_paths` reports) against the portable loops
+    and a float64 softmax over the decoded states; scales in bf16 (converted per tile) and float32 (read in place);
+    one to five query rows (the AVX-512 keys take them 4 at a time)."""
+    codec = TOKEN_KEY_CODECS[name]
+    if dim % codec.group_size or dim * codec.bits // 8 % 4 or dim // codec.group_size > 16:
+        pytest.skip("the groups do not divide this head_dim, or more than 16 of them")
+    extension = _avx2_build() if build == "avx2" else cpu_decode._extension()
+    args, expected = _token_key_case(codec, dim, rows, scale_dtype)
+    if extension.instruction_set() != "portable":
+        assert list(extension.vector_paths(*args[1:5], *args[8:12], dim, dim, 1))[0]
+    if cpu_decode.instruction_set() != "portable":  # the public answer, for the default build
+        layouts = codec.kernel_layout("key"), codec.kernel_layout("value")
+        encoded = [codec.encode(torch.zeros(1, 1, 8, dim), kind) for kind in ("key", "value")]
+        assert cpu_decode.vector_paths(*encoded, *layouts, dim, dim)[0]
+    fast = extension.decode_attention_partials(*args, True)
+    portable = cpu_decode._extension().decode_attention_partials(*args, False)
+    _assert_partials(fast, expected)
+    _assert_partials(portable, expected)
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("codec, dim", [(IntNCodec(bits=8, group_size=8, key_axis="token"), 256),
+                                        (IntNCodec(bits=2, group_size=8, key_axis="token"), 40)],
+                         ids=["32 groups per token", "codes of 10 bytes"])
+def test_keys_grouped_per_token_beyond_the_vector_paths_stay_portable(codec, dim, build):
+    """What `reads_token_keys` declines (more than 16 groups per token; codes that are not whole 32-bit words) is
+    read by the portable loops, and still right."""
+    extension = _avx2_build() if build == "avx2" else cpu_decode._extension()
+    args, expected = _token_key_case(codec, dim, 3)
+    assert not list(extension.vector_paths(*args[1:5], *args[8:12], dim, dim, 1))[0]
+    layouts = codec.kernel_layout("key"), codec.kernel_layout("value")
+    encoded = [codec.encode(torch.zeros(1, 1, 8, dim), kind) for kind in ("key", "value")]
+    assert not cpu_decode.vector_paths(*encoded, *layouts, dim, dim)[0]  # the public answer, the same
+    _assert_partials(extension.decode_attention_partials(*args, True), expected)
 
 
 AVX2_CODECS = {  # at most 8 groups per token at head_dim 128
@@ -538,6 +649,10 @@ def test_spans_read_ragged_rows_as_the_padded_store_with_its_empty_slots_masked(
             *cpu_decode._arguments(encoded["value"], layout_v), dim, bias, None, None, None, tail_k, tail_v,
             vectorised, None, None, None, spans)
 
+    if extension.instruction_set() != "portable" and not layout_k.float8:  # int keys per token: the vector key path
+        stores = [*cpu_decode._arguments(flat["key"], layout_k)[:4],
+                  *cpu_decode._arguments(flat["value"], layout_v)[:4]]
+        assert list(extension.vector_paths(*stores, dim, dim, 1))[0]
     masked = bias.clone()
     masked[..., :most] = masked[..., :most].masked_fill(~held[:, :, None], float("-inf"))
     expected = attend(padded, masked, False, None, cpu_decode._extension())
