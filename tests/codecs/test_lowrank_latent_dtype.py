@@ -133,3 +133,17 @@ def test_a_saved_store_loads_in_the_form_the_loading_side_stores(fitted, monkeyp
     generate(model, full, full_mask, wide, max_new_tokens=6)
     assert measured_kv_bytes(wide) == wide.promised_kv_bytes()
     assert _latent_dtypes(wide) == {("key", torch.float32), ("value", torch.float32)}
+
+
+def test_the_study_counts_float32_latents_on_a_gpu(fitted, monkeypatch):
+    """`compute=auto` computes in float32 on a GPU (`ops.bf16_matmul`), so a float32 plan there stores float32
+    latents: the study's estimate for a GPU is the compute=float32 cache's, for a CPU with fast bf16 products less."""
+    monkeypatch.delenv(ENV, raising=False)
+    model, bases = fitted["llama"]
+    spec = f"lowrank:ratio=0.5,bases={bases}"
+    wide = promised_bytes(f"{spec},compute=float32", model.config, 30, 4, device="cuda")
+    assert promised_bytes(spec, model.config, 30, 4, device="cuda") == wide
+    monkeypatch.setenv(ENV, "1")
+    assert promised_bytes(spec, model.config, 30, 4, device="cpu") < wide
+    assert promised_bytes(spec, model.config, 30, 2, device="cpu") == promised_bytes(spec, model.config, 30, 2,
+                                                                                      device="cuda")
