@@ -110,10 +110,12 @@ def formula_bytes(spec: str, config, tokens: float, model_bytes: float) -> float
     return total
 
 
-def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
+def promised_bytes(spec: str, config, tokens: int, model_bytes: float, device: str = "cpu") -> float:
     """What the plan's cache holds for one user after `tokens` tokens, as `CompressedLayer.promised_bytes` counts
     it (codec rates, scales, the full-precision residual and sinks; tokens kept as `kept_tokens`), without running
-    the model, with values of `model_bytes` bytes; tested against measured (tests/test_study_bytes.py)."""
+    the model, with values of `model_bytes` bytes, on a `device` of that kind (a float32 low-rank cache stores bf16
+    latents where the device computes its step in bf16, `LowRankCodec.latent_dtype`; at 2 bytes the device does not
+    matter); tested against measured (tests/test_study_bytes.py)."""
     policy, codec = parse_spec(spec)
     policy = ratio_as_bytes(policy, codec, config)  # a plain KVzip ratio below a half: its byte target
     share = getattr(policy, "bytes", None)
@@ -121,13 +123,14 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float) -> float:
         # KVzip's bytes=: the ranking spends that share of the uncompressed bytes (plan.py `ByteTarget`), but never
         # less than the other layers and the ranked layers' sinks hold (a hybrid model's sliding windows, on a
         # document too short for them to fit in the share), nor more than every pair costs (int4 layers that all fit).
-        target = share * promised_bytes("dynamic", config, tokens, model_bytes)
-        least = _plan_bytes(policy, codec, config, tokens, model_bytes, ranked_all=False)
-        return min(max(target, least), _plan_bytes(policy, codec, config, tokens, model_bytes))
-    return _plan_bytes(policy, codec, config, tokens, model_bytes)
+        target = share * promised_bytes("dynamic", config, tokens, model_bytes, device)
+        least = _plan_bytes(policy, codec, config, tokens, model_bytes, device, ranked_all=False)
+        return min(max(target, least), _plan_bytes(policy, codec, config, tokens, model_bytes, device))
+    return _plan_bytes(policy, codec, config, tokens, model_bytes, device)
 
 
-def _plan_bytes(policy, codec, config, tokens: int, model_bytes: float, ranked_all: bool = True) -> float:
+def _plan_bytes(policy, codec, config, tokens: int, model_bytes: float, device: str,
+                ranked_all: bool = True) -> float:
     """`promised_bytes` of `policy` x `codec` by the plan's layers. Under KVzip's `bytes=` the ranked layers keep
     every pair, or with `ranked_all=False` their codec's sinks alone."""
     shape = kv_shape_from_config(config)
@@ -141,7 +144,7 @@ def _plan_bytes(policy, codec, config, tokens: int, model_bytes: float, ranked_a
     for plan, held in zip(plan_layers(policy, codec, config), windows, strict=True):
         if held == 0:  # a layer that stores no keys and values (budget.py: shared or not attention)
             continue
-        layer_codec = plan.codec
+        layer_codec = plan.codec.for_device(torch.device(device))  # as the layer binds it at its first step
         kept: float  # tokens per KV head: whole for a window, a share of them for a ratio (`kept_tokens`)
         if plan.is_sliding:  # a block window or an exact window (plan.py: `sliding_layer_policy`)
             sliding = plan.policy

@@ -156,6 +156,7 @@ class CompressedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.dtype = key_states.dtype
+        self.codec = self.codec.for_device(self.device)  # what it stores may depend on the device (lowrank's compute)
         self.batch_size, self.kv_heads, _, self.head_dim = key_states.shape
         self.value_dim = value_states.shape[-1]
         self.codec.check_head_dim(self.head_dim)
@@ -490,6 +491,7 @@ class CompressedLayer(CacheLayerMixin):
         if meta.get("kind") == HeadStore.KIND:
             for name in self.HEAD_STORE_SCALARS:
                 setattr(self, name, int(meta[name]))
+            self.codec = self.codec.for_device(torch.device(device))
             self.store = HeadStore.from_state(self.codec, self.dtype, tensors, torch.device(device))
             self.padding = None  # the store counts each row's real tokens
             self.device = self.store.device  # "cuda" resolves to "cuda:0", as the model's states will say
@@ -500,6 +502,7 @@ class CompressedLayer(CacheLayerMixin):
             setattr(self, name, int(meta[name]))
         self.padding = RowPadding.from_state(tensors, bool(meta["padding_unknown"]), torch.device(device))
         self.device = self.padding.pads.device  # "cuda" resolves to "cuda:0", as the model's states will say
+        self.codec = self.codec.for_device(self.device)
         self.eviction.load_state(tensors, self.device)
         self.scorer.load_state(tensors, meta, self.device)  # `_clear` gave it a fresh state
         self.slots = type(self.slots).from_state(tensors, self.device)  # `_clear` chose the records

@@ -438,6 +438,8 @@ class TokenStore:
         for kind in ("key", "value"):
             prefix = f"encoded_{kind}."
             encoded = {k[len(prefix):]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith(prefix)}
+            if encoded:  # saved where the codec stored another form (lowrank's latents: bf16 here, float32 there)
+                encoded = codec.as_stored(encoded, kind, dtype)
             if encoded and n_encoded:
                 _check_readable(codec, encoded, kind, n_encoded, dtype, positions)
             encodings.append(encoded or None)

@@ -76,6 +76,17 @@ class Codec(ABC):
         """The codec as it runs in decoder layer `layer_idx`; codecs with per-layer state override this."""
         return self
 
+    def for_device(self, device: torch.device) -> Codec:
+        """The codec as it stores states on `device` (bound by the layer at its first step or load, before anything
+        is encoded or counted); a codec whose stored form depends on the device (lowrank's `compute="auto"`)
+        settles it here."""
+        return self
+
+    def as_stored(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> Encoded:
+        """A loaded encoding (`TokenStore.from_state`) in the form this codec stores `kind` in for a model running
+        in `dtype` on its device (`for_device`): as it is, unless that form depends on the device."""
+        return encoded
+
     def decode_in_basis(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         """Decode into the basis the states are stored in (`to_basis` of the states): attention can rotate one
         query and one output instead of every stored token (q . k = to_basis(q) . to_basis(k) for a rotation)."""

@@ -189,6 +189,8 @@ def _product_in_chunks(basis: torch.Tensor, latent: torch.Tensor) -> torch.Tenso
 
 FLOORS = ("none", "full")  # lowrank's `floor`: which layers keep at least the ratio of each kind's dimensions
 COMPUTE_DTYPES = ("auto", "bfloat16", "float32")  # lowrank's `compute`: the dtype of a decode step's key rebuild
+# The kinds whose latents a float32 model stores in bf16 where its decode step computes in bf16 (`latent_dtype`).
+BF16_LATENTS = ("key", "value")
 ALLOCATIONS = ("copy", "error", "variance")  # lowrank's `allocate`: what a ratio's dimensions are spread by
 
 
@@ -349,9 +351,12 @@ class LowRankCodec(ReducingCodec):
             sums stay float32; the C++ kernel of a CPU decode step keeps them so, PyTorch's product returns its keys
             rounded to bf16 once more; the turn and the query's product stay float32), "float32" does not,
             "auto" (the default) takes bf16 on a CPU that multiplies it natively (`ops.bf16_matmul`: measured once
-            per process, `HF_KVCOMPRESS_BF16_MATMUL` forces it) and float32 elsewhere. A bf16 key differs from the
-            float32 one by ~2^-9 of its size, far below the bases' own reconstruction error
-            (tests/codecs/test_lowrank_attention.py). Stored bytes are the same either way.
+            per process, `HF_KVCOMPRESS_BF16_MATMUL` forces it) and float32 elsewhere (a GPU). A bf16 key differs
+            from the float32 one by ~2^-9 of its size, far below the bases' own reconstruction error
+            (tests/codecs/test_lowrank_attention.py). What is stored follows: a float32 model whose step computes
+            in bf16 stores its key and value latents in bf16 (half the bytes, and half the memory a step reads;
+            `latent_dtype`), one that computes in float32 stores float32; a bf16 or float16 model stores its own
+            dtype either way, and `+int4` its codes.
     """
 
     name: ClassVar[str] = "lowrank"
@@ -379,6 +384,8 @@ class LowRankCodec(ReducingCodec):
     _layer_idx: int | None = field(default=None, init=False, repr=False, compare=False)
     # One per bound codec, shared by its layers' copies (`for_layer`): the step's cos/sin tables (transient).
     _turns: TurnTables | None = field(default=None, init=False, repr=False, compare=False)
+    # The device the layer stores on (`for_device`): what `compute="auto"` resolves to there sets the latents' dtype.
+    _device: torch.device | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
@@ -537,6 +544,33 @@ class LowRankCodec(ReducingCodec):
         object.__setattr__(bound, "_tensors", None)
         return bound
 
+    def for_device(self, device: torch.device) -> LowRankCodec:
+        bound = copy.copy(self.with_storage(self.storage.for_device(device)))  # keeps the init=False fields
+        assert isinstance(bound, LowRankCodec)  # a copy of self
+        object.__setattr__(bound, "_device", torch.device(device.type))
+        return bound
+
+    def latent_dtype(self, dtype: torch.dtype, kind: Kind) -> torch.dtype:
+        """The dtype `kind`'s latents are stored in for a model running in `dtype`: bf16 for a float32 model whose
+        decode step computes in bf16 (`compute`, resolved on the device the layer is bound to, `for_device`; not
+        bound, "auto" stands for float32, as on a GPU), with joint bases and the latents stored as they are (no
+        `+int4`), since those products round the latents to bf16 anyway; otherwise the model's own dtype."""
+        if dtype != torch.float32 or not self._joint or not self.storage.lossless or kind not in BF16_LATENTS:
+            return dtype
+        if self.compute == "bfloat16" or (self.compute == "auto" and self._device is not None
+                                          and fast_bfloat16_matmul(self._device)):
+            return torch.bfloat16
+        return dtype
+
+    def as_stored(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> Encoded:
+        """Latents saved in another dtype than this device stores them in (a cache saved where bf16 products ran,
+        loaded where they do not, or the reverse) are converted once, so the store holds what `bytes_per_token`
+        promises."""
+        if not self._joint or not self.storage.lossless:
+            return encoded
+        want = self.latent_dtype(dtype, kind)
+        return {name: t.to(want) if t.is_floating_point() else t for name, t in encoded.items()}
+
     def model_bytes(self, layers: int | None = None) -> int:
         """Bytes of the bases every cache of the model reads (means and bases of keys and values, and the encoders of
         oblique ones, float32 as held), counted once per model, not per cache: `measured_kv_bytes` does not count
@@ -604,7 +638,7 @@ class LowRankCodec(ReducingCodec):
     def encode(self, states: torch.Tensor, kind: Kind, positions: torch.Tensor | None = None) -> Encoded:
         """`positions` [B, H_kv, T]: the position each key was rotated to (joint bases: keys are projected with
         RoPE undone)."""
-        dtype = states.dtype  # the latents are stored at the states' width (bf16 runs: bf16), as bytes_per_token says
+        dtype = self.latent_dtype(states.dtype, kind)  # as bytes_per_token says
         if self._joint and kind == "key":
             states = rerotate(states.float(), -self._positions(positions, states), self._inv_freq())
         return self.storage.encode(self.reduce(states, kind).to(dtype), kind)
@@ -750,4 +784,4 @@ class LowRankCodec(ReducingCodec):
             raise ValueError("lowrank with joint bases stores a rank per layer: ask the layer's codec (for_layer)")
         assert self._ranks is not None  # settled with the joint bases
         rank = self._ranks[self._layer_idx][0 if kind == "key" else 1]
-        return self.storage.bytes_per_token(rank, kind, dtype) / self._kv_heads
+        return self.storage.bytes_per_token(rank, kind, self.latent_dtype(dtype, kind)) / self._kv_heads

@@ -110,6 +110,9 @@ class ReducingCodec(Codec):
     def for_layer(self, layer_idx: int) -> ReducingCodec:
         return self.with_storage(self.storage.for_layer(layer_idx))
 
+    def for_device(self, device: torch.device) -> ReducingCodec:
+        return self.with_storage(self.storage.for_device(device))
+
     def check_head_dim(self, head_dim: int) -> None:
         self.storage.check_head_dim(self.stored_fraction(head_dim)[0])
 

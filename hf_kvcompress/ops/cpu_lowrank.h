@@ -475,11 +475,16 @@ void fold_tiles(const Keys& k, const Values& v, int64_t b, int64_t tile_begin, i
       }
       sm[row] += total;
     }
-    // The tile's value latents as float32 rows: the store's own for float32 latents.
+    // The tile's value latents as float32 rows: the store's own for float32 latents; others converted, in one pass
+    // where the tile's rows lie side by side (a store's room: rows `rank` apart), else a row at a time (a row's
+    // remainder past whole vectors runs scalar, 13 of SmolLM2's 77 per row: a tile in one pass has none).
     const float* z = nullptr;
     int64_t stride = rank;
     if (v.type == at::kFloat) {
       z = static_cast<const float*>(v.latent) + b * v.latent_b + t0 * v.latent_t, stride = v.latent_t;
+    } else if (v.latent_t == rank) {
+      load_floats(v.latent, v.type, b * v.latent_b + t0 * rank, n * rank, zv.data());
+      z = zv.data();
     } else {
       for (int64_t t = 0; t < n; ++t)
         load_floats(v.latent, v.type, b * v.latent_b + (t0 + t) * v.latent_t, rank, zv.data() + t * rank);

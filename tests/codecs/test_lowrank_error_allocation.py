@@ -147,7 +147,8 @@ def test_bytes_follow_the_error_ranks(fitted):
     for layer in cache.layers:
         key_rank, value_rank = layer.codec._ranks[layer.codec._layer_idx]
         encoded = sum(t.numel() * t.element_size() for t in layer.encoded_values.values())
-        assert encoded == layer.n_encoded * value_rank * 4  # one float32 latent of value_rank per token
+        width = torch.empty((), dtype=layer.codec.latent_dtype(torch.float32, "value")).element_size()
+        assert encoded == layer.n_encoded * value_rank * width  # one latent of value_rank per token, as stored
 
 
 def test_bad_allocate_is_refused(fitted, tmp_path):

@@ -79,7 +79,10 @@ def test_window_bytes_are_exact(llama, window):  # noqa: F811
         assert layer.stored_tokens == 34 and layer.n_encoded == 34 - exact
         key_rank, value_rank = layer.codec._ranks[i]
         full = layer.kv_heads * (layer.head_dim + layer.value_dim) * 4  # fp32 keys and values, every KV head
-        extra += layer.batch_size * exact * (full - (key_rank + value_rank) * 4)  # one latent per token and row
+        # One latent per token and row, in the dtype the codec stores it in here (bf16 where the step computes in it)
+        width = {kind: torch.empty((), dtype=layer.codec.latent_dtype(torch.float32, kind)).element_size()
+                 for kind in ("key", "value")}
+        extra += layer.batch_size * exact * (full - key_rank * width["key"] - value_rank * width["value"])
     assert measured_kv_bytes(windowed) - measured_kv_bytes(plain) == extra
     single = make_cache(spec, model.config)
     with torch.no_grad():

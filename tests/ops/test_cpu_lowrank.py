@@ -127,3 +127,17 @@ def test_bad_arguments_are_refused():
     with pytest.raises(RuntimeError, match="value_latent"):
         cpu_decode.lowrank_store_partials(latent, kernel_basis, None, False, mean, cos, sin, query,
                                           value_latent[:, :5], None, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_value_rows_apart_read_as_rows_side_by_side(dtype):
+    """Value latents converted a tile at a time (rows side by side, a store's room) or a row at a time (rows further
+    apart) mix to the same partials, bit for bit."""
+    latent, basis, mean, cos, sin, query, value_latent = _case(2, 70, 24, 37, 3, 64, 32, 3, dtype)
+    apart = torch.zeros(2, 70, 40, dtype=dtype)[:, :, :37]
+    apart.copy_(value_latent)
+    together = _partials((latent, basis, mean, cos, sin, query, value_latent), None, None, True, True)
+    spaced = _partials((latent, basis, mean, cos, sin, query, apart), None, None, True, True)
+    for a, b in zip(together, spaced, strict=True):
+        assert torch.equal(a, b)
+
