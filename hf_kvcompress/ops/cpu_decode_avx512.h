@@ -320,6 +320,25 @@ inline void token_key_logits_16(const __m512i* words, const uint8_t* codes, int6
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(logits + r * stride, valid, acc[r]);
 }
 
+// The scales and zero points of tokens [t0, t1) of KV row `row` of a store grouped along head_dim per token, as float32
+// [t1 - t0, groups]: pointed at in place when stored as float32, else converted into scale_buf / zero_buf (at most a
+// tile of 64 tokens x 16 groups). `tile_zero` is left as it is when the store has no zero points.
+inline void tile_groups(const Store& s, int64_t row, int64_t t0, int64_t t1, int64_t groups, float* scale_buf,
+                        float* zero_buf, const float*& tile_scale, const float*& tile_zero) {
+  const int64_t first = (s.scale_base(row) + t0) * groups, count = (t1 - t0) * groups;
+  if (s.scale_type == at::kFloat) {
+    tile_scale = static_cast<const float*>(s.scale) + first;
+    if (s.zero) tile_zero = static_cast<const float*>(s.zero) + first;
+    return;
+  }
+  for (int64_t i = 0; i < count; i += 16) {
+    const int64_t n = std::min<int64_t>(16, count - i);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
+    _mm512_mask_storeu_ps(scale_buf + i, lanes, load_groups(s.scale, s.scale_type, first + i, n));
+    if (s.zero) _mm512_mask_storeu_ps(zero_buf + i, lanes, load_groups(s.zero, s.scale_type, first + i, n));
+  }
+}
+
 // Logits [m_rows, TILE] (row stride `stride`) of the tile's tokens [t0, t1) of KV row `row`, keys grouped along
 // head_dim per token (reads_token_keys). `query` [M, D] in channel order, `group_sums` [M, groups] each row's sum
 // over each group's channels (token_key_logits_16).
@@ -340,18 +359,7 @@ void token_key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const
   alignas(64) float scale_buf[TILE * 16], zero_buf[TILE * 16];
   const float* tile_scale = scale_buf;
   const float* tile_zero = k.zero ? zero_buf : nullptr;
-  const int64_t first = (k.scale_base(row) + t0) * groups, count = (t1 - t0) * groups;
-  if (k.scale_type == at::kFloat) {
-    tile_scale = static_cast<const float*>(k.scale) + first;
-    if (k.zero) tile_zero = static_cast<const float*>(k.zero) + first;
-  } else {
-    for (int64_t i = 0; i < count; i += 16) {
-      const int64_t n = std::min<int64_t>(16, count - i);
-      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
-      _mm512_mask_storeu_ps(scale_buf + i, lanes, load_groups(k.scale, k.scale_type, first + i, n));
-      if (k.zero) _mm512_mask_storeu_ps(zero_buf + i, lanes, load_groups(k.zero, k.scale_type, first + i, n));
-    }
-  }
+  tile_groups(k, row, t0, t1, groups, scale_buf, zero_buf, tile_scale, tile_zero);
   for (int64_t t = t0; t < t1; t += 16) {
     const int64_t n = std::min<int64_t>(16, t1 - t);
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
@@ -493,20 +501,9 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
   const float* tile_scale = scale_buf;
   const float* tile_zero = zero_buf;
   if (block_groups) {
-    const int64_t first = (v.scale_base(row) + t0) * groups, count = (t1 - t0) * groups;
     TORCH_CHECK(t1 - t0 <= TILE, "cpu_decode: more than a tile of tokens reached the AVX-512 values");
-    if (v.scale_type == at::kFloat) {
-      tile_scale = static_cast<const float*>(v.scale) + first;
-      if (v.zero) tile_zero = static_cast<const float*>(v.zero) + first;
-    } else {
-      for (int64_t i = 0; i < count; i += 16) {
-        const int64_t n = std::min<int64_t>(16, count - i);
-        const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
-        _mm512_mask_storeu_ps(scale_buf + i, lanes, load_groups(v.scale, v.scale_type, first + i, n));
-        if (v.zero) _mm512_mask_storeu_ps(zero_buf + i, lanes, load_groups(v.zero, v.scale_type, first + i, n));
-      }
-    }
-    if (!v.zero) std::fill(zero_buf, zero_buf + count, 0.0f);
+    tile_groups(v, row, t0, t1, groups, scale_buf, zero_buf, tile_scale, tile_zero);
+    if (!v.zero) std::fill(zero_buf, zero_buf + (t1 - t0) * groups, 0.0f);
   }
   auto mix = [&](auto width_blocks) {
     constexpr int B = decltype(width_blocks)::value;
