@@ -108,6 +108,17 @@ inline void token_words(const uint8_t* codes, int64_t n, __m512i* words) {
   }
 }
 
+// A tile's n (<= 16) tokens of `width` code bytes as the key paths read them: the words transposed into `transposed`
+// (returned) where a token is 32 bytes, else null, the tokens' lines loaded first (`touch`) for the gathers.
+inline const __m512i* tile_words(const uint8_t* codes, int64_t n, int64_t width, __m512i* transposed) {
+  if (width == 32) {
+    token_words(codes, n, transposed);
+    return transposed;
+  }
+  touch(codes, n * width);
+  return nullptr;
+}
+
 // Word `word` of each of the 16 tokens at `codes`: from `words` (token_words) where given, else gathered (tokens
 // past the valid ones read nothing: their lanes are zero and dropped at the store).
 inline __m512i word_of_tokens(const __m512i* words, const uint8_t* codes, int64_t width, int64_t word,
@@ -227,13 +238,7 @@ void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float
     }
     const uint8_t* codes = k.codes + (k.base(row) + t) * width;
     __m512i transposed[8];
-    const __m512i* words = nullptr;
-    if (width == 32) {
-      token_words(codes, n, transposed);
-      words = transposed;
-    } else {
-      touch(codes, n * width);
-    }
+    const __m512i* words = tile_words(codes, n, width, transposed);
     float* out = logits + (t - t0);
     if (fold) {
       in_row_blocks(m_rows, [&](auto rows, int64_t m) {
@@ -365,13 +370,7 @@ void token_key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
     const uint8_t* codes = k.codes + (k.base(row) + t) * width;
     __m512i transposed[8];
-    const __m512i* words = nullptr;
-    if (width == 32) {
-      token_words(codes, n, transposed);
-      words = transposed;
-    } else {
-      touch(codes, n * width);
-    }
+    const __m512i* words = tile_words(codes, n, width, transposed);
     const float* scales = tile_scale + (t - t0) * groups;
     const float* zeros = tile_zero ? tile_zero + (t - t0) * groups : nullptr;
     float* out = logits + (t - t0);

@@ -211,18 +211,6 @@ def _assert_partials(got, expected):
     torch.testing.assert_close(got[2].double(), expected[2], atol=1e-5 * scale, rtol=1e-5)
 
 
-TOKEN_KEY_CODECS = {  # keys grouped along head_dim per token: every bits, levels and group the key paths read
-    "int2 g8": IntNCodec(bits=2, group_size=8, key_axis="token"),
-    "int2 g32": IntNCodec(bits=2, group_size=32, key_axis="token"),
-    "int2 Lloyd-Max g16": IntNCodec(bits=2, group_size=16, key_axis="token", codebook="gaussian"),
-    "int2 Lloyd-Max g64": IntNCodec(bits=2, group_size=64, key_axis="token", codebook="gaussian"),
-    "int4 g16": IntNCodec(bits=4, group_size=16, key_axis="token"),
-    "int4 g32": IntNCodec(bits=4, group_size=32, key_axis="token"),
-    "int8 g8": IntNCodec(bits=8, group_size=8, key_axis="token"),
-    "int8 g32": IntNCodec(bits=8, group_size=32, key_axis="token"),
-}
-
-
 @pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=["bf16 scales", "fp32 scales"])
 @pytest.mark.parametrize("rows", [1, 3, 5])
