@@ -150,15 +150,21 @@ def in_rows(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
+def packed_rows(encoded: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A {codes, scale, zero} store's tensors as the kernels (this one and ops/triton_decode.py) read them: each
+    `in_rows`, the scales and zero points at one row stride (copied where they differ)."""
+    scale, zero = in_rows(encoded["scale"]), in_rows(encoded["zero"])
+    if scale.stride() != zero.stride():  # the kernels read both at one row stride
+        scale, zero = scale.contiguous(), zero.contiguous()
+    return in_rows(encoded["codes"]), scale, zero
+
+
 def _arguments(encoded: dict, layout: KernelLayout) -> list:
     if layout.float8:
         codes = encoded["values"].view(torch.uint8)
         return [in_rows(codes), in_rows(encoded["scale"]), None, FLOAT8, 0.0, 1.0, 0.0]
     mode = PLAIN if layout.levels == (0.0, 1.0, 0.0) else AFFINE
-    scale, zero = in_rows(encoded["scale"]), in_rows(encoded["zero"])
-    if scale.stride() != zero.stride():  # the kernel reads both at one row stride
-        scale, zero = scale.contiguous(), zero.contiguous()
-    return [in_rows(encoded["codes"]), scale, zero, mode, *layout.levels]
+    return [*packed_rows(encoded), mode, *layout.levels]
 
 
 def vector_paths(

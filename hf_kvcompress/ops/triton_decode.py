@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .cpu_decode import in_rows, row_stride
+from .cpu_decode import packed_rows, row_stride
 
 SUPPORTED_BITS = (2, 4, 8)
 # Built on first use: Triton reads TRITON_INTERPRET when it is imported (the triton extra ships no types: Any).
@@ -200,15 +200,6 @@ def decode_attention(
                    sink_values, tail_keys, tail_values, block_t, tokens_per_split)
 
 
-def _in_rows(encoded: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A store's codes, scales and zero points as the kernel reads them: rows (b, h) of contiguous slots, evenly
-    spaced (a room's view read in place, as the CPU kernel does), the scales and zero points at one row stride."""
-    scale, zero = in_rows(encoded["scale"]), in_rows(encoded["zero"])
-    if scale.stride() != zero.stride():
-        scale, zero = scale.contiguous(), zero.contiguous()
-    return in_rows(encoded["codes"]), scale, zero
-
-
 def _segment(keys: torch.Tensor | None, values: torch.Tensor | None, placeholder: torch.Tensor):
     """A plain segment (the exact sinks, the tail) as the kernel reads it: keys and values [B, H, n, D] with their
     last axis contiguous and one set of strides for both (copied where not), their n and (batch, head, token)
@@ -241,8 +232,8 @@ def _launch(query, plain_query, encoded_keys, encoded_values, value_dim, bias, s
     out_plain = torch.empty(rows, m, value_dim, device=device, dtype=torch.float32) if plain else out_acc
     q = query.float().contiguous()
     pq = plain_query.float().contiguous() if plain else q
-    kc, ks, kz = _in_rows(encoded_keys)
-    vc, vs, vz = _in_rows(encoded_values)
+    kc, ks, kz = packed_rows(encoded_keys)  # a room's view read in place, by its rows' stride, as on CPU
+    vc, vs, vz = packed_rows(encoded_values)
     if bias is not None:
         bias = bias.float()
         if bias.stride(-1) != 1:

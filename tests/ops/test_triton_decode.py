@@ -19,7 +19,7 @@ from hf_kvcompress import make_cache  # noqa: E402
 from hf_kvcompress.caches.store_attention import attend_store  # noqa: E402
 from hf_kvcompress.codecs.intn import IntNCodec  # noqa: E402
 from hf_kvcompress.hf.attention import kvcompress_attention  # noqa: E402
-from hf_kvcompress.ops import triton_decode  # noqa: E402
+from hf_kvcompress.ops import cpu_decode, triton_decode  # noqa: E402
 
 from ..caches.tiny_models import write_key_scales  # noqa: E402
 
@@ -177,7 +177,7 @@ def test_a_room_view_is_read_in_place(key_axis):
     assert not room_k["codes"].is_contiguous() and room_k["codes"].shape[2] == tokens
     packed_k = {name: part.contiguous() for name, part in room_k.items()}
     packed_v = {name: part.contiguous() for name, part in room_v.items()}
-    codes, scale, zero = triton_decode._in_rows(room_k)
+    codes, scale, zero = cpu_decode.packed_rows(room_k)
     assert codes.data_ptr() == room_k["codes"].data_ptr() and scale.data_ptr() == room_k["scale"].data_ptr()
     query = (torch.randn(batch, heads, rows, dim, generator=g) * 0.3).to(DEVICE)
     bias = torch.zeros(batch, heads, tokens, device=DEVICE)
