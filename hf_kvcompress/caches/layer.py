@@ -488,10 +488,10 @@ class CompressedLayer(CacheLayerMixin):
         """Restore what `export_state` returned, on `device`."""
         self._clear()
         self.dtype = getattr(torch, meta["dtype"])
+        self.codec = self.codec.for_device(torch.device(device))  # before the store: what it holds may depend on it
         if meta.get("kind") == HeadStore.KIND:
             for name in self.HEAD_STORE_SCALARS:
                 setattr(self, name, int(meta[name]))
-            self.codec = self.codec.for_device(torch.device(device))
             self.store = HeadStore.from_state(self.codec, self.dtype, tensors, torch.device(device))
             self.padding = None  # the store counts each row's real tokens
             self.device = self.store.device  # "cuda" resolves to "cuda:0", as the model's states will say
@@ -502,7 +502,6 @@ class CompressedLayer(CacheLayerMixin):
             setattr(self, name, int(meta[name]))
         self.padding = RowPadding.from_state(tensors, bool(meta["padding_unknown"]), torch.device(device))
         self.device = self.padding.pads.device  # "cuda" resolves to "cuda:0", as the model's states will say
-        self.codec = self.codec.for_device(self.device)
         self.eviction.load_state(tensors, self.device)
         self.scorer.load_state(tensors, meta, self.device)  # `_clear` gave it a fresh state
         self.slots = type(self.slots).from_state(tensors, self.device)  # `_clear` chose the records
