@@ -137,7 +137,9 @@ def test_the_bench_prints_the_targets_after_its_tables(monkeypatch, tmp_path, ca
     assert _row(written, "decode of `int4` at 8k <= 0.6x")[0] == "0.55x met"
     assert _row(written, "decode of `int2` at 4k <= 1x")[0] == "0.70x met"
     assert _row(written, "decode of `int2` at 8k <= 0.6x")[0] == "0.70x **not met**"
-    assert _row(written, f"decode of `{SINK}` at 8k <= 0.4x")[0] == "0.45x **not met**"
+    # every DynamicCache here decodes at 100 ms, so a 1k one is as slow as the 8k one: the floor is 1x
+    assert _row(written, f"decode of `{SINK}` at 8k <= 0.4x")[0] == (
+        "0.45x **not met** (floor 1.00x: DynamicCache of 1k tokens; the target is below it)")
     assert _row(written, "prefill of every cache but kvzip <= 1.1x")[:2] == ["1.00x met (`int2` at 1k)",
                                                                               "not measured"]
     # every target is measured at float32 batch 1, nothing else
@@ -150,3 +152,28 @@ def test_targets_choose_their_own_runs(monkeypatch, other):
     monkeypatch.setattr(sys, "argv", ["bench.py", "--targets", *other])
     with pytest.raises(SystemExit):
         bench.main()
+
+
+def test_an_eviction_target_not_met_names_the_floor_of_a_dynamic_cache_of_its_kept_tokens():
+    results = {
+        ("float32", "dynamic", 1024, 1): [_run(71.0)],
+        ("float32", "dynamic", 4096, 1): [_run(100.0)],
+        ("float32", SNAPKV, 4096, 1): [_run(74.0)],  # 0.74x, above the 0.5x target; the floor 0.71x is too
+        ("float32", KVZIP, 4096, 1): [_run(45.0)],  # met: no floor shown
+        ("bfloat16", "dynamic", 4096, 1): [_run(100.0)],
+        ("bfloat16", SNAPKV, 4096, 1): [_run(60.0)],  # not met, no 1k DynamicCache in bf16: no floor
+        ("float32", "int4", 4096, 1): [_run(120.0)],  # not met, not an eviction target: no floor
+    }
+    ours = ["dynamic", SNAPKV, KVZIP, "int4"]
+    assert bench_targets.floor(_target(SNAPKV, 4096), results, "float32", 1) == pytest.approx(0.71)
+    assert bench_targets.floor(_target(SNAPKV, 4096), results, "bfloat16", 1) is None
+    assert bench_targets.floor(_target("int4", 4096), results, "float32", 1) is None
+    text = targets_table(results, ours)
+    assert _row(text, f"decode of `{SNAPKV}` at 4k <= 0.5x")[0] == (
+        "0.74x **not met** (floor 0.71x: DynamicCache of 1k tokens; the target is below it)")
+    assert _row(text, f"decode of `{SNAPKV}` at 4k <= 0.5x")[2] == "0.60x **not met**"
+    assert _row(text, f"decode of `{KVZIP}` at 4k <= 0.5x")[0] == "0.45x met"
+    assert _row(text, "decode of `int4` at 4k <= 1x")[0] == "1.20x **not met**"
+    results[("float32", "dynamic", 1024, 1)] = [_run(40.0)]  # a floor under the target: no "below it"
+    assert _row(targets_table(results, ours), f"decode of `{SNAPKV}` at 4k <= 0.5x")[0] == (
+        "0.74x **not met** (floor 0.40x: DynamicCache of 1k tokens)")
