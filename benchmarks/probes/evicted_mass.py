@@ -11,7 +11,7 @@ the group is masked out, through an attention function that adds a per-(layer, K
 keys (registered with transformers' AttentionInterface; nothing in the library changes).
 Command:
     PYTHONPATH=. python benchmarks/probes/evicted_mass.py [--model smollm2-135m] [--split dev] [--samples 4] \\
-        [--ratios 0.5 0.25 0.125] [--caps all 64 16] [--out results/evicted-mass.jsonl]
+        [--ratios 0.5 0.25 0.125] [--caps all 64 16] [--margins] [--keeps DIR] [--out results/evicted-mass.jsonl]
 Written up: docs/results.md, "Keeping the evicted pairs' mass on multi_needle, development half (issue 27,
 session 31; helper i27m)".
 
@@ -27,7 +27,10 @@ Per prompt (built as the eval builds it: build_samples, encode, the eval's recon
                that pair's key and value become the mean of it and the run, weighted by 1 + the run's length;
   neighbour/flat  the same merged keys and values without the weight (what the content does without the mass).
 A lost answer is labelled by what it says: another needle's number, or digits. `extra` is what merged/c would add:
-groups over the document's pairs (the kept share is R).
+groups over the document's pairs (the kept share is R). `--margins`: each simulated cache's teacher-forced
+log-probability of every needle's number (" {value}") after the question, and the margin of the asked one over the
+best other needle's (nats; > 0: the asked number is the likelier), a graded view of answers that flip on little.
+`--keeps DIR` saves the exact caches' kept sets, so a rerun (e.g. with `--margins --no-plain`) skips their passes.
 """
 
 from __future__ import annotations
@@ -181,11 +184,30 @@ def merged_layer(keys, values, keep, rule: str, cap: int | None):
     return keys, values, bias, count
 
 
+def candidate_logprobs(model, cache, question: list[int], candidates: list[list[int]]) -> list[float]:
+    """Teacher-forced log-probability of each candidate continuation after `question`, appended to `cache` (the
+    document); the cache is cropped back after each candidate, so it ends holding the document and the question."""
+    out = model(input_ids=torch.tensor([question]), past_key_values=cache, use_cache=True)
+    first = out.logits[0, -1].float().log_softmax(-1)
+    held = cache.get_seq_length()
+    scores = []
+    for ids in candidates:
+        total = float(first[ids[0]])
+        if len(ids) > 1:
+            rest = model(input_ids=torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True)
+            logprobs = rest.logits[0].float().log_softmax(-1)
+            total += float(logprobs.gather(-1, torch.tensor(ids[1:])[:, None]).sum())
+            cache.crop(held)
+        scores.append(total)
+    return scores
+
+
 def simulated(model, tok, document: list[tuple], keeps, rule, cap, bias_fn: DocumentBias, question, doc, max_new,
-              skip_layers=()):
+              skip_layers=(), candidates=None):
     """The answer of a DynamicCache holding `document` ([(keys, values)] per layer, [1, H, T, D]) with each layer's
     evicted pairs (`keeps[layer]` [H, T]) handled by `rule` (`merged_layer`); layers in `skip_layers` (or without a
-    keep) are left as they are. Returns (answer, groups added, document pairs of the handled layers)."""
+    keep) are left as they are. Returns (answer, groups added, document pairs of the handled layers, and with
+    `candidates` each one's log-probability after the question, else None)."""
     from hf_kvcompress.eval.runner import eos_ids
     from hf_kvcompress.generation import generate
 
@@ -200,16 +222,23 @@ def simulated(model, tok, document: list[tuple], keeps, rule, cap, bias_fn: Docu
             pairs += keeps[i].numel()
             k, v = k2[None], v2[None]
         cache.update(k.clone(), v.clone(), i)
+    scored = None
+    if candidates is not None:
+        copy = DynamicCache(config=model.config)
+        for i, layer in enumerate(cache.layers):
+            copy.update(layer.keys.clone(), layer.values.clone(), i)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION)
     try:
         with torch.inference_mode():
+            if candidates is not None:
+                scored = candidate_logprobs(model, copy, question, candidates)
             result = generate(model, torch.tensor([doc + question]), None, cache, max_new_tokens=max_new,
                               prefill_chunk_size=len(doc))
     finally:
         model.set_attn_implementation(previous)
         bias_fn.table = {}
-    return cut(tok, model, result.new_tokens[0].tolist(), eos_ids), groups, pairs
+    return cut(tok, model, result.new_tokens[0].tolist(), eos_ids), groups, pairs, scored
 
 
 def label(text: str, reference: str, values: list[str], right: bool) -> str:
@@ -230,6 +259,9 @@ def main() -> None:
     parser.add_argument("--caps", nargs="+", default=["all", "64", "16"], help="group caps of merged/c")
     parser.add_argument("--no-neighbour", dest="neighbour", action="store_false")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip the plain spec's answer")
+    parser.add_argument("--margins", action="store_true",
+                        help="also each simulated cache's log-probability of every needle's number after the question")
+    parser.add_argument("--keeps", default=None, help="a folder to save (and reuse) the exact caches' kept sets")
     parser.add_argument("--only", nargs="*", default=[], help="sample ids to run (default: every sample)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="results/evicted-mass.jsonl")
@@ -259,6 +291,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tally: dict[str, list[bool]] = {}
     extra: dict[str, list[float]] = {}
+    margins: dict[str, list[float]] = {}
     with out.open("a") as log:
         for row in rows:
             started = time.time()
@@ -287,44 +320,71 @@ def main() -> None:
             with torch.inference_mode():
                 prefill(model, torch.tensor([doc]), None, full, chunk_size=len(doc))
             document = [(layer.keys, layer.values) for layer in full.layers]
-            text, _, _ = simulated(model, tok, document, {}, "masked", None, bias_fn, question, doc, max_new)
+            candidates = ([tok(" " + v, add_special_tokens=False).input_ids for v in values] if args.margins
+                          else None)  # fmt: skip
+
+            def margin(name, scored, record=record, reference=reference, values=values):
+                """log p(asked number) - the best other needle's; printed and recorded under `name`."""
+                if scored is None:
+                    return
+                asked = scored[values.index(reference)]
+                best = max((lp, v) for lp, v in zip(scored, values, strict=True) if v != reference)
+                record.setdefault("margins", {})[name] = {"logprobs": scored, "margin": asked - best[0]}
+                margins.setdefault(name, []).append(asked - best[0])
+                print(f"  {'':28s} margin {asked - best[0]:+.2f} (asked {asked:.2f}, needle {best[1]} {best[0]:.2f})")
+
+            text, _, _, scored = simulated(model, tok, document, {}, "masked", None, bias_fn, question, doc, max_new,
+                                           candidates=candidates)  # fmt: skip
             tally.setdefault("dynamic (simulated)", []).append(note("dynamic (simulated)", text))
+            margin("dynamic (simulated)", scored)
             for ratio in args.ratios:
                 if args.plain:
                     spec = f"kvzip:ratio={ratio:g}"
                     text, _ = run_cache(model, tok, spec, make_cache(spec, model.config), doc, question, max_new,
                                         repeat_ids)
                     tally.setdefault(f"{spec} (plain)", []).append(note(f"{spec} plain", text))
-                keeps_by_id: dict = {}
-                cache = CompressedCache(*parse_spec(f"kvzip:ratio={ratio:g}"), config=model.config,
-                                        ratio_bytes=False)  # fmt: skip
-                with captured_keeps(keeps_by_id):
-                    text, _ = run_cache(model, tok, f"kvzip:ratio={ratio:g}", cache, doc, question, max_new,
-                                        repeat_ids)
-                keeps = {i: keeps_by_id[id(layer)][0].cpu() for i, layer in enumerate(cache.layers)
-                         if id(layer) in keeps_by_id}
+                saved = None if args.keeps is None else (
+                    Path(args.keeps) / f"{args.model}-{row['sample_id'].replace('/', '_')}-R{ratio:g}.pt")
+                if saved is not None and saved.exists():
+                    keeps = torch.load(saved)
+                else:
+                    keeps_by_id: dict = {}
+                    cache = CompressedCache(*parse_spec(f"kvzip:ratio={ratio:g}"), config=model.config,
+                                            ratio_bytes=False)  # fmt: skip
+                    with captured_keeps(keeps_by_id):
+                        text, _ = run_cache(model, tok, f"kvzip:ratio={ratio:g}", cache, doc, question, max_new,
+                                            repeat_ids)
+                    keeps = {i: keeps_by_id[id(layer)][0].cpu() for i, layer in enumerate(cache.layers)
+                             if id(layer) in keeps_by_id}
+                    tally.setdefault(f"R={ratio:g} exact", []).append(note(f"R={ratio:g} exact", text))
+                    if saved is not None:
+                        saved.parent.mkdir(parents=True, exist_ok=True)
+                        torch.save(keeps, saved)
                 kept = sum(int(k.sum()) for k in keeps.values()) / sum(k.numel() for k in keeps.values())
-                tally.setdefault(f"R={ratio:g} exact", []).append(note(f"R={ratio:g} exact", text))
                 record[f"kept_share_{ratio:g}"] = kept
                 variants = [("masked", None)] + [("merged", c) for c in caps]
                 if args.neighbour:
                     variants += [("neighbour", None), ("neighbour/flat", None)]
                 for rule, cap in variants:
                     name = f"R={ratio:g} {rule}" + (f"/{'all' if cap is None else cap}" if rule == "merged" else "")
-                    text, groups, pairs = simulated(model, tok, document, keeps, rule, cap, bias_fn, question, doc,
-                                                    max_new, skip_layers=sliding)  # fmt: skip
+                    text, groups, pairs, scored = simulated(model, tok, document, keeps, rule, cap, bias_fn,
+                                                            question, doc, max_new, skip_layers=sliding,
+                                                            candidates=candidates)  # fmt: skip
                     tally.setdefault(name, []).append(note(name, text))
+                    margin(name, scored)
                     if rule == "merged":
                         extra.setdefault(name, []).append(groups / pairs)
                         record[f"extra {name}"] = groups / pairs
             record["seconds"] = time.time() - started
             log.write(json.dumps(record) + "\n")
             log.flush()
-    print("\n| variant | answered (of those dynamic answers) | extra pairs (groups / document pairs) |")
-    print("|---|---:|---:|")
+    print("\n| variant | answered (of those dynamic answers) | mean margin (asked - best other needle, nats) | "
+          "extra pairs (groups / document pairs) |")
+    print("|---|---:|---:|---:|")
     for name, kept in tally.items():
         cost = f"{sum(extra[name]) / len(extra[name]):.3f}" if name in extra else ""
-        print(f"| {name} | {sum(kept)}/{len(kept)} | {cost} |")
+        mean = f"{sum(margins[name]) / len(margins[name]):+.2f}" if name in margins else ""
+        print(f"| {name} | {sum(kept)}/{len(kept)} | {mean} | {cost} |")
 
 
 if __name__ == "__main__":
