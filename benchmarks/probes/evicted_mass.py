@@ -187,17 +187,19 @@ def merged_layer(keys, values, keep, rule: str, cap: int | None):
 def candidate_logprobs(model, cache, question: list[int], candidates: list[list[int]]) -> list[float]:
     """Teacher-forced log-probability of each candidate continuation after `question`, appended to `cache` (the
     document); the cache is cropped back after each candidate, so it ends holding the document and the question."""
-    out = model(input_ids=torch.tensor([question]), past_key_values=cache, use_cache=True)
+    from hf_kvcompress.hf.compat import cache_kwargs
+
+    out = model(input_ids=torch.tensor([question]), use_cache=True, **cache_kwargs(cache))
     first = out.logits[0, -1].float().log_softmax(-1)
     held = cache.get_seq_length()
     scores = []
     for ids in candidates:
         total = float(first[ids[0]])
         if len(ids) > 1:
-            rest = model(input_ids=torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True)
+            rest = model(input_ids=torch.tensor([ids[:-1]]), use_cache=True, **cache_kwargs(cache))
             logprobs = rest.logits[0].float().log_softmax(-1)
             total += float(logprobs.gather(-1, torch.tensor(ids[1:])[:, None]).sum())
-            cache.crop(held)
+            cache.crop(held - cache.get_seq_length())  # a negative count: the tokens to remove
         scores.append(total)
     return scores
 
