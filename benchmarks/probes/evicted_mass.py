@@ -47,6 +47,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION = "evicted_mass_sdpa"
+RULES = ("masked", "merged", "neighbour", "neighbour/flat")  # see `merged_layer`
 NEEDLE = re.compile(r"special magic number for (.+?) is: (\d+)")
 
 
@@ -259,7 +260,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.25, 0.125])
     parser.add_argument("--caps", nargs="+", default=["all", "64", "16"], help="group caps of merged/c")
-    parser.add_argument("--no-neighbour", dest="neighbour", action="store_false")
+    parser.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES,
+                        help="what the simulated caches do with the evicted pairs")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip the plain spec's answer")
     parser.add_argument("--margins", action="store_true",
                         help="also each simulated cache's log-probability of every needle's number after the question")
@@ -364,9 +366,7 @@ def main() -> None:
                         torch.save(keeps, saved)
                 kept = sum(int(k.sum()) for k in keeps.values()) / sum(k.numel() for k in keeps.values())
                 record[f"kept_share_{ratio:g}"] = kept
-                variants = [("masked", None)] + [("merged", c) for c in caps]
-                if args.neighbour:
-                    variants += [("neighbour", None), ("neighbour/flat", None)]
+                variants = [(rule, cap) for rule in args.rules for cap in (caps if rule == "merged" else [None])]
                 for rule, cap in variants:
                     name = f"R={ratio:g} {rule}" + (f"/{'all' if cap is None else cap}" if rule == "merged" else "")
                     text, groups, pairs, scored = simulated(model, tok, document, keeps, rule, cap, bias_fn,
