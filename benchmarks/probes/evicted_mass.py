@@ -48,7 +48,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION = "evicted_mass_sdpa"
 RULES = ("masked", "merged", "neighbour", "neighbour/flat")  # see `merged_layer`
-NEEDLE = re.compile(r"special magic number for (.+?) is: (\d+)")
+NEEDLE = r"special magic number for (.+?) is: (\d+)"  # each needle sentence's key and number
 
 
 class DocumentBias:
@@ -301,7 +301,7 @@ def main() -> None:
             started = time.time()
             doc, question = encode(tok, row)
             reference, max_new = row["references"][0], row["max_new_tokens"]
-            values = [v for _, v in NEEDLE.findall(row["document"])]
+            values = [v for _, v in re.findall(NEEDLE, row["document"])]
 
             def right(text: str, row=row) -> bool:  # the eval's own metric for this row
                 return score_all([text], [row["references"]])[row["metric"]][0] >= 100.0
