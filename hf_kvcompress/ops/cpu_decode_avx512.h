@@ -35,7 +35,8 @@ inline bool reads_values(const Store& v) {
   const int64_t blocks = v.width / 16;  // a power of two up to 16 (mix_values compiles those in)
   return v.token_group == 1 && v.channel_group > 1 && v.width % 16 == 0 && (blocks & (blocks - 1)) == 0 &&
          blocks <= 16 && v.scale_groups() <= 16 &&
-         (v.levels == PLAIN || v.levels == AFFINE) && (v.bits == 2 || v.bits == 4 || v.bits == 8);
+         (((v.levels == PLAIN || v.levels == AFFINE) && (v.bits == 2 || v.bits == 4 || v.bits == 8)) ||
+          (v.levels == FLOAT8 && v.bits == 8));
 }
 
 // The first `count` (<= 16) scales or zero points at `base + i` as float32 lanes (the rest 0).
@@ -57,6 +58,39 @@ inline __m512 load_groups(const void* base, at::ScalarType type, int64_t i, int6
 template <int BITS>
 inline __m512 word_levels(__m512i bytes, int shift) {
   return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, shift), _mm512_set1_epi32((1 << BITS) - 1)));
+}
+
+// E4M3 bytes as float16 bits: the byte sign-extended to 16 bits, shifted left by 7 and bit 14 cleared puts its
+// exponent and mantissa where a float16's go (both formats' subnormals line up), so the float16 is the byte's value
+// / 256 (codecs/fp8.e4m3_as_float; the NaN bytes read as +-480 / 256, as e4m3_value reads them). VCVTPH2PS then
+// converts 16 at a time, exactly, subnormals included and whatever MXCSR says (a float32 bit move needs a select
+// for the subnormals, or a multiply whose denormal inputs DAZ would zero). Callers fold the factor 256 into a scale.
+constexpr float E4M3_FACTOR = 256.0f;
+
+// The 16 E4M3 bytes at `bytes` as float32 / 256 (values: a token's 16 channels).
+inline __m512 e4m3_levels(const uint8_t* bytes) {
+  const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(static_cast<short>(0xbfff)));
+  return _mm512_cvtph_ps(half);
+}
+
+// The four E4M3 bytes of each 32-bit lane of `words` (lane k: token k) as four vectors of float32 / 256, byte b of
+// every token in out[b] (keys: four channels of 16 tokens). Bytes 0 and 2 of a lane become float16 in its two 16-bit
+// halves, bytes 1 and 3 likewise in another vector; two word permutes put each byte's 16 halves side by side.
+inline void e4m3_word_levels(__m512i words, __m512* out) {
+  const __m512i keep = _mm512_set1_epi16(static_cast<short>(0xbf80));  // sign, exponent, mantissa; not bit 14
+  const __m512i even = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(words, 8), 1), keep);  // bytes 0, 2
+  const __m512i odd = _mm512_and_si512(_mm512_srai_epi16(words, 1), keep);                         // bytes 1, 3
+  // Word j < 16 of `first`: half 2j of even (token j's byte 0); j >= 16: half 2(j - 16) of odd (its byte 1).
+  // `second` the halves after them (bytes 2 and 3).
+  const __m512i first_index = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                               30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i first = _mm512_permutex2var_epi16(even, first_index, odd);
+  const __m512i second = _mm512_permutex2var_epi16(even, _mm512_add_epi16(first_index, _mm512_set1_epi16(1)), odd);
+  out[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(first));
+  out[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(first, 1));
+  out[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(second));
+  out[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(second, 1));
 }
 
 // Reads bytes [0, count) of `codes` with plain loads before the gathers read them. A decode step's stores outgrow the
@@ -270,7 +304,8 @@ inline void key_logits_any(const Store& k, int64_t row, int64_t t0, int64_t t1, 
 // words per token, at most 16 groups per token, plain levels (or affine ones at 2 and 4 bits, a 16-entry table).
 inline bool reads_token_keys(const Store& k) {
   return k.token_group == 1 && k.channel_group > 1 && k.width % 4 == 0 && k.scale_groups() <= 16 &&
-         (k.levels == PLAIN || (k.levels == AFFINE && k.bits <= 4)) && (k.bits == 2 || k.bits == 4 || k.bits == 8);
+         (((k.levels == PLAIN || (k.levels == AFFINE && k.bits <= 4)) && (k.bits == 2 || k.bits == 4 || k.bits == 8)) ||
+          (k.levels == FLOAT8 && k.bits == 8));
 }
 
 // As key_logits_16 for keys grouped along head_dim per token: lane k is token t + k, each channel's codes one
@@ -302,6 +337,8 @@ inline void token_key_logits_16(const __m512i* words, const uint8_t* codes, int6
   };
   for (int64_t word = 0; word < width / 4; ++word) {
     const __m512i bytes = word_of_tokens(words, codes, width, word, valid);
+    __m512 float8[4];  // E4M3 codes: the word's four channels of the 16 tokens, / E4M3_FACTOR
+    if constexpr (LEVELS == FLOAT8) e4m3_word_levels(bytes, float8);
     for (int byte = 0; byte < 4; ++byte) {
       if (left == 0) {  // a group starts at this byte (a group holds whole bytes: make_store)
         if (group >= 0) close_group();
@@ -309,9 +346,16 @@ inline void token_key_logits_16(const __m512i* words, const uint8_t* codes, int6
         left = group_bytes;
         const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(group)));
         scale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, scales, 4);
+        if (LEVELS == FLOAT8) scale = _mm512_mul_ps(scale, _mm512_set1_ps(E4M3_FACTOR));  // exact: a power of two
         zero = zeros ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, zeros, 4) : _mm512_setzero_ps();
       }
       --left;
+      if constexpr (LEVELS == FLOAT8) {  // 8 bits: the byte is the channel
+        const int64_t d = 4 * word + byte;
+        for (int r = 0; r < R; ++r)
+          part[r] = _mm512_fmadd_ps(_mm512_set1_ps(query[(m0 + r) * dim + d]), float8[byte], part[r]);
+        continue;
+      }
       for (int i = 0; i < U; ++i) {
         const int64_t d = (4 * word + byte) * U + i;  // byte j holds dims j*U + i (ops/bitpack.py)
         const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * byte + BITS * i), mask);
@@ -392,7 +436,9 @@ inline void token_key_logits_any(const Store& k, int64_t row, int64_t t0, int64_
     case 4:
       if (affine) return token_key_logits<4, AFFINE>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
       return token_key_logits<4, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
-    default: return token_key_logits<8, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+    default:
+      if (k.levels == FLOAT8) return token_key_logits<8, FLOAT8>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+      return token_key_logits<8, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
   }
 }
 
@@ -404,7 +450,7 @@ inline void token_key_logits_any(const Store& k, int64_t row, int64_t t0, int64_
 // to group (16c + j) * U / channel_group (`group_index`), and a permute per block builds them from the token's
 // scales once per token, serving every plane. The R rows' outputs (R x D / 16 vectors) stay in registers over the
 // tile: with a run-time row loop they went through memory at every token, half of the values' time.
-template <int BITS, int BLOCKS, int R, bool BLOCK_GROUPS>
+template <int BITS, bool FP8, int BLOCKS, int R, bool BLOCK_GROUPS>
 void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride, int64_t m0,
               float* acc, __m512 table, const __m512i* group_index, const float* tile_scale, const float* tile_zero,
               const int64_t* block_group) {
@@ -424,8 +470,8 @@ void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* 
       token_scale = load_groups(v.scale, v.scale_type, scale_at, groups);
       token_zero = v.zero ? load_groups(v.zero, v.scale_type, scale_at, groups) : _mm512_setzero_ps();
     }
-    __m512 p[R];
-    for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(probs[(m0 + r) * stride + t - t0]);
+    __m512 p[R];  // E4M3 levels are the values / E4M3_FACTOR: the factor rides on the weights (exact)
+    for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(probs[(m0 + r) * stride + t - t0] * (FP8 ? E4M3_FACTOR : 1.0f));
     for (int c = 0; c < BLOCKS; ++c) {
       __m512 scale, zero;
       if (BLOCK_GROUPS) {
@@ -434,6 +480,11 @@ void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* 
       } else {
         scale = _mm512_permutexvar_ps(group_index[c], token_scale);
         zero = _mm512_permutexvar_ps(group_index[c], token_zero);
+      }
+      if constexpr (FP8) {  // 8 bits: one vector per block
+        const __m512 value = _mm512_fmadd_ps(e4m3_levels(bytes + 16 * c), scale, zero);
+        for (int r = 0; r < R; ++r) sum[r][c] = _mm512_fmadd_ps(p[r], value, sum[r][c]);
+        continue;
       }
       const __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * c)));
       for (int i = 0; i < U; ++i) {
@@ -450,14 +501,14 @@ void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* 
 }
 
 // All query rows, a few at a time: as many as keep their outputs within 16 of the 32 vector registers.
-template <int BITS, int BLOCKS, bool BLOCK_GROUPS>
+template <int BITS, bool FP8, int BLOCKS, bool BLOCK_GROUPS>
 void mix_all_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
                   int64_t m_rows, float* acc, __m512 table, const __m512i* group_index, const float* tile_scale,
                   const float* tile_zero, const int64_t* block_group) {
   constexpr int VECTORS = (8 / BITS) * BLOCKS;
   constexpr int CHUNK = VECTORS <= 4 ? 4 : VECTORS <= 8 ? 2 : 1;
   auto rows = [&](auto count, int64_t m) {
-    mix_rows<BITS, BLOCKS, decltype(count)::value, BLOCK_GROUPS>(v, row, t0, t1, probs, stride, m, acc, table,
+    mix_rows<BITS, FP8, BLOCKS, decltype(count)::value, BLOCK_GROUPS>(v, row, t0, t1, probs, stride, m, acc, table,
                                                                  group_index, tile_scale, tile_zero, block_group);
   };
   int64_t m = 0;
@@ -471,7 +522,8 @@ void mix_all_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const flo
 }
 
 // acc[m][plane-major D] += the tile's values weighed by probs[m * stride + t - t0], for every query row m < m_rows.
-template <int BITS>
+// FP8: E4M3 codes (8 bits), else plain or affine levels.
+template <int BITS, bool FP8>
 void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
                 int64_t m_rows, float* acc) {
   const int64_t blocks = v.width / 16, groups = v.scale_groups();
@@ -507,9 +559,9 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
   auto mix = [&](auto width_blocks) {
     constexpr int B = decltype(width_blocks)::value;
     if (block_groups)
-      return mix_all_rows<BITS, B, true>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index, tile_scale,
+      return mix_all_rows<BITS, FP8, B, true>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index, tile_scale,
                                          tile_zero, block_group);
-    return mix_all_rows<BITS, B, false>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index, tile_scale,
+    return mix_all_rows<BITS, FP8, B, false>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index, tile_scale,
                                         tile_zero, block_group);
   };
   switch (blocks) {  // reads_values: width is 16 to 256 bytes, so 1 to 16 blocks; head dims of 2^k tokens are 1-16
@@ -525,9 +577,11 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
 inline void mix_values_any(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
                            int64_t m_rows, float* acc) {
   switch (v.bits) {
-    case 2: return mix_values<2>(v, row, t0, t1, probs, stride, m_rows, acc);
-    case 4: return mix_values<4>(v, row, t0, t1, probs, stride, m_rows, acc);
-    default: return mix_values<8>(v, row, t0, t1, probs, stride, m_rows, acc);
+    case 2: return mix_values<2, false>(v, row, t0, t1, probs, stride, m_rows, acc);
+    case 4: return mix_values<4, false>(v, row, t0, t1, probs, stride, m_rows, acc);
+    default:
+      if (v.levels == FLOAT8) return mix_values<8, true>(v, row, t0, t1, probs, stride, m_rows, acc);
+      return mix_values<8, false>(v, row, t0, t1, probs, stride, m_rows, acc);
   }
 }
 
