@@ -166,11 +166,16 @@ inline __m512i word_of_tokens(const __m512i* words, const uint8_t* codes, int64_
 // logits[r * stride + k] for rows r < R (query rows m0 + r) and tokens t + k, k < 16, over one tile's 16 tokens:
 // `codes` points at token t's bytes (rows of W bytes), `scale` / `zero` [D] are the channel scales of t's group,
 // `query` [M, D, O] the (offset) queries in channel order, `o0` the offset of token t within its key group.
-template <int BITS, int R>
+// SHARED: one query for every token (O = 1), else the 16 offsets' own (known when compiling, with each row's start
+// hoisted: the run-time test and index products per channel and row held the pre_rope keys' loop back).
+template <int BITS, int R, bool SHARED>
 inline void key_logits_16(const __m512i* words, const uint8_t* codes, int64_t width, int64_t dim, const float* scale,
                           const float* zero, const float* query, int64_t offsets, int64_t o0, int64_t m0, float* logits,
                           int64_t stride, __mmask16 valid) {
   constexpr int U = 8 / BITS;
+  const int64_t step = SHARED ? 1 : offsets;  // between one channel's queries and the next's
+  const float* rows[R];                       // row r's query at channel 0 (offset o0)
+  for (int r = 0; r < R; ++r) rows[r] = query + (m0 + r) * dim * step + (SHARED ? 0 : o0);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t word = 0; word < width / 4; ++word) {
@@ -181,8 +186,7 @@ inline void key_logits_16(const __m512i* words, const uint8_t* codes, int64_t wi
         const __m512 value = _mm512_fmadd_ps(word_levels<BITS>(bytes, 8 * byte + BITS * i),
                                              _mm512_set1_ps(scale[d]), _mm512_set1_ps(zero[d]));
         for (int r = 0; r < R; ++r) {
-          const float* q = query + ((m0 + r) * dim + d) * offsets;
-          const __m512 qv = offsets == 1 ? _mm512_set1_ps(q[0]) : _mm512_loadu_ps(q + o0);
+          const __m512 qv = SHARED ? _mm512_set1_ps(rows[r][d]) : _mm512_loadu_ps(rows[r] + d * step);
           acc[r] = _mm512_fmadd_ps(qv, value, acc[r]);
         }
       }
@@ -283,8 +287,11 @@ void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float
     }
     const int64_t o0 = offsets == 1 ? 0 : t % offsets;
     in_row_blocks(m_rows, [&](auto rows, int64_t m) {
-      key_logits_16<BITS, decltype(rows)::value>(words, codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m,
-                                                 out + m * stride, stride, valid);
+      if (offsets == 1)
+        return key_logits_16<BITS, decltype(rows)::value, true>(words, codes, width, dim, scale_buf, zero_buf, query,
+                                                                offsets, o0, m, out + m * stride, stride, valid);
+      key_logits_16<BITS, decltype(rows)::value, false>(words, codes, width, dim, scale_buf, zero_buf, query, offsets,
+                                                        o0, m, out + m * stride, stride, valid);
     });
   }
 }
@@ -442,15 +449,21 @@ inline void token_key_logits_any(const Store& k, int64_t row, int64_t t0, int64_
   }
 }
 
+// How a value block's 16 lanes find their groups' scales (mix_rows): by a permute of the token's scales (lane j of
+// block c in group (16c + j) * U / channel_group, `group_index`); one group for the block (WHOLE_BLOCKS, a group of
+// whole blocks: int4's groups of 32); or a group for each half (HALF_BLOCKS, groups of 8 columns: int2's groups of 32).
+enum BlockGroups { PER_LANE = 0, WHOLE_BLOCKS = 1, HALF_BLOCKS = 2 };
+
 // acc[m][plane-major D] += sum over the tile's tokens [t0, t1) of probs[m * stride + t - t0] * value(t), for the
 // query rows m0 <= m < m0 + R. A token's plane i, columns 16c..16c+15 are one vector. Its scale and zero point
-// vectors: where a column block lies within one group (BLOCK_GROUPS: a group runs over whole blocks, as int4's
-// groups of 32 do), a broadcast of that group's float32 scale from `tile_scale` / `tile_zero` [t - t0, groups]
-// (block_group[c]: the group of block c), a load that leaves the shuffle unit free; else lane j of block c belongs
-// to group (16c + j) * U / channel_group (`group_index`), and a permute per block builds them from the token's
-// scales once per token, serving every plane. The R rows' outputs (R x D / 16 vectors) stay in registers over the
-// tile: with a run-time row loop they went through memory at every token, half of the values' time.
-template <int BITS, bool FP8, int BLOCKS, int R, bool BLOCK_GROUPS>
+// vectors: with WHOLE_BLOCKS, a broadcast of that group's float32 scale from `tile_scale` / `tile_zero`
+// [t - t0, groups] (block_group[c]: the group of block c), a load that leaves the shuffle unit free; with
+// HALF_BLOCKS, the same for lanes 0-7 and a masked broadcast of the next group's for lanes 8-15 (2 of int2's 9
+// shuffles a token gone, and its per-token scale conversions: docs/speed.md, session 31); else (PER_LANE) a permute
+// per block builds them from the token's scales once per token, serving every plane. The R rows' outputs
+// (R x D / 16 vectors) stay in registers over the tile: with a run-time row loop they went through memory at every
+// token, half of the values' time.
+template <int BITS, bool FP8, int BLOCKS, int R, int GROUPS>
 void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride, int64_t m0,
               float* acc, __m512 table, const __m512i* group_index, const float* tile_scale, const float* tile_zero,
               const int64_t* block_group) {
@@ -465,7 +478,7 @@ void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* 
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* bytes = v.codes + (v.base(row) + t) * W;
     __m512 token_scale = _mm512_setzero_ps(), token_zero = _mm512_setzero_ps();
-    if (!BLOCK_GROUPS) {
+    if (GROUPS == PER_LANE) {
       const int64_t scale_at = (v.scale_base(row) + t) * groups;
       token_scale = load_groups(v.scale, v.scale_type, scale_at, groups);
       token_zero = v.zero ? load_groups(v.zero, v.scale_type, scale_at, groups) : _mm512_setzero_ps();
@@ -474,9 +487,14 @@ void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* 
     for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(probs[(m0 + r) * stride + t - t0] * (FP8 ? E4M3_FACTOR : 1.0f));
     for (int c = 0; c < BLOCKS; ++c) {
       __m512 scale, zero;
-      if (BLOCK_GROUPS) {
+      if (GROUPS == WHOLE_BLOCKS) {
         scale = _mm512_set1_ps(tile_scale[(t - t0) * groups + block_group[c]]);
         zero = _mm512_set1_ps(tile_zero[(t - t0) * groups + block_group[c]]);
+      } else if (GROUPS == HALF_BLOCKS) {  // lanes 8-15 the second group's
+        const float* s = tile_scale + (t - t0) * groups + block_group[c];
+        const float* z = tile_zero + (t - t0) * groups + block_group[c];
+        scale = _mm512_mask_broadcastss_ps(_mm512_set1_ps(s[0]), 0xff00, _mm_load_ss(s + 1));
+        zero = _mm512_mask_broadcastss_ps(_mm512_set1_ps(z[0]), 0xff00, _mm_load_ss(z + 1));
       } else {
         scale = _mm512_permutexvar_ps(group_index[c], token_scale);
         zero = _mm512_permutexvar_ps(group_index[c], token_zero);
@@ -501,14 +519,14 @@ void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* 
 }
 
 // All query rows, a few at a time: as many as keep their outputs within 16 of the 32 vector registers.
-template <int BITS, bool FP8, int BLOCKS, bool BLOCK_GROUPS>
+template <int BITS, bool FP8, int BLOCKS, int GROUPS>
 void mix_all_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
                   int64_t m_rows, float* acc, __m512 table, const __m512i* group_index, const float* tile_scale,
                   const float* tile_zero, const int64_t* block_group) {
   constexpr int VECTORS = (8 / BITS) * BLOCKS;
   constexpr int CHUNK = VECTORS <= 4 ? 4 : VECTORS <= 8 ? 2 : 1;
   auto rows = [&](auto count, int64_t m) {
-    mix_rows<BITS, FP8, BLOCKS, decltype(count)::value, BLOCK_GROUPS>(v, row, t0, t1, probs, stride, m, acc, table,
+    mix_rows<BITS, FP8, BLOCKS, decltype(count)::value, GROUPS>(v, row, t0, t1, probs, stride, m, acc, table,
                                                                  group_index, tile_scale, tile_zero, block_group);
   };
   int64_t m = 0;
@@ -545,24 +563,26 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
     group_index[c] = _mm512_load_si512(lanes);
     block_group[c] = 16 * c / run;
   }
-  // A group over whole blocks: the tile's scales and zero points as float32 [t - t0, groups], read in place when
-  // they are float32, else converted here once per tile (at most 64 tokens x 16 groups).
-  const bool block_groups = run % 16 == 0;
+  // Groups over whole or half blocks: the tile's scales and zero points as float32 [t - t0, groups], read in place
+  // when they are float32, else converted here once per tile (at most 64 tokens x 16 groups).
+  const int grouping = run % 16 == 0 ? WHOLE_BLOCKS : run == 8 ? HALF_BLOCKS : PER_LANE;
   alignas(64) float scale_buf[TILE * 16], zero_buf[TILE * 16];
   const float* tile_scale = scale_buf;
   const float* tile_zero = zero_buf;
-  if (block_groups) {
+  if (grouping != PER_LANE) {
     TORCH_CHECK(t1 - t0 <= TILE, "cpu_decode: more than a tile of tokens reached the AVX-512 values");
     tile_groups(v, row, t0, t1, groups, scale_buf, zero_buf, tile_scale, tile_zero);
     if (!v.zero) std::fill(zero_buf, zero_buf + (t1 - t0) * groups, 0.0f);
   }
   auto mix = [&](auto width_blocks) {
     constexpr int B = decltype(width_blocks)::value;
-    if (block_groups)
-      return mix_all_rows<BITS, FP8, B, true>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index, tile_scale,
-                                         tile_zero, block_group);
-    return mix_all_rows<BITS, FP8, B, false>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index, tile_scale,
-                                        tile_zero, block_group);
+    auto rows = [&](auto grouped) {
+      mix_all_rows<BITS, FP8, B, decltype(grouped)::value>(v, row, t0, t1, probs, stride, m_rows, acc, table,
+                                                           group_index, tile_scale, tile_zero, block_group);
+    };
+    if (grouping == WHOLE_BLOCKS) return rows(std::integral_constant<int, WHOLE_BLOCKS>{});
+    if (grouping == HALF_BLOCKS) return rows(std::integral_constant<int, HALF_BLOCKS>{});
+    return rows(std::integral_constant<int, PER_LANE>{});
   };
   switch (blocks) {  // reads_values: width is 16 to 256 bytes, so 1 to 16 blocks; head dims of 2^k tokens are 1-16
     case 1: return mix(std::integral_constant<int, 1>{});

@@ -315,13 +315,16 @@ def test_the_avx2_paths_give_softmax_over_decoded_states(name):
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("codec", [IntNCodec(bits=4, group_size=32), IntNCodec(bits=4, group_size=64),
-                                   IntNCodec(bits=2, group_size=64), IntNCodec(bits=8, group_size=16)],
-                         ids=["int4 g32", "int4 g64", "int2 g64", "int8 g16"])
+                                   IntNCodec(bits=2, group_size=64), IntNCodec(bits=8, group_size=16),
+                                   IntNCodec(bits=2, group_size=32), IntNCodec(bits=2, group_size=32, codebook="gaussian"),
+                                   IntNCodec(bits=4, group_size=16), IntNCodec(bits=8, group_size=8)],
+                         ids=["int4 g32", "int4 g64", "int2 g64", "int8 g16", "int2 g32 (half blocks)",
+                              "int2 g32 Lloyd-Max (half blocks)", "int4 g16 (half blocks)", "int8 g8 (half blocks)"])
 def test_values_whose_groups_cover_whole_vectors_equal_the_portable_path(codec, scale_dtype):
     """Where a value group runs over whole 16-lane vectors of a plane (int4's groups of 32), the AVX-512 values
-    broadcast each group's scale instead of permuting the token's scales: against the portable loops, with the
-    scales in each dtype the kernel reads (converted per tile where they are not float32), over whole and partial
-    tiles."""
+    broadcast each group's scale instead of permuting the token's scales; where it runs over half of one (8 columns:
+    int2's groups of 32), a broadcast for each half: against the portable loops, with the scales in each dtype the
+    kernel reads (converted per tile where they are not float32), over whole and partial tiles."""
     if cpu_decode.instruction_set() != "avx512":
         pytest.skip("the AVX-512 paths are not built here")
     g = torch.Generator().manual_seed(5)
