@@ -9,9 +9,10 @@
 // offsets' own queries, which sit next to each other), so 16 logits come out of FMAs alone; with one query per
 // token the group's scales are folded into the query once per group instead. Keys grouped along head_dim per token
 // (as values are: `int4:key_axis=token`, KVzip's int4 pairs) take the same lanes, with each group's 16 scales a
-// vector gathered once per group (token_key_logits). Values keep the
+// vector gathered once per group (token_key_logits); fp8's keys (one group of head_dim per token) too. Values keep the
 // token-major order (their output is a row per query, held across the tile): a token's codes become levels by one
 // permute through a 16-entry table (plain codes, or L0 + a*c + b*(c >> 1)) and are scaled and mixed in registers.
+// E4M3 codes (fp8) become float32 through float16 (e4m3_levels) on both sides.
 //
 // Included by cpu_decode.cpp inside its anonymous namespace, after Store and the Levels enum, only where the
 // compiler targets AVX-512 F+BW (-march=native on such a CPU); elsewhere the portable path is the only one.

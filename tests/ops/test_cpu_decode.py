@@ -316,7 +316,8 @@ def test_the_avx2_paths_give_softmax_over_decoded_states(name):
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("codec", [IntNCodec(bits=4, group_size=32), IntNCodec(bits=4, group_size=64),
                                    IntNCodec(bits=2, group_size=64), IntNCodec(bits=8, group_size=16),
-                                   IntNCodec(bits=2, group_size=32), IntNCodec(bits=2, group_size=32, codebook="gaussian"),
+                                   IntNCodec(bits=2, group_size=32),
+                                   IntNCodec(bits=2, group_size=32, codebook="gaussian"),
                                    IntNCodec(bits=4, group_size=16), IntNCodec(bits=8, group_size=8)],
                          ids=["int4 g32", "int4 g64", "int2 g64", "int8 g16", "int2 g32 (half blocks)",
                               "int2 g32 Lloyd-Max (half blocks)", "int4 g16 (half blocks)", "int8 g8 (half blocks)"])
