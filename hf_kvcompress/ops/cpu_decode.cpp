@@ -41,7 +41,8 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 enum Levels { PLAIN = 0, AFFINE = 1, FLOAT8 = 2 };
 
 // An E4M3 byte's value (bias 7, no infinities), by moving its bits into a float32's: a table lookup per byte does
-// not vectorise. The NaN bytes (0x7f, 0xff) read as +-480, as codecs/fp8.e4m3_as_float reads them.
+// not vectorise. The NaN bytes (0x7f, 0xff) read as +-480, as codecs/fp8.e4m3_as_float reads them. The portable
+// loop's, and the reference of the instruction-set paths, which convert through float16 (avx512::e4m3_levels).
 inline float e4m3_value(uint8_t byte) {
   const int32_t magnitude = byte & 0x7f;
   const int32_t normal_bits = (magnitude << 20) + (120 << 23);  // exponent bias 7 -> 127

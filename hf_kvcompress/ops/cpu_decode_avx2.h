@@ -18,11 +18,50 @@ inline bool reads_keys(const Store& k) {
          (k.bits == 2 || k.bits == 4 || k.bits == 8);
 }
 
-// Values in groups along head_dim, planes of whole 8-byte runs, at most 8 groups per token, plain or affine levels.
+// E4M3 codes go through float16 (avx512::e4m3_levels), which takes F16C: every AVX2 CPU has it, but a build may not
+// say so.
+#if defined(__F16C__)
+constexpr bool FLOAT8_CODES = true;
+#else
+constexpr bool FLOAT8_CODES = false;
+#endif
+
+// Values in groups along head_dim, planes of whole 8-byte runs, at most 8 groups per token, plain or affine levels
+// (or E4M3 codes).
 inline bool reads_values(const Store& v) {
-  return v.token_group == 1 && v.channel_group > 1 && v.width % 8 == 0 && v.width <= 256 &&
-         v.scale_groups() <= 8 && (v.levels == PLAIN || v.levels == AFFINE) && (v.bits == 2 || v.bits == 4 || v.bits == 8);
+  return v.token_group == 1 && v.channel_group > 1 && v.width % 8 == 0 && v.width <= 256 && v.scale_groups() <= 8 &&
+         (((v.levels == PLAIN || v.levels == AFFINE) && (v.bits == 2 || v.bits == 4 || v.bits == 8)) ||
+          (FLOAT8_CODES && v.levels == FLOAT8 && v.bits == 8));
 }
+
+// E4M3 bytes as float32 / E4M3_FACTOR through float16, exactly: see avx512::e4m3_levels. Callers fold the factor into
+// a scale.
+constexpr float E4M3_FACTOR = 256.0f;
+
+#if defined(__F16C__)
+// The 8 E4M3 bytes at `bytes` (values: a token's 8 channels).
+inline __m256 e4m3_levels(const uint8_t* bytes) {
+  const __m128i wide = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(static_cast<short>(0xbfff))));
+}
+
+// The four E4M3 bytes of each 32-bit lane of `words` (lane k: token k) as four vectors, byte b of the 8 tokens in
+// out[b] (keys: four channels of 8 tokens). Float16 halves as avx512::e4m3_word_levels; a byte shuffle puts each
+// 128-bit lane's four tokens' byte 0 (2) halves in its low (high) 8 bytes, a 64-bit permute the two lanes' together.
+inline void e4m3_word_levels(__m256i words, __m256* out) {
+  const __m256i keep = _mm256_set1_epi16(static_cast<short>(0xbf80));
+  const __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(words, 8), 1), keep);  // bytes 0, 2
+  const __m256i odd = _mm256_and_si256(_mm256_srai_epi16(words, 1), keep);                         // bytes 1, 3
+  const __m256i halves = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  const __m256i low_even = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(even, halves), 0xd8);  // 64-bit 0, 2, 1, 3
+  const __m256i low_odd = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(odd, halves), 0xd8);
+  out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(low_even));
+  out[1] = _mm256_cvtph_ps(_mm256_castsi256_si128(low_odd));
+  out[2] = _mm256_cvtph_ps(_mm256_extracti128_si256(low_even, 1));
+  out[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(low_odd, 1));
+}
+#endif
 
 // logits[r * stride + k] for rows r < R (query rows m0 + r) and tokens t + k, k < n (<= 8); see avx512::key_logits_16.
 template <int BITS, int R>
@@ -101,7 +140,8 @@ inline void key_logits_any(const Store& k, int64_t row, int64_t t0, int64_t t1, 
 // Keys in groups along head_dim, one scale and zero point per (token, group): see avx512::reads_token_keys.
 inline bool reads_token_keys(const Store& k) {
   return k.token_group == 1 && k.channel_group > 1 && k.width % 4 == 0 && k.scale_groups() <= 16 &&
-         (k.levels == PLAIN || (k.levels == AFFINE && k.bits <= 4)) && (k.bits == 2 || k.bits == 4 || k.bits == 8);
+         (((k.levels == PLAIN || (k.levels == AFFINE && k.bits <= 4)) && (k.bits == 2 || k.bits == 4 || k.bits == 8)) ||
+          (FLOAT8_CODES && k.levels == FLOAT8 && k.bits == 8));
 }
 
 // logits[r * stride + k] for rows r < R (query rows m0 + r) and tokens t + k, k < n (<= 8), keys grouped along
@@ -132,15 +172,28 @@ inline void token_key_logits_8(const uint8_t* codes, int64_t width, int64_t dim,
   for (int64_t word = 0; word < width / 4; ++word) {
     const __m256i bytes = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(codes + 4 * word),
                                                       rows, valid, 1);
+    __m256 float8[4];  // E4M3 codes: the word's four channels of the 8 tokens, / E4M3_FACTOR
+#if defined(__F16C__)
+    if constexpr (LEVELS == FLOAT8) e4m3_word_levels(bytes, float8);
+#endif
     for (int byte = 0; byte < 4; ++byte) {
       if (left == 0) {  // a group starts at this byte
         if (group >= 0) close_group();
         ++group;
         left = group_bytes;
         scale = _mm256_loadu_ps(scales + 8 * group);
+        if (LEVELS == FLOAT8) scale = _mm256_mul_ps(scale, _mm256_set1_ps(E4M3_FACTOR));  // exact: a power of two
         zero = zeros ? _mm256_loadu_ps(zeros + 8 * group) : _mm256_setzero_ps();
       }
       --left;
+#if defined(__F16C__)
+      if constexpr (LEVELS == FLOAT8) {  // 8 bits: the byte is the channel
+        const int64_t d = 4 * word + byte;
+        for (int r = 0; r < R; ++r)
+          part[r] = _mm256_fmadd_ps(_mm256_set1_ps(query[(m0 + r) * dim + d]), float8[byte], part[r]);
+        continue;
+      }
+#endif
       for (int i = 0; i < U; ++i) {
         const int64_t d = (4 * word + byte) * U + i;  // byte j holds dims j*U + i (ops/bitpack.py)
         const __m256i code = _mm256_and_si256(_mm256_srli_epi32(bytes, 8 * byte + BITS * i), mask);
@@ -197,13 +250,17 @@ inline void token_key_logits_any(const Store& k, int64_t row, int64_t t0, int64_
     case 4:
       if (affine) return token_key_logits<4, AFFINE>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
       return token_key_logits<4, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
-    default: return token_key_logits<8, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+    default:
+      if (FLOAT8_CODES && k.levels == FLOAT8)
+        return token_key_logits<8, FLOAT8>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+      return token_key_logits<8, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
   }
 }
 
 // acc[m][plane-major D] += sum over tokens [t0, t1) of probs[m * stride + t - t0] * value(t); see
-// avx512::mix_values. Levels by arithmetic (AVX2 has no 16-entry permute): c, or L0 + a*c + b*(c >> 1).
-template <int BITS>
+// avx512::mix_values. Levels by arithmetic (AVX2 has no 16-entry permute): c, or L0 + a*c + b*(c >> 1); FP8: E4M3
+// codes (8 bits).
+template <int BITS, bool FP8>
 void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
                 int64_t m_rows, float* acc) {
   constexpr int U = 8 / BITS;
@@ -227,10 +284,23 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
       scales[g] = v.load_scale(scale_at + g);
       zeros[g] = v.load_zero(scale_at + g);
     }
-    const __m256 token_scale = _mm256_load_ps(scales), token_zero = _mm256_load_ps(zeros);
+    __m256 token_scale = _mm256_load_ps(scales);
+    const __m256 token_zero = _mm256_load_ps(zeros);
+    if (FP8) token_scale = _mm256_mul_ps(token_scale, _mm256_set1_ps(E4M3_FACTOR));  // exact: a power of two
     for (int64_t c = 0; c < blocks; ++c) {
       const __m256 scale = _mm256_permutevar8x32_ps(token_scale, group_index[c]);
       const __m256 zero = _mm256_permutevar8x32_ps(token_zero, group_index[c]);
+#if defined(__F16C__)
+      if constexpr (FP8) {  // 8 bits: one vector per run
+        const __m256 value = _mm256_fmadd_ps(e4m3_levels(bytes + 8 * c), scale, zero);
+        float* out = acc + 8 * c;
+        for (int64_t m = 0; m < m_rows; ++m) {
+          float* o = out + m * v.dim;
+          _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(probs[m * stride + t - t0]), value, _mm256_loadu_ps(o)));
+        }
+        continue;
+      }
+#endif
       const __m256i packed = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * c)));
       for (int i = 0; i < U; ++i) {
         const __m256i code = _mm256_and_si256(_mm256_srli_epi32(packed, BITS * i), mask);
@@ -251,9 +321,11 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
 inline void mix_values_any(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
                            int64_t m_rows, float* acc) {
   switch (v.bits) {
-    case 2: return mix_values<2>(v, row, t0, t1, probs, stride, m_rows, acc);
-    case 4: return mix_values<4>(v, row, t0, t1, probs, stride, m_rows, acc);
-    default: return mix_values<8>(v, row, t0, t1, probs, stride, m_rows, acc);
+    case 2: return mix_values<2, false>(v, row, t0, t1, probs, stride, m_rows, acc);
+    case 4: return mix_values<4, false>(v, row, t0, t1, probs, stride, m_rows, acc);
+    default:
+      if (FLOAT8_CODES && v.levels == FLOAT8) return mix_values<8, true>(v, row, t0, t1, probs, stride, m_rows, acc);
+      return mix_values<8, false>(v, row, t0, t1, probs, stride, m_rows, acc);
   }
 }
 

@@ -9,9 +9,10 @@
 // offsets' own queries, which sit next to each other), so 16 logits come out of FMAs alone; with one query per
 // token the group's scales are folded into the query once per group instead. Keys grouped along head_dim per token
 // (as values are: `int4:key_axis=token`, KVzip's int4 pairs) take the same lanes, with each group's 16 scales a
-// vector gathered once per group (token_key_logits). Values keep the
+// vector gathered once per group (token_key_logits); fp8's keys (one group of head_dim per token) too. Values keep the
 // token-major order (their output is a row per query, held across the tile): a token's codes become levels by one
 // permute through a 16-entry table (plain codes, or L0 + a*c + b*(c >> 1)) and are scaled and mixed in registers.
+// E4M3 codes (fp8) become float32 through float16 (e4m3_levels) on both sides.
 //
 // Included by cpu_decode.cpp inside its anonymous namespace, after Store and the Levels enum, only where the
 // compiler targets AVX-512 F+BW (-march=native on such a CPU); elsewhere the portable path is the only one.
@@ -35,7 +36,8 @@ inline bool reads_values(const Store& v) {
   const int64_t blocks = v.width / 16;  // a power of two up to 16 (mix_values compiles those in)
   return v.token_group == 1 && v.channel_group > 1 && v.width % 16 == 0 && (blocks & (blocks - 1)) == 0 &&
          blocks <= 16 && v.scale_groups() <= 16 &&
-         (v.levels == PLAIN || v.levels == AFFINE) && (v.bits == 2 || v.bits == 4 || v.bits == 8);
+         (((v.levels == PLAIN || v.levels == AFFINE) && (v.bits == 2 || v.bits == 4 || v.bits == 8)) ||
+          (v.levels == FLOAT8 && v.bits == 8));
 }
 
 // The first `count` (<= 16) scales or zero points at `base + i` as float32 lanes (the rest 0).
@@ -57,6 +59,39 @@ inline __m512 load_groups(const void* base, at::ScalarType type, int64_t i, int6
 template <int BITS>
 inline __m512 word_levels(__m512i bytes, int shift) {
   return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, shift), _mm512_set1_epi32((1 << BITS) - 1)));
+}
+
+// E4M3 bytes as float16 bits: the byte sign-extended to 16 bits, shifted left by 7 and bit 14 cleared puts its
+// exponent and mantissa where a float16's go (both formats' subnormals line up), so the float16 is the byte's value
+// / 256 (codecs/fp8.e4m3_as_float; the NaN bytes read as +-480 / 256, as e4m3_value reads them). VCVTPH2PS then
+// converts 16 at a time, exactly, subnormals included and whatever MXCSR says (a float32 bit move needs a select
+// for the subnormals, or a multiply whose denormal inputs DAZ would zero). Callers fold the factor 256 into a scale.
+constexpr float E4M3_FACTOR = 256.0f;
+
+// The 16 E4M3 bytes at `bytes` as float32 / 256 (values: a token's 16 channels).
+inline __m512 e4m3_levels(const uint8_t* bytes) {
+  const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(static_cast<short>(0xbfff)));
+  return _mm512_cvtph_ps(half);
+}
+
+// The four E4M3 bytes of each 32-bit lane of `words` (lane k: token k) as four vectors of float32 / 256, byte b of
+// every token in out[b] (keys: four channels of 16 tokens). Bytes 0 and 2 of a lane become float16 in its two 16-bit
+// halves, bytes 1 and 3 likewise in another vector; two word permutes put each byte's 16 halves side by side.
+inline void e4m3_word_levels(__m512i words, __m512* out) {
+  const __m512i keep = _mm512_set1_epi16(static_cast<short>(0xbf80));  // sign, exponent, mantissa; not bit 14
+  const __m512i even = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(words, 8), 1), keep);  // bytes 0, 2
+  const __m512i odd = _mm512_and_si512(_mm512_srai_epi16(words, 1), keep);                         // bytes 1, 3
+  // Word j < 16 of `first`: half 2j of even (token j's byte 0); j >= 16: half 2(j - 16) of odd (its byte 1).
+  // `second` the halves after them (bytes 2 and 3).
+  const __m512i first_index = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                               30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i first = _mm512_permutex2var_epi16(even, first_index, odd);
+  const __m512i second = _mm512_permutex2var_epi16(even, _mm512_add_epi16(first_index, _mm512_set1_epi16(1)), odd);
+  out[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(first));
+  out[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(first, 1));
+  out[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(second));
+  out[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(second, 1));
 }
 
 // Reads bytes [0, count) of `codes` with plain loads before the gathers read them. A decode step's stores outgrow the
@@ -132,11 +167,16 @@ inline __m512i word_of_tokens(const __m512i* words, const uint8_t* codes, int64_
 // logits[r * stride + k] for rows r < R (query rows m0 + r) and tokens t + k, k < 16, over one tile's 16 tokens:
 // `codes` points at token t's bytes (rows of W bytes), `scale` / `zero` [D] are the channel scales of t's group,
 // `query` [M, D, O] the (offset) queries in channel order, `o0` the offset of token t within its key group.
-template <int BITS, int R>
+// SHARED: one query for every token (O = 1), else the 16 offsets' own (known when compiling, with each row's start
+// hoisted: the run-time test and index products per channel and row held the pre_rope keys' loop back).
+template <int BITS, int R, bool SHARED>
 inline void key_logits_16(const __m512i* words, const uint8_t* codes, int64_t width, int64_t dim, const float* scale,
                           const float* zero, const float* query, int64_t offsets, int64_t o0, int64_t m0, float* logits,
                           int64_t stride, __mmask16 valid) {
   constexpr int U = 8 / BITS;
+  const int64_t step = SHARED ? 1 : offsets;  // between one channel's queries and the next's
+  const float* rows[R];                       // row r's query at channel 0 (offset o0)
+  for (int r = 0; r < R; ++r) rows[r] = query + (m0 + r) * dim * step + (SHARED ? 0 : o0);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t word = 0; word < width / 4; ++word) {
@@ -147,8 +187,7 @@ inline void key_logits_16(const __m512i* words, const uint8_t* codes, int64_t wi
         const __m512 value = _mm512_fmadd_ps(word_levels<BITS>(bytes, 8 * byte + BITS * i),
                                              _mm512_set1_ps(scale[d]), _mm512_set1_ps(zero[d]));
         for (int r = 0; r < R; ++r) {
-          const float* q = query + ((m0 + r) * dim + d) * offsets;
-          const __m512 qv = offsets == 1 ? _mm512_set1_ps(q[0]) : _mm512_loadu_ps(q + o0);
+          const __m512 qv = SHARED ? _mm512_set1_ps(rows[r][d]) : _mm512_loadu_ps(rows[r] + d * step);
           acc[r] = _mm512_fmadd_ps(qv, value, acc[r]);
         }
       }
@@ -249,8 +288,11 @@ void key_logits(const Store& k, int64_t row, int64_t t0, int64_t t1, const float
     }
     const int64_t o0 = offsets == 1 ? 0 : t % offsets;
     in_row_blocks(m_rows, [&](auto rows, int64_t m) {
-      key_logits_16<BITS, decltype(rows)::value>(words, codes, width, dim, scale_buf, zero_buf, query, offsets, o0, m,
-                                                 out + m * stride, stride, valid);
+      if (offsets == 1)
+        return key_logits_16<BITS, decltype(rows)::value, true>(words, codes, width, dim, scale_buf, zero_buf, query,
+                                                                offsets, o0, m, out + m * stride, stride, valid);
+      key_logits_16<BITS, decltype(rows)::value, false>(words, codes, width, dim, scale_buf, zero_buf, query, offsets,
+                                                        o0, m, out + m * stride, stride, valid);
     });
   }
 }
@@ -270,7 +312,8 @@ inline void key_logits_any(const Store& k, int64_t row, int64_t t0, int64_t t1, 
 // words per token, at most 16 groups per token, plain levels (or affine ones at 2 and 4 bits, a 16-entry table).
 inline bool reads_token_keys(const Store& k) {
   return k.token_group == 1 && k.channel_group > 1 && k.width % 4 == 0 && k.scale_groups() <= 16 &&
-         (k.levels == PLAIN || (k.levels == AFFINE && k.bits <= 4)) && (k.bits == 2 || k.bits == 4 || k.bits == 8);
+         (((k.levels == PLAIN || (k.levels == AFFINE && k.bits <= 4)) && (k.bits == 2 || k.bits == 4 || k.bits == 8)) ||
+          (k.levels == FLOAT8 && k.bits == 8));
 }
 
 // As key_logits_16 for keys grouped along head_dim per token: lane k is token t + k, each channel's codes one
@@ -302,6 +345,8 @@ inline void token_key_logits_16(const __m512i* words, const uint8_t* codes, int6
   };
   for (int64_t word = 0; word < width / 4; ++word) {
     const __m512i bytes = word_of_tokens(words, codes, width, word, valid);
+    __m512 float8[4];  // E4M3 codes: the word's four channels of the 16 tokens, / E4M3_FACTOR
+    if constexpr (LEVELS == FLOAT8) e4m3_word_levels(bytes, float8);
     for (int byte = 0; byte < 4; ++byte) {
       if (left == 0) {  // a group starts at this byte (a group holds whole bytes: make_store)
         if (group >= 0) close_group();
@@ -309,9 +354,16 @@ inline void token_key_logits_16(const __m512i* words, const uint8_t* codes, int6
         left = group_bytes;
         const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(group)));
         scale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, scales, 4);
+        if (LEVELS == FLOAT8) scale = _mm512_mul_ps(scale, _mm512_set1_ps(E4M3_FACTOR));  // exact: a power of two
         zero = zeros ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, at, zeros, 4) : _mm512_setzero_ps();
       }
       --left;
+      if constexpr (LEVELS == FLOAT8) {  // 8 bits: the byte is the channel
+        const int64_t d = 4 * word + byte;
+        for (int r = 0; r < R; ++r)
+          part[r] = _mm512_fmadd_ps(_mm512_set1_ps(query[(m0 + r) * dim + d]), float8[byte], part[r]);
+        continue;
+      }
       for (int i = 0; i < U; ++i) {
         const int64_t d = (4 * word + byte) * U + i;  // byte j holds dims j*U + i (ops/bitpack.py)
         const __m512i code = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * byte + BITS * i), mask);
@@ -392,19 +444,27 @@ inline void token_key_logits_any(const Store& k, int64_t row, int64_t t0, int64_
     case 4:
       if (affine) return token_key_logits<4, AFFINE>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
       return token_key_logits<4, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
-    default: return token_key_logits<8, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+    default:
+      if (k.levels == FLOAT8) return token_key_logits<8, FLOAT8>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
+      return token_key_logits<8, PLAIN>(k, row, t0, t1, query, m_rows, logits, stride, group_sums);
   }
 }
 
+// How a value block's 16 lanes find their groups' scales (mix_rows): by a permute of the token's scales (lane j of
+// block c in group (16c + j) * U / channel_group, `group_index`); one group for the block (WHOLE_BLOCKS, a group of
+// whole blocks: int4's groups of 32); or a group for each half (HALF_BLOCKS, groups of 8 columns: int2's groups of 32).
+enum BlockGroups { PER_LANE = 0, WHOLE_BLOCKS = 1, HALF_BLOCKS = 2 };
+
 // acc[m][plane-major D] += sum over the tile's tokens [t0, t1) of probs[m * stride + t - t0] * value(t), for the
 // query rows m0 <= m < m0 + R. A token's plane i, columns 16c..16c+15 are one vector. Its scale and zero point
-// vectors: where a column block lies within one group (BLOCK_GROUPS: a group runs over whole blocks, as int4's
-// groups of 32 do), a broadcast of that group's float32 scale from `tile_scale` / `tile_zero` [t - t0, groups]
-// (block_group[c]: the group of block c), a load that leaves the shuffle unit free; else lane j of block c belongs
-// to group (16c + j) * U / channel_group (`group_index`), and a permute per block builds them from the token's
-// scales once per token, serving every plane. The R rows' outputs (R x D / 16 vectors) stay in registers over the
-// tile: with a run-time row loop they went through memory at every token, half of the values' time.
-template <int BITS, int BLOCKS, int R, bool BLOCK_GROUPS>
+// vectors: with WHOLE_BLOCKS, a broadcast of that group's float32 scale from `tile_scale` / `tile_zero`
+// [t - t0, groups] (block_group[c]: the group of block c), a load that leaves the shuffle unit free; with
+// HALF_BLOCKS, the same for lanes 0-7 and a masked broadcast of the next group's for lanes 8-15 (2 of int2's 9
+// shuffles a token gone, and its per-token scale conversions: docs/speed.md, session 31); else (PER_LANE) a permute
+// per block builds them from the token's scales once per token, serving every plane. The R rows' outputs
+// (R x D / 16 vectors) stay in registers over the tile: with a run-time row loop they went through memory at every
+// token, half of the values' time.
+template <int BITS, bool FP8, int BLOCKS, int R, int GROUPS>
 void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride, int64_t m0,
               float* acc, __m512 table, const __m512i* group_index, const float* tile_scale, const float* tile_zero,
               const int64_t* block_group) {
@@ -419,21 +479,31 @@ void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* 
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* bytes = v.codes + (v.base(row) + t) * W;
     __m512 token_scale = _mm512_setzero_ps(), token_zero = _mm512_setzero_ps();
-    if (!BLOCK_GROUPS) {
+    if (GROUPS == PER_LANE) {
       const int64_t scale_at = (v.scale_base(row) + t) * groups;
       token_scale = load_groups(v.scale, v.scale_type, scale_at, groups);
       token_zero = v.zero ? load_groups(v.zero, v.scale_type, scale_at, groups) : _mm512_setzero_ps();
     }
-    __m512 p[R];
-    for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(probs[(m0 + r) * stride + t - t0]);
+    __m512 p[R];  // E4M3 levels are the values / E4M3_FACTOR: the factor rides on the weights (exact)
+    for (int r = 0; r < R; ++r) p[r] = _mm512_set1_ps(probs[(m0 + r) * stride + t - t0] * (FP8 ? E4M3_FACTOR : 1.0f));
     for (int c = 0; c < BLOCKS; ++c) {
       __m512 scale, zero;
-      if (BLOCK_GROUPS) {
+      if (GROUPS == WHOLE_BLOCKS) {
         scale = _mm512_set1_ps(tile_scale[(t - t0) * groups + block_group[c]]);
         zero = _mm512_set1_ps(tile_zero[(t - t0) * groups + block_group[c]]);
+      } else if (GROUPS == HALF_BLOCKS) {  // lanes 8-15 the second group's
+        const float* s = tile_scale + (t - t0) * groups + block_group[c];
+        const float* z = tile_zero + (t - t0) * groups + block_group[c];
+        scale = _mm512_mask_broadcastss_ps(_mm512_set1_ps(s[0]), 0xff00, _mm_load_ss(s + 1));
+        zero = _mm512_mask_broadcastss_ps(_mm512_set1_ps(z[0]), 0xff00, _mm_load_ss(z + 1));
       } else {
         scale = _mm512_permutexvar_ps(group_index[c], token_scale);
         zero = _mm512_permutexvar_ps(group_index[c], token_zero);
+      }
+      if constexpr (FP8) {  // 8 bits: one vector per block
+        const __m512 value = _mm512_fmadd_ps(e4m3_levels(bytes + 16 * c), scale, zero);
+        for (int r = 0; r < R; ++r) sum[r][c] = _mm512_fmadd_ps(p[r], value, sum[r][c]);
+        continue;
       }
       const __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * c)));
       for (int i = 0; i < U; ++i) {
@@ -450,14 +520,14 @@ void mix_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* 
 }
 
 // All query rows, a few at a time: as many as keep their outputs within 16 of the 32 vector registers.
-template <int BITS, int BLOCKS, bool BLOCK_GROUPS>
+template <int BITS, bool FP8, int BLOCKS, int GROUPS>
 void mix_all_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
                   int64_t m_rows, float* acc, __m512 table, const __m512i* group_index, const float* tile_scale,
                   const float* tile_zero, const int64_t* block_group) {
   constexpr int VECTORS = (8 / BITS) * BLOCKS;
   constexpr int CHUNK = VECTORS <= 4 ? 4 : VECTORS <= 8 ? 2 : 1;
   auto rows = [&](auto count, int64_t m) {
-    mix_rows<BITS, BLOCKS, decltype(count)::value, BLOCK_GROUPS>(v, row, t0, t1, probs, stride, m, acc, table,
+    mix_rows<BITS, FP8, BLOCKS, decltype(count)::value, GROUPS>(v, row, t0, t1, probs, stride, m, acc, table,
                                                                  group_index, tile_scale, tile_zero, block_group);
   };
   int64_t m = 0;
@@ -471,7 +541,8 @@ void mix_all_rows(const Store& v, int64_t row, int64_t t0, int64_t t1, const flo
 }
 
 // acc[m][plane-major D] += the tile's values weighed by probs[m * stride + t - t0], for every query row m < m_rows.
-template <int BITS>
+// FP8: E4M3 codes (8 bits), else plain or affine levels.
+template <int BITS, bool FP8>
 void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
                 int64_t m_rows, float* acc) {
   const int64_t blocks = v.width / 16, groups = v.scale_groups();
@@ -493,24 +564,26 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
     group_index[c] = _mm512_load_si512(lanes);
     block_group[c] = 16 * c / run;
   }
-  // A group over whole blocks: the tile's scales and zero points as float32 [t - t0, groups], read in place when
-  // they are float32, else converted here once per tile (at most 64 tokens x 16 groups).
-  const bool block_groups = run % 16 == 0;
+  // Groups over whole or half blocks: the tile's scales and zero points as float32 [t - t0, groups], read in place
+  // when they are float32, else converted here once per tile (at most 64 tokens x 16 groups).
+  const int grouping = run % 16 == 0 ? WHOLE_BLOCKS : run == 8 ? HALF_BLOCKS : PER_LANE;
   alignas(64) float scale_buf[TILE * 16], zero_buf[TILE * 16];
   const float* tile_scale = scale_buf;
   const float* tile_zero = zero_buf;
-  if (block_groups) {
+  if (grouping != PER_LANE) {
     TORCH_CHECK(t1 - t0 <= TILE, "cpu_decode: more than a tile of tokens reached the AVX-512 values");
     tile_groups(v, row, t0, t1, groups, scale_buf, zero_buf, tile_scale, tile_zero);
     if (!v.zero) std::fill(zero_buf, zero_buf + (t1 - t0) * groups, 0.0f);
   }
   auto mix = [&](auto width_blocks) {
     constexpr int B = decltype(width_blocks)::value;
-    if (block_groups)
-      return mix_all_rows<BITS, B, true>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index, tile_scale,
-                                         tile_zero, block_group);
-    return mix_all_rows<BITS, B, false>(v, row, t0, t1, probs, stride, m_rows, acc, table, group_index, tile_scale,
-                                        tile_zero, block_group);
+    auto rows = [&](auto grouped) {
+      mix_all_rows<BITS, FP8, B, decltype(grouped)::value>(v, row, t0, t1, probs, stride, m_rows, acc, table,
+                                                           group_index, tile_scale, tile_zero, block_group);
+    };
+    if (grouping == WHOLE_BLOCKS) return rows(std::integral_constant<int, WHOLE_BLOCKS>{});
+    if (grouping == HALF_BLOCKS) return rows(std::integral_constant<int, HALF_BLOCKS>{});
+    return rows(std::integral_constant<int, PER_LANE>{});
   };
   switch (blocks) {  // reads_values: width is 16 to 256 bytes, so 1 to 16 blocks; head dims of 2^k tokens are 1-16
     case 1: return mix(std::integral_constant<int, 1>{});
@@ -525,9 +598,11 @@ void mix_values(const Store& v, int64_t row, int64_t t0, int64_t t1, const float
 inline void mix_values_any(const Store& v, int64_t row, int64_t t0, int64_t t1, const float* probs, int64_t stride,
                            int64_t m_rows, float* acc) {
   switch (v.bits) {
-    case 2: return mix_values<2>(v, row, t0, t1, probs, stride, m_rows, acc);
-    case 4: return mix_values<4>(v, row, t0, t1, probs, stride, m_rows, acc);
-    default: return mix_values<8>(v, row, t0, t1, probs, stride, m_rows, acc);
+    case 2: return mix_values<2, false>(v, row, t0, t1, probs, stride, m_rows, acc);
+    case 4: return mix_values<4, false>(v, row, t0, t1, probs, stride, m_rows, acc);
+    default:
+      if (v.levels == FLOAT8) return mix_values<8, true>(v, row, t0, t1, probs, stride, m_rows, acc);
+      return mix_values<8, false>(v, row, t0, t1, probs, stride, m_rows, acc);
   }
 }
 

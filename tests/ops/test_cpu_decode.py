@@ -182,7 +182,8 @@ def _token_key_case(codec, dim, rows, scale_dtype=torch.bfloat16):
     keys = torch.randn(batch, heads, tokens, dim, generator=g) * 2 + torch.randn(batch, heads, 1, dim, generator=g)
     values = torch.randn(batch, heads, tokens, dim, generator=g)
     enc_k, enc_v = codec.encode(keys, "key"), codec.encode(values, "value")
-    enc_k = {**enc_k, "scale": enc_k["scale"].to(scale_dtype), "zero": enc_k["zero"].to(scale_dtype)}
+    in_dtype = {name: enc_k[name].to(scale_dtype) for name in ("scale", "zero") if name in enc_k}  # fp8: no zero
+    enc_k = {**enc_k, **in_dtype}
     query = torch.randn(batch, heads, rows, dim, generator=g) * 0.3
     bias = torch.zeros(batch, 1, 1, tokens)
     bias[0, :, :, :100] = float("-inf")  # a masked first tile, and a second masked to token 100
@@ -192,7 +193,7 @@ def _token_key_case(codec, dim, rows, scale_dtype=torch.bfloat16):
     args = [query[:, :, :, None].contiguous(), *cpu_decode._arguments(enc_k, codec.kernel_layout("key")),
             *cpu_decode._arguments(enc_v, codec.kernel_layout("value")), dim, bias, hidden]
     # float64 logits over the decoded keys (their scales as the kernel reads them)
-    decoded = codec.decode({**enc_k, "scale": enc_k["scale"].float(), "zero": enc_k["zero"].float()}, "key",
+    decoded = codec.decode({**enc_k, **{name: t.float() for name, t in in_dtype.items()}}, "key",
                            torch.float32).double()
     logits = query.double() @ decoded.transpose(-1, -2) + bias.double()
     slots = torch.where(hidden >= 0, hidden, tokens)
@@ -255,11 +256,36 @@ def test_keys_grouped_per_token_beyond_the_vector_paths_stay_portable(codec, dim
     _assert_partials(extension.decode_attention_partials(*args, True), expected)
 
 
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=["fp16 scales", "fp32 scales"])
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("dim", [32, 48, 64, 128, 256])
+def test_float8_takes_the_instruction_set_paths_and_equals_the_reference(dim, rows, scale_dtype, build):
+    """fp8's E4M3 keys (one scale per token: a group of head_dim) and values through the instruction-set paths (bytes
+    to float16 bits, converted 16 or 8 at a time), as `vector_paths` reports, against the portable loops and a float64
+    softmax over the decoded states: a left-padded row, a masked first tile, hidden slots in partial vectors, a store
+    that ends inside a tile, one to five query rows, the key scales in float16 (as stored) and float32. At head_dim
+    48 (3 runs of 16 bytes) the AVX-512 values decline and take the portable loop beside the vector keys."""
+    codec = Fp8Codec()
+    extension = _avx2_build() if build == "avx2" else cpu_decode._extension()
+    args, expected = _token_key_case(codec, dim, rows, scale_dtype)
+    if extension.instruction_set() != "portable":
+        values_path = extension.instruction_set() == "avx2" or dim != 48
+        assert list(extension.vector_paths(*args[1:5], *args[8:12], dim, dim, 1)) == [True, values_path]
+    fast = extension.decode_attention_partials(*args, True)
+    portable = cpu_decode._extension().decode_attention_partials(*args, False)
+    _assert_partials(fast, expected)
+    _assert_partials(portable, expected)
+    scale = max(1.0, float(portable[1].max()))
+    torch.testing.assert_close(fast[2], portable[2], atol=1e-5 * scale, rtol=1e-5)
+
+
 AVX2_CODECS = {  # at most 8 groups per token at head_dim 128
     "int2 keys per channel": IntNCodec(bits=2, group_size=16, key_axis="channel"),
     "int2 per token, Lloyd-Max levels": IntNCodec(bits=2, group_size=32, key_axis="token", codebook="gaussian"),
     "int4 keys per token": IntNCodec(bits=4, group_size=16, key_axis="token"),
     "int8 keys per channel": IntNCodec(bits=8, group_size=32, key_axis="channel"),
+    "fp8": Fp8Codec(),
 }
 
 
@@ -289,13 +315,17 @@ def test_the_avx2_paths_give_softmax_over_decoded_states(name):
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("codec", [IntNCodec(bits=4, group_size=32), IntNCodec(bits=4, group_size=64),
-                                   IntNCodec(bits=2, group_size=64), IntNCodec(bits=8, group_size=16)],
-                         ids=["int4 g32", "int4 g64", "int2 g64", "int8 g16"])
+                                   IntNCodec(bits=2, group_size=64), IntNCodec(bits=8, group_size=16),
+                                   IntNCodec(bits=2, group_size=32),
+                                   IntNCodec(bits=2, group_size=32, codebook="gaussian"),
+                                   IntNCodec(bits=4, group_size=16), IntNCodec(bits=8, group_size=8)],
+                         ids=["int4 g32", "int4 g64", "int2 g64", "int8 g16", "int2 g32 (half blocks)",
+                              "int2 g32 Lloyd-Max (half blocks)", "int4 g16 (half blocks)", "int8 g8 (half blocks)"])
 def test_values_whose_groups_cover_whole_vectors_equal_the_portable_path(codec, scale_dtype):
     """Where a value group runs over whole 16-lane vectors of a plane (int4's groups of 32), the AVX-512 values
-    broadcast each group's scale instead of permuting the token's scales: against the portable loops, with the
-    scales in each dtype the kernel reads (converted per tile where they are not float32), over whole and partial
-    tiles."""
+    broadcast each group's scale instead of permuting the token's scales; where it runs over half of one (8 columns:
+    int2's groups of 32), a broadcast for each half: against the portable loops, with the scales in each dtype the
+    kernel reads (converted per tile where they are not float32), over whole and partial tiles."""
     if cpu_decode.instruction_set() != "avx512":
         pytest.skip("the AVX-512 paths are not built here")
     g = torch.Generator().manual_seed(5)
@@ -424,23 +454,32 @@ def test_whole_attention_equals_softmax_over_store_sinks_and_tail(name, dtype):
     assert (probs[1, 0, :, tokens:tokens + 2] > 0).all()  # the store's first and last slots are sinks
 
 
-def test_every_float8_byte_reads_as_the_pytorch_path_reads_it():
-    """Row b of the batch sees only token b, whose every value is byte b: the output is that byte's value."""
+@pytest.mark.parametrize("vectorised", [True, False], ids=["instruction-set paths", "portable"])
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_every_float8_byte_reads_as_the_pytorch_path_reads_it(build, vectorised):
+    """Row b of the batch sees only token b, whose every key and value is byte b: the output is that byte's value,
+    and so is the logit (the row's max) of a query that is 1 in one channel and 0 elsewhere; on each build's paths."""
     from hf_kvcompress.codecs.fp8 import e4m3_as_float
 
     tokens = rows = 256
     byte = torch.arange(256, dtype=torch.uint8)[None, None, :, None].expand(rows, 1, tokens, 32).contiguous()
     values = {"values": byte.view(torch.float8_e4m3fn), "scale": torch.ones(rows, 1, tokens, 1, dtype=torch.float16)}
-    keys = {"values": torch.zeros_like(byte).view(torch.float8_e4m3fn), "scale": values["scale"]}
+    keys = {"values": byte.view(torch.float8_e4m3fn), "scale": values["scale"]}
     bias = torch.full((rows, 1, 1, tokens), float("-inf"))
     bias[torch.arange(rows), 0, 0, torch.arange(rows)] = 0.0
     layout = Fp8Codec().kernel_layout("value")
     query = torch.zeros(rows, 1, 1, 1, 32)
-    _, total, acc = cpu_decode.decode_attention_partials(query, keys, values, layout, layout, 32, bias, None)
+    query[..., 5] = 1.0  # channel 5: byte 1 of a token's second 32-bit word
+    args = [query, *cpu_decode._arguments(keys, layout), *cpu_decode._arguments(values, layout), 32, bias, None]
+    extension = _avx2_build() if build == "avx2" else cpu_decode._extension()
+    if vectorised and extension.instruction_set() != "portable":
+        assert list(extension.vector_paths(*args[1:5], *args[8:12], 32, 32, 1)) == [True, True]
+    best, total, acc = extension.decode_attention_partials(*args, vectorised)
     # Token b of row b: [256, 1, 32].
     expected, factor = e4m3_as_float(byte[0].transpose(0, 1).view(torch.float8_e4m3fn))
     assert (total == 1).all()
-    assert torch.equal(acc[:, :, 0], expected * factor)  # NaN bytes read as +-480 on both paths
+    assert torch.equal(acc[:, :, 0], expected * factor)  # NaN bytes read as +-480 on every path
+    assert torch.equal(best[:, 0, 0, 0], expected[:, 0, 5] * factor)
 
 
 KV_HEADS, GROUPS, DIM = 2, 3, 32
