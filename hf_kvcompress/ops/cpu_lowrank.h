@@ -494,4 +494,96 @@ void fold_tiles(const Keys& k, const Values& v, int64_t b, int64_t tile_begin, i
   }
 }
 
+// The rest of a layer's decode softmax beside its store (cpu_decode.cpp's `lowrank_decode_attention`): the exact sinks
+// at the store slots `Values::hidden` names (a slot outside [0, T): none, or one still in the tail; a sink reads bias
+// column `slot`) and the full-precision tail after the store (bias columns [T, T + Tt)), both in the model's basis and
+// met by the same query rows, and the value basis and mean that map the store's latent mix to values.
+struct Exact {
+  const void *sink_keys = nullptr, *sink_values = nullptr;  // [B, H, S, D] / [B, H, S, Dv], contiguous
+  const void *tail_keys = nullptr, *tail_values = nullptr;  // [B, H, Tt, D] / [B, H, Tt, Dv], contiguous
+  at::ScalarType type = at::kFloat;
+  int64_t tail = 0, value_dim = 0;
+  const float* value_basis = nullptr;  // [H, Dv, rv]
+  const float* value_mean = nullptr;   // [H, Dv]
+};
+
+// Head h of batch row b: the store's partials for its M query rows (max mx [M], sum sm [M], value-latent mix acc
+// [M, rv], the sum and the mix relative to the max) joined by the exact segment in the same softmax (as
+// caches/store_attention.py's segments), the mix mapped to values (basis times mix plus mean times the store's
+// weight, codecs/lowrank.py's `from_basis`) and the whole divided by the softmax's sum: out [M, Dv]. A row masked
+// throughout gives zeros.
+inline void finish_head(const Keys& k, const Values& v, const Exact& e, int64_t b, int64_t h, const float* mx,
+                        const float* sm, const float* acc, float* out) {
+  const int64_t rows = k.rows, dim = k.dim, vdim = e.value_dim, rank = v.rank, sinks = v.sinks;
+  const int64_t n = sinks + e.tail, head = b * k.heads + h;
+  std::vector<float> lg(static_cast<size_t>(rows * n)), state(static_cast<size_t>(std::max(dim, vdim)));
+  std::vector<float> totals(static_cast<size_t>(rows), 1.0f);  // each row's softmax sum (1 where masked throughout)
+  const float* q = k.query + head * rows * dim;
+  auto bias_at = [&](int64_t m, int64_t column) {
+    return v.bias == nullptr ? 0.0f : v.bias[b * v.bias_b + h * v.bias_h + (m % v.bias_rows) * v.bias_q + column];
+  };
+  for (int64_t s = 0; s < n; ++s) {  // keys outer: each is converted once and met by every query row
+    const bool sink = s < sinks;
+    const int64_t slot = sink ? v.hidden[head * sinks + s] : k.tokens + s - sinks;  // its bias column
+    if (sink && (slot < 0 || slot >= k.tokens)) {
+      for (int64_t m = 0; m < rows; ++m) lg[m * n + s] = NEG_INF;
+      continue;
+    }
+    const int64_t index = sink ? s : s - sinks, length = sink ? sinks : e.tail;
+    load_floats(sink ? e.sink_keys : e.tail_keys, e.type, (head * length + index) * dim, dim, state.data());
+    for (int64_t m = 0; m < rows; ++m) {
+      float logit = 0.0f;
+#pragma omp simd reduction(+ : logit)
+      for (int64_t d = 0; d < dim; ++d) logit += q[m * dim + d] * state[d];
+      lg[m * n + s] = logit + bias_at(m, slot);
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    float* o = out + m * vdim;
+    float* p = lg.data() + m * n;
+    float best = mx[m];
+    for (int64_t s = 0; s < n; ++s) best = std::max(best, p[s]);
+    if (best == NEG_INF) {  // every logit masked: zeros (the PyTorch path divides 0 by its sum clamped above 0)
+      std::fill(o, o + vdim, 0.0f);
+      std::fill(p, p + n, 0.0f);
+      continue;
+    }
+    const float scale = exp_nonpositive(mx[m] - best);  // 0 for a store masked throughout
+    float total = sm[m] * scale;
+    for (int64_t s = 0; s < n; ++s) {
+      p[s] = exp_nonpositive(p[s] - best);
+      total += p[s];
+    }
+    totals[m] = total;  // >= 1: the largest logit weighs exp(0)
+    const float* a = acc + m * rank;
+    for (int64_t c = 0; c < vdim; ++c) {
+      const float* basis = e.value_basis + (h * vdim + c) * rank;
+      float mixed = 0.0f;
+#pragma omp simd reduction(+ : mixed)
+      for (int64_t j = 0; j < rank; ++j) mixed += basis[j] * a[j];
+      o[c] = scale * (mixed + e.value_mean[h * vdim + c] * sm[m]);
+    }
+  }
+  for (int64_t s = 0; s < n; ++s) {
+    bool any = false;
+    for (int64_t m = 0; m < rows; ++m) any = any || lg[m * n + s] != 0.0f;
+    if (!any) continue;  // masked (or underflowed) for every query row
+    const bool sink = s < sinks;
+    const int64_t index = sink ? s : s - sinks, length = sink ? sinks : e.tail;
+    load_floats(sink ? e.sink_values : e.tail_values, e.type, (head * length + index) * vdim, vdim, state.data());
+    for (int64_t m = 0; m < rows; ++m) {
+      const float w = lg[m * n + s];
+      float* o = out + m * vdim;
+#pragma omp simd
+      for (int64_t c = 0; c < vdim; ++c) o[c] += w * state[c];
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    const float inverse = 1.0f / totals[m];
+    float* o = out + m * vdim;
+#pragma omp simd
+    for (int64_t c = 0; c < vdim; ++c) o[c] *= inverse;
+  }
+}
+
 }  // namespace lowrank
