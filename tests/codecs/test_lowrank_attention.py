@@ -126,12 +126,12 @@ def test_fused_decode_in_bfloat16_is_within_its_rounding(fitted):
 @pytest.mark.parametrize("spec", ["lowrank:ratio=0.5",
                                   "sink_window:sink_tokens=2,window=24+lowrank:ratio=0.25,residual_length=4"])
 def test_kernel_steps_equal_the_pytorch_steps(fitted, family, spec, monkeypatch):
-    """The C++ kernel's layers (`attend_layer`: store, sinks and tail) against the PyTorch segments they replace: a padded batch of two,
-    eviction (the sliding window) included. In float32 the same logits up to float32's rounding (the sums run in
-    another order). With bf16 products both round the basis and the latents to bf16 (PyTorch's product also returns
-    its keys in bf16, where the kernel keeps its float32 sums): the kernel's distance from float32 is a bf16
-    rounding's, as the PyTorch path's is, and it picks float32's greedy token wherever float32's lead is wider
-    than that rounding (tests/ops/test_cpu_lowrank.py compares the kernel's bf16 products with their exact sums)."""
+    """The C++ kernel's layers (`attend_layer`: store, sinks and tail) against the PyTorch segments they replace: a
+    padded batch of two, eviction (the sliding window) included. In float32 the same logits up to float32's rounding
+    (the sums run in another order). With bf16 products both round the basis and the latents to bf16 (PyTorch's product
+    also returns its keys in bf16, where the kernel keeps its float32 sums): the kernel's distance from float32 is a
+    bf16 rounding's, as the PyTorch path's is, and it picks float32's greedy token wherever float32's lead is wider than
+    that rounding (tests/ops/test_cpu_lowrank.py compares the kernel's bf16 products with their exact sums)."""
     model, bases = fitted[family]
     runs = {}
     for compute in ("float32", "bfloat16"):

@@ -161,7 +161,7 @@ def _layer_reference(case, value_basis, value_mean, bias, hidden, sinks, tail, b
     rows = query.shape[2]
     q = query.double()
     store = torch.einsum("bhmd,bhtd->bhmt", q, turned)
-    parts_k, parts_v, parts_l = [turned], [values], [store]
+    parts_v, parts_l = [values], [store]
     columns = [torch.arange(tokens).expand(batch, heads, tokens)]
     if sinks is not None:
         sink_keys, sink_values = sinks
