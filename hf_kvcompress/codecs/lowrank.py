@@ -620,7 +620,11 @@ class LowRankCodec(ReducingCodec):
         mean, basis = self._bases(kind, states.shape[1], states.device, "encoder")
         centered = states.float() - mean[None, :, None, :]
         if self._joint:  # [B, 1, T, r]: one latent per token for all of the layer's KV heads
-            return torch.einsum("bhtd,hdr->btr", centered, basis)[:, None].to(states.dtype)
+            # One [B * T, H * D] x [H * D, r] product (a decode step's token: einsum's planning cost several times it).
+            batch, heads, tokens, dim = centered.shape
+            flat = centered.transpose(1, 2).reshape(batch * tokens, heads * dim)
+            latent = torch.mm(flat, basis.reshape(heads * dim, -1))
+            return latent.view(batch, 1, tokens, -1).to(states.dtype)
         return torch.einsum("bhtd,hdr->bhtr", centered, basis).to(states.dtype)
 
     def expand(self, reduced: torch.Tensor, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
