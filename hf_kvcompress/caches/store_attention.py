@@ -266,16 +266,15 @@ def attend_store(
     # Query heads h = k * groups + g share KV head k: [B, H_kv, groups * q, D].
     plain_q = (query.float() * scaling).reshape(batch, kv_heads, groups * q_len, dim)
     kernel = store_kernel(layer, query, backend) if n_enc else None
+    out: torch.Tensor | None = None
     if kernel == "cpu":
         out = _attend_by_cpu_kernel(layer, plain_q, attention_mask)
     elif kernel == "triton":
         out = _attend_by_triton(layer, plain_q, codec.key_query(plain_q), attention_mask)
-    else:
-        # The codec's own kernel where it reads the layer (lowrank on CPU), else the PyTorch segments.
-        out = _attend_by_codec_kernel(layer, plain_q, attention_mask) \
-            if n_enc and backend != "torch" and codec.layer_kernel else None
-        if out is None:
-            out = _attend_in_segments(layer, plain_q, codec.key_query(plain_q), attention_mask, groups)
+    elif n_enc and backend != "torch" and codec.layer_kernel:  # the codec's own kernel, where it reads the layer
+        out = _attend_by_codec_kernel(layer, plain_q, attention_mask)
+    if out is None:  # the PyTorch segments
+        out = _attend_in_segments(layer, plain_q, codec.key_query(plain_q), attention_mask, groups)
     out = out.reshape(batch, kv_heads, groups, q_len, -1).reshape(batch, q_heads, q_len, -1)
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
