@@ -34,6 +34,11 @@
 #ifndef HF_LOWRANK_FREQS
 #define HF_LOWRANK_FREQS 4
 #endif
+// Whether a tile also asks for the next tile's columns of the turn tables (`prefetch_turns`); 0 builds the variant
+// without, for timing.
+#ifndef HF_LOWRANK_PREFETCH_TURNS
+#define HF_LOWRANK_PREFETCH_TURNS 1
+#endif
 
 namespace lowrank {
 
@@ -332,6 +337,23 @@ inline void prefetch_rows(const void* latent, at::ScalarType type, int64_t laten
   prefetch(static_cast<const char*>(latent) + (b * latent_b + t0 * latent_t) * width, n * latent_t * width);
 }
 
+// Rows [t0, t0 + n) of batch row b of the turn tables: R / 2 rows of each, T apart, so a tile reads R streams of
+// LANES values (64 at SmolLM2's 32 frequencies), more than a hardware prefetcher follows; whole lines, from the line
+// that holds the first value to the one that holds the last.
+inline void prefetch_turns(const Keys& k, int64_t b, int64_t t0, int64_t n) {
+#if defined(__AVX512F__) && HF_LOWRANK_PREFETCH_TURNS
+  for (const float* table : {k.cos, k.sin})
+    for (int64_t f = 0; f < k.half; ++f) {
+      const uintptr_t first = reinterpret_cast<uintptr_t>(table + b * k.trig_b + f * k.trig_f + t0);
+      const uintptr_t last = first + static_cast<uintptr_t>(n) * sizeof(float) - 1;
+      for (uintptr_t line = first & ~uintptr_t{63}; line <= last; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    }
+#else
+  (void)k, (void)b, (void)t0, (void)n;
+#endif
+}
+
 // Every head's logits of the tile of row b from t0: lg [H, M, LANES] (lanes past the store's end hold garbage).
 template <bool VECTOR, bool PAIRS>
 void tile_logits(const Keys& k, int64_t b, int64_t t0, Buffers& buf, float* lg) {
@@ -435,6 +457,7 @@ void fold_tiles(const Keys& k, const Values& v, int64_t b, int64_t tile_begin, i
       const int64_t nt = t0 + LANES, nn = std::min(LANES, k.tokens - nt);
       prefetch_rows(k.latent, k.latent_type, k.latent_b, k.latent_t, b, nt, nn);
       prefetch_rows(v.latent, v.type, v.latent_b, v.latent_t, b, nt, nn);
+      prefetch_turns(k, b, nt, nn);
     }
     tile_logits<VECTOR, PAIRS>(k, b, t0, buf, lg.data());
     for (int64_t h = 0; h < k.heads; ++h)
