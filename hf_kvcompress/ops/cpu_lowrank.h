@@ -34,6 +34,14 @@
 #ifndef HF_LOWRANK_FREQS
 #define HF_LOWRANK_FREQS 4
 #endif
+// The value mix's register blocking (`mix_rows`): query rows and latent columns summed together per token. 1 and 16
+// build the single-row form of session 28, for timing.
+#ifndef HF_LOWRANK_MIX_ROWS
+#define HF_LOWRANK_MIX_ROWS 3
+#endif
+#ifndef HF_LOWRANK_MIX_WIDTH
+#define HF_LOWRANK_MIX_WIDTH 32
+#endif
 // Whether a tile also asks for the next tile's columns of the turn tables (`prefetch_turns`); 0 builds the variant
 // without, for timing.
 #ifndef HF_LOWRANK_PREFETCH_TURNS
@@ -45,6 +53,8 @@ namespace lowrank {
 constexpr int64_t VECS = HF_LOWRANK_VECS;   // float32 vectors of AVX-512 (16 tokens each) per tile
 constexpr int64_t LANES = 16 * VECS;  // tokens per tile
 constexpr int FREQS = HF_LOWRANK_FREQS;  // frequencies per block: 2 x FREQS x VECS accumulators
+constexpr int MIX_ROWS = HF_LOWRANK_MIX_ROWS;    // query rows per block of the value mix
+constexpr int MIX_WIDTH = HF_LOWRANK_MIX_WIDTH;  // latent columns per block of the value mix
 
 // A bf16 value's bits (round to nearest even; a NaN stays a quiet NaN), as torch converts float32.
 inline uint32_t bf16_bits(float x) {
@@ -403,40 +413,48 @@ struct Values {
   int64_t sinks = 0;
 };
 
-// Columns [c, c + W), [c + W, c + 2W), ... of one row's accumulator while W fit before `rank`: each block of W
-// sums over the tile's n tokens in registers. Returns the first column left.
-template <int W>
-inline int64_t mix_columns(const float* pr, const float* z, int64_t stride, int64_t n, int64_t c, int64_t rank,
-                           float* a) {
-  for (; c + W <= rank; c += W) {
-    float part[W];
-    for (int i = 0; i < W; ++i) part[i] = a[c + i];
-    for (int64_t l = 0; l < n; ++l) {
-      const float w = pr[l];
-      const float* zl = z + l * stride + c;
+// Rows [row, row + R) and columns [c, c + W) of the accumulator: acc[r, i] += sum over the tile's n tokens of
+// p[r, l] * z[l, i], R x W running sums held in registers across the tokens. Each token's latent row is loaded once
+// for the R rows, and the R x W / 16 vectors of sums are independent chains of FMAs: one row's single chain waits on
+// each FMA's latency (4 cycles) per token, R x W / 16 of them keep the FMA units busy. Each sum still runs over the
+// tokens in order, so the result does not depend on R or W.
+template <int R, int W>
+inline void mix_block(const float* p, const float* z, int64_t stride, int64_t n, int64_t row, int64_t c,
+                      int64_t rank, float* acc) {
+  float part[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < W; ++i) part[r][i] = acc[(row + r) * rank + c + i];
+  for (int64_t l = 0; l < n; ++l) {
+    const float* zl = z + l * stride + c;
+    for (int r = 0; r < R; ++r) {
+      const float w = p[(row + r) * LANES + l];
 #pragma omp simd
-      for (int i = 0; i < W; ++i) part[i] += w * zl[i];
+      for (int i = 0; i < W; ++i) part[r][i] += w * zl[i];
     }
-    for (int i = 0; i < W; ++i) a[c + i] = part[i];
   }
-  return c;
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < W; ++i) acc[(row + r) * rank + c + i] = part[r][i];
 }
 
-// acc[row, :] += sum over the tile's n tokens of p[row, l] * z[l, :] (z's rows `stride` apart), 16 and 8 channels
-// at a time in registers.
+// Rows [row, row + R) of the accumulator over every column: MIX_WIDTH columns at a time, then 16, 8 and 1.
+template <int R>
+inline void mix_row_block(const float* p, const float* z, int64_t stride, int64_t n, int64_t row, int64_t rank,
+                          float* acc) {
+  int64_t c = 0;
+  for (; c + MIX_WIDTH <= rank; c += MIX_WIDTH) mix_block<R, MIX_WIDTH>(p, z, stride, n, row, c, rank, acc);
+  for (; c + 16 <= rank; c += 16) mix_block<R, 16>(p, z, stride, n, row, c, rank, acc);
+  for (; c + 8 <= rank; c += 8) mix_block<R, 8>(p, z, stride, n, row, c, rank, acc);
+  for (; c < rank; ++c) mix_block<R, 1>(p, z, stride, n, row, c, rank, acc);
+}
+
+// acc[row, :] += sum over the tile's n tokens of p[row, l] * z[l, :] (z's rows `stride` apart), MIX_ROWS rows at a
+// time (SmolLM2's 3 KV heads x 3 query rows: three blocks of 3), the rest 2 and 1 at a time.
 inline void mix_rows(const float* p, const float* z, int64_t stride, int64_t n, int64_t rows, int64_t rank,
                      float* acc) {
-  for (int64_t row = 0; row < rows; ++row) {
-    float* a = acc + row * rank;
-    const float* pr = p + row * LANES;
-    int64_t c = mix_columns<16>(pr, z, stride, n, 0, rank, a);
-    c = mix_columns<8>(pr, z, stride, n, c, rank, a);
-    for (; c < rank; ++c) {
-      float sum = a[c];
-      for (int64_t l = 0; l < n; ++l) sum += pr[l] * z[l * stride + c];
-      a[c] = sum;
-    }
-  }
+  int64_t row = 0;
+  for (; row + MIX_ROWS <= rows; row += MIX_ROWS) mix_row_block<MIX_ROWS>(p, z, stride, n, row, rank, acc);
+  for (; row + 2 <= rows; row += 2) mix_row_block<2>(p, z, stride, n, row, rank, acc);
+  for (; row < rows; ++row) mix_row_block<1>(p, z, stride, n, row, rank, acc);
 }
 
 // Tiles [tile_begin, tile_end) of row b folded into one online softmax per (head, query row): running max mx [R],
