@@ -10,8 +10,8 @@ full-precision tail are two more segments of the same softmax. `CompressedLayer.
 A kernel may read the layer instead, store, sinks and tail in one call per step: Triton on CUDA returns the softmax's
 partials in both bases (ops/triton_decode.py), the C++ kernel on CPU (ops/cpu_decode.py) the normalised output
 (`attend_by_cpu_kernel`, which a per-head store calls too, with its pairs where they lie: head_store.py).
-A codec may also read a block of the PyTorch loop in a kernel of its own (`block_kernel`, `attend_block`: lowrank's
-keys rebuilt from latents on CPU, ops/cpu_lowrank.h), whose partials join the same softmax.
+A codec may also read the whole layer in a kernel of its own (`layer_kernel`, `attend_layer`: lowrank's keys rebuilt
+from latents on CPU, ops/cpu_lowrank.h, its sinks and tail met in the same call), which returns the normalised output.
 The PyTorch loop stays the reference (`backend="torch"`).
 """
 
@@ -50,12 +50,6 @@ class _OnlineSoftmax:
         probs = torch.exp(logits - safe)
         mixed = values(probs) if callable(values) else torch.matmul(probs, values)
         self._accumulate(probs.sum(-1, keepdim=True), mixed, stored_basis)
-
-    def merge(self, block_max: torch.Tensor, total: torch.Tensor, part: torch.Tensor, stored_basis: bool) -> None:
-        """A block's partials as a kernel returns them: its max, and its sum and output relative to that max."""
-        safe = self._rescale(block_max)
-        scale = torch.exp(block_max - safe)  # a block masked throughout (max -inf) weighs 0
-        self._accumulate(total * scale, part * scale, stored_basis)
 
     def _rescale(self, block_max: torch.Tensor) -> torch.Tensor:
         """Raise the running max to cover `block_max`, rescaling what is accumulated; returns the max to subtract."""
@@ -109,9 +103,8 @@ def _sink_hidden(layer, start: int, end: int) -> torch.Tensor:
     return hidden[:, :, : end - start]
 
 
-def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _OnlineSoftmax, kernel: bool) -> None:
-    """The store segment, `STORE_BLOCK` tokens at a time: in PyTorch (the reference for the kernels), or with
-    `kernel` through the codec's own kernel where it has one (`attend_block`: lowrank's on CPU)."""
+def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _OnlineSoftmax) -> None:
+    """The store segment, `STORE_BLOCK` tokens at a time, in PyTorch (the reference for the kernels)."""
     codec, n_enc = layer.codec, layer.store.n_encoded
     unit = max(codec.token_block("key"), codec.token_block("value"))
     batch, heads, _, dim = stored_q.shape
@@ -126,13 +119,6 @@ def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _Onl
         keys = slice_encoded(layer.store.encoded_keys, start, end, n_enc)
         values = slice_encoded(layer.store.encoded_values, start, end, n_enc)
         sinks = layer.slots.sink_slots
-        if kernel and codec.block_kernel:  # the codec's own kernel, where it reads this block (lowrank on CPU)
-            partials = codec.attend_block(keys, values, stored_q, _bias(attention_mask, 1, slice(start, end)),
-                                          None if sinks is None else sinks - start, **at)
-            if partials is not None:
-                block_max, total, part = partials
-                softmax.merge(block_max, total, part, stored_basis=True)
-                continue
         logits = codec.key_logits(keys, stored_q, **at)
         bias = _bias(attention_mask, groups, slice(start, end))
         if bias is not None:
@@ -159,6 +145,19 @@ def _attend_by_triton(layer, plain_q, stored_q, attention_mask) -> torch.Tensor:
     assert plain is not None
     out = layer.codec.from_basis(stored, "value") + plain
     return out / total.clamp(min=torch.finfo(torch.float32).tiny)  # a fully masked row gives 0, not NaN
+
+
+def _attend_by_codec_kernel(layer, plain_q, attention_mask) -> torch.Tensor | None:
+    """Store, exact sinks and tail in one call of the codec's own kernel (`attend_layer`: lowrank's on CPU):
+    [B, H_kv, groups * q, Dv], normalised; None where the codec's kernel does not read this step."""
+    store, n_enc = layer.store, layer.store.n_encoded
+    tail_keys, tail_values = store.tail_keys, store.tail_values
+    if tail_keys is None:  # nothing appended since the store took everything
+        tail_keys = tail_values = plain_q.new_zeros(*plain_q.shape[:2], 0, plain_q.shape[-1])
+    bias = None if attention_mask is None else _bias(attention_mask, 1, slice(0, n_enc + tail_keys.shape[-2]))
+    at = {"positions": layer.slots.positions[:, :, :n_enc]} if layer.codec.needs_positions else {}
+    return layer.codec.attend_layer(store.encoded_keys, store.encoded_values, plain_q, bias, layer.slots.sink_slots,
+                                    store.sink_keys, store.sink_values, tail_keys, tail_values, **at)
 
 
 def _attend_by_cpu_kernel(layer, plain_q, attention_mask) -> torch.Tensor:
@@ -267,23 +266,25 @@ def attend_store(
     # Query heads h = k * groups + g share KV head k: [B, H_kv, groups * q, D].
     plain_q = (query.float() * scaling).reshape(batch, kv_heads, groups * q_len, dim)
     kernel = store_kernel(layer, query, backend) if n_enc else None
+    out: torch.Tensor | None = None
     if kernel == "cpu":
         out = _attend_by_cpu_kernel(layer, plain_q, attention_mask)
     elif kernel == "triton":
         out = _attend_by_triton(layer, plain_q, codec.key_query(plain_q), attention_mask)
-    else:
-        out = _attend_in_segments(layer, plain_q, codec.key_query(plain_q), attention_mask, groups, backend != "torch")
+    elif n_enc and backend != "torch" and codec.layer_kernel:  # the codec's own kernel, where it reads the layer
+        out = _attend_by_codec_kernel(layer, plain_q, attention_mask)
+    if out is None:  # the PyTorch segments
+        out = _attend_in_segments(layer, plain_q, codec.key_query(plain_q), attention_mask, groups)
     out = out.reshape(batch, kv_heads, groups, q_len, -1).reshape(batch, q_heads, q_len, -1)
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
-def _attend_in_segments(layer, plain_q, stored_q, attention_mask, groups: int, kernel: bool) -> torch.Tensor:
+def _attend_in_segments(layer, plain_q, stored_q, attention_mask, groups: int) -> torch.Tensor:
     """The store (PyTorch blocks), the exact sinks and the tail as segments of one online softmax in PyTorch:
-    [B, H_kv, groups * q, Dv], normalised. The reference for both kernels (`kernel` False: for a codec's own key
-    kernel too)."""
+    [B, H_kv, groups * q, Dv], normalised. The reference for the kernels (a codec's own too)."""
     codec, n_enc = layer.codec, layer.store.n_encoded
     softmax = _OnlineSoftmax()
-    _store_by_blocks(layer, stored_q, attention_mask, groups, softmax, kernel)
+    _store_by_blocks(layer, stored_q, attention_mask, groups, softmax)
     if layer.slots.sink_slots is not None:
         slots = layer.slots.sink_slots
         logits = torch.matmul(plain_q, layer.store.sink_keys.float().transpose(-1, -2))

@@ -42,8 +42,9 @@ class Codec(ABC):
     # `decode(encoded, "key", dtype, positions=...)`, positions [B, H_kv, T] the position each key was rotated to
     # (lowrank's joint bases project keys with RoPE undone). The layer then tracks each slot's position.
     needs_positions: ClassVar[bool] = False
-    # A block of the store may be read in one call of the codec's own kernel (`attend_block`; lowrank's on CPU).
-    block_kernel: ClassVar[bool] = False
+    # A decode step may read the layer (store, exact sinks, tail) in one call of the codec's own kernel
+    # (`attend_layer`; lowrank's on CPU).
+    layer_kernel: ClassVar[bool] = False
 
     @property
     def exact_sinks(self) -> int:
@@ -101,15 +102,18 @@ class Codec(ABC):
         """probs [B, H, n, T] times the encoded values -> [B, H, n, Dv] in the storage basis (see `key_logits`)."""
         return torch.matmul(probs, self.decode_in_basis(encoded, "value", torch.float32))
 
-    def attend_block(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
-                     hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A block's softmax partials in one call of the codec's own kernel, or None (the default: attention reads
-        the block through `key_logits` and `mix_values`). query [B, H, n, D] (storage basis); bias [B or 1, H or 1,
-        q, T] float32 added to the logits (row m of n reads row m % q), or None; hidden [B, H, S] slots of the block
-        left out (outside [0, T): none), or None; a codec that `needs_positions` also takes what its `key_logits`
-        reads besides (positions, last_block).
-        Returns (max [B, H, n, 1], sum [B, H, n, 1], mix [B, H, n, *] in `mix_values`' basis), sum and mix relative
-        to the max (caches/store_attention.py)."""
+    def attend_layer(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
+                     sink_slots: torch.Tensor | None, sink_keys: torch.Tensor | None, sink_values: torch.Tensor | None,
+                     tail_keys: torch.Tensor, tail_values: torch.Tensor,
+                     positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A layer's attention in one call of the codec's own kernel, or None (the default: attention reads the store
+        a block at a time through `key_logits` and `mix_values`, and the sinks and the tail as segments of the same
+        softmax, caches/store_attention.py). query [B, H, n, D] (scaled, the model's basis, which `key_query` keeps);
+        keys / values the whole encoded store of T slots; bias [B or 1, H or 1, q, T + Tt] float32 added to the
+        logits (row m of n reads row m % q; a sink reads its slot's column, the tail columns T on), or None; the
+        exact sinks sink_keys / sink_values [B, H, S, D] at store slots sink_slots [B, H, S] (a slot outside [0, T):
+        none, or one still in the tail), or None; the full-precision tail [B, H, Tt, D]; positions [B, H, T] for a
+        codec that `needs_positions`. Returns [B, H, n, Dv] float32, normalised."""
         return None
 
     def kernel_layout(self, kind: Kind) -> KernelLayout | None:

@@ -161,7 +161,7 @@ class TurnTables:
 
 # Columns of one bf16 key product (`_product_in_chunks`): every product of a layer has the same shape.
 KEY_CHUNK = 1024
-# Query rows per KV head up to which a CPU step reads a block in the C++ kernel (`attend_block`): a decode step's few
+# Query rows per KV head up to which a CPU step reads the layer in the C++ kernel (`attend_layer`): a decode step's few
 # rows. A prefill chunk's hundreds go through BLAS, whose products of many rows outrun the kernel's per-row FMAs.
 KERNEL_ROWS = 64
 
@@ -361,7 +361,7 @@ class LowRankCodec(ReducingCodec):
 
     name: ClassVar[str] = "lowrank"
     keeps_rope: ClassVar[bool] = False  # coordinates on a basis: the storage cannot undo RoPE on them (pre_rope)
-    block_kernel: ClassVar[bool] = True  # a CPU decode step's blocks in one C++ call (`attend_block`)
+    layer_kernel: ClassVar[bool] = True  # a CPU decode step's layer in one C++ call (`attend_layer`)
 
     rank: int | None = None
     ratio: float | None = None
@@ -620,7 +620,11 @@ class LowRankCodec(ReducingCodec):
         mean, basis = self._bases(kind, states.shape[1], states.device, "encoder")
         centered = states.float() - mean[None, :, None, :]
         if self._joint:  # [B, 1, T, r]: one latent per token for all of the layer's KV heads
-            return torch.einsum("bhtd,hdr->btr", centered, basis)[:, None].to(states.dtype)
+            # One [B * T, H * D] x [H * D, r] product (a decode step's token: einsum's planning cost several times it).
+            batch, heads, tokens, dim = centered.shape
+            flat = centered.transpose(1, 2).reshape(batch * tokens, heads * dim)
+            latent = torch.mm(flat, basis.reshape(heads * dim, -1))
+            return latent.view(batch, 1, tokens, -1).to(states.dtype)
         return torch.einsum("bhtd,hdr->bhtr", centered, basis).to(states.dtype)
 
     def expand(self, reduced: torch.Tensor, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
@@ -708,25 +712,30 @@ class LowRankCodec(ReducingCodec):
             self._turns.release()  # the step's last read of the tables (`TurnTables`)
         return compute, latent, mean, basis, cos, sin
 
-    def attend_block(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
-                     hidden: torch.Tensor | None, positions: torch.Tensor | None = None,
-                     last_block: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Joint bases, a CPU decode step (at most KERNEL_ROWS query rows per KV head) and the C++ kernel built:
-        the block in one call (`cpu_decode.lowrank_store_partials`, which rebuilds, turns and meets the keys and
-        mixes the value latents a tile of tokens at a time in registers), its partials in `mix_values`' basis;
-        the same sums as `key_logits` and `mix_values` in another order (bf16 products where `compute` asks).
-        `positions` and `last_block` as `key_logits`."""
+    def attend_layer(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
+                     sink_slots: torch.Tensor | None, sink_keys: torch.Tensor | None, sink_values: torch.Tensor | None,
+                     tail_keys: torch.Tensor, tail_values: torch.Tensor,
+                     positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Joint bases, a CPU decode step (at most KERNEL_ROWS query rows per KV head) and the C++ kernel built: the
+        whole layer in one call (`cpu_decode.lowrank_decode_attention`, which rebuilds, turns and meets the keys and
+        mixes the value latents a tile of tokens at a time in registers, meets the exact sinks and the tail in the
+        same softmax and maps the mix to values); the same sums as the PyTorch segments over `key_logits` and
+        `mix_values` in another order (bf16 products where `compute` asks). The store is read in one call, not in
+        blocks: the kernel holds a tile at a time, and the step's cos/sin tables (`TurnTables`, 256 bytes per token
+        and row at SmolLM2's 32 frequencies, shared by the layers) are what it reads beside the store. `positions` as
+        `key_logits`' (the store's slots)."""
         if not (self._joint and query.device.type == "cpu" and query.shape[2] <= KERNEL_ROWS
                 and cpu_decode.available()):
             return None
-        compute, latent, mean, _, cos, sin = self._key_inputs(keys, query, positions, last_block)
+        compute, latent, mean, _, cos, sin = self._key_inputs(keys, query, positions, last_block=True)
         assert self._layer is not None  # bound per layer (`_bases` checked)
         kernel_basis, pairs = self._layer.key_basis_for_kernel(compute)
         value_latent = self.storage.decode(values, "value", torch.float32)  # [B, 1, T, r_v]; the store's own as kept
-        block_max, total, mixed = cpu_decode.lowrank_store_partials(
+        value_mean, value_basis = self._bases("value", query.shape[1], query.device)
+        return cpu_decode.lowrank_decode_attention(
             latent[:, 0], kernel_basis, pairs, compute == torch.bfloat16, mean, cos[:, 0], sin[:, 0],
-            query.float().contiguous(), value_latent[:, 0], bias, hidden)
-        return block_max, total, mixed
+            query.float().contiguous(), value_latent[:, 0], value_basis, value_mean, bias, sink_slots,
+            sink_keys, sink_values, tail_keys, tail_values)
 
     def decode_in_basis(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         """Joint values: [B, 1, T, r + 1], each token's latent and a 1, the weight of the mean (`from_basis`)."""

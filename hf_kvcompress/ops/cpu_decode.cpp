@@ -949,6 +949,79 @@ void lowrank_dispatch(const lowrank::Keys& k, bool vectorised, Body&& body) {
   body(std::false_type{}, std::false_type{});
 }
 
+// The values' half of the arguments, checked: value_latent [B, T, rv]; bias [B or 1, H or 1, Q, columns] float32
+// (unit stride over its columns, of which the store reads [0, T)); hidden [B, H, S] int64.
+lowrank::Values lowrank_values(const lowrank::Keys& k, int64_t batch, const at::Tensor& value_latent,
+                               const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden,
+                               int64_t columns) {
+  const auto vtype = value_latent.scalar_type();
+  TORCH_CHECK(value_latent.dim() == 3 && value_latent.stride(2) == 1 && value_latent.size(0) == batch &&
+                  value_latent.size(1) == k.tokens &&
+                  (vtype == at::kFloat || vtype == at::kBFloat16 || vtype == at::kHalf),
+              "lowrank: value_latent must be float32, bfloat16 or float16 [B, T, rv] with unit stride over rv");
+  lowrank::Values v;
+  v.latent = value_latent.data_ptr(), v.type = vtype, v.latent_b = value_latent.stride(0);
+  v.latent_t = value_latent.stride(1), v.rank = value_latent.size(2);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 4 && bias->size(3) == columns &&
+                    (columns <= 1 || bias->stride(3) == 1) && (bias->size(0) == 1 || bias->size(0) == batch) &&
+                    (bias->size(1) == 1 || bias->size(1) == k.heads) && k.rows % bias->size(2) == 0,
+                "lowrank: bias must be float32 [B or 1, H or 1, Q, ", columns, "] with unit stride over its columns");
+    v.bias = bias->data_ptr<float>();
+    v.bias_b = bias->size(0) == 1 ? 0 : bias->stride(0), v.bias_h = bias->size(1) == 1 ? 0 : bias->stride(1);
+    v.bias_q = bias->stride(2), v.bias_rows = bias->size(2);
+  }
+  if (hidden.has_value()) {
+    TORCH_CHECK(hidden->scalar_type() == at::kLong && hidden->dim() == 3 && hidden->size(0) == batch &&
+                    hidden->size(1) == k.heads && hidden->is_contiguous(), "lowrank: hidden must be int64 [B, H, S]");
+    v.hidden = hidden->data_ptr<int64_t>(), v.sinks = hidden->size(2);
+  }
+  return v;
+}
+
+// The store's softmax partials of every (batch row, head, query row) R = b * H * M + h * M + m: max o_max [B * H * M],
+// sum o_sum and value-latent mix o_mix [B * H * M, rv], the sum and the mix relative to the max (a row with every
+// logit masked: max -inf and zeros). Token chunks run in parallel, one per thread (one in all on one thread), whatever
+// the batch, and merge at the end: a row's sums then run in the same order batched or alone, so a row gives what it
+// gives alone.
+void lowrank_fold(const lowrank::Keys& k, const lowrank::Values& v, int64_t batch, bool vectorised, float* o_max,
+                  float* o_sum, float* o_mix) {
+  const int64_t rows = k.heads * k.rows;
+  std::fill(o_max, o_max + batch * rows, NEG_INF);
+  std::fill(o_sum, o_sum + batch * rows, 0.0f);
+  std::fill(o_mix, o_mix + batch * rows * v.rank, 0.0f);
+  const int64_t tiles = (k.tokens + lowrank::LANES - 1) / lowrank::LANES;
+  if (tiles == 0) return;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(tiles, at::get_num_threads()));
+  std::vector<float> mx(static_cast<size_t>(batch * chunks * rows)), sm(mx.size());
+  std::vector<float> acc(static_cast<size_t>(batch * chunks * rows * v.rank));
+  at::parallel_for(0, batch * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / chunks, c = task % chunks;
+      lowrank_dispatch(k, vectorised, [&](auto vector, auto pairs_) {
+        lowrank::fold_tiles<decltype(vector)::value, decltype(pairs_)::value>(
+            k, v, b, tiles * c / chunks, tiles * (c + 1) / chunks, mx.data() + task * rows, sm.data() + task * rows,
+            acc.data() + task * rows * v.rank);
+      });
+    }
+  });
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t row = 0; row < rows; ++row) {
+      float best = NEG_INF;
+      for (int64_t c = 0; c < chunks; ++c) best = std::max(best, mx[(b * chunks + c) * rows + row]);
+      if (best == NEG_INF) continue;  // every logit masked: max -inf, zeros
+      const int64_t out = b * rows + row;
+      float* mix = o_mix + out * v.rank;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t part = (b * chunks + c) * rows + row;
+        const float scale = exp_nonpositive(mx[part] - best);
+        o_sum[out] += scale * sm[part];
+        for (int64_t i = 0; i < v.rank; ++i) mix[i] += scale * acc[part * v.rank + i];
+      }
+      o_max[out] = best;
+    }
+}
+
 }  // namespace
 
 // The store segment of a decode step's softmax over a joint low-rank store, fused (cpu_lowrank.h). The keys' logits:
@@ -968,74 +1041,87 @@ std::vector<at::Tensor> lowrank_store_partials(
     bool vectorised) {
   const lowrank::Keys k = lowrank_keys(latent, basis, pairs, round, mean, cos, sin, query, vectorised);
   const int64_t batch = query.size(0), rows = k.heads * k.rows;
-  const auto vtype = value_latent.scalar_type();
-  TORCH_CHECK(value_latent.dim() == 3 && value_latent.stride(2) == 1 && value_latent.size(0) == batch &&
-                  value_latent.size(1) == k.tokens &&
-                  (vtype == at::kFloat || vtype == at::kBFloat16 || vtype == at::kHalf),
-              "lowrank: value_latent must be float32, bfloat16 or float16 [B, T, rv] with unit stride over rv");
-  lowrank::Values v;
-  v.latent = value_latent.data_ptr(), v.type = vtype, v.latent_b = value_latent.stride(0);
-  v.latent_t = value_latent.stride(1), v.rank = value_latent.size(2);
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 4 && bias->size(3) == k.tokens &&
-                    (k.tokens <= 1 || bias->stride(3) == 1) && (bias->size(0) == 1 || bias->size(0) == batch) &&
-                    (bias->size(1) == 1 || bias->size(1) == k.heads) && k.rows % bias->size(2) == 0,
-                "lowrank: bias must be float32 [B or 1, H or 1, Q, T] with unit stride over T");
-    v.bias = bias->data_ptr<float>();
-    v.bias_b = bias->size(0) == 1 ? 0 : bias->stride(0), v.bias_h = bias->size(1) == 1 ? 0 : bias->stride(1);
-    v.bias_q = bias->stride(2), v.bias_rows = bias->size(2);
-  }
-  if (hidden.has_value()) {
-    TORCH_CHECK(hidden->scalar_type() == at::kLong && hidden->dim() == 3 && hidden->size(0) == batch &&
-                    hidden->size(1) == k.heads && hidden->is_contiguous(), "lowrank: hidden must be int64 [B, H, S]");
-    v.hidden = hidden->data_ptr<int64_t>(), v.sinks = hidden->size(2);
-  }
+  const lowrank::Values v = lowrank_values(k, batch, value_latent, bias, hidden, k.tokens);
   auto options = query.options();
-  at::Tensor out_max = at::full({batch, k.heads, k.rows, 1}, NEG_INF, options);
-  at::Tensor out_sum = at::zeros({batch, k.heads, k.rows, 1}, options);
-  at::Tensor out_mix = at::zeros({batch, k.heads, k.rows, v.rank + 1}, options);
-  const int64_t tiles = (k.tokens + lowrank::LANES - 1) / lowrank::LANES;
-  if (tiles == 0) return {out_max, out_sum, out_mix};
-  // Chunks of tokens per row, one per thread (one in all on one thread), whatever the batch: a row's sums then run in
-  // the same order batched or alone, so a row gives what it gives alone.
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(tiles, at::get_num_threads()));
-  std::vector<float> mx(static_cast<size_t>(batch * chunks * rows)), sm(mx.size());
-  std::vector<float> acc(static_cast<size_t>(batch * chunks * rows * v.rank));
-  at::parallel_for(0, batch * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / chunks, c = task % chunks;
-      lowrank_dispatch(k, vectorised, [&](auto vector, auto pairs_) {
-        lowrank::fold_tiles<decltype(vector)::value, decltype(pairs_)::value>(
-            k, v, b, tiles * c / chunks, tiles * (c + 1) / chunks, mx.data() + task * rows, sm.data() + task * rows,
-            acc.data() + task * rows * v.rank);
-      });
-    }
-  });
-  float* o_max = out_max.data_ptr<float>();
+  at::Tensor out_max = at::empty({batch, k.heads, k.rows, 1}, options);
+  at::Tensor out_sum = at::empty({batch, k.heads, k.rows, 1}, options);
+  at::Tensor out_mix = at::empty({batch, k.heads, k.rows, v.rank + 1}, options);
+  std::vector<float> mix(static_cast<size_t>(batch * rows * v.rank));
+  lowrank_fold(k, v, batch, vectorised, out_max.data_ptr<float>(), out_sum.data_ptr<float>(), mix.data());
   float* o_sum = out_sum.data_ptr<float>();
   float* o_mix = out_mix.data_ptr<float>();
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t row = 0; row < rows; ++row) {
-      float best = NEG_INF;
-      for (int64_t c = 0; c < chunks; ++c) best = std::max(best, mx[(b * chunks + c) * rows + row]);
-      if (best == NEG_INF) continue;  // every logit masked: max -inf, zeros
-      const int64_t out = b * rows + row;
-      float* mix = o_mix + out * (v.rank + 1);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t part = (b * chunks + c) * rows + row;
-        const float scale = exp_nonpositive(mx[part] - best);
-        o_sum[out] += scale * sm[part];
-        for (int64_t i = 0; i < v.rank; ++i) mix[i] += scale * acc[part * v.rank + i];
-      }
-      o_max[out] = best;
-      mix[v.rank] = o_sum[out];
-    }
+  for (int64_t out = 0; out < batch * rows; ++out) {
+    std::copy(mix.begin() + out * v.rank, mix.begin() + (out + 1) * v.rank, o_mix + out * (v.rank + 1));
+    o_mix[out * (v.rank + 1) + v.rank] = o_sum[out];
+  }
   return {out_max, out_sum, out_mix};
+}
+
+// A decode step's whole attention over a layer that holds a joint low-rank store (cpu_lowrank.h): the store as
+// lowrank_store_partials reads it (latent ... hidden alike, bias now covering the store's and the tail's columns
+// [0, T + Tt)), then the exact sinks at the `hidden` slots (sink_keys / sink_values [B, H, S, D] / [.., Dv] in the
+// tail's dtype, contiguous, given with hidden) and the full-precision tail (tail_keys / tail_values [B, H, Tt, D] /
+// [.., Dv], contiguous) met by the same query rows in one softmax, and the store's value-latent mix mapped to values
+// by value_basis [H, Dv, rv] and value_mean [H, Dv] (float32, contiguous). Returns the output [B, H, M, Dv] float32,
+// normalised (a row with every logit masked: zeros): what caches/store_attention.py's segments and codecs/lowrank.py's
+// `from_basis` make of lowrank_store_partials's partials, in one call instead of a dozen tensor ops per layer.
+at::Tensor lowrank_decode_attention(
+    const at::Tensor& latent, const at::Tensor& basis, const c10::optional<at::Tensor>& pairs, bool round,
+    const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& query,
+    const at::Tensor& value_latent, const at::Tensor& value_basis, const at::Tensor& value_mean,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden,
+    const c10::optional<at::Tensor>& sink_keys, const c10::optional<at::Tensor>& sink_values,
+    const at::Tensor& tail_keys, const at::Tensor& tail_values, bool vectorised) {
+  const lowrank::Keys k = lowrank_keys(latent, basis, pairs, round, mean, cos, sin, query, vectorised);
+  const int64_t batch = query.size(0), rows = k.heads * k.rows;
+  const int64_t tail = tail_keys.dim() == 4 ? tail_keys.size(2) : 0;
+  const lowrank::Values v = lowrank_values(k, batch, value_latent, bias, hidden, k.tokens + tail);
+  TORCH_CHECK(value_basis.scalar_type() == at::kFloat && value_basis.is_contiguous() && value_basis.dim() == 3 &&
+                  value_basis.size(0) == k.heads && value_basis.size(2) == v.rank,
+              "lowrank: value_basis must be contiguous float32 [H, Dv, rv]");
+  const int64_t value_dim = value_basis.size(1);
+  TORCH_CHECK(value_mean.scalar_type() == at::kFloat && value_mean.is_contiguous() && value_mean.dim() == 2 &&
+                  value_mean.size(0) == k.heads && value_mean.size(1) == value_dim,
+              "lowrank: value_mean must be contiguous float32 [H, Dv]");
+  const auto type = tail_keys.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf,
+              "lowrank: the tail must be float32, bfloat16 or float16");
+  auto exact_states = [&](const at::Tensor& t, int64_t tokens, int64_t width, const char* name) {
+    TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.dim() == 4 && t.size(0) == batch &&
+                    t.size(1) == k.heads && t.size(2) == tokens && t.size(3) == width,
+                "lowrank: ", name, " must be contiguous [B, H, tokens, D] in the tail's dtype");
+    return t.data_ptr();
+  };
+  TORCH_CHECK(sink_keys.has_value() == (v.sinks > 0) && sink_values.has_value() == (v.sinks > 0),
+              "lowrank: sink states come with their slots (hidden)");
+  lowrank::Exact e;
+  if (v.sinks > 0) {
+    e.sink_keys = exact_states(*sink_keys, v.sinks, k.dim, "sink_keys");
+    e.sink_values = exact_states(*sink_values, v.sinks, value_dim, "sink_values");
+  }
+  e.tail_keys = exact_states(tail_keys, tail, k.dim, "tail_keys");
+  e.tail_values = exact_states(tail_values, tail, value_dim, "tail_values");
+  e.type = type, e.tail = tail, e.value_dim = value_dim;
+  e.value_basis = value_basis.data_ptr<float>(), e.value_mean = value_mean.data_ptr<float>();
+  std::vector<float> mx(static_cast<size_t>(batch * rows)), sm(mx.size());
+  std::vector<float> mix(static_cast<size_t>(batch * rows * v.rank));
+  lowrank_fold(k, v, batch, vectorised, mx.data(), sm.data(), mix.data());
+  at::Tensor out = at::empty({batch, k.heads, k.rows, value_dim}, query.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < k.heads; ++h) {
+      const int64_t first = (b * k.heads + h) * k.rows;
+      lowrank::finish_head(k, v, e, b, h, mx.data() + first, sm.data() + first, mix.data() + first * v.rank,
+                           o + first * value_dim);
+    }
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("lowrank_store_partials", &lowrank_store_partials,
              "Softmax partials of decode queries over a joint low-rank store (max, sum, value-latent mix), fused");
+  module.def("lowrank_decode_attention", &lowrank_decode_attention,
+             "Decode attention over a joint low-rank store, its exact sinks and its tail, normalised, fused");
   module.def("decode_attention_partials", &decode_attention_partials,
              "Softmax partials of decode queries over a bit-packed KV store (max, sum, unnormalised output)");
   module.def("decode_attention", &decode_attention,

@@ -275,6 +275,30 @@ def lowrank_store_partials(
     ))
 
 
+def lowrank_decode_attention(
+    latent: torch.Tensor, basis: torch.Tensor, pairs: torch.Tensor | None, round_bf16: bool, mean: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, value_latent: torch.Tensor, value_basis: torch.Tensor,
+    value_mean: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor | None, sink_keys: torch.Tensor | None,
+    sink_values: torch.Tensor | None, tail_keys: torch.Tensor, tail_values: torch.Tensor, vectorised: bool = True,
+) -> torch.Tensor:
+    """A decode step's attention of `query` [B, H, M, D] (float32, scaled, the model's basis) over a layer that holds a
+    joint low-rank store, its exact sinks and its full-precision tail, in one call (cpu_lowrank.h): the store as
+    `lowrank_store_partials` reads it (`latent` ... `value_latent` and `hidden` alike), then the sinks `sink_keys` /
+    `sink_values` [B, H, S, D] at the store slots `hidden` [B, H, S] names (a slot outside the store: none, or one still
+    in the tail) and the tail `tail_keys` / `tail_values` [B, H, Tt, D] after the store, in the tail's dtype, in the
+    same softmax; the store's value-latent mix is mapped to values by `value_basis` [H, Dv, rv] and `value_mean`
+    [H, Dv] (float32). `bias` [B or 1, H or 1, Q, T + Tt] float32 covers the store's and the tail's columns (a sink
+    reads its slot's). Returns [B, H, M, Dv] float32, normalised (a row with every logit masked: zeros): what
+    caches/store_attention.py's segments make of `lowrank_store_partials`' partials, the sums in another order."""
+    extension = _built()
+    exact = [None if t is None else t.contiguous() for t in (sink_keys, sink_values)]
+    return extension.lowrank_decode_attention(
+        latent, basis, pairs, round_bf16, mean, cos, sin, query, value_latent, value_basis, value_mean,
+        None if bias is None else bias.float(), None if hidden is None else hidden.long().contiguous(),
+        *exact, tail_keys.contiguous(), tail_values.contiguous(), vectorised,
+    )
+
+
 def bf16_pairs(basis: torch.Tensor) -> torch.Tensor:
     """`basis` [H, D, r] as the bf16 pairs `lowrank_store_partials` reads: [H, ceil(r / 2), D] int32, each word holding
     rank entries 2j (low half) and 2j + 1 (high half; 0 past r) of a channel, rounded to bf16."""

@@ -34,12 +34,27 @@
 #ifndef HF_LOWRANK_FREQS
 #define HF_LOWRANK_FREQS 4
 #endif
+// The value mix's register blocking (`mix_rows`): query rows and latent columns summed together per token. 1 and 16
+// build the single-row form of session 28, for timing.
+#ifndef HF_LOWRANK_MIX_ROWS
+#define HF_LOWRANK_MIX_ROWS 3
+#endif
+#ifndef HF_LOWRANK_MIX_WIDTH
+#define HF_LOWRANK_MIX_WIDTH 32
+#endif
+// Whether a tile also asks for the next tile's columns of the turn tables (`prefetch_turns`); 0 builds the variant
+// without, for timing.
+#ifndef HF_LOWRANK_PREFETCH_TURNS
+#define HF_LOWRANK_PREFETCH_TURNS 1
+#endif
 
 namespace lowrank {
 
 constexpr int64_t VECS = HF_LOWRANK_VECS;   // float32 vectors of AVX-512 (16 tokens each) per tile
 constexpr int64_t LANES = 16 * VECS;  // tokens per tile
 constexpr int FREQS = HF_LOWRANK_FREQS;  // frequencies per block: 2 x FREQS x VECS accumulators
+constexpr int MIX_ROWS = HF_LOWRANK_MIX_ROWS;    // query rows per block of the value mix
+constexpr int MIX_WIDTH = HF_LOWRANK_MIX_WIDTH;  // latent columns per block of the value mix
 
 // A bf16 value's bits (round to nearest even; a NaN stays a quiet NaN), as torch converts float32.
 inline uint32_t bf16_bits(float x) {
@@ -332,6 +347,23 @@ inline void prefetch_rows(const void* latent, at::ScalarType type, int64_t laten
   prefetch(static_cast<const char*>(latent) + (b * latent_b + t0 * latent_t) * width, n * latent_t * width);
 }
 
+// Rows [t0, t0 + n) of batch row b of the turn tables: R / 2 rows of each, T apart, so a tile reads R streams of
+// LANES values (64 at SmolLM2's 32 frequencies), more than a hardware prefetcher follows; whole lines, from the line
+// that holds the first value to the one that holds the last.
+inline void prefetch_turns(const Keys& k, int64_t b, int64_t t0, int64_t n) {
+#if defined(__AVX512F__) && HF_LOWRANK_PREFETCH_TURNS
+  for (const float* table : {k.cos, k.sin})
+    for (int64_t f = 0; f < k.half; ++f) {
+      const uintptr_t first = reinterpret_cast<uintptr_t>(table + b * k.trig_b + f * k.trig_f + t0);
+      const uintptr_t last = first + static_cast<uintptr_t>(n) * sizeof(float) - 1;
+      for (uintptr_t line = first & ~uintptr_t{63}; line <= last; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    }
+#else
+  (void)k, (void)b, (void)t0, (void)n;
+#endif
+}
+
 // Every head's logits of the tile of row b from t0: lg [H, M, LANES] (lanes past the store's end hold garbage).
 template <bool VECTOR, bool PAIRS>
 void tile_logits(const Keys& k, int64_t b, int64_t t0, Buffers& buf, float* lg) {
@@ -381,40 +413,48 @@ struct Values {
   int64_t sinks = 0;
 };
 
-// Columns [c, c + W), [c + W, c + 2W), ... of one row's accumulator while W fit before `rank`: each block of W
-// sums over the tile's n tokens in registers. Returns the first column left.
-template <int W>
-inline int64_t mix_columns(const float* pr, const float* z, int64_t stride, int64_t n, int64_t c, int64_t rank,
-                           float* a) {
-  for (; c + W <= rank; c += W) {
-    float part[W];
-    for (int i = 0; i < W; ++i) part[i] = a[c + i];
-    for (int64_t l = 0; l < n; ++l) {
-      const float w = pr[l];
-      const float* zl = z + l * stride + c;
+// Rows [row, row + R) and columns [c, c + W) of the accumulator: acc[r, i] += sum over the tile's n tokens of
+// p[r, l] * z[l, i], R x W running sums held in registers across the tokens. Each token's latent row is loaded once
+// for the R rows, and the R x W / 16 vectors of sums are independent chains of FMAs: one row's single chain waits on
+// each FMA's latency (4 cycles) per token, R x W / 16 of them keep the FMA units busy. Each sum still runs over the
+// tokens in order, so the result does not depend on R or W.
+template <int R, int W>
+inline void mix_block(const float* p, const float* z, int64_t stride, int64_t n, int64_t row, int64_t c,
+                      int64_t rank, float* acc) {
+  float part[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < W; ++i) part[r][i] = acc[(row + r) * rank + c + i];
+  for (int64_t l = 0; l < n; ++l) {
+    const float* zl = z + l * stride + c;
+    for (int r = 0; r < R; ++r) {
+      const float w = p[(row + r) * LANES + l];
 #pragma omp simd
-      for (int i = 0; i < W; ++i) part[i] += w * zl[i];
+      for (int i = 0; i < W; ++i) part[r][i] += w * zl[i];
     }
-    for (int i = 0; i < W; ++i) a[c + i] = part[i];
   }
-  return c;
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < W; ++i) acc[(row + r) * rank + c + i] = part[r][i];
 }
 
-// acc[row, :] += sum over the tile's n tokens of p[row, l] * z[l, :] (z's rows `stride` apart), 16 and 8 channels
-// at a time in registers.
+// Rows [row, row + R) of the accumulator over every column: MIX_WIDTH columns at a time, then 16, 8 and 1.
+template <int R>
+inline void mix_row_block(const float* p, const float* z, int64_t stride, int64_t n, int64_t row, int64_t rank,
+                          float* acc) {
+  int64_t c = 0;
+  for (; c + MIX_WIDTH <= rank; c += MIX_WIDTH) mix_block<R, MIX_WIDTH>(p, z, stride, n, row, c, rank, acc);
+  for (; c + 16 <= rank; c += 16) mix_block<R, 16>(p, z, stride, n, row, c, rank, acc);
+  for (; c + 8 <= rank; c += 8) mix_block<R, 8>(p, z, stride, n, row, c, rank, acc);
+  for (; c < rank; ++c) mix_block<R, 1>(p, z, stride, n, row, c, rank, acc);
+}
+
+// acc[row, :] += sum over the tile's n tokens of p[row, l] * z[l, :] (z's rows `stride` apart), MIX_ROWS rows at a
+// time (SmolLM2's 3 KV heads x 3 query rows: three blocks of 3), the rest 2 and 1 at a time.
 inline void mix_rows(const float* p, const float* z, int64_t stride, int64_t n, int64_t rows, int64_t rank,
                      float* acc) {
-  for (int64_t row = 0; row < rows; ++row) {
-    float* a = acc + row * rank;
-    const float* pr = p + row * LANES;
-    int64_t c = mix_columns<16>(pr, z, stride, n, 0, rank, a);
-    c = mix_columns<8>(pr, z, stride, n, c, rank, a);
-    for (; c < rank; ++c) {
-      float sum = a[c];
-      for (int64_t l = 0; l < n; ++l) sum += pr[l] * z[l * stride + c];
-      a[c] = sum;
-    }
-  }
+  int64_t row = 0;
+  for (; row + MIX_ROWS <= rows; row += MIX_ROWS) mix_row_block<MIX_ROWS>(p, z, stride, n, row, rank, acc);
+  for (; row + 2 <= rows; row += 2) mix_row_block<2>(p, z, stride, n, row, rank, acc);
+  for (; row < rows; ++row) mix_row_block<1>(p, z, stride, n, row, rank, acc);
 }
 
 // Tiles [tile_begin, tile_end) of row b folded into one online softmax per (head, query row): running max mx [R],
@@ -435,6 +475,7 @@ void fold_tiles(const Keys& k, const Values& v, int64_t b, int64_t tile_begin, i
       const int64_t nt = t0 + LANES, nn = std::min(LANES, k.tokens - nt);
       prefetch_rows(k.latent, k.latent_type, k.latent_b, k.latent_t, b, nt, nn);
       prefetch_rows(v.latent, v.type, v.latent_b, v.latent_t, b, nt, nn);
+      prefetch_turns(k, b, nt, nn);
     }
     tile_logits<VECTOR, PAIRS>(k, b, t0, buf, lg.data());
     for (int64_t h = 0; h < k.heads; ++h)
@@ -491,6 +532,98 @@ void fold_tiles(const Keys& k, const Values& v, int64_t b, int64_t tile_begin, i
       z = zv.data();
     }
     mix_rows(lg.data(), z, stride, n, rows, rank, acc);
+  }
+}
+
+// The rest of a layer's decode softmax beside its store (cpu_decode.cpp's `lowrank_decode_attention`): the exact sinks
+// at the store slots `Values::hidden` names (a slot outside [0, T): none, or one still in the tail; a sink reads bias
+// column `slot`) and the full-precision tail after the store (bias columns [T, T + Tt)), both in the model's basis and
+// met by the same query rows, and the value basis and mean that map the store's latent mix to values.
+struct Exact {
+  const void *sink_keys = nullptr, *sink_values = nullptr;  // [B, H, S, D] / [B, H, S, Dv], contiguous
+  const void *tail_keys = nullptr, *tail_values = nullptr;  // [B, H, Tt, D] / [B, H, Tt, Dv], contiguous
+  at::ScalarType type = at::kFloat;
+  int64_t tail = 0, value_dim = 0;
+  const float* value_basis = nullptr;  // [H, Dv, rv]
+  const float* value_mean = nullptr;   // [H, Dv]
+};
+
+// Head h of batch row b: the store's partials for its M query rows (max mx [M], sum sm [M], value-latent mix acc
+// [M, rv], the sum and the mix relative to the max) joined by the exact segment in the same softmax (as
+// caches/store_attention.py's segments), the mix mapped to values (basis times mix plus mean times the store's
+// weight, codecs/lowrank.py's `from_basis`) and the whole divided by the softmax's sum: out [M, Dv]. A row masked
+// throughout gives zeros.
+inline void finish_head(const Keys& k, const Values& v, const Exact& e, int64_t b, int64_t h, const float* mx,
+                        const float* sm, const float* acc, float* out) {
+  const int64_t rows = k.rows, dim = k.dim, vdim = e.value_dim, rank = v.rank, sinks = v.sinks;
+  const int64_t n = sinks + e.tail, head = b * k.heads + h;
+  std::vector<float> lg(static_cast<size_t>(rows * n)), state(static_cast<size_t>(std::max(dim, vdim)));
+  std::vector<float> totals(static_cast<size_t>(rows), 1.0f);  // each row's softmax sum (1 where masked throughout)
+  const float* q = k.query + head * rows * dim;
+  auto bias_at = [&](int64_t m, int64_t column) {
+    return v.bias == nullptr ? 0.0f : v.bias[b * v.bias_b + h * v.bias_h + (m % v.bias_rows) * v.bias_q + column];
+  };
+  for (int64_t s = 0; s < n; ++s) {  // keys outer: each is converted once and met by every query row
+    const bool sink = s < sinks;
+    const int64_t slot = sink ? v.hidden[head * sinks + s] : k.tokens + s - sinks;  // its bias column
+    if (sink && (slot < 0 || slot >= k.tokens)) {
+      for (int64_t m = 0; m < rows; ++m) lg[m * n + s] = NEG_INF;
+      continue;
+    }
+    const int64_t index = sink ? s : s - sinks, length = sink ? sinks : e.tail;
+    load_floats(sink ? e.sink_keys : e.tail_keys, e.type, (head * length + index) * dim, dim, state.data());
+    for (int64_t m = 0; m < rows; ++m) {
+      float logit = 0.0f;
+#pragma omp simd reduction(+ : logit)
+      for (int64_t d = 0; d < dim; ++d) logit += q[m * dim + d] * state[d];
+      lg[m * n + s] = logit + bias_at(m, slot);
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    float* o = out + m * vdim;
+    float* p = lg.data() + m * n;
+    float best = mx[m];
+    for (int64_t s = 0; s < n; ++s) best = std::max(best, p[s]);
+    if (best == NEG_INF) {  // every logit masked: zeros (the PyTorch path divides 0 by its sum clamped above 0)
+      std::fill(o, o + vdim, 0.0f);
+      std::fill(p, p + n, 0.0f);
+      continue;
+    }
+    const float scale = exp_nonpositive(mx[m] - best);  // 0 for a store masked throughout
+    float total = sm[m] * scale;
+    for (int64_t s = 0; s < n; ++s) {
+      p[s] = exp_nonpositive(p[s] - best);
+      total += p[s];
+    }
+    totals[m] = total;  // >= 1: the largest logit weighs exp(0)
+    const float* a = acc + m * rank;
+    for (int64_t c = 0; c < vdim; ++c) {
+      const float* basis = e.value_basis + (h * vdim + c) * rank;
+      float mixed = 0.0f;
+#pragma omp simd reduction(+ : mixed)
+      for (int64_t j = 0; j < rank; ++j) mixed += basis[j] * a[j];
+      o[c] = scale * (mixed + e.value_mean[h * vdim + c] * sm[m]);
+    }
+  }
+  for (int64_t s = 0; s < n; ++s) {
+    bool any = false;
+    for (int64_t m = 0; m < rows; ++m) any = any || lg[m * n + s] != 0.0f;
+    if (!any) continue;  // masked (or underflowed) for every query row
+    const bool sink = s < sinks;
+    const int64_t index = sink ? s : s - sinks, length = sink ? sinks : e.tail;
+    load_floats(sink ? e.sink_values : e.tail_values, e.type, (head * length + index) * vdim, vdim, state.data());
+    for (int64_t m = 0; m < rows; ++m) {
+      const float w = lg[m * n + s];
+      float* o = out + m * vdim;
+#pragma omp simd
+      for (int64_t c = 0; c < vdim; ++c) o[c] += w * state[c];
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    const float inverse = 1.0f / totals[m];
+    float* o = out + m * vdim;
+#pragma omp simd
+    for (int64_t c = 0; c < vdim; ++c) o[c] *= inverse;
   }
 }
 

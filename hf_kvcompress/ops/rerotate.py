@@ -9,7 +9,8 @@ def rope_table(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tenso
     """cos and sin [..., 2 * len(inv_freq)] of turning by `delta` [...] positions, in rotate-half order: a table
     built once serves every vector turned by the same deltas (`turn`)."""
     angles = delta.to(torch.float32)[..., None] * inv_freq.to(delta.device, torch.float32)
-    return torch.cat([angles.cos(), angles.cos()], dim=-1), torch.cat([angles.sin(), angles.sin()], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
 
 
 def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -49,9 +49,9 @@ def _spec(bases, spec, compute="float32"):
 
 
 def _codec_calls(monkeypatch):
-    """Calls of the PyTorch reads of a block (`key_logits`, `mix_values`) and blocks read by the C++ kernel
-    (`attend_block` answering)."""
-    calls = {"key_logits": 0, "mix_values": 0, "attend_block": 0}
+    """Calls of the PyTorch reads of a block (`key_logits`, `mix_values`) and layers read by the C++ kernel
+    (`attend_layer` answering)."""
+    calls = {"key_logits": 0, "mix_values": 0, "attend_layer": 0}
     for name in calls:
         original = getattr(LowRankCodec, name)
 
@@ -88,11 +88,11 @@ def test_fused_decode_equals_the_decoded_store(fitted, family, spec, padded, ker
     cache = make_cache(spec, model.config)
     fused = _run(model, cache, fused=True, padded=padded)
     layers = model.config.num_hidden_layers
-    # Every decode step of every layer read latents: in one kernel call per block, or in PyTorch.
+    # Every decode step of every layer read latents: in one kernel call per layer, or in PyTorch.
     if kernel:
-        assert calls["attend_block"] == 8 * layers and calls["key_logits"] == calls["mix_values"] == 0
+        assert calls["attend_layer"] == 8 * layers and calls["key_logits"] == calls["mix_values"] == 0
     else:
-        assert calls["key_logits"] == calls["mix_values"] == 8 * layers and calls["attend_block"] == 0
+        assert calls["key_logits"] == calls["mix_values"] == 8 * layers and calls["attend_layer"] == 0
     assert all(layer.offers.confirmed for layer in cache.layers)
     assert (fused - reference).abs().max() < 1e-4
     assert measured_kv_bytes(cache) == measured_kv_bytes(reference_cache) == cache.promised_kv_bytes()
@@ -126,12 +126,12 @@ def test_fused_decode_in_bfloat16_is_within_its_rounding(fitted):
 @pytest.mark.parametrize("spec", ["lowrank:ratio=0.5",
                                   "sink_window:sink_tokens=2,window=24+lowrank:ratio=0.25,residual_length=4"])
 def test_kernel_steps_equal_the_pytorch_steps(fitted, family, spec, monkeypatch):
-    """The C++ kernel's blocks (`attend_block`) against the PyTorch blocks they replace: a padded batch of two,
-    eviction (the sliding window) included. In float32 the same logits up to float32's rounding (the sums run in
-    another order). With bf16 products both round the basis and the latents to bf16 (PyTorch's product also returns
-    its keys in bf16, where the kernel keeps its float32 sums): the kernel's distance from float32 is a bf16
-    rounding's, as the PyTorch path's is, and it picks float32's greedy token wherever float32's lead is wider
-    than that rounding (tests/ops/test_cpu_lowrank.py compares the kernel's bf16 products with their exact sums)."""
+    """The C++ kernel's layers (`attend_layer`: store, sinks and tail) against the PyTorch segments they replace: a
+    padded batch of two, eviction (the sliding window) included. In float32 the same logits up to float32's rounding
+    (the sums run in another order). With bf16 products both round the basis and the latents to bf16 (PyTorch's product
+    also returns its keys in bf16, where the kernel keeps its float32 sums): the kernel's distance from float32 is a
+    bf16 rounding's, as the PyTorch path's is, and it picks float32's greedy token wherever float32's lead is wider than
+    that rounding (tests/ops/test_cpu_lowrank.py compares the kernel's bf16 products with their exact sums)."""
     model, bases = fitted[family]
     runs = {}
     for compute in ("float32", "bfloat16"):
@@ -153,7 +153,7 @@ def test_kernel_steps_equal_the_pytorch_steps(fitted, family, spec, monkeypatch)
 
 
 @KERNEL
-def test_attend_block_answers_only_a_cpu_decode_step(fitted):
+def test_attend_layer_answers_only_a_cpu_decode_step(fitted):
     """The kernel reads a decode step's few query rows; a prefill chunk's many rows (and a codec without joint
     bases) are left to PyTorch's products."""
     from hf_kvcompress.codecs.lowrank import KERNEL_ROWS
@@ -165,11 +165,12 @@ def test_attend_block_answers_only_a_cpu_decode_step(fitted):
     positions = torch.arange(40)[None, None].expand(1, heads, 40)
     keys = codec.encode(torch.randn(1, heads, 40, dim, generator=g), "key", positions=positions)
     values = codec.encode(torch.randn(1, heads, 40, dim, generator=g), "value")
+    tail = torch.randn(1, heads, 1, dim, generator=g)
     few = torch.randn(1, heads, 3, dim, generator=g)
     many = torch.randn(1, heads, KERNEL_ROWS + 1, dim, generator=g)
     at = {"positions": positions}
-    assert codec.attend_block(keys, values, few, None, None, **at) is not None
-    assert codec.attend_block(keys, values, many, None, None, **at) is None
+    assert codec.attend_layer(keys, values, few, None, None, None, None, tail, tail, **at) is not None
+    assert codec.attend_layer(keys, values, many, None, None, None, None, tail, tail, **at) is None
 
 
 def test_key_logits_and_value_mix_equal_the_decoded_states(fitted):

@@ -141,3 +141,124 @@ def test_value_rows_apart_read_as_rows_side_by_side(dtype):
     for a, b in zip(together, spaced, strict=True):
         assert torch.equal(a, b)
 
+
+
+def _layer_reference(case, value_basis, value_mean, bias, hidden, sinks, tail, bf16: bool):
+    """[B, H, M, Dv] in float64: the store's keys as `_reference` rebuilds them (bias columns [0, T)), the exact sinks
+    at the `hidden` slots inside the store (bias column = slot) and the tail (columns T on), one softmax over all,
+    the store's values rebuilt from their latents (basis times latent plus mean)."""
+    latent, basis, mean, cos, sin, query, value_latent = case
+    z, b = (_bf16(latent.float()), _bf16(basis)) if bf16 else (latent.double(), basis.double())
+    batch, tokens, _ = latent.shape
+    heads, dim, _ = basis.shape
+    half = cos.shape[1]
+    keys = torch.einsum("hdr,btr->bhdt", b, z) + mean.double()[None, :, :, None]
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    k1, k2 = keys[:, :, :half], keys[:, :, half : 2 * half]
+    turned = torch.cat([k1 * c - k2 * s, k2 * c + k1 * s, keys[:, :, 2 * half :]], dim=2).transpose(-1, -2)
+    values = torch.einsum("hdr,btr->bhtd", value_basis.double(), value_latent.double()) \
+        + value_mean.double()[None, :, None]
+    rows = query.shape[2]
+    q = query.double()
+    store = torch.einsum("bhmd,bhtd->bhmt", q, turned)
+    parts_v, parts_l = [values], [store]
+    columns = [torch.arange(tokens).expand(batch, heads, tokens)]
+    if sinks is not None:
+        sink_keys, sink_values = sinks
+        parts_l.append(torch.einsum("bhmd,bhsd->bhms", q, sink_keys.double()))
+        parts_v.append(sink_values.double())
+        columns.append(hidden.clamp(0, tokens - 1))
+    tail_keys, tail_values = tail
+    parts_l.append(torch.einsum("bhmd,bhsd->bhms", q, tail_keys.double()))
+    parts_v.append(tail_values.double())
+    columns.append(tokens + torch.arange(tail_keys.shape[2]).expand(batch, heads, -1))
+    logits, values, column = torch.cat(parts_l, -1), torch.cat(parts_v, 2), torch.cat(columns, -1)
+    if bias is not None:
+        full = bias.double().expand(batch, heads, -1, -1).repeat(1, 1, rows // bias.shape[2], 1)
+        logits = logits + full.gather(3, column[:, :, None].expand(-1, -1, rows, -1))
+    if hidden is not None:
+        for row in range(batch):
+            for head in range(heads):
+                for j, slot in enumerate(hidden[row, head].tolist()):
+                    if 0 <= slot < tokens:
+                        logits[row, head, :, slot] = float("-inf")  # attended as its exact sink
+                    else:
+                        logits[row, head, :, tokens + j] = float("-inf")  # no sink there
+    top = logits.amax(-1, keepdim=True).nan_to_num(neginf=0.0)
+    weights = torch.exp(logits - top)
+    total = weights.sum(-1, keepdim=True)
+    return torch.einsum("bhmt,bhtd->bhmd", weights, values) / total.clamp(min=1e-300)
+
+
+def _layer(case, value_basis, value_mean, bias, hidden, sinks, tail, bf16: bool, vectorised: bool):
+    latent, basis, mean, cos, sin, query, value_latent = case
+    kernel_basis = (basis.to(torch.bfloat16).float() if bf16 else basis).transpose(1, 2).contiguous()
+    pairs = cpu_decode.bf16_pairs(basis) if bf16 else None
+    sink_keys, sink_values = (None, None) if sinks is None else sinks
+    return cpu_decode.lowrank_decode_attention(
+        latent, kernel_basis, pairs, bf16, mean, cos, sin, query, value_latent, value_basis, value_mean, bias, hidden,
+        sink_keys, sink_values, *tail, vectorised)
+
+
+def _exact(batch, heads, tokens, dim, value_dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, heads, tokens, dim, generator=g).to(dtype),
+            torch.randn(batch, heads, tokens, value_dim, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("vectorised", [True, False], ids=["instruction-set paths", "portable"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32 products", "bf16 products"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_layer_equals_the_softmax_written_out(shape, dtype, bf16, vectorised):
+    """`lowrank_decode_attention`: the store, its exact sinks and its tail in one softmax, the values rebuilt,
+    normalised, against float64; with and without sinks, a mask over every column and a tail of 0, 1 or 5 tokens."""
+    batch, tokens, _, value_rank, heads, dim, _, rows = SHAPES[shape]
+    case = _case(*SHAPES[shape], dtype)
+    value_dim = dim // 2 if dim > 32 else dim  # values narrower than keys where the shape allows
+    g = torch.Generator().manual_seed(3)
+    value_basis = torch.randn(heads, value_dim, value_rank, generator=g) / value_rank ** 0.5
+    value_mean = torch.randn(heads, value_dim, generator=g)
+    for tail_tokens in (0, 1, 5):
+        tail = _exact(batch, heads, tail_tokens, dim, value_dim, dtype, tail_tokens)
+        columns = tokens + tail_tokens
+        bias = torch.randn(batch, 1, 1, columns, generator=g).masked_fill(
+            torch.rand(batch, 1, 1, columns, generator=g) < 0.2, float("-inf"))
+        hidden = torch.randint(-2, tokens + 2, (batch, heads, 3), generator=g)
+        sinks = _exact(batch, heads, 3, dim, value_dim, dtype, 7)
+        for b, h, s in ((None, None, None), (bias, hidden, sinks)):
+            got = _layer(case, value_basis, value_mean, b, h, s, tail, bf16, vectorised)
+            want = _layer_reference(case, value_basis, value_mean, b, h, s, tail, bf16)
+            assert got.shape == (batch, heads, rows, value_dim) and got.dtype == torch.float32
+            assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item()), \
+                (tail_tokens, b is None, (got.double() - want).abs().max())
+
+
+def test_layer_rows_masked_throughout_give_zeros():
+    case = _case(2, 40, 16, 8, 3, 64, 32, 3, torch.float32)
+    g = torch.Generator().manual_seed(4)
+    value_basis, value_mean = torch.randn(3, 64, 8, generator=g), torch.randn(3, 64, generator=g)
+    tail = _exact(2, 3, 2, 64, 64, torch.float32, 5)
+    bias = torch.zeros(2, 3, 1, 42)
+    bias[1, 2] = float("-inf")  # row 1's third KV head sees nothing, store and tail
+    bias[0, 1, :, :40] = float("-inf")  # row 0's second sees its tail only
+    out = _layer(case, value_basis, value_mean, bias, None, None, tail, False, True)
+    assert torch.isfinite(out).all() and not out[1, 2].any()
+    want = _layer_reference(case, value_basis, value_mean, bias, None, None, tail, False)
+    assert torch.allclose(out.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_layer_bad_arguments_are_refused():
+    case = _case(1, 20, 16, 8, 3, 64, 32, 3, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    value_basis, value_mean = torch.randn(3, 64, 8, generator=g), torch.randn(3, 64, generator=g)
+    tail = _exact(1, 3, 1, 64, 64, torch.float32, 6)
+    sinks = _exact(1, 3, 2, 64, 64, torch.float32, 6)
+    with pytest.raises(RuntimeError, match="bias must be"):  # the store's columns only: the tail's are missing
+        _layer(case, value_basis, value_mean, torch.zeros(1, 1, 1, 20), None, None, tail, False, True)
+    with pytest.raises(RuntimeError, match="value_basis must be"):
+        _layer(case, value_basis[..., :5], value_mean, None, None, None, tail, False, True)
+    with pytest.raises(RuntimeError, match="sink states come with their slots"):
+        _layer(case, value_basis, value_mean, None, None, sinks, tail, False, True)
+    with pytest.raises(RuntimeError, match="tail_values must be"):
+        _layer(case, value_basis, value_mean, None, None, None, (tail[0], tail[1][:, :, :, :10]), False, True)
