@@ -721,9 +721,8 @@ class LowRankCodec(ReducingCodec):
         mixes the value latents a tile of tokens at a time in registers, meets the exact sinks and the tail in the
         same softmax and maps the mix to values); the same sums as the PyTorch segments over `key_logits` and
         `mix_values` in another order (bf16 products where `compute` asks). The store is read in one call, not in
-        blocks: the kernel holds a tile at a time, and the step's cos/sin tables (`TurnTables`, 256 bytes per token
-        and row at SmolLM2's 32 frequencies, shared by the layers) are what it reads beside the store. `positions` as
-        `key_logits`' (the store's slots)."""
+        blocks: the kernel holds a tile at a time, and the step's cos/sin tables (`TurnTables`, shared by the layers)
+        are all it reads beside the store. `positions` as `key_logits`' (the store's slots)."""
         if not (self._joint and query.device.type == "cpu" and query.shape[2] <= KERNEL_ROWS
                 and cpu_decode.available()):
             return None
