@@ -3,9 +3,9 @@
 Question: on the user's path (plain forward steps of the model with a cache from `make_cache`), how much faster is a
 float32 (or bfloat16) decode step of a joint low-rank cache with this checkout's attention than with BASE's, where two
 processes minutes apart differ by more than that on a shared machine? And where does each side's step go?
-Command (BASE: a `git archive` of the other commit, extracted):
+Command:
     python benchmarks/probes/lowrank_layer_kernel_ab.py --base BASE --specs "lowrank:ratio=0.5;lowrank" \
-        --tokens 4096 --steps 24 --dtype float32
+        --tokens 4096 --steps 24 --dtype float32      # BASE: a `git archive` of the other commit, extracted
 Written up: docs/speed.md, "Low rank's decode step: the layer in one kernel call (issue 30, session 31; helper i30s)".
 
 BASE's package is copied into a temporary folder as `hf_kvcompress_base` (the package imports itself relatively) and
