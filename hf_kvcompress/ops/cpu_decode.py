@@ -254,9 +254,11 @@ def lowrank_store_partials(
     cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, value_latent: torch.Tensor, bias: torch.Tensor | None,
     hidden: torch.Tensor | None, vectorised: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax partials of `query` [B, H, M, D] (float32, scaled) over a block of a joint low-rank store, in one call
-    (cpu_lowrank.h): the keys query . RoPE(p_t)(basis_h z_t + mean_h) rebuilt, turned and met a tile of tokens at a
-    time without leaving registers, masked, and folded into an online softmax that mixes the value latents.
+    """Softmax partials of `query` [B, H, M, D] (float32, scaled) over a joint low-rank store alone, in one call
+    (cpu_lowrank.h): the store's fold that `lowrank_decode_attention` (the decode step's call) runs first, exposed so
+    its partials can be checked against a softmax written out (tests/ops/test_cpu_lowrank.py). The keys
+    query . RoPE(p_t)(basis_h z_t + mean_h) are rebuilt, turned and met a tile of tokens at a time without leaving
+    registers, masked, and folded into an online softmax that mixes the value latents.
 
     `latent` [B, T, r] (float32, bfloat16 or float16, unit stride over r): the key latents; `basis` [H, r, D] float32
     (the key basis transposed); `mean` [H, D]; `cos`, `sin` [B, R / 2, T] float32 (RoPE's turn at each token's
