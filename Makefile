@@ -38,7 +38,7 @@ test-slow: setup
 	$(BIN)/python -m pytest -q -m slow tests
 
 # Speed and memory of every cache against DynamicCache (benchmarks/harness/bench.py: the grid and its cost; not part
-# of `make test`). BENCH_ARGS="--quick" for the short grid, "--targets" for only what issue 29's targets read,
+# of `make test`). BENCH_ARGS="--quick" for the short grid, "--targets" for only what the speed targets read,
 # "--threads 1 --clock cpu" on a shared machine.
 # Writes benchmarks/results/bench-<time>.{md,json} and bench-<time>-<dtype>.png (git-ignored; benchmarks/README.md).
 BENCH_ARGS ?=

@@ -1,5 +1,5 @@
-"""benchmarks/harness/bench_targets.py: issue 29's targets read from a bench run's rows (met, not met, failed, not
-measured), and bench.py's `--targets` grid running exactly the runs they read."""
+"""benchmarks/harness/bench_targets.py: the speed targets (issues 29 and 30) read from a bench run's rows (met, not
+met, failed, not measured), and bench.py's `--targets` grid running exactly the runs they read."""
 
 import sys
 from pathlib import Path
@@ -14,6 +14,7 @@ import bench_targets  # noqa: E402
 from bench_targets import TARGETS, Target, assess, targets_table  # noqa: E402
 
 SNAPKV, KVZIP, SINK = "snapkv:ratio=0.25", "kvzip:ratio=0.25", "sink_window:sink_tokens=4,window=1020"
+LOWRANK_HALF = "lowrank:ratio=0.5"
 
 
 def _run(decode_ms: float, prefill_s: float = 10.0) -> dict:
@@ -64,11 +65,11 @@ def test_each_target_cell_is_met_not_met_failed_or_not_measured():
     assert _row(text, "decode of `fp8` at 4k <= 1x")[0] == "failed"
     assert _row(text, "decode of `int4` at 1k <= 1.15x")[0] == "1.15x met"
     assert len(text.splitlines()) == 2 + len(TARGETS) + 2
-    # 12 targets x 4 columns; the prefill target fails in float32 (fp8) and bfloat16 (DynamicCache) at batch 1
-    assert len(TARGETS) == 12
+    # 13 targets x 4 columns; the prefill target fails in float32 (fp8) and bfloat16 (DynamicCache) at batch 1
+    assert len(TARGETS) == 13
     assert _row(text, "prefill of every cache but kvzip <= 1.1x") == [
         "1.00x failed (`fp8` at 4k)", "not measured", "failed (`int4` at 4k (its DynamicCache))", "not measured"]
-    assert text.splitlines()[-1] == "Of 48 target cells: 2 met, 2 not met, 4 failed, 40 not measured."
+    assert text.splitlines()[-1] == "Of 52 target cells: 2 met, 2 not met, 4 failed, 44 not measured."
 
 
 def test_prefill_reads_the_worst_of_every_cache_of_ours_but_kvzip_and_no_peer_or_earlier_checkout():
@@ -97,7 +98,7 @@ def test_prefill_reads_the_worst_of_every_cache_of_ours_but_kvzip_and_no_peer_or
 def test_the_targets_grid_is_exactly_the_runs_the_targets_read():
     assert bench_targets.CELLS == sorted(
         [("dynamic", n) for n in (1024, 4096, 8192)] + [(s, n) for s in ("int4", "int2") for n in (1024, 4096, 8192)]
-        + [(s, 4096) for s in ("fp8", "int8", SNAPKV, KVZIP)] + [(SINK, 8192)])
+        + [(s, 4096) for s in ("fp8", "int8", SNAPKV, KVZIP, LOWRANK_HALF, "lowrank")] + [(SINK, 8192)])
     # `make bench`'s default caches include every cache a target names, so its table reports each of them
     assert {s for t in TARGETS for s in t.specs} <= set(bench.SPECS)
 
@@ -133,7 +134,7 @@ def test_the_bench_prints_the_targets_after_its_tables(monkeypatch, tmp_path, ca
     bench.main()
     printed = capsys.readouterr().out
     written = next(tmp_path.glob("bench-*.md")).read_text()
-    assert "### Issue 29's targets" in written and "### Issue 29's targets" in printed
+    assert "### Speed targets (issues 29 and 30)" in written and "### Speed targets (issues 29 and 30)" in printed
     assert _row(written, "decode of `int4` at 8k <= 0.6x")[0] == "0.55x met"
     assert _row(written, "decode of `int2` at 4k <= 1x")[0] == "0.70x met"
     assert _row(written, "decode of `int2` at 8k <= 0.6x")[0] == "0.70x **not met**"
@@ -143,7 +144,7 @@ def test_the_bench_prints_the_targets_after_its_tables(monkeypatch, tmp_path, ca
     assert _row(written, "prefill of every cache but kvzip <= 1.1x")[:2] == ["1.00x met (`int2` at 1k)",
                                                                               "not measured"]
     # every target is measured at float32 batch 1, nothing else
-    assert written.splitlines()[-1] == "Of 48 target cells: 10 met, 2 not met, 0 failed, 36 not measured."
+    assert written.splitlines()[-1] == "Of 52 target cells: 11 met, 2 not met, 0 failed, 39 not measured."
     assert "| 8192 | 1 | `fp8` |" not in written and "| 4096 | 1 | `fp8` |" in written
 
 
@@ -177,3 +178,22 @@ def test_an_eviction_target_not_met_names_the_floor_of_a_dynamic_cache_of_its_ke
     results[("float32", "dynamic", 1024, 1)] = [_run(40.0)]  # a floor under the target: no "below it"
     assert _row(targets_table(results, ours), f"decode of `{SNAPKV}` at 4k <= 0.5x")[0] == (
         "0.74x **not met** (floor 0.40x: DynamicCache of 1k tokens)")
+
+
+def test_the_low_rank_target_reads_the_worse_of_its_two_caches():
+    target = next(t for t in TARGETS if t.specs == (LOWRANK_HALF, "lowrank"))
+    results = {
+        ("float32", "dynamic", 4096, 1): [_run(100.0)],
+        ("float32", LOWRANK_HALF, 4096, 1): [_run(126.0)],
+        ("float32", "lowrank", 4096, 1): [_run(114.0)],
+        ("bfloat16", "dynamic", 4096, 1): [_run(200.0)],
+        ("bfloat16", LOWRANK_HALF, 4096, 1): [_run(120.0)],
+    }
+    ours = ["dynamic", LOWRANK_HALF, "lowrank"]
+    ratio, status, where = assess(target, results, ours, "float32", 1)
+    assert (round(ratio, 2), status, where) == (1.26, "not met", f"`{LOWRANK_HALF}` at 4k")
+    assert assess(target, results, ours, "bfloat16", 1)[:2] == (pytest.approx(0.6), "met")  # the run it has
+    row = _row(targets_table(results, ours), f"decode of `{LOWRANK_HALF}` and `lowrank` at 4k <= 1.2x")
+    assert row[0] == f"1.26x **not met** (`{LOWRANK_HALF}` at 4k)"  # no floor: not an eviction target
+    results[("float32", LOWRANK_HALF, 4096, 1)] = [_run(119.0)]
+    assert assess(target, results, ours, "float32", 1) == (pytest.approx(1.19), "met", f"`{LOWRANK_HALF}` at 4k")

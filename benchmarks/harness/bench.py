@@ -30,22 +30,24 @@ peer's ratios are against DynamicCache run in that environment in the same run, 
 or does not run is a row with its error. Default: every peer; `--quick`: quanto-int4 and kvpress-snapkv;
 `--compare-code`: none.
 
-After the tables, issue 29's targets (bench_targets.py): for each target, in each dtype and batch, the measured ratio
-to DynamicCache and whether it is met, not met, failed or not measured in this run. The default caches include every
-cache a target names (`snapkv:ratio=0.25` for that reason, where kvpress's SnapKV peer keeps the same quarter).
+After the tables, the speed targets of issues 29 and 30 (bench_targets.py): for each target, in each dtype and
+batch, the measured ratio to DynamicCache and whether it is met, not met, failed or not measured in this run. The
+default caches include every cache a target names (`snapkv:ratio=0.25` for that reason, where kvpress's SnapKV peer
+keeps the same quarter; `lowrank:ratio=0.5` and `lowrank`, issue 30's).
 
 Cost, with `--threads 1` on a quiet 2-core CPU (estimates from the single-thread prefills measured here: batch 1 at
 1k / 4k / 8k tokens about 3 / 17 / 48 s in float32 and 1.4 / 11 / 37 s in bfloat16, a batch-8 prefill of 4k tokens
 185-235 s in float32, KVzip's 3-4.5x a prefill, and ~7 s per worker to load the model; batch 8 at 8k, never run,
-taken as 8x batch 1): the default grid, 9 caches at 1k, 4k and 8k tokens with batch 1 and at 1k and 4k with batch 8,
-both dtypes, takes about 1.7 hours a repeat, so 3.5 hours at the default 2 repeats, over two thirds of it batch 8; the
+taken as 8x batch 1): the default grid, 11 caches at 1k, 4k and 8k tokens with batch 1 and at 1k and 4k with batch 8,
+both dtypes, takes about 2.1 hours a repeat, so 4.2 hours at the default 2 repeats, over two thirds of it batch 8; the
 10 peers with their 2 baselines add about one and a half times as much again (at 1k and 4k, batch 1, one repeat:
 1,000 s with 4 of our caches, of which 730 s were the peers; kvpress's KVzip replays the prompt at 5.5x a prefill,
 ObservedAttention runs eager attention at 3.5x; kvpress's KVzip scores batch 1 only and fails at batch 8 after its
 prefill); `--full` adds batch 8 at 8k tokens (the issue's whole grid), whose prefills add about 2.5 hours a repeat.
-`--targets` runs only the 15 (cache, length) runs the targets read (DynamicCache at 1k, 4k and 8k; int4 and int2 at
-each; fp8, int8, snapkv and kvzip at 4k; sink_window at 8k) at batch 1 and 8 in both dtypes, no peers: 15-20
-minutes a repeat at batch 1 (`--targets --batches 1`) and 1.7 hours at batch 8, where its 8k runs are half the time.
+`--targets` runs only the 17 (cache, length) runs the targets read (DynamicCache at 1k, 4k and 8k; int4 and int2 at
+each; fp8, int8, snapkv, kvzip and the two low-rank caches at 4k; sink_window at 8k) at batch 1 and 8 in both dtypes,
+no peers: 17-22 minutes a repeat at batch 1 (`--targets --batches 1`) and 1.9 hours at batch 8, where its 8k runs
+are half the time.
 `--quick` (1k and 4k tokens, batch 1, 8 new tokens, two peers) takes about a quarter of an hour. On a shared machine
 use `--threads 1 --clock cpu`: the CPU time of a single-threaded worker is what other processes disturb least.
 """
@@ -78,7 +80,7 @@ QUICK_PEERS = ["quanto-int4", "kvpress-snapkv"]
 SPECS = [
     "dynamic", "int8", "int4", "int2", "fp8",
     "sink_window:sink_tokens=4,window=1020", "h2o:budget=1024,recent=128", "snapkv:ratio=0.25",
-    "kvzip:ratio=0.25",
+    "kvzip:ratio=0.25", "lowrank:ratio=0.5", "lowrank",
 ]
 QUICK = dict(lengths=[1024, 4096], batches=[1], repeats=2, new_tokens=8)
 MIB = 1 << 20
@@ -344,14 +346,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1k and 4k tokens, batch 1, 2 repeats, 8 new tokens")
     parser.add_argument("--full", action="store_true", help="also batch 8 at 8k tokens (the whole 3 x 2 grid)")
-    parser.add_argument("--targets", action="store_true", help="only the runs issue 29's targets read, at batch 1 "
+    parser.add_argument("--targets", action="store_true", help="only the runs the speed targets read, at batch 1 "
                         "and 8 (--lengths and --batches narrow it), no peers unless --peers")
     parser.add_argument("--lengths", default=None, help="prompt lengths, comma-separated (default 1024,4096,8192)")
     parser.add_argument("--batches", default=None, help="batch sizes, comma-separated (default 1,8)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats per run (default 2)")
     parser.add_argument("--new-tokens", type=int, default=None, help="decode steps per run (default 16)")
     parser.add_argument("--specs", default=None, help="cache specs separated by ';' (dynamic is added; default: "
-                        "the 9 caches of SPECS, or with --targets those the targets name)")
+                        "the 11 caches of SPECS, or with --targets those the targets name)")
     parser.add_argument("--model", default=None, help="model alias or path (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         help="model dtypes, comma-separated, each a table of its own (default float32,bfloat16)")
@@ -425,9 +427,9 @@ def main() -> None:
     )
     ours = [row.label for row in rows if row.env == "ours" and " @" not in row.label]
     sections.append(
-        "### Issue 29's targets\n\nRatios to DynamicCache in the same dtype, batch and run (decode ms/token, prefill "
-        "s), the worst of its runs where a target reads several; not measured: no such run in this grid "
-        "(`--targets` runs every one).\n\n" + targets_table(results, ours) + "\n")
+        "### Speed targets (issues 29 and 30)\n\nRatios to DynamicCache in the same dtype, batch and run (decode "
+        "ms/token, prefill s), the worst of its runs where a target reads several; not measured: no such run in this "
+        "grid (`--targets` runs every one).\n\n" + targets_table(results, ours) + "\n")
     text = header + "\n".join(sections)
     (out / f"bench-{stamp}.md").write_text(text)
     (out / f"bench-{stamp}.json").write_text(json.dumps({"|".join(map(str, k)): v for k, v in results.items()}))
