@@ -234,6 +234,33 @@ void turned_block_avx512(const Keys& k, int64_t h, int64_t i0, const void* tile,
 #endif
 
 #if defined(__AVX512F__)
+// r[i] (row i of a 16 x 16 matrix of 32-bit words) becomes column i: within each 128-bit lane the rows' words are
+// interleaved by pairs of rows, then of row pairs (r[4g + e] holds, in lane L, word 4L + e of rows 4g .. 4g + 3), and
+// the lanes of those four groups are then gathered into one vector per word.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i x0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), x1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xee);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xee);
+    t[e] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    t[4 + e] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+    t[8 + e] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    t[12 + e] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
 // The tile's latents gathered, LANES tokens per rank entry (pack_floats / pack_pairs for float32 and bfloat16 latents
 // in whole tiles; a scalar loop per element costs about what the tile's products do). False: not read here.
 inline bool pack_avx512(const Keys& k, int64_t b, int64_t t0, int64_t n, float* zt, uint32_t* zp) {
@@ -270,15 +297,25 @@ inline bool pack_avx512(const Keys& k, int64_t b, int64_t t0, int64_t n, float* 
 #endif
       continue;
     }
-    // bfloat16 latents: 32-bit words of two rank entries (2j at the lower address), gathered whole.
-    const uint16_t* base = static_cast<const uint16_t*>(k.latent) + start;
-    for (int64_t j = 0; j < k.pair_rank; ++j) {
-      const __m512i pair = _mm512_i32gather_epi32(tokens, base + 2 * j, 2);
-      if (zp != nullptr) _mm512_storeu_si512(zp + j * LANES + 16 * v, pair);
-      if (zt != nullptr) {
-        _mm512_storeu_ps(zt + 2 * j * LANES + 16 * v, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
-        _mm512_storeu_ps(zt + (2 * j + 1) * LANES + 16 * v,
-                         _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)))));
+    // bfloat16 latents: 32-bit words of two rank entries (2j at the lower address), 16 tokens' rows of 16 words
+    // loaded as they lie and transposed in registers (`transpose16`): one vector gather per word cost several times
+    // that (docs/speed.md, "Low rank's float32 decode at 4k", session 32).
+    const int32_t* base = reinterpret_cast<const int32_t*>(static_cast<const uint16_t*>(k.latent) + start);
+    const int64_t row_words = k.latent_t / 2;
+    for (int64_t j0 = 0; j0 < k.pair_rank; j0 += 16) {
+      const int64_t words = std::min<int64_t>(16, k.pair_rank - j0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << words) - 1u);
+      __m512i pair[16];
+      for (int i = 0; i < 16; ++i) pair[i] = _mm512_maskz_loadu_epi32(mask, base + i * row_words + j0);
+      transpose16(pair);  // pair[w]: word j0 + w of the 16 tokens
+      for (int64_t w = 0; w < words; ++w) {
+        const int64_t j = j0 + w;
+        if (zp != nullptr) _mm512_storeu_si512(zp + j * LANES + 16 * v, pair[w]);
+        if (zt != nullptr) {
+          _mm512_storeu_ps(zt + 2 * j * LANES + 16 * v, _mm512_castsi512_ps(_mm512_slli_epi32(pair[w], 16)));
+          _mm512_storeu_ps(zt + (2 * j + 1) * LANES + 16 * v,
+                           _mm512_castsi512_ps(_mm512_and_si512(pair[w], _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)))));
+        }
       }
     }
   }

@@ -45,10 +45,11 @@ def _reference(latent, basis, mean, cos, sin, query, value_latent, bias, hidden,
     return top, total, torch.cat([mix, total], dim=-1)
 
 
-def _case(batch, tokens, rank, value_rank, heads, dim, half, rows, dtype, seed=0):
+def _case(batch, tokens, rank, value_rank, heads, dim, half, rows, dtype, seed=0, spare=3):
     g = torch.Generator().manual_seed(seed)
-    # A view with a row stride past its rank and an offset: the store's block as `slice_encoded` cuts it.
-    latent = torch.randn(batch, tokens + 7, rank + 3, generator=g).to(dtype)[:, 5 : tokens + 5, :rank]
+    # A view with a row stride `spare` entries past its rank and an offset: the store's block as `slice_encoded` cuts
+    # it (an odd stride: bf16 pairs then straddle 32-bit words, read entry by entry).
+    latent = torch.randn(batch, tokens + 7, rank + spare, generator=g).to(dtype)[:, 5 : tokens + 5, :rank]
     value_latent = torch.randn(batch, tokens, value_rank, generator=g).to(dtype)
     basis = torch.randn(heads, dim, rank, generator=g) / rank ** 0.5
     mean = torch.randn(heads, dim, generator=g)
@@ -262,3 +263,23 @@ def test_layer_bad_arguments_are_refused():
         _layer(case, value_basis, value_mean, None, None, sinks, tail, False, True)
     with pytest.raises(RuntimeError, match="tail_values must be"):
         _layer(case, value_basis, value_mean, None, None, None, (tail[0], tail[1][:, :, :, :10]), False, True)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32 products", "bf16 products"])
+@pytest.mark.parametrize(("rank", "spare"), [(80, 2), (24, 0), (48, 4)], ids=["3 blocks of words", "rows side by side",
+                                                                             "one block"])
+def test_layer_reads_bf16_rows_of_whole_words(rank, spare, bf16):
+    """bf16 latents whose rows hold whole 32-bit words (even rank and row stride, as a store's room holds them) are
+    read 16 tokens' rows at a time and transposed in registers (`pack_avx512`): whole tiles and a part, against
+    float64 and against the portable loops."""
+    batch, tokens, value_rank, heads, dim, rows = 2, 100, 40, 3, 64, 3
+    case = _case(batch, tokens, rank, value_rank, heads, dim, 32, rows, torch.bfloat16, seed=rank, spare=spare)
+    g = torch.Generator().manual_seed(8)
+    value_basis = torch.randn(heads, dim, value_rank, generator=g) / value_rank ** 0.5
+    value_mean = torch.randn(heads, dim, generator=g)
+    tail = _exact(batch, heads, 1, dim, dim, torch.bfloat16, 9)
+    got = _layer(case, value_basis, value_mean, None, None, None, tail, bf16, True)
+    want = _layer_reference(case, value_basis, value_mean, None, None, None, tail, bf16)
+    portable = _layer(case, value_basis, value_mean, None, None, None, tail, bf16, False)
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+    assert torch.allclose(got, portable, rtol=1e-4, atol=1e-5 * portable.abs().max().item())
