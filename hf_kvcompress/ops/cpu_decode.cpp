@@ -1117,7 +1117,59 @@ at::Tensor lowrank_decode_attention(
   return out;
 }
 
+// A few tokens' latents for a joint low-rank store (codecs/lowrank.py's `encode`, a decode step's new token), in one
+// call instead of the dozen tensor ops of the rotation, the mean and the projection: states [B, H, n, D] (float32,
+// bfloat16 or float16, any strides) turned by RoPE where cos and sin [B, H, n, R / 2] (float32, contiguous; the turn
+// to apply, the keys' own positions negated by the caller) are given, on the first R channels; the mean [H, D]
+// subtracted; the whole [H * D] projected on encoder [H, D, r] (float32, contiguous). Returns [B, 1, n, r] float32.
+// The rotation's and the mean's float32 roundings are PyTorch's; the projection's sums run in another order.
+at::Tensor lowrank_encode(const at::Tensor& states, const c10::optional<at::Tensor>& cos,
+                          const c10::optional<at::Tensor>& sin, const at::Tensor& mean, const at::Tensor& encoder) {
+  const auto type = states.scalar_type();
+  TORCH_CHECK(states.dim() == 4 && (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
+              "lowrank_encode: states must be float32, bfloat16 or float16 [B, H, n, D]");
+  const int64_t batch = states.size(0), heads = states.size(1), tokens = states.size(2), dim = states.size(3);
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.dim() == 2 && mean.size(0) == heads &&
+                  mean.size(1) == dim,
+              "lowrank_encode: mean must be contiguous float32 [H, D]");
+  TORCH_CHECK(encoder.scalar_type() == at::kFloat && encoder.is_contiguous() && encoder.dim() == 3 &&
+                  encoder.size(0) == heads && encoder.size(1) == dim,
+              "lowrank_encode: encoder must be contiguous float32 [H, D, r]");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "lowrank_encode: cos and sin come together");
+  int64_t half = 0;
+  if (cos.has_value()) {
+    half = cos->dim() == 4 ? cos->size(3) : 0;
+    for (const at::Tensor* t : {&*cos, &*sin})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 4 && t->size(0) == batch &&
+                      t->size(1) == heads && t->size(2) == tokens && t->size(3) == half && 2 * half <= dim,
+                  "lowrank_encode: cos and sin must be contiguous float32 [B, H, n, R / 2] alike, R <= D");
+  }
+  const int64_t rank = encoder.size(2), width = heads * dim;
+  at::Tensor out = at::empty({batch, 1, tokens, rank}, states.options().dtype(at::kFloat));
+  const void* base = states.data_ptr();
+  const float* mu = mean.data_ptr<float>();
+  std::vector<float> x(static_cast<size_t>(width));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        float* xh = x.data() + h * dim;
+        const int64_t start = b * states.stride(0) + h * states.stride(1) + t * states.stride(2);
+        for (int64_t d = 0; d < dim; ++d) xh[d] = load_float(base, type, start + d * states.stride(3));
+        if (half > 0) {
+          const int64_t at_turn = ((b * heads + h) * tokens + t) * half;
+          lowrank::turn_in_place(xh, cos->data_ptr<float>() + at_turn, sin->data_ptr<float>() + at_turn, half);
+        }
+        for (int64_t d = 0; d < dim; ++d) xh[d] -= mu[h * dim + d];
+      }
+      lowrank::project(x.data(), encoder.data_ptr<float>(), width, rank,
+                       out.data_ptr<float>() + (b * tokens + t) * rank);
+    }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("lowrank_encode", &lowrank_encode,
+             "A few tokens' latents for a joint low-rank store: turned back, centred and projected, in one call");
   module.def("lowrank_store_partials", &lowrank_store_partials,
              "Softmax partials of decode queries over a joint low-rank store (max, sum, value-latent mix), fused");
   module.def("lowrank_decode_attention", &lowrank_decode_attention,

@@ -301,6 +301,18 @@ def lowrank_decode_attention(
     )
 
 
+def lowrank_encode(states: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, mean: torch.Tensor,
+                   encoder: torch.Tensor) -> torch.Tensor:
+    """A few tokens' latents for a joint low-rank store in one call (cpu_lowrank.h `turn_in_place`, `project`):
+    `states` [B, H, n, D] (float32, bfloat16 or float16) turned by rotate-half RoPE where `cos` and `sin`
+    [B, H, n, R / 2] (float32; the turn to apply) are given, `mean` [H, D] subtracted and the heads' [H * D] projected
+    on `encoder` [H, D, r] (float32): [B, 1, n, r] float32, what codecs/lowrank.py's `rerotate` and `reduce` make
+    of them, the projection's sums in another order."""
+    extension = _built()
+    table = [None if t is None else t.float().contiguous() for t in (cos, sin)]
+    return extension.lowrank_encode(states, *table, mean.float().contiguous(), encoder.float().contiguous())
+
+
 def bf16_pairs(basis: torch.Tensor) -> torch.Tensor:
     """`basis` [H, D, r] as the bf16 pairs `lowrank_store_partials` reads: [H, ceil(r / 2), D] int32, each word holding
     rank entries 2j (low half) and 2j + 1 (high half; 0 past r) of a channel, rounded to bf16."""

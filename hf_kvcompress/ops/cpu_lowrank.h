@@ -664,4 +664,29 @@ inline void finish_head(const Keys& k, const Values& v, const Exact& e, int64_t 
   }
 }
 
+// x [2 * half] in place: rotate-half RoPE by the turn whose cos and sin [half] are given. Each product is rounded
+// before the sum, as PyTorch's elementwise `turn` (ops/rerotate.py) rounds it: no fused multiply-add here.
+__attribute__((optimize("fp-contract=off"))) inline void turn_in_place(float* x, const float* cs, const float* sn,
+                                                                        int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[half + i];
+    const float a = x1 * cs[i], b = x2 * sn[i], c = x2 * cs[i], d = x1 * sn[i];
+    x[i] = a - b;  // x1 cos + (-x2) sin
+    x[half + i] = c + d;
+  }
+}
+
+// One token's latent (cpu_decode.cpp's `lowrank_encode`): its H heads' states x [H * D] (float32, the heads side by
+// side) with the mean subtracted, projected on the encoder [H * D, r] (row-major): latent[j] = sum over i of
+// x[i] * encoder[i, j], the sum over i in order, r columns at a time.
+inline void project(const float* x, const float* encoder, int64_t width, int64_t rank, float* latent) {
+  std::fill(latent, latent + rank, 0.0f);
+  for (int64_t i = 0; i < width; ++i) {
+    const float xi = x[i];
+    const float* row = encoder + i * rank;
+#pragma omp simd
+    for (int64_t j = 0; j < rank; ++j) latent[j] += xi * row[j];
+  }
+}
+
 }  // namespace lowrank

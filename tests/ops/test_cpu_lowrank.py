@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_kvcompress.ops import cpu_decode
+from hf_kvcompress.ops.rerotate import rerotate
 
 if not cpu_decode.available():  # builds it once per machine (about a minute), then loads it from torch's cache
     pytest.skip("the CPU kernel cannot be built here (no C++ compiler?)", allow_module_level=True)
@@ -283,3 +284,62 @@ def test_layer_reads_bf16_rows_of_whole_words(rank, spare, bf16):
     portable = _layer(case, value_basis, value_mean, None, None, None, tail, bf16, False)
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
     assert torch.allclose(got, portable, rtol=1e-4, atol=1e-5 * portable.abs().max().item())
+
+
+def _encode_inputs(batch, heads, tokens, dim, half, rank, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    # Every fourth token of a longer tensor: strides the kernel must follow (a tail's slice is not contiguous either).
+    states = (torch.randn(batch, heads, 4 * tokens, dim, generator=g) * 3).to(dtype)[:, :, ::4]
+    positions = torch.randint(0, 5000, (batch, heads, tokens), generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+    mean = torch.randn(heads, dim, generator=g)
+    encoder = torch.randn(heads, dim, rank, generator=g) / (heads * dim) ** 0.5
+    return states, positions, inv_freq, mean, encoder
+
+
+def _turn_back(states, positions, inv_freq):
+    """What codecs/lowrank.py's PyTorch path turns keys back with (`rerotate` by minus their positions), and its table."""
+    angles = (-positions).to(torch.float32)[..., None] * inv_freq
+    return rerotate(states.float(), -positions, inv_freq), angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "dim", "half"), [(3, 64, 32), (2, 32, 10)], ids=["rotary", "partial rotary"])
+def test_encode_equals_rerotate_and_reduce(dtype, heads, dim, half):
+    """`lowrank_encode`: keys turned back and values as they are, the mean subtracted, projected: against float64."""
+    states, positions, inv_freq, mean, encoder = _encode_inputs(2, heads, 3, dim, half, 24, dtype, heads)
+    turned, cos, sin = _turn_back(states, positions, inv_freq)
+    for given, table in ((turned, (cos, sin)), (states.float(), (None, None))):
+        got = cpu_decode.lowrank_encode(states, *table, mean, encoder)
+        flat = (given.double() - mean.double()[None, :, None]).transpose(1, 2).reshape(2, 3, heads * dim)
+        want = (flat @ encoder.double().reshape(heads * dim, -1))[:, None]
+        assert got.shape == (2, 1, 3, 24) and got.dtype == torch.float32
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_rounds_the_turn_and_the_mean_as_pytorch_does(dtype):
+    """With the identity for encoder each latent is one product by 1 plus zeros: the turned, centred states come out
+    exactly as `rerotate` and the subtraction of the mean round them (no fused multiply-add in the turn)."""
+    heads, dim, half = 3, 64, 32
+    states, positions, inv_freq, mean, _ = _encode_inputs(1, heads, 5, dim, half, 1, dtype, 11)
+    identity = torch.eye(heads * dim).reshape(heads, dim, heads * dim)
+    turned, cos, sin = _turn_back(states, positions, inv_freq)
+    got = cpu_decode.lowrank_encode(states, cos, sin, mean, identity)
+    want = (turned - mean[None, :, None]).transpose(1, 2).reshape(1, 1, 5, heads * dim)
+    assert torch.equal(got, want)
+
+
+def test_encode_bad_arguments_are_refused():
+    states, positions, inv_freq, mean, encoder = _encode_inputs(1, 3, 2, 64, 32, 8, torch.float32, 12)
+    _, cos, sin = _turn_back(states, positions, inv_freq)
+    with pytest.raises(RuntimeError, match="mean must be"):
+        cpu_decode.lowrank_encode(states, cos, sin, mean[:2], encoder)
+    with pytest.raises(RuntimeError, match="encoder must be"):
+        cpu_decode.lowrank_encode(states, cos, sin, mean, encoder[:, :10])
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        cpu_decode.lowrank_encode(states, cos[..., :1, :], sin[..., :1, :], mean, encoder)
+    with pytest.raises(RuntimeError, match="cos and sin come together"):
+        cpu_decode.lowrank_encode(states, cos, None, mean, encoder)
+    with pytest.raises(RuntimeError, match="states must be"):
+        cpu_decode.lowrank_encode(states.double(), cos, sin, mean, encoder)
