@@ -494,6 +494,71 @@ inline void mix_rows(const float* p, const float* z, int64_t stride, int64_t n, 
   for (; row < rows; ++row) mix_row_block<1>(p, z, stride, n, row, rank, acc);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HF_LOWRANK_MIX_VECTOR 1
+// 16 entries of a value latent's row from `z` as float32 (lanes past `mask` 0): float32 as they are, bf16 widened
+// (a bf16 is the high half of a float32), so a bf16 store is mixed without a float32 copy of its tile.
+inline __m512 load16(const float* z, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, z); }
+inline __m512 load16(const uint16_t* z, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, z)), 16));
+}
+
+// AVX-512 `mix_block`: rows [row, row + R) and columns [c, c + 16 V) (the last vector's lanes past `last` left
+// alone), R x V sums in registers across the tile's n tokens, each token's row of latents loaded (and widened) once
+// for the R rows. Each sum runs over the tokens in order, one FMA per token, as `mix_block`'s.
+template <int R, int V, typename T>
+inline void mix_block_avx512(const float* p, const T* z, int64_t stride, int64_t n, int64_t row, int64_t c,
+                             int64_t rank, __mmask16 last, float* acc) {
+  __m512 part[R][V];
+#pragma GCC unroll 9
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v)
+      part[r][v] = _mm512_maskz_loadu_ps(v == V - 1 ? last : 0xffff, acc + (row + r) * rank + c + 16 * v);
+  for (int64_t l = 0; l < n; ++l) {
+    const T* zl = z + l * stride + c;
+    __m512 zv[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) zv[v] = load16(zl + 16 * v, v == V - 1 ? last : 0xffff);
+#pragma GCC unroll 9  // whole: the sums stay in registers (a loop over r would keep them in memory)
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[(row + r) * LANES + l]);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) part[r][v] = _mm512_fmadd_ps(w, zv[v], part[r][v]);
+    }
+  }
+#pragma GCC unroll 9
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v)
+      _mm512_mask_storeu_ps(acc + (row + r) * rank + c + 16 * v, v == V - 1 ? last : 0xffff, part[r][v]);
+}
+
+// Rows [row, row + R) over every column: 32 at a time, then 16, then the rest under a mask.
+template <int R, typename T>
+inline void mix_row_block_avx512(const float* p, const T* z, int64_t stride, int64_t n, int64_t row, int64_t rank,
+                                 float* acc) {
+  int64_t c = 0;
+  for (; c + 32 <= rank; c += 32) mix_block_avx512<R, 2>(p, z, stride, n, row, c, rank, 0xffff, acc);
+  for (; c + 16 <= rank; c += 16) mix_block_avx512<R, 1>(p, z, stride, n, row, c, rank, 0xffff, acc);
+  if (c < rank)
+    mix_block_avx512<R, 1>(p, z, stride, n, row, c, rank, static_cast<__mmask16>((1u << (rank - c)) - 1u), acc);
+}
+
+// `mix_rows` from float32 or bf16 latents as stored (z's rows `stride` apart): up to 9 rows per block (SmolLM2's 3 KV
+// heads x 3 query rows in one: 18 sums, 2 latent vectors and a weight in registers), so each token's latents are
+// read and widened once per block.
+template <typename T>
+inline void mix_rows_avx512(const float* p, const T* z, int64_t stride, int64_t n, int64_t rows, int64_t rank,
+                            float* acc) {
+  int64_t row = 0;
+  for (; row + 9 <= rows; row += 9) mix_row_block_avx512<9>(p, z, stride, n, row, rank, acc);
+  for (; row + 4 <= rows; row += 4) mix_row_block_avx512<4>(p, z, stride, n, row, rank, acc);
+  for (; row + 2 <= rows; row += 2) mix_row_block_avx512<2>(p, z, stride, n, row, rank, acc);
+  for (; row < rows; ++row) mix_row_block_avx512<1>(p, z, stride, n, row, rank, acc);
+}
+#endif
+
 // Tiles [tile_begin, tile_end) of row b folded into one online softmax per (head, query row): running max mx [R],
 // sum sm [R] and value-latent mix acc [R, rv] (R = H * M), relative to mx, as caches/store_attention.py's
 // _OnlineSoftmax folds a block (masked logits weigh nothing; a row masked so far keeps max -inf and zeros).
@@ -556,6 +621,16 @@ void fold_tiles(const Keys& k, const Values& v, int64_t b, int64_t tile_begin, i
     // The tile's value latents as float32 rows: the store's own for float32 latents; others converted, in one pass
     // where the tile's rows lie side by side (a store's room: rows `rank` apart), else a row at a time (a row's
     // remainder past whole vectors runs scalar, 13 of SmolLM2's 77 per row: a tile in one pass has none).
+#if defined(HF_LOWRANK_MIX_VECTOR)
+    if (VECTOR && (v.type == at::kFloat || v.type == at::kBFloat16)) {  // read as stored, widened in registers
+      const int64_t start = b * v.latent_b + t0 * v.latent_t;
+      if (v.type == at::kFloat)
+        mix_rows_avx512(lg.data(), static_cast<const float*>(v.latent) + start, v.latent_t, n, rows, rank, acc);
+      else
+        mix_rows_avx512(lg.data(), static_cast<const uint16_t*>(v.latent) + start, v.latent_t, n, rows, rank, acc);
+      continue;
+    }
+#endif
     const float* z = nullptr;
     int64_t stride = rank;
     if (v.type == at::kFloat) {

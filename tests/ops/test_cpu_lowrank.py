@@ -73,6 +73,7 @@ SHAPES = {  # batch, tokens, rank, value rank, KV heads, head_dim, rotated pairs
     "partial rotary, frequencies not a multiple of 4": (2, 33, 24, 16, 2, 32, 10, 4),
     "Gemma-3's 256 dims, one KV head, 4 rows": (1, 64, 48, 40, 1, 256, 128, 4),
     "a single token": (1, 1, 16, 8, 3, 64, 32, 3),
+    "one KV head of 3 rows, value rank 21": (1, 40, 16, 21, 1, 64, 32, 3),
 }
 
 
