@@ -102,7 +102,7 @@ class LayerBases:
         return self
 
     def key_basis_for_kernel(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The key basis as `cpu_decode.lowrank_store_partials` reads it for products in `compute`: [H, r, D] float32
+        """The key basis as `cpu_decode.lowrank_decode_attention` reads it for products in `compute`: [H, r, D] float32
         (rounded to bf16 for bf16 products) and, for bf16 products, the bf16 pairs (`cpu_decode.bf16_pairs`); made
         once per layer and dtype. Like the bases they hold the model's numbers, not a user's (so `measured_kv_bytes`
         does not count them); `model_bytes` counts the bases as loaded, not these copies (1.5x the key basis's bytes

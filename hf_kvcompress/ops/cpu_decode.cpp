@@ -897,7 +897,7 @@ std::string instruction_set() {
 
 namespace {
 
-// The keys' half of lowrank_store_partials's arguments, checked.
+// The keys' half of lowrank_decode_attention's arguments, checked.
 lowrank::Keys lowrank_keys(const at::Tensor& latent, const at::Tensor& basis, const c10::optional<at::Tensor>& pairs,
                            bool round, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& query, bool vectorised) {
@@ -1024,47 +1024,20 @@ void lowrank_fold(const lowrank::Keys& k, const lowrank::Values& v, int64_t batc
 
 }  // namespace
 
-// The store segment of a decode step's softmax over a joint low-rank store, fused (cpu_lowrank.h). The keys' logits:
-// latent [B, T, r] (float32, bfloat16 or float16, unit stride over r); basis [H, r, D] float32 (the layer's key basis
-// transposed; bf16 values when `round`); pairs [H, ceil(r / 2), D] int32 (the bf16 basis as pairs of rank entries) or
-// absent; round: the latents rounded to bf16 (bf16 products); mean [H, D] float32; cos, sin [B, R / 2, T] float32
-// (unit stride over T); query [B, H, M, D] float32 (scaled): query . RoPE(p_t)(basis z_t + mean). Plus bias [B or 1, H or 1, Q, T] float32 (row m reads bias row m % Q; unit stride
-// over T) or absent, the slots `hidden` [B, H, S] int64 left out (outside [0, T): none) or absent, folded into an
-// online softmax that mixes the value latents value_latent [B, T, rv] (float32, bfloat16 or float16, unit stride over
-// rv). Returns (max [B, H, M, 1], sum [B, H, M, 1], mixed [B, H, M, rv + 1]): the sum and the mix relative to the max,
-// the mix's last column the sum again (the weight of the values' mean, codecs/lowrank.py's `mix_values`); a row with
-// every logit masked has max -inf and zeros. Token chunks run in parallel and merge at the end.
-std::vector<at::Tensor> lowrank_store_partials(
-    const at::Tensor& latent, const at::Tensor& basis, const c10::optional<at::Tensor>& pairs, bool round,
-    const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& query,
-    const at::Tensor& value_latent, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden,
-    bool vectorised) {
-  const lowrank::Keys k = lowrank_keys(latent, basis, pairs, round, mean, cos, sin, query, vectorised);
-  const int64_t batch = query.size(0), rows = k.heads * k.rows;
-  const lowrank::Values v = lowrank_values(k, batch, value_latent, bias, hidden, k.tokens);
-  auto options = query.options();
-  at::Tensor out_max = at::empty({batch, k.heads, k.rows, 1}, options);
-  at::Tensor out_sum = at::empty({batch, k.heads, k.rows, 1}, options);
-  at::Tensor out_mix = at::empty({batch, k.heads, k.rows, v.rank + 1}, options);
-  std::vector<float> mix(static_cast<size_t>(batch * rows * v.rank));
-  lowrank_fold(k, v, batch, vectorised, out_max.data_ptr<float>(), out_sum.data_ptr<float>(), mix.data());
-  float* o_sum = out_sum.data_ptr<float>();
-  float* o_mix = out_mix.data_ptr<float>();
-  for (int64_t out = 0; out < batch * rows; ++out) {
-    std::copy(mix.begin() + out * v.rank, mix.begin() + (out + 1) * v.rank, o_mix + out * (v.rank + 1));
-    o_mix[out * (v.rank + 1) + v.rank] = o_sum[out];
-  }
-  return {out_max, out_sum, out_mix};
-}
-
-// A decode step's whole attention over a layer that holds a joint low-rank store (cpu_lowrank.h): the store as
-// lowrank_store_partials reads it (latent ... hidden alike, bias now covering the store's and the tail's columns
-// [0, T + Tt)), then the exact sinks at the `hidden` slots (sink_keys / sink_values [B, H, S, D] / [.., Dv] in the
+// A decode step's whole attention over a layer that holds a joint low-rank store (cpu_lowrank.h). The store's keys'
+// logits: latent [B, T, r] (float32, bfloat16 or float16, unit stride over r); basis [H, r, D] float32 (the layer's
+// key basis transposed; bf16 values when `round`); pairs [H, ceil(r / 2), D] int32 (the bf16 basis as pairs of rank
+// entries) or absent; round: the latents rounded to bf16 (bf16 products); mean [H, D] float32; cos, sin [B, R / 2, T]
+// float32 (unit stride over T); query [B, H, M, D] float32 (scaled): query . RoPE(p_t)(basis z_t + mean). Plus bias
+// [B or 1, H or 1, Q, T + Tt] float32 (row m reads bias row m % Q; unit stride over the columns, the store's and the
+// tail's) or absent, and the store slots `hidden` [B, H, S] int64 attended as exact sinks (outside [0, T): none) or
+// absent, folded into an online softmax that mixes the value latents value_latent [B, T, rv] (float32, bfloat16 or
+// float16, unit stride over rv); token chunks run in parallel and merge at the end. Then the exact sinks at the `hidden` slots (sink_keys / sink_values [B, H, S, D] / [.., Dv] in the
 // tail's dtype, contiguous, given with hidden) and the full-precision tail (tail_keys / tail_values [B, H, Tt, D] /
 // [.., Dv], contiguous) met by the same query rows in one softmax, and the store's value-latent mix mapped to values
 // by value_basis [H, Dv, rv] and value_mean [H, Dv] (float32, contiguous). Returns the output [B, H, M, Dv] float32,
 // normalised (a row with every logit masked: zeros): what caches/store_attention.py's segments and codecs/lowrank.py's
-// `from_basis` make of lowrank_store_partials's partials, in one call instead of a dozen tensor ops per layer.
+// `from_basis` make of the store's partials, in one call instead of a dozen tensor ops per layer.
 at::Tensor lowrank_decode_attention(
     const at::Tensor& latent, const at::Tensor& basis, const c10::optional<at::Tensor>& pairs, bool round,
     const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& query,
@@ -1170,8 +1143,6 @@ at::Tensor lowrank_encode(const at::Tensor& states, const c10::optional<at::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("lowrank_encode", &lowrank_encode,
              "A few tokens' latents for a joint low-rank store: turned back, centred and projected, in one call");
-  module.def("lowrank_store_partials", &lowrank_store_partials,
-             "Softmax partials of decode queries over a joint low-rank store (max, sum, value-latent mix), fused");
   module.def("lowrank_decode_attention", &lowrank_decode_attention,
              "Decode attention over a joint low-rank store, its exact sinks and its tail, normalised, fused");
   module.def("decode_attention_partials", &decode_attention_partials,
