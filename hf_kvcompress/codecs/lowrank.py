@@ -102,7 +102,7 @@ class LayerBases:
         return self
 
     def key_basis_for_kernel(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The key basis as `cpu_decode.lowrank_store_partials` reads it for products in `compute`: [H, r, D] float32
+        """The key basis as `cpu_decode.lowrank_decode_attention` reads it for products in `compute`: [H, r, D] float32
         (rounded to bf16 for bf16 products) and, for bf16 products, the bf16 pairs (`cpu_decode.bf16_pairs`); made
         once per layer and dtype. Like the bases they hold the model's numbers, not a user's (so `measured_kv_bytes`
         does not count them); `model_bytes` counts the bases as loaded, not these copies (1.5x the key basis's bytes
@@ -164,6 +164,9 @@ KEY_CHUNK = 1024
 # Query rows per KV head up to which a CPU step reads the layer in the C++ kernel (`attend_layer`): a decode step's few
 # rows. A prefill chunk's hundreds go through BLAS, whose products of many rows outrun the kernel's per-row FMAs.
 KERNEL_ROWS = 64
+# Tokens up to which a CPU encoding runs in the C++ kernel (`_encode_in_kernel`): a decode step's one token costs a
+# dozen tensor ops' dispatch in PyTorch, far more than its products; a prompt's thousands go through BLAS.
+ENCODE_KERNEL_TOKENS = 16
 
 
 def _product_in_chunks(basis: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
@@ -643,9 +646,28 @@ class LowRankCodec(ReducingCodec):
         """`positions` [B, H_kv, T]: the position each key was rotated to (joint bases: keys are projected with
         RoPE undone)."""
         dtype = self.latent_dtype(states.dtype, kind)  # as bytes_per_token says
-        if self._joint and kind == "key":
-            states = rerotate(states.float(), -self._positions(positions, states), self._inv_freq())
-        return self.storage.encode(self.reduce(states, kind).to(dtype), kind)
+        latent = self._encode_in_kernel(states, kind, positions)
+        if latent is None:
+            if self._joint and kind == "key":
+                states = rerotate(states.float(), -self._positions(positions, states), self._inv_freq())
+            latent = self.reduce(states, kind)
+        return self.storage.encode(latent.to(dtype), kind)
+
+    def _encode_in_kernel(self, states: torch.Tensor, kind: Kind,
+                          positions: torch.Tensor | None) -> torch.Tensor | None:
+        """Joint bases, at most ENCODE_KERNEL_TOKENS tokens on CPU and the C++ kernel built: the latents [B, 1, n, r]
+        float32 in one call (`cpu_decode.lowrank_encode`) instead of `rerotate`'s and `reduce`'s dozen tensor ops:
+        the same turn table and the same float32 roundings of the turn and the mean, the projection's sums in another
+        order. None otherwise (the PyTorch path, the reference)."""
+        if not (self._joint and states.device.type == "cpu" and states.shape[2] <= ENCODE_KERNEL_TOKENS
+                and cpu_decode.available()):
+            return None
+        mean, encoder = self._bases(kind, states.shape[1], states.device, "encoder")
+        cos = sin = None
+        if kind == "key":  # RoPE undone: the turn by minus each key's position, as `rope_table` builds it
+            angles = (-self._positions(positions, states)).to(torch.float32)[..., None] * self._inv_freq()
+            cos, sin = angles.cos(), angles.sin()
+        return cpu_decode.lowrank_encode(states, cos, sin, mean, encoder)
 
     def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype, positions: torch.Tensor | None = None):
         if self._joint and kind == "key":

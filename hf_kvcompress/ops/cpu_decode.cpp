@@ -897,7 +897,7 @@ std::string instruction_set() {
 
 namespace {
 
-// The keys' half of lowrank_store_partials's arguments, checked.
+// The keys' half of lowrank_decode_attention's arguments, checked.
 lowrank::Keys lowrank_keys(const at::Tensor& latent, const at::Tensor& basis, const c10::optional<at::Tensor>& pairs,
                            bool round, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& query, bool vectorised) {
@@ -1024,47 +1024,20 @@ void lowrank_fold(const lowrank::Keys& k, const lowrank::Values& v, int64_t batc
 
 }  // namespace
 
-// The store segment of a decode step's softmax over a joint low-rank store, fused (cpu_lowrank.h). The keys' logits:
-// latent [B, T, r] (float32, bfloat16 or float16, unit stride over r); basis [H, r, D] float32 (the layer's key basis
-// transposed; bf16 values when `round`); pairs [H, ceil(r / 2), D] int32 (the bf16 basis as pairs of rank entries) or
-// absent; round: the latents rounded to bf16 (bf16 products); mean [H, D] float32; cos, sin [B, R / 2, T] float32
-// (unit stride over T); query [B, H, M, D] float32 (scaled): query . RoPE(p_t)(basis z_t + mean). Plus bias [B or 1, H or 1, Q, T] float32 (row m reads bias row m % Q; unit stride
-// over T) or absent, the slots `hidden` [B, H, S] int64 left out (outside [0, T): none) or absent, folded into an
-// online softmax that mixes the value latents value_latent [B, T, rv] (float32, bfloat16 or float16, unit stride over
-// rv). Returns (max [B, H, M, 1], sum [B, H, M, 1], mixed [B, H, M, rv + 1]): the sum and the mix relative to the max,
-// the mix's last column the sum again (the weight of the values' mean, codecs/lowrank.py's `mix_values`); a row with
-// every logit masked has max -inf and zeros. Token chunks run in parallel and merge at the end.
-std::vector<at::Tensor> lowrank_store_partials(
-    const at::Tensor& latent, const at::Tensor& basis, const c10::optional<at::Tensor>& pairs, bool round,
-    const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& query,
-    const at::Tensor& value_latent, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden,
-    bool vectorised) {
-  const lowrank::Keys k = lowrank_keys(latent, basis, pairs, round, mean, cos, sin, query, vectorised);
-  const int64_t batch = query.size(0), rows = k.heads * k.rows;
-  const lowrank::Values v = lowrank_values(k, batch, value_latent, bias, hidden, k.tokens);
-  auto options = query.options();
-  at::Tensor out_max = at::empty({batch, k.heads, k.rows, 1}, options);
-  at::Tensor out_sum = at::empty({batch, k.heads, k.rows, 1}, options);
-  at::Tensor out_mix = at::empty({batch, k.heads, k.rows, v.rank + 1}, options);
-  std::vector<float> mix(static_cast<size_t>(batch * rows * v.rank));
-  lowrank_fold(k, v, batch, vectorised, out_max.data_ptr<float>(), out_sum.data_ptr<float>(), mix.data());
-  float* o_sum = out_sum.data_ptr<float>();
-  float* o_mix = out_mix.data_ptr<float>();
-  for (int64_t out = 0; out < batch * rows; ++out) {
-    std::copy(mix.begin() + out * v.rank, mix.begin() + (out + 1) * v.rank, o_mix + out * (v.rank + 1));
-    o_mix[out * (v.rank + 1) + v.rank] = o_sum[out];
-  }
-  return {out_max, out_sum, out_mix};
-}
-
-// A decode step's whole attention over a layer that holds a joint low-rank store (cpu_lowrank.h): the store as
-// lowrank_store_partials reads it (latent ... hidden alike, bias now covering the store's and the tail's columns
-// [0, T + Tt)), then the exact sinks at the `hidden` slots (sink_keys / sink_values [B, H, S, D] / [.., Dv] in the
+// A decode step's whole attention over a layer that holds a joint low-rank store (cpu_lowrank.h). The store's keys'
+// logits: latent [B, T, r] (float32, bfloat16 or float16, unit stride over r); basis [H, r, D] float32 (the layer's
+// key basis transposed; bf16 values when `round`); pairs [H, ceil(r / 2), D] int32 (the bf16 basis as pairs of rank
+// entries) or absent; round: the latents rounded to bf16 (bf16 products); mean [H, D] float32; cos, sin [B, R / 2, T]
+// float32 (unit stride over T); query [B, H, M, D] float32 (scaled): query . RoPE(p_t)(basis z_t + mean). Plus bias
+// [B or 1, H or 1, Q, T + Tt] float32 (row m reads bias row m % Q; unit stride over the columns, the store's and the
+// tail's) or absent, and the store slots `hidden` [B, H, S] int64 attended as exact sinks (outside [0, T): none) or
+// absent, folded into an online softmax that mixes the value latents value_latent [B, T, rv] (float32, bfloat16 or
+// float16, unit stride over rv); token chunks run in parallel and merge at the end. Then the exact sinks at the `hidden` slots (sink_keys / sink_values [B, H, S, D] / [.., Dv] in the
 // tail's dtype, contiguous, given with hidden) and the full-precision tail (tail_keys / tail_values [B, H, Tt, D] /
 // [.., Dv], contiguous) met by the same query rows in one softmax, and the store's value-latent mix mapped to values
 // by value_basis [H, Dv, rv] and value_mean [H, Dv] (float32, contiguous). Returns the output [B, H, M, Dv] float32,
 // normalised (a row with every logit masked: zeros): what caches/store_attention.py's segments and codecs/lowrank.py's
-// `from_basis` make of lowrank_store_partials's partials, in one call instead of a dozen tensor ops per layer.
+// `from_basis` make of the store's partials, in one call instead of a dozen tensor ops per layer.
 at::Tensor lowrank_decode_attention(
     const at::Tensor& latent, const at::Tensor& basis, const c10::optional<at::Tensor>& pairs, bool round,
     const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& query,
@@ -1117,9 +1090,59 @@ at::Tensor lowrank_decode_attention(
   return out;
 }
 
+// A few tokens' latents for a joint low-rank store (codecs/lowrank.py's `encode`, a decode step's new token), in one
+// call instead of the dozen tensor ops of the rotation, the mean and the projection: states [B, H, n, D] (float32,
+// bfloat16 or float16, any strides) turned by RoPE where cos and sin [B, H, n, R / 2] (float32, contiguous; the turn
+// to apply, the keys' own positions negated by the caller) are given, on the first R channels; the mean [H, D]
+// subtracted; the whole [H * D] projected on encoder [H, D, r] (float32, contiguous). Returns [B, 1, n, r] float32.
+// The rotation's and the mean's float32 roundings are PyTorch's; the projection's sums run in another order.
+at::Tensor lowrank_encode(const at::Tensor& states, const c10::optional<at::Tensor>& cos,
+                          const c10::optional<at::Tensor>& sin, const at::Tensor& mean, const at::Tensor& encoder) {
+  const auto type = states.scalar_type();
+  TORCH_CHECK(states.dim() == 4 && (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
+              "lowrank_encode: states must be float32, bfloat16 or float16 [B, H, n, D]");
+  const int64_t batch = states.size(0), heads = states.size(1), tokens = states.size(2), dim = states.size(3);
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.dim() == 2 && mean.size(0) == heads &&
+                  mean.size(1) == dim,
+              "lowrank_encode: mean must be contiguous float32 [H, D]");
+  TORCH_CHECK(encoder.scalar_type() == at::kFloat && encoder.is_contiguous() && encoder.dim() == 3 &&
+                  encoder.size(0) == heads && encoder.size(1) == dim,
+              "lowrank_encode: encoder must be contiguous float32 [H, D, r]");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "lowrank_encode: cos and sin come together");
+  int64_t half = 0;
+  if (cos.has_value()) {
+    half = cos->dim() == 4 ? cos->size(3) : 0;
+    for (const at::Tensor* t : {&*cos, &*sin})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 4 && t->size(0) == batch &&
+                      t->size(1) == heads && t->size(2) == tokens && t->size(3) == half && 2 * half <= dim,
+                  "lowrank_encode: cos and sin must be contiguous float32 [B, H, n, R / 2] alike, R <= D");
+  }
+  const int64_t rank = encoder.size(2), width = heads * dim;
+  at::Tensor out = at::empty({batch, 1, tokens, rank}, states.options().dtype(at::kFloat));
+  const void* base = states.data_ptr();
+  const float* mu = mean.data_ptr<float>();
+  std::vector<float> x(static_cast<size_t>(width));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        float* xh = x.data() + h * dim;
+        const int64_t start = b * states.stride(0) + h * states.stride(1) + t * states.stride(2);
+        for (int64_t d = 0; d < dim; ++d) xh[d] = load_float(base, type, start + d * states.stride(3));
+        if (half > 0) {
+          const int64_t at_turn = ((b * heads + h) * tokens + t) * half;
+          lowrank::turn_in_place(xh, cos->data_ptr<float>() + at_turn, sin->data_ptr<float>() + at_turn, half);
+        }
+        for (int64_t d = 0; d < dim; ++d) xh[d] -= mu[h * dim + d];
+      }
+      lowrank::project(x.data(), encoder.data_ptr<float>(), width, rank,
+                       out.data_ptr<float>() + (b * tokens + t) * rank);
+    }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("lowrank_store_partials", &lowrank_store_partials,
-             "Softmax partials of decode queries over a joint low-rank store (max, sum, value-latent mix), fused");
+  module.def("lowrank_encode", &lowrank_encode,
+             "A few tokens' latents for a joint low-rank store: turned back, centred and projected, in one call");
   module.def("lowrank_decode_attention", &lowrank_decode_attention,
              "Decode attention over a joint low-rank store, its exact sinks and its tail, normalised, fused");
   module.def("decode_attention_partials", &decode_attention_partials,

@@ -249,34 +249,6 @@ def decode_attention(
     ))
 
 
-def lowrank_store_partials(
-    latent: torch.Tensor, basis: torch.Tensor, pairs: torch.Tensor | None, round_bf16: bool, mean: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, value_latent: torch.Tensor, bias: torch.Tensor | None,
-    hidden: torch.Tensor | None, vectorised: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax partials of `query` [B, H, M, D] (float32, scaled) over a joint low-rank store alone, in one call
-    (cpu_lowrank.h): the store's fold that `lowrank_decode_attention` (the decode step's call) runs first, exposed so
-    its partials can be checked against a softmax written out (tests/ops/test_cpu_lowrank.py). The keys
-    query . RoPE(p_t)(basis_h z_t + mean_h) are rebuilt, turned and met a tile of tokens at a time without leaving
-    registers, masked, and folded into an online softmax that mixes the value latents.
-
-    `latent` [B, T, r] (float32, bfloat16 or float16, unit stride over r): the key latents; `basis` [H, r, D] float32
-    (the key basis transposed); `mean` [H, D]; `cos`, `sin` [B, R / 2, T] float32 (RoPE's turn at each token's
-    position over the first R channels, rotate-half; unit stride over T). `round_bf16`: bf16 products (the latents
-    rounded to bf16, `basis` holding bf16 values); `pairs` [H, ceil(r / 2), D] int32, the bf16 basis as pairs of rank
-    entries (`bf16_pairs`), read where the build multiplies bf16 pairs natively (AVX512-BF16), or None.
-    `value_latent` [B, T, rv] (unit stride over rv); `bias` [B or 1, H or 1, Q, T] float32 added to the logits (row m
-    reads bias row m % Q) or None; `hidden` [B, H, S] the slots left out (outside [0, T): none) or None. Returns
-    (max [B, H, M, 1], sum [B, H, M, 1], mix [B, H, M, rv + 1]): sum and mix relative to the max, the mix's last
-    column the sum (the weight of the values' mean); a row with every logit masked has max -inf and zeros.
-    `vectorised=False` keeps to the portable loops (the reference for the instruction-set paths)."""
-    extension = _built()
-    return tuple(extension.lowrank_store_partials(
-        latent, basis, pairs, round_bf16, mean, cos, sin, query, value_latent,
-        None if bias is None else bias.float(), None if hidden is None else hidden.long().contiguous(), vectorised,
-    ))
-
-
 def lowrank_decode_attention(
     latent: torch.Tensor, basis: torch.Tensor, pairs: torch.Tensor | None, round_bf16: bool, mean: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, value_latent: torch.Tensor, value_basis: torch.Tensor,
@@ -284,14 +256,23 @@ def lowrank_decode_attention(
     sink_values: torch.Tensor | None, tail_keys: torch.Tensor, tail_values: torch.Tensor, vectorised: bool = True,
 ) -> torch.Tensor:
     """A decode step's attention of `query` [B, H, M, D] (float32, scaled, the model's basis) over a layer that holds a
-    joint low-rank store, its exact sinks and its full-precision tail, in one call (cpu_lowrank.h): the store as
-    `lowrank_store_partials` reads it (`latent` ... `value_latent` and `hidden` alike), then the sinks `sink_keys` /
+    joint low-rank store, its exact sinks and its full-precision tail, in one call (cpu_lowrank.h). The store's keys
+    query . RoPE(p_t)(basis_h z_t + mean_h) are rebuilt, turned and met a tile of tokens at a time without leaving
+    registers, masked, and folded into an online softmax that mixes the value latents: `latent` [B, T, r] (float32,
+    bfloat16 or float16, unit stride over r), the key latents; `basis` [H, r, D] float32 (the key basis transposed);
+    `mean` [H, D]; `cos`, `sin` [B, R / 2, T] float32 (RoPE's turn at each token's position over the first R channels,
+    rotate-half; unit stride over T). `round_bf16`: bf16 products (the latents rounded to bf16, `basis` holding bf16
+    values); `pairs` [H, ceil(r / 2), D] int32, the bf16 basis as pairs of rank entries (`bf16_pairs`), read where the
+    build multiplies bf16 pairs natively (AVX512-BF16), or None. `value_latent` [B, T, rv] (unit stride over rv).
+    Then the sinks `sink_keys` /
     `sink_values` [B, H, S, D] at the store slots `hidden` [B, H, S] names (a slot outside the store: none, or one still
     in the tail) and the tail `tail_keys` / `tail_values` [B, H, Tt, D] after the store, in the tail's dtype, in the
     same softmax; the store's value-latent mix is mapped to values by `value_basis` [H, Dv, rv] and `value_mean`
     [H, Dv] (float32). `bias` [B or 1, H or 1, Q, T + Tt] float32 covers the store's and the tail's columns (a sink
     reads its slot's). Returns [B, H, M, Dv] float32, normalised (a row with every logit masked: zeros): what
-    caches/store_attention.py's segments make of `lowrank_store_partials`' partials, the sums in another order."""
+    caches/store_attention.py's segments make of the store's partials, the sums in another order. `hidden` and the sink
+    states are None where the layer holds no sinks. `vectorised=False` keeps to the portable loops (the reference for
+    the instruction-set paths)."""
     extension = _built()
     exact = [None if t is None else t.contiguous() for t in (sink_keys, sink_values)]
     return extension.lowrank_decode_attention(
@@ -301,9 +282,21 @@ def lowrank_decode_attention(
     )
 
 
+def lowrank_encode(states: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, mean: torch.Tensor,
+                   encoder: torch.Tensor) -> torch.Tensor:
+    """A few tokens' latents for a joint low-rank store in one call (cpu_lowrank.h `turn_in_place`, `project`):
+    `states` [B, H, n, D] (float32, bfloat16 or float16) turned by rotate-half RoPE where `cos` and `sin`
+    [B, H, n, R / 2] (float32; the turn to apply) are given, `mean` [H, D] subtracted and the heads' [H * D] projected
+    on `encoder` [H, D, r] (float32): [B, 1, n, r] float32, what codecs/lowrank.py's `rerotate` and `reduce` make
+    of them, the projection's sums in another order."""
+    extension = _built()
+    table = [None if t is None else t.float().contiguous() for t in (cos, sin)]
+    return extension.lowrank_encode(states, *table, mean.float().contiguous(), encoder.float().contiguous())
+
+
 def bf16_pairs(basis: torch.Tensor) -> torch.Tensor:
-    """`basis` [H, D, r] as the bf16 pairs `lowrank_store_partials` reads: [H, ceil(r / 2), D] int32, each word holding
-    rank entries 2j (low half) and 2j + 1 (high half; 0 past r) of a channel, rounded to bf16."""
+    """`basis` [H, D, r] as the bf16 pairs `lowrank_decode_attention` reads: [H, ceil(r / 2), D] int32, each word
+    holding rank entries 2j (low half) and 2j + 1 (high half; 0 past r) of a channel, rounded to bf16."""
     heads, dim, rank = basis.shape
     padded = torch.zeros(heads, dim, rank + rank % 2, dtype=torch.bfloat16, device=basis.device)
     padded[..., :rank] = basis

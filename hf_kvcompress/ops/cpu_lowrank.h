@@ -234,6 +234,33 @@ void turned_block_avx512(const Keys& k, int64_t h, int64_t i0, const void* tile,
 #endif
 
 #if defined(__AVX512F__)
+// r[i] (row i of a 16 x 16 matrix of 32-bit words) becomes column i: within each 128-bit lane the rows' words are
+// interleaved by pairs of rows, then of row pairs (r[4g + e] holds, in lane L, word 4L + e of rows 4g .. 4g + 3), and
+// the lanes of those four groups are then gathered into one vector per word.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i x0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), x1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xee);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xee);
+    t[e] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    t[4 + e] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+    t[8 + e] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    t[12 + e] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
 // The tile's latents gathered, LANES tokens per rank entry (pack_floats / pack_pairs for float32 and bfloat16 latents
 // in whole tiles; a scalar loop per element costs about what the tile's products do). False: not read here.
 inline bool pack_avx512(const Keys& k, int64_t b, int64_t t0, int64_t n, float* zt, uint32_t* zp) {
@@ -270,15 +297,25 @@ inline bool pack_avx512(const Keys& k, int64_t b, int64_t t0, int64_t n, float* 
 #endif
       continue;
     }
-    // bfloat16 latents: 32-bit words of two rank entries (2j at the lower address), gathered whole.
-    const uint16_t* base = static_cast<const uint16_t*>(k.latent) + start;
-    for (int64_t j = 0; j < k.pair_rank; ++j) {
-      const __m512i pair = _mm512_i32gather_epi32(tokens, base + 2 * j, 2);
-      if (zp != nullptr) _mm512_storeu_si512(zp + j * LANES + 16 * v, pair);
-      if (zt != nullptr) {
-        _mm512_storeu_ps(zt + 2 * j * LANES + 16 * v, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
-        _mm512_storeu_ps(zt + (2 * j + 1) * LANES + 16 * v,
-                         _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)))));
+    // bfloat16 latents: 32-bit words of two rank entries (2j at the lower address), 16 tokens' rows of 16 words
+    // loaded as they lie and transposed in registers (`transpose16`): one vector gather per word cost several times
+    // that (docs/speed.md, "Low rank's float32 decode at 4k", session 32).
+    const int32_t* base = reinterpret_cast<const int32_t*>(static_cast<const uint16_t*>(k.latent) + start);
+    const int64_t row_words = k.latent_t / 2;
+    for (int64_t j0 = 0; j0 < k.pair_rank; j0 += 16) {
+      const int64_t words = std::min<int64_t>(16, k.pair_rank - j0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << words) - 1u);
+      __m512i pair[16];
+      for (int i = 0; i < 16; ++i) pair[i] = _mm512_maskz_loadu_epi32(mask, base + i * row_words + j0);
+      transpose16(pair);  // pair[w]: word j0 + w of the 16 tokens
+      for (int64_t w = 0; w < words; ++w) {
+        const int64_t j = j0 + w;
+        if (zp != nullptr) _mm512_storeu_si512(zp + j * LANES + 16 * v, pair[w]);
+        if (zt != nullptr) {
+          _mm512_storeu_ps(zt + 2 * j * LANES + 16 * v, _mm512_castsi512_ps(_mm512_slli_epi32(pair[w], 16)));
+          _mm512_storeu_ps(zt + (2 * j + 1) * LANES + 16 * v,
+                           _mm512_castsi512_ps(_mm512_and_si512(pair[w], _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)))));
+        }
       }
     }
   }
@@ -457,6 +494,71 @@ inline void mix_rows(const float* p, const float* z, int64_t stride, int64_t n, 
   for (; row < rows; ++row) mix_row_block<1>(p, z, stride, n, row, rank, acc);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HF_LOWRANK_MIX_VECTOR 1
+// 16 entries of a value latent's row from `z` as float32 (lanes past `mask` 0): float32 as they are, bf16 widened
+// (a bf16 is the high half of a float32), so a bf16 store is mixed without a float32 copy of its tile.
+inline __m512 load16(const float* z, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, z); }
+inline __m512 load16(const uint16_t* z, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, z)), 16));
+}
+
+// AVX-512 `mix_block`: rows [row, row + R) and columns [c, c + 16 V) (the last vector's lanes past `last` left
+// alone), R x V sums in registers across the tile's n tokens, each token's row of latents loaded (and widened) once
+// for the R rows. Each sum runs over the tokens in order, one FMA per token, as `mix_block`'s.
+template <int R, int V, typename T>
+inline void mix_block_avx512(const float* p, const T* z, int64_t stride, int64_t n, int64_t row, int64_t c,
+                             int64_t rank, __mmask16 last, float* acc) {
+  __m512 part[R][V];
+#pragma GCC unroll 9
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v)
+      part[r][v] = _mm512_maskz_loadu_ps(v == V - 1 ? last : 0xffff, acc + (row + r) * rank + c + 16 * v);
+  for (int64_t l = 0; l < n; ++l) {
+    const T* zl = z + l * stride + c;
+    __m512 zv[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) zv[v] = load16(zl + 16 * v, v == V - 1 ? last : 0xffff);
+#pragma GCC unroll 9  // whole: the sums stay in registers (a loop over r would keep them in memory)
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[(row + r) * LANES + l]);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) part[r][v] = _mm512_fmadd_ps(w, zv[v], part[r][v]);
+    }
+  }
+#pragma GCC unroll 9
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v)
+      _mm512_mask_storeu_ps(acc + (row + r) * rank + c + 16 * v, v == V - 1 ? last : 0xffff, part[r][v]);
+}
+
+// Rows [row, row + R) over every column: 32 at a time, then 16, then the rest under a mask.
+template <int R, typename T>
+inline void mix_row_block_avx512(const float* p, const T* z, int64_t stride, int64_t n, int64_t row, int64_t rank,
+                                 float* acc) {
+  int64_t c = 0;
+  for (; c + 32 <= rank; c += 32) mix_block_avx512<R, 2>(p, z, stride, n, row, c, rank, 0xffff, acc);
+  for (; c + 16 <= rank; c += 16) mix_block_avx512<R, 1>(p, z, stride, n, row, c, rank, 0xffff, acc);
+  if (c < rank)
+    mix_block_avx512<R, 1>(p, z, stride, n, row, c, rank, static_cast<__mmask16>((1u << (rank - c)) - 1u), acc);
+}
+
+// `mix_rows` from float32 or bf16 latents as stored (z's rows `stride` apart): up to 9 rows per block (SmolLM2's 3 KV
+// heads x 3 query rows in one: 18 sums, 2 latent vectors and a weight in registers), so each token's latents are
+// read and widened once per block.
+template <typename T>
+inline void mix_rows_avx512(const float* p, const T* z, int64_t stride, int64_t n, int64_t rows, int64_t rank,
+                            float* acc) {
+  int64_t row = 0;
+  for (; row + 9 <= rows; row += 9) mix_row_block_avx512<9>(p, z, stride, n, row, rank, acc);
+  for (; row + 4 <= rows; row += 4) mix_row_block_avx512<4>(p, z, stride, n, row, rank, acc);
+  for (; row + 2 <= rows; row += 2) mix_row_block_avx512<2>(p, z, stride, n, row, rank, acc);
+  for (; row < rows; ++row) mix_row_block_avx512<1>(p, z, stride, n, row, rank, acc);
+}
+#endif
+
 // Tiles [tile_begin, tile_end) of row b folded into one online softmax per (head, query row): running max mx [R],
 // sum sm [R] and value-latent mix acc [R, rv] (R = H * M), relative to mx, as caches/store_attention.py's
 // _OnlineSoftmax folds a block (masked logits weigh nothing; a row masked so far keeps max -inf and zeros).
@@ -519,6 +621,16 @@ void fold_tiles(const Keys& k, const Values& v, int64_t b, int64_t tile_begin, i
     // The tile's value latents as float32 rows: the store's own for float32 latents; others converted, in one pass
     // where the tile's rows lie side by side (a store's room: rows `rank` apart), else a row at a time (a row's
     // remainder past whole vectors runs scalar, 13 of SmolLM2's 77 per row: a tile in one pass has none).
+#if defined(HF_LOWRANK_MIX_VECTOR)
+    if (VECTOR && (v.type == at::kFloat || v.type == at::kBFloat16)) {  // read as stored, widened in registers
+      const int64_t start = b * v.latent_b + t0 * v.latent_t;
+      if (v.type == at::kFloat)
+        mix_rows_avx512(lg.data(), static_cast<const float*>(v.latent) + start, v.latent_t, n, rows, rank, acc);
+      else
+        mix_rows_avx512(lg.data(), static_cast<const uint16_t*>(v.latent) + start, v.latent_t, n, rows, rank, acc);
+      continue;
+    }
+#endif
     const float* z = nullptr;
     int64_t stride = rank;
     if (v.type == at::kFloat) {
@@ -624,6 +736,31 @@ inline void finish_head(const Keys& k, const Values& v, const Exact& e, int64_t 
     float* o = out + m * vdim;
 #pragma omp simd
     for (int64_t c = 0; c < vdim; ++c) o[c] *= inverse;
+  }
+}
+
+// x [2 * half] in place: rotate-half RoPE by the turn whose cos and sin [half] are given. Each product is rounded
+// before the sum, as PyTorch's elementwise `turn` (ops/rerotate.py) rounds it: no fused multiply-add here.
+__attribute__((optimize("fp-contract=off"))) inline void turn_in_place(float* x, const float* cs, const float* sn,
+                                                                        int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[half + i];
+    const float a = x1 * cs[i], b = x2 * sn[i], c = x2 * cs[i], d = x1 * sn[i];
+    x[i] = a - b;  // x1 cos + (-x2) sin
+    x[half + i] = c + d;
+  }
+}
+
+// One token's latent (cpu_decode.cpp's `lowrank_encode`): its H heads' states x [H * D] (float32, the heads side by
+// side) with the mean subtracted, projected on the encoder [H * D, r] (row-major): latent[j] = sum over i of
+// x[i] * encoder[i, j], the sum over i in order, r columns at a time.
+inline void project(const float* x, const float* encoder, int64_t width, int64_t rank, float* latent) {
+  std::fill(latent, latent + rank, 0.0f);
+  for (int64_t i = 0; i < width; ++i) {
+    const float xi = x[i];
+    const float* row = encoder + i * rank;
+#pragma omp simd
+    for (int64_t j = 0; j < rank; ++j) latent[j] += xi * row[j];
   }
 }
 

@@ -324,3 +324,34 @@ def test_bf16_key_products_keep_one_shape_as_the_store_grows(monkeypatch):
         exact = basis.bfloat16().float() @ latent[:rows].bfloat16().float().t()
         assert torch.allclose(out, exact, rtol=2 ** -7, atol=1e-2)  # the bf16 output's rounding, no more
     assert shapes == {((48, 16), (16, lowrank.KEY_CHUNK), (1, 16))}
+
+
+@KERNEL
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_tokens_encoding_in_the_kernel_equals_pytorchs(fitted, family, dtype, monkeypatch):
+    """A decode step's token is encoded in one C++ call (`_encode_in_kernel`): its latents equal the PyTorch path's
+    (`rerotate` and `reduce`) up to the projection's sum order, keys and values, in every layer; a prompt's tokens
+    (more than ENCODE_KERNEL_TOKENS) keep the PyTorch path."""
+    model, bases = fitted[family]
+    cache = make_cache(_spec(bases, "lowrank:ratio=0.5"), model.config)
+    g = torch.Generator().manual_seed(6)
+    for layer_idx, layer in enumerate(cache.layers):
+        codec = layer.codec
+        heads, dim = codec._head_shape()
+        states = torch.randn(2, heads, 3, dim, generator=g).to(dtype)
+        positions = torch.randint(0, 4000, (2, heads, 3), generator=g)
+        kernel = {kind: codec._encode_in_kernel(states, kind, positions) for kind in ("key", "value")}
+        got = {kind: codec.encode(states, kind, positions=positions) for kind in ("key", "value")}
+        with monkeypatch.context() as patch:
+            _without_kernel(patch)
+            want = {kind: codec.encode(states, kind, positions=positions) for kind in ("key", "value")}
+        for kind in ("key", "value"):
+            assert kernel[kind] is not None, (layer_idx, kind)
+            for name, tensor in want[kind].items():
+                # bf16 latents: the two sums may round to neighbouring bf16 values
+                tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
+                assert torch.allclose(got[kind][name].float(), tensor.float(), rtol=tolerance, atol=tolerance), \
+                    (layer_idx, kind)
+    prompt = torch.randn(1, heads, 20, dim, dtype=dtype)
+    assert codec._encode_in_kernel(prompt, "key", torch.arange(20).expand(1, heads, 20)) is None
