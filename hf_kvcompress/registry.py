@@ -127,6 +127,9 @@ def _build(factory, kwargs: dict, what: str, name: str):
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise ValueError(f"unknown {what} argument(s) {unknown} for {name!r}; allowed: {allowed or 'none'}")
+    # `parse_value` read "none" as None; where None is a default of its own, the text "none" is what the spec said
+    kwargs = {key: "none" if value is None and key in getattr(cls, "spec_none_is_text", ()) else value
+              for key, value in kwargs.items()}
     return factory(**kwargs)
 
 

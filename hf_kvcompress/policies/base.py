@@ -34,6 +34,10 @@ class Policy:
     needs_queries: ClassVar[bool] = False  # score() reads the newest queries (RecentQueries), not attention statistics
     needs_values: ClassVar[bool] = False  # score() reads the kept values
     needs_hidden_states: ClassVar[bool] = False  # scored from the hidden state entering attention (KVzap's probe)
+    # Fields whose spec value "none" is a value of its own, distinct from the field's None default (a spec reads
+    # "none" as None everywhere else): KVzip's and KVzap's `floors=none` ranks without floors, None reads the
+    # shipped file (registry.py `_build`).
+    spec_none_is_text: ClassVar[tuple[str, ...]] = ()
 
     @property
     def budget(self) -> int | None:

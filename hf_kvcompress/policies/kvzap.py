@@ -83,6 +83,7 @@ class KVzapPolicy(Policy):
     budgets: str = "head"
     decoding: str | None = None  # None: by `resolved_decoding`
     floors: str | None = None
+    spec_none_is_text: ClassVar[tuple[str, ...]] = ("floors",)
     needs_hidden_states: ClassVar[bool] = True
 
     def __post_init__(self):

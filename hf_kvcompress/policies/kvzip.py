@@ -101,6 +101,7 @@ class KVzipPolicy(Policy):
     span: int | None = None  # None: by the model's layout (`for_layout`)
     decoding: str | None = None  # None: "append" with budgets="head", else "evict" (`resolved_decoding`)
     floors: str | None = None
+    spec_none_is_text: ClassVar[tuple[str, ...]] = ("floors",)
     scores_by_reconstruction: ClassVar[bool] = True
 
     def __post_init__(self):

@@ -196,3 +196,23 @@ def test_kvzap_takes_the_floors_too(tmp_path):
     assert sum(map(sum, got)) == sum(map(sum, without))  # the floor moves pairs, adds none
     with pytest.raises(ValueError, match="floors must be 'none' or a path"):
         make_cache(f"kvzap:ratio=0.25,probe={probe},floors=", model.config)
+
+
+@pytest.mark.parametrize("name", ["kvzip", "kvzap"])
+def test_a_spec_of_floors_none_ranks_without_the_shipped_floors(tmp_path, monkeypatch, name):
+    # A spec reads "none" as None elsewhere; here None means the file shipped for the model, "none" no floors.
+    import hf_kvcompress.calibration as calibration
+
+    model = hybrid_model()
+    written = floors_file(tmp_path / "fitted", model.config, [[0.25, 0.75]], ratios=(0.25,))
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / f"{calibration.model_identity(model.config)}{calibration.FLOORS_SUFFIX}").write_bytes(
+        written.read_bytes())
+    monkeypatch.setattr(calibration, "PACKAGED_DIR", shipped)
+    plain, _ = parse_spec(f"{name}:ratio=0.25")
+    assert plain.floors is None and layer_floors(plain, model.config, 0.25) == ((1, 0.25), (3, 0.75))
+    for text in ("none", "None", "null"):
+        without, _ = parse_spec(f"{name}:ratio=0.25,floors={text}")
+        assert without.floors == "none" and layer_floors(without, model.config, 0.25) == ()
+    assert parse_spec("int4:key_scale=none")[1].key_scale == "none"  # other fields read "none" as before
