@@ -22,7 +22,7 @@ from ..calibration import ERROR_STEP, JOINT, has_copy_weights, has_error_curves,
 from ..hf.compat import text_config
 from ..ops import cpu_decode
 from ..ops.bf16_matmul import fast_bfloat16_matmul
-from ..ops.rerotate import rerotate
+from ..ops.rerotate import rerotate, rope_turns
 from .base import Encoded, Kind
 from .reducing import ReducingCodec
 
@@ -664,9 +664,8 @@ class LowRankCodec(ReducingCodec):
             return None
         mean, encoder = self._bases(kind, states.shape[1], states.device, "encoder")
         cos = sin = None
-        if kind == "key":  # RoPE undone: the turn by minus each key's position, as `rope_table` builds it
-            angles = (-self._positions(positions, states)).to(torch.float32)[..., None] * self._inv_freq()
-            cos, sin = angles.cos(), angles.sin()
+        if kind == "key":  # RoPE undone: the turn by minus each key's position, as `rerotate` turns it
+            cos, sin = rope_turns(-self._positions(positions, states), self._inv_freq())
         return cpu_decode.lowrank_encode(states, cos, sin, mean, encoder)
 
     def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype, positions: torch.Tensor | None = None):

@@ -5,11 +5,18 @@ from __future__ import annotations
 import torch
 
 
+def rope_turns(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [..., len(inv_freq)] float32 of turning by `delta` [...] positions, one per frequency: what
+    `rope_table` repeats for both halves, and what a kernel that turns in rotate-half order reads (lowrank's
+    `cpu_decode.lowrank_encode`), so both turn by the same numbers."""
+    angles = delta.to(torch.float32)[..., None] * inv_freq.to(delta.device, torch.float32)
+    return angles.cos(), angles.sin()
+
+
 def rope_table(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [..., 2 * len(inv_freq)] of turning by `delta` [...] positions, in rotate-half order: a table
     built once serves every vector turned by the same deltas (`turn`)."""
-    angles = delta.to(torch.float32)[..., None] * inv_freq.to(delta.device, torch.float32)
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = rope_turns(delta, inv_freq)
     return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
 
 
