@@ -188,7 +188,14 @@ def _plan_bytes(policy, codec, config, tokens: int, model_bytes: float, device: 
             encoded = max(0, (kept - residual) // block * block)
         per_encoded = layer_codec.bytes_per_token(shape.head_dim, "key", dtype) + layer_codec.bytes_per_token(
             shape.head_dim, "value", dtype)
-        total += shape.kv_heads * (encoded * per_encoded + (kept - encoded) * 2 * shape.head_dim * model_bytes)
+        whole = kept - encoded
+        residual_codec = None if layer_codec.lossless else layer_codec.residual_codec
+        if residual_codec is not None:  # a stack holds its storage's residual reduced, beyond its own window
+            whole = min(whole, layer_codec.whole_residual)
+            per_held = residual_codec.bytes_per_token(shape.head_dim, "key", dtype) + residual_codec.bytes_per_token(
+                shape.head_dim, "value", dtype)
+            total += shape.kv_heads * (kept - encoded - whole) * per_held
+        total += shape.kv_heads * (encoded * per_encoded + whole * 2 * shape.head_dim * model_bytes)
         scored = policy.needs_attention or policy.scores_by_reconstruction or policy.needs_hidden_states
         if not plan.is_sliding and policy.evicts and scored:
             total += shape.kv_heads * kept * 4  # each kept slot's float32 score (H2O's sums, KVzip's maxima, KVzap's)

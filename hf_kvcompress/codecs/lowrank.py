@@ -24,6 +24,7 @@ from ..ops import cpu_decode
 from ..ops.bf16_matmul import fast_bfloat16_matmul
 from ..ops.rerotate import rerotate, rope_turns
 from .base import Encoded, Kind
+from .identity import IdentityCodec
 from .reducing import ReducingCodec
 
 DEFAULT_RATIO = 0.25  # the lesson's 128 -> 32
@@ -430,6 +431,12 @@ class LowRankCodec(ReducingCodec):
     # -- binding --------------------------------------------------------------------------------------------------
 
     @property
+    def own_residual(self) -> int:
+        """lowrank's own window (`residual_length`): whole vectors; the storage's residual beyond it holds latents."""
+        assert self.residual_length is not None  # settled in __post_init__
+        return self.residual_length
+
+    @property
     def needs_positions(self) -> bool:  # type: ignore[override]
         return self._joint
 
@@ -693,7 +700,9 @@ class LowRankCodec(ReducingCodec):
         cos/sin tables, `TurnTables`)."""
         if not self._joint:
             return super().key_logits(encoded, query)
-        compute, latent, mean, basis, cos, sin = self._key_inputs(encoded, query, positions, last_block)
+        compute = self._compute_dtype(query.device)
+        latent = self.storage.decode(encoded, "key", compute)  # [B, 1, T, r]
+        mean, basis, cos, sin = self._key_inputs(latent, query, positions, last_block)
         heads, dim, rank = basis.shape
         batch, tokens = latent.shape[0], latent.shape[2]
         # The pre-RoPE keys as [B, H, D, T]: one [H * D, r] x [r, B * T] product for the layer's heads and rows,
@@ -716,14 +725,11 @@ class LowRankCodec(ReducingCodec):
             logits += torch.matmul(query[..., 2 * half :], keys[:, :, 2 * half :])
         return logits
 
-    def _key_inputs(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None,
-                    last_block: bool) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                               torch.Tensor]:
-        """What a block's key logits read: the compute dtype, the latents [B, 1, T, r] (decoded by the storage), the
-        key mean [H, D] and basis [H, D, r], and the step's cos and sin [B, 1, R / 2, T] at the keys' positions
-        (`TurnTables`; the last block of the bound layers drops them)."""
-        compute = self._compute_dtype(query.device)
-        latent = self.storage.decode(encoded, "key", compute)  # [B, 1, T, r]
+    def _key_inputs(self, latent: torch.Tensor, query: torch.Tensor, positions: torch.Tensor | None,
+                    last_block: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a block's key logits read besides its latents [B, 1, T, r]: the key mean [H, D] and basis [H, D, r],
+        and the step's cos and sin [B, 1, R / 2, T] at the keys' positions (`TurnTables`; the last block of the bound
+        layers drops them)."""
         mean, basis = self._bases("key", query.shape[1], latent.device)
         inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
         position = self._positions(positions, latent.expand(-1, query.shape[1], -1, -1))[:, :1].to(torch.float32)
@@ -731,31 +737,48 @@ class LowRankCodec(ReducingCodec):
         cos, sin = self._turns.lookup(inv_freq, position)  # [B, 1, R / 2, T]
         if last_block and self._layer_idx == self._turns.last_layer:
             self._turns.release()  # the step's last read of the tables (`TurnTables`)
-        return compute, latent, mean, basis, cos, sin
+        return mean, basis, cos, sin
 
-    def attend_layer(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
-                     sink_slots: torch.Tensor | None, sink_keys: torch.Tensor | None, sink_values: torch.Tensor | None,
-                     tail_keys: torch.Tensor, tail_values: torch.Tensor,
-                     positions: torch.Tensor | None = None) -> torch.Tensor | None:
+    def attend_layer(self, keys: Encoded | None, values: Encoded | None, query: torch.Tensor,
+                     bias: torch.Tensor | None, sink_slots: torch.Tensor | None, sink_keys: torch.Tensor | None,
+                     sink_values: torch.Tensor | None, tail_keys: torch.Tensor, tail_values: torch.Tensor,
+                     positions: torch.Tensor | None = None, held_keys: Encoded | None = None,
+                     held_values: Encoded | None = None) -> torch.Tensor | None:
         """Joint bases, a CPU decode step (at most KERNEL_ROWS query rows per KV head) and the C++ kernel built: the
         whole layer in one call (`cpu_decode.lowrank_decode_attention`, which rebuilds, turns and meets the keys and
         mixes the value latents a tile of tokens at a time in registers, meets the exact sinks and the tail in the
         same softmax and maps the mix to values); the same sums as the PyTorch segments over `key_logits` and
         `mix_values` in another order (bf16 products where `compute` asks). The store is read in one call, not in
         blocks: the kernel holds a tile at a time, and the step's cos/sin tables (`TurnTables`, shared by the layers)
-        are all it reads beside the store. `positions` as `key_logits`' (the store's slots)."""
+        are all it reads beside the store. `positions` as `key_logits`' (the store's slots, then the held ones).
+        `held_keys` / `held_values`: the storage's residual as latents (`residual_codec`), read after the store's."""
         if not (self._joint and query.device.type == "cpu" and query.shape[2] <= KERNEL_ROWS
                 and cpu_decode.available()):
             return None
-        compute, latent, mean, _, cos, sin = self._key_inputs(keys, query, positions, last_block=True)
+        compute = self._compute_dtype(query.device)
+        latent = self._latents(keys, held_keys, "key", compute)
+        mean, _, cos, sin = self._key_inputs(latent, query, positions, last_block=True)
         assert self._layer is not None  # bound per layer (`_bases` checked)
         kernel_basis, pairs = self._layer.key_basis_for_kernel(compute)
-        value_latent = self.storage.decode(values, "value", torch.float32)  # [B, 1, T, r_v]; the store's own as kept
+        value_latent = self._latents(values, held_values, "value", torch.float32)  # [B, 1, T, r_v]
         value_mean, value_basis = self._bases("value", query.shape[1], query.device)
         return cpu_decode.lowrank_decode_attention(
             latent[:, 0], kernel_basis, pairs, compute == torch.bfloat16, mean, cos[:, 0], sin[:, 0],
             query.float().contiguous(), value_latent[:, 0], value_basis, value_mean, bias, sink_slots,
             sink_keys, sink_values, tail_keys, tail_values)
+
+    def _latents(self, encoded: Encoded | None, held: Encoded | None, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
+        """The latents [B, 1, T, r] of the store's slots (`encoded`, decoded by the storage in `dtype`; a stored
+        latent of lowrank alone as it is kept) followed by the held ones (`residual_codec`'s latents, in the store's
+        dtype; as they are when the store holds none, as lowrank alone keeps them)."""
+        held_latent = None if held is None else IdentityCodec().decode(held, kind, dtype)
+        if encoded is None:
+            assert held_latent is not None  # the caller reads a layer that holds slots
+            return held_latent
+        latent = self.storage.decode(encoded, kind, dtype)
+        if held_latent is None:
+            return latent
+        return torch.cat([latent, held_latent.to(latent.dtype)], dim=2)
 
     def decode_in_basis(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         """Joint values: [B, 1, T, r + 1], each token's latent and a 1, the weight of the mean (`from_basis`)."""

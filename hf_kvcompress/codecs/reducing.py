@@ -70,6 +70,32 @@ class ReducingCodec(Codec):
         of the stack asks for bypasses them all (`lowrank:residual_length=128` keeps its newest 128 tokens exact)."""
         return max(self.residual_length, self.storage.exact_residual)
 
+    @property
+    def own_residual(self) -> int:
+        """The newest tokens the reduction itself keeps whole (lowrank's `residual_length`); 0 here: the base's
+        `residual_length` is the storage's."""
+        return 0
+
+    @property
+    def whole_residual(self) -> int:
+        """Only the reduction's own window bypasses the whole stack; the rest of the storage's residual holds the
+        reduced states (`residual_codec`): `lowrank:ratio=0.5+int4` holds int4's 128 newest tokens as latents."""
+        return min(self.own_residual, self.exact_residual)
+
+    @property
+    def residual_codec(self) -> ReducingCodec | None:
+        """The reduction alone (its reduced states at full precision), as the storage's residual holds them: "The
+        storage codec's residual and token blocks apply unchanged to the reduced states". None when the storage
+        keeps them as they are (`lowrank` alone: nothing is encoded after the reduction)."""
+        if self.storage.lossless:
+            return None
+        return self.with_storage(IdentityCodec())
+
+    def encode_residual(self, held: Encoded, kind: Kind, dtype: torch.dtype) -> Encoded:
+        """Reduced states held by `residual_codec` as the storage encodes them, in the model's `dtype` as `encode`
+        hands them over (an identity encoding: the states themselves)."""
+        return self.storage.encode(IdentityCodec().decode(held, kind, dtype).to(dtype), kind)
+
     def token_block(self, kind: Kind) -> int:
         return self.storage.token_block(kind)
 
