@@ -2,7 +2,8 @@
 
 New tokens join the tail at full precision; tail tokens beyond the codec's residual are encoded a block at a time
 and never re-encoded. A stack (`lowrank+int4`) holds its storage's residual between the two, reduced but not yet
-encoded (`held`: lowrank's latents at full precision), so that only the reduction's own window is whole vectors. Attention sees the decoded store followed by the tail; the codec's exact sink tokens
+encoded (`held`: lowrank's latents at full precision), so that only the reduction's own window is whole vectors.
+Attention sees the decoded store (encoded, then held) followed by the tail; the codec's exact sink tokens
 (codec_sinks.py) and a padded batch's exact rows (eviction.py) overwrite their decoded slots when it is read.
 """
 
@@ -336,8 +337,9 @@ class TokenStore:
         if n <= 0:
             return
         assert self._held is not None  # n <= held
+        kinds: tuple[Kind, Kind] = ("key", "value")
         new_keys, new_values = (self.codec.encode_residual(slice_encoded(part, 0, n, held), kind, self.dtype)
-                                for part, kind in zip(self._held, ("key", "value"), strict=True))
+                                for part, kind in zip(self._held, kinds, strict=True))
         if self._encoded is None:
             self._set_encoded(new_keys, new_values, n)
         else:
@@ -567,21 +569,25 @@ class TokenStore:
                 _check_readable(codec, encoded, kind, n_encoded, dtype, positions)
             encodings.append(encoded or None)
         store._set_encoded(encodings[0], encodings[1], n_encoded)
-        held = []
-        for kind in ("key", "value"):  # a file saved before `held` existed holds its tokens in the tail
+        held: list[Encoded | None] = []
+        kinds: tuple[Kind, Kind] = ("key", "value")
+        for kind in kinds:  # a file saved before `held` existed holds these tokens in the tail
             prefix = f"held_{kind}."
             part = {k[len(prefix):]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith(prefix)}
-            if part and store.residual_codec is None:
+            if not part:
+                held.append(None)
+            elif store.residual_codec is None:
                 raise ValueError(f"the saved cache holds reduced residual tokens, which codec {codec.spec()!r} does "
                                  "not hold: build the cache from the document again and save it")
-            held.append(store.residual_codec.as_stored(part, kind, dtype) if part else None)
+            else:
+                held.append(store.residual_codec.as_stored(part, kind, dtype))
         store._set_held(held[0], held[1])
         return store
 
     def promised_bytes(self, rows: int, head_dim: int, value_dim: int, dtype: torch.dtype | None = None) -> float:
         """Bytes the store should hold for `rows` (batch x KV heads) rows: encoded tokens at the codec's rate, held
-        ones at its `residual_codec`'s, the tail at full precision, plus the exact sinks and rows. With `dtype`: had the model run in that dtype (keys
-        and values at its width; codes, scales and slot indices keep theirs)."""
+        ones at its `residual_codec`'s, the tail at full precision, plus the exact sinks and rows. With `dtype`: had
+        the model run in that dtype (keys and values at its width; codes, scales and slot indices keep theirs)."""
         dtype = dtype or self.dtype
         encoded = self.encoded_slots * (  # the rooms are held whole, spare slots too
             self.codec.bytes_per_token(head_dim, "key", dtype) + self.codec.bytes_per_token(value_dim, "value", dtype)
