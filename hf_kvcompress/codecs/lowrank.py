@@ -390,6 +390,9 @@ class LowRankCodec(ReducingCodec):
     _turns: TurnTables | None = field(default=None, init=False, repr=False, compare=False)
     # The device the layer stores on (`for_device`): what `compute="auto"` resolves to there sets the latents' dtype.
     _device: torch.device | None = field(default=None, init=False, repr=False, compare=False)
+    # The reduction alone as a stack's residual holds its latents (`residual_codec`): in the model's dtype, as the
+    # stack hands them to its storage, so the storage's codes do not depend on `compute` (`latent_dtype`).
+    _holds_for_storage: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
@@ -435,6 +438,15 @@ class LowRankCodec(ReducingCodec):
         """lowrank's own window (`residual_length`): whole vectors; the storage's residual beyond it holds latents."""
         assert self.residual_length is not None  # settled in __post_init__
         return self.residual_length
+
+    @property
+    def residual_codec(self) -> LowRankCodec | None:
+        held = super().residual_codec
+        if held is None:
+            return None
+        assert isinstance(held, LowRankCodec)  # a copy of self (`with_storage`)
+        object.__setattr__(held, "_holds_for_storage", True)
+        return held
 
     @property
     def needs_positions(self) -> bool:  # type: ignore[override]
@@ -564,8 +576,10 @@ class LowRankCodec(ReducingCodec):
         """The dtype `kind`'s latents are stored in for a model running in `dtype`: bf16 for a float32 model whose
         decode step computes in bf16 (`compute`, resolved on the device the layer is bound to, `for_device`; not
         bound, "auto" stands for float32, as on a GPU), with joint bases and the latents stored as they are (no
-        `+int4`), since those products round the latents to bf16 anyway; otherwise the model's own dtype."""
-        if dtype != torch.float32 or not self._joint or not self.storage.lossless or kind not in BF16_LATENTS:
+        `+int4`, nor the latents a stack's residual holds for its storage, `residual_codec`), since those products
+        round the latents to bf16 anyway; otherwise the model's own dtype."""
+        if dtype != torch.float32 or not self._joint or not self.storage.lossless or kind not in BF16_LATENTS \
+                or self._holds_for_storage:
             return dtype
         if self.compute == "bfloat16" or (self.compute == "auto" and self._device is not None
                                           and fast_bfloat16_matmul(self._device)):

@@ -3,6 +3,8 @@ lowrank's latents at full precision, not as whole head vectors; only lowrank's o
 whole. Counted exactly (promised = measured = the latents' shapes), read as lowrank alone reads them (a prompt within
 int4's residual generates what `lowrank:ratio=0.5` generates), and moved by eviction, crop, beams and save/load."""
 
+import copy
+
 import pytest
 import torch
 
@@ -84,13 +86,17 @@ def test_held_tokens_join_int4_a_group_at_a_time(llama):  # noqa: F811
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
 
 
-def test_a_prompt_within_the_residual_reads_as_the_reduction_alone(llama):  # noqa: F811
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_prompt_within_the_residual_reads_as_the_reduction_alone(llama, dtype):  # noqa: F811
     """Nothing reaches int4 within its 128 tokens: the stack holds lowrank's latents, and generates what
-    `lowrank:ratio=0.5` generates, state for state."""
+    `lowrank:ratio=0.5` generates, state for state. (A float32 model whose step computes in bf16 stores lowrank's
+    own latents in bf16, the stack's in float32 as int4 receives them: compared with float32 products here.)"""
     model, bases = llama
+    model = copy.deepcopy(model).to(dtype)
     ids, mask = _padded_prompts()
+    compute = ",compute=float32" if dtype == torch.float32 else ""
     stack, alone = (make_cache(_spec(bases, s), model.config)
-                    for s in ("lowrank:ratio=0.5+int4", "lowrank:ratio=0.5"))
+                    for s in (f"lowrank:ratio=0.5{compute}+int4", f"lowrank:ratio=0.5{compute}"))
     out_stack = generate(model, ids, mask, stack, max_new_tokens=8).new_tokens
     out_alone = generate(model, ids, mask, alone, max_new_tokens=8).new_tokens
     assert torch.equal(out_stack, out_alone)
@@ -100,7 +106,7 @@ def test_a_prompt_within_the_residual_reads_as_the_reduction_alone(llama):  # no
             assert torch.equal(a._full(kind), b._full(kind))
     # The fused decode reads the held latents as lowrank alone reads its store (its kernel, or PyTorch's blocks).
     layer_a, layer_b = stack.layers[0], alone.layers[0]
-    query = torch.randn(2, 4, 1, layer_a.head_dim, generator=torch.Generator().manual_seed(1))
+    query = torch.randn(2, 4, 1, layer_a.head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     for backend in ("auto", "torch"):
         assert torch.equal(attend_store(layer_a, query, None, 0.2, backend),
                            attend_store(layer_b, query, None, 0.2, backend))
