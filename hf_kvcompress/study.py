@@ -200,7 +200,11 @@ def _plan_bytes(policy, codec, config, tokens: int, model_bytes: float, device: 
         if not plan.is_sliding and policy.evicts and scored:
             total += shape.kv_heads * kept * 4  # each kept slot's float32 score (H2O's sums, KVzip's maxima, KVzap's)
         if layer_codec.needs_positions:  # each slot's int32 key position (lowrank's joint bases decode at it)
-            total += shape.kv_heads * kept * 4
+            # one for every head until an eviction keeps slots per head (caches/slot_records.py; a block window
+            # drops the oldest slots of every head alike), or where the policy reads them per head
+            evicted = kept < tokens and not isinstance(plan.policy, BlockWindowPolicy)
+            per_head = evicted or plan.policy.needs_positions
+            total += (shape.kv_heads if per_head else 1) * kept * 4
         if layer_codec.exact_sinks and (encoded > 0 or kept < tokens):
             # full-precision sinks, copied at the first encoding or eviction: keys, values and an int64 slot each
             total += shape.kv_heads * layer_codec.exact_sinks * (2 * shape.head_dim * model_bytes + 8)

@@ -213,7 +213,11 @@ class CompressedLayer(CacheLayerMixin):
         length = self.stored_tokens
         self.peak_tokens = max(self.peak_tokens, length)
         if self.inv_freq is not None or self.policy.needs_positions or self.codec.needs_positions:
-            fresh = step_positions(attn_kwargs, self.seen - new, new, self.batch_size, self.kv_heads, self.device)
+            # Every KV head holds the same slots until an eviction keeps slots per head (`SlotRecords.take` widens
+            # the record then): one position per slot, unless a re-rotation or the policy reads them per head.
+            per_head = self.inv_freq is not None or self.policy.needs_positions
+            heads = self.kv_heads if per_head else 1
+            fresh = step_positions(attn_kwargs, self.seen - new, new, self.batch_size, heads, self.device)
             self.slots.append("positions", fresh)
 
         # A ratio changes what rows keep only when the step evicts (a step that appends moves every row alike).

@@ -830,8 +830,12 @@ class LowRankCodec(ReducingCodec):
     def _positions(positions: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
         if positions is None:
             raise ValueError("lowrank with joint bases stores keys before RoPE: encode and decode need positions=")
+        batch, heads, tokens = states.shape[:3]
+        if positions.shape == (batch, 1, tokens):  # one position per slot for every head (caches/slot_records.py)
+            return positions.expand(batch, heads, tokens)
         if positions.shape != states.shape[:3]:
-            raise ValueError(f"positions must be [B, H_kv, T] = {list(states.shape[:3])}, got {list(positions.shape)}")
+            raise ValueError(f"positions must be [B, H_kv, T] = {list(states.shape[:3])} (or [B, 1, T]), got "
+                             f"{list(positions.shape)}")
         return positions
 
     def stored_fraction(self, head_dim: int) -> tuple[int, float]:

@@ -53,6 +53,7 @@ def test_the_residual_is_held_as_latents_and_counted_exactly(llama, window):  # 
         # but lowrank's own window of whole vectors.
         assert (layer.n_encoded, layer.store.n_held, layer.store.tail_tokens) == (8, 22 - window, window)
         assert layer.store.held_keys["states"].shape == (2, 1, 22 - window, layer.codec._ranks[index][0])
+        assert layer.positions.shape == (2, 1, 30)  # every KV head holds the same slots: one int32 position each
     # The held latents cost their shapes' bytes: measured, promised and the study's estimate agree.
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
     # lowrank's own window over the 22 newest: the same 8 tokens encoded, the other 22 whole (the layout before).
@@ -121,6 +122,8 @@ def test_padded_rows_match_rows_alone(llama, spec):  # noqa: F811
     model, bases = llama
     cache = padded_batch_against_rows_alone(model, _spec(bases, spec))
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    # The positions: one per slot while every head holds the same slots, per head once an eviction kept some.
+    assert all(layer.positions.shape[1] == (2 if spec.startswith("tova") else 1) for layer in cache.layers)
 
 
 def test_crop_beams_and_save_load(llama, tmp_path):  # noqa: F811
