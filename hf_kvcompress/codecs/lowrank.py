@@ -344,7 +344,8 @@ class LowRankCodec(ReducingCodec):
         residual_length: the newest tokens kept exact in the cache's full-precision tail before they are projected
             (a window, as int4's residual: the question's and the answer's own tokens read exactly), counted in the
             cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
-            most either asks for (`exact_residual`); 0: none. None (the default): 128 when fewer than half of the
+            most either asks for (`exact_residual`), of which the storage's beyond this window holds latents at full
+            precision, not whole vectors (`residual_codec`); 0: none. None (the default): 128 when fewer than half of the
             dimensions are kept (a ratio below 0.5, the default ratio included), else 0 (with `rank`: 0).
         length: on a model with sliding-window layers, the prompt tokens at which `ratio` is a share of the
             latents' bytes (2,000, the suite's prompts); at longer prompts the full-attention layers' share of the

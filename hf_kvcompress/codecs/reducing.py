@@ -66,8 +66,9 @@ class ReducingCodec(Codec):
 
     @property
     def exact_residual(self) -> int:
-        """As `exact_sinks`: the tail holds the model's own states, before the reduction, so a window that one codec
-        of the stack asks for bypasses them all (`lowrank:residual_length=128` keeps its newest 128 tokens exact)."""
+        """As `exact_sinks`, the most any codec of the stack asks for: the newest tokens held at full precision before
+        they are encoded. The reduction's own window (`lowrank:residual_length=128`) bypasses the whole stack (whole
+        vectors, `whole_residual`); the rest of the storage's residual holds the reduced states (`residual_codec`)."""
         return max(self.residual_length, self.storage.exact_residual)
 
     @property
