@@ -32,6 +32,11 @@ DEFAULT_RATIO = 0.25  # the lesson's 128 -> 32
 # half (a quarter: no window 0 / 10, 32 tokens 7 / 10, 128 tokens 8 / 10; docs/results.md); a half answered its
 # needles without one (by variance).
 WINDOW_BELOW_HALF = 128
+# From a half on, beside a storage that keeps a residual of its own (`+int4`), the newest tokens kept whole (the
+# question's and the answer's own tokens; the rest of the storage's residual holds latents, `residual_codec`): chosen
+# on the development halves (Gemma-3: none 10 / 11, 32 and 64 tokens 11 / 11; SmolLM2 10 / 10 with none and with 32;
+# docs/results.md, "Low rank at 2x + int4: the residual as latents").
+WINDOW_IN_STACK = 32
 # The prompt length at which a ratio on a model with sliding-window layers is a share of the latents' bytes
 # (`length`): the suite's prompts (needle, multi_question at 2,000 tokens).
 BYTES_AT_LENGTH = 2000
@@ -345,8 +350,9 @@ class LowRankCodec(ReducingCodec):
             (a window, as int4's residual: the question's and the answer's own tokens read exactly), counted in the
             cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
             most either asks for (`exact_residual`), of which the storage's beyond this window holds latents at full
-            precision, not whole vectors (`residual_codec`); 0: none. None (the default): 128 when fewer than half of the
-            dimensions are kept (a ratio below 0.5, the default ratio included), else 0 (with `rank`: 0).
+            precision, not whole vectors (`residual_codec`); 0: none. None (the default): 128 when fewer than half of
+            the dimensions are kept (a ratio below 0.5, the default ratio included), else 0 alone and 32 beside a
+            storage with a residual (`+int4`; at most that residual; with `rank` likewise).
         length: on a model with sliding-window layers, the prompt tokens at which `ratio` is a share of the
             latents' bytes (2,000, the suite's prompts); at longer prompts the full-attention layers' share of the
             bytes weighs more. Ignored without sliding-window layers (every layer holds every token).
@@ -425,7 +431,8 @@ class LowRankCodec(ReducingCodec):
                              f"bytes at), got {self.length!r}")
         if self.residual_length is None:
             share = self.ratio if self.ratio is not None else (DEFAULT_RATIO if self.rank is None else 1.0)
-            object.__setattr__(self, "residual_length", WINDOW_BELOW_HALF if share < 0.5 else 0)
+            stacked = 0 if self.storage.lossless else min(WINDOW_IN_STACK, self.storage.exact_residual)
+            object.__setattr__(self, "residual_length", WINDOW_BELOW_HALF if share < 0.5 else stacked)
         if isinstance(self.residual_length, bool) or not isinstance(self.residual_length, int) \
                 or self.residual_length < 0:
             raise ValueError(

@@ -1,7 +1,8 @@
 """A stack's storage residual held reduced (`residual_codec`): `lowrank:ratio=0.5+int4` holds int4's newest tokens as
-lowrank's latents at full precision, not as whole head vectors; only lowrank's own window (`residual_length`) stays
-whole. Counted exactly (promised = measured = the latents' shapes), read as lowrank alone reads them (a prompt within
-int4's residual generates what `lowrank:ratio=0.5` generates), and moved by eviction, crop, beams and save/load."""
+lowrank's latents at full precision, not as whole head vectors; only lowrank's own window (`residual_length`: from a
+half on 32 tokens beside such a storage, unless given) stays whole. Counted exactly (promised = measured = the
+latents' shapes), read as lowrank alone reads them (a prompt within int4's residual generates what
+`lowrank:ratio=0.5` generates), and moved by eviction, crop, beams and save/load."""
 
 import copy
 
@@ -31,13 +32,18 @@ def _latent_bytes(layer, index: int, tokens: int) -> int:
 
 def test_only_the_reduction_window_is_whole():
     assert parse_spec("lowrank:ratio=0.5+int4")[1].exact_residual == 128  # the full-precision window, as before
-    assert parse_spec("lowrank:ratio=0.5+int4")[1].whole_residual == 0  # of which whole vectors: lowrank's own
+    # Of which whole vectors: lowrank's own window, from a half on 32 tokens beside a storage with a residual (the
+    # question's own tokens) unless given.
+    assert parse_spec("lowrank:ratio=0.5+int4")[1].whole_residual == 32
+    assert parse_spec("lowrank:ratio=0.5,residual_length=0+int4")[1].whole_residual == 0
+    assert parse_spec("lowrank:ratio=0.5+int4:residual_length=16")[1].whole_residual == 16  # at most int4's
+    assert parse_spec("lowrank:ratio=0.5+fp8")[1].whole_residual == 0  # fp8 keeps no residual
     assert parse_spec("lowrank:ratio=0.25+int4")[1].whole_residual == 128
     assert parse_spec("lowrank:residual_length=16+int4")[1].whole_residual == 16
     assert parse_spec("int4")[1].whole_residual == 128 and parse_spec("int4")[1].residual_codec is None
     assert parse_spec("lowrank:ratio=0.5")[1].residual_codec is None  # nothing is encoded after the reduction
     assert parse_spec("shared_heads+int4")[1].whole_residual == 0
-    held = parse_spec("lowrank:ratio=0.5+int4")[1].residual_codec
+    held = parse_spec("lowrank:ratio=0.5,residual_length=0+int4")[1].residual_codec
     assert held is not None and held.spec() == "lowrank:residual_length=0,ratio=0.5"  # the reduction, stored as is
 
 
@@ -73,7 +79,7 @@ def test_the_residual_is_held_as_latents_and_counted_exactly(llama, window):  # 
 def test_held_tokens_join_int4_a_group_at_a_time(llama):  # noqa: F811
     model, bases = llama
     ids, mask = _padded_prompts()
-    cache = make_cache(_spec(bases, f"lowrank:ratio=0.5+{INT4}"), model.config)
+    cache = make_cache(_spec(bases, f"lowrank:ratio=0.5,residual_length=0+{INT4}"), model.config)
     _forward(model, ids, mask, cache)
     step_ids, step_mask = ids[:, -1:], mask
     for step in range(10):
@@ -89,15 +95,16 @@ def test_held_tokens_join_int4_a_group_at_a_time(llama):  # noqa: F811
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_prompt_within_the_residual_reads_as_the_reduction_alone(llama, dtype):  # noqa: F811
-    """Nothing reaches int4 within its 128 tokens: the stack holds lowrank's latents, and generates what
-    `lowrank:ratio=0.5` generates, state for state. (A float32 model whose step computes in bf16 stores lowrank's
-    own latents in bf16, the stack's in float32 as int4 receives them: compared with float32 products here.)"""
+    """Nothing reaches int4 within its 128 tokens: the stack (without lowrank's own window of whole vectors) holds
+    lowrank's latents, and generates what `lowrank:ratio=0.5` generates, state for state. (A float32 model whose
+    step computes in bf16 stores lowrank's own latents in bf16, the stack's in float32 as int4 receives them:
+    compared with float32 products here.)"""
     model, bases = llama
     model = copy.deepcopy(model).to(dtype)
     ids, mask = _padded_prompts()
     compute = ",compute=float32" if dtype == torch.float32 else ""
     stack, alone = (make_cache(_spec(bases, s), model.config)
-                    for s in (f"lowrank:ratio=0.5{compute}+int4", f"lowrank:ratio=0.5{compute}"))
+                    for s in (f"lowrank:ratio=0.5,residual_length=0{compute}+int4", f"lowrank:ratio=0.5{compute}"))
     out_stack = generate(model, ids, mask, stack, max_new_tokens=8).new_tokens
     out_alone = generate(model, ids, mask, alone, max_new_tokens=8).new_tokens
     assert torch.equal(out_stack, out_alone)
@@ -113,9 +120,11 @@ def test_a_prompt_within_the_residual_reads_as_the_reduction_alone(llama, dtype)
                            attend_store(layer_b, query, None, 0.2, backend))
 
 
-@pytest.mark.parametrize("spec", [f"lowrank:ratio=0.5+{INT4}", f"lowrank:ratio=0.5,residual_length=3+{INT4}",
-                                  f"tova:ratio=0.5+lowrank:ratio=0.5+{INT4}",
-                                  "tova:ratio=0.5+lowrank:ratio=0.5+int4:residual_length=8,group_size=8,key_axis=token"])
+@pytest.mark.parametrize("spec", [f"lowrank:ratio=0.5,residual_length=0+{INT4}",
+                                  f"lowrank:ratio=0.5,residual_length=3+{INT4}", f"lowrank:ratio=0.5+{INT4}",
+                                  f"tova:ratio=0.5+lowrank:ratio=0.5,residual_length=0+{INT4}",
+                                  "tova:ratio=0.5+lowrank:ratio=0.5,residual_length=2"
+                                  "+int4:residual_length=8,group_size=8,key_axis=token"])
 def test_padded_rows_match_rows_alone(llama, spec):  # noqa: F811
     """Eviction folds the held latents into the tail (decoded) and reduces them again; padded rows still generate as
     alone, and the bytes stay exact."""
@@ -128,7 +137,7 @@ def test_padded_rows_match_rows_alone(llama, spec):  # noqa: F811
 
 def test_crop_beams_and_save_load(llama, tmp_path):  # noqa: F811
     model, bases = llama
-    spec = _spec(bases, f"lowrank:ratio=0.5+{INT4}")
+    spec = _spec(bases, f"lowrank:ratio=0.5,residual_length=0+{INT4}")
     ids, mask = _padded_prompts()
     cache = make_cache(spec, model.config)
     generate(model, ids, mask, cache, max_new_tokens=4)  # 33 tokens: 16 encoded, 17 held
