@@ -373,6 +373,7 @@ class LowRankCodec(ReducingCodec):
     name: ClassVar[str] = "lowrank"
     keeps_rope: ClassVar[bool] = False  # coordinates on a basis: the storage cannot undo RoPE on them (pre_rope)
     layer_kernel: ClassVar[bool] = True  # a CPU decode step's layer in one C++ call (`attend_layer`)
+    holds_reduced_residual: ClassVar[bool] = True  # `+int4`'s residual holds latents (ReducingCodec.residual_codec)
 
     rank: int | None = None
     ratio: float | None = None

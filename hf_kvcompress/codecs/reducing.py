@@ -28,6 +28,11 @@ class ReducingCodec(Codec):
     # mean of heads at one position is; coordinates on a basis are not): only then may the storage read the model's
     # RoPE frequencies (pre_rope).
     keeps_rope: ClassVar[bool] = True
+    # Whether the storage's residual holds the reduced states (`residual_codec`) rather than whole vectors. lowrank's
+    # does; shared_heads' does not: holding its 128 newest tokens as stored heads lost an answer that whole vectors
+    # keep (`shared_heads:ratio=0.67+int4`, SmolLM2's development half, 9 / 10 against 10 / 10; docs/results.md,
+    # "Low rank at 2x + int4: the residual as latents").
+    holds_reduced_residual: ClassVar[bool] = False
 
     storage: Codec = field(default_factory=IdentityCodec)
 
@@ -79,8 +84,11 @@ class ReducingCodec(Codec):
 
     @property
     def whole_residual(self) -> int:
-        """Only the reduction's own window bypasses the whole stack; the rest of the storage's residual holds the
-        reduced states (`residual_codec`): `lowrank:ratio=0.5+int4` holds int4's 128 newest tokens as latents."""
+        """Where the stack `holds_reduced_residual`, only the reduction's own window bypasses the whole stack; the
+        rest of the storage's residual holds the reduced states (`residual_codec`): `lowrank:ratio=0.5+int4` holds
+        int4's newest tokens as latents beyond lowrank's 32 whole ones. Otherwise every one is whole."""
+        if not self.holds_reduced_residual:
+            return self.exact_residual
         return min(self.own_residual, self.exact_residual)
 
     @property
@@ -88,7 +96,7 @@ class ReducingCodec(Codec):
         """The reduction alone (its reduced states at full precision), as the storage's residual holds them: "The
         storage codec's residual and token blocks apply unchanged to the reduced states". None when the storage
         keeps them as they are (`lowrank` alone: nothing is encoded after the reduction)."""
-        if self.storage.lossless:
+        if self.storage.lossless or not self.holds_reduced_residual:
             return None
         return self.with_storage(IdentityCodec())
 
