@@ -188,12 +188,23 @@ def _plan_bytes(policy, codec, config, tokens: int, model_bytes: float, device: 
             encoded = max(0, (kept - residual) // block * block)
         per_encoded = layer_codec.bytes_per_token(shape.head_dim, "key", dtype) + layer_codec.bytes_per_token(
             shape.head_dim, "value", dtype)
-        total += shape.kv_heads * (encoded * per_encoded + (kept - encoded) * 2 * shape.head_dim * model_bytes)
+        whole = kept - encoded
+        residual_codec = None if layer_codec.lossless else layer_codec.residual_codec
+        if residual_codec is not None:  # a stack holds its storage's residual reduced, beyond its own window
+            whole = min(whole, layer_codec.whole_residual)
+            per_held = residual_codec.bytes_per_token(shape.head_dim, "key", dtype) + residual_codec.bytes_per_token(
+                shape.head_dim, "value", dtype)
+            total += shape.kv_heads * (kept - encoded - whole) * per_held
+        total += shape.kv_heads * (encoded * per_encoded + whole * 2 * shape.head_dim * model_bytes)
         scored = policy.needs_attention or policy.scores_by_reconstruction or policy.needs_hidden_states
         if not plan.is_sliding and policy.evicts and scored:
             total += shape.kv_heads * kept * 4  # each kept slot's float32 score (H2O's sums, KVzip's maxima, KVzap's)
         if layer_codec.needs_positions:  # each slot's int32 key position (lowrank's joint bases decode at it)
-            total += shape.kv_heads * kept * 4
+            # one for every head until an eviction keeps slots per head (caches/slot_records.py; a block window
+            # drops the oldest slots of every head alike), or where the policy reads them per head
+            evicted = kept < tokens and not isinstance(plan.policy, BlockWindowPolicy)
+            per_head = evicted or plan.policy.needs_positions
+            total += (shape.kv_heads if per_head else 1) * kept * 4
         if layer_codec.exact_sinks and (encoded > 0 or kept < tokens):
             # full-precision sinks, copied at the first encoding or eviction: keys, values and an int64 slot each
             total += shape.kv_heads * layer_codec.exact_sinks * (2 * shape.head_dim * model_bytes + 8)

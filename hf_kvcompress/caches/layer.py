@@ -213,7 +213,11 @@ class CompressedLayer(CacheLayerMixin):
         length = self.stored_tokens
         self.peak_tokens = max(self.peak_tokens, length)
         if self.inv_freq is not None or self.policy.needs_positions or self.codec.needs_positions:
-            fresh = step_positions(attn_kwargs, self.seen - new, new, self.batch_size, self.kv_heads, self.device)
+            # Every KV head holds the same slots until an eviction keeps slots per head (`SlotRecords.take` widens
+            # the record then): one position per slot, unless a re-rotation or the policy reads them per head.
+            per_head = self.inv_freq is not None or self.policy.needs_positions
+            heads = self.kv_heads if per_head else 1
+            fresh = step_positions(attn_kwargs, self.seen - new, new, self.batch_size, heads, self.device)
             self.slots.append("positions", fresh)
 
         # A ratio changes what rows keep only when the step evicts (a step that appends moves every row alike).
@@ -305,6 +309,7 @@ class CompressedLayer(CacheLayerMixin):
             sink_slots = self.slots.sink_slots
         # Ranked once, after the reconstruction pass over a token layer (CompressedCache.end_reconstruction).
         assert isinstance(self.store, TokenStore) and self.padding is not None
+        self.store.unreduce(self.slots.positions)  # a stack's held residual joins the tail: ranked pairs are whole
         # KVzap scores later tokens by its probe (`later_scores`): the prompt's recent window starts the tail with
         # its estimates, so that it competes as decoded tokens do once it is no longer recent (head_store.py `rank`).
         window_scores = self.slots.accumulated if self.policy.needs_hidden_states else None
@@ -401,7 +406,7 @@ class CompressedLayer(CacheLayerMixin):
         scores = self.policy.score(
             self.slots.accumulated, length, keys=keys, positions=self.slots.positions, pads=self.padding.pads, **extra
         )
-        if self.store.encoded_keys is None:
+        if not self.store.holds_encoded:
             self._capture_sinks()
         if self.slots.empty and self.inv_freq is None and self.store.can_slide(length - 1) and self.eviction.slides(
             scores, length, most, even
@@ -440,7 +445,7 @@ class CompressedLayer(CacheLayerMixin):
         drop = self.stored_tokens - self.policy.held(self.stored_tokens)
         if drop == 0:
             return
-        if self.store.encoded_keys is None:
+        if not self.store.holds_encoded:
             self._capture_sinks()  # while the tail still holds every token seen
         self.padding.evicting()
         self.store.drop(drop)

@@ -18,7 +18,9 @@ class SlotRecords:
     """The per-slot tensors of one layer; each is None until something records it.
 
     `PER_SLOT`: [B, H_kv, T, ...] tensors with one entry per slot along dim 2 (`accumulated`: the attention each
-    slot received, for policies that score by it; `positions`: the position each kept key is rotated to).
+    slot received, for policies that score by it; `positions`: the position each kept key is rotated to), or
+    [B, 1, T, ...] where every KV head holds the same slots (a layer records its positions so until an eviction
+    keeps slots per head: `take` widens such a record to the heads it keeps by, `append` to the heads held).
     `SLOT_NUMBERS`: [B, H_kv, S] tensors of slot numbers (-1: none), renumbered when slots move (`sink_slots`: the
     slots of the codec's exact sink tokens, see codec_sinks.py).
     """
@@ -56,11 +58,16 @@ class SlotRecords:
     def append(self, name: str, fresh: torch.Tensor) -> None:
         """Record `fresh` [B, H_kv, n, ...] for the n slots just added after the others."""
         held = getattr(self, name)
+        if held is not None and held.shape[1] != fresh.shape[1]:  # one of them for every head ([B, 1, ...])
+            heads = max(held.shape[1], fresh.shape[1])
+            held, fresh = (t.expand(t.shape[0], heads, *t.shape[2:]) for t in (held, fresh))
         setattr(self, name, fresh if held is None else torch.cat([held, fresh], dim=2))
 
     def take(self, kept: torch.Tensor) -> None:
         """Keep the slots `kept` [B, H_kv, K] (ascending), which become slots 0..K-1 (eviction)."""
         for name, tensor in self._present(self.PER_SLOT):
+            if tensor.shape[1] != kept.shape[1]:  # one entry for every head: each head keeps its own slots now
+                tensor = tensor.expand(tensor.shape[0], kept.shape[1], *tensor.shape[2:])
             index = kept.view(*kept.shape, *(1,) * (tensor.dim() - 3)).expand(*kept.shape, *tensor.shape[3:])
             setattr(self, name, torch.gather(tensor, 2, index))
         for name, slots in self._present(self.SLOT_NUMBERS):

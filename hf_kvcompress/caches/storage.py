@@ -1,7 +1,9 @@
 """A layer's kept tokens as [encoded store | full-precision tail]: the store that owns them (`TokenStore`).
 
 New tokens join the tail at full precision; tail tokens beyond the codec's residual are encoded a block at a time
-and never re-encoded. Attention sees the decoded store followed by the tail; the codec's exact sink tokens
+and never re-encoded. A stack (`lowrank+int4`) holds its storage's residual between the two, reduced but not yet
+encoded (`held`: lowrank's latents at full precision), so that only the reduction's own window is whole vectors.
+Attention sees the decoded store (encoded, then held) followed by the tail; the codec's exact sink tokens
 (codec_sinks.py) and a padded batch's exact rows (eviction.py) overwrite their decoded slots when it is read.
 """
 
@@ -52,6 +54,9 @@ class TokenStore:
     `encoded_keys` / `encoded_values`: the codec's encoding of the `n_encoded` oldest slots (None: nothing encoded),
     views of a room with spare slots (encoded_room.py) into which each step's newly encoded tokens are written in
     place: a decode step copies no stored token;
+    `held_keys` / `held_values`: the `n_held` slots after those, as the codec's `residual_codec` holds them (a stack's
+    storage residual: the reduced states at full precision; None: none), encoded from there (`encode_residual`) a
+    block at a time once they leave the residual;
     `tail_keys` / `tail_values` [B, H_kv, t, D]: the newest slots, at full precision;
     `sink_keys` / `sink_values` [B, H_kv, S, D]: the codec's exact sink tokens (their slots are the layer's
     `slots.sink_slots`, which move with the slots; codec_sinks.py);
@@ -84,6 +89,10 @@ class TokenStore:
         # by `encode_tail`; None: nothing encoded.
         self._encoded: tuple[EncodedRoom, EncodedRoom] | None = None
         self.n_encoded = 0
+        # The stack's reduction alone (codecs/base.py `residual_codec`; None: the tail holds the whole residual) and
+        # the keys and values it holds (`held_keys`, `held_values`), set together; None: none held.
+        self.residual_codec = codec.residual_codec
+        self._held: tuple[Encoded, Encoded] | None = None
         self._tail: list[torch.Tensor | None] = [None, None]  # `tail_keys`, `tail_values` [B, H_kv, t, D]
         # A sliding window's room (`slide`): key and value buffers [B, H_kv, capacity, D] whose slots `room_start` ..
         # `room_start + t - 1` are the tail; None when the tail is a tensor of its own.
@@ -128,6 +137,31 @@ class TokenStore:
         return None if self._encoded is None else self._encoded[1].encoded
 
     @property
+    def held_keys(self) -> Encoded | None:
+        return None if self._held is None else self._held[0]
+
+    @property
+    def held_values(self) -> Encoded | None:
+        return None if self._held is None else self._held[1]
+
+    @property
+    def n_held(self) -> int:
+        """Slots held by `residual_codec`, after the encoded ones (token-wise: axis 2 of any of its tensors)."""
+        return 0 if self._held is None else next(iter(self._held[0].values())).shape[2]
+
+    @property
+    def holds_encoded(self) -> bool:
+        """Some slot is encoded or held reduced (attention reads them from the store, not from the tail)."""
+        return self._encoded is not None or self._held is not None
+
+    def _set_held(self, keys: Encoded | None, values: Encoded | None) -> None:
+        """Hold `keys` and `values` (`residual_codec`'s encodings of the same slots; None: none), each tensor owned."""
+        if keys is None or values is None:
+            self._held = None
+            return
+        self._held = ({n: owned(t) for n, t in keys.items()}, {n: owned(t) for n, t in values.items()})
+
+    @property
     def encoded_slots(self) -> int:
         """Token slots the encoded store holds, its room's spare ones included (what `promised_bytes` counts)."""
         return 0 if self._encoded is None else self._encoded[0].capacity
@@ -146,7 +180,7 @@ class TokenStore:
 
     @property
     def stored_tokens(self) -> int:
-        return self.n_encoded + self.tail_tokens
+        return self.n_encoded + self.n_held + self.tail_tokens
 
     @property
     def view_tokens(self) -> int:
@@ -191,11 +225,20 @@ class TokenStore:
         """What attention sees: the decoded store (exact sinks at `sink_slots`, exact rows) followed by the tail.
         `positions` [B, H_kv, slots]: each slot's key position, for a codec that `needs_positions`."""
         encoded = self.encoded_keys if kind == "key" else self.encoded_values
+        held = self.held_keys if kind == "key" else self.held_values
         tail = self.tail_keys if kind == "key" else self.tail_values
         assert tail is not None  # appended at the layer's first step, before attention reads
-        if encoded is None:
+        if encoded is None and held is None:
             return tail
-        decoded = self.codec.decode(encoded, kind, self.dtype, **self._at(kind, positions, 0, self.n_encoded))
+        parts = []
+        if encoded is not None:
+            parts.append(self.codec.decode(encoded, kind, self.dtype, **self._at(kind, positions, 0, self.n_encoded)))
+        if held is not None:
+            assert self.residual_codec is not None  # held only by a codec that has one
+            start = self.n_encoded
+            parts.append(self.residual_codec.decode(held, kind, self.dtype,
+                                                    **self._at(kind, positions, start, start + self.n_held)))
+        decoded = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
         if sink_slots is not None:
             sinks = self.sink_keys if kind == "key" else self.sink_values
             assert sinks is not None  # captured with `sink_slots` (codec_sinks.py)
@@ -216,6 +259,7 @@ class TokenStore:
     def encoded_whole(self, kind: Kind, positions: torch.Tensor | None = None) -> Encoded | None:
         """Every stored token as one token-wise encoding [B, H, T, ...]: the encoded part, then the tail encoded now
         (for eviction, which gathers from both at once; the tail itself is left as it is)."""
+        assert self._held is None  # the callers fold what is held into the tail first (`unreduce`)
         encoded = self.encoded_keys if kind == "key" else self.encoded_values
         tail = self.tail_keys if kind == "key" else self.tail_values
         at = self._at(kind, positions, self.n_encoded, self.stored_tokens)
@@ -239,6 +283,11 @@ class TokenStore:
         if self.codec.lossless and self.encoded_keys is None:
             return  # full precision: the tail is the store
         assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
+        if self.residual_codec is not None and self.exact_keys is None:
+            self._encode_through_held(before_encoding, positions)
+            return
+        # A stack whose padded rows hold exact states (after an eviction) encodes its tail whole until they are gone,
+        # as before `held` existed (`take` folds what is held into the tail).
         residual = self.codec.exact_residual
         block = max(self.codec.token_block("key"), self.codec.token_block("value"))
         excess = self.tail_keys.shape[-2] - residual
@@ -260,6 +309,64 @@ class TokenStore:
         self.tail_keys = owned(self.tail_keys[:, :, n:])
         self.tail_values = owned(self.tail_values[:, :, n:])
 
+    def _encode_through_held(self, before_encoding: Callable[[bool], None], positions: torch.Tensor | None) -> None:
+        """A stack's `encode_tail`: tail tokens beyond the reduction's own window (`whole_residual`) are reduced, one
+        token at a time, into `held`; held tokens beyond the storage's residual (counted over held and tail, as the
+        tail alone counted it before: the same tokens are encoded together) are encoded from there, whole blocks at
+        a time."""
+        assert self.tail_keys is not None and self.tail_values is not None and self.residual_codec is not None
+        tail, held = self.tail_keys.shape[-2], self.n_held
+        move = max(tail - self.codec.whole_residual, 0)
+        block = max(self.codec.token_block("key"), self.codec.token_block("value"))
+        n = min((held + tail - self.codec.exact_residual) // block * block, held + move)
+        if move == 0 and n <= 0:
+            return
+        before_encoding(self._encoded is None and self._held is None)
+        if move:
+            start = self.n_encoded + held
+            at = self._at("key", positions, start, start + move)
+            fresh = (self.residual_codec.encode(self.tail_keys[:, :, :move], "key", **at),
+                     self.residual_codec.encode(self.tail_values[:, :, :move], "value"))
+            if self._held is None:
+                self._set_held(*fresh)
+            else:
+                self._set_held(*(cat_encoded(old, new) for old, new in zip(self._held, fresh, strict=True)))
+            self.tail_keys = owned(self.tail_keys[:, :, move:])
+            self.tail_values = owned(self.tail_values[:, :, move:])
+            held += move
+        if n <= 0:
+            return
+        assert self._held is not None  # n <= held
+        kinds: tuple[Kind, Kind] = ("key", "value")
+        new_keys, new_values = (self.codec.encode_residual(slice_encoded(part, 0, n, held), kind, self.dtype)
+                                for part, kind in zip(self._held, kinds, strict=True))
+        if self._encoded is None:
+            self._set_encoded(new_keys, new_values, n)
+        else:
+            for room, new in zip(self._encoded, (new_keys, new_values), strict=True):
+                room.append(new, n, block)
+            self.n_encoded += n
+        if n == held:
+            self._held = None
+        else:
+            self._set_held(*(_owned_encoded(part, n, held, held) for part in self._held))
+
+    def unreduce(self, positions: torch.Tensor | None = None) -> None:
+        """Fold the held slots back into the tail as whole states (decoded: what attention read), so that a move
+        that sorts slots by precision (`take`, a head ranking) sees [encoded | tail] only; the next `encode_tail`
+        reduces them again. `positions` [B, H_kv, slots]: each slot's key position, for a codec that
+        `needs_positions`."""
+        if self._held is None:
+            return
+        assert self.residual_codec is not None and self.tail_keys is not None and self.tail_values is not None
+        start = self.n_encoded
+        at = self._at("key", positions, start, start + self.n_held)
+        keys = self.residual_codec.decode(self._held[0], "key", self.dtype, **at)
+        values = self.residual_codec.decode(self._held[1], "value", self.dtype)
+        self._held = None
+        self.tail_keys = torch.cat([keys, self.tail_keys], dim=-2)
+        self.tail_values = torch.cat([values, self.tail_values], dim=-2)
+
     def _trim_exact(self, room: int) -> None:
         """Keep exact states for the `room` newest encoded slots at most: older ones were encoded from those states
         when they joined the store, which is how the row alone stores them once they leave its residual."""
@@ -279,6 +386,7 @@ class TokenStore:
         """Keep the slots `kept` [B, H_kv, K] (ascending), which become slots 0..K-1 (eviction). `positions`
         [B, H_kv, slots]: each slot's key position before the eviction, for a codec that `needs_positions`."""
         budget = kept.shape[-1]
+        self.unreduce(positions)
         n_enc = self.n_encoded
         assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
         if self.encoded_keys is None:
@@ -386,7 +494,13 @@ class TokenStore:
             self._set_encoded(_owned_encoded(self.encoded_keys, from_store, held, held),
                               _owned_encoded(self.encoded_values, from_store, held, held), held - from_store,
                               keep_room=True)
-        from_tail = n - from_store
+        from_held = min(n - from_store, self.n_held)
+        if from_held:
+            assert self._held is not None  # n_held > 0
+            held = self.n_held
+            self._set_held(*(None if from_held == held else _owned_encoded(part, from_held, held, held)
+                             for part in self._held))
+        from_tail = n - from_store - from_held
         if from_tail:
             assert self.tail_keys is not None and self.tail_values is not None  # the slots dropped are held
             self.tail_keys = owned(self.tail_keys[:, :, from_tail:])
@@ -395,13 +509,19 @@ class TokenStore:
     def crop(self, keep: int) -> None:
         """Keep the `keep` oldest slots (crop; the caller checked that encoded groups allow it)."""
         assert self.tail_keys is not None and self.tail_values is not None  # appended at the layer's first step
-        if keep < self.n_encoded:
+        n_enc, held = self.n_encoded, self.n_held
+        if keep < n_enc:
             assert self.encoded_keys is not None and self.encoded_values is not None  # n_encoded > 0
             batch, heads = self.tail_keys.shape[:2]
             index = torch.arange(keep, device=self.tail_keys.device).expand(batch, heads, keep)
             self._set_encoded(gather_encoded(self.encoded_keys, index), gather_encoded(self.encoded_values, index),
                               keep)
-        tail_keep = keep - self.n_encoded
+        held_keep = min(max(keep - n_enc, 0), held)
+        if held_keep < held:
+            assert self._held is not None  # held > 0
+            self._set_held(*(None if held_keep == 0 else _owned_encoded(part, 0, held_keep, held)
+                             for part in self._held))
+        tail_keep = max(keep - n_enc - held, 0)
         self.tail_keys = owned(self.tail_keys[:, :, :tail_keep])
         self.tail_values = owned(self.tail_values[:, :, :tail_keep])
 
@@ -409,6 +529,8 @@ class TokenStore:
         """Keep the batch rows `indices` [B'] (long), in that order (beam search, batch selection)."""
         self._set_encoded(select_batch(self.encoded_keys, indices), select_batch(self.encoded_values, indices),
                           self.n_encoded, keep_room=True)
+        if self._held is not None:
+            self._set_held(select_batch(self._held[0], indices), select_batch(self._held[1], indices))
         for name in self.TENSORS:
             tensor = getattr(self, name)
             if tensor is not None:
@@ -421,6 +543,9 @@ class TokenStore:
         for kind, encoded in (("key", self.encoded_keys), ("value", self.encoded_values)):
             for name, tensor in (encoded or {}).items():
                 tensors[f"encoded_{kind}.{name}"] = owned(tensor)  # the used slots only, not the room's spare ones
+        for kind, held in (("key", self.held_keys), ("value", self.held_values)):
+            for name, tensor in (held or {}).items():
+                tensors[f"held_{kind}.{name}"] = tensor
         return tensors
 
     @classmethod
@@ -444,16 +569,32 @@ class TokenStore:
                 _check_readable(codec, encoded, kind, n_encoded, dtype, positions)
             encodings.append(encoded or None)
         store._set_encoded(encodings[0], encodings[1], n_encoded)
+        held: list[Encoded | None] = []
+        kinds: tuple[Kind, Kind] = ("key", "value")
+        for kind in kinds:  # a file saved before `held` existed holds these tokens in the tail
+            prefix = f"held_{kind}."
+            part = {k[len(prefix):]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith(prefix)}
+            if not part:
+                held.append(None)
+            elif store.residual_codec is None:
+                raise ValueError(f"the saved cache holds reduced residual tokens, which codec {codec.spec()!r} does "
+                                 "not hold: build the cache from the document again and save it")
+            else:
+                held.append(store.residual_codec.as_stored(part, kind, dtype))
+        store._set_held(held[0], held[1])
         return store
 
     def promised_bytes(self, rows: int, head_dim: int, value_dim: int, dtype: torch.dtype | None = None) -> float:
-        """Bytes the store should hold for `rows` (batch x KV heads) rows: encoded tokens at the codec's rate, the
-        tail at full precision, plus the exact sinks and rows. With `dtype`: had the model run in that dtype (keys
-        and values at its width; codes, scales and slot indices keep theirs)."""
+        """Bytes the store should hold for `rows` (batch x KV heads) rows: encoded tokens at the codec's rate, held
+        ones at its `residual_codec`'s, the tail at full precision, plus the exact sinks and rows. With `dtype`: had
+        the model run in that dtype (keys and values at its width; codes, scales and slot indices keep theirs)."""
         dtype = dtype or self.dtype
         encoded = self.encoded_slots * (  # the rooms are held whole, spare slots too
             self.codec.bytes_per_token(head_dim, "key", dtype) + self.codec.bytes_per_token(value_dim, "value", dtype)
         )
+        if self.residual_codec is not None:
+            encoded += self.n_held * (self.residual_codec.bytes_per_token(head_dim, "key", dtype)
+                                      + self.residual_codec.bytes_per_token(value_dim, "value", dtype))
         element = torch.empty((), dtype=dtype).element_size()
         held = self.tail_tokens if self._room is None else self._room[0].shape[-2]  # a room is held whole
         tail = held * (head_dim + value_dim) * element

@@ -104,28 +104,37 @@ def _sink_hidden(layer, start: int, end: int) -> torch.Tensor:
 
 
 def _store_by_blocks(layer, stored_q, attention_mask, groups: int, softmax: _OnlineSoftmax) -> None:
-    """The store segment, `STORE_BLOCK` tokens at a time, in PyTorch (the reference for the kernels)."""
-    codec, n_enc = layer.codec, layer.store.n_encoded
-    unit = max(codec.token_block("key"), codec.token_block("value"))
+    """The store segment, `STORE_BLOCK` tokens at a time, in PyTorch (the reference for the kernels): the encoded
+    slots, then those a stack holds reduced (`held_keys`, read by its `residual_codec` in the same basis)."""
+    store = layer.store
+    n_enc, n_held = store.n_encoded, store.n_held
+    parts = [(layer.codec, store.encoded_keys, store.encoded_values, 0, n_enc)]
+    if n_held:
+        parts.append((store.residual_codec, store.held_keys, store.held_values, n_enc, n_held))
     batch, heads, _, dim = stored_q.shape
     tokens = min(STORE_BLOCK, max(1, STORE_BLOCK_VALUES // (batch * heads * dim)))
-    block = -(-tokens // unit) * unit
-    for start in range(0, n_enc, block):
-        end = min(start + block, n_enc)
-        # A codec that stores keys with their positions (lowrank's pre-RoPE latents) turns them at those positions,
-        # and learns which block is the layer's last (lowrank shares a step's turn tables over its layers).
-        at = {"positions": layer.slots.positions[:, :, start:end], "last_block": end == n_enc} \
-            if codec.needs_positions else {}
-        keys = slice_encoded(layer.store.encoded_keys, start, end, n_enc)
-        values = slice_encoded(layer.store.encoded_values, start, end, n_enc)
-        sinks = layer.slots.sink_slots
-        logits = codec.key_logits(keys, stored_q, **at)
-        bias = _bias(attention_mask, groups, slice(start, end))
-        if bias is not None:
-            logits = logits + bias
-        if sinks is not None:  # sinks are attended exactly below, not in their decoded form
-            logits = logits.masked_fill(_sink_hidden(layer, start, end)[:, :, None], float("-inf"))
-        softmax.add(logits, lambda probs, values=values: codec.mix_values(values, probs), stored_basis=True)
+    for codec, encoded_keys, encoded_values, offset, n in parts:
+        unit = max(codec.token_block("key"), codec.token_block("value"))
+        block = -(-tokens // unit) * unit
+        for first in range(0, n, block):
+            last = min(first + block, n)
+            start, end = offset + first, offset + last
+            # A codec that stores keys with their positions (lowrank's pre-RoPE latents) turns them at those
+            # positions, and learns which block is the layer's last (lowrank shares a step's turn tables over its
+            # layers).
+            at = {"positions": layer.slots.positions[:, :, start:end], "last_block": end == n_enc + n_held} \
+                if codec.needs_positions else {}
+            keys = slice_encoded(encoded_keys, first, last, n)
+            values = slice_encoded(encoded_values, first, last, n)
+            sinks = layer.slots.sink_slots
+            logits = codec.key_logits(keys, stored_q, **at)
+            bias = _bias(attention_mask, groups, slice(start, end))
+            if bias is not None:
+                logits = logits + bias
+            if sinks is not None:  # sinks are attended exactly below, not in their decoded form
+                logits = logits.masked_fill(_sink_hidden(layer, start, end)[:, :, None], float("-inf"))
+            softmax.add(logits, lambda probs, codec=codec, values=values: codec.mix_values(values, probs),
+                        stored_basis=True)
 
 
 def _attend_by_triton(layer, plain_q, stored_q, attention_mask) -> torch.Tensor:
@@ -150,14 +159,16 @@ def _attend_by_triton(layer, plain_q, stored_q, attention_mask) -> torch.Tensor:
 def _attend_by_codec_kernel(layer, plain_q, attention_mask) -> torch.Tensor | None:
     """Store, exact sinks and tail in one call of the codec's own kernel (`attend_layer`: lowrank's on CPU):
     [B, H_kv, groups * q, Dv], normalised; None where the codec's kernel does not read this step."""
-    store, n_enc = layer.store, layer.store.n_encoded
+    store = layer.store
+    n_store = store.n_encoded + store.n_held  # the held slots (a stack's reduced residual) are read as the store's
     tail_keys, tail_values = store.tail_keys, store.tail_values
     if tail_keys is None:  # nothing appended since the store took everything
         tail_keys = tail_values = plain_q.new_zeros(*plain_q.shape[:2], 0, plain_q.shape[-1])
-    bias = None if attention_mask is None else _bias(attention_mask, 1, slice(0, n_enc + tail_keys.shape[-2]))
-    at = {"positions": layer.slots.positions[:, :, :n_enc]} if layer.codec.needs_positions else {}
+    bias = None if attention_mask is None else _bias(attention_mask, 1, slice(0, n_store + tail_keys.shape[-2]))
+    at = {"positions": layer.slots.positions[:, :, :n_store]} if layer.codec.needs_positions else {}
     return layer.codec.attend_layer(store.encoded_keys, store.encoded_values, plain_q, bias, layer.slots.sink_slots,
-                                    store.sink_keys, store.sink_values, tail_keys, tail_values, **at)
+                                    store.sink_keys, store.sink_values, tail_keys, tail_values, **at,
+                                    held_keys=store.held_keys, held_values=store.held_values)
 
 
 def _attend_by_cpu_kernel(layer, plain_q, attention_mask) -> torch.Tensor:
@@ -261,17 +272,18 @@ def attend_store(
     kv_heads = layer.kv_heads
     groups = q_heads // kv_heads
     n_enc = layer.store.n_encoded
+    held = layer.store.n_held  # a stack's reduced residual: read by its own codec, not by the store kernels
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] not in (1, kv_heads):
         attention_mask = attention_mask[:, :1]  # one mask for every head
     # Query heads h = k * groups + g share KV head k: [B, H_kv, groups * q, D].
     plain_q = (query.float() * scaling).reshape(batch, kv_heads, groups * q_len, dim)
-    kernel = store_kernel(layer, query, backend) if n_enc else None
+    kernel = store_kernel(layer, query, backend) if n_enc and not held else None
     out: torch.Tensor | None = None
     if kernel == "cpu":
         out = _attend_by_cpu_kernel(layer, plain_q, attention_mask)
     elif kernel == "triton":
         out = _attend_by_triton(layer, plain_q, codec.key_query(plain_q), attention_mask)
-    elif n_enc and backend != "torch" and codec.layer_kernel:  # the codec's own kernel, where it reads the layer
+    elif (n_enc or held) and backend != "torch" and codec.layer_kernel:  # the codec's own kernel, where it reads
         out = _attend_by_codec_kernel(layer, plain_q, attention_mask)
     if out is None:  # the PyTorch segments
         out = _attend_in_segments(layer, plain_q, codec.key_query(plain_q), attention_mask, groups)
@@ -282,7 +294,7 @@ def attend_store(
 def _attend_in_segments(layer, plain_q, stored_q, attention_mask, groups: int) -> torch.Tensor:
     """The store (PyTorch blocks), the exact sinks and the tail as segments of one online softmax in PyTorch:
     [B, H_kv, groups * q, Dv], normalised. The reference for the kernels (a codec's own too)."""
-    codec, n_enc = layer.codec, layer.store.n_encoded
+    codec, n_enc = layer.codec, layer.store.n_encoded + layer.store.n_held  # store slots: encoded, then held
     softmax = _OnlineSoftmax()
     _store_by_blocks(layer, stored_q, attention_mask, groups, softmax)
     if layer.slots.sink_slots is not None:

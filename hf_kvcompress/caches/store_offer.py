@@ -41,7 +41,7 @@ class StoreOffers:
     def may_attend(self, store: TokenStore, attn_kwargs: dict | None, new: int) -> bool:
         """Whether this decode step can let attention read the encoded store itself (caches/store_attention.py)."""
         return (
-            self.offered and new == 1 and attn_kwargs is not None and store.encoded_keys is not None
+            self.offered and new == 1 and attn_kwargs is not None and store.holds_encoded
             and store.exact_keys is None  # exact states over some encoded slots: read decoded
         )
 

@@ -59,6 +59,23 @@ class Codec(ABC):
         for."""
         return self.residual_length
 
+    @property
+    def whole_residual(self) -> int:
+        """Of the `exact_residual` newest tokens, how many the layer holds as the model's whole states; the older
+        ones are held by `residual_codec` (caches/storage.py). Every one, unless the codec is a stack."""
+        return self.exact_residual
+
+    @property
+    def residual_codec(self) -> Codec | None:
+        """How the layer holds its exact residual's tokens beyond `whole_residual`, at full precision before they are
+        encoded (`encode_residual`), or None: every one whole. A stack (`lowrank+int4`) holds them as its reduction
+        alone stores them: the storage's residual holds the reduced states (lowrank's latents), not whole vectors."""
+        return None
+
+    def encode_residual(self, held: Encoded, kind: Kind, dtype: torch.dtype) -> Encoded:
+        """Tokens `residual_codec` holds (`held`, of a model running in `dtype`) as this codec encodes them."""
+        raise NotImplementedError(f"{type(self).__name__} holds no residual in another codec (residual_codec)")
+
     def token_block(self, kind: Kind) -> int:
         """How many tokens are encoded together along the token axis."""
         return 1
@@ -102,18 +119,21 @@ class Codec(ABC):
         """probs [B, H, n, T] times the encoded values -> [B, H, n, Dv] in the storage basis (see `key_logits`)."""
         return torch.matmul(probs, self.decode_in_basis(encoded, "value", torch.float32))
 
-    def attend_layer(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
+    def attend_layer(self, keys: Encoded | None, values: Encoded | None, query: torch.Tensor, bias: torch.Tensor | None,
                      sink_slots: torch.Tensor | None, sink_keys: torch.Tensor | None, sink_values: torch.Tensor | None,
                      tail_keys: torch.Tensor, tail_values: torch.Tensor,
-                     positions: torch.Tensor | None = None) -> torch.Tensor | None:
+                     positions: torch.Tensor | None = None, held_keys: Encoded | None = None,
+                     held_values: Encoded | None = None) -> torch.Tensor | None:
         """A layer's attention in one call of the codec's own kernel, or None (the default: attention reads the store
         a block at a time through `key_logits` and `mix_values`, and the sinks and the tail as segments of the same
         softmax, caches/store_attention.py). query [B, H, n, D] (scaled, the model's basis, which `key_query` keeps);
-        keys / values the whole encoded store of T slots; bias [B or 1, H or 1, q, T + Tt] float32 added to the
-        logits (row m of n reads row m % q; a sink reads its slot's column, the tail columns T on), or None; the
-        exact sinks sink_keys / sink_values [B, H, S, D] at store slots sink_slots [B, H, S] (a slot outside [0, T):
-        none, or one still in the tail), or None; the full-precision tail [B, H, Tt, D]; positions [B, H, T] for a
-        codec that `needs_positions`. Returns [B, H, n, Dv] float32, normalised."""
+        keys / values the whole encoded store (None: nothing encoded yet) and `held_keys` / `held_values` the slots
+        after it that `residual_codec` holds (a stack's reduced residual; None: none), T slots together; bias
+        [B or 1, H or 1, q, T + Tt] float32 added to the logits (row m of n reads row m % q; a sink reads its slot's
+        column, the tail columns T on), or None; the exact sinks sink_keys / sink_values [B, H, S, D] at slots
+        sink_slots [B, H, S] (a slot outside [0, T): none, or one still in the tail), or None; the full-precision
+        tail [B, H, Tt, D]; positions [B, H, T] for a codec that `needs_positions`. Returns [B, H, n, Dv] float32,
+        normalised."""
         return None
 
     def kernel_layout(self, kind: Kind) -> KernelLayout | None:

@@ -24,6 +24,7 @@ from ..ops import cpu_decode
 from ..ops.bf16_matmul import fast_bfloat16_matmul
 from ..ops.rerotate import rerotate, rope_turns
 from .base import Encoded, Kind
+from .identity import IdentityCodec
 from .reducing import ReducingCodec
 
 DEFAULT_RATIO = 0.25  # the lesson's 128 -> 32
@@ -31,6 +32,11 @@ DEFAULT_RATIO = 0.25  # the lesson's 128 -> 32
 # half (a quarter: no window 0 / 10, 32 tokens 7 / 10, 128 tokens 8 / 10; docs/results.md); a half answered its
 # needles without one (by variance).
 WINDOW_BELOW_HALF = 128
+# From a half on, beside a storage that keeps a residual of its own (`+int4`), the newest tokens kept whole (the
+# question's and the answer's own tokens; the rest of the storage's residual holds latents, `residual_codec`): chosen
+# on the development halves (Gemma-3: none 10 / 11, 32 and 64 tokens 11 / 11; SmolLM2 10 / 10 with none and with 32;
+# docs/results.md, "Low rank at 2x + int4: the residual as latents").
+WINDOW_IN_STACK = 32
 # The prompt length at which a ratio on a model with sliding-window layers is a share of the latents' bytes
 # (`length`): the suite's prompts (needle, multi_question at 2,000 tokens).
 BYTES_AT_LENGTH = 2000
@@ -343,8 +349,10 @@ class LowRankCodec(ReducingCodec):
         residual_length: the newest tokens kept exact in the cache's full-precision tail before they are projected
             (a window, as int4's residual: the question's and the answer's own tokens read exactly), counted in the
             cache's bytes as full-precision tokens; with a storage that has a residual of its own (`+int4`), the
-            most either asks for (`exact_residual`); 0: none. None (the default): 128 when fewer than half of the
-            dimensions are kept (a ratio below 0.5, the default ratio included), else 0 (with `rank`: 0).
+            most either asks for (`exact_residual`), of which the storage's beyond this window holds latents at full
+            precision, not whole vectors (`residual_codec`); 0: none. None (the default): 128 when fewer than half of
+            the dimensions are kept (a ratio below 0.5, the default ratio included), else 0 alone and 32 beside a
+            storage with a residual (`+int4`; at most that residual; with `rank` likewise).
         length: on a model with sliding-window layers, the prompt tokens at which `ratio` is a share of the
             latents' bytes (2,000, the suite's prompts); at longer prompts the full-attention layers' share of the
             bytes weighs more. Ignored without sliding-window layers (every layer holds every token).
@@ -365,6 +373,7 @@ class LowRankCodec(ReducingCodec):
     name: ClassVar[str] = "lowrank"
     keeps_rope: ClassVar[bool] = False  # coordinates on a basis: the storage cannot undo RoPE on them (pre_rope)
     layer_kernel: ClassVar[bool] = True  # a CPU decode step's layer in one C++ call (`attend_layer`)
+    holds_reduced_residual: ClassVar[bool] = True  # `+int4`'s residual holds latents (ReducingCodec.residual_codec)
 
     rank: int | None = None
     ratio: float | None = None
@@ -389,6 +398,9 @@ class LowRankCodec(ReducingCodec):
     _turns: TurnTables | None = field(default=None, init=False, repr=False, compare=False)
     # The device the layer stores on (`for_device`): what `compute="auto"` resolves to there sets the latents' dtype.
     _device: torch.device | None = field(default=None, init=False, repr=False, compare=False)
+    # The reduction alone as a stack's residual holds its latents (`residual_codec`): in the model's dtype, as the
+    # stack hands them to its storage, so the storage's codes do not depend on `compute` (`latent_dtype`).
+    _holds_for_storage: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
@@ -420,7 +432,8 @@ class LowRankCodec(ReducingCodec):
                              f"bytes at), got {self.length!r}")
         if self.residual_length is None:
             share = self.ratio if self.ratio is not None else (DEFAULT_RATIO if self.rank is None else 1.0)
-            object.__setattr__(self, "residual_length", WINDOW_BELOW_HALF if share < 0.5 else 0)
+            stacked = 0 if self.storage.lossless else min(WINDOW_IN_STACK, self.storage.exact_residual)
+            object.__setattr__(self, "residual_length", WINDOW_BELOW_HALF if share < 0.5 else stacked)
         if isinstance(self.residual_length, bool) or not isinstance(self.residual_length, int) \
                 or self.residual_length < 0:
             raise ValueError(
@@ -428,6 +441,21 @@ class LowRankCodec(ReducingCodec):
             )
 
     # -- binding --------------------------------------------------------------------------------------------------
+
+    @property
+    def own_residual(self) -> int:
+        """lowrank's own window (`residual_length`): whole vectors; the storage's residual beyond it holds latents."""
+        assert self.residual_length is not None  # settled in __post_init__
+        return self.residual_length
+
+    @property
+    def residual_codec(self) -> LowRankCodec | None:
+        held = super().residual_codec
+        if held is None:
+            return None
+        assert isinstance(held, LowRankCodec)  # a copy of self (`with_storage`)
+        object.__setattr__(held, "_holds_for_storage", True)
+        return held
 
     @property
     def needs_positions(self) -> bool:  # type: ignore[override]
@@ -557,8 +585,10 @@ class LowRankCodec(ReducingCodec):
         """The dtype `kind`'s latents are stored in for a model running in `dtype`: bf16 for a float32 model whose
         decode step computes in bf16 (`compute`, resolved on the device the layer is bound to, `for_device`; not
         bound, "auto" stands for float32, as on a GPU), with joint bases and the latents stored as they are (no
-        `+int4`), since those products round the latents to bf16 anyway; otherwise the model's own dtype."""
-        if dtype != torch.float32 or not self._joint or not self.storage.lossless or kind not in BF16_LATENTS:
+        `+int4`, nor the latents a stack's residual holds for its storage, `residual_codec`), since those products
+        round the latents to bf16 anyway; otherwise the model's own dtype."""
+        if dtype != torch.float32 or not self._joint or not self.storage.lossless or kind not in BF16_LATENTS \
+                or self._holds_for_storage:
             return dtype
         if self.compute == "bfloat16" or (self.compute == "auto" and self._device is not None
                                           and fast_bfloat16_matmul(self._device)):
@@ -693,7 +723,9 @@ class LowRankCodec(ReducingCodec):
         cos/sin tables, `TurnTables`)."""
         if not self._joint:
             return super().key_logits(encoded, query)
-        compute, latent, mean, basis, cos, sin = self._key_inputs(encoded, query, positions, last_block)
+        compute = self._compute_dtype(query.device)
+        latent = self.storage.decode(encoded, "key", compute)  # [B, 1, T, r]
+        mean, basis, cos, sin = self._key_inputs(latent, query, positions, last_block)
         heads, dim, rank = basis.shape
         batch, tokens = latent.shape[0], latent.shape[2]
         # The pre-RoPE keys as [B, H, D, T]: one [H * D, r] x [r, B * T] product for the layer's heads and rows,
@@ -716,14 +748,11 @@ class LowRankCodec(ReducingCodec):
             logits += torch.matmul(query[..., 2 * half :], keys[:, :, 2 * half :])
         return logits
 
-    def _key_inputs(self, encoded: Encoded, query: torch.Tensor, positions: torch.Tensor | None,
-                    last_block: bool) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                               torch.Tensor]:
-        """What a block's key logits read: the compute dtype, the latents [B, 1, T, r] (decoded by the storage), the
-        key mean [H, D] and basis [H, D, r], and the step's cos and sin [B, 1, R / 2, T] at the keys' positions
-        (`TurnTables`; the last block of the bound layers drops them)."""
-        compute = self._compute_dtype(query.device)
-        latent = self.storage.decode(encoded, "key", compute)  # [B, 1, T, r]
+    def _key_inputs(self, latent: torch.Tensor, query: torch.Tensor, positions: torch.Tensor | None,
+                    last_block: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a block's key logits read besides its latents [B, 1, T, r]: the key mean [H, D] and basis [H, D, r],
+        and the step's cos and sin [B, 1, R / 2, T] at the keys' positions (`TurnTables`; the last block of the bound
+        layers drops them)."""
         mean, basis = self._bases("key", query.shape[1], latent.device)
         inv_freq = self._inv_freq()  # on the latents' device with the bases (`_bases`)
         position = self._positions(positions, latent.expand(-1, query.shape[1], -1, -1))[:, :1].to(torch.float32)
@@ -731,31 +760,48 @@ class LowRankCodec(ReducingCodec):
         cos, sin = self._turns.lookup(inv_freq, position)  # [B, 1, R / 2, T]
         if last_block and self._layer_idx == self._turns.last_layer:
             self._turns.release()  # the step's last read of the tables (`TurnTables`)
-        return compute, latent, mean, basis, cos, sin
+        return mean, basis, cos, sin
 
-    def attend_layer(self, keys: Encoded, values: Encoded, query: torch.Tensor, bias: torch.Tensor | None,
-                     sink_slots: torch.Tensor | None, sink_keys: torch.Tensor | None, sink_values: torch.Tensor | None,
-                     tail_keys: torch.Tensor, tail_values: torch.Tensor,
-                     positions: torch.Tensor | None = None) -> torch.Tensor | None:
+    def attend_layer(self, keys: Encoded | None, values: Encoded | None, query: torch.Tensor,
+                     bias: torch.Tensor | None, sink_slots: torch.Tensor | None, sink_keys: torch.Tensor | None,
+                     sink_values: torch.Tensor | None, tail_keys: torch.Tensor, tail_values: torch.Tensor,
+                     positions: torch.Tensor | None = None, held_keys: Encoded | None = None,
+                     held_values: Encoded | None = None) -> torch.Tensor | None:
         """Joint bases, a CPU decode step (at most KERNEL_ROWS query rows per KV head) and the C++ kernel built: the
         whole layer in one call (`cpu_decode.lowrank_decode_attention`, which rebuilds, turns and meets the keys and
         mixes the value latents a tile of tokens at a time in registers, meets the exact sinks and the tail in the
         same softmax and maps the mix to values); the same sums as the PyTorch segments over `key_logits` and
         `mix_values` in another order (bf16 products where `compute` asks). The store is read in one call, not in
         blocks: the kernel holds a tile at a time, and the step's cos/sin tables (`TurnTables`, shared by the layers)
-        are all it reads beside the store. `positions` as `key_logits`' (the store's slots)."""
+        are all it reads beside the store. `positions` as `key_logits`' (the store's slots, then the held ones).
+        `held_keys` / `held_values`: the storage's residual as latents (`residual_codec`), read after the store's."""
         if not (self._joint and query.device.type == "cpu" and query.shape[2] <= KERNEL_ROWS
                 and cpu_decode.available()):
             return None
-        compute, latent, mean, _, cos, sin = self._key_inputs(keys, query, positions, last_block=True)
+        compute = self._compute_dtype(query.device)
+        latent = self._latents(keys, held_keys, "key", compute)
+        mean, _, cos, sin = self._key_inputs(latent, query, positions, last_block=True)
         assert self._layer is not None  # bound per layer (`_bases` checked)
         kernel_basis, pairs = self._layer.key_basis_for_kernel(compute)
-        value_latent = self.storage.decode(values, "value", torch.float32)  # [B, 1, T, r_v]; the store's own as kept
+        value_latent = self._latents(values, held_values, "value", torch.float32)  # [B, 1, T, r_v]
         value_mean, value_basis = self._bases("value", query.shape[1], query.device)
         return cpu_decode.lowrank_decode_attention(
             latent[:, 0], kernel_basis, pairs, compute == torch.bfloat16, mean, cos[:, 0], sin[:, 0],
             query.float().contiguous(), value_latent[:, 0], value_basis, value_mean, bias, sink_slots,
             sink_keys, sink_values, tail_keys, tail_values)
+
+    def _latents(self, encoded: Encoded | None, held: Encoded | None, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
+        """The latents [B, 1, T, r] of the store's slots (`encoded`, decoded by the storage in `dtype`; a stored
+        latent of lowrank alone as it is kept) followed by the held ones (`residual_codec`'s latents, in the store's
+        dtype; as they are when the store holds none, as lowrank alone keeps them)."""
+        held_latent = None if held is None else IdentityCodec().decode(held, kind, dtype)
+        if encoded is None:
+            assert held_latent is not None  # the caller reads a layer that holds slots
+            return held_latent
+        latent = self.storage.decode(encoded, kind, dtype)
+        if held_latent is None:
+            return latent
+        return torch.cat([latent, held_latent.to(latent.dtype)], dim=2)
 
     def decode_in_basis(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         """Joint values: [B, 1, T, r + 1], each token's latent and a 1, the weight of the mean (`from_basis`)."""
@@ -793,8 +839,12 @@ class LowRankCodec(ReducingCodec):
     def _positions(positions: torch.Tensor | None, states: torch.Tensor) -> torch.Tensor:
         if positions is None:
             raise ValueError("lowrank with joint bases stores keys before RoPE: encode and decode need positions=")
+        batch, heads, tokens = states.shape[:3]
+        if positions.shape == (batch, 1, tokens):  # one position per slot for every head (caches/slot_records.py)
+            return positions.expand(batch, heads, tokens)
         if positions.shape != states.shape[:3]:
-            raise ValueError(f"positions must be [B, H_kv, T] = {list(states.shape[:3])}, got {list(positions.shape)}")
+            raise ValueError(f"positions must be [B, H_kv, T] = {list(states.shape[:3])} (or [B, 1, T]), got "
+                             f"{list(positions.shape)}")
         return positions
 
     def stored_fraction(self, head_dim: int) -> tuple[int, float]:

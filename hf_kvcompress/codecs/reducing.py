@@ -28,6 +28,11 @@ class ReducingCodec(Codec):
     # mean of heads at one position is; coordinates on a basis are not): only then may the storage read the model's
     # RoPE frequencies (pre_rope).
     keeps_rope: ClassVar[bool] = True
+    # Whether the storage's residual holds the reduced states (`residual_codec`) rather than whole vectors. lowrank's
+    # does; shared_heads' does not: holding its 128 newest tokens as stored heads lost an answer that whole vectors
+    # keep (`shared_heads:ratio=0.67+int4`, SmolLM2's development half, 9 / 10 against 10 / 10; docs/results.md,
+    # "Low rank at 2x + int4: the residual as latents").
+    holds_reduced_residual: ClassVar[bool] = False
 
     storage: Codec = field(default_factory=IdentityCodec)
 
@@ -66,9 +71,39 @@ class ReducingCodec(Codec):
 
     @property
     def exact_residual(self) -> int:
-        """As `exact_sinks`: the tail holds the model's own states, before the reduction, so a window that one codec
-        of the stack asks for bypasses them all (`lowrank:residual_length=128` keeps its newest 128 tokens exact)."""
+        """As `exact_sinks`, the most any codec of the stack asks for: the newest tokens held at full precision before
+        they are encoded. The reduction's own window (`lowrank:residual_length=128`) bypasses the whole stack (whole
+        vectors, `whole_residual`); the rest of the storage's residual holds the reduced states (`residual_codec`)."""
         return max(self.residual_length, self.storage.exact_residual)
+
+    @property
+    def own_residual(self) -> int:
+        """The newest tokens the reduction itself keeps whole (lowrank's `residual_length`); 0 here: the base's
+        `residual_length` is the storage's."""
+        return 0
+
+    @property
+    def whole_residual(self) -> int:
+        """Where the stack `holds_reduced_residual`, only the reduction's own window bypasses the whole stack; the
+        rest of the storage's residual holds the reduced states (`residual_codec`): `lowrank:ratio=0.5+int4` holds
+        int4's newest tokens as latents beyond lowrank's 32 whole ones. Otherwise every one is whole."""
+        if not self.holds_reduced_residual:
+            return self.exact_residual
+        return min(self.own_residual, self.exact_residual)
+
+    @property
+    def residual_codec(self) -> ReducingCodec | None:
+        """The reduction alone (its reduced states at full precision), as the storage's residual holds them: "The
+        storage codec's residual and token blocks apply unchanged to the reduced states". None when the storage
+        keeps them as they are (`lowrank` alone: nothing is encoded after the reduction)."""
+        if self.storage.lossless or not self.holds_reduced_residual:
+            return None
+        return self.with_storage(IdentityCodec())
+
+    def encode_residual(self, held: Encoded, kind: Kind, dtype: torch.dtype) -> Encoded:
+        """Reduced states held by `residual_codec` as the storage encodes them, in the model's `dtype` as `encode`
+        hands them over (an identity encoding: the states themselves)."""
+        return self.storage.encode(IdentityCodec().decode(held, kind, dtype).to(dtype), kind)
 
     def token_block(self, kind: Kind) -> int:
         return self.storage.token_block(kind)
