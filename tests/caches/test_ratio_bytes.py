@@ -2,7 +2,7 @@
 
 `kvzip:ratio=R` (R < 0.5, no codec), on a model with sliding-window layers and on one without (SmolLM2's layout),
 builds the very cache `kvzip:bytes=R` builds (same layers, codecs, kept pairs and bytes: every layer in
-`int4:residual_length=32`); a half and up, a codec, and a ratio with a knob of its own plan (`sliding=`,
+`int4:residual_length=8`); a half and up, a codec, and a ratio with a knob of its own plan (`sliding=`,
 `budgets=`) keep the ratio's plan.
 """
 
@@ -79,8 +79,8 @@ def test_a_plain_ratio_is_its_byte_target(layout, ratio_spec, bytes_spec):
 def test_a_plain_ratio_stores_every_layer_in_the_byte_plans_int4(layout, span):
     config = _model(layout).config
     cache = make_cache("kvzip:ratio=0.25", config)
-    assert cache.spec == f"kvzip:bytes=0.25,span={span}+int4:residual_length=32"
-    assert {layer.codec.spec() for layer in cache.layers} == {"int4:residual_length=32"}
+    assert cache.spec == f"kvzip:bytes=0.25,span={span}+int4:residual_length=8"
+    assert {layer.codec.spec() for layer in cache.layers} == {"int4:residual_length=8"}
 
 
 def test_a_plain_ratio_keeps_more_pairs_than_its_exact_share_in_the_same_bytes():
