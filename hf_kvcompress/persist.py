@@ -18,13 +18,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from .caches.compressed import CompressedCache
-from .caches.plan import BYTES_SLIDING_CODEC, config_layer_types, is_hybrid, planned_share, planned_sliding_tokens
+from .caches.plan import config_layer_types, is_hybrid, planned_share, planned_sliding_tokens
 from .codecs.base import Codec
 from .hf.compat import text_config
 from .registry import parse_spec
 
 FORMAT = "hf-kvcompress-cache/1"
-# The byte plan's codec (plan.py BYTES_SLIDING_CODEC) in files saved before they recorded it (`byte_codec`).
+# The byte plan's codec (plan.py `byte_plan_codec`) in files saved before they recorded it (`byte_codec`).
 BYTE_CODEC_BEFORE = "int4:residual_length=32"
 
 
@@ -77,7 +77,7 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
         # Whether KVzip's bytes= stored a hybrid model's sliding layers in the plan's int4 (plan.py `byte_codecs`);
         # files without it were saved before, with the spec's codec in every layer, and load so.
         "byte_plan": json.dumps(True),
-        # The byte plan's codec (plan.py BYTES_SLIDING_CODEC when saved) as the cache applied it; null: no byte plan.
+        # The byte plan's codec (plan.py `byte_plan_codec` when saved) as the cache applied it; null: no byte plan.
         # Files with `byte_plan` but without it were saved when the plan's codec was `int4:residual_length=32`.
         "byte_codec": json.dumps(cache.byte_codec.spec() if cache.byte_codec is not None else None),
         # KVzip's or KVzap's `decoding` as the cache ran it: files without it were saved before "append" was a
@@ -133,7 +133,7 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     byte_plan = json.loads(metadata.get("byte_plan", "false")) and is_hybrid(config_layer_types(config))
     # The sliding layers' codec under that plan: the file's own, or the plan's codec before files recorded it.
     saved_codec = json.loads(metadata["byte_codec"]) if "byte_codec" in metadata else BYTE_CODEC_BEFORE
-    byte_codec = _codec(saved_codec) if saved_codec is not None else BYTES_SLIDING_CODEC
+    byte_codec = _codec(saved_codec) if saved_codec is not None else None
     # ratio_bytes=False: a cache whose plain ratio was planned as a byte target saved its spec with that `bytes=`
     # (CompressedCache names what it runs), so a ratio in a saved spec was planned by its own rule and loads so.
     cache = CompressedCache(policy, codec, config=config, rerotate=json.loads(metadata["rerotate"]),

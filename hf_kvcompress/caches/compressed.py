@@ -19,11 +19,11 @@ from .head_ranking import head_budget_keep
 from .head_store import HeadStore, RankedTogether, head_store_counts
 from .layer import CompressedLayer
 from .plan import (
-    BYTES_SLIDING_CODEC,
     ByteTarget,
     LayerPlan,
     SlidingShare,
     byte_codecs,
+    byte_plan_codec,
     cache_codec,
     check_without_config,
     config_layer_types,
@@ -115,8 +115,8 @@ class CompressedCache(Cache):
         byte_plan: KVzip's bytes= with no codec given stores the full-attention layers in the plan's int4, and on
             a hybrid model the sliding layers whatever the codec (plan.py `byte_codecs`); False keeps the codec given
             in every layer, as caches saved before that plan were built (persist.py).
-        byte_codec: the byte plan's codec (plan.py `byte_codecs`; default BYTES_SLIDING_CODEC): a saved cache's
-            own, for files saved while the plan used another (persist.py).
+        byte_codec: the byte plan's codec (plan.py `byte_codecs`; None: `byte_plan_codec`'s for the layout): a
+            saved cache's own, for files saved while the plan used another (persist.py).
         ratio_bytes: a plain KVzip ratio below a half is planned as its byte target (plan.py `ratio_as_bytes`);
             False keeps the ratio's own plan, as caches saved before were built (persist.py).
     """
@@ -130,7 +130,7 @@ class CompressedCache(Cache):
 
     def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False,
                  share_sliding: bool = True, planned_sliding: int | None = None, byte_plan: bool = True,
-                 ratio_bytes: bool = True, byte_codec: Codec = BYTES_SLIDING_CODEC):
+                 ratio_bytes: bool = True, byte_codec: Codec | None = None):
         # The model config whose attention the cache switches to 'kvcompress_sdpa' at its first request to attention
         # (`adopt_attention_config`, `_engage_attention`); decided once in the cache's life.
         self.attention_config = config
@@ -172,7 +172,8 @@ class CompressedCache(Cache):
         # The newest tokens the planned sliding layers keep (a plain ratio's, bytes='s or KVzap's budget's plan); None:
         # not planned.
         self.planned_sliding = next((p.planned_kept for p in plans if p.planned_kept is not None), None)
-        self.byte_codec = byte_codec if byte_plan and self.byte_target is not None else None
+        if byte_plan and self.byte_target is not None:
+            self.byte_codec = byte_codec if byte_codec is not None else byte_plan_codec(config_layer_types(config))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self._claim_for_this_thread(layer_idx)

@@ -34,7 +34,8 @@ def test_the_cache_holds_the_share_of_the_uncompressed_bytes(layer_types, spec, 
     held, cache = _served(model, spec, ids)
     head, _, codec = spec.partition("+")  # the spec names the span the layout chose: 4 with sliding layers, else 0
     hybrid = "sliding_attention" in layer_types  # and a plain bytes= the codec the plan chose (plan.py)
-    assert cache.spec == f"{head},span={4 if hybrid else 0}+{codec or 'int4:residual_length=8'}"
+    plan = f"int4:residual_length={8 if hybrid else 32}"  # plan.py `byte_plan_codec`
+    assert cache.spec == f"{head},span={4 if hybrid else 0}+{codec or plan}"
     # Never above (span re-chooses pairs within a head's residual and encoded slots separately, so the pairs cost
     # what the ranking paid), and below by little: the pair that did not fit, the sliding layers' rounding; less
     # where every pair fits (a half in int4 on the full-attention model: 0.41 of the bytes).
@@ -79,11 +80,11 @@ def test_a_hybrid_model_keeps_a_wide_sliding_window_in_int4(spec, kept, full_res
 
 
 def test_a_model_without_sliding_layers_stores_a_plain_byte_target_in_the_plans_int4():
-    """SmolLM2's layout (Llama, full attention only): a plain bytes= stores every layer in `int4:residual_length=8`
+    """SmolLM2's layout (Llama, full attention only): a plain bytes= stores every layer in `int4:residual_length=32`
     (plan.py `byte_codecs`), a codec given is the codec of every layer, and the policy is the one asked for in every
     layer."""
     config = CONFIGS["llama"]()
-    for spec, stored in (("kvzip:bytes=0.25", "int4:residual_length=8"), ("kvzip:bytes=0.25+int4", "int4")):
+    for spec, stored in (("kvzip:bytes=0.25", "int4:residual_length=32"), ("kvzip:bytes=0.25+int4", "int4")):
         policy, codec = parse_spec(spec)
         for plan in plan_layers(policy, codec, config):
             assert plan.codec.spec() == stored and plan.policy == for_model(policy, config)
