@@ -19,10 +19,13 @@ from transformers import AutoConfig
 
 from .caches.compressed import CompressedCache
 from .caches.plan import config_layer_types, is_hybrid, planned_share, planned_sliding_tokens
+from .codecs.base import Codec
 from .hf.compat import text_config
 from .registry import parse_spec
 
 FORMAT = "hf-kvcompress-cache/1"
+# The byte plan's codec (plan.py `byte_plan_codec`) in files saved before they recorded it (`byte_codec`).
+BYTE_CODEC_BEFORE = "int4:residual_length=32"
 
 
 def model_name(config) -> str:
@@ -74,6 +77,9 @@ def save_cache(cache: CompressedCache, path: str | os.PathLike, metadata: dict[s
         # Whether KVzip's bytes= stored a hybrid model's sliding layers in the plan's int4 (plan.py `byte_codecs`);
         # files without it were saved before, with the spec's codec in every layer, and load so.
         "byte_plan": json.dumps(True),
+        # The byte plan's codec (plan.py `byte_plan_codec` when saved) as the cache applied it; null: no byte plan.
+        # Files with `byte_plan` but without it were saved when the plan's codec was `int4:residual_length=32`.
+        "byte_codec": json.dumps(cache.byte_codec.spec() if cache.byte_codec is not None else None),
         # KVzip's or KVzap's `decoding` as the cache ran it: files without it were saved before "append" was a
         # default, and load as they ran ("evict").
         "decoding": json.dumps(getattr(cache.policy, "resolved_decoding", None)),
@@ -125,11 +131,14 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     # spec names the codec the full-attention layers ran (a plain bytes= its int4 since the plan stored them so), and
     # a plain bytes= spec on a model without sliding layers was saved when that plan kept its exact pairs.
     byte_plan = json.loads(metadata.get("byte_plan", "false")) and is_hybrid(config_layer_types(config))
+    # The sliding layers' codec under that plan: the file's own, or the plan's codec before files recorded it.
+    saved_codec = json.loads(metadata["byte_codec"]) if "byte_codec" in metadata else BYTE_CODEC_BEFORE
+    byte_codec = _codec(saved_codec) if saved_codec is not None else None
     # ratio_bytes=False: a cache whose plain ratio was planned as a byte target saved its spec with that `bytes=`
     # (CompressedCache names what it runs), so a ratio in a saved spec was planned by its own rule and loads so.
     cache = CompressedCache(policy, codec, config=config, rerotate=json.loads(metadata["rerotate"]),
                             share_sliding=shared, planned_sliding=planned_sliding, byte_plan=byte_plan,
-                            ratio_bytes=False)
+                            ratio_bytes=False, byte_codec=byte_codec)
     cache.model_name = metadata["model_name"]
     cache.architecture = json.loads(metadata["architecture"])
     if model is not None:
@@ -148,6 +157,14 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     if json.loads(metadata.get("ranked_together", "false")):
         cache.rank_together()
     return cache
+
+
+def _codec(spec: str) -> Codec:
+    """The codec a saved codec spec names (`Codec.spec()`'s string, as `save_cache` wrote it)."""
+    policy, codec = parse_spec(spec)
+    if policy.spec() != "dynamic":
+        raise ValueError(f"a saved byte plan's codec must be a codec spec such as 'int4', got {spec!r}")
+    return codec
 
 
 def _r2_sliding(policy, config) -> int:

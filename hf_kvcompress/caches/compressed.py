@@ -23,6 +23,7 @@ from .plan import (
     LayerPlan,
     SlidingShare,
     byte_codecs,
+    byte_plan_codec,
     cache_codec,
     check_without_config,
     config_layer_types,
@@ -114,6 +115,8 @@ class CompressedCache(Cache):
         byte_plan: KVzip's bytes= with no codec given stores the full-attention layers in the plan's int4, and on
             a hybrid model the sliding layers whatever the codec (plan.py `byte_codecs`); False keeps the codec given
             in every layer, as caches saved before that plan were built (persist.py).
+        byte_codec: the byte plan's codec (plan.py `byte_codecs`; None: `byte_plan_codec`'s for the layout): a
+            saved cache's own, for files saved while the plan used another (persist.py).
         ratio_bytes: a plain KVzip ratio below a half is planned as its byte target (plan.py `ratio_as_bytes`);
             False keeps the ratio's own plan, as caches saved before were built (persist.py).
     """
@@ -127,7 +130,7 @@ class CompressedCache(Cache):
 
     def __init__(self, policy: Policy | None = None, codec: Codec | None = None, config=None, rerotate: bool = False,
                  share_sliding: bool = True, planned_sliding: int | None = None, byte_plan: bool = True,
-                 ratio_bytes: bool = True):
+                 ratio_bytes: bool = True, byte_codec: Codec | None = None):
         # The model config whose attention the cache switches to 'kvcompress_sdpa' at its first request to attention
         # (`adopt_attention_config`, `_engage_attention`); decided once in the cache's life.
         self.attention_config = config
@@ -139,7 +142,7 @@ class CompressedCache(Cache):
         # Layout-dependent defaults (KVzip's span) settled once here, so every layer and the spec hold what is used.
         self.policy = for_model(policy, config)
         if config is not None and byte_plan:  # KVzip's plain bytes=: the full-attention layers in the plan's codec
-            requested = byte_codecs(self.policy, requested, config_layer_types(config))[0]
+            requested = byte_codecs(self.policy, requested, config_layer_types(config), byte_codec)[0]
         self.codec = cache_codec(self.policy, requested, config)
         self.config = config
         self.rerotate = rerotate
@@ -150,6 +153,9 @@ class CompressedCache(Cache):
         self.sliding_share: SlidingShare | None = None
         self.byte_target: ByteTarget | None = None  # KVzip's bytes=: what the ranking may spend (plan.py)
         self.planned_sliding: int | None = None
+        # The byte plan's codec as this cache applied it (KVzip's bytes= with `byte_plan`; save_cache records it);
+        # None: no byte plan.
+        self.byte_codec: Codec | None = None
         if config is None:
             check_without_config(self.policy, rerotate)
             # transformers only calls `layer_class_to_replicate()`: a factory that numbers the layers serves.
@@ -158,7 +164,7 @@ class CompressedCache(Cache):
             return
         plans = plan_layers(self.policy, requested, config, rerotate, full_codec=self.codec,
                             share_sliding=share_sliding, planned_sliding=planned_sliding, byte_plan=byte_plan,
-                            ratio_bytes=False)  # settled above
+                            ratio_bytes=False, byte_codec=byte_codec)  # settled above
         super().__init__(layers=[layer_from_plan(plan) for plan in plans])
         self.num_layers = len(plans)
         self.sliding_share = next((plan.sliding_share for plan in plans if plan.sliding_share is not None), None)
@@ -166,6 +172,8 @@ class CompressedCache(Cache):
         # The newest tokens the planned sliding layers keep (a plain ratio's, bytes='s or KVzap's budget's plan); None:
         # not planned.
         self.planned_sliding = next((p.planned_kept for p in plans if p.planned_kept is not None), None)
+        if byte_plan and self.byte_target is not None:
+            self.byte_codec = byte_codec if byte_codec is not None else byte_plan_codec(config_layer_types(config))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self._claim_for_this_thread(layer_idx)

@@ -48,12 +48,20 @@ SLIDING_FLOOR = 1 / 32
 # "KVzap's budget on Gemma-3: the sliding layers' allowance"); `sliding=16` is the recipe for fewer bytes.
 BUDGET_SLIDING_SHARE = 0.5
 # KVzip's `bytes=B` on a hybrid model (`byte_sliding_tokens`, `byte_codecs`): each sliding layer keeps
-# BYTES_SLIDING_SCALE x B x B of its window in int4 with a 32-token full-precision residual, and a plain `bytes=B`
-# stores the full-attention layers so too. Why: at a quarter the answers were lost to the sliding layers' cut, not to
-# the ranking, and a wide window in few bytes kept them; below a quarter the full-attention layers need what is left
-# more (chosen on the development half: docs/results.md, "KVzip's byte target on hybrid models").
+# BYTES_SLIDING_SCALE x B x B of its window in int4, and a plain `bytes=B` stores the full-attention layers in int4
+# too, on every model (`byte_plan_codec`: the codec by layout). Why a wide window in int4: at a quarter the answers
+# were lost to the sliding layers' cut, not to the ranking, and a wide window in few bytes kept them; below a quarter
+# the full-attention layers need what is left more (chosen on the development half: docs/results.md, "KVzip's byte
+# target on hybrid models").
 BYTES_SLIDING_SCALE = 10.0
-BYTES_SLIDING_CODEC = IntNCodec(bits=4, residual_length=32, **PLAIN_NAME_DEFAULTS[4])  # `int4:residual_length=32`
+# The byte plan's int4 on a hybrid model: 8 exact newest tokens per layer, not 32. The exact residual costs about
+# three times an int4 pair in every layer; on Gemma-3-270M at an eighth 32 of them held 40% of the 80 sliding tokens,
+# and spent on full-attention pairs instead they kept 18 of 20 development answers where 32 kept 14 (a quarter: 19
+# and 19). On SmolLM2 (no sliding layers) 8 kept 4 of 8 development multi_needle answers at a quarter where 32 kept 6
+# (an eighth: 5 and 5), so a model without sliding layers keeps BYTES_CODEC_WITHOUT_SLIDING (docs/results.md, "The
+# byte plan's exact residual of 8 tokens").
+BYTES_SLIDING_CODEC = IntNCodec(bits=4, residual_length=8, **PLAIN_NAME_DEFAULTS[4])  # `int4:residual_length=8`
+BYTES_CODEC_WITHOUT_SLIDING = IntNCodec(bits=4, residual_length=32, **PLAIN_NAME_DEFAULTS[4])  # `..._length=32`
 # A plain KVzip ratio below this (no codec) is planned as its byte target (`ratio_as_bytes`) on every layout; from it
 # up, by the ratio's own rule (`SlidingShare` on a hybrid model). On the development halves (2,000 tokens) the byte
 # plan kept at least the ratio's answers per task at a quarter and an eighth: more on Gemma-3-270M, on SmolLM2 the
@@ -305,18 +313,26 @@ def byte_sliding_tokens(share: float, whole: int) -> int:
     return min(whole, max(wide, math.ceil(SLIDING_FLOOR * whole)))
 
 
-def byte_codecs(policy: Policy, codec: Codec, layer_types: list[str]) -> tuple[Codec, Codec | None]:
+def byte_plan_codec(layer_types: list[str]) -> Codec:
+    """The byte plan's int4 on a model of `layer_types`: BYTES_SLIDING_CODEC on a hybrid model (its sliding layers,
+    and a plain bytes='s full-attention layers), BYTES_CODEC_WITHOUT_SLIDING on any other."""
+    return BYTES_SLIDING_CODEC if is_hybrid(layer_types) else BYTES_CODEC_WITHOUT_SLIDING
+
+
+def byte_codecs(policy: Policy, codec: Codec, layer_types: list[str],
+                plan_codec: Codec | None = None) -> tuple[Codec, Codec | None]:
     """(the full-attention layers' codec as requested, the sliding layers' codec or None: `codec`'s own) under
     `policy` on a model of `layer_types`. A plain KVzip `bytes=` (no codec) stores the full-attention layers in
-    BYTES_SLIDING_CODEC on every model: exact pairs would leave them about B of the document, where answers were
-    lost that three times as many int4 pairs keep (on Gemma-3 and on SmolLM2, docs/results.md). On a hybrid model
-    `bytes=` also stores the sliding layers' window so, whatever the full-attention layers' codec (a wide window in
-    few bytes: the sliding layers attend locally, the answers needed them wide, and the full-attention layers need
-    the bytes). Any other policy: unchanged."""
+    `plan_codec` (None: `byte_plan_codec`'s; persist.py passes a saved cache's own) on every model: exact pairs would
+    leave them about B of the document, where answers were lost that three times as many int4 pairs keep (on Gemma-3
+    and on SmolLM2, docs/results.md). On a hybrid model `bytes=` also stores the sliding layers' window so, whatever
+    the full-attention layers' codec (a wide window in few bytes: the sliding layers attend locally, the answers
+    needed them wide, and the full-attention layers need the bytes). Any other policy: unchanged."""
     if getattr(policy, "bytes", None) is None:
         return codec, None
-    full = BYTES_SLIDING_CODEC if isinstance(codec, IdentityCodec) else codec
-    return full, (BYTES_SLIDING_CODEC if is_hybrid(layer_types) else None)
+    plan = plan_codec if plan_codec is not None else byte_plan_codec(layer_types)
+    full = plan if isinstance(codec, IdentityCodec) else codec
+    return full, (plan if is_hybrid(layer_types) else None)
 
 
 def planned_sliding_tokens(share: float, whole: int, rule: Callable[[float], float] | None = None) -> int:
@@ -440,7 +456,7 @@ def for_model(policy: Policy, config) -> Policy:
 def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
                 full_codec: Codec | None = None, share_sliding: bool = True,
                 planned_sliding: int | None = None, byte_plan: bool = True,
-                ratio_bytes: bool = True) -> list[LayerPlan]:
+                ratio_bytes: bool = True, byte_codec: Codec | None = None) -> list[LayerPlan]:
     """Each decoder layer's plan under `policy` x `codec` for the model of `config`.
 
     `codec` is the codec as requested (unbound); `full_codec` is `cache_codec(policy, codec, config)` when the
@@ -448,7 +464,8 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
     in every layer even where `plans_sliding_share` would share it (the plan of caches saved before it existed);
     `planned_sliding`: the tokens a planned sliding layer keeps instead of `sliding_kept`'s (a saved cache's, as it
     was built: persist.py); `byte_plan=False` keeps `codec` in the sliding layers under KVzip's bytes= (no
-    `byte_codecs`: caches saved before it existed); `ratio_bytes=False` plans a plain ratio by its own rule
+    `byte_codecs`: caches saved before it existed); `byte_codec`: the byte plan's codec (`byte_codecs`' `plan_codec`,
+    None: the layout's; a saved cache's own, persist.py); `ratio_bytes=False` plans a plain ratio by its own rule
     (`SlidingShare`) where `ratio_as_bytes` would make it a byte target (caches saved before that).
     Raises ValueError for what the model cannot store or the policy cannot apply to: a head_dim the codec refuses,
     `sliding=` without sliding layers or past their window.
@@ -456,7 +473,8 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
     if ratio_bytes:
         policy = ratio_as_bytes(policy, codec, config)
     policy = for_model(policy, config)  # the layers run the layout's defaults (the cache's own policy holds them too)
-    codec, sliding_codec = byte_codecs(policy, codec, config_layer_types(config)) if byte_plan else (codec, None)
+    layer_types = config_layer_types(config)
+    codec, sliding_codec = byte_codecs(policy, codec, layer_types, byte_codec) if byte_plan else (codec, None)
     if full_codec is None:
         full_codec = cache_codec(policy, codec, config)
     inv_freq = rope_inv_freq(config, "full_attention") if rerotate else None
@@ -465,7 +483,6 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
     decoder = text_config(config)
     head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
     full_codec.check_head_dim(head_dim)  # refuse a codec that cannot store this model now, not mid-generation
-    layer_types = config_layer_types(config)
     if policy.sliding is not None:
         check_count("sliding", policy.sliding, minimum=1)
         if "sliding_attention" not in layer_types:

@@ -48,8 +48,9 @@ class KVzipPolicy(Policy):
             window). The plan turns it into the pairs kept (caches/plan.py, `ByteTarget`): at the ranking, the
             full-attention layers keep the best pairs whose bytes (the codec's rate, each pair's score, the
             full-precision residual and sinks) fit in what the sliding layers leave. Without a codec the
-            full-attention layers are stored in `int4:residual_length=32`, and on a model with sliding layers these
-            keep a wide window of their newest tokens in that int4 (caches/plan.py, `byte_codecs`). Tokens that
+            full-attention layers are stored in int4 (`int4:residual_length=32`; on a model with sliding layers
+            `int4:residual_length=8`, and these keep a wide window of their newest tokens in that int4: caches/plan.py,
+            `byte_plan_codec`, `byte_codecs`). Tokens that
             arrive later (questions, answers) are stored at full precision and appended (`decoding="append"`), or
             held to `bytes` of their pairs, as a ratio holds them (`decoding="evict"`). Needs `budgets="head"`
             (the ranking of every pair, where each pair's bytes are counted).

@@ -34,7 +34,8 @@ def test_the_cache_holds_the_share_of_the_uncompressed_bytes(layer_types, spec, 
     held, cache = _served(model, spec, ids)
     head, _, codec = spec.partition("+")  # the spec names the span the layout chose: 4 with sliding layers, else 0
     hybrid = "sliding_attention" in layer_types  # and a plain bytes= the codec the plan chose (plan.py)
-    assert cache.spec == f"{head},span={4 if hybrid else 0}+{codec or 'int4:residual_length=32'}"
+    plan = f"int4:residual_length={8 if hybrid else 32}"  # plan.py `byte_plan_codec`
+    assert cache.spec == f"{head},span={4 if hybrid else 0}+{codec or plan}"
     # Never above (span re-chooses pairs within a head's residual and encoded slots separately, so the pairs cost
     # what the ranking paid), and below by little: the pair that did not fit, the sliding layers' rounding; less
     # where every pair fits (a half in int4 on the full-attention model: 0.41 of the bytes).
@@ -58,18 +59,18 @@ def test_span_zero_spends_the_bytes_to_a_pair():
 
 
 @pytest.mark.parametrize("spec,kept,full_residual", [
-    ("kvzip:bytes=0.25", 40, 32), ("kvzip:bytes=0.1", 7, 32), ("kvzip:bytes=0.05", 2, 32),
-    ("kvzip:bytes=0.25+int4", 40, 128), ("kvzip:bytes=0.4", None, 32), ("kvzip:bytes=0.25,sliding=20", 20, 32)])
+    ("kvzip:bytes=0.25", 40, 8), ("kvzip:bytes=0.1", 7, 8), ("kvzip:bytes=0.05", 2, 8),
+    ("kvzip:bytes=0.25+int4", 40, 128), ("kvzip:bytes=0.4", None, 8), ("kvzip:bytes=0.25,sliding=20", 20, 8)])
 def test_a_hybrid_model_keeps_a_wide_sliding_window_in_int4(spec, kept, full_residual):
     """The sliding layers keep ceil(10 x B x B x 63) of their 63 tokens (0.25: 39.4; 0.1: 6.3; 0.05: 1.6, and at
-    least 63 / 32; the whole window from about 0.32 up; `sliding=` sets it) in int4 with a 32-token exact residual,
+    least 63 / 32; the whole window from about 0.32 up; `sliding=` sets it) in int4 with an 8-token exact residual,
     where a ratio of B keeps fewer (16 of Gemma-3's 511 at a quarter);
     a plain bytes= stores the full-attention layers so too, and a codec given keeps its own there."""
     model = tiny_hybrid_gemma(HYBRID)
     cache = make_cache(spec, model.config)
     ratio = make_cache(spec.replace("bytes", "ratio").partition("+")[0], model.config)
     for layer, by_ratio in zip(cache.layers[:2], ratio.layers[:2], strict=True):
-        assert (layer.codec.bits, layer.codec.residual_length) == (4, 32)
+        assert (layer.codec.bits, layer.codec.residual_length) == (4, 8)
         assert layer.policy == (SinkWindowPolicy(sink_tokens=0, window=kept) if kept else layer.policy)
         assert kept is None or by_ratio.policy.window <= kept or "sliding=" in spec
     if kept is None:  # the whole window: transformers' window - 1, in int4's key groups

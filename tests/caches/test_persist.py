@@ -300,3 +300,54 @@ def test_a_byte_target_file_saved_before_the_byte_plan_loads_with_its_codec_in_e
         ref = model(input_ids=step, cache=copy.deepcopy(old), position_ids=where).logits
         out = model(input_ids=step, cache=loaded, position_ids=where).logits
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_a_byte_plan_file_records_its_codec_and_one_saved_before_loads_with_the_old_plans(tmp_path):
+    """A plain `kvzip:bytes=B` on a hybrid model stores its sliding layers (and its full-attention layers: the spec
+    names those) in the byte plan's codec, which the file records (`byte_codec`). A file without that entry was saved
+    when the plan's codec was `int4:residual_length=32`: built so and saved without the entry, it loads with 32 in the
+    sliding layers (not the plan's 8 now), the same bytes and the same generate() answers; a new file round-trips."""
+    from hf_kvcompress.caches.compressed import CompressedCache
+    from hf_kvcompress.registry import parse_spec
+
+    from .tiny_models import tiny_hybrid_gemma
+
+    model = tiny_hybrid_gemma()
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(21))
+    question = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(22))
+    policy, codec = parse_spec("kvzip:bytes=0.25")
+    _, before = parse_spec("int4:residual_length=32")
+    built = {}
+    for name, kwargs in (("now", {}), ("before", {"byte_codec": before})):
+        cache = CompressedCache(policy, codec, config=model.config, **kwargs)
+        prefill(model, ids, None, cache, repeat_prompt_ids=[5, 6, 7])
+        path = tmp_path / f"{name}.safetensors"
+        save_cache(cache, path)
+        built[name] = (cache, path)
+    (now, now_path), (old, old_path) = built["now"], built["before"]
+    assert now.spec == "kvzip:bytes=0.25,span=4+int4:residual_length=8"
+    assert old.spec == "kvzip:bytes=0.25,span=4+int4:residual_length=32"  # the spec names the full-attention codec
+    sliding = [i for i, t in enumerate(model.config.layer_types) if t == "sliding_attention"]
+    assert {now.layers[i].codec.residual_length for i in sliding} == {8}
+    assert {old.layers[i].codec.residual_length for i in sliding} == {32}
+    saved, older = _saved_before(old_path, "byte_codec", tmp_path)
+    assert saved == "int4:residual_length=32"
+    for cache, path in ((now, now_path), (old, older)):
+        loaded = load_cache(path)
+        assert loaded.spec == cache.spec
+        assert [layer.codec for layer in loaded.layers] == [layer.codec for layer in cache.layers]
+        assert_same_state(cache, loaded)
+        assert measured_kv_bytes(loaded) == measured_kv_bytes(cache)
+        full = torch.cat([ids, question], dim=1)
+        with torch.inference_mode():
+            a = model.generate(input_ids=full, cache=copy.deepcopy(cache), max_new_tokens=6, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True)
+            b = model.generate(input_ids=full, cache=loaded, max_new_tokens=6, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True)
+        assert torch.equal(a.sequences, b.sequences)
+        # Within float32 rounding, not bit for bit: a loaded store holds its tokens without the built one's spare
+        # slots, and some evicting int4 caches sum in another order then (main's `ratio=0.5+int4:residual_length=8`
+        # too); the state compared above is exact.
+        torch.testing.assert_close(torch.stack(b.logits), torch.stack(a.logits), rtol=1e-5, atol=1e-6)
+    # Read as the plan now builds it, the old file would hold other sliding codecs than it was built with.
+    assert load_cache(older).layers[sliding[0]].codec != now.layers[sliding[0]].codec

@@ -1,9 +1,9 @@
 """A plain KVzip ratio below a half is planned as its byte target (caches/plan.py `ratio_as_bytes`).
 
 `kvzip:ratio=R` (R < 0.5, no codec), on a model with sliding-window layers and on one without (SmolLM2's layout),
-builds the very cache `kvzip:bytes=R` builds (same layers, codecs, kept pairs and bytes: every layer in
-`int4:residual_length=32`); a half and up, a codec, and a ratio with a knob of its own plan (`sliding=`,
-`budgets=`) keep the ratio's plan.
+builds the very cache `kvzip:bytes=R` builds (same layers, codecs, kept pairs and bytes: every layer in the byte
+plan's int4, `int4:residual_length=8` with sliding layers and 32 without); a half and up, a codec, and a ratio
+with a knob of its own plan (`sliding=`, `budgets=`) keep the ratio's plan.
 """
 
 import copy
@@ -75,12 +75,14 @@ def test_a_plain_ratio_is_its_byte_target(layout, ratio_spec, bytes_spec):
                                                                                     model.config)]
 
 
-@pytest.mark.parametrize("layout,span", [("hybrid", 4), ("full", 0)])
-def test_a_plain_ratio_stores_every_layer_in_the_byte_plans_int4(layout, span):
+@pytest.mark.parametrize("layout,span,residual", [("hybrid", 4, 8), ("full", 0, 32)])
+def test_a_plain_ratio_stores_every_layer_in_the_byte_plans_int4(layout, span, residual):
+    """The byte plan's int4 by layout (plan.py `byte_plan_codec`): 8 exact newest tokens with sliding layers, 32
+    without (what each kept more development answers with)."""
     config = _model(layout).config
     cache = make_cache("kvzip:ratio=0.25", config)
-    assert cache.spec == f"kvzip:bytes=0.25,span={span}+int4:residual_length=32"
-    assert {layer.codec.spec() for layer in cache.layers} == {"int4:residual_length=32"}
+    assert cache.spec == f"kvzip:bytes=0.25,span={span}+int4:residual_length={residual}"
+    assert {layer.codec.spec() for layer in cache.layers} == {f"int4:residual_length={residual}"}
 
 
 def test_a_plain_ratio_keeps_more_pairs_than_its_exact_share_in_the_same_bytes():
