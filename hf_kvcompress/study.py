@@ -189,7 +189,7 @@ def _plan_bytes(policy, codec, config, tokens: int, model_bytes: float, device: 
         per_encoded = layer_codec.bytes_per_token(shape.head_dim, "key", dtype) + layer_codec.bytes_per_token(
             shape.head_dim, "value", dtype)
         whole = kept - encoded
-        residual_codec = None if layer_codec.lossless else layer_codec.residual_codec
+        residual_codec = layer_codec.residual_codec  # None unless a stack holds its residual reduced
         if residual_codec is not None:  # a stack holds its storage's residual reduced, beyond its own window
             whole = min(whole, layer_codec.whole_residual)
             per_held = residual_codec.bytes_per_token(shape.head_dim, "key", dtype) + residual_codec.bytes_per_token(
