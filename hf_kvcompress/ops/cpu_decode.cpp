@@ -897,10 +897,50 @@ std::string instruction_set() {
 
 namespace {
 
+// A kind's 4-bit latent codes (cpu_lowrank.h `Codes`), checked: codes [B, Tq, r / 2] uint8 (unit stride over bytes),
+// scale and zero bf16 at one set of strides, per channel [B, Tq / group, r] or per token [B, Tq, r / group] (unit
+// stride over the last axis), signs [r] float32 or absent. No codes: Tq = 0.
+lowrank::Codes lowrank_codes(const c10::optional<at::Tensor>& codes, const c10::optional<at::Tensor>& scale,
+                             const c10::optional<at::Tensor>& zero, int64_t group, bool per_channel,
+                             const c10::optional<at::Tensor>& signs, int64_t batch, int64_t rank, const char* kind) {
+  lowrank::Codes c;
+  if (!codes.has_value()) {
+    TORCH_CHECK(!scale.has_value() && !zero.has_value() && !signs.has_value(),
+                "lowrank: ", kind, " scale, zero and signs come with their codes");
+    return c;
+  }
+  TORCH_CHECK(scale.has_value() && zero.has_value(), "lowrank: ", kind, " codes come with their scale and zero");
+  const at::Tensor &q = *codes, &s = *scale, &z = *zero;
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(0) == batch && 2 * q.size(2) == rank &&
+                  (q.size(2) <= 1 || q.stride(2) == 1),
+              "lowrank: ", kind, " codes must be uint8 [B, T, r / 2] (two 4-bit codes a byte) with unit stride over "
+              "the bytes, r the latents' rank ", rank);
+  const int64_t tokens = q.size(1);
+  TORCH_CHECK(group > 0 && (per_channel ? tokens % group == 0 : rank % group == 0),
+              "lowrank: ", kind, " group must be positive and divide the ", per_channel ? "tokens" : "rank");
+  const int64_t rows = per_channel ? tokens / group : tokens, width = per_channel ? rank : rank / group;
+  for (const at::Tensor* t : {&s, &z})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == batch && t->size(1) == rows &&
+                    t->size(2) == width && (width <= 1 || t->stride(2) == 1),
+                "lowrank: ", kind, " scale and zero must be bfloat16 [B, ", rows, ", ", width,
+                "] with unit stride over the last axis");
+  TORCH_CHECK(s.stride(0) == z.stride(0) && (rows <= 1 || s.stride(1) == z.stride(1)),
+              "lowrank: ", kind, " scale and zero must share their strides");
+  if (signs.has_value())
+    TORCH_CHECK(signs->scalar_type() == at::kFloat && signs->is_contiguous() && signs->dim() == 1 &&
+                    signs->size(0) == rank, "lowrank: ", kind, " signs must be contiguous float32 [r]");
+  c.codes = q.data_ptr<uint8_t>(), c.codes_b = q.stride(0), c.codes_t = q.stride(1);
+  c.scale = reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>());
+  c.zero = reinterpret_cast<const uint16_t*>(z.data_ptr<at::BFloat16>());
+  c.scale_b = s.stride(0), c.scale_t = s.stride(1), c.tokens = tokens, c.group = group, c.per_channel = per_channel;
+  c.signs = signs.has_value() ? signs->data_ptr<float>() : nullptr;
+  return c;
+}
+
 // The keys' half of lowrank_decode_attention's arguments, checked.
-lowrank::Keys lowrank_keys(const at::Tensor& latent, const at::Tensor& basis, const c10::optional<at::Tensor>& pairs,
-                           bool round, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
-                           const at::Tensor& query, bool vectorised) {
+lowrank::Keys lowrank_keys(const at::Tensor& latent, const lowrank::Codes& codes, const at::Tensor& basis,
+                           const c10::optional<at::Tensor>& pairs, bool round, const at::Tensor& mean,
+                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& query, bool vectorised) {
   const auto type = latent.scalar_type();
   TORCH_CHECK(latent.dim() == 3 && latent.stride(2) == 1 &&
                   (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
@@ -908,7 +948,7 @@ lowrank::Keys lowrank_keys(const at::Tensor& latent, const at::Tensor& basis, co
   TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 4 && query.is_contiguous(),
               "lowrank: query must be contiguous float32 [B, H, M, D]");
   const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
-  const int64_t tokens = latent.size(1), rank = latent.size(2);
+  const int64_t tokens = codes.tokens + latent.size(1), rank = latent.size(2);
   TORCH_CHECK(latent.size(0) == batch, "lowrank: latent and query disagree on the batch");
   TORCH_CHECK(basis.scalar_type() == at::kFloat && basis.is_contiguous() && basis.dim() == 3 &&
                   basis.size(0) == heads && basis.size(1) == rank && basis.size(2) == dim,
@@ -926,6 +966,7 @@ lowrank::Keys lowrank_keys(const at::Tensor& latent, const at::Tensor& basis, co
                 "lowrank: pairs must be contiguous int32 [H, ceil(r / 2), D]");
   const bool use_pairs = pairs.has_value() && vectorised && lowrank::native_pairs();
   lowrank::Keys k;
+  k.codes = codes;
   k.latent = latent.data_ptr(), k.latent_type = type, k.latent_b = latent.stride(0), k.latent_t = latent.stride(1);
   k.tokens = tokens, k.rank = rank, k.basis = basis.data_ptr<float>(), k.pair_rank = pair_rank, k.round = round;
   k.pairs = use_pairs ? reinterpret_cast<const uint32_t*>(pairs->data_ptr<int32_t>()) : nullptr;
@@ -952,14 +993,15 @@ void lowrank_dispatch(const lowrank::Keys& k, bool vectorised, Body&& body) {
 // The values' half of the arguments, checked: value_latent [B, T, rv]; bias [B or 1, H or 1, Q, columns] float32
 // (unit stride over its columns, of which the store reads [0, T)); hidden [B, H, S] int64.
 lowrank::Values lowrank_values(const lowrank::Keys& k, int64_t batch, const at::Tensor& value_latent,
-                               const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden,
-                               int64_t columns) {
+                               const lowrank::Codes& codes, const c10::optional<at::Tensor>& bias,
+                               const c10::optional<at::Tensor>& hidden, int64_t columns) {
   const auto vtype = value_latent.scalar_type();
-  TORCH_CHECK(value_latent.dim() == 3 && value_latent.stride(2) == 1 && value_latent.size(0) == batch &&
-                  value_latent.size(1) == k.tokens &&
+  TORCH_CHECK(codes.tokens <= k.tokens && value_latent.dim() == 3 && value_latent.stride(2) == 1 &&
+                  value_latent.size(0) == batch && value_latent.size(1) == k.tokens - codes.tokens &&
                   (vtype == at::kFloat || vtype == at::kBFloat16 || vtype == at::kHalf),
               "lowrank: value_latent must be float32, bfloat16 or float16 [B, T, rv] with unit stride over rv");
   lowrank::Values v;
+  v.codes = codes;
   v.latent = value_latent.data_ptr(), v.type = vtype, v.latent_b = value_latent.stride(0);
   v.latent_t = value_latent.stride(1), v.rank = value_latent.size(2);
   if (bias.has_value()) {
@@ -1044,11 +1086,23 @@ at::Tensor lowrank_decode_attention(
     const at::Tensor& value_latent, const at::Tensor& value_basis, const at::Tensor& value_mean,
     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& hidden,
     const c10::optional<at::Tensor>& sink_keys, const c10::optional<at::Tensor>& sink_values,
-    const at::Tensor& tail_keys, const at::Tensor& tail_values, bool vectorised) {
-  const lowrank::Keys k = lowrank_keys(latent, basis, pairs, round, mean, cos, sin, query, vectorised);
-  const int64_t batch = query.size(0), rows = k.heads * k.rows;
+    const at::Tensor& tail_keys, const at::Tensor& tail_values, bool vectorised,
+    const c10::optional<at::Tensor>& key_codes, const c10::optional<at::Tensor>& key_scale,
+    const c10::optional<at::Tensor>& key_zero, int64_t key_group, bool key_per_channel,
+    const c10::optional<at::Tensor>& key_signs, const c10::optional<at::Tensor>& value_codes,
+    const c10::optional<at::Tensor>& value_scale, const c10::optional<at::Tensor>& value_zero, int64_t value_group,
+    bool value_per_channel, const c10::optional<at::Tensor>& value_signs) {
+  const int64_t batch = query.size(0);
+  const lowrank::Codes kc = lowrank_codes(key_codes, key_scale, key_zero, key_group, key_per_channel, key_signs,
+                                          batch, latent.dim() == 3 ? latent.size(2) : 0, "key");
+  const lowrank::Keys k = lowrank_keys(latent, kc, basis, pairs, round, mean, cos, sin, query, vectorised);
+  const int64_t rows = k.heads * k.rows;
   const int64_t tail = tail_keys.dim() == 4 ? tail_keys.size(2) : 0;
-  const lowrank::Values v = lowrank_values(k, batch, value_latent, bias, hidden, k.tokens + tail);
+  const lowrank::Codes vc = lowrank_codes(value_codes, value_scale, value_zero, value_group, value_per_channel,
+                                          value_signs, batch, value_latent.dim() == 3 ? value_latent.size(2) : 0,
+                                          "value");
+  TORCH_CHECK(vc.tokens == kc.tokens, "lowrank: the key and value codes must hold the same tokens");
+  const lowrank::Values v = lowrank_values(k, batch, value_latent, vc, bias, hidden, k.tokens + tail);
   TORCH_CHECK(value_basis.scalar_type() == at::kFloat && value_basis.is_contiguous() && value_basis.dim() == 3 &&
                   value_basis.size(0) == k.heads && value_basis.size(2) == v.rank,
               "lowrank: value_basis must be contiguous float32 [H, Dv, rv]");

@@ -249,11 +249,37 @@ def decode_attention(
     ))
 
 
+@dataclass(frozen=True)
+class AffineCodes:
+    """How a kernel reads a kind's stored numbers where they lie: 4-bit codes c (two a byte, the even channel in the
+    low half) that stand for y = c * scale + zero (bf16 scale and zero point, float32 arithmetic), one scale and zero
+    per group of `group_size` tokens per channel (`per_channel`, KIVI keys) or of `group_size` channels per token; and
+    where `signs` [w] float32 is given, the stored numbers were rotated (ops/hadamard.py's `rotate` with these signs)
+    and the number meant is `unrotate(y)`. What codecs/intn.py's `plain_codes` describes."""
+
+    group_size: int
+    per_channel: bool
+    signs: torch.Tensor | None = None
+
+
+def _codes_arguments(encoded: dict | None, layout: AffineCodes | None) -> list:
+    """A kind's codes as the low-rank kernel takes them: codes [B, T, w / 2], scale, zero, group, per_channel, signs
+    (Nones without codes)."""
+    if encoded is None or layout is None:
+        return [None, None, None, 1, False, None]
+    codes, scale, zero = (encoded[name][:, 0] for name in ("codes", "scale", "zero"))
+    if scale.stride() != zero.stride():  # the kernel reads both at one set of strides
+        scale, zero = scale.contiguous(), zero.contiguous()
+    signs = None if layout.signs is None else layout.signs.float().contiguous()
+    return [codes, scale, zero, layout.group_size, layout.per_channel, signs]
+
+
 def lowrank_decode_attention(
     latent: torch.Tensor, basis: torch.Tensor, pairs: torch.Tensor | None, round_bf16: bool, mean: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor, value_latent: torch.Tensor, value_basis: torch.Tensor,
     value_mean: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor | None, sink_keys: torch.Tensor | None,
     sink_values: torch.Tensor | None, tail_keys: torch.Tensor, tail_values: torch.Tensor, vectorised: bool = True,
+    codes: tuple[dict, dict, AffineCodes, AffineCodes] | None = None,
 ) -> torch.Tensor:
     """A decode step's attention of `query` [B, H, M, D] (float32, scaled, the model's basis) over a layer that holds a
     joint low-rank store, its exact sinks and its full-precision tail, in one call (cpu_lowrank.h). The store's keys
@@ -272,13 +298,22 @@ def lowrank_decode_attention(
     reads its slot's). Returns [B, H, M, Dv] float32, normalised (a row with every logit masked: zeros): what
     caches/store_attention.py's segments make of the store's partials, the sums in another order. `hidden` and the sink
     states are None where the layer holds no sinks. `vectorised=False` keeps to the portable loops (the reference for
-    the instruction-set paths)."""
+    the instruction-set paths).
+
+    `codes`: (key store, value store, key layout, value layout), the store's first Tq tokens as 4-bit codes read where
+    they lie ({codes, scale, zero} [B, 1, ...] of codecs/intn.py, `AffineCodes`): each tile's latents are decoded in
+    the kernel to what the codec's `decode` gives for them (bit for bit, `unrotate`'s additions included); `latent`
+    and `value_latent` then hold the Tq + 1st token on (a stack's held residual; may be empty), and `cos`, `sin` and
+    `bias` cover all T = Tq + those tokens."""
     extension = _built()
     exact = [None if t is None else t.contiguous() for t in (sink_keys, sink_values)]
+    keys, values = (None, None) if codes is None else codes[:2]
+    key_layout, value_layout = (None, None) if codes is None else codes[2:]
     return extension.lowrank_decode_attention(
         latent, basis, pairs, round_bf16, mean, cos, sin, query, value_latent, value_basis, value_mean,
         None if bias is None else bias.float(), None if hidden is None else hidden.long().contiguous(),
         *exact, tail_keys.contiguous(), tail_values.contiguous(), vectorised,
+        *_codes_arguments(keys, key_layout), *_codes_arguments(values, value_layout),
     )
 
 

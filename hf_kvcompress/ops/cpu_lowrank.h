@@ -71,8 +71,155 @@ inline float bf16_float(uint32_t half) {
   return out;
 }
 
+// A kind's 4-bit latent store read where it lies (a `lowrank+int4` stack: codecs/intn.py stores the latents): codes c
+// in [0, 16), two a byte (channel 2i in the low half), a bf16 scale s and zero point m per group, per channel over
+// `group` tokens (KIVI keys) or per token over `group` channels; the stored number is y = c s + m, the product and the
+// sum each rounded to float32 as PyTorch's decode rounds them, and where `signs` is given the latent is
+// z = fwht(y) * signs over the power-of-two blocks of r (ops/hadamard.py's `unrotate`, the same additions in the same
+// order), else z = y. So a tile's latents are what the PyTorch path decodes for the whole store, bit for bit, and the
+// products that follow run as they run on those latents. Tokens [0, tokens) of the store are these; the latents
+// after them (the stack's held residual) are read as they lie (Keys / Values `latent`, from its token 0).
+struct Codes {
+  const uint8_t* codes = nullptr;   // [B, Tq, r / 2], unit stride over bytes
+  int64_t codes_b = 0, codes_t = 0;  // strides in bytes
+  const uint16_t* scale = nullptr;  // bf16; per channel: [B, Tq / group, r], else [B, Tq, r / group]; unit last stride
+  const uint16_t* zero = nullptr;   // as scale, at the same strides
+  int64_t scale_b = 0, scale_t = 0;  // strides in elements
+  int64_t tokens = 0, group = 1;    // Tq (0: no codes) and the group's length
+  bool per_channel = false;
+  const float* signs = nullptr;     // [r]: the Hadamard rotation's signs, or null (stored unrotated)
+};
+
+// Element (t, j) of batch row b's scales or zero points.
+inline int64_t group_index(const Codes& c, int64_t b, int64_t t, int64_t j) {
+  return b * c.scale_b + (c.per_channel ? (t / c.group) * c.scale_t + j : t * c.scale_t + j / c.group);
+}
+
+// Portable: y for tokens [t0, t0 + nq) of row b, rank-major into zt (zt[j * LANES + l]; lanes from nq on 0). Each
+// product and sum rounded apart (no fused multiply-add), as PyTorch's `levels * scale + zero`.
+__attribute__((optimize("fp-contract=off"))) inline void dequantise(const Codes& c, int64_t rank, int64_t b,
+                                                                     int64_t t0, int64_t nq, float* zt, int64_t lanes) {
+  for (int64_t j = 0; j < rank; ++j)
+    for (int64_t l = 0; l < lanes; ++l) {
+      float y = 0.0f;
+      if (l < nq) {
+        const int64_t t = t0 + l, g = group_index(c, b, t, j);
+        const uint8_t byte = c.codes[b * c.codes_b + t * c.codes_t + j / 2];
+        const float code = static_cast<float>((byte >> (4 * (j & 1))) & 15);
+        const float product = code * bf16_float(c.scale[g]);
+        y = product + bf16_float(c.zero[g]);
+      }
+      zt[j * lanes + l] = y;
+    }
+}
+
+// z = fwht(y) * signs in place over a rank-major tile (zt[j * lanes + l], lanes independent): per power-of-two block
+// of r (largest first, ops/hadamard.py's `power_of_two_blocks`), butterflies h = 1, 2, 4, ... (a + b into a, a - b
+// into b), the block divided by the float32 of its size's square root, then each entry times its sign.
+inline void unrotate_tile(float* zt, int64_t rank, const float* signs, int64_t lanes) {
+  int64_t start = 0;
+  for (int bit = 62; bit >= 0; --bit) {
+    const int64_t size = int64_t{1} << bit;
+    if ((rank & size) == 0) continue;
+    for (int64_t h = 1; h < size; h *= 2)
+      for (int64_t base = start; base < start + size; base += 2 * h)
+        for (int64_t j = base; j < base + h; ++j) {
+          float* a = zt + j * lanes;
+          float* c = zt + (j + h) * lanes;
+#pragma omp simd
+          for (int64_t l = 0; l < lanes; ++l) {
+            const float x = a[l], y = c[l];
+            a[l] = x + y;
+            c[l] = x - y;
+          }
+        }
+    const float root = static_cast<float>(std::sqrt(static_cast<double>(size)));
+    for (int64_t j = start; j < start + size; ++j) {
+      float* a = zt + j * lanes;
+#pragma omp simd
+      for (int64_t l = 0; l < lanes; ++l) a[l] = a[l] / root;
+    }
+    start += size;
+  }
+  for (int64_t j = 0; j < rank; ++j) {
+    const float s = signs[j];
+    float* a = zt + j * lanes;
+#pragma omp simd
+    for (int64_t l = 0; l < lanes; ++l) a[l] = a[l] * s;
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HF_LOWRANK_CODES_VECTOR 1
+inline void transpose16(__m512i r[16]);  // defined below, with the latents' gathers
+
+inline __m512 widen_bf16(__m256i halves) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+// AVX-512 `dequantise`: 16 tokens x 16 channels at a time, each token's 8 code bytes split into 16 nibbles, times
+// the scales plus the zero points (explicitly rounded products and sums: never fused), transposed into zt.
+inline void dequantise_avx512(const Codes& c, int64_t rank, int64_t b, int64_t t0, int64_t nq, float* zt,
+                              int64_t lanes) {
+  const __m128i low = _mm_set1_epi8(0x0f);
+  constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t first = 0; first < lanes; first += 16) {
+    for (int64_t j0 = 0; j0 < rank; j0 += 16) {
+      const int64_t words = std::min<int64_t>(16, rank - j0);
+      const __mmask16 wmask = static_cast<__mmask16>((1u << words) - 1u);
+      const __mmask16 bmask = static_cast<__mmask16>((1u << ((words + 1) / 2)) - 1u);
+      __m512i r[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t l = first + i;
+        if (l >= nq) {
+          r[i] = _mm512_setzero_si512();
+          continue;
+        }
+        const int64_t t = t0 + l;
+        const __m128i bytes = _mm_maskz_loadu_epi8(bmask, c.codes + b * c.codes_b + t * c.codes_t + j0 / 2);
+        const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(bytes, low),
+                                                  _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+        const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
+        __m512 s, m;
+        if (c.per_channel) {
+          const int64_t g = group_index(c, b, t, j0);
+          s = widen_bf16(_mm256_maskz_loadu_epi16(wmask, c.scale + g));
+          m = widen_bf16(_mm256_maskz_loadu_epi16(wmask, c.zero + g));
+        } else if (c.group % 16 == 0 || words <= c.group - j0 % c.group) {  // one group over the 16 channels
+          const int64_t g = group_index(c, b, t, j0);
+          s = _mm512_set1_ps(bf16_float(c.scale[g])), m = _mm512_set1_ps(bf16_float(c.zero[g]));
+        } else {
+          alignas(64) float sv[16] = {}, mv[16] = {};
+          for (int64_t w = 0; w < words; ++w) {
+            const int64_t g = group_index(c, b, t, j0 + w);
+            sv[w] = bf16_float(c.scale[g]), mv[w] = bf16_float(c.zero[g]);
+          }
+          s = _mm512_load_ps(sv), m = _mm512_load_ps(mv);
+        }
+        r[i] = _mm512_castps_si512(_mm512_add_round_ps(_mm512_mul_round_ps(code, s, RN), m, RN));
+      }
+      transpose16(r);  // r[w]: channel j0 + w of the 16 tokens
+      for (int64_t w = 0; w < words; ++w) _mm512_storeu_si512(zt + (j0 + w) * lanes + first, r[w]);
+    }
+  }
+}
+#endif
+
+// Latents z of tokens [t0, t0 + nq) of row b from the codes, rank-major into zt [r, lanes] (lanes from nq on 0).
+template <bool VECTOR>
+void codes_tile(const Codes& c, int64_t rank, int64_t b, int64_t t0, int64_t nq, float* zt, int64_t lanes) {
+#if defined(HF_LOWRANK_CODES_VECTOR)
+  if (VECTOR && lanes % 16 == 0)
+    dequantise_avx512(c, rank, b, t0, nq, zt, lanes);
+  else
+#endif
+    dequantise(c, rank, b, t0, nq, zt, lanes);
+  if (c.signs != nullptr) unrotate_tile(zt, rank, c.signs, lanes);
+}
+
 struct Keys {
-  const void* latent = nullptr;  // [B, T, r] in latent_type, unit stride over r
+  Codes codes;                   // the store's first codes.tokens tokens, where it holds codes (else none)
+  const void* latent = nullptr;  // [B, T - codes.tokens, r] in latent_type, unit stride over r: the tokens after
   at::ScalarType latent_type = at::kFloat;
   int64_t latent_b = 0, latent_t = 0;  // strides in elements
   int64_t tokens = 0, rank = 0;
@@ -89,7 +236,7 @@ struct Keys {
 };
 
 inline float latent_at(const Keys& k, int64_t b, int64_t t, int64_t j) {
-  return load_float(k.latent, k.latent_type, b * k.latent_b + t * k.latent_t + j);
+  return load_float(k.latent, k.latent_type, b * k.latent_b + (t - k.codes.tokens) * k.latent_t + j);
 }
 
 // The tile's latents, rank-major: zt[j * LANES + l] = z_{t0 + l}[j] (rounded to bf16 with `round`), 0 past n tokens.
@@ -109,6 +256,22 @@ inline void pack_pairs(const Keys& k, int64_t b, int64_t t0, int64_t n, uint32_t
       const float hi = l < n && 2 * j + 1 < k.rank ? latent_at(k, b, t0 + l, 2 * j + 1) : 0.0f;
       zp[j * LANES + l] = bf16_bits(lo) | (bf16_bits(hi) << 16);
     }
+}
+
+// A float32 tile zt (rank-major, as pack_floats leaves it) as the products read it: with `round` each latent rounded
+// to bf16 (what pack_floats does to a latent); zp (if given) its bf16 pairs, as pack_pairs makes them.
+inline void round_tile(const Keys& k, float* zt, uint32_t* zp) {
+  if (k.round)
+#pragma omp simd
+    for (int64_t i = 0; i < k.rank * LANES; ++i) zt[i] = bf16_float(bf16_bits(zt[i]));
+  if (zp == nullptr) return;
+  for (int64_t j = 0; j < k.pair_rank; ++j) {
+    const float* lo = zt + 2 * j * LANES;
+    const float* hi = 2 * j + 1 < k.rank ? zt + (2 * j + 1) * LANES : nullptr;
+#pragma omp simd
+    for (int64_t l = 0; l < LANES; ++l)
+      zp[j * LANES + l] = bf16_bits(lo[l]) | (hi == nullptr ? 0u : bf16_bits(hi[l]) << 16);
+  }
 }
 
 // Portable: K frequencies from i0 (both halves) of head h over a tile, added into lg [M, LANES]. cs / sn: the
@@ -272,7 +435,7 @@ inline bool pack_avx512(const Keys& k, int64_t b, int64_t t0, int64_t n, float* 
   const __m512i tokens = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(static_cast<int32_t>(k.latent_t)));
   for (int v = 0; v < VECS; ++v) {
-    const int64_t start = b * k.latent_b + (t0 + 16 * v) * k.latent_t;
+    const int64_t start = b * k.latent_b + (t0 - k.codes.tokens + 16 * v) * k.latent_t;
     if (k.latent_type == at::kFloat) {
       const float* base = static_cast<const float*>(k.latent) + start;
       auto gather = [&](int64_t j) { return _mm512_i32gather_ps(tokens, base + j, 4); };
@@ -384,6 +547,20 @@ inline void prefetch_rows(const void* latent, at::ScalarType type, int64_t laten
   prefetch(static_cast<const char*>(latent) + (b * latent_b + t0 * latent_t) * width, n * latent_t * width);
 }
 
+// Tokens [t0, t0 + n) of batch row b of a kind's latents: the codes' bytes, scales and zero points for those in
+// the codes, the held latents' rows for those after.
+inline void prefetch_latents(const Codes& c, int64_t rank, const void* latent, at::ScalarType type, int64_t latent_b,
+                             int64_t latent_t, int64_t b, int64_t t0, int64_t n) {
+  const int64_t nq = std::max<int64_t>(0, std::min(n, c.tokens - t0));
+  if (nq > 0) {
+    prefetch(c.codes + b * c.codes_b + t0 * c.codes_t, nq * c.codes_t);
+    const int64_t first = group_index(c, b, t0, 0), last = group_index(c, b, t0 + nq - 1, rank - 1);
+    prefetch(c.scale + first, (last - first + 1) * 2);
+    prefetch(c.zero + first, (last - first + 1) * 2);
+  }
+  if (nq < n) prefetch_rows(latent, type, latent_b, latent_t, b, t0 + nq - c.tokens, n - nq);
+}
+
 // Rows [t0, t0 + n) of batch row b of the turn tables: R / 2 rows of each, T apart, so a tile reads R streams of
 // LANES values (64 at SmolLM2's 32 frequencies), more than a hardware prefetcher follows; whole lines, from the line
 // that holds the first value to the one that holds the last.
@@ -407,10 +584,19 @@ void tile_logits(const Keys& k, int64_t b, int64_t t0, Buffers& buf, float* lg) 
   const int64_t n = std::min(LANES, k.tokens - t0);
   const bool plain_channels = 2 * k.half < k.dim;
   bool packed = false;
+  if (t0 < k.codes.tokens) {  // the codes, and the held latents after them where the tile crosses into those
+    const int64_t nq = std::min(n, k.codes.tokens - t0);
+    codes_tile<VECTOR>(k.codes, k.rank, b, t0, nq, buf.zt.data(), LANES);
+    for (int64_t j = 0; j < k.rank; ++j)
+      for (int64_t l = nq; l < n; ++l) buf.zt[j * LANES + l] = latent_at(k, b, t0 + l, j);
+    round_tile(k, buf.zt.data(), PAIRS ? buf.zp.data() : nullptr);
+    packed = true;
+  }
 #if defined(__AVX512F__)
   if constexpr (VECTOR)
-    packed = pack_avx512(k, b, t0, n, !PAIRS || plain_channels ? buf.zt.data() : nullptr,
-                         PAIRS ? buf.zp.data() : nullptr);
+    if (!packed)
+      packed = pack_avx512(k, b, t0, n, !PAIRS || plain_channels ? buf.zt.data() : nullptr,
+                           PAIRS ? buf.zp.data() : nullptr);
 #endif
   if (!packed) {
     if (!PAIRS || plain_channels) pack_floats(k, b, t0, n, buf.zt.data());
@@ -441,7 +627,8 @@ void tile_logits(const Keys& k, int64_t b, int64_t t0, Buffers& buf, float* lg) 
 // What the store segment's softmax reads besides the keys: the value latents (shared by the layer's heads, as the
 // keys' are), the additive mask and the slots attended elsewhere (the exact sinks).
 struct Values {
-  const void* latent = nullptr;  // [B, T, rv], unit stride over rv
+  Codes codes;                   // the store's first codes.tokens tokens, where it holds codes (else none)
+  const void* latent = nullptr;  // [B, T - codes.tokens, rv], unit stride over rv: the tokens after
   at::ScalarType type = at::kFloat;
   int64_t latent_b = 0, latent_t = 0, rank = 0;
   const float* bias = nullptr;  // [B or 1, H or 1, Q, T]: row m of a head's M reads bias row m % Q
@@ -559,6 +746,26 @@ inline void mix_rows_avx512(const float* p, const T* z, int64_t stride, int64_t 
 }
 #endif
 
+// Tokens [0, n) of a rank-major tile zr [r, LANES] as rows z [n, r] (what the value mix reads).
+inline void token_major(const float* zr, int64_t rank, int64_t n, float* z) {
+#if defined(HF_LOWRANK_CODES_VECTOR)
+  for (int64_t first = 0; first < n; first += 16)
+    for (int64_t j0 = 0; j0 < rank; j0 += 16) {
+      const int64_t words = std::min<int64_t>(16, rank - j0);
+      const __mmask16 wmask = static_cast<__mmask16>((1u << words) - 1u);
+      __m512i r[16];
+      for (int64_t w = 0; w < 16; ++w)
+        r[w] = w < words ? _mm512_loadu_si512(zr + (j0 + w) * LANES + first) : _mm512_setzero_si512();
+      transpose16(r);  // r[i]: token first + i's channels j0 ..
+      for (int64_t i = 0; i < 16 && first + i < n; ++i)
+        _mm512_mask_storeu_epi32(z + (first + i) * rank + j0, wmask, r[i]);
+    }
+#else
+  for (int64_t l = 0; l < n; ++l)
+    for (int64_t j = 0; j < rank; ++j) z[l * rank + j] = zr[j * LANES + l];
+#endif
+}
+
 // Tiles [tile_begin, tile_end) of row b folded into one online softmax per (head, query row): running max mx [R],
 // sum sm [R] and value-latent mix acc [R, rv] (R = H * M), relative to mx, as caches/store_attention.py's
 // _OnlineSoftmax folds a block (masked logits weigh nothing; a row masked so far keeps max -inf and zeros).
@@ -571,12 +778,13 @@ void fold_tiles(const Keys& k, const Values& v, int64_t b, int64_t tile_begin, i
   std::fill(acc, acc + rows * rank, 0.0f);
   Buffers buf(k, PAIRS);
   std::vector<float> lg(static_cast<size_t>(rows * LANES)), zv(static_cast<size_t>(LANES * rank));
+  std::vector<float> zr(v.codes.tokens > 0 ? static_cast<size_t>(LANES * rank) : 0);  // codes' rank-major tile
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int64_t t0 = tile * LANES, n = std::min(LANES, k.tokens - t0);
     if (VECTOR && tile + 1 < tile_end) {
       const int64_t nt = t0 + LANES, nn = std::min(LANES, k.tokens - nt);
-      prefetch_rows(k.latent, k.latent_type, k.latent_b, k.latent_t, b, nt, nn);
-      prefetch_rows(v.latent, v.type, v.latent_b, v.latent_t, b, nt, nn);
+      prefetch_latents(k.codes, k.rank, k.latent, k.latent_type, k.latent_b, k.latent_t, b, nt, nn);
+      prefetch_latents(v.codes, v.rank, v.latent, v.type, v.latent_b, v.latent_t, b, nt, nn);
       prefetch_turns(k, b, nt, nn);
     }
     tile_logits<VECTOR, PAIRS>(k, b, t0, buf, lg.data());
@@ -622,8 +830,8 @@ void fold_tiles(const Keys& k, const Values& v, int64_t b, int64_t tile_begin, i
     // where the tile's rows lie side by side (a store's room: rows `rank` apart), else a row at a time (a row's
     // remainder past whole vectors runs scalar, 13 of SmolLM2's 77 per row: a tile in one pass has none).
 #if defined(HF_LOWRANK_MIX_VECTOR)
-    if (VECTOR && (v.type == at::kFloat || v.type == at::kBFloat16)) {  // read as stored, widened in registers
-      const int64_t start = b * v.latent_b + t0 * v.latent_t;
+    if (VECTOR && t0 >= v.codes.tokens && (v.type == at::kFloat || v.type == at::kBFloat16)) {  // as stored, widened
+      const int64_t start = b * v.latent_b + (t0 - v.codes.tokens) * v.latent_t;
       if (v.type == at::kFloat)
         mix_rows_avx512(lg.data(), static_cast<const float*>(v.latent) + start, v.latent_t, n, rows, rank, acc);
       else
@@ -633,14 +841,32 @@ void fold_tiles(const Keys& k, const Values& v, int64_t b, int64_t tile_begin, i
 #endif
     const float* z = nullptr;
     int64_t stride = rank;
+    if (t0 < v.codes.tokens) {  // the codes as float32 rows (and the held latents after them, where the tile crosses)
+      const int64_t nq = std::min(n, v.codes.tokens - t0);
+      codes_tile<VECTOR>(v.codes, rank, b, t0, nq, zr.data(), LANES);
+      token_major(zr.data(), rank, nq, zv.data());
+      for (int64_t t = nq; t < n; ++t)
+        load_floats(v.latent, v.type, b * v.latent_b + (t0 + t - v.codes.tokens) * v.latent_t, rank,
+                    zv.data() + t * rank);
+#if defined(HF_LOWRANK_MIX_VECTOR)
+      if (VECTOR) {  // as the float32 latents of a store without codes are mixed
+        mix_rows_avx512(lg.data(), zv.data(), rank, n, rows, rank, acc);
+        continue;
+      }
+#endif
+      mix_rows(lg.data(), zv.data(), rank, n, rows, rank, acc);
+      continue;
+    }
     if (v.type == at::kFloat) {
-      z = static_cast<const float*>(v.latent) + b * v.latent_b + t0 * v.latent_t, stride = v.latent_t;
+      z = static_cast<const float*>(v.latent) + b * v.latent_b + (t0 - v.codes.tokens) * v.latent_t;
+      stride = v.latent_t;
     } else if (v.latent_t == rank) {
-      load_floats(v.latent, v.type, b * v.latent_b + t0 * rank, n * rank, zv.data());
+      load_floats(v.latent, v.type, b * v.latent_b + (t0 - v.codes.tokens) * rank, n * rank, zv.data());
       z = zv.data();
     } else {
       for (int64_t t = 0; t < n; ++t)
-        load_floats(v.latent, v.type, b * v.latent_b + (t0 + t) * v.latent_t, rank, zv.data() + t * rank);
+        load_floats(v.latent, v.type, b * v.latent_b + (t0 - v.codes.tokens + t) * v.latent_t, rank,
+                    zv.data() + t * rank);
       z = zv.data();
     }
     mix_rows(lg.data(), z, stride, n, rows, rank, acc);
