@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..ops.cpu_decode import KernelLayout
+from ..ops.cpu_decode import AffineCodes, KernelLayout
 from ..spec_text import changed_fields, join_spec
 
 Kind = Literal["key", "value"]
@@ -139,6 +139,12 @@ class Codec(ABC):
     def kernel_layout(self, kind: Kind) -> KernelLayout | None:
         """How a decode-attention kernel reads this kind's encoding (ops/cpu_decode.py), or None: then attention
         reads it through `key_logits` and `mix_values`."""
+        return None
+
+    def plain_codes(self, kind: Kind, width: int, tokens: int, device: torch.device) -> AffineCodes | None:
+        """How a kernel turns this kind's encoding of `tokens` `width`-wide states back into what `decode` gives,
+        reading its codes where they lie (`ops.cpu_decode.AffineCodes`: 4-bit codes, a scale and zero point per
+        group, maybe a Hadamard rotation), or None where `decode` does more than that (the caller then decodes)."""
         return None
 
     def offset_queries(self, query: torch.Tensor) -> torch.Tensor:

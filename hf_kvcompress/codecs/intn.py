@@ -13,8 +13,8 @@ from ..calibration import key_scales_file, load_key_scales
 from ..hf.compat import text_config
 from ..hf.rope import rope_inv_freq
 from ..ops.bitpack import PACKABLE_BITS, pack, unpack, values_per_unit
-from ..ops.cpu_decode import KernelLayout
-from ..ops.hadamard import rotate_batch_rows, rotate_rows, rotation_matrix
+from ..ops.cpu_decode import AffineCodes, KernelLayout
+from ..ops.hadamard import MATRIX_TOKENS, random_signs, rotate_batch_rows, rotate_rows, rotation_matrix
 from ..ops.rerotate import rerotate, rope_table, turn
 from ..spec_text import changed_fields, join_spec
 from . import plane_attention
@@ -579,6 +579,18 @@ class IntNCodec(Codec):
         if levels is None:
             return None
         return KernelLayout(self.bits, levels, offset_queries=self.pre_rope and self._per_channel(kind))
+
+    def plain_codes(self, kind: Kind, width: int, tokens: int, device: torch.device) -> AffineCodes | None:
+        # `decode` is codes * scale + zero, then the inverse rotation where this kind rotates, for 4-bit codes on
+        # the uniform grid. Not so (None): other widths, Lloyd-Max levels, pre_rope's turns and key scales, which
+        # `from_basis` applies after the rotation; and a rotated store of at most MATRIX_TOKENS tokens, which
+        # `rotate_rows` turns back by a matrix product (other roundings than the transform the kernel runs).
+        if self.bits != 4 or self._gaussian(kind) or (self.pre_rope and self._per_channel(kind)) \
+                or (kind == "key" and self.layer_key_scale is not None and not self._per_channel(kind)) \
+                or (self._rotates(kind) and tokens <= MATRIX_TOKENS):
+            return None
+        signs = random_signs(width, self._seed(kind), device) if self._rotates(kind) else None
+        return AffineCodes(self.group_size, self._per_channel(kind), signs)
 
     def mix_values(self, encoded: Encoded, probs: torch.Tensor) -> torch.Tensor:
         levels = self._folded_levels("value")

@@ -774,21 +774,60 @@ class LowRankCodec(ReducingCodec):
         `mix_values` in another order (bf16 products where `compute` asks). The store is read in one call, not in
         blocks: the kernel holds a tile at a time, and the step's cos/sin tables (`TurnTables`, shared by the layers)
         are all it reads beside the store. `positions` as `key_logits`' (the store's slots, then the held ones).
-        `held_keys` / `held_values`: the storage's residual as latents (`residual_codec`), read after the store's."""
+        `held_keys` / `held_values`: the storage's residual as latents (`residual_codec`), read after the store's.
+
+        A storage whose codes the kernel reads where they lie (`plain_codes`: `+int4`'s 4-bit codes, a scale and zero
+        per group, its Hadamard rotation) hands the kernel its codes, not the latents decoded for the whole store at
+        every step: each tile is decoded in registers to the same numbers, bit for bit. Others (other widths,
+        Lloyd-Max levels, pre_rope, a rotated store of at most 16 tokens: `IntNCodec.plain_codes`) are decoded here
+        first, as before; the result is the same either way."""
         if not (self._joint and query.device.type == "cpu" and query.shape[2] <= KERNEL_ROWS
                 and cpu_decode.available()):
             return None
         compute = self._compute_dtype(query.device)
-        latent = self._latents(keys, held_keys, "key", compute)
-        mean, _, cos, sin = self._key_inputs(latent, query, positions, last_block=True)
+        codes = self._codes_in_place(keys, values, held_keys, positions, query)
+        if codes is None:
+            latent = self._latents(keys, held_keys, "key", compute)
+            value_latent = self._latents(values, held_values, "value", torch.float32)  # [B, 1, T, r_v]
+            slots = latent
+        else:  # the kernel reads the store's codes; the latents passed are the held ones (maybe none) after them
+            latent = self._held_latents(held_keys, "key", compute, query)
+            value_latent = self._held_latents(held_values, "value", torch.float32, query)
+            assert positions is not None  # `_codes_in_place` read the store's slots from them
+            slots = latent.new_empty(latent.shape[0], 1, positions.shape[-1], 0)  # the shape of every slot's latent
+        mean, _, cos, sin = self._key_inputs(slots, query, positions, last_block=True)
         assert self._layer is not None  # bound per layer (`_bases` checked)
         kernel_basis, pairs = self._layer.key_basis_for_kernel(compute)
-        value_latent = self._latents(values, held_values, "value", torch.float32)  # [B, 1, T, r_v]
         value_mean, value_basis = self._bases("value", query.shape[1], query.device)
         return cpu_decode.lowrank_decode_attention(
             latent[:, 0], kernel_basis, pairs, compute == torch.bfloat16, mean, cos[:, 0], sin[:, 0],
             query.float().contiguous(), value_latent[:, 0], value_basis, value_mean, bias, sink_slots,
-            sink_keys, sink_values, tail_keys, tail_values)
+            sink_keys, sink_values, tail_keys, tail_values, codes=codes)
+
+    def _codes_in_place(self, keys: Encoded | None, values: Encoded | None, held_keys: Encoded | None,
+                        positions: torch.Tensor | None, query: torch.Tensor
+                        ) -> tuple[Encoded, Encoded, cpu_decode.AffineCodes, cpu_decode.AffineCodes] | None:
+        """(key store, value store, their `AffineCodes`) where the storage's codes of both kinds can be read where
+        they lie (`plain_codes`), else None."""
+        if keys is None or values is None or positions is None:
+            return None
+        assert self._ranks is not None and self._layer_idx is not None  # joint bases are bound per layer
+        key_rank, value_rank = self._ranks[self._layer_idx]
+        held = 0 if held_keys is None else IdentityCodec().decode(held_keys, "key", query.dtype).shape[2]
+        tokens = positions.shape[-1] - held  # the store's slots (`positions` holds the store's, then the held ones)
+        key_codes = self.storage.plain_codes("key", key_rank, tokens, query.device)
+        value_codes = self.storage.plain_codes("value", value_rank, tokens, query.device)
+        if key_codes is None or value_codes is None:
+            return None
+        return keys, values, key_codes, value_codes
+
+    def _held_latents(self, held: Encoded | None, kind: Kind, dtype: torch.dtype, query: torch.Tensor) -> torch.Tensor:
+        """The held latents [B, 1, Th, r] in `dtype` (as `_latents` converts them), [B, 1, 0, r] without."""
+        if held is not None:
+            return IdentityCodec().decode(held, kind, dtype).to(dtype)
+        assert self._ranks is not None and self._layer_idx is not None  # joint bases are bound per layer
+        rank = self._ranks[self._layer_idx][0 if kind == "key" else 1]
+        return torch.empty(query.shape[0], 1, 0, rank, dtype=dtype, device=query.device)
 
     def _latents(self, encoded: Encoded | None, held: Encoded | None, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         """The latents [B, 1, T, r] of the store's slots (`encoded`, decoded by the storage in `dtype`; a stored
