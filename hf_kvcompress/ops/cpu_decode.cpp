@@ -1080,6 +1080,9 @@ void lowrank_fold(const lowrank::Keys& k, const lowrank::Values& v, int64_t batc
 // by value_basis [H, Dv, rv] and value_mean [H, Dv] (float32, contiguous). Returns the output [B, H, M, Dv] float32,
 // normalised (a row with every logit masked: zeros): what caches/store_attention.py's segments and codecs/lowrank.py's
 // `from_basis` make of the store's partials, in one call instead of a dozen tensor ops per layer.
+// key_* / value_* (all absent, or codes, scale and zero given): the store's first Tq tokens as 4-bit codes read where
+// they lie (`lowrank_codes`, cpu_lowrank.h `Codes`: decoded a tile at a time to what the PyTorch decode gives); latent
+// and value_latent then hold the tokens after them (T - Tq of them, maybe none), and cos, sin and bias cover all T.
 at::Tensor lowrank_decode_attention(
     const at::Tensor& latent, const at::Tensor& basis, const c10::optional<at::Tensor>& pairs, bool round,
     const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& query,

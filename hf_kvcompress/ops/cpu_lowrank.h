@@ -115,17 +115,32 @@ __attribute__((optimize("fp-contract=off"))) inline void dequantise(const Codes&
 
 // z = fwht(y) * signs in place over a rank-major tile (zt[j * lanes + l], lanes independent): per power-of-two block
 // of r (largest first, ops/hadamard.py's `power_of_two_blocks`), butterflies h = 1, 2, 4, ... (a + b into a, a - b
-// into b), the block divided by the float32 of its size's square root, then each entry times its sign.
+// into b), the block divided by the float32 of its size's square root, then each entry times its sign (exact). Two
+// stages run per pass over the tile (rows j, j + h, j + 2h, j + 3h: the same additions, half the loads and stores).
 inline void unrotate_tile(float* zt, int64_t rank, const float* signs, int64_t lanes) {
   int64_t start = 0;
   for (int bit = 62; bit >= 0; --bit) {
     const int64_t size = int64_t{1} << bit;
     if ((rank & size) == 0) continue;
-    for (int64_t h = 1; h < size; h *= 2)
+    int64_t h = 1;
+    for (; 4 * h <= size; h *= 4)
+      for (int64_t base = start; base < start + size; base += 4 * h)
+        for (int64_t j = base; j < base + h; ++j) {
+          float* a = zt + j * lanes;
+          float* b = a + h * lanes;
+          float* c = b + h * lanes;
+          float* d = c + h * lanes;
+#pragma omp simd
+          for (int64_t l = 0; l < lanes; ++l) {
+            const float a1 = a[l] + b[l], b1 = a[l] - b[l], c1 = c[l] + d[l], d1 = c[l] - d[l];
+            a[l] = a1 + c1, c[l] = a1 - c1, b[l] = b1 + d1, d[l] = b1 - d1;
+          }
+        }
+    if (2 * h <= size)  // an odd number of stages: the last alone
       for (int64_t base = start; base < start + size; base += 2 * h)
         for (int64_t j = base; j < base + h; ++j) {
           float* a = zt + j * lanes;
-          float* c = zt + (j + h) * lanes;
+          float* c = a + h * lanes;
 #pragma omp simd
           for (int64_t l = 0; l < lanes; ++l) {
             const float x = a[l], y = c[l];
@@ -135,17 +150,12 @@ inline void unrotate_tile(float* zt, int64_t rank, const float* signs, int64_t l
         }
     const float root = static_cast<float>(std::sqrt(static_cast<double>(size)));
     for (int64_t j = start; j < start + size; ++j) {
+      const float sign = signs[j];
       float* a = zt + j * lanes;
 #pragma omp simd
-      for (int64_t l = 0; l < lanes; ++l) a[l] = a[l] / root;
+      for (int64_t l = 0; l < lanes; ++l) a[l] = a[l] / root * sign;
     }
     start += size;
-  }
-  for (int64_t j = 0; j < rank; ++j) {
-    const float s = signs[j];
-    float* a = zt + j * lanes;
-#pragma omp simd
-    for (int64_t l = 0; l < lanes; ++l) a[l] = a[l] * s;
   }
 }
 
@@ -158,42 +168,49 @@ inline __m512 widen_bf16(__m256i halves) {
 }
 
 // AVX-512 `dequantise`: 16 tokens x 16 channels at a time, each token's 8 code bytes split into 16 nibbles, times
-// the scales plus the zero points (explicitly rounded products and sums: never fused), transposed into zt.
+// the scales plus the zero points (explicitly rounded products and sums: never fused), transposed into zt. Each
+// token's rows are found once per 16 tokens (no division per token and channel block).
 inline void dequantise_avx512(const Codes& c, int64_t rank, int64_t b, int64_t t0, int64_t nq, float* zt,
                               int64_t lanes) {
   const __m128i low = _mm_set1_epi8(0x0f);
   constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const bool whole_groups = !c.per_channel && c.group % 16 == 0;  // one scale per token over 16 channels
   for (int64_t first = 0; first < lanes; first += 16) {
+    const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, nq - first));  // tokens of the codes here
+    const uint8_t* codes[16];
+    const uint16_t *scales[16], *zeros[16];
+    int64_t group = (t0 + first) / c.group, into = (t0 + first) % c.group;  // per channel: the token's group
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t t = t0 + first + i;
+      const int64_t row = b * c.scale_b + (c.per_channel ? group : t) * c.scale_t;
+      codes[i] = c.codes + b * c.codes_b + t * c.codes_t, scales[i] = c.scale + row, zeros[i] = c.zero + row;
+      if (++into == c.group) ++group, into = 0;
+    }
     for (int64_t j0 = 0; j0 < rank; j0 += 16) {
       const int64_t words = std::min<int64_t>(16, rank - j0);
       const __mmask16 wmask = static_cast<__mmask16>((1u << words) - 1u);
       const __mmask16 bmask = static_cast<__mmask16>((1u << ((words + 1) / 2)) - 1u);
+      const int64_t column = c.per_channel ? j0 : j0 / c.group;  // the scales' column (whole groups: of all 16)
       __m512i r[16];
       for (int64_t i = 0; i < 16; ++i) {
-        const int64_t l = first + i;
-        if (l >= nq) {
+        if (i >= count) {
           r[i] = _mm512_setzero_si512();
           continue;
         }
-        const int64_t t = t0 + l;
-        const __m128i bytes = _mm_maskz_loadu_epi8(bmask, c.codes + b * c.codes_b + t * c.codes_t + j0 / 2);
+        const __m128i bytes = _mm_maskz_loadu_epi8(bmask, codes[i] + j0 / 2);
         const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(bytes, low),
                                                   _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
         const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
         __m512 s, m;
         if (c.per_channel) {
-          const int64_t g = group_index(c, b, t, j0);
-          s = widen_bf16(_mm256_maskz_loadu_epi16(wmask, c.scale + g));
-          m = widen_bf16(_mm256_maskz_loadu_epi16(wmask, c.zero + g));
-        } else if (c.group % 16 == 0 || words <= c.group - j0 % c.group) {  // one group over the 16 channels
-          const int64_t g = group_index(c, b, t, j0);
-          s = _mm512_set1_ps(bf16_float(c.scale[g])), m = _mm512_set1_ps(bf16_float(c.zero[g]));
+          s = widen_bf16(_mm256_maskz_loadu_epi16(wmask, scales[i] + column));
+          m = widen_bf16(_mm256_maskz_loadu_epi16(wmask, zeros[i] + column));
+        } else if (whole_groups) {
+          s = _mm512_set1_ps(bf16_float(scales[i][column])), m = _mm512_set1_ps(bf16_float(zeros[i][column]));
         } else {
           alignas(64) float sv[16] = {}, mv[16] = {};
-          for (int64_t w = 0; w < words; ++w) {
-            const int64_t g = group_index(c, b, t, j0 + w);
-            sv[w] = bf16_float(c.scale[g]), mv[w] = bf16_float(c.zero[g]);
-          }
+          for (int64_t w = 0; w < words; ++w)
+            sv[w] = bf16_float(scales[i][(j0 + w) / c.group]), mv[w] = bf16_float(zeros[i][(j0 + w) / c.group]);
           s = _mm512_load_ps(sv), m = _mm512_load_ps(mv);
         }
         r[i] = _mm512_castps_si512(_mm512_add_round_ps(_mm512_mul_round_ps(code, s, RN), m, RN));
@@ -260,7 +277,28 @@ inline void pack_pairs(const Keys& k, int64_t b, int64_t t0, int64_t n, uint32_t
 
 // A float32 tile zt (rank-major, as pack_floats leaves it) as the products read it: with `round` each latent rounded
 // to bf16 (what pack_floats does to a latent); zp (if given) its bf16 pairs, as pack_pairs makes them.
-inline void round_tile(const Keys& k, float* zt, uint32_t* zp) {
+template <bool VECTOR>
+void round_tile(const Keys& k, float* zt, uint32_t* zp) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (VECTOR && k.round) {  // VCVTNEPS2BF16 rounds to nearest even, as bf16_bits
+    auto halves = [](const float* z) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(z))); };
+    for (int64_t j = 0; j < k.rank; ++j)
+      for (int64_t l = 0; l < LANES; l += 16)
+        _mm512_storeu_si512(zt + j * LANES + l, _mm512_slli_epi32(halves(zt + j * LANES + l), 16));
+    if (zp != nullptr)
+      for (int64_t j = 0; j < k.pair_rank; ++j)
+        for (int64_t l = 0; l < LANES; l += 16) {
+          // zt holds bf16 values now: the high halves are the bf16 bits
+          const __m512i lo = _mm512_srli_epi32(_mm512_loadu_si512(zt + 2 * j * LANES + l), 16);
+          const __m512i hi = 2 * j + 1 < k.rank
+                                 ? _mm512_and_si512(_mm512_loadu_si512(zt + (2 * j + 1) * LANES + l),
+                                                    _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)))
+                                 : _mm512_setzero_si512();
+          _mm512_storeu_si512(zp + j * LANES + l, _mm512_or_si512(lo, hi));
+        }
+    return;
+  }
+#endif
   if (k.round)
 #pragma omp simd
     for (int64_t i = 0; i < k.rank * LANES; ++i) zt[i] = bf16_float(bf16_bits(zt[i]));
@@ -589,7 +627,7 @@ void tile_logits(const Keys& k, int64_t b, int64_t t0, Buffers& buf, float* lg) 
     codes_tile<VECTOR>(k.codes, k.rank, b, t0, nq, buf.zt.data(), LANES);
     for (int64_t j = 0; j < k.rank; ++j)
       for (int64_t l = nq; l < n; ++l) buf.zt[j * LANES + l] = latent_at(k, b, t0 + l, j);
-    round_tile(k, buf.zt.data(), PAIRS ? buf.zp.data() : nullptr);
+    round_tile<VECTOR>(k, buf.zt.data(), PAIRS ? buf.zp.data() : nullptr);
     packed = true;
   }
 #if defined(__AVX512F__)
