@@ -149,11 +149,20 @@ inline void unrotate_tile(float* zt, int64_t rank, const float* signs, int64_t l
           }
         }
     const float root = static_cast<float>(std::sqrt(static_cast<double>(size)));
-    for (int64_t j = start; j < start + size; ++j) {
-      const float sign = signs[j];
-      float* a = zt + j * lanes;
+    if (bit % 2 == 0) {  // a power of 4: the root a power of 2, so x / root * sign = x * (sign / root) exactly
+      for (int64_t j = start; j < start + size; ++j) {
+        const float factor = signs[j] / root;
+        float* a = zt + j * lanes;
 #pragma omp simd
-      for (int64_t l = 0; l < lanes; ++l) a[l] = a[l] / root * sign;
+        for (int64_t l = 0; l < lanes; ++l) a[l] = a[l] * factor;
+      }
+    } else {
+      for (int64_t j = start; j < start + size; ++j) {
+        const float sign = signs[j];
+        float* a = zt + j * lanes;
+#pragma omp simd
+        for (int64_t l = 0; l < lanes; ++l) a[l] = a[l] / root * sign;
+      }
     }
     start += size;
   }
