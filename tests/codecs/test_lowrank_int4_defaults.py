@@ -50,7 +50,8 @@ def test_the_stack_default_and_what_keeps_its_own():
     ("lowrank:ratio=0.5+int4", "lowrank:residual_length=32,ratio=0.5+int4:residual_length=32"),
     # int4's plain value is named too: without the stack's default as with it, the spec means 128.
     ("lowrank:ratio=0.5+int4:residual_length=128", "lowrank:residual_length=32,ratio=0.5+int4:residual_length=128"),
-    ("lowrank:ratio=0.5+int4:group_size=64", "lowrank:residual_length=32,ratio=0.5+int4:residual_length=32,group_size=64"),
+    ("lowrank:ratio=0.5+int4:group_size=64",
+     "lowrank:residual_length=32,ratio=0.5+int4:residual_length=32,group_size=64"),
     ("lowrank:ratio=0.25+int4", "lowrank:ratio=0.25+int4"),
     ("shared_heads+int4", "shared_heads+int4"),
 ])
