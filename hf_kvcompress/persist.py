@@ -113,7 +113,10 @@ def load_cache(path: str | os.PathLike, device: str | torch.device | None = None
     config_dict = json.loads(metadata["config"])
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     config._name_or_path = metadata["model_name"]
-    policy, codec = parse_spec(metadata["spec"])
+    # Read as written: since a stack's storage took defaults of its own (`ReducingCodec.storage_defaults`), a saved
+    # spec names those fields (`ReducingCodec.spec`); a file saved before names none and was built with the plain
+    # storage's (`lowrank:ratio=0.5+int4`: int4's group of 32 and residual of 128).
+    policy, codec = parse_spec(metadata["spec"], storage_defaults=False)
     # KVzip's or KVzap's `decoding` as the saved cache ran it; null or absent: saved before the policy took one
     # (KVzap) or before "append" was a default (KVzip), when it evicted.
     ran = json.loads(metadata.get("decoding", "null")) or "evict"

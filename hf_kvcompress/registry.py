@@ -139,13 +139,20 @@ def _reducing(name: str) -> bool:
     return isinstance(cls, type) and issubclass(cls, ReducingCodec)
 
 
-def _build_codecs(parts: list[str], spec: str) -> Codec:
-    """`shared_heads+int8` -> SharedHeadsCodec(storage=IntNCodec(8)): reducing codecs hand their output to the next."""
-    built = []
+def _build_codecs(parts: list[str], spec: str, storage_defaults: bool = True) -> Codec:
+    """`shared_heads+int8` -> SharedHeadsCodec(storage=IntNCodec(8)): reducing codecs hand their output to the next.
+    `storage_defaults`: a reducing codec's defaults for its storage's fields (`ReducingCodec.storage_defaults`) fill
+    in what the storage's part does not give."""
+    built: list[tuple[str, dict]] = []
     for part in parts:
         codec_name, codec_kwargs = _parse_part(part)
         if codec_name not in CODECS:
             raise ValueError(f"unknown codec {codec_name!r} in {spec!r}; allowed: {sorted(CODECS)}")
+        if storage_defaults and built and _reducing(built[-1][0]):
+            factory = CODECS[built[-1][0]]
+            reducing = factory.func if isinstance(factory, partial) else factory
+            assert isinstance(reducing, type) and issubclass(reducing, ReducingCodec)  # `_reducing` checked
+            codec_kwargs = {**reducing.storage_defaults(built[-1][1], codec_name), **codec_kwargs}
         built.append((codec_name, codec_kwargs))
     stackable = sorted(n for n in CODECS if _reducing(n))
     for codec_name, _ in built[:-1]:
@@ -161,11 +168,14 @@ def _build_codecs(parts: list[str], spec: str) -> Codec:
     return codec
 
 
-def parse_spec(spec: str) -> tuple[Policy, Codec]:
+def parse_spec(spec: str, storage_defaults: bool = True) -> tuple[Policy, Codec]:
     """`"h2o:budget=256,recent=64+int4"` -> (HeavyHitterPolicy(256, 64), IntNCodec(bits=4)).
 
     Codecs that reduce the states (shared_heads) may be followed by the codec that stores their output:
-    `shared_heads+int8`, `h2o:budget=256+shared_heads+int4`.
+    `shared_heads+int8`, `h2o:budget=256+shared_heads+int4`. A reducing codec may give its storage defaults of its
+    own (`ReducingCodec.storage_defaults`: `lowrank:ratio=0.5+int4` stores in `int4:group_size=64,residual_length=32`);
+    `storage_defaults=False` reads the storage's part with its plain name's defaults (a spec saved before those
+    defaults, `load_cache`).
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"cache spec must be a non-empty string like 'int4' or 'sink_window:window=256', got {spec!r}")
@@ -184,7 +194,7 @@ def parse_spec(spec: str) -> tuple[Policy, Codec]:
     else:
         names = sorted(POLICIES) + sorted(POLICY_ALIASES) + sorted(CODECS)
         raise ValueError(f"unknown cache spec name {name!r}; allowed: {names}")
-    return policy, _build_codecs(codec_parts, spec) if codec_parts else IdentityCodec()
+    return policy, _build_codecs(codec_parts, spec, storage_defaults) if codec_parts else IdentityCodec()
 
 
 def make_cache(spec: str, config=None):

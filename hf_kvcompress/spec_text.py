@@ -34,3 +34,13 @@ def changed_fields(obj, skip=(), defaults=None) -> str:
 
 def join_spec(name: str, args: str) -> str:
     return f"{name}:{args}" if args else name
+
+
+def pin_fields(spec: str, fields: dict) -> str:
+    """`spec` (`name` or `name:k=v,...`) with `k=v` added for each of `fields` it does not name already: a value
+    equal to the plain name's default is left out of `changed_fields`, but where a stack gives its storage other
+    defaults (`ReducingCodec.storage_defaults`) the spec must name it to rebuild the same codec."""
+    name, _, args = spec.partition(":")
+    named = {item.partition("=")[0] for item in args.split(",") if item}
+    extra = [f"{key}={'none' if value is None else value}" for key, value in fields.items() if key not in named]
+    return join_spec(name, ",".join(filter(None, [args, *extra])))

@@ -5,7 +5,11 @@ parts hold the rest (int4's codes and scales, the full-precision residual, the s
 Command:
     python benchmarks/probes/lowrank_int4_bytes.py [--model smollm2-135m] [--dtype bfloat16]
         [--lengths 2000 4000 8000] [--specs "lowrank:ratio=0.5+int4" "lowrank:ratio=0.5" int4] [--layer 5]
-Written up: docs/results.md, "Low rank at 2x + int4: where the bytes go" (issue 30, sessions 28 and 33).
+        [--parts]
+Written up: docs/results.md, "Low rank at 2x + int4: where the bytes go" (issue 30, sessions 28, 33 and 34).
+
+`--parts` also splits every layer's bytes together by kind of part (int4 codes, their scales and zero points, the
+residual held as latents, the whole tail, positions, sinks), as shares of DynamicCache's bytes, at every length.
 
 Random token ids (the bytes do not depend on the text) are prefilled with `model(...)` into `make_cache(spec,
 model.config)` and into a DynamicCache; `measured_kv_bytes` of each. The split names each tensor a layer holds by
@@ -53,6 +57,21 @@ def split(layer) -> dict[str, int]:
     return out
 
 
+# A part's attribute path (`split`) -> the kind of bytes it holds, first match wins.
+PART_KINDS = (("codes", "codes"), ("scale", "scales"), ("zero", "scales"), ("_held", "held latents"),
+              ("_tail", "whole tail"), ("positions", "positions"), ("sink", "sinks"))
+
+
+def parts_by_kind(cache) -> dict[str, int]:
+    """Every layer's storage bytes summed by kind of part (PART_KINDS; anything else is "other")."""
+    out: dict[str, int] = {}
+    for layer in cache.layers:
+        for path, nbytes in split(layer).items():
+            kind = next((k for key, k in PART_KINDS if key in path), "other")
+            out[kind] = out.get(kind, 0) + nbytes
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -61,6 +80,7 @@ def main() -> None:
     parser.add_argument("--specs", nargs="+", default=["lowrank:ratio=0.5+int4", "lowrank:ratio=0.5", "int4"])
     parser.add_argument("--layer", type=int, default=5, help="the layer whose bytes are split by part (at the "
                         "first length)")
+    parser.add_argument("--parts", action="store_true", help="split every layer's bytes by kind of part too")
     args = parser.parse_args()
     model, _ = load_model(args.model, device="cpu", dtype=args.dtype)
     print(f"model {args.model} {args.dtype}; shares of DynamicCache's measured bytes")
@@ -72,15 +92,21 @@ def main() -> None:
         with torch.no_grad():
             model(input_ids=ids, past_key_values=reference)
         base = measured_kv_bytes(reference)
-        shares, splits = [], {}
+        shares, splits, kinds = [], {}, {}
         for spec in args.specs:
             cache = make_cache(spec, model.config)
             with torch.no_grad():
                 model(input_ids=ids, past_key_values=cache)
             shares.append(measured_kv_bytes(cache) / base)
             splits[spec] = split(cache.layers[args.layer])
+            if args.parts:
+                kinds[spec] = parts_by_kind(cache)
             del cache
         print(f"| {length:,} | " + " | ".join(f"{s:.3f}" for s in shares) + " |", flush=True)
+        for spec, parts in kinds.items():
+            ordered = sorted(parts.items(), key=lambda p: -p[1])
+            print(f"  all layers, `{spec}` at {length}: "
+                  + ", ".join(f"{kind} {nbytes / base:.3f}" for kind, nbytes in ordered))
         if length == args.lengths[0]:
             layer_base = sum(split(reference.layers[args.layer]).values())
             for spec, parts in splits.items():

@@ -37,6 +37,13 @@ WINDOW_BELOW_HALF = 128
 # on the development halves (Gemma-3: none 10 / 11, 32 and 64 tokens 11 / 11; SmolLM2 10 / 10 with none and with 32;
 # docs/results.md, "Low rank at 2x + int4: the residual as latents").
 WINDOW_IN_STACK = 32
+# What `int4` means stored under a ratio from a half on, where the spec does not say (`storage_defaults`): 32 newest
+# tokens at full precision instead of 128, all of them lowrank's whole window (WINDOW_IN_STACK), so that of the
+# residual only the unfinished per-channel key group is held as latents. Chosen on the development halves of both
+# models, where it kept every answer int4's 128 kept, at 0.179 of the bf16 bytes instead of 0.196 (SmolLM2) and 0.210
+# instead of 0.248 (Gemma-3); scale groups of 64 (fewer scales) lost a Gemma-3 answer there, so int4 keeps its 32
+# (docs/results.md, "Low rank at 2x + int4 nearer an eighth").
+INT4_IN_STACK: dict[str, int] = {"residual_length": 32}
 # The prompt length at which a ratio on a model with sliding-window layers is a share of the latents' bytes
 # (`length`): the suite's prompts (needle, multi_question at 2,000 tokens).
 BYTES_AT_LENGTH = 2000
@@ -356,7 +363,11 @@ class LowRankCodec(ReducingCodec):
         length: on a model with sliding-window layers, the prompt tokens at which `ratio` is a share of the
             latents' bytes (2,000, the suite's prompts); at longer prompts the full-attention layers' share of the
             bytes weighs more. Ignored without sliding-window layers (every layer holds every token).
-        storage: how the coordinates are stored (`lowrank+int4` quantizes them).
+        storage: how the coordinates are stored (`lowrank+int4` quantizes them). Under a ratio from a half on, a
+            spec's `int4` keeps 32 newest tokens at full precision instead of 128 where it does not name its
+            `residual_length` (INT4_IN_STACK, `storage_defaults`): `lowrank:ratio=0.5+int4` stores in
+            `int4:residual_length=32`. A ratio's ranks are whole groups: int4's `group_size` must divide each
+            layer's latent width.
         compute: the dtype a decode step rebuilds the keys in from their latents (joint bases; the products that
             dominate a step at long contexts): "bfloat16" rounds the bases and latents to bf16 for the product (the
             sums stay float32; the C++ kernel of a CPU decode step keeps them so, PyTorch's product returns its keys
@@ -439,6 +450,15 @@ class LowRankCodec(ReducingCodec):
             raise ValueError(
                 f"residual_length must be an integer >= 0 (the newest tokens kept exact), got {self.residual_length!r}"
             )
+
+    @classmethod
+    def storage_defaults(cls, arguments: dict, storage: str) -> dict:
+        """`int4` under a ratio from a half on: INT4_IN_STACK (its residual, where the spec does not name it).
+        Elsewhere (below a half, `rank=`, other storages) the storage's own defaults: not measured there."""
+        ratio = arguments.get("ratio")
+        if storage != "int4" or isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio < 0.5:
+            return {}
+        return dict(INT4_IN_STACK)
 
     # -- binding --------------------------------------------------------------------------------------------------
 
@@ -555,9 +575,17 @@ class LowRankCodec(ReducingCodec):
         return tuple(kind != "sliding_attention" for kind in text_config(config).layer_types)
 
     def _rank_step(self, width: int) -> int:
-        """The granularity of a joint layer's rank: the storage's value groups must divide it (int4's group_size)."""
-        step = getattr(self.storage, "group_size", 8)
-        return math.gcd(width, step) if width % step else step
+        """The granularity of a joint layer's rank: the storage's value groups must divide it (int4's group_size),
+        and a ratio's ranks are whole steps of the layer's latent width (KV heads x head_dim)."""
+        step = getattr(self.storage, "group_size", None)
+        if step is None:  # nothing groups the latents: steps of 8 where the width allows
+            return math.gcd(width, 8)
+        if width % step:
+            fits = [g for g in (8, 16, 32, 64, 128) if width % g == 0]
+            raise ValueError(f"group_size of the storage ({self.storage.spec()}) must divide the latent width of a "
+                             f"layer (KV heads x head_dim = {width}) for lowrank's ratio to keep whole groups: "
+                             f"allowed {', '.join(map(str, fits))} (any divisor of {width}), got {step}")
+        return step
 
     def for_layer(self, layer_idx: int) -> LowRankCodec:
         if self._tensors is None:

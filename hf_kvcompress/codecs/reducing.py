@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 from abc import abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 import torch
 
-from ..spec_text import changed_fields, join_spec
+from ..spec_text import changed_fields, join_spec, pin_fields
 from .base import Codec, Encoded, Kind, resolve_for_model, resolve_for_policy
 from .identity import IdentityCodec
 
@@ -157,10 +157,26 @@ class ReducingCodec(Codec):
     def decode(self, encoded: Encoded, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
         return self.expand(self.storage.decode(encoded, kind, dtype), kind, dtype)
 
+    @classmethod
+    def storage_defaults(cls, arguments: dict, storage: str) -> dict:
+        """Defaults this reduction gives the fields of a storage codec named `storage` (a spec's name, `int4`) when
+        the spec does not give them, for a reduction spec'd with `arguments` (its own fields as the spec gives them):
+        where the stored states are not the model's head vectors, the storage's best settings may differ from its
+        plain name's. The registry fills them in (`parse_spec`); `spec` names them whatever their values. None
+        here."""
+        return {}
+
     def spec(self) -> str:
-        """`name[:args]`, then `+storage` when the reduced states are stored by another codec (`shared_heads+int8`)."""
+        """`name[:args]`, then `+storage` when the reduced states are stored by another codec (`shared_heads+int8`);
+        the storage fields this reduction gives defaults of its own (`storage_defaults`) are always named, so that
+        the spec rebuilds the same storage with or without those defaults (a file saved before them reads so)."""
         head = join_spec(self.name, changed_fields(self, skip=("storage",)))
-        return head if isinstance(self.storage, IdentityCodec) else f"{head}+{self.storage.spec()}"
+        if isinstance(self.storage, IdentityCodec):
+            return head
+        storage = self.storage.spec()
+        arguments = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "storage"}
+        pinned = type(self).storage_defaults(arguments, storage.partition(":")[0])
+        return f"{head}+{pin_fields(storage, {key: getattr(self.storage, key) for key in pinned})}"
 
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
         dims, heads_per_stored = self.stored_fraction(head_dim)

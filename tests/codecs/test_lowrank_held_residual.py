@@ -31,10 +31,11 @@ def _latent_bytes(layer, index: int, tokens: int) -> int:
 
 
 def test_only_the_reduction_window_is_whole():
-    assert parse_spec("lowrank:ratio=0.5+int4")[1].exact_residual == 128  # the full-precision window, as before
+    # int4's own residual of 128 (a ratio from a half on gives int4 a residual of 32, test_lowrank_int4_defaults.py).
+    assert parse_spec("lowrank:ratio=0.5+int4:residual_length=128")[1].exact_residual == 128
     # Of which whole vectors: lowrank's own window, from a half on 32 tokens beside a storage with a residual (the
     # question's own tokens) unless given.
-    assert parse_spec("lowrank:ratio=0.5+int4")[1].whole_residual == 32
+    assert parse_spec("lowrank:ratio=0.5+int4:residual_length=128")[1].whole_residual == 32
     assert parse_spec("lowrank:ratio=0.5,residual_length=0+int4")[1].whole_residual == 0
     assert parse_spec("lowrank:ratio=0.5+int4:residual_length=16")[1].whole_residual == 16  # at most int4's
     assert parse_spec("lowrank:ratio=0.5+fp8")[1].whole_residual == 0  # fp8 keeps no residual
@@ -106,7 +107,8 @@ def test_a_prompt_within_the_residual_reads_as_the_reduction_alone(llama, dtype)
     ids, mask = _padded_prompts()
     compute = ",compute=float32" if dtype == torch.float32 else ""
     stack, alone = (make_cache(_spec(bases, s), model.config)
-                    for s in (f"lowrank:ratio=0.5,residual_length=0{compute}+int4", f"lowrank:ratio=0.5{compute}"))
+                    for s in (f"lowrank:ratio=0.5,residual_length=0{compute}+int4:residual_length=128",
+                              f"lowrank:ratio=0.5{compute}"))
     out_stack = generate(model, ids, mask, stack, max_new_tokens=8).new_tokens
     out_alone = generate(model, ids, mask, alone, max_new_tokens=8).new_tokens
     assert torch.equal(out_stack, out_alone)
