@@ -3,16 +3,16 @@
 One pure function, `plan_layers`, decides them; `CompressedCache` builds its layers from the plans, and
 `study.promised_bytes` counts bytes from the same plans, so an estimate cannot follow other rules than the cache.
 Sliding-window layers keep transformers' window with the codec's own key grouping, or under a budget or ratio their
-newest tokens; the policy applies to the full-attention layers. A plain KVzip ratio below a half is planned as
-KVzip's byte target (`ratio_as_bytes`, below). Other plain ratios of a policy that ranks every layer's pairs at
-once (KVzip's from a half up, KVzap's) plan how the hybrid model's pairs are shared (`SlidingShare`): the sliding
-layers keep fewer than the ratio's share of their window and the full-attention layers, where long-range retrieval
-happens, keep what they give up, so the whole cache still holds the ratio of its uncompressed pairs. KVzip's
-`bytes=B` (`ByteTarget`) gives a hybrid model's sliding layers a wide window of their newest tokens in a cheap codec
-(`byte_sliding_tokens`, `BYTES_SLIDING_CODEC`) and the full-attention layers the pairs whose bytes fit in what is
-left of B of the uncompressed cache's bytes. KVzap's `budget=N` with head budgets (`plans_budget_share`) keeps a
-half's planned share in the sliding layers and gives the full-attention layers the rest of the pairs N tokens in
-every layer would hold.
+newest tokens; the policy applies to the full-attention layers. A plain KVzip ratio below a half, alone or with the
+plain `int4`, is planned as KVzip's byte target (`ratio_as_bytes`, below). Other plain ratios of a policy that ranks
+every layer's pairs at once (KVzip's from a half up, KVzap's) plan how the hybrid model's pairs are shared
+(`SlidingShare`): the sliding layers keep fewer than the ratio's share of their window and the full-attention layers,
+where long-range retrieval happens, keep what they give up, so the whole cache still holds the ratio of its uncompressed
+pairs. KVzip's `bytes=B` (`ByteTarget`) gives a hybrid model's sliding layers a wide window of their newest tokens in a
+cheap codec (`byte_sliding_tokens`, `BYTES_SLIDING_CODEC`) and the full-attention layers the pairs whose bytes fit in
+what is left of B of the uncompressed cache's bytes. KVzap's `budget=N` with head budgets (`plans_budget_share`) keeps a
+half's planned share in the sliding layers and gives the full-attention layers the rest of the pairs N tokens in every
+layer would hold.
 """
 
 from __future__ import annotations
