@@ -2,10 +2,10 @@
 
 `kvzip:ratio=R` (R < 0.5, no codec), on a model with sliding-window layers and on one without (SmolLM2's layout),
 builds the very cache `kvzip:bytes=R` builds (same layers, codecs, kept pairs and bytes: every layer in the byte
-plan's int4, `int4:residual_length=8` with sliding layers and 32 without); `kvzip:ratio=R+int4` builds the cache
-of `kvzip:bytes=R x 5/16` (the bytes R of the pairs take in int4) in that same plan; a half and up, another codec
-(int8, int3, int2, an int4 with options of its own), and a ratio with a knob of its own plan (`sliding=`,
-`budgets=`) keep the ratio's plan.
+plan's int4, `int4:residual_length=8` with sliding layers and 32 without); `kvzip:ratio=R+int4` without sliding
+layers builds the cache of `kvzip:bytes=R x 5/16` (the bytes R of the pairs take in int4) in that same plan; a half
+and up, another codec (int8, int3, int2, an int4 with options of its own), int4 on a model with sliding layers, and a
+ratio with a knob of its own plan (`sliding=`, `budgets=`) keep the ratio's plan.
 """
 
 import copy
@@ -105,7 +105,9 @@ def test_a_plain_ratio_keeps_more_pairs_than_its_exact_share_in_the_same_bytes()
     ("kvzip:ratio=0.25,budgets=layer+int8", "kvzip:ratio=0.25,budgets=layer,span=4+int8"),
     ("kvzip:ratio=0.5", "kvzip:ratio=0.5,span=4"),  # a half and up: the ratio's own plan (plan.py RATIO_BYTES_BELOW)
     ("kvzip:ratio=0.75+int4", "kvzip:ratio=0.75,span=4+int4"),
-    # a codec other than the plain int4: the ratio's plan (plan.py `ratio_as_bytes`, RATIO_INT4_AS_BYTES)
+    # a codec (the plain int4 too, with sliding layers): the ratio's plan (plan.py `ratio_as_bytes`,
+    # RATIO_INT4_AS_BYTES)
+    ("kvzip:ratio=0.25+int4", "kvzip:ratio=0.25,span=4+int4"),
     ("kvzip:ratio=0.125+int8", "kvzip:ratio=0.125,span=4+int8"),
     ("kvzip:ratio=0.25+int3", "kvzip:ratio=0.25,span=4+int3"),
     ("kvzip:ratio=0.25+int2", "kvzip:ratio=0.25,span=4+int2"),
@@ -210,14 +212,15 @@ def test_a_saved_ratio_cache_without_sliding_layers_loads_as_it_was_built(tmp_pa
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("layout", ["hybrid", "full"])
 @pytest.mark.parametrize("ratio", [0.25, 0.125, 0.4])
-def test_a_plain_ratio_in_int4_is_the_byte_target_of_its_int4_pairs(layout, ratio):
-    """`kvzip:ratio=R+int4` below a half: the cache of the plain `kvzip:bytes=R x 5/16` (R of the pairs at int4's
-    0.625 bytes a value against bf16's 2), every layer in the byte plan's int4 (its exact residual, not int4's
-    128), the same kept pairs, codes and bytes; measured = promised = the study's estimate, and at most that share
-    of the uncompressed bytes."""
+def test_a_plain_ratio_in_int4_is_the_byte_target_of_its_int4_pairs(ratio):
+    """`kvzip:ratio=R+int4` below a half without sliding layers (SmolLM2's layout): the cache of the plain
+    `kvzip:bytes=R x 5/16` (R of the pairs at int4's 0.625 bytes a value against bf16's 2), every layer in the byte
+    plan's int4 (its 32 exact newest tokens, not int4's 128), the same kept pairs, codes and bytes; measured =
+    promised = the study's estimate, and at most that share of the uncompressed bytes."""
+    layout = "full"
     model = _model(layout)
+    assert make_cache(f"kvzip:ratio={ratio}+int4", tiny_hybrid_gemma().config).byte_target is None  # ratio's plan
     share = ratio * 5 / 16
     assert plan.ratio_codec_share(ratio, parse_spec("int4")[1], model.config) == share
     ratio_spec, bytes_spec = f"kvzip:ratio={ratio}+int4", f"kvzip:bytes={share}"
@@ -261,27 +264,28 @@ def test_a_plain_ratio_in_int4_holds_fewer_bytes_than_the_ratios_plan():
 
 @pytest.mark.parametrize("layout", ["hybrid", "full"])
 def test_a_saved_ratio_cache_in_int4_loads_as_it_was_built(layout, tmp_path):
-    """`kvzip:ratio=0.25+int4` saves its byte target's spec and the byte plan's codec and loads as built; a file
-    of the same spec built by the ratio's own plan (saved before, its spec holds the ratio) loads by that plan,
-    with 128 exact newest tokens and the ratio's share; each with the same logits and tokens as the cache saved."""
+    """`kvzip:ratio=0.25+int4` without sliding layers saves its byte target's spec and loads as built; a file of the
+    same spec built by the ratio's own plan (saved before, its spec holds the ratio; on a hybrid model that plan is
+    still the default) loads by that plan, with 128 exact newest tokens and the ratio's share; each with the same
+    logits and tokens as the cache saved."""
     model = tiny_hybrid_gemma() if layout == "hybrid" else _model("full")
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(8))
     step, where = (torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(9)),
                    torch.arange(200, 203)[None])
     policy, codec = parse_spec("kvzip:ratio=0.25+int4")
-    for ratio_bytes in (True, False):
-        cache = CompressedCache(policy, codec, config=model.config, ratio_bytes=ratio_bytes)
+    for planned in (True, False):
+        cache = CompressedCache(policy, codec, config=model.config, ratio_bytes=planned)
+        ratio_bytes = planned and layout == "full"  # a hybrid model keeps the ratio's plan (RATIO_INT4_AS_BYTES)
         with torch.no_grad():
             prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
         assert ("bytes=0.078125" in cache.spec) == ratio_bytes and ("ratio=0.25" in cache.spec) != ratio_bytes
-        path = tmp_path / f"ratio-{ratio_bytes}.safetensors"
+        path = tmp_path / f"ratio-{planned}.safetensors"
         save_cache(cache, path)
         loaded = load_cache(path)
         assert loaded.spec == cache.spec and loaded.byte_target == cache.byte_target
         assert loaded.sliding_share == cache.sliding_share
-        # the byte plan's codec is recorded for a hybrid model's sliding layers (persist.py); without them the
-        # spec names the codec every layer ran
-        assert loaded.byte_codec == (cache.byte_codec if layout == "hybrid" else None)
+        # no byte plan to record on either layout: without sliding layers the spec names the codec every layer ran
+        assert loaded.byte_codec is None
         assert [layer.policy for layer in loaded.layers] == [layer.policy for layer in cache.layers]
         assert [layer.codec for layer in loaded.layers] == [layer.codec for layer in cache.layers]
         assert ({layer.codec.residual_length for layer in loaded.layers} == {128}) != ratio_bytes
