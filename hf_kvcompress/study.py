@@ -117,7 +117,7 @@ def promised_bytes(spec: str, config, tokens: int, model_bytes: float, device: s
     latents where the device computes its step in bf16, `LowRankCodec.latent_dtype`; at 2 bytes the device does not
     matter); tested against measured (tests/test_study_bytes.py)."""
     policy, codec = parse_spec(spec)
-    policy = ratio_as_bytes(policy, codec, config)  # a plain KVzip ratio below a half: its byte target
+    policy, codec = ratio_as_bytes(policy, codec, config)  # a plain KVzip ratio below a half: its byte target
     share = getattr(policy, "bytes", None)
     if share is not None:
         # KVzip's bytes=: the ranking spends that share of the uncompressed bytes (plan.py `ByteTarget`), but never

@@ -138,7 +138,7 @@ class CompressedCache(Cache):
         requested = codec if codec is not None else IdentityCodec()
         policy = policy if policy is not None else KeepAllPolicy()
         if ratio_bytes:  # a plain KVzip ratio below a half: its byte target (the spec then names it)
-            policy = ratio_as_bytes(policy, requested, config)
+            policy, requested = ratio_as_bytes(policy, requested, config)
         # Layout-dependent defaults (KVzip's span) settled once here, so every layer and the spec hold what is used.
         self.policy = for_model(policy, config)
         if config is not None and byte_plan:  # KVzip's plain bytes=: the full-attention layers in the plan's codec

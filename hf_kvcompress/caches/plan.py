@@ -3,16 +3,16 @@
 One pure function, `plan_layers`, decides them; `CompressedCache` builds its layers from the plans, and
 `study.promised_bytes` counts bytes from the same plans, so an estimate cannot follow other rules than the cache.
 Sliding-window layers keep transformers' window with the codec's own key grouping, or under a budget or ratio their
-newest tokens; the policy applies to the full-attention layers. A plain KVzip ratio below a half is planned as
-KVzip's byte target (`ratio_as_bytes`, below). Other plain ratios of a policy that ranks every layer's pairs at
-once (KVzip's from a half up, KVzap's) plan how the hybrid model's pairs are shared (`SlidingShare`): the sliding
-layers keep fewer than the ratio's share of their window and the full-attention layers, where long-range retrieval
-happens, keep what they give up, so the whole cache still holds the ratio of its uncompressed pairs. KVzip's
-`bytes=B` (`ByteTarget`) gives a hybrid model's sliding layers a wide window of their newest tokens in a cheap codec
-(`byte_sliding_tokens`, `BYTES_SLIDING_CODEC`) and the full-attention layers the pairs whose bytes fit in what is
-left of B of the uncompressed cache's bytes. KVzap's `budget=N` with head budgets (`plans_budget_share`) keeps a
-half's planned share in the sliding layers and gives the full-attention layers the rest of the pairs N tokens in
-every layer would hold.
+newest tokens; the policy applies to the full-attention layers. A plain KVzip ratio below a half, alone or (without
+sliding-window layers) with the plain `int4`, is planned as KVzip's byte target (`ratio_as_bytes`, below). Other plain
+ratios of a policy that ranks every layer's pairs at once (KVzip's from a half up, KVzap's) plan how the hybrid model's
+pairs are shared (`SlidingShare`): the sliding layers keep fewer than the ratio's share of their window and the full-
+attention layers, where long-range retrieval happens, keep what they give up, so the whole cache still holds the ratio
+of its uncompressed pairs. KVzip's `bytes=B` (`ByteTarget`) gives a hybrid model's sliding layers a wide window of their
+newest tokens in a cheap codec (`byte_sliding_tokens`, `BYTES_SLIDING_CODEC`) and the full-attention layers the pairs
+whose bytes fit in what is left of B of the uncompressed cache's bytes. KVzap's `budget=N` with head budgets
+(`plans_budget_share`) keeps a half's planned share in the sliding layers and gives the full-attention layers the rest
+of the pairs N tokens in every layer would hold.
 """
 
 from __future__ import annotations
@@ -71,6 +71,18 @@ BYTES_CODEC_WITHOUT_SLIDING = IntNCodec(bits=4, residual_length=32, **PLAIN_NAME
 # int4 pairs decode through the C++ kernel where they lie (head_store.py `attend_encoded`); without it (GPU, no
 # compiler) each step decodes them whole, slower than exact pairs (docs/speed.md).
 RATIO_BYTES_BELOW = 0.5
+# A plain KVzip ratio below RATIO_BYTES_BELOW with the plain `int4` (`kvzip:ratio=0.25+int4`) on a model without
+# sliding-window layers is planned as the byte target of the bytes its pairs take in int4 (`ratio_as_bytes`,
+# `ratio_codec_share`, R x 5/16 of the bf16 bytes), in the byte plan's layout: on SmolLM2's development half at 2,000
+# tokens it kept the ratio's plan's answers in 0.078 of the bytes instead of 0.100. A hybrid model keeps the ratio's
+# plan: on Gemma-3-270M's development half the byte target at R x 5/16 (0.078 against the plan's 0.107) kept one
+# multi_needle answer more and three needle answers fewer (misread digits). int8, int3 and int2 keep the ratio's plan
+# on every model: the byte plan stores in int4, so it would change the precision the user asked for, and spent on
+# full-attention pairs in int8, int3 or int2 at an eighth of the bytes Gemma-3 kept fewer answers than in int4
+# (docs/results.md, "`kvzip:ratio=R+int4` below a half in the byte plan's layout" and "Gemma-3's multi_needle at
+# about an eighth of the bytes").
+RATIO_INT4_AS_BYTES = True
+PLAIN_INT4 = IntNCodec(bits=4, **PLAIN_NAME_DEFAULTS[4])  # what the spec `int4` names
 
 
 @dataclass(frozen=True)
@@ -187,18 +199,47 @@ def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[st
     return ByteTarget(share, served, (kv_heads * 2 * head_dim * width,) * len(layer_types), held)
 
 
-def ratio_as_bytes(policy: Policy, codec: Codec, config) -> Policy:
-    """`policy` as the plan runs it on the model of `config`: a plain ratio R below RATIO_BYTES_BELOW, with no
-    codec, of a policy that takes a byte target (KVzip's, `Policy.with_byte_share`) is planned as `bytes=R`: R of
-    the uncompressed bytes in the dtype served. So such a ratio gets the byte plan (`ByteTarget`, `byte_codecs`:
-    every layer in BYTES_SLIDING_CODEC, and on a hybrid model `byte_sliding_tokens`): about three times as many
-    pairs, each in int4, for the same bytes, which kept more answers than the ratio's exact pairs on both layouts
-    (RATIO_BYTES_BELOW's measurements). Any other policy, a ratio from RATIO_BYTES_BELOW up, a ratio with a codec
-    (`ratio=0.25+int4` as `bytes=` a quarter of int4's bytes lost needles its own plan keeps), a ratio with a knob
-    of its own plan (`sliding=`, `floors=`, `budgets=`), or no config: `policy` as it is."""
-    if policy.ratio is None or policy.ratio >= RATIO_BYTES_BELOW or not codec.lossless or config is None:
-        return policy
-    return policy.with_byte_share(policy.ratio) or policy
+def ratio_as_bytes(policy: Policy, codec: Codec, config) -> tuple[Policy, Codec]:
+    """(`policy`, `codec`) as the plan runs them on the model of `config`. A plain ratio R below RATIO_BYTES_BELOW
+    of a policy that takes a byte target (KVzip's, `Policy.with_byte_share`) is planned as a byte target:
+
+    - with no codec, as `bytes=R`: R of the uncompressed bytes in the dtype served, in the byte plan (`ByteTarget`,
+      `byte_codecs`: every layer in `byte_plan_codec`, and on a hybrid model `byte_sliding_tokens`): about three
+      times as many pairs, each in int4, for the same bytes, which kept more answers than the ratio's exact pairs on
+      both layouts (RATIO_BYTES_BELOW's measurements);
+    - with the plain `int4` on a model without sliding-window layers (RATIO_INT4_AS_BYTES), as a plain `bytes=` of
+      the bytes R of the pairs take in int4 (`ratio_codec_share`: R x int4's bytes per value / the served
+      dtype's), in that same byte plan: the byte plan's int4 is the user's int4 with the byte plan's exact residual
+      (32 newest tokens) in place of its 128, and the returned codec is the identity, as a plain `bytes=` has.
+
+    Any other policy, a ratio from RATIO_BYTES_BELOW up, any other codec (int8, int3, int2, or an int4 with options
+    of its own), the plain `int4` on a model with sliding-window layers (RATIO_INT4_AS_BYTES), a ratio with a knob
+    of its own plan (`sliding=`, `floors=`, `budgets=`), or no config: (`policy`, `codec`) as they are."""
+    if policy.ratio is None or policy.ratio >= RATIO_BYTES_BELOW or config is None:
+        return policy, codec
+    if codec.lossless:
+        return policy.with_byte_share(policy.ratio) or policy, codec
+    windowed = any(t in SLIDING_LAYER_TYPES for t in config_layer_types(config))
+    if RATIO_INT4_AS_BYTES and codec == PLAIN_INT4 and not windowed:
+        planned = policy.with_byte_share(ratio_codec_share(policy.ratio, codec, config))
+        if planned is not None:
+            return planned, IdentityCodec()
+    return policy, codec
+
+
+def ratio_codec_share(ratio: float, codec: Codec, config) -> float:
+    """The share of the uncompressed bytes `ratio` of the pairs take in `codec` (before its exact residual, scores
+    and sinks): ratio x the codec's bytes per key and value / those of the dtype served, on the model of `config`.
+    For `int4` (packed 4-bit codes, a bfloat16 scale and zero per 32 values: 0.625 bytes a value, against 2)
+    ratio x 5 / 16 on every model, e.g. 0.078125 at a quarter: the bytes the ratio's own plan holds on documents
+    long enough that its 128 exact newest tokens are a small part of the pairs it keeps (more on short ones:
+    docs/results.md, "`kvzip:ratio=R+int4` below a half in the byte plan's layout")."""
+    decoder = text_config(config)
+    head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
+    served = getattr(torch, served_dtype(getattr(decoder, "dtype", None), getattr(config, "dtype", None))[0])
+    width = torch.empty((), dtype=served).element_size()
+    rate = codec.bytes_per_token(head_dim, "key", served) + codec.bytes_per_token(head_dim, "value", served)
+    return ratio * rate / (2 * head_dim * width)
 
 
 def layer_floors(policy: Policy, config, ratio: float) -> tuple[tuple[int, float], ...]:
@@ -471,7 +512,7 @@ def plan_layers(policy: Policy, codec: Codec, config, rerotate: bool = False,
     `sliding=` without sliding layers or past their window.
     """
     if ratio_bytes:
-        policy = ratio_as_bytes(policy, codec, config)
+        policy, codec = ratio_as_bytes(policy, codec, config)
     policy = for_model(policy, config)  # the layers run the layout's defaults (the cache's own policy holds them too)
     layer_types = config_layer_types(config)
     codec, sliding_codec = byte_codecs(policy, codec, layer_types, byte_codec) if byte_plan else (codec, None)

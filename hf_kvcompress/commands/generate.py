@@ -104,7 +104,7 @@ def run(args) -> int:
         file=sys.stdout,
     )
     print(f"[cache {cache.spec}] {served_summary(model, cache)}", file=sys.stdout)
-    note = residual_note(args.cache, cache.stored_tokens)
+    note = residual_note(cache.spec, cache.stored_tokens)  # the spec the cache runs (a ratio may be a byte target)
     if note is not None:
         print(f"[cache {cache.spec}] {note}", file=sys.stdout)
     return 0

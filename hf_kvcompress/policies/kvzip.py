@@ -38,10 +38,11 @@ class KVzipPolicy(Policy):
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
         ratio: share of the tokens seen that is kept, instead of `budget`. A plain ratio below a half with no
             codec is planned as `bytes=ratio` (caches/plan.py `ratio_as_bytes`: the same bytes, more pairs in
-            int4). From a half up, with a codec, or with `sliding=`, `floors=` or other `budgets`, it is the share
-            of the whole cache's pairs: on a model with sliding-window layers (Gemma 3) these keep fewer than their
-            share of the window and the full-attention layers the pairs that frees (caches/plan.py,
-            `SlidingShare`).
+            int4), and with the plain `int4` on a model without sliding-window layers as `bytes=ratio x 5/16` (the
+            bytes those pairs take in int4, in the same byte plan). From a half up, with another codec (or `int4`
+            with sliding-window layers), or with `sliding=`, `floors=` or other `budgets`, it is the share of the
+            whole cache's pairs: on a model with sliding-window layers (Gemma 3) these keep fewer than their share
+            of the window and the full-attention layers the pairs that frees (caches/plan.py, `SlidingShare`).
         bytes: share of the uncompressed cache's bytes kept, codec included, instead of `budget` or `ratio`
             (`kvzip:bytes=0.25`, `kvzip:bytes=0.1+int4`): counted in the dtype the model is served in (its
             config's 16-bit dtype, else bfloat16), against what transformers' own cache holds (a sliding layer its

@@ -2,8 +2,10 @@
 
 `kvzip:ratio=R` (R < 0.5, no codec), on a model with sliding-window layers and on one without (SmolLM2's layout),
 builds the very cache `kvzip:bytes=R` builds (same layers, codecs, kept pairs and bytes: every layer in the byte
-plan's int4, `int4:residual_length=8` with sliding layers and 32 without); a half and up, a codec, and a ratio
-with a knob of its own plan (`sliding=`, `budgets=`) keep the ratio's plan.
+plan's int4, `int4:residual_length=8` with sliding layers and 32 without); `kvzip:ratio=R+int4` without sliding
+layers builds the cache of `kvzip:bytes=R x 5/16` (the bytes R of the pairs take in int4) in that same plan; a half
+and up, another codec (int8, int3, int2, an int4 with options of its own), int4 on a model with sliding layers, and a
+ratio with a knob of its own plan (`sliding=`, `budgets=`) keep the ratio's plan.
 """
 
 import copy
@@ -22,6 +24,7 @@ from hf_kvcompress import (
     study,
     use_kvcompress_attention,
 )
+from hf_kvcompress.caches import plan
 from hf_kvcompress.caches.plan import plan_layers
 from hf_kvcompress.generation import generate
 from hf_kvcompress.measure import served_kv_bytes
@@ -102,8 +105,15 @@ def test_a_plain_ratio_keeps_more_pairs_than_its_exact_share_in_the_same_bytes()
     ("kvzip:ratio=0.25,budgets=layer+int8", "kvzip:ratio=0.25,budgets=layer,span=4+int8"),
     ("kvzip:ratio=0.5", "kvzip:ratio=0.5,span=4"),  # a half and up: the ratio's own plan (plan.py RATIO_BYTES_BELOW)
     ("kvzip:ratio=0.75+int4", "kvzip:ratio=0.75,span=4+int4"),
-    ("kvzip:ratio=0.25+int4", "kvzip:ratio=0.25,span=4+int4"),  # a codec: the ratio's plan (plan.py `ratio_as_bytes`)
+    # a codec (the plain int4 too, with sliding layers): the ratio's plan (plan.py `ratio_as_bytes`,
+    # RATIO_INT4_AS_BYTES)
+    ("kvzip:ratio=0.25+int4", "kvzip:ratio=0.25,span=4+int4"),
     ("kvzip:ratio=0.125+int8", "kvzip:ratio=0.125,span=4+int8"),
+    ("kvzip:ratio=0.25+int3", "kvzip:ratio=0.25,span=4+int3"),
+    ("kvzip:ratio=0.25+int2", "kvzip:ratio=0.25,span=4+int2"),
+    ("kvzip:ratio=0.25+int4:residual_length=32", "kvzip:ratio=0.25,span=4+int4:residual_length=32"),
+    ("kvzip:ratio=0.25,sliding=20+int4", "kvzip:ratio=0.25,span=4,sliding=20+int4"),
+    ("kvzip:ratio=0.25,budgets=token+int4", "kvzip:ratio=0.25,budgets=token,span=4+int4"),
     ("kvzip:ratio=1", "kvzip:ratio=1,span=4"),
     ("kvzip:budget=32", "kvzip:budget=32,span=4"),
     ("snapkv:ratio=0.25", None),  # no byte target: the ratio in every layer
@@ -118,7 +128,8 @@ def test_a_half_a_codec_or_a_knob_of_its_own_plan_keeps_the_ratios_plan(spec, pl
     assert (cache.sliding_share is not None) == planned
 
 
-@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "kvzip:ratio=0.25+int4", "kvzip:ratio=0.25,budgets=layer",
+@pytest.mark.parametrize("spec", ["kvzip:ratio=0.5", "kvzip:ratio=0.25+int8", "kvzip:ratio=0.25,budgets=layer",
+                                  "kvzip:ratio=0.5+int4", "kvzip:ratio=0.25+int4:residual_length=32",
                                   "kvzip:ratio=0.5,budgets=token", "kvzip:ratio=1"])
 def test_a_model_without_sliding_layers_keeps_the_ratio_from_a_half_with_a_codec_or_a_knob(spec):
     """SmolLM2's layout (full attention only): the ratio of the tokens in every layer."""
@@ -199,3 +210,93 @@ def test_a_saved_ratio_cache_without_sliding_layers_loads_as_it_was_built(tmp_pa
             ref = model(input_ids=step, cache=copy.deepcopy(cache), position_ids=where).logits
             out = model(input_ids=step, cache=loaded, position_ids=where).logits
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.125, 0.4])
+def test_a_plain_ratio_in_int4_is_the_byte_target_of_its_int4_pairs(ratio):
+    """`kvzip:ratio=R+int4` below a half without sliding layers (SmolLM2's layout): the cache of the plain
+    `kvzip:bytes=R x 5/16` (R of the pairs at int4's 0.625 bytes a value against bf16's 2), every layer in the byte
+    plan's int4 (its 32 exact newest tokens, not int4's 128), the same kept pairs, codes and bytes; measured =
+    promised = the study's estimate, and at most that share of the uncompressed bytes."""
+    layout = "full"
+    model = _model(layout)
+    assert make_cache(f"kvzip:ratio={ratio}+int4", tiny_hybrid_gemma().config).byte_target is None  # ratio's plan
+    share = ratio * 5 / 16
+    assert plan.ratio_codec_share(ratio, parse_spec("int4")[1], model.config) == share
+    ratio_spec, bytes_spec = f"kvzip:ratio={ratio}+int4", f"kvzip:bytes={share}"
+    ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(2))
+    by_ratio, by_bytes = _prefilled(model, ratio_spec, ids), _prefilled(model, bytes_spec, ids)
+    residual = 8 if layout == "hybrid" else 32
+    assert by_ratio.spec == by_bytes.spec == f"kvzip:bytes={share},span={4 if layout == 'hybrid' else 0}" \
+        f"+int4:residual_length={residual}"
+    assert by_ratio.byte_target == by_bytes.byte_target is not None and by_ratio.sliding_share is None
+    assert by_ratio.planned_sliding == by_bytes.planned_sliding
+    assert by_ratio.byte_codec == by_bytes.byte_codec == plan.byte_plan_codec(plan.config_layer_types(model.config))
+    assert {layer.codec.spec() for layer in by_ratio.layers} == {f"int4:residual_length={residual}"}
+    assert_same_state(by_ratio, by_bytes)
+    held = served_kv_bytes(by_ratio, torch.bfloat16)
+    assert held == served_kv_bytes(by_bytes, torch.bfloat16)
+    assert measured_kv_bytes(by_ratio) == by_ratio.promised_kv_bytes()
+    assert study.promised_bytes(ratio_spec, model.config, 400, 2) == study.promised_bytes(bytes_spec, model.config,
+                                                                                           400, 2)
+    uncompressed = served_kv_bytes(_prefilled(model, "dynamic", ids), torch.bfloat16)
+    assert held <= share * uncompressed, held / uncompressed
+
+
+def test_a_plain_ratio_in_int4_holds_fewer_bytes_than_the_ratios_plan():
+    """Without sliding layers the ratio's own plan (`ratio_bytes=False`) keeps R of the pairs in `int4`, its newest
+    128 exact; the byte plan holds R x 5/16 of the uncompressed bytes, what those pairs take in int4 without the
+    exact residual's excess, so fewer bytes than the ratio's plan (which holds more than R x 5/16 on any document:
+    at 2,000 tokens 0.100 of the bf16 bytes on SmolLM2, docs/results.md)."""
+    model = _model("full")
+    ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(2))
+    planned = _prefilled(model, "kvzip:ratio=0.25+int4", ids)
+    policy, codec = parse_spec("kvzip:ratio=0.25+int4")
+    own = CompressedCache(policy, codec, config=model.config, ratio_bytes=False)
+    with torch.no_grad():
+        prefill(model, ids, None, own, repeat_prompt_ids=REPEAT)
+    assert own.spec == "kvzip:ratio=0.25,span=0+int4" and {layer.codec.spec() for layer in own.layers} == {"int4"}
+    assert own.byte_target is None
+    uncompressed = served_kv_bytes(_prefilled(model, "dynamic", ids), torch.bfloat16)
+    held = [served_kv_bytes(c, torch.bfloat16) for c in (planned, own)]
+    assert held[0] <= 0.25 * 5 / 16 * uncompressed < held[1], [h / uncompressed for h in held]
+
+
+@pytest.mark.parametrize("layout", ["hybrid", "full"])
+def test_a_saved_ratio_cache_in_int4_loads_as_it_was_built(layout, tmp_path):
+    """`kvzip:ratio=0.25+int4` without sliding layers saves its byte target's spec and loads as built; a file of the
+    same spec built by the ratio's own plan (saved before, its spec holds the ratio; on a hybrid model that plan is
+    still the default) loads by that plan, with 128 exact newest tokens and the ratio's share; each with the same
+    logits and tokens as the cache saved."""
+    model = tiny_hybrid_gemma() if layout == "hybrid" else _model("full")
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(8))
+    step, where = (torch.randint(3, 128, (1, 3), generator=torch.Generator().manual_seed(9)),
+                   torch.arange(200, 203)[None])
+    policy, codec = parse_spec("kvzip:ratio=0.25+int4")
+    for planned in (True, False):
+        cache = CompressedCache(policy, codec, config=model.config, ratio_bytes=planned)
+        ratio_bytes = planned and layout == "full"  # a hybrid model keeps the ratio's plan (RATIO_INT4_AS_BYTES)
+        with torch.no_grad():
+            prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
+        assert ("bytes=0.078125" in cache.spec) == ratio_bytes and ("ratio=0.25" in cache.spec) != ratio_bytes
+        path = tmp_path / f"ratio-{planned}.safetensors"
+        save_cache(cache, path)
+        loaded = load_cache(path)
+        assert loaded.spec == cache.spec and loaded.byte_target == cache.byte_target
+        assert loaded.sliding_share == cache.sliding_share
+        # no byte plan to record on either layout: without sliding layers the spec names the codec every layer ran
+        assert loaded.byte_codec is None
+        assert [layer.policy for layer in loaded.layers] == [layer.policy for layer in cache.layers]
+        assert [layer.codec for layer in loaded.layers] == [layer.codec for layer in cache.layers]
+        assert ({layer.codec.residual_length for layer in loaded.layers} == {128}) != ratio_bytes
+        assert measured_kv_bytes(loaded) == measured_kv_bytes(cache)
+        with torch.inference_mode():
+            ref = model(input_ids=step, cache=copy.deepcopy(cache), position_ids=where).logits
+            out = model(input_ids=step, cache=loaded, position_ids=where).logits
+        # within float32 rounding: a loaded int4 store holds its tokens without the built one's spare slots
+        # (docs/results.md, "The byte plan's exact residual of 8 tokens")
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+        full = torch.cat([ids, step], 1)
+        assert torch.equal(generate(model, full, torch.ones_like(full), load_cache(path), max_new_tokens=4).new_tokens,
+                           generate(model, full, torch.ones_like(full), copy.deepcopy(cache),
+                                    max_new_tokens=4).new_tokens)
