@@ -384,13 +384,18 @@ def format_table(results: list[PlanResult], tokens: float, dtype: str = "bfloat1
     return "\n".join(lines)
 
 
-def residual_note(spec: str, tokens: float) -> str | None:
+def residual_note(spec: str, tokens: float, config=None) -> str | None:
     """What an int codec's full-precision residual covers when `tokens` tokens are kept per layer, else None.
 
     KIVI keeps the `residual_length` most recent tokens unquantized; when a plan keeps no more than that (short
     prompts, or eviction to a small window) nothing is quantized and the plan costs what it would without it.
+    With the model's `config`, the spec is read as the plan runs it (`ratio_as_bytes`): a byte target (KVzip's
+    `bytes=`, or a ratio planned as one) holds its share of the bytes with its exact residual paid for inside it, so
+    it has no note.
     """
-    policy, codec = parse_spec(spec)
+    policy, codec = ratio_as_bytes(*parse_spec(spec), config)
+    if getattr(policy, "bytes", None) is not None:
+        return None
     residual = getattr(codec, "residual_length", 0)
     if not isinstance(codec, IntNCodec) or residual <= 0:
         return None
@@ -404,9 +409,10 @@ def residual_note(spec: str, tokens: float) -> str | None:
             "prompts")
 
 
-def residual_notes(results: list[PlanResult], tokens: float) -> str:
-    """The notes of `residual_note` for the table's plans, one per line (empty if no plan quantizes to ints)."""
-    notes = [note for note in (residual_note(r.spec, tokens) for r in results) if note]
+def residual_notes(results: list[PlanResult], tokens: float, config=None) -> str:
+    """The notes of `residual_note` for the table's plans on the model of `config`, one per line (empty if no plan
+    quantizes to ints)."""
+    notes = [note for note in (residual_note(r.spec, tokens, config) for r in results) if note]
     return "\n".join(["Full-precision residual (why int plans save less than their bits at this length):",
                       *(f"  {n}" for n in notes)]) if notes else ""
 

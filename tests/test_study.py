@@ -42,3 +42,16 @@ def test_the_study_plots_log_axis_labels_do_not_overlap(monkeypatch, tmp_path):
         results = [plan(spec, mib) for spec, mib in zip(("dynamic", "int8", "int4", "fp8"), spread, strict=False)]
         assert overlapping_texts(monkeypatch, lambda results=results: plot_study(results, tmp_path)) == [], spread
         monkeypatch.undo()
+
+
+def test_a_ratio_the_plan_runs_as_a_byte_target_has_no_residual_note():
+    """On a model without sliding layers `kvzip:ratio=0.25+int4` is planned as its int4 pairs' byte target (32 exact
+    newest tokens paid for inside the target, not int4's 128): the note read from the typed spec would be wrong.
+    On a hybrid model the ratio keeps its own plan, and its note."""
+    from tests.caches.tiny_models import tiny_hybrid_gemma, tiny_model
+
+    assert residual_note("kvzip:ratio=0.25+int4", 1000, tiny_model("llama").config) is None
+    assert residual_note("kvzip:bytes=0.1+int4", 1000) is None
+    assert "the 128 most recent of 250 kept" in residual_note("kvzip:ratio=0.25+int4", 1000,
+                                                              tiny_hybrid_gemma().config)
+    assert "the 128 most recent of 1000 kept" in residual_note("int4", 1000, tiny_model("llama").config)

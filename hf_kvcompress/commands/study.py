@@ -257,7 +257,7 @@ def run(args) -> int:
     if context < args.context:
         lines.append(f"Users per GPU at {context:,} tokens, this model's max_position_embeddings "
                      f"(--context {args.context:,} is past it).")
-    notes = study.residual_notes(results, tokens)
+    notes = study.residual_notes(results, tokens, model.config)
     lines += ["", "```", study.format_table(results, tokens, served), *(["", notes] if notes else []), "",
               "The lesson's table, with the quality it could not show (score and retention measured above):",
               format_lesson_table(lesson, baseline), "", study.format_users(
