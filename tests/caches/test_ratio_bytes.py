@@ -63,12 +63,7 @@ def test_a_plain_ratio_is_its_byte_target(layout, ratio_spec, bytes_spec):
     assert by_ratio.spec == by_bytes.spec and "bytes=" in by_ratio.spec and "ratio=" not in by_ratio.spec
     assert by_ratio.byte_target == by_bytes.byte_target is not None and by_ratio.sliding_share is None
     assert by_ratio.planned_sliding == by_bytes.planned_sliding  # None at 0.4 (the whole window), and without windows
-    assert_same_state(by_ratio, by_bytes)
-    held = served_kv_bytes(by_ratio, torch.bfloat16)
-    assert held == served_kv_bytes(by_bytes, torch.bfloat16)
-    assert measured_kv_bytes(by_ratio) == by_ratio.promised_kv_bytes()
-    assert study.promised_bytes(ratio_spec, model.config, 400, 2) == study.promised_bytes(bytes_spec, model.config,
-                                                                                           400, 2)
+    held = _same_cache(model, ratio_spec, bytes_spec, by_ratio, by_bytes)
     # R of the uncompressed bf16 bytes, never above.
     share = float(bytes_spec.split("=")[1].split(",")[0].partition("+")[0])
     uncompressed = served_kv_bytes(_prefilled(model, "dynamic", ids), torch.bfloat16)
@@ -233,12 +228,7 @@ def test_a_plain_ratio_in_int4_is_the_byte_target_of_its_int4_pairs(ratio):
     assert by_ratio.planned_sliding == by_bytes.planned_sliding
     assert by_ratio.byte_codec == by_bytes.byte_codec == plan.byte_plan_codec(plan.config_layer_types(model.config))
     assert {layer.codec.spec() for layer in by_ratio.layers} == {f"int4:residual_length={residual}"}
-    assert_same_state(by_ratio, by_bytes)
-    held = served_kv_bytes(by_ratio, torch.bfloat16)
-    assert held == served_kv_bytes(by_bytes, torch.bfloat16)
-    assert measured_kv_bytes(by_ratio) == by_ratio.promised_kv_bytes()
-    assert study.promised_bytes(ratio_spec, model.config, 400, 2) == study.promised_bytes(bytes_spec, model.config,
-                                                                                           400, 2)
+    held = _same_cache(model, ratio_spec, bytes_spec, by_ratio, by_bytes)
     uncompressed = served_kv_bytes(_prefilled(model, "dynamic", ids), torch.bfloat16)
     assert held <= share * uncompressed, held / uncompressed
 
@@ -300,3 +290,15 @@ def test_a_saved_ratio_cache_in_int4_loads_as_it_was_built(layout, tmp_path):
         assert torch.equal(generate(model, full, torch.ones_like(full), load_cache(path), max_new_tokens=4).new_tokens,
                            generate(model, full, torch.ones_like(full), copy.deepcopy(cache),
                                     max_new_tokens=4).new_tokens)
+
+
+def _same_cache(model, ratio_spec, bytes_spec, by_ratio, by_bytes) -> int:
+    """The bf16 bytes two caches built from a ratio and the byte target it is planned as hold, after checking they
+    hold the same state and bytes (measured, promised and the study's estimate alike)."""
+    assert_same_state(by_ratio, by_bytes)
+    held = served_kv_bytes(by_ratio, torch.bfloat16)
+    assert held == served_kv_bytes(by_bytes, torch.bfloat16)
+    assert measured_kv_bytes(by_ratio) == by_ratio.promised_kv_bytes()
+    assert study.promised_bytes(ratio_spec, model.config, 400, 2) == study.promised_bytes(bytes_spec, model.config,
+                                                                                           400, 2)
+    return held
