@@ -173,7 +173,7 @@ def parse_spec(spec: str, storage_defaults: bool = True) -> tuple[Policy, Codec]
 
     Codecs that reduce the states (shared_heads) may be followed by the codec that stores their output:
     `shared_heads+int8`, `h2o:budget=256+shared_heads+int4`. A reducing codec may give its storage defaults of its
-    own (`ReducingCodec.storage_defaults`: `lowrank:ratio=0.5+int4` stores in `int4:group_size=64,residual_length=32`);
+    own (`ReducingCodec.storage_defaults`: `lowrank:ratio=0.5+int4` stores in `int4:residual_length=32`);
     `storage_defaults=False` reads the storage's part with its plain name's defaults (a spec saved before those
     defaults, `load_cache`).
     """
