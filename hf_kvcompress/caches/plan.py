@@ -185,15 +185,22 @@ class ByteTarget:
         return (torch.floor(self.uncompressed(real_seen).double() * self.share).long() - spent).clamp(min=0)
 
 
+def served_head(config) -> tuple[int, torch.dtype]:
+    """(head_dim, the dtype the model is served in: its config's 16-bit dtype, else bfloat16, as the eval counts,
+    `budget.served_dtype`) of the model of `config`: what a byte share (`ByteTarget`, `ratio_codec_share`) counts in."""
+    decoder = text_config(config)
+    head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
+    return head_dim, getattr(torch, served_dtype(getattr(decoder, "dtype", None), getattr(config, "dtype", None))[0])
+
+
 def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[str, int]) -> ByteTarget | None:
     """The `ByteTarget` of a policy with KVzip's `bytes=` (None for any other policy)."""
     share = getattr(policy, "bytes", None)
     if share is None:
         return None
     decoder = text_config(config)
-    head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
     kv_heads = getattr(decoder, "num_key_value_heads", None) or decoder.num_attention_heads
-    served = getattr(torch, served_dtype(getattr(decoder, "dtype", None), getattr(config, "dtype", None))[0])
+    head_dim, served = served_head(config)
     width = torch.empty((), dtype=served).element_size()
     held = tuple(max(windows[t] - 1, 1) if t == "sliding_attention" else None for t in layer_types)
     return ByteTarget(share, served, (kv_heads * 2 * head_dim * width,) * len(layer_types), held)
@@ -234,9 +241,7 @@ def ratio_codec_share(ratio: float, codec: Codec, config) -> float:
     ratio x 5 / 16 on every model, e.g. 0.078125 at a quarter: the bytes the ratio's own plan holds on documents
     long enough that its 128 exact newest tokens are a small part of the pairs it keeps (more on short ones:
     docs/results.md, "`kvzip:ratio=R+int4` below a half in the byte plan's layout")."""
-    decoder = text_config(config)
-    head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
-    served = getattr(torch, served_dtype(getattr(decoder, "dtype", None), getattr(config, "dtype", None))[0])
+    head_dim, served = served_head(config)
     width = torch.empty((), dtype=served).element_size()
     rate = codec.bytes_per_token(head_dim, "key", served) + codec.bytes_per_token(head_dim, "value", served)
     return ratio * rate / (2 * head_dim * width)
