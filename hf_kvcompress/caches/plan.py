@@ -81,7 +81,6 @@ RATIO_BYTES_BELOW = 0.5
 # full-attention pairs in int8, int3 or int2 at an eighth of the bytes Gemma-3 kept fewer answers than in int4
 # (docs/results.md, "`kvzip:ratio=R+int4` below a half in the byte plan's layout" and "Gemma-3's multi_needle at
 # about an eighth of the bytes").
-RATIO_INT4_AS_BYTES = True
 PLAIN_INT4 = IntNCodec(bits=4, **PLAIN_NAME_DEFAULTS[4])  # what the spec `int4` names
 
 
@@ -214,20 +213,20 @@ def ratio_as_bytes(policy: Policy, codec: Codec, config) -> tuple[Policy, Codec]
       `byte_codecs`: every layer in `byte_plan_codec`, and on a hybrid model `byte_sliding_tokens`): about three
       times as many pairs, each in int4, for the same bytes, which kept more answers than the ratio's exact pairs on
       both layouts (RATIO_BYTES_BELOW's measurements);
-    - with the plain `int4` on a model without sliding-window layers (RATIO_INT4_AS_BYTES), as a plain `bytes=` of
+    - with the plain `int4` on a model without sliding-window layers (see PLAIN_INT4), as a plain `bytes=` of
       the bytes R of the pairs take in int4 (`ratio_codec_share`: R x int4's bytes per value / the served
       dtype's), in that same byte plan: the byte plan's int4 is the user's int4 with the byte plan's exact residual
       (32 newest tokens) in place of its 128, and the returned codec is the identity, as a plain `bytes=` has.
 
     Any other policy, a ratio from RATIO_BYTES_BELOW up, any other codec (int8, int3, int2, or an int4 with options
-    of its own), the plain `int4` on a model with sliding-window layers (RATIO_INT4_AS_BYTES), a ratio with a knob
+    of its own), the plain `int4` on a model with sliding-window layers (see PLAIN_INT4), a ratio with a knob
     of its own plan (`sliding=`, `floors=`, `budgets=`), or no config: (`policy`, `codec`) as they are."""
     if policy.ratio is None or policy.ratio >= RATIO_BYTES_BELOW or config is None:
         return policy, codec
     if codec.lossless:
         return policy.with_byte_share(policy.ratio) or policy, codec
     windowed = any(t in SLIDING_LAYER_TYPES for t in config_layer_types(config))
-    if RATIO_INT4_AS_BYTES and codec == PLAIN_INT4 and not windowed:
+    if codec == PLAIN_INT4 and not windowed:
         planned = policy.with_byte_share(ratio_codec_share(policy.ratio, codec, config))
         if planned is not None:
             return planned, IdentityCodec()

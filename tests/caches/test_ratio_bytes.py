@@ -101,7 +101,7 @@ def test_a_plain_ratio_keeps_more_pairs_than_its_exact_share_in_the_same_bytes()
     ("kvzip:ratio=0.5", "kvzip:ratio=0.5,span=4"),  # a half and up: the ratio's own plan (plan.py RATIO_BYTES_BELOW)
     ("kvzip:ratio=0.75+int4", "kvzip:ratio=0.75,span=4+int4"),
     # a codec (the plain int4 too, with sliding layers): the ratio's plan (plan.py `ratio_as_bytes`,
-    # RATIO_INT4_AS_BYTES)
+    # plan.PLAIN_INT4)
     ("kvzip:ratio=0.25+int4", "kvzip:ratio=0.25,span=4+int4"),
     ("kvzip:ratio=0.125+int8", "kvzip:ratio=0.125,span=4+int8"),
     ("kvzip:ratio=0.25+int3", "kvzip:ratio=0.25,span=4+int3"),
@@ -265,7 +265,7 @@ def test_a_saved_ratio_cache_in_int4_loads_as_it_was_built(layout, tmp_path):
     policy, codec = parse_spec("kvzip:ratio=0.25+int4")
     for planned in (True, False):
         cache = CompressedCache(policy, codec, config=model.config, ratio_bytes=planned)
-        ratio_bytes = planned and layout == "full"  # a hybrid model keeps the ratio's plan (RATIO_INT4_AS_BYTES)
+        ratio_bytes = planned and layout == "full"  # a hybrid model keeps the ratio's plan (plan.PLAIN_INT4)
         with torch.no_grad():
             prefill(model, ids, None, cache, repeat_prompt_ids=REPEAT)
         assert ("bytes=0.078125" in cache.spec) == ratio_bytes and ("ratio=0.25" in cache.spec) != ratio_bytes
