@@ -575,14 +575,17 @@ class LowRankCodec(ReducingCodec):
         return tuple(kind != "sliding_attention" for kind in text_config(config).layer_types)
 
     def _rank_step(self, width: int) -> int:
-        """The granularity of a joint layer's rank: the storage's value groups must divide it (int4's group_size),
-        and a ratio's ranks are whole steps of the layer's latent width (KV heads x head_dim)."""
-        step = getattr(self.storage, "group_size", None)
+        """The granularity of a joint layer's rank: the storage's groups along the channels must divide it (int4's
+        value groups, and its key groups unless keys are grouped per channel: `channel_step`), and a ratio's ranks
+        are whole steps of the layer's latent width (KV heads x head_dim)."""
+        step = getattr(self.storage, "channel_step", None)
         if step is None:  # nothing groups the latents: steps of 8 where the width allows
             return math.gcd(width, 8)
         if width % step:
             fits = [g for g in (8, 16, 32, 64, 128) if width % g == 0]
-            raise ValueError(f"group_size of the storage ({self.storage.spec()}) must divide the latent width of a "
+            named = "group_size" if step == getattr(self.storage, "group_size", None) else \
+                "value_group_size (with key_group_size where keys are grouped per token)"
+            raise ValueError(f"{named} of the storage ({self.storage.spec()}) must divide the latent width of a "
                              f"layer (KV heads x head_dim = {width}) for lowrank's ratio to keep whole groups: "
                              f"allowed {', '.join(map(str, fits))} (any divisor of {width}), got {step}")
         return step
