@@ -172,12 +172,14 @@ class IntNCodec(Codec):
         bits: 2, 3, 4 or 8 bits per value (3 bits pack 8 values into 3 bytes).
         group_size: values sharing one bfloat16 scale and zero point, for keys and values alike unless
             `key_group_size` / `value_group_size` say otherwise; must divide head_dim.
-        key_group_size: the keys' group where it differs from `group_size` (None: `group_size`): tokens per channel
-            group with key_axis="channel" (KIVI), channels per token group otherwise. Per-channel key groups run
-            along tokens, so their size costs the latent widths nothing (a lowrank stack's ranks follow the value
-            groups) and only delays when a group is encoded (the residual holds the unfinished one).
-        value_group_size: the values' group (channels per token) where it differs from `group_size` (None:
-            `group_size`).
+        key_group_size: tokens per per-channel key group (key_axis="channel", KIVI) where it differs from
+            `group_size` (None: `group_size`). Such a group runs along tokens, so its length costs the widths
+            nothing (a lowrank stack's ranks follow the value groups) and only delays when a group is encoded (the
+            residual holds the unfinished one). Keys grouped per token (key_axis="token": evicting policies) keep
+            `group_size` channels a group, so a stack's default of per-channel key groups (`lowrank:ratio=0.5+int4`)
+            leaves an evicting policy's keys as they were.
+        value_group_size: channels per value group (values are grouped per token) where it differs from
+            `group_size` (None: `group_size`).
         residual_length: recent tokens kept at full precision.
         key_axis: "channel" (KIVI) or "token"; None picks "channel" without eviction and "token" with it.
         rotate: "hadamard" multiplies each head vector by a Hadamard matrix with random signs before quantizing
@@ -427,18 +429,19 @@ class IntNCodec(Codec):
         return self.group(kind) if self._per_channel(kind) else 1
 
     def group(self, kind: Kind) -> int:
-        """The values sharing one scale and zero point for `kind`: its own size where given, else `group_size`."""
-        own = self.key_group_size if kind == "key" else self.value_group_size
+        """The values sharing one scale and zero point for `kind`: `value_group_size` for values, `key_group_size`
+        for per-channel keys, where given; `group_size` otherwise (keys grouped per token always)."""
+        own = self.value_group_size if kind == "value" else self.key_group_size if self._per_channel(kind) else None
         return self.group_size if own is None else own
 
     @property
     def channel_step(self) -> int:
         """What a stored width must be a multiple of: the groups that run along the channels, which a lowrank
-        stack's ranks are whole steps of: the values' always, the keys' where key_axis="token". An unsettled axis
-        (None) counts as per channel, what a policy without eviction settles it to; an evicting policy settles it
-        per token later, and `check_head_dim` then refuses a key group that does not divide a rank."""
+        stack's ranks are whole steps of: the values', and `group_size` where keys are grouped per token. An
+        unsettled axis (None) counts as per channel, what a policy without eviction settles it to; an evicting
+        policy settles it per token later, and `check_head_dim` then refuses a group that does not divide a rank."""
         step = self.group("value")
-        return math.lcm(step, self.group("key")) if self.key_axis == "token" else step
+        return math.lcm(step, self.group_size) if self.key_axis == "token" else step
 
     def check_head_dim(self, head_dim: int) -> None:
         unit = values_per_unit(self.bits)
@@ -451,7 +454,7 @@ class IntNCodec(Codec):
             if kind == "key" and self.key_axis == "channel":
                 continue
             if head_dim % self.group(kind):
-                name = "group_size" if self.group(kind) == self.group_size else f"{kind}_group_size"
+                name = "group_size" if kind == "key" or self.value_group_size is None else "value_group_size"
                 raise ValueError(f"{name} must divide head_dim ({head_dim}), got {self.group(kind)}")
 
     def _gaussian(self, kind: Kind) -> bool:

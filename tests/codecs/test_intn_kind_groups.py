@@ -30,8 +30,11 @@ def _states(tokens=128, dim=64, seed=0):
 @pytest.mark.parametrize("rotate", ["none", "hadamard"])
 def test_each_kind_is_stored_as_its_own_group_size_stores_it(axis, rotate):
     states = _states()
-    split = IntNCodec(bits=4, group_size=32, key_group_size=64, value_group_size=16, key_axis=axis, rotate=rotate)
-    as_keys = IntNCodec(bits=4, group_size=64, key_axis=axis, rotate=rotate)
+    # key_group_size is the token length of per-channel key groups; keys grouped per token keep group_size (32).
+    key_group = 64 if axis == "channel" else None
+    split = IntNCodec(bits=4, group_size=32, key_group_size=key_group, value_group_size=16, key_axis=axis,
+                      rotate=rotate)
+    as_keys = IntNCodec(bits=4, group_size=64 if axis == "channel" else 32, key_axis=axis, rotate=rotate)
     as_values = IntNCodec(bits=4, group_size=16, key_axis=axis, rotate=rotate)
     for kind, reference in (("key", as_keys), ("value", as_values)):
         encoded, expected = split.encode(states, kind), reference.encode(states, kind)
@@ -41,12 +44,12 @@ def test_each_kind_is_stored_as_its_own_group_size_stores_it(axis, rotate):
         assert torch.equal(split.decode(encoded, kind, torch.float32), reference.decode(expected, kind, torch.float32))
         assert split.token_block(kind) == reference.token_block(kind)
         assert split.bytes_per_token(64, kind, torch.bfloat16) == reference.bytes_per_token(64, kind, torch.bfloat16)
-    if axis == "channel":  # KIVI keys: one scale per 64 tokens and channel; values: one per 16 channels and token
+    if axis == "channel":  # KIVI keys: one scale per 64 tokens and channel
         assert split.encode(states, "key")["scale"].shape == (2, 3, 2, 64)
         assert split.token_block("key") == 64
+        assert split.bytes_per_token(64, "key", torch.bfloat16) == 64 * 4 / 8 + 64 * 4 / 64
+    # Values: one scale per 16 channels and token. The bytes: packed codes + a bf16 scale and zero point per group.
     assert split.encode(states, "value")["scale"].shape == (2, 3, 128, 4)
-    # The bytes: packed codes + a bf16 scale and zero point per group of the kind.
-    assert split.bytes_per_token(64, "key", torch.bfloat16) == 64 * 4 / 8 + 64 * 4 / 64
     assert split.bytes_per_token(64, "value", torch.bfloat16) == 64 * 4 / 8 + 64 * 4 / 16
 
 
@@ -55,8 +58,8 @@ def test_attention_reads_each_kind_with_its_group():
     states, values = _states(seed=1), _states(seed=2)
     query = torch.randn(2, 3, 4, 64, generator=torch.Generator().manual_seed(3))
     probs = torch.softmax(torch.randn(2, 3, 4, 128, generator=torch.Generator().manual_seed(4)), -1)
-    for axis in ("channel", "token"):
-        codec = IntNCodec(bits=4, group_size=32, key_group_size=64, value_group_size=16, key_axis=axis)
+    for axis, key_group in (("channel", 64), ("token", None)):
+        codec = IntNCodec(bits=4, group_size=32, key_group_size=key_group, value_group_size=16, key_axis=axis)
         keys, mixed = codec.encode(states, "key"), codec.encode(values, "value")
         decoded_keys = codec.decode(keys, "key", torch.float32)
         decoded_values = codec.decode(mixed, "value", torch.float32)
@@ -82,9 +85,11 @@ def test_a_bad_group_is_refused_by_name(name, bad):
 def test_a_group_that_does_not_divide_the_head_is_refused_by_name():
     with pytest.raises(ValueError, match=r"value_group_size must divide head_dim \(64\), got 48"):
         IntNCodec(bits=4, value_group_size=48).check_head_dim(64)
-    with pytest.raises(ValueError, match=r"key_group_size must divide head_dim \(64\), got 48"):
-        IntNCodec(bits=4, key_group_size=48, key_axis="token").check_head_dim(64)
     IntNCodec(bits=4, key_group_size=48, key_axis="channel").check_head_dim(64)  # tokens, not channels
+    # An unsettled axis that an evicting policy settles per token: the keys keep group_size's channel groups.
+    evicting = IntNCodec(bits=4, key_group_size=64).for_policy(True)
+    assert (evicting.key_axis, evicting.group("key"), evicting.token_block("key")) == ("token", 32, 1)
+    assert IntNCodec(bits=4, key_group_size=64).for_policy(False).token_block("key") == 64
 
 
 def test_the_spec_names_a_kinds_group_only_where_given():
@@ -93,7 +98,8 @@ def test_the_spec_names_a_kinds_group_only_where_given():
     codec = parse_spec("int4:key_group_size=none,value_group_size=64")[1]
     assert (codec.group("key"), codec.group("value")) == (32, 64) and codec.spec() == "int4:value_group_size=64"
     stacked = parse_spec("lowrank:ratio=0.5+int4:key_group_size=64")[1]
-    assert stacked.spec() == "lowrank:residual_length=32,ratio=0.5+int4:residual_length=32,key_group_size=64"
+    assert stacked.spec() == ("lowrank:residual_length=32,ratio=0.5+int4:residual_length=32,key_group_size=64,"
+                              "value_group_size=64")  # the stack's default value groups, named
     assert parse_spec(stacked.spec())[1] == stacked
 
 
@@ -102,16 +108,18 @@ def test_lowrank_ranks_follow_the_groups_along_the_channels(llama):
     ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     ranks = {}
-    for spec in ("lowrank:ratio=0.5+int4", "lowrank:ratio=0.5+int4:key_group_size=128",
-                 "lowrank:ratio=0.5+int4:value_group_size=64"):
+    base = "lowrank:ratio=0.5+int4:key_group_size=32,value_group_size=32"  # int4's own groups (not the stack's)
+    for spec in (base, "lowrank:ratio=0.5+int4:key_group_size=128,value_group_size=32",
+                 "lowrank:ratio=0.5+int4:key_group_size=32,value_group_size=64"):
         cache = make_cache(with_bases(bases, spec), model.config)
         generate(model, ids, mask, cache, max_new_tokens=2)
         assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
         ranks[spec] = cache.codec._ranks
     # Per-channel key groups run along tokens: the ranks are the plain stack's; value groups of 64 step the ranks by 64.
-    assert ranks["lowrank:ratio=0.5+int4:key_group_size=128"] == ranks["lowrank:ratio=0.5+int4"]
-    assert all(rank % 64 == 0 for pair in ranks["lowrank:ratio=0.5+int4:value_group_size=64"] for rank in pair)
-    with pytest.raises(ValueError, match=r"value_group_size \(with key_group_size where keys are grouped per token\) "
+    assert ranks["lowrank:ratio=0.5+int4:key_group_size=128,value_group_size=32"] == ranks[base]
+    values = [pair[1] for pair in ranks["lowrank:ratio=0.5+int4:key_group_size=32,value_group_size=64"]]
+    assert all(rank % 64 == 0 for rank in values)
+    with pytest.raises(ValueError, match=r"value_group_size \(with group_size where keys are grouped per token\) "
                                          r"of the storage .* latent width .* = 64\).*got 128"):
         make_cache(with_bases(bases, "lowrank:ratio=0.5+int4:value_group_size=128"), model.config)
 
@@ -120,8 +128,8 @@ def test_fewer_key_scales_fewer_bytes_and_a_round_trip(llama, tmp_path):
     model, bases = llama
     ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
-    plain = make_cache(with_bases(bases, "lowrank:ratio=0.5+int4"), model.config)
-    wide = make_cache(with_bases(bases, "lowrank:ratio=0.5+int4:key_group_size=128"), model.config)
+    plain = make_cache(with_bases(bases, "lowrank:ratio=0.5+int4:key_group_size=32,value_group_size=32"), model.config)
+    wide = make_cache(with_bases(bases, "lowrank:ratio=0.5+int4:key_group_size=128,value_group_size=32"), model.config)
     for cache in (plain, wide):
         generate(model, ids, mask, cache, max_new_tokens=3)
     # 303 tokens, 32 whole: per-channel key groups of 128 encode 256 of them, groups of 32 all 256 too (271 // 32

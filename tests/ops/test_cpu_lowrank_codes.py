@@ -88,7 +88,7 @@ CODECS = {  # int4 as a lowrank stack stores its latents (no residual: the stack
                                                                      key_axis="channel", rotate="hadamard"),
     "KIVI keys in groups of 24 tokens, values of 8, unrotated": dict(key_group_size=24, value_group_size=8,
                                                                      key_axis="channel", rotate="none"),
-    "per-token keys in groups of 16, values of 8, Hadamard": dict(key_group_size=16, value_group_size=8,
+    "per-token keys in groups of 16, values of 8, Hadamard": dict(group_size=16, value_group_size=8,
                                                                   key_axis="token", rotate="hadamard"),
 }
 SHAPES = {  # batch, stored tokens, held tokens, key rank, value rank
