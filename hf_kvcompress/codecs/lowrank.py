@@ -369,10 +369,12 @@ class LowRankCodec(ReducingCodec):
             latents' bytes (2,000, the suite's prompts); at longer prompts the full-attention layers' share of the
             bytes weighs more. Ignored without sliding-window layers (every layer holds every token).
         storage: how the coordinates are stored (`lowrank+int4` quantizes them). Under a ratio from a half on, a
-            spec's `int4` keeps 32 newest tokens at full precision instead of 128 where it does not name its
-            `residual_length` (INT4_IN_STACK, `storage_defaults`): `lowrank:ratio=0.5+int4` stores in
-            `int4:residual_length=32`. A ratio's ranks are whole groups: int4's `group_size` must divide each
-            layer's latent width.
+            spec's `int4` keeps 32 newest tokens at full precision instead of 128 and groups its per-channel keys
+            over 128 tokens and its values over 64 latent channels where it does not name them (INT4_IN_STACK,
+            `storage_defaults`; a named `group_size` keeps both kinds' groups): `lowrank:ratio=0.5+int4` stores in
+            `int4:residual_length=32,key_group_size=128,value_group_size=64`. A ratio's ranks are whole groups:
+            int4's groups along the channels (`channel_step`: its value groups) must divide each layer's latent
+            width.
         compute: the dtype a decode step rebuilds the keys in from their latents (joint bases; the products that
             dominate a step at long contexts): "bfloat16" rounds the bases and latents to bf16 for the product (the
             sums stay float32; the C++ kernel of a CPU decode step keeps them so, PyTorch's product returns its keys
