@@ -152,7 +152,7 @@ def _build_codecs(parts: list[str], spec: str, storage_defaults: bool = True) ->
             factory = CODECS[built[-1][0]]
             reducing = factory.func if isinstance(factory, partial) else factory
             assert isinstance(reducing, type) and issubclass(reducing, ReducingCodec)  # `_reducing` checked
-            codec_kwargs = {**reducing.storage_defaults(built[-1][1], codec_name, set(codec_kwargs)), **codec_kwargs}
+            codec_kwargs = {**reducing.storage_defaults(built[-1][1], codec_name), **codec_kwargs}
         built.append((codec_name, codec_kwargs))
     stackable = sorted(n for n in CODECS if _reducing(n))
     for codec_name, _ in built[:-1]:

@@ -41,14 +41,13 @@ WINDOW_IN_STACK = 32
 # tokens at full precision instead of 128, all of them lowrank's whole window (WINDOW_IN_STACK), so that of the
 # residual only the unfinished per-channel key group is held as latents. Chosen on the development halves of both
 # models, where it kept every answer int4's 128 kept, at 0.179 of the bf16 bytes instead of 0.196 (SmolLM2) and 0.210
-# instead of 0.248 (Gemma-3) (docs/results.md, "Low rank at 2x + int4 nearer an eighth"). Its scale groups: keys per
-# channel over 128 tokens and values over 64 latent channels (`key_group_size`, `value_group_size`) instead of 32 and
-# 32, fewer bf16 scales and zero points (their share of the bytes 0.031 -> 0.019 at long contexts). Chosen on the
-# development halves of both models, where it kept every answer at 0.160 (SmolLM2) and 0.196 (Gemma-3) of the bf16
-# bytes at 2,000 tokens; keys and values both over 64 lost a Gemma-3 answer there that each kind's wider group alone
-# and this pair kept (docs/results.md, "Low rank at 2x + int4: each kind's scale groups"). The key groups run along
-# tokens, so they leave the ranks as they are; the value groups step each layer's value rank by 64.
-INT4_IN_STACK: dict[str, int] = {"residual_length": 32, "key_group_size": 128, "value_group_size": 64}
+# instead of 0.248 (Gemma-3); scale groups of 64 (fewer scales) lost a Gemma-3 answer there, so int4 keeps its 32
+# (docs/results.md, "Low rank at 2x + int4 nearer an eighth"). Per-kind groups (keys over 128 tokens, values over 64
+# latents) kept every development answer on both models, but are not the default: on Gemma-3's 512-token sliding
+# windows the unfinished 128-token key group held as latents outweighs the scales saved at 2,000 tokens, and value
+# groups of 64 would refuse latent widths that 64 does not divide (docs/results.md, "Low rank at 2x + int4: each
+# kind's scale groups").
+INT4_IN_STACK: dict[str, int] = {"residual_length": 32}
 # The prompt length at which a ratio on a model with sliding-window layers is a share of the latents' bytes
 # (`length`): the suite's prompts (needle, multi_question at 2,000 tokens).
 BYTES_AT_LENGTH = 2000
@@ -369,12 +368,10 @@ class LowRankCodec(ReducingCodec):
             latents' bytes (2,000, the suite's prompts); at longer prompts the full-attention layers' share of the
             bytes weighs more. Ignored without sliding-window layers (every layer holds every token).
         storage: how the coordinates are stored (`lowrank+int4` quantizes them). Under a ratio from a half on, a
-            spec's `int4` keeps 32 newest tokens at full precision instead of 128 and groups its per-channel keys
-            over 128 tokens and its values over 64 latent channels where it does not name them (INT4_IN_STACK,
-            `storage_defaults`; a named `group_size` keeps both kinds' groups): `lowrank:ratio=0.5+int4` stores in
-            `int4:residual_length=32,key_group_size=128,value_group_size=64`. A ratio's ranks are whole groups:
-            int4's groups along the channels (`channel_step`: its value groups) must divide each layer's latent
-            width.
+            spec's `int4` keeps 32 newest tokens at full precision instead of 128 where it does not name its
+            `residual_length` (INT4_IN_STACK, `storage_defaults`): `lowrank:ratio=0.5+int4` stores in
+            `int4:residual_length=32`. A ratio's ranks are whole groups: int4's groups along the channels
+            (`channel_step`: its value groups) must divide each layer's latent width.
         compute: the dtype a decode step rebuilds the keys in from their latents (joint bases; the products that
             dominate a step at long contexts): "bfloat16" rounds the bases and latents to bf16 for the product (the
             sums stay float32; the C++ kernel of a CPU decode step keeps them so, PyTorch's product returns its keys
@@ -459,16 +456,13 @@ class LowRankCodec(ReducingCodec):
             )
 
     @classmethod
-    def storage_defaults(cls, arguments: dict, storage: str, given: set[str] = frozenset()) -> dict:
-        """`int4` under a ratio from a half on: INT4_IN_STACK (its residual and each kind's scale group, where the
-        spec does not name them; a spec that names int4's `group_size` keeps it for both kinds, so the kinds' own
-        groups are not defaulted then). Elsewhere (below a half, `rank=`, other storages) the storage's own
-        defaults: not measured there."""
+    def storage_defaults(cls, arguments: dict, storage: str) -> dict:
+        """`int4` under a ratio from a half on: INT4_IN_STACK (its residual, where the spec does not name it).
+        Elsewhere (below a half, `rank=`, other storages) the storage's own defaults: not measured there."""
         ratio = arguments.get("ratio")
         if storage != "int4" or isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio < 0.5:
             return {}
-        skip = {"key_group_size", "value_group_size"} if "group_size" in given else set()
-        return {key: value for key, value in INT4_IN_STACK.items() if key not in skip}
+        return dict(INT4_IN_STACK)
 
     # -- binding --------------------------------------------------------------------------------------------------
 

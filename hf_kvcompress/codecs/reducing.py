@@ -158,12 +158,12 @@ class ReducingCodec(Codec):
         return self.expand(self.storage.decode(encoded, kind, dtype), kind, dtype)
 
     @classmethod
-    def storage_defaults(cls, arguments: dict, storage: str, given: set[str] = frozenset()) -> dict:
+    def storage_defaults(cls, arguments: dict, storage: str) -> dict:
         """Defaults this reduction gives the fields of a storage codec named `storage` (a spec's name, `int4`) when
-        the spec does not give them, for a reduction spec'd with `arguments` (its own fields as the spec gives them)
-        and a storage part that names the fields `given`: where the stored states are not the model's head vectors,
-        the storage's best settings may differ from its plain name's. The registry fills them in (`parse_spec`);
-        `spec` names them whatever their values. None here."""
+        the spec does not give them, for a reduction spec'd with `arguments` (its own fields as the spec gives them):
+        where the stored states are not the model's head vectors, the storage's best settings may differ from its
+        plain name's. The registry fills them in (`parse_spec`); `spec` names them whatever their values. None
+        here."""
         return {}
 
     def spec(self) -> str:
@@ -175,9 +175,7 @@ class ReducingCodec(Codec):
             return head
         storage = self.storage.spec()
         arguments = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "storage"}
-        name, _, args = storage.partition(":")
-        given = {item.partition("=")[0] for item in args.split(",") if item}
-        pinned = type(self).storage_defaults(arguments, name, given)
+        pinned = type(self).storage_defaults(arguments, storage.partition(":")[0])
         return f"{head}+{pin_fields(storage, {key: getattr(self.storage, key) for key in pinned})}"
 
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:

@@ -1,8 +1,7 @@
-"""`int4` stored under `lowrank:ratio=R` from a half on takes defaults of its own (`LowRankCodec.storage_defaults`,
-INT4_IN_STACK): a 32-token residual, per-channel key groups of 128 tokens and value groups of 64 latent channels where
-the spec does not name them (a spec that names `group_size` keeps it for both kinds). The spec names them whatever
-their values, so it rebuilds the same codec; a file saved before (its spec names none of them, or only the residual)
-loads as built; a group that does not divide a layer's latent width is refused by name."""
+"""`int4` stored under `lowrank:ratio=R` from a half on takes a default of its own (`LowRankCodec.storage_defaults`,
+INT4_IN_STACK): a 32-token residual where the spec does not name one. The spec names it whatever its value, so it
+rebuilds the same codec; a file saved before (its spec names none, built with int4's 128) loads as built; a group
+that does not divide a layer's latent width is refused by name."""
 
 import pytest
 import torch
@@ -29,25 +28,15 @@ def _residual(spec: str, **kwargs) -> int:
 
 
 def test_the_stack_default_and_what_keeps_its_own():
-    assert INT4_IN_STACK == {"residual_length": 32, "key_group_size": 128, "value_group_size": 64}
+    assert INT4_IN_STACK == {"residual_length": 32}
     assert _residual("lowrank:ratio=0.5+int4") == _residual("lowrank:ratio=1.0+int4") == 32
-    stored = parse_spec("lowrank:ratio=0.5+int4")[1].storage.for_policy(False)
-    assert (stored.group_size, stored.group("key"), stored.group("value")) == (32, 128, 64)
-    # A named group_size is both kinds' group; a kind's own group named wins over the stack's default.
-    named = parse_spec("lowrank:ratio=0.5+int4:group_size=16")[1].storage.for_policy(False)
-    assert (named.group("key"), named.group("value")) == (16, 16)
-    own = parse_spec("lowrank:ratio=0.5+int4:value_group_size=32")[1].storage.for_policy(False)
-    assert (own.group("key"), own.group("value")) == (128, 32)
-    # Under an evicting policy keys are grouped per token: group_size's channels, as before.
-    assert parse_spec("lowrank:ratio=0.5+int4")[1].storage.for_policy(True).group("key") == 32
+    assert parse_spec("lowrank:ratio=0.5+int4")[1].storage.group_size == 32  # int4's own group
     assert _residual("lowrank:ratio=0.5+int4:residual_length=128") == 128  # what the spec gives wins
     assert _residual("lowrank:ratio=0.5+int4:group_size=16") == 32
     # Not measured elsewhere: below a half (and the default quarter), rank=, other widths keep int4's own.
     for spec in ("lowrank:ratio=0.25+int4", "lowrank+int4", "lowrank:rank=16+int4", "lowrank:ratio=0.5+int3",
                  "lowrank:ratio=0.5+int8", "shared_heads+int4"):
         assert _residual(spec) == 128
-        storage = parse_spec(spec)[1].storage
-        assert storage.key_group_size is None and storage.value_group_size is None
     assert _residual("lowrank:ratio=0.5+int4", storage_defaults=False) == 128  # a saved spec's reading
     # lowrank's own whole window is still 32 (at most int4's residual): all of int4's residual is whole now.
     codec = parse_spec("lowrank:ratio=0.5+int4")[1]
@@ -58,17 +47,11 @@ def test_the_stack_default_and_what_keeps_its_own():
 
 
 @pytest.mark.parametrize("spec, written", [
-    ("lowrank:ratio=0.5+int4",
-     "lowrank:residual_length=32,ratio=0.5+int4:residual_length=32,key_group_size=128,value_group_size=64"),
+    ("lowrank:ratio=0.5+int4", "lowrank:residual_length=32,ratio=0.5+int4:residual_length=32"),
     # int4's plain value is named too: without the stack's default as with it, the spec means 128.
-    ("lowrank:ratio=0.5+int4:residual_length=128",
-     "lowrank:residual_length=32,ratio=0.5+int4:key_group_size=128,value_group_size=64,residual_length=128"),
-    # A named group_size: both kinds' group, the kinds' own not defaulted.
+    ("lowrank:ratio=0.5+int4:residual_length=128", "lowrank:residual_length=32,ratio=0.5+int4:residual_length=128"),
     ("lowrank:ratio=0.5+int4:group_size=64",
      "lowrank:residual_length=32,ratio=0.5+int4:residual_length=32,group_size=64"),
-    # group_size named at int4's plain value is left out of int4's spec, so the kinds' groups are named as none.
-    ("lowrank:ratio=0.5+int4:group_size=32",
-     "lowrank:residual_length=32,ratio=0.5+int4:residual_length=32,key_group_size=none,value_group_size=none"),
     ("lowrank:ratio=0.25+int4", "lowrank:ratio=0.25+int4"),
     ("shared_heads+int4", "shared_heads+int4"),
 ])
@@ -86,11 +69,7 @@ def test_a_group_that_does_not_divide_the_latent_width_is_refused(llama, tmp_pat
     gemma, gemma_bases = fitted_joint_bases(tmp_path_factory.mktemp)["gemma3"]  # one KV head of 32: a width of 32
     with pytest.raises(ValueError, match=r"latent width .* = 32\).*allowed 8, 16, 32 .*got 64"):
         make_cache(with_bases(gemma_bases, "lowrank:ratio=0.5+int4:group_size=64"), gemma.config)
-    # The stack's value groups of 64 do not divide a width of 32 either: refused by name, with what fits.
-    with pytest.raises(ValueError, match=r"value_group_size \(with group_size where keys are grouped per token\) of "
-                                         r"the storage .* latent width .* = 32\).*allowed 8, 16, 32 .*got 64"):
-        make_cache(with_bases(gemma_bases, "lowrank:ratio=0.5+int4"), gemma.config)
-    make_cache(with_bases(gemma_bases, "lowrank:ratio=0.5+int4:value_group_size=32"), gemma.config)  # 32 fits
+    make_cache(with_bases(gemma_bases, "lowrank:ratio=0.5+int4"), gemma.config)  # int4's own 32 fits
 
 
 def _prompt(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,54 +77,44 @@ def _prompt(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.ones_like(ids)
 
 
-def test_bytes_are_exact(llama):
+def test_bytes_are_exact_and_fewer(llama):
     model, bases = llama
     ids, mask = _prompt(200)
     measured = {}
-    for spec in ("lowrank:ratio=0.5+int4", "lowrank:ratio=0.5+int4:residual_length=32,key_group_size=128,"
-                 "value_group_size=64", "lowrank:ratio=0.5+int4:key_group_size=32,value_group_size=32",
+    for spec in ("lowrank:ratio=0.5+int4", "lowrank:ratio=0.5+int4:residual_length=32",
                  "lowrank:ratio=0.5+int4:residual_length=128"):
         cache = make_cache(with_bases(bases, spec), model.config)
         generate(model, ids, mask, cache, max_new_tokens=2)
         assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
         measured[spec] = measured_kv_bytes(cache)
-    plain, named, groups_of_32, residual_128 = measured.values()
-    assert plain == named and len({plain, groups_of_32, residual_128}) == 3
-    # 200 tokens: 32 whole, the rest in per-channel key groups of 128 tokens but the unfinished one, held as latents.
+    plain, named, before = measured.values()
+    assert plain == named < before
+    # 200 tokens: 32 whole, the rest in per-channel key groups of 32 tokens but the unfinished one, held as latents.
     layer = make_cache(with_bases(bases, "lowrank:ratio=0.5+int4"), model.config)
     with torch.no_grad():
         model(input_ids=ids, cache=layer)
     first = layer.layers[0]
-    assert (first.n_encoded, first.store.n_held, first.store.tail_tokens) == (128, 200 - 128 - 32, 32)
-    assert first.store.encoded_keys["scale"].shape[2] == 1  # one key group of 128 tokens
+    assert (first.n_encoded, first.store.n_held, first.store.tail_tokens) == (160, 200 - 160 - 32, 32)
     spec = with_bases(bases, "lowrank:ratio=0.5+int4")
     bookkeeping = model.config.num_hidden_layers * 2 * 8  # each layer's pads and real_seen
     assert promised_bytes(spec, model.config, 200, 4) == pytest.approx(layer.promised_kv_bytes() - bookkeeping)
 
 
-@pytest.mark.parametrize("built, saved, residual", [
-    # Session 34's stack: int4's residual of 32 named, the groups not (int4's 32 for both kinds).
-    ("residual_length=32,key_group_size=32,value_group_size=32", "+int4:residual_length=32", 32),
-    # Before session 34: the spec names no int4 field (int4's plain 128 and groups of 32 were meant).
-    ("residual_length=128,key_group_size=32,value_group_size=32", "+int4", 128),
-])
-def test_a_file_saved_before_the_defaults_loads_as_built(llama, tmp_path, built, saved, residual):
+def test_a_file_saved_before_the_defaults_loads_as_built(llama, tmp_path):
     model, bases = llama
     ids, mask = _prompt(150)
-    old = make_cache(with_bases(bases, f"lowrank:ratio=0.5+int4:{built}"), model.config)
+    old = make_cache(with_bases(bases, "lowrank:ratio=0.5+int4:residual_length=128"), model.config)
     generate(model, ids, mask, old, max_new_tokens=3)
     path = tmp_path / "old"
     save_cache(old, path)
-    # As the version before this wrote it.
+    # As the version before this wrote it: the spec names no int4 field (int4's plain 128 was meant).
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata()
-    head, _, written = metadata["spec"].rpartition("+int4")
-    assert set(written.removeprefix(":").split(",")) == set(built.split(","))
-    metadata["spec"] = head + saved
+    assert metadata["spec"].endswith("+int4:residual_length=128")
+    metadata["spec"] = metadata["spec"].replace("+int4:residual_length=128", "+int4")
     save_file(load_file(str(path)), str(path), metadata=metadata)
     loaded = load_cache(path, model=model)
-    storage = loaded.codec.storage
-    assert (storage.residual_length, storage.group("key"), storage.group("value")) == (residual, 32, 32)
+    assert loaded.codec.storage.residual_length == 128
     assert measured_kv_bytes(loaded) == measured_kv_bytes(old) == loaded.promised_kv_bytes()
     for a, b in zip(old.layers, loaded.layers, strict=True):
         assert (a.n_encoded, a.store.n_held) == (b.n_encoded, b.store.n_held)
@@ -165,7 +134,7 @@ def test_a_new_file_round_trips(llama, tmp_path):
     generate(model, ids, mask, cache, max_new_tokens=3)
     save_cache(cache, tmp_path / "new")
     with safe_open(str(tmp_path / "new"), framework="pt") as handle:
-        assert handle.metadata()["spec"].endswith("+int4:residual_length=32,key_group_size=128,value_group_size=64")
+        assert handle.metadata()["spec"].endswith("+int4:residual_length=32")
     loaded = load_cache(tmp_path / "new", model=model)
     assert loaded.spec == cache.spec and loaded.codec == cache.codec
     assert measured_kv_bytes(loaded) == measured_kv_bytes(cache)
