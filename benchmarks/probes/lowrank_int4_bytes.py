@@ -9,7 +9,13 @@ Command:
 Written up: docs/results.md, "Low rank at 2x + int4: where the bytes go" (issue 30, sessions 28, 33 and 34).
 
 `--parts` also splits every layer's bytes together by kind of part (int4 codes, their scales and zero points, the
-residual held as latents, the whole tail, positions, sinks), as shares of DynamicCache's bytes, at every length.
+residual held as latents, the whole tail, positions, sinks), as shares of DynamicCache's bytes, at every length; on
+a model with sliding-window layers also per kind of layer (sliding, full attention).
+
+On a model with sliding-window layers (Gemma-3) the DynamicCache prefilled by one forward still holds every prompt
+token in its sliding layers, while the eval's uncompressed cache (and a decode step's) holds their windows: each
+share is then printed twice, the second (in brackets) against the bf16 bytes of what the uncompressed cache holds
+(`held_reference_bytes`: min(tokens, window) in sliding layers), which is the eval's reference.
 
 Random token ids (the bytes do not depend on the text) are prefilled with `model(...)` into `make_cache(spec,
 model.config)` and into a DynamicCache; `measured_kv_bytes` of each. The split names each tensor a layer holds by
@@ -62,10 +68,26 @@ PART_KINDS = (("codes", "codes"), ("scale", "scales"), ("zero", "scales"), ("_he
               ("_tail", "whole tail"), ("positions", "positions"), ("sink", "sinks"))
 
 
-def parts_by_kind(cache) -> dict[str, int]:
-    """Every layer's storage bytes summed by kind of part (PART_KINDS; anything else is "other")."""
+def held_reference_bytes(config, tokens: int, element_bytes: int = 2) -> int | None:
+    """Bytes an uncompressed cache holds after `tokens` prompt tokens, sliding layers their window only; None on a
+    model without sliding-window layers (the measured DynamicCache is then the reference as it is)."""
+    text = getattr(config, "text_config", None) or config
+    kinds = getattr(text, "layer_types", None)
+    if not kinds or "sliding_attention" not in kinds:
+        return None
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * text.num_key_value_heads * head_dim * element_bytes
+    window = text.sliding_window
+    return sum(per_token * (min(tokens, window) if kind == "sliding_attention" else tokens) for kind in kinds)
+
+
+def parts_by_kind(cache, layers=None) -> dict[str, int]:
+    """Every layer's (or those in `layers`') storage bytes summed by kind of part (PART_KINDS; anything else is
+    "other")."""
     out: dict[str, int] = {}
-    for layer in cache.layers:
+    for i, layer in enumerate(cache.layers):
+        if layers is not None and i not in layers:
+            continue
         for path, nbytes in split(layer).items():
             kind = next((k for key, k in PART_KINDS if key in path), "other")
             out[kind] = out.get(kind, 0) + nbytes
@@ -83,6 +105,9 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true", help="split every layer's bytes by kind of part too")
     args = parser.parse_args()
     model, _ = load_model(args.model, device="cpu", dtype=args.dtype)
+    text = getattr(model.config, "text_config", None) or model.config
+    kinds_of_layers = getattr(text, "layer_types", None) or []
+    by_type = {kind: {i for i, k in enumerate(kinds_of_layers) if k == kind} for kind in set(kinds_of_layers)}
     print(f"model {args.model} {args.dtype}; shares of DynamicCache's measured bytes")
     print("| tokens | " + " | ".join(f"`{s}`" for s in args.specs) + " |")
     for length in args.lengths:
@@ -92,21 +117,30 @@ def main() -> None:
         with torch.no_grad():
             model(input_ids=ids, past_key_values=reference)
         base = measured_kv_bytes(reference)
-        shares, splits, kinds = [], {}, {}
+        held = held_reference_bytes(model.config, length)
+        shares, splits, kinds, typed = [], {}, {}, {}
         for spec in args.specs:
             cache = make_cache(spec, model.config)
             with torch.no_grad():
                 model(input_ids=ids, past_key_values=cache)
-            shares.append(measured_kv_bytes(cache) / base)
+            shares.append(measured_kv_bytes(cache))
             splits[spec] = split(cache.layers[args.layer])
             if args.parts:
                 kinds[spec] = parts_by_kind(cache)
+                if held is not None:
+                    typed[spec] = {kind: parts_by_kind(cache, layers) for kind, layers in sorted(by_type.items())}
             del cache
-        print(f"| {length:,} | " + " | ".join(f"{s:.3f}" for s in shares) + " |", flush=True)
+        print(f"| {length:,} | " + " | ".join(f"{s / base:.3f}" + ("" if held is None else f" ({s / held:.3f})")
+                                             for s in shares) + " |", flush=True)
         for spec, parts in kinds.items():
             ordered = sorted(parts.items(), key=lambda p: -p[1])
             print(f"  all layers, `{spec}` at {length}: "
                   + ", ".join(f"{kind} {nbytes / base:.3f}" for kind, nbytes in ordered))
+            for layer_kind, layer_parts in typed.get(spec, {}).items():
+                ordered = sorted(layer_parts.items(), key=lambda p: -p[1])
+                assert held is not None
+                print(f"    {layer_kind} layers ({len(by_type[layer_kind])}), shares of the held reference: "
+                      + ", ".join(f"{kind} {nbytes / held:.3f}" for kind, nbytes in ordered))
         if length == args.lengths[0]:
             layer_base = sum(split(reference.layers[args.layer]).values())
             for spec, parts in splits.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Literal
@@ -169,7 +170,16 @@ class IntNCodec(Codec):
 
     Args:
         bits: 2, 3, 4 or 8 bits per value (3 bits pack 8 values into 3 bytes).
-        group_size: values sharing one bfloat16 scale and zero point; must divide head_dim.
+        group_size: values sharing one bfloat16 scale and zero point, for keys and values alike unless
+            `key_group_size` / `value_group_size` say otherwise; must divide head_dim.
+        key_group_size: tokens per per-channel key group (key_axis="channel", KIVI) where it differs from
+            `group_size` (None: `group_size`). Such a group runs along tokens, so its length costs the widths
+            nothing (a lowrank stack's ranks follow the value groups) and only delays when a group is encoded (the
+            residual holds the unfinished one). Keys grouped per token (key_axis="token": evicting policies) keep
+            `group_size` channels a group, so a stack's default of per-channel key groups (`lowrank:ratio=0.5+int4`)
+            leaves an evicting policy's keys as they were.
+        value_group_size: channels per value group (values are grouped per token) where it differs from
+            `group_size` (None: `group_size`).
         residual_length: recent tokens kept at full precision.
         key_axis: "channel" (KIVI) or "token"; None picks "channel" without eviction and "token" with it.
         rotate: "hadamard" multiplies each head vector by a Hadamard matrix with random signs before quantizing
@@ -218,6 +228,8 @@ class IntNCodec(Codec):
 
     bits: int = 4
     group_size: int = 32
+    key_group_size: int | None = None
+    value_group_size: int | None = None
     residual_length: int = 128  # type: ignore[misc]  # a field here; the base's class default serves codecs without one
     key_axis: Literal["channel", "token"] | None = field(default=None)
     rotate: Literal["none", "hadamard", "per_token", "auto"] = "none"
@@ -246,6 +258,10 @@ class IntNCodec(Codec):
             raise ValueError(f"bits must be one of {PACKABLE_BITS}, got {self.bits!r}")
         if not isinstance(self.group_size, int) or self.group_size <= 0:
             raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}")
+        for name in ("key_group_size", "value_group_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or none (group_size's), got {value!r}")
         if not isinstance(self.residual_length, int) or self.residual_length < 0:
             raise ValueError(f"residual_length must be an integer >= 0, got {self.residual_length!r}")
         if self.key_axis is not None and self.key_axis not in KEY_AXES:
@@ -347,7 +363,7 @@ class IntNCodec(Codec):
         if not self.inv_freq:
             return keys
         b, h, t, d = keys.shape
-        g = self.group_size
+        g = self.group("key")
         offsets = torch.arange(g, device=keys.device, dtype=torch.float32) * direction  # [g], broadcast over groups
         inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32)
         return rerotate(keys.float().reshape(b, h, t // g, g, d), offsets, inv_freq).reshape(b, h, t, d)
@@ -410,7 +426,22 @@ class IntNCodec(Codec):
         return scale[:, None, :]
 
     def token_block(self, kind: Kind) -> int:
-        return self.group_size if self._per_channel(kind) else 1
+        return self.group(kind) if self._per_channel(kind) else 1
+
+    def group(self, kind: Kind) -> int:
+        """The values sharing one scale and zero point for `kind`: `value_group_size` for values, `key_group_size`
+        for per-channel keys, where given; `group_size` otherwise (keys grouped per token always)."""
+        own = self.value_group_size if kind == "value" else self.key_group_size if self._per_channel(kind) else None
+        return self.group_size if own is None else own
+
+    @property
+    def channel_step(self) -> int:
+        """What a stored width must be a multiple of: the groups that run along the channels, which a lowrank
+        stack's ranks are whole steps of: the values', and `group_size` where keys are grouped per token. An
+        unsettled axis (None) counts as per channel, what a policy without eviction settles it to; an evicting
+        policy settles it per token later, and `check_head_dim` then refuses a group that does not divide a rank."""
+        step = self.group("value")
+        return math.lcm(step, self.group_size) if self.key_axis == "token" else step
 
     def check_head_dim(self, head_dim: int) -> None:
         unit = values_per_unit(self.bits)
@@ -419,8 +450,12 @@ class IntNCodec(Codec):
                 f"head_dim {head_dim} cannot be packed at {self.bits} bits: it must be a multiple of {unit}"
             )
         # Values are always grouped along head_dim (keys too, unless key_axis="channel"), so the group must divide it.
-        if head_dim % self.group_size:
-            raise ValueError(f"group_size must divide head_dim ({head_dim}), got {self.group_size}")
+        for kind in ("value", "key"):
+            if kind == "key" and self.key_axis == "channel":
+                continue
+            if head_dim % self.group(kind):
+                name = "group_size" if kind == "key" or self.value_group_size is None else "value_group_size"
+                raise ValueError(f"{name} must divide head_dim ({head_dim}), got {self.group(kind)}")
 
     def _gaussian(self, kind: Kind) -> bool:
         return self.codebook == "gaussian" and not self._per_channel(kind)
@@ -438,8 +473,8 @@ class IntNCodec(Codec):
     def encode(self, states: torch.Tensor, kind: Kind) -> Encoded:
         b, h, t, d = states.shape
         if self.pre_rope and self._per_channel(kind):
-            if t % self.group_size:
-                raise ValueError(f"per-channel key groups need a multiple of {self.group_size} tokens, got {t}")
+            if t % self.group(kind):
+                raise ValueError(f"per-channel key groups need a multiple of {self.group(kind)} tokens, got {t}")
             states = self._group_rope(states, -1)
         scale = self._key_scale(kind, states)
         if scale is not None:
@@ -447,7 +482,7 @@ class IntNCodec(Codec):
         if self._rotates(kind):
             states = rotate_rows(states, self._seed(kind))
         if self._per_channel(kind):
-            g = self.group_size
+            g = self.group(kind)
             if t % g:
                 raise ValueError(f"per-channel key groups need a multiple of {g} tokens, got {t}")
             grouped = states.reshape(b, h, t // g, g, d)
@@ -457,7 +492,7 @@ class IntNCodec(Codec):
                 "scale": scale.reshape(b, h, t // g, d),
                 "zero": zero.reshape(b, h, t // g, d),
             }
-        grouped = states.reshape(b, h, t, d // self.group_size, self.group_size)
+        grouped = states.reshape(b, h, t, d // self.group(kind), self.group(kind))
         codes, scale, zero = self._quantize(grouped, kind, reduce_dim=4)
         return {"codes": pack(codes.reshape(b, h, t, d), self.bits), "scale": scale[..., 0], "zero": zero[..., 0]}
 
@@ -495,18 +530,18 @@ class IntNCodec(Codec):
         b, h, t, d = codes.shape
         scale, zero = encoded["scale"].float(), encoded["zero"].float()
         if self._per_channel(kind):
-            g = self.group_size
+            g = self.group(kind)
             levels = self._levels(codes, kind).reshape(b, h, t // g, g, d)
             out = levels * scale[:, :, :, None, :] + zero[:, :, :, None, :]
         else:
-            levels = self._levels(codes, kind).reshape(b, h, t, d // self.group_size, self.group_size)
+            levels = self._levels(codes, kind).reshape(b, h, t, d // self.group(kind), self.group(kind))
             out = levels * scale[..., None] + zero[..., None]
         return out.reshape(b, h, t, d).to(dtype)
 
     def _folded_levels(self, kind: Kind) -> tuple[float, float, float] | None:
         """How attention reads the codes without decoding them (codecs/plane_attention.py), or None where it
         cannot: 3 bits (codes straddle bytes), groups that split a byte, Gaussian levels beyond 2 bits."""
-        if self.bits not in plane_attention.FOLDABLE_BITS or self.group_size % values_per_unit(self.bits):
+        if self.bits not in plane_attention.FOLDABLE_BITS or self.group(kind) % values_per_unit(self.bits):
             return None
         return plane_attention.affine_levels(lloyd_max_levels(self.bits) if self._gaussian(kind) else None)
 
@@ -521,10 +556,10 @@ class IntNCodec(Codec):
         parts = encoded["codes"], encoded["scale"], encoded["zero"], query.float()
         if turned:
             parts = parts[:3] + (self.offset_queries(query.float()),)
-            return plane_attention.channel_group_logits_by_offset(*parts, self.bits, self.group_size)
+            return plane_attention.channel_group_logits_by_offset(*parts, self.bits, self.group("key"))
         if self._per_channel("key"):
-            return plane_attention.channel_group_logits(*parts, self.bits, self.group_size)
-        return plane_attention.token_group_logits(*parts, self.bits, self.group_size, levels)
+            return plane_attention.channel_group_logits(*parts, self.bits, self.group("key"))
+        return plane_attention.token_group_logits(*parts, self.bits, self.group("key"), levels)
 
     def offset_queries(self, query: torch.Tensor) -> torch.Tensor:
         """pre_rope: the storage-basis query [B, H, n, D] as each offset o of a key group must meet it, turned
@@ -558,12 +593,12 @@ class IntNCodec(Codec):
     def kernel_turns(self, device: torch.device) -> torch.Tensor | None:
         if not (self.pre_rope and self._per_channel("key") and self.inv_freq):
             return None
-        return _offset_turn_table(self.inv_freq, self.group_size, device)
+        return _offset_turn_table(self.inv_freq, self.group("key"), device)
 
     def _turned_offsets(self, plain: torch.Tensor) -> torch.Tensor:
         """`offset_queries` of the query [B, H, n, D] in the model's basis: [B, H, n, group_size, D]."""
         b, h, n, d = plain.shape
-        g = self.group_size
+        g = self.group("key")
         if self.inv_freq:  # _group_rope(copies, -1) with its table cached and the half-swap once per row, not per copy
             cos, sin = _offset_turns(self.inv_freq, g, -1, plain.device)
             turned = turn(plain.float()[:, :, :, None, :], cos, sin)  # [B, H, n, g, D]: the table broadcasts over g
@@ -590,15 +625,15 @@ class IntNCodec(Codec):
                 or (self._rotates(kind) and tokens <= MATRIX_TOKENS):
             return None
         signs = random_signs(width, self._seed(kind), device) if self._rotates(kind) else None
-        return AffineCodes(self.group_size, self._per_channel(kind), signs)
+        return AffineCodes(self.group(kind), self._per_channel(kind), signs)
 
     def mix_values(self, encoded: Encoded, probs: torch.Tensor) -> torch.Tensor:
         levels = self._folded_levels("value")
         if levels is None:
             return super().mix_values(encoded, probs)
         parts = encoded["codes"], encoded["scale"], encoded["zero"], probs.float()
-        return plane_attention.token_group_mix(*parts, self.bits, self.group_size, levels)
+        return plane_attention.token_group_mix(*parts, self.bits, self.group("value"), levels)
 
     def bytes_per_token(self, head_dim: int, kind: Kind, dtype: torch.dtype) -> float:
-        # packed codes + bf16 scale and zero per group: (bits + 32 / group_size) / 8 bytes per value.
-        return head_dim * self.bits / 8 + head_dim * 4 / self.group_size
+        # packed codes + bf16 scale and zero per group of the kind: (bits + 32 / group) / 8 bytes per value.
+        return head_dim * self.bits / 8 + head_dim * 4 / self.group(kind)

@@ -42,7 +42,11 @@ WINDOW_IN_STACK = 32
 # residual only the unfinished per-channel key group is held as latents. Chosen on the development halves of both
 # models, where it kept every answer int4's 128 kept, at 0.179 of the bf16 bytes instead of 0.196 (SmolLM2) and 0.210
 # instead of 0.248 (Gemma-3); scale groups of 64 (fewer scales) lost a Gemma-3 answer there, so int4 keeps its 32
-# (docs/results.md, "Low rank at 2x + int4 nearer an eighth").
+# (docs/results.md, "Low rank at 2x + int4 nearer an eighth"). Per-kind groups (keys over 128 tokens, values over 64
+# latents) kept every development answer on both models, but are not the default: on Gemma-3's 512-token sliding
+# windows the unfinished 128-token key group held as latents outweighs the scales saved at 2,000 tokens, and value
+# groups of 64 would refuse latent widths that 64 does not divide (docs/results.md, "Low rank at 2x + int4: each
+# kind's scale groups").
 INT4_IN_STACK: dict[str, int] = {"residual_length": 32}
 # The prompt length at which a ratio on a model with sliding-window layers is a share of the latents' bytes
 # (`length`): the suite's prompts (needle, multi_question at 2,000 tokens).
@@ -366,8 +370,8 @@ class LowRankCodec(ReducingCodec):
         storage: how the coordinates are stored (`lowrank+int4` quantizes them). Under a ratio from a half on, a
             spec's `int4` keeps 32 newest tokens at full precision instead of 128 where it does not name its
             `residual_length` (INT4_IN_STACK, `storage_defaults`): `lowrank:ratio=0.5+int4` stores in
-            `int4:residual_length=32`. A ratio's ranks are whole groups: int4's `group_size` must divide each
-            layer's latent width.
+            `int4:residual_length=32`. A ratio's ranks are whole groups: int4's groups along the channels
+            (`channel_step`: its value groups) must divide each layer's latent width.
         compute: the dtype a decode step rebuilds the keys in from their latents (joint bases; the products that
             dominate a step at long contexts): "bfloat16" rounds the bases and latents to bf16 for the product (the
             sums stay float32; the C++ kernel of a CPU decode step keeps them so, PyTorch's product returns its keys
@@ -575,14 +579,17 @@ class LowRankCodec(ReducingCodec):
         return tuple(kind != "sliding_attention" for kind in text_config(config).layer_types)
 
     def _rank_step(self, width: int) -> int:
-        """The granularity of a joint layer's rank: the storage's value groups must divide it (int4's group_size),
-        and a ratio's ranks are whole steps of the layer's latent width (KV heads x head_dim)."""
-        step = getattr(self.storage, "group_size", None)
+        """The granularity of a joint layer's rank: the storage's groups along the channels must divide it (int4's
+        value groups, and its key groups unless keys are grouped per channel: `channel_step`), and a ratio's ranks
+        are whole steps of the layer's latent width (KV heads x head_dim)."""
+        step = getattr(self.storage, "channel_step", None)
         if step is None:  # nothing groups the latents: steps of 8 where the width allows
             return math.gcd(width, 8)
         if width % step:
             fits = [g for g in (8, 16, 32, 64, 128) if width % g == 0]
-            raise ValueError(f"group_size of the storage ({self.storage.spec()}) must divide the latent width of a "
+            named = "group_size" if step == getattr(self.storage, "group_size", None) else \
+                "value_group_size (with group_size where keys are grouped per token)"
+            raise ValueError(f"{named} of the storage ({self.storage.spec()}) must divide the latent width of a "
                              f"layer (KV heads x head_dim = {width}) for lowrank's ratio to keep whole groups: "
                              f"allowed {', '.join(map(str, fits))} (any divisor of {width}), got {step}")
         return step

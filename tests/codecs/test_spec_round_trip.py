@@ -19,6 +19,8 @@ SETTINGS = [
     "int8:group_size=16,residual_length=0,key_axis=token",
     "int8:key_axis=channel,rotate=hadamard,codebook=gaussian,pre_rope=true",
     "int4:key_axis=token",
+    "int4:key_group_size=64,value_group_size=16",
+    "lowrank:ratio=0.5+int4:key_group_size=128,value_group_size=64",
     "int4:key_axis=channel,wide_layers=1/3,wide_bits=8,sink_tokens=0,key_scale=none",
     "int4:rotate=per_token,residual_length=7",
     "int3:key_axis=token,group_size=8",

@@ -24,7 +24,7 @@ def _store(codec, latents, kind, spare):
     viewed = {}
     for name, tensor in encoded.items():
         rows = tensor.shape[2]
-        extra = spare // codec.group_size if kind == "key" and codec.key_axis == "channel" else spare
+        extra = spare // codec.group("key") if kind == "key" and codec.key_axis == "channel" else spare
         room = torch.zeros(*tensor.shape[:2], rows + extra, tensor.shape[3], dtype=tensor.dtype)
         room[:, :, :rows] = tensor
         viewed[name] = room[:, :, :rows]
@@ -83,6 +83,13 @@ CODECS = {  # int4 as a lowrank stack stores its latents (no residual: the stack
     "per-token keys, groups of 8, Hadamard": dict(group_size=8, key_axis="token", rotate="hadamard"),
     "groups of 6 (not a power of two), values rotated only": dict(group_size=6, key_axis="channel",
                                                                     rotate="per_token"),
+    # Each kind its own group (key_group_size / value_group_size): the kernel takes a group per kind.
+    "KIVI keys in groups of 16 tokens, values of 32, Hadamard": dict(group_size=32, key_group_size=16,
+                                                                     key_axis="channel", rotate="hadamard"),
+    "KIVI keys in groups of 24 tokens, values of 8, unrotated": dict(key_group_size=24, value_group_size=8,
+                                                                     key_axis="channel", rotate="none"),
+    "per-token keys in groups of 16, values of 8, Hadamard": dict(group_size=16, value_group_size=8,
+                                                                  key_axis="token", rotate="hadamard"),
 }
 SHAPES = {  # batch, stored tokens, held tokens, key rank, value rank
     "SmolLM2's half, two whole tiles": (1, 64, 0, 96, 96),
@@ -100,9 +107,9 @@ def test_codes_read_in_place_equal_the_decoded_latents(shape, codec, bf16, vecto
     batch, stored, held, rank, value_rank = SHAPES[shape]
     int4 = IntNCodec(bits=4, residual_length=0, **CODECS[codec])
     if int4.key_axis == "channel":
-        stored -= stored % int4.group_size  # KIVI key groups are whole
+        stored -= stored % int4.group("key")  # KIVI key groups are whole
     for held_dtype, sinks, padded, spare in ((torch.float32, False, False, 0), (torch.bfloat16, True, True, 48)):
-        group = int4.group_size  # ranks are whole groups (lowrank's rank step)
+        group = int4.channel_step  # ranks are whole groups (lowrank's rank step)
         run = _case(batch, stored, held, max(group, rank - rank % group), max(group, value_rank - value_rank % group),
                     int4, bf16, held_dtype, seed=stored + held, sinks=sinks, padded=padded, spare=spare)
         read, decoded = run(vectorised)
