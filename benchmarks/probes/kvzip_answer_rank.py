@@ -15,7 +15,8 @@ the cache computes them (`head_budget_keep`, wrapped, returns them unchanged). F
 document (the reference's characters, mapped to tokens), per ranked (full-attention) layer: the share of its tokens
 kept, and the share of the ranked pairs (all ranked layers and heads together) that rank at or above its
 lowest-ranked token, i.e. how large a share of the ranked pairs a count-based ranking must keep to keep every one
-of its tokens ("needs"). "kept share" is the share of the ranked pairs the cache kept.
+of its tokens ("needs"). "kept share" is the share of the ranked pairs the cache kept, in all and per layer
+(L0, L1, ...: the ranked layers in order).
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ def main() -> None:
         flat = torch.cat([p.flatten() for p, _ in layers]) if layers else torch.zeros(0)
         real = flat[flat > float("-inf")]
         kept_share = sum(int(k.sum()) for _, k in layers) / max(real.numel(), 1)
+        per_layer = ", ".join(f"L{i} {float(k.float().mean()):.3f}" for i, (_, k) in enumerate(layers))
         print(f"{asked[0][0]['sample_id'].rsplit('/', 2)[0]}: {len(doc)} tokens, {len(layers)} ranked layers, "
-              f"kept share {kept_share:.3f}", flush=True)
+              f"kept share {kept_share:.3f} (of each layer's pairs: {per_layer})", flush=True)
         for row, question in asked:
             out = document.answer([question], row["max_new_tokens"], copy=True)
             text = tok.decode(out.new_tokens[0], skip_special_tokens=True)
