@@ -15,7 +15,8 @@ the cache computes them (`head_budget_keep`, wrapped, returns them unchanged). F
 document (the reference's characters, mapped to tokens), per ranked (full-attention) layer: the share of its tokens
 kept, and the share of the ranked pairs (all ranked layers and heads together) that rank at or above its
 lowest-ranked token, i.e. how large a share of the ranked pairs a count-based ranking must keep to keep every one
-of its tokens ("needs"). "kept share" is the share of the ranked pairs the cache kept, in all and per layer
+of its tokens ("needs"), and the share of that layer's own pairs that do ("of its own": what a per-layer floor
+would have to give it). "kept share" is the share of the ranked pairs the cache kept, in all and per layer
 (L0, L1, ...: the ranked layers in order).
 """
 
@@ -101,8 +102,10 @@ def main() -> None:
                     scores = priority[:, span.start : span.stop]  # [H, tokens]
                     lowest = float(scores.min())
                     needs = float((real >= lowest).float().mean())
+                    own = priority[priority > float("-inf")]
+                    within = float((own >= lowest).float().mean())
                     parts.append(f"L{index}: kept {float(keep[:, span.start:span.stop].float().mean()):.2f}, "
-                                 f"needs {needs:.3f}")  # fmt: skip
+                                 f"needs {needs:.3f} ({within:.3f} of its own)")  # fmt: skip
                 where = span.start / len(doc)
                 print(f"    tokens {span.start}-{span.stop - 1} ({where:.2f} of the document): " + "; ".join(parts),
                       flush=True)
