@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcompress import load_model, make_cache, measured_kv_bytes
+from hf_kvcompress.budget import kv_bytes_from_config
 
 
 def _named_tensors(obj, path: str, seen: set[int]):
@@ -69,16 +70,13 @@ PART_KINDS = (("codes", "codes"), ("scale", "scales"), ("zero", "scales"), ("_he
 
 
 def held_reference_bytes(config, tokens: int, element_bytes: int = 2) -> int | None:
-    """Bytes an uncompressed cache holds after `tokens` prompt tokens, sliding layers their window only; None on a
-    model without sliding-window layers (the measured DynamicCache is then the reference as it is)."""
+    """Bytes an uncompressed cache holds after `tokens` prompt tokens, sliding layers their window only (the budget
+    calculator's count, `kv_bytes_from_config`); None on a model without sliding-window layers (the measured
+    DynamicCache is then the reference as it is)."""
     text = getattr(config, "text_config", None) or config
-    kinds = getattr(text, "layer_types", None)
-    if not kinds or "sliding_attention" not in kinds:
+    if "sliding_attention" not in (getattr(text, "layer_types", None) or ()):
         return None
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    per_token = 2 * text.num_key_value_heads * head_dim * element_bytes
-    window = text.sliding_window
-    return sum(per_token * (min(tokens, window) if kind == "sliding_attention" else tokens) for kind in kinds)
+    return int(kv_bytes_from_config(config, tokens, bytes_per_value=element_bytes))
 
 
 def parts_by_kind(cache, layers=None) -> dict[str, int]:

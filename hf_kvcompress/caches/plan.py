@@ -200,9 +200,8 @@ def byte_target(policy: Policy, config, layer_types: list[str], windows: dict[st
     decoder = text_config(config)
     kv_heads = getattr(decoder, "num_key_value_heads", None) or decoder.num_attention_heads
     head_dim, served = served_head(config)
-    width = torch.empty((), dtype=served).element_size()
     held = tuple(max(windows[t] - 1, 1) if t == "sliding_attention" else None for t in layer_types)
-    return ByteTarget(share, served, (kv_heads * 2 * head_dim * width,) * len(layer_types), held)
+    return ByteTarget(share, served, (kv_heads * 2 * head_dim * served.itemsize,) * len(layer_types), held)
 
 
 def ratio_as_bytes(policy: Policy, codec: Codec, config) -> tuple[Policy, Codec]:
@@ -241,9 +240,8 @@ def ratio_codec_share(ratio: float, codec: Codec, config) -> float:
     long enough that its 128 exact newest tokens are a small part of the pairs it keeps (more on short ones:
     docs/results.md, "`kvzip:ratio=R+int4` below a half in the byte plan's layout")."""
     head_dim, served = served_head(config)
-    width = torch.empty((), dtype=served).element_size()
     rate = codec.bytes_per_token(head_dim, "key", served) + codec.bytes_per_token(head_dim, "value", served)
-    return ratio * rate / (2 * head_dim * width)
+    return ratio * rate / (2 * head_dim * served.itemsize)
 
 
 def layer_floors(policy: Policy, config, ratio: float) -> tuple[tuple[int, float], ...]:
