@@ -58,15 +58,17 @@ def test_tova_forgets_older_steps_and_snapkv_pools_neighbours():
     for i, layer in _full_layers(tova):
         torch.testing.assert_close(layer.accumulated, _per_kv_head(reference[i][:, :, -1:], layer.kv_heads, "sum"),
                                    rtol=1e-4, atol=1e-5)  # fmt: skip
-    snap = make_cache("snapkv:ratio=1.0,window=3,kernel=3,recent=0", model.config)
-    with torch.no_grad():
-        model(input_ids=IDS, cache=snap)
-    layer = snap.layers[0]
-    raw = layer.accumulated
-    padded = F.pad(raw, (1, 1))
-    # The max of each slot's neighbours.
-    expected = torch.stack([padded[..., j : j + raw.shape[-1]] for j in range(3)]).amax(0)
-    torch.testing.assert_close(snap.policy.score(raw, raw.shape[-1]), expected)
+    for pooling in ("max", "avg"):
+        snap = make_cache(f"snapkv:ratio=1.0,window=3,kernel=3,recent=0,pooling={pooling}", model.config)
+        with torch.no_grad():
+            model(input_ids=IDS, cache=snap)
+        layer = snap.layers[0]
+        raw = layer.accumulated
+        padded = F.pad(raw, (1, 1))
+        # The max, or the mean with zeros past the ends (SnapKV's reference code, kvpress), of each slot's neighbours.
+        neighbours = torch.stack([padded[..., j : j + raw.shape[-1]] for j in range(3)])
+        expected = neighbours.amax(0) if pooling == "max" else neighbours.sum(0) / 3
+        torch.testing.assert_close(snap.policy.score(raw, raw.shape[-1]), expected)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
