@@ -294,7 +294,8 @@ def test_explicit_channel_keys_on_a_hybrid_model_apply_to_every_layer():
 
 
 @pytest.mark.parametrize("spec", ["h2o:ratio=0.25,recent=2", "kvzip:ratio=0.25,budgets=uniform",
-                                  "sink_window:ratio=0.25+int8", "expected_attention:ratio=0.25,window=8,decoding=evict"])
+                                  "sink_window:ratio=0.25+int8",
+                                  "expected_attention:ratio=0.25,window=8,decoding=evict"])
 def test_ratio_keeps_its_share_after_prefill_and_while_decoding(spec):
     model = use_kvcompress_attention(tiny_model("llama"))
     _, ids, mask = left_padded_prompts(11, lengths=(40,))
