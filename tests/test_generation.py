@@ -18,7 +18,7 @@ def _greedy(model, ids, cache, n=6, **kwargs):
 
 
 @pytest.mark.parametrize("spec", [
-    "int4:residual_length=4,group_size=4", "snapkv:ratio=0.5", "kvzip:ratio=0.5,budgets=uniform",
+    "int4:residual_length=4,group_size=4", "snapkv:ratio=0.5,window=8,recent=8", "kvzip:ratio=0.5,budgets=uniform",
     "kvzip:ratio=0.5,budgets=token", "kvzip:ratio=0.5,budgets=layer", "kvzip:ratio=0.5",
 ])
 def test_a_prefilled_cache_serves_transformers_generate(spec, tmp_path):

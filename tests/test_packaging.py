@@ -57,7 +57,8 @@ PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="</
 model, tokenizer = load_model(folder, device="cpu")
 use_kvcompress_attention(model)
 inputs = tokenizer([" ".join(f"w{i}" for i in range(1, 61))], return_tensors="pt")
-for spec in ("sink_window:sink_tokens=2,window=8", "h2o:budget=12,recent=4", "int4", "fp8", "snapkv:budget=40+int8"):
+for spec in ("sink_window:sink_tokens=2,window=8", "h2o:budget=12,recent=4", "int4", "fp8",
+             "snapkv:budget=40,window=16,recent=16+int8"):
     cache = make_cache(spec, model.config)
     out = model.generate(**inputs, cache=cache, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == inputs.input_ids.shape[1] + 4, (spec, out.shape)

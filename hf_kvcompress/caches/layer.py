@@ -259,6 +259,7 @@ class CompressedLayer(CacheLayerMixin):
         unless a reconstruction pass runs (its end evicts)."""
         if self.scorer.observe(self, delivered):
             self._compress()
+            self.scorer.after_compress(self)
 
     # -- KVzip's reconstruction pass, driven by generation.prefill through CompressedCache (scorers.py) ---------
 

@@ -83,6 +83,9 @@ class Scorer:
         """The keywords this scorer hands `policy.score` besides the stored state (keys, positions, pads)."""
         return {}
 
+    def after_compress(self, layer) -> None:
+        """The layer has evicted (when due) and encoded after what attention delivered this step."""
+
     def request(self, layer, attn_kwargs: dict | None, request: AttentionRequest) -> None:
         """Ask the attention function, through the attention kwargs, for what `request` names."""
         if attn_kwargs is None:
@@ -161,14 +164,17 @@ class AttentionStatistics(Scorer):
 class RecentQueries(Scorer):
     """`policy.needs_queries` (Expected Attention): the newest queries, which model the next ones.
 
-    A step's queries exist only inside attention: the scorer asks our attention function for the step's newest ones,
-    turns them back to before RoPE with the model's frequencies (the policy turns them to the positions ahead
-    itself) and keeps the last `policy.observed_queries` per row. Padding queries are kept in place and left out
-    when scored, so a padded row's window holds the same counted queries as the row alone.
+    A step's queries exist only inside attention: the scorer asks our attention function for the step's newest ones
+    (`policy.observed_queries`, None: all of them) and turns them back to before RoPE with the model's frequencies
+    (the policy turns them to the positions ahead itself). A policy that `holds_queries` (`decoding="evict"`) keeps
+    the last `observed_queries` per row between steps, since each decode step is scored by them; otherwise the
+    queries serve their own step's eviction and are dropped when it is done (`after_compress`), so the cache holds
+    nothing beside its kept pairs, and a decode step that evicts nothing asks for none. Padding queries are kept in
+    place and left out when scored, so a padded row's window holds the same counted queries as the row alone.
 
-    `recent_queries` [B, H_q, L, D]: the pre-RoPE queries of each row's newest L <= window tokens (zeros where a row
-    has had fewer); `next_position` [B]: the position of each row's next query; `query_positions` [B, n]: the
-    positions of the queries awaited from attention, during a step.
+    `recent_queries` [B, H_q, L, D]: the pre-RoPE queries of each row's newest L tokens (zeros where a row has had
+    fewer), between steps only when held; `next_position` [B]: the position of each row's next query;
+    `query_positions` [B, n]: the positions of the queries awaited from attention, during a step.
     """
 
     def __init__(self, policy: Policy, inv_freq: tuple[float, ...] | None):
@@ -184,7 +190,10 @@ class RecentQueries(Scorer):
 
     def begin_step(self, layer, attn_kwargs, new) -> bool:
         """Ask attention for this step's newest queries; remember their positions to undo their rotation."""
-        newest = min(new, layer.policy.observed_queries)
+        policy = layer.policy
+        if not policy.holds_queries and layer.eviction.appends(new):  # a decode step that evicts nothing
+            return False
+        newest = new if policy.observed_queries is None else min(new, policy.observed_queries)
         position_ids = None if attn_kwargs is None else attn_kwargs.get("position_ids")
         if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != new:
             start = layer.seen - new
@@ -203,12 +212,15 @@ class RecentQueries(Scorer):
         if self.inv_freq:
             back = -self.query_positions[:, None, :].expand(batch, heads, newest)
             queries = rerotate(queries, back, torch.tensor(self.inv_freq, dtype=torch.float32))
-        window = layer.policy.observed_queries
-        if self.recent_queries is None:
-            self.recent_queries = torch.zeros(batch, heads, window, dim, dtype=layer.dtype, device=layer.device)
-        held = self.recent_queries.shape[2]
-        older = self.recent_queries[:, :, held - min(held, window - newest) :]
-        self.recent_queries = torch.cat([older, queries.to(layer.dtype)], dim=2)
+        if layer.policy.holds_queries:
+            window = layer.policy.observed_queries
+            if self.recent_queries is None:
+                self.recent_queries = torch.zeros(batch, heads, window, dim, dtype=layer.dtype, device=layer.device)
+            held = self.recent_queries.shape[2]
+            older = self.recent_queries[:, :, held - min(held, window - newest) :]
+            self.recent_queries = torch.cat([older, queries.to(layer.dtype)], dim=2)
+        else:  # this step's queries alone, for this step's eviction (float32, as delivered: they are not stored)
+            self.recent_queries = queries
         self.next_position = self.query_positions[:, -1] + 1
         self.query_positions = None
         self.awaiting_attention = False
@@ -216,6 +228,11 @@ class RecentQueries(Scorer):
 
     def score_inputs(self, layer) -> dict:
         return {"queries": self.window(layer)}
+
+    def after_compress(self, layer) -> None:
+        """A step's eviction is done: queries that are not held between steps go."""
+        if not layer.policy.holds_queries:
+            self.recent_queries = None
 
     def window(self, layer) -> QueryWindow:
         """The window as the policy reads it: entry e of L is the row's token seen - L + e, counted when it is

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
-from .base import Policy, RecentQueries, check_count, check_kept_tokens
+from .base import Policy, RecentQueries, check_count, check_decoding, check_kept_tokens
+
+# The newest queries `decoding="evict"` holds between steps when `window` is None (each of its decode steps scores by
+# them; a single step's query alone would model the next ones by one sample).
+HELD_WINDOW = 64
 
 
 @dataclass(frozen=True)
@@ -24,11 +28,20 @@ class ExpectedAttentionPolicy(Policy):
     also scales with its value, weighted as (p + epsilon) * ||v||. No attention is recomputed and no second pass
     runs; each eviction costs one D x D quadratic form per key and query head.
 
+    By default (`decoding="append"`, as kvpress's ExpectedAttentionPress and SnapKV) a step of several tokens (the
+    prompt, a chunk of it, a question after it) is scored by the statistics of its own queries and evicted to the
+    budget or ratio; a decode step is neither scored nor evicted. The queries live only for their step, so the cache
+    holds the kept pairs and nothing else: `ratio=R` holds R of the uncompressed cache's bytes (the 64 queries held
+    between steps before made `ratio=0.5` hold 0.598 of SmolLM2's bf16 bytes, docs/results.md). A prompt read at
+    once is thus scored by every query of the document, as kvpress scores it.
+
     Args:
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
         ratio: share of the tokens seen that is kept, instead of `budget`.
-        window: newest queries whose statistics model the future ones (kept per row, query head and layer:
-            window x D values each, counted in the cache's bytes).
+        window: the newest queries whose statistics model the future ones; None: every query of the step (past the
+            row's first `sink_tokens`) with `decoding="append"`, and the newest 64 with `decoding="evict"`, which
+            holds them between steps (per row, query head and layer: window x D values each, counted in the cache's
+            bytes and beside its budget or ratio).
         future: positions ahead over which the queries' RoPE rotation is averaged (512 in kvpress).
         covariance: add the covariance term k^T Sigma k / 2; false scores by the mean query alone.
         value_norm: weight each pair by the norm of its value.
@@ -39,25 +52,31 @@ class ExpectedAttentionPolicy(Policy):
         recent: newest tokens always kept.
         sink_tokens: first tokens always kept; their queries are also left out of the statistics (outliers, as
             the attention sinks' queries are).
+        decoding: "append" (a decode step joins what is kept, unscored: the cache grows by one token per step
+            beyond what the prompt was compressed to) or "evict" (each decode step is scored by the held window and
+            evicted back to the budget or ratio of the tokens seen).
     """
 
     name: ClassVar[str] = "expected_attention"
 
     budget: int | None = None
     ratio: float | None = None
-    window: int = 64
+    window: int | None = None
     future: int = 512
     covariance: bool = True
     value_norm: bool = True
     epsilon: float = 0.01
     recent: int = 0
     sink_tokens: int = 4
+    decoding: Literal["append", "evict"] = "append"
     needs_attention: ClassVar[bool] = True  # the queries come through our attention function
     needs_queries: ClassVar[bool] = True
     needs_keys: ClassVar[bool] = True
 
     def __post_init__(self):
-        check_count("window", self.window, minimum=1)
+        if self.window is not None:
+            check_count("window", self.window, minimum=1)
+        check_decoding(self.decoding)
         check_count("future", self.future, minimum=1)
         for flag in ("covariance", "value_norm"):
             if not isinstance(getattr(self, flag), bool):
@@ -68,8 +87,21 @@ class ExpectedAttentionPolicy(Policy):
         check_kept_tokens(self)
 
     @property
-    def observed_queries(self) -> int:
+    def observed_queries(self) -> int | None:
+        """The newest queries of a step the statistics take (None: all of them); `decoding="evict"` holds them
+        between steps, so it needs a number."""
+        if self.window is None and self.holds_queries:
+            return HELD_WINDOW
         return self.window
+
+    @property
+    def holds_queries(self) -> bool:
+        """Whether the newest queries are kept between steps (each decode step is scored by them)."""
+        return self.decoding == "evict"
+
+    @property
+    def evicts_while_decoding(self) -> bool:
+        return self.decoding == "evict"
 
     @property
     def needs_values(self) -> bool:  # type: ignore[override]  # the base's class flag; here the `value_norm` field

@@ -31,7 +31,8 @@ SCORED = ["h2o:ratio=0.5,recent=2", "snapkv:budget=8,window=3,recent=2", "snapkv
           "random:ratio=0.5", "kvzip:ratio=0.5,budgets=uniform", "kvzip:ratio=0.5,budgets=layer",
           "kvzip:ratio=0.5,budgets=token", "kvzip:ratio=0.5", "kvzip:ratio=0.5,span=2",
           "kvzip:budget=8,budgets=head+int4:residual_length=2,group_size=16,rotate=none",
-          "expected_attention:ratio=0.5,window=4,sink_tokens=1",
+          "expected_attention:ratio=0.5,window=4,sink_tokens=1", "expected_attention:ratio=0.5,sink_tokens=1",
+          "expected_attention:ratio=0.5,window=4,sink_tokens=1,decoding=evict",
           "expected_attention:budget=8,window=3,recent=2,sink_tokens=1+int8"]
 ALL_SPECS = ["dynamic", "int8", "int4:residual_length=0,group_size=8", "int2:residual_length=4,group_size=8", "fp8",
              *EVICTING, *SCORED, "sink_window:sink_tokens=2,window=6+int4:residual_length=2,group_size=16",
@@ -118,7 +119,8 @@ def test_seq_length_counts_seen_tokens_and_generate_continues(model, spec):
                                   "snapkv:budget=8,window=4,recent=2,decoding=evict+int4:residual_length=2,group_size=16",
                                   "kvzip:budget=8,budgets=uniform+int4:residual_length=2,group_size=16",
                                   "h2o:budget=8,recent=3+int2:residual_length=2,group_size=16,codebook=gaussian",
-                                  "expected_attention:budget=8,window=4,recent=2+int4:residual_length=2,group_size=16"])
+                                  "expected_attention:budget=8,window=4,recent=2,decoding=evict+int4:residual_length=2,"
+                                  "group_size=16"])
 def test_memory_is_bounded_and_measured_bytes_match_the_promise(model, spec):
     cache = make_cache(spec, model.config)
     _, ids, mask = left_padded_prompts(3, lengths=(40,))
@@ -292,7 +294,8 @@ def test_explicit_channel_keys_on_a_hybrid_model_apply_to_every_layer():
 
 
 @pytest.mark.parametrize("spec", ["h2o:ratio=0.25,recent=2", "kvzip:ratio=0.25,budgets=uniform",
-                                  "sink_window:ratio=0.25+int8", "expected_attention:ratio=0.25,window=8"])
+                                  "sink_window:ratio=0.25+int8",
+                                  "expected_attention:ratio=0.25,window=8,decoding=evict"])
 def test_ratio_keeps_its_share_after_prefill_and_while_decoding(spec):
     model = use_kvcompress_attention(tiny_model("llama"))
     _, ids, mask = left_padded_prompts(11, lengths=(40,))

@@ -72,7 +72,7 @@ def test_crop_trims_rerotation_positions():
 
 def test_crop_forgets_the_queries_of_the_removed_tokens():
     model = use_kvcompress_attention(tiny_model("llama"))
-    spec = "expected_attention:ratio=1.0,window=16"
+    spec = "expected_attention:ratio=1.0,window=16,decoding=evict"  # the queries held between steps
     cache, shorter = make_cache(spec, model.config), make_cache(spec, model.config)
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -87,7 +87,7 @@ def test_expected_attention_decode_steps_read_nothing_on_the_host():
     config = CONFIGS["llama"]()
     assert (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) == (LAYERS, KV_HEADS, DIM)
     g = torch.Generator().manual_seed(0)
-    cache = make_cache("expected_attention:budget=16,window=8,recent=2", config)
+    cache = make_cache("expected_attention:budget=16,window=8,recent=2,decoding=evict", config)  # decode steps evict
     position = _prefill(cache, generator=g)
     with torch.inference_mode():
         for step in range(20):

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from hf_kvcompress import make_cache, prefill, use_kvcompress_attention
+from hf_kvcompress.measure import measured_kv_bytes
 
 from .tiny_models import tiny_model
 
@@ -57,15 +58,17 @@ def test_tova_forgets_older_steps_and_snapkv_pools_neighbours():
     for i, layer in _full_layers(tova):
         torch.testing.assert_close(layer.accumulated, _per_kv_head(reference[i][:, :, -1:], layer.kv_heads, "sum"),
                                    rtol=1e-4, atol=1e-5)  # fmt: skip
-    snap = make_cache("snapkv:ratio=1.0,window=3,kernel=3,recent=0", model.config)
-    with torch.no_grad():
-        model(input_ids=IDS, cache=snap)
-    layer = snap.layers[0]
-    raw = layer.accumulated
-    padded = F.pad(raw, (1, 1))
-    # The max of each slot's neighbours.
-    expected = torch.stack([padded[..., j : j + raw.shape[-1]] for j in range(3)]).amax(0)
-    torch.testing.assert_close(snap.policy.score(raw, raw.shape[-1]), expected)
+    for pooling in ("max", "avg"):
+        snap = make_cache(f"snapkv:ratio=1.0,window=3,kernel=3,recent=0,pooling={pooling}", model.config)
+        with torch.no_grad():
+            model(input_ids=IDS, cache=snap)
+        layer = snap.layers[0]
+        raw = layer.accumulated
+        padded = F.pad(raw, (1, 1))
+        # The max, or the mean with zeros past the ends (SnapKV's reference code, kvpress), of each slot's neighbours.
+        neighbours = torch.stack([padded[..., j : j + raw.shape[-1]] for j in range(3)])
+        expected = neighbours.amax(0) if pooling == "max" else neighbours.sum(0) / 3
+        torch.testing.assert_close(snap.policy.score(raw, raw.shape[-1]), expected)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
@@ -219,8 +222,8 @@ def test_expected_attention_models_the_pre_rope_queries_and_scores_by_them(name)
             lambda module, args, kwargs, out, i=i: hidden.setdefault(i, []).append(kwargs["hidden_states"]),
             with_kwargs=True,
         )
-    window, future, sinks = 16, 4, 1
-    spec = f"expected_attention:ratio=1.0,window={window},future={future},sink_tokens={sinks}"
+    window, future, sinks = 16, 4, 1  # decoding=evict holds the newest `window` queries between steps
+    spec = f"expected_attention:ratio=1.0,window={window},future={future},sink_tokens={sinks},decoding=evict"
     cache = make_cache(spec, model.config)
     longer = torch.cat([IDS, torch.tensor([[7]])], dim=1)  # a prompt step, then a decode step
     dynamic = DynamicCache(config=model.config)
@@ -245,6 +248,52 @@ def test_expected_attention_models_the_pre_rope_queries_and_scores_by_them(name)
         got = cache.policy.score(None, tokens, keys=keys, pads=torch.zeros(1, dtype=torch.long), values=values,
                                  queries=layer.scorer.window(layer))
         torch.testing.assert_close(got.double(), reference, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3"])
+def test_expected_attention_scores_a_prompt_by_all_its_queries_and_holds_none_after(name):
+    """The default (`decoding=append`, no window): the prompt step is scored by the statistics of every query of the
+    step past the sinks, as kvpress scores a document, the kept pairs are that ranking's, and nothing of the
+    queries stays in the cache (its bytes are the kept pairs' alone); a decode step asks for no queries."""
+    from hf_kvcompress.policies.base import select_kept
+    from tests.policies.expected_attention_reference import reference_scores
+
+    model = use_kvcompress_attention(tiny_model(name))
+    hidden = {}
+    for i, block in enumerate(model.model.layers):
+        block.self_attn.register_forward_hook(
+            lambda module, args, kwargs, out, i=i: hidden.setdefault(i, []).append(kwargs["hidden_states"]),
+            with_kwargs=True,
+        )
+    future, sinks, tokens = 4, 1, IDS.shape[1]
+    cache = make_cache(f"expected_attention:ratio=0.5,future={future},sink_tokens={sinks}", model.config)
+    dynamic = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=IDS, cache=cache)
+        model(input_ids=IDS, cache=dynamic)
+    rotary = model.model.rotary_emb
+    inv_freq = getattr(rotary, "full_attention_inv_freq", getattr(rotary, "inv_freq", None))
+    counted = torch.zeros(1, tokens, dtype=torch.bool)
+    counted[:, sinks:] = True
+    pads = torch.zeros(1, dtype=torch.long)
+    for i, layer in _full_layers(cache):
+        assert layer.recent_queries is None  # the step's queries went with its eviction
+        queries = _pre_rope_queries(model.model.layers[i].self_attn, hidden[i][0])
+        keys, values = dynamic.layers[i].keys, dynamic.layers[i].values
+        scores = reference_scores(keys, values, queries.double(), counted, torch.tensor([tokens]), inv_freq, pads,
+                                  future, epsilon=cache.policy.epsilon)
+        kept = select_kept(cache.policy, scores, pads, layer.kv_heads, tokens,
+                           keep=torch.tensor([tokens // 2]))  # [1, H_kv, 6]
+        expected = keys.gather(2, kept[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        torch.testing.assert_close(layer.tail_keys, expected, rtol=1e-5, atol=1e-5)
+    assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+    requests = []
+    with torch.no_grad():  # a decode step appends unscored: attention is asked for nothing
+        for layer in cache.layers:
+            layer.observe = lambda delivered, requests=requests: requests.append(delivered)
+        model(input_ids=torch.tensor([[7]]), cache=cache)
+    assert requests == []
+    assert all(layer.stored_tokens == tokens // 2 + 1 for _, layer in _full_layers(cache))
 
 
 def test_expected_attention_needs_the_models_config():

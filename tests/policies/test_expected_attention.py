@@ -77,7 +77,8 @@ def test_padding_is_never_kept_over_a_real_slot():
     ({"covariance": "yes"}, "covariance"), ({"value_norm": 1}, "value_norm"), ({"epsilon": -0.1}, "epsilon"),
     ({"epsilon": math.nan}, "epsilon"), ({"epsilon": True}, "epsilon"), ({"recent": -1}, "recent"),
     ({"sink_tokens": -2}, "sink_tokens"), ({"budget": 3, "sink_tokens": 4}, "budget"),
-    ({"ratio": 1.5}, "ratio"), ({"budget": 64, "ratio": 0.5}, "either budget"),
+    ({"ratio": 1.5}, "ratio"), ({"budget": 64, "ratio": 0.5}, "either budget"), ({"decoding": "keep"}, "decoding"),
+    ({"window": -1, "decoding": "evict"}, "window"),
 ])
 def test_bad_parameters_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -92,3 +93,16 @@ def test_spec_strings_build_and_rebuild_the_policy():
         parse_spec("expected_attention:window=0")
     with pytest.raises(ValueError, match="unknown policy argument"):
         parse_spec("expected_attention:n_future_positions=8")
+
+
+def test_the_queries_are_held_between_steps_only_to_evict_while_decoding():
+    # By default each step is scored by its own queries (all of them: window None) and a decode step appends;
+    # decoding=evict holds the newest `window` (64 unless given) for the decode steps it scores.
+    plain = ExpectedAttentionPolicy(ratio=0.5)
+    assert (plain.observed_queries, plain.holds_queries, plain.evicts_while_decoding) == (None, False, False)
+    assert ExpectedAttentionPolicy(ratio=0.5, window=16).observed_queries == 16
+    held = parse_spec("expected_attention:ratio=0.5,decoding=evict")[0]
+    assert (held.observed_queries, held.holds_queries, held.evicts_while_decoding) == (64, True, True)
+    assert parse_spec(held.spec())[0] == held
+    with pytest.raises(ValueError, match="decoding must be one of append, evict"):
+        parse_spec("expected_attention:ratio=0.5,decoding=drop")

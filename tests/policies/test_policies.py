@@ -59,6 +59,8 @@ def test_heavy_hitters_are_kept_per_head():
         (lambda: KVzipPolicy(span=1.5), "span"),
         (lambda: TOVAPolicy(heads="all"), "heads must be one of mean, each"),
         (lambda: SnapKVPolicy(decoding="keep"), "decoding must be one of append, evict, got 'keep'"),
+        (lambda: SnapKVPolicy(pooling="mean"), "pooling must be one of avg, max, got 'mean'"),
+        (lambda: SnapKVPolicy(budget=40), "budget must be a positive integer >= recent"),
     ],
 )
 def test_bad_parameters_name_themselves(factory, name):
