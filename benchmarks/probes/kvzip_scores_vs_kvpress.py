@@ -34,13 +34,15 @@ sys.path.insert(0, str(HERE.parent / "harness"))  # the kvpress environment is t
 from peer_envs import KVPRESS_VENV, ensure_kvpress_venv  # noqa: E402
 
 
-def kvpress_scores(model_dir: str, document_ids: list[int], out: Path) -> dict:
-    """KVzipPress's scores of the document, from its own environment."""
-    path = out / "kvpress_scores.pt"
+def kvpress_scores(model_dir: str, document_ids: list[int], out: Path, worker: str = "kvzip_scores_worker.py",
+                   saved: str = "kvpress_scores.pt") -> dict:
+    """The scores `worker` (a script beside this one) captures from kvpress's presses on the document, in kvpress's own
+    environment (default: KVzipPress's); saved under `out`/`saved` and read from there on a later run."""
+    path = out / saved
     if not path.exists():
         (out / "document.json").write_text(json.dumps({"document_ids": document_ids}))
         python = ensure_kvpress_venv(KVPRESS_VENV)
-        subprocess.run([str(python), str(HERE / "kvzip_scores_worker.py"), "--model-dir", model_dir,
+        subprocess.run([str(python), str(HERE / worker), "--model-dir", model_dir,
                         "--document", str(out / "document.json"), "--out", str(path)], check=True)
     return torch.load(path)
 

@@ -24,9 +24,7 @@ kvpress's kept pairs ours keeps, the answer tokens kept by each (mean over layer
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,21 +32,9 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "harness"))  # the kvpress environment is the bench's (peer_envs.py)
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE))  # kvzip_scores_vs_kvpress reaches the kvpress environment (peer_envs.py)
 
-from kvzip_scores_vs_kvpress import locate, spearman  # noqa: E402
-from peer_envs import KVPRESS_VENV, ensure_kvpress_venv  # noqa: E402
-
-
-def kvpress_scores(model_dir: str, document_ids: list[int], out: Path) -> dict:
-    path = out / "kvpress_press_scores.pt"
-    if not path.exists():
-        (out / "document.json").write_text(json.dumps({"document_ids": document_ids}))
-        python = ensure_kvpress_venv(KVPRESS_VENV)
-        subprocess.run([str(python), str(HERE / "press_scores_worker.py"), "--model-dir", model_dir,
-                        "--document", str(out / "document.json"), "--out", str(path)], check=True)
-    return torch.load(path)
+from kvzip_scores_vs_kvpress import kvpress_scores, locate, spearman  # noqa: E402
 
 
 def prefilled(model, spec: str, document_ids: list[int]):
@@ -130,7 +116,8 @@ def main() -> None:
     tokens = len(document_ids)
     answer = locate(document_ids, tokenizer, row["references"][0])
     print(f"{row['sample_id']}: {tokens} tokens, answer {row['references'][0]!r} at tokens {answer}", flush=True)
-    theirs = kvpress_scores(str(ensure_converted(args.model)), document_ids, out)
+    theirs = kvpress_scores(str(ensure_converted(args.model)), document_ids, out, worker="press_scores_worker.py",
+                            saved="kvpress_press_scores.pt")
     with torch.inference_mode():
         ours = {
             "SnapKVPress": {

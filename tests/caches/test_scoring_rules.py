@@ -211,17 +211,23 @@ def _pre_rope_queries(attention, hidden):
     return queries * attention.scaling
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])
-def test_expected_attention_models_the_pre_rope_queries_and_scores_by_them(name):
-    from tests.policies.expected_attention_reference import reference_scores
-
-    model = use_kvcompress_attention(tiny_model(name))
-    hidden = {}
+def _attention_inputs(model) -> dict[int, list[torch.Tensor]]:
+    """Layer index -> the hidden states each forward hands that layer's attention, appended as the forwards run."""
+    hidden: dict[int, list[torch.Tensor]] = {}
     for i, block in enumerate(model.model.layers):
         block.self_attn.register_forward_hook(
             lambda module, args, kwargs, out, i=i: hidden.setdefault(i, []).append(kwargs["hidden_states"]),
             with_kwargs=True,
         )
+    return hidden
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "phi3"])
+def test_expected_attention_models_the_pre_rope_queries_and_scores_by_them(name):
+    from tests.policies.expected_attention_reference import reference_scores
+
+    model = use_kvcompress_attention(tiny_model(name))
+    hidden = _attention_inputs(model)
     window, future, sinks = 16, 4, 1  # decoding=evict holds the newest `window` queries between steps
     spec = f"expected_attention:ratio=1.0,window={window},future={future},sink_tokens={sinks},decoding=evict"
     cache = make_cache(spec, model.config)
@@ -259,12 +265,7 @@ def test_expected_attention_scores_a_prompt_by_all_its_queries_and_holds_none_af
     from tests.policies.expected_attention_reference import reference_scores
 
     model = use_kvcompress_attention(tiny_model(name))
-    hidden = {}
-    for i, block in enumerate(model.model.layers):
-        block.self_attn.register_forward_hook(
-            lambda module, args, kwargs, out, i=i: hidden.setdefault(i, []).append(kwargs["hidden_states"]),
-            with_kwargs=True,
-        )
+    hidden = _attention_inputs(model)
     future, sinks, tokens = 4, 1, IDS.shape[1]
     cache = make_cache(f"expected_attention:ratio=0.5,future={future},sink_tokens={sinks}", model.config)
     dynamic = DynamicCache(config=model.config)
