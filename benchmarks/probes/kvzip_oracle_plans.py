@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -44,7 +45,11 @@ from hf_kvcompress.eval.prompts import encode
 from hf_kvcompress.eval.runner import CompressedDocument
 from hf_kvcompress.eval.scoring import score_all
 from hf_kvcompress.eval.tasks import build_samples
-from hf_kvcompress.generation import RepeatPrompt, repeat_prompt_ids
+from hf_kvcompress.generation import repeat_prompt_ids
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kvzip_multi_needle_scores import oracle_scores  # noqa: E402  # the oracle's [L, H, T] scores
 
 SOURCES = ("pass", "ours", "oracle")
 
@@ -89,24 +94,6 @@ def compress(model, spec: str, doc: list[int], repeat, scores: torch.Tensor | No
         CompressedCache.end_reconstruction = end  # type: ignore[method-assign]
         generation.score_by_reconstruction = original
     return document, (torch.stack(captured) if captured else None)
-
-
-def oracle_scores(model, doc: list[int], question: list[int], reply: list[int]) -> torch.Tensor:
-    """[L, H, T] over the scored layers: the most attention each document pair receives from the question's and the
-    right answer's queries (the pass's machinery with the question as its prompt and the answer as the text it
-    reads, on the uncompressed document)."""
-    original = generation.score_by_reconstruction
-
-    def read_answer(model, input_ids, attention_mask, cache, prompt_ids, *rest):
-        return original(model, torch.tensor([reply]), attention_mask, cache, RepeatPrompt(question), *rest)
-
-    generation.score_by_reconstruction = read_answer
-    try:
-        _, scores = compress(model, "kvzip:ratio=1.0", doc, RepeatPrompt(question), None)
-    finally:
-        generation.score_by_reconstruction = original
-    assert scores is not None
-    return scores
 
 
 def main() -> None:
