@@ -166,8 +166,8 @@ class RecentQueries(Scorer):
 
     A step's queries exist only inside attention: the scorer asks our attention function for the step's newest ones
     (`policy.observed_queries`, None: all of them) and turns them back to before RoPE with the model's frequencies
-    (the policy turns them to the positions ahead itself). A policy that `holds_queries` (`decoding="evict"`) keeps
-    the last `observed_queries` per row between steps, since each decode step is scored by them; otherwise the
+    (the policy turns them to the positions ahead itself). A policy that `evicts_while_decoding` (`decoding="evict"`)
+    keeps the last `observed_queries` per row between steps, since each decode step is scored by them; otherwise the
     queries serve their own step's eviction and are dropped when it is done (`after_compress`), so the cache holds
     nothing beside its kept pairs, and a decode step that evicts nothing asks for none. Padding queries are kept in
     place and left out when scored, so a padded row's window holds the same counted queries as the row alone.
@@ -191,7 +191,7 @@ class RecentQueries(Scorer):
     def begin_step(self, layer, attn_kwargs, new) -> bool:
         """Ask attention for this step's newest queries; remember their positions to undo their rotation."""
         policy = layer.policy
-        if not policy.holds_queries and layer.eviction.appends(new):  # a decode step that evicts nothing
+        if layer.eviction.appends(new):  # a decode step that evicts nothing: no queries held between steps either
             return False
         newest = new if policy.observed_queries is None else min(new, policy.observed_queries)
         position_ids = None if attn_kwargs is None else attn_kwargs.get("position_ids")
@@ -212,7 +212,7 @@ class RecentQueries(Scorer):
         if self.inv_freq:
             back = -self.query_positions[:, None, :].expand(batch, heads, newest)
             queries = rerotate(queries, back, torch.tensor(self.inv_freq, dtype=torch.float32))
-        if layer.policy.holds_queries:
+        if layer.policy.evicts_while_decoding:
             window = layer.policy.observed_queries
             if self.recent_queries is None:
                 self.recent_queries = torch.zeros(batch, heads, window, dim, dtype=layer.dtype, device=layer.device)
@@ -231,7 +231,7 @@ class RecentQueries(Scorer):
 
     def after_compress(self, layer) -> None:
         """A step's eviction is done: queries that are not held between steps go."""
-        if not layer.policy.holds_queries:
+        if not layer.policy.evicts_while_decoding:
             self.recent_queries = None
 
     def window(self, layer) -> QueryWindow:

@@ -63,12 +63,6 @@ class Policy:
         return None
 
     @property
-    def holds_queries(self) -> bool:
-        """A policy that scores by the newest queries (`needs_queries`): True keeps the newest `observed_queries`
-        between steps; False scores each step by its own queries, which go once it has evicted (caches/scorers.py)."""
-        return True
-
-    @property
     def drops_blocks(self) -> bool:
         """True: the layer drops the oldest whole codec blocks instead of ranking slots (policies/block_window.py)."""
         return False

@@ -90,17 +90,13 @@ class ExpectedAttentionPolicy(Policy):
     def observed_queries(self) -> int | None:
         """The newest queries of a step the statistics take (None: all of them); `decoding="evict"` holds them
         between steps, so it needs a number."""
-        if self.window is None and self.holds_queries:
+        if self.window is None and self.evicts_while_decoding:
             return HELD_WINDOW
         return self.window
 
     @property
-    def holds_queries(self) -> bool:
-        """Whether the newest queries are kept between steps (each decode step is scored by them)."""
-        return self.decoding == "evict"
-
-    @property
     def evicts_while_decoding(self) -> bool:
+        """Each decode step is scored, by the newest queries held between steps (caches/scorers.RecentQueries)."""
         return self.decoding == "evict"
 
     @property

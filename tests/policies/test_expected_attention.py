@@ -99,10 +99,10 @@ def test_the_queries_are_held_between_steps_only_to_evict_while_decoding():
     # By default each step is scored by its own queries (all of them: window None) and a decode step appends;
     # decoding=evict holds the newest `window` (64 unless given) for the decode steps it scores.
     plain = ExpectedAttentionPolicy(ratio=0.5)
-    assert (plain.observed_queries, plain.holds_queries, plain.evicts_while_decoding) == (None, False, False)
+    assert (plain.observed_queries, plain.evicts_while_decoding) == (None, False)
     assert ExpectedAttentionPolicy(ratio=0.5, window=16).observed_queries == 16
     held = parse_spec("expected_attention:ratio=0.5,decoding=evict")[0]
-    assert (held.observed_queries, held.holds_queries, held.evicts_while_decoding) == (64, True, True)
+    assert (held.observed_queries, held.evicts_while_decoding) == (64, True)
     assert parse_spec(held.spec())[0] == held
     with pytest.raises(ValueError, match="decoding must be one of append, evict"):
         parse_spec("expected_attention:ratio=0.5,decoding=drop")
