@@ -27,9 +27,9 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # kvzip_scores_vs_kvpress reaches the kvpress environment (peer_envs.py)
@@ -46,17 +46,17 @@ def prefilled(model, spec: str, document_ids: list[int]):
     return cache
 
 
-def snapkv_scores(model, document_ids, window: int, kernel: int, pooling: str = "max") -> torch.Tensor:
+def snapkv_scores(model, document_ids, window: int, kernel: int,
+                  pooling: Literal["avg", "max"] = "max") -> torch.Tensor:
     """[L, H, T]: our SnapKV's scores (the window's attention, summed over its queries and the KV group's query heads,
-    then pooled over `kernel` neighbours: `max`, as our policy, or `avg`, as SnapKVPress)."""
+    then pooled over `kernel` neighbours by the policy's own rule: `max`, its rule before session 36, or `avg`, its
+    default now and SnapKVPress's)."""
+    from hf_kvcompress.policies.snapkv import SnapKVPolicy
+
     cache = prefilled(model, f"snapkv:ratio=1.0,window={window},kernel=1", document_ids)
-    accumulated = torch.cat([layer.accumulated for layer in cache.layers])  # [L, H, T]
-    if kernel == 1:
-        return accumulated
-    layers, heads, tokens = accumulated.shape
-    flat = accumulated.reshape(layers * heads, 1, tokens)
-    pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
-    return pool(flat, kernel, 1, kernel // 2).reshape(layers, heads, tokens)
+    accumulated = torch.cat([layer.accumulated for layer in cache.layers])  # [L, H, T]: the layers as the batch
+    policy = SnapKVPolicy(ratio=1.0, window=window, kernel=kernel, pooling=pooling)
+    return policy.score(accumulated, accumulated.shape[-1])
 
 
 def expected_attention_scores(model, document_ids, **fields) -> torch.Tensor:
