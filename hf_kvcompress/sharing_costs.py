@@ -28,6 +28,8 @@ from .hf.compat import text_config
 from .registry import parse_spec
 
 KINDS = ("key", "value")
+# Tokens read twice per level: a SmolLM2 calibration measures 2 x 30 layers x 2 levels, each one prefill of twice this.
+COPY_TOKENS = 512
 
 
 def level_copy_costs(model, input_ids: torch.Tensor, maps: str | os.PathLike,
@@ -71,3 +73,4 @@ def add_copy_costs(model, input_ids: torch.Tensor, maps: str | os.PathLike, tens
                 tensors[f"layers.{layer}.{kind}.{level}.copy_cost"] = torch.tensor(cost, dtype=torch.float32)
     metadata.update(copy_tokens=str(input_ids.shape[1]))
     return costs
+

@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--sharing", action="store_true",
                         help="measure which KV heads of each layer the others predict (least squares, keys pre-RoPE) "
                         "and fit the maps instead (shared_heads:ratio), then each level's copy cost (the rise of the "
-                        "loss on a second reading of held-out text with only that level predicted, what a ratio "
+                        "loss on a second reading of 512 held-out tokens with only that level predicted, what a ratio "
                         "spends by): OUT/shared_heads.safetensors; a cache uses them as shared_heads:ratio=R,maps=OUT")
     parser.add_argument("--key-scales", action="store_true",
                         help="write each layer's key channel scales instead (int codecs' key_scale, for keys grouped "
@@ -184,9 +184,8 @@ def _per_head_report(report: list[dict]) -> None:
 def run_sharing(args) -> int:
     """`calibrate --sharing`: fit the head-sharing maps and report what predicting each level of heads costs."""
     from ..calibration import calibrate_sharing, calibration_ids, held_out_ids, load_sharing, save_sharing
-    from ..copy_weights import COPY_TOKENS
     from ..models import load_model
-    from ..sharing_costs import add_copy_costs
+    from ..sharing_costs import COPY_TOKENS, add_copy_costs
 
     model, tokenizer = load_model(args.model)
     tensors, metadata, report = calibrate_sharing(model, calibration_ids(tokenizer, args.tokens))
