@@ -15,6 +15,16 @@ from .base import Encoded, Kind
 from .reducing import ReducingCodec
 
 CALIBRATED_SINKS = 4  # exact first tokens with calibrated maps: the sinks are what maps fitted to text predict worst
+# `allocate`: which calibrated cost of a level a ratio spends by: "copy", the rise of the model's loss on a second
+# reading of held-out text with only that level predicted (sharing_costs.py), or "residual", the predicted heads'
+# least-squares residual over the heads' mean square (calibration.sharing_levels).
+ALLOCATIONS = ("copy", "residual")
+COST_NAMES = {"copy": "copy_cost", "residual": "cost"}
+
+
+def has_copy_costs(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether head-sharing maps hold each level's copy cost (`layers.i.kind.m.copy_cost`, sharing_costs.py)."""
+    return "layers.0.key.1.copy_cost" in tensors
 
 
 def kv_head_count(config) -> int:
@@ -106,6 +116,10 @@ class SharedHeadsCodec(ReducingCodec):
             shipped for the model.
         sink_tokens: the first real tokens of each row kept exact beside the store (caches/codec_sinks.py); None:
             4 with ratio, none with group means (a storage with sinks of its own, `+int4`, keeps its own).
+        allocate: with ratio, which calibrated cost of each level the ratio spends by (the cheapest first):
+            "copy", what predicting that level alone costs the model's loss on a second reading of held-out text
+            (`hf-kvcompress calibrate --sharing` measures it; sharing_costs.py), or "residual", the predicted heads'
+            least-squares residual; None: "copy" where the maps hold copy costs, else "residual".
         storage: how the stored heads are stored (full precision by default; `shared_heads+int8` quantizes them).
     """
 
@@ -114,6 +128,7 @@ class SharedHeadsCodec(ReducingCodec):
     heads_per_group: int | None = None
     ratio: float | None = None
     maps: str | None = None
+    allocate: str | None = None
     sink_tokens: int | None = None  # type: ignore[assignment,misc]  # a field here (the base's property reads the storage's)
     # Bound to the model (ratio): the maps, each layer's (key level, value level), the RoPE frequencies, the KV heads.
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
@@ -138,6 +153,11 @@ class SharedHeadsCodec(ReducingCodec):
                 raise ValueError("give heads_per_group (group means) or ratio (calibrated maps), not both")
         elif self.maps is not None:
             raise ValueError("maps are read with ratio=: give shared_heads:ratio=R,maps=DIR")
+        if self.allocate is not None:
+            if self.allocate not in ALLOCATIONS:
+                raise ValueError(f"allocate must be one of {', '.join(ALLOCATIONS)}, got {self.allocate!r}")
+            if self.ratio is None:
+                raise ValueError("allocate spreads a ratio's predicted heads: give shared_heads:ratio=R,allocate=...")
         if self.sink_tokens is None:
             object.__setattr__(self, "sink_tokens", CALIBRATED_SINKS if self.ratio is not None else 0)
         elif isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
@@ -180,15 +200,36 @@ class SharedHeadsCodec(ReducingCodec):
                 f"ratio must be at least 1 / KV heads = {1 / heads:.3f} (each layer and kind keeps one of its "
                 f"{heads} heads) and at most 1, got {self.ratio}"
             )
+        if self._levels is not None:  # bound already (`with_levels`)
+            return self
         tensors, meta = load_sharing(self.maps, config)
         layers = int(meta["layers"])
-        costs = [tuple([float(tensors[f"layers.{i}.{kind}.{m}.cost"]) for m in range(1, heads)]
+        allocate = self.allocate or ("copy" if has_copy_costs(tensors) else "residual")
+        if allocate == "copy" and not has_copy_costs(tensors):
+            raise ValueError("allocate=copy needs maps with copy costs (hf-kvcompress calibrate --sharing writes "
+                             "them): give allocate=residual")
+        name = COST_NAMES[allocate]
+        costs = [tuple([float(tensors[f"layers.{i}.{kind}.{m}.{name}"]) for m in range(1, heads)]
                        for kind in ("key", "value")) for i in range(layers)]
         levels = allocate_levels(costs, self.ratio, heads)  # type: ignore[arg-type]  # pairs of lists, built above
         bound = copy.copy(self)
-        for name, value in (("_tensors", tensors), ("_levels", tuple(levels)), ("_kv_heads", heads),
-                            ("_inv_freqs", rope_frequencies(config))):
-            object.__setattr__(bound, name, value)
+        for field_name, value in (("_tensors", tensors), ("_levels", tuple(levels)), ("_kv_heads", heads),
+                                  ("_inv_freqs", rope_frequencies(config))):
+            object.__setattr__(bound, field_name, value)
+        return bound
+
+    def with_levels(self, levels: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> SharedHeadsCodec:
+        """This codec, bound to the model, predicting `levels` (per layer: key heads, value heads) instead of what
+        its ratio allocates; calibration measures one level at a time with it (sharing_costs.py)."""
+        if self._levels is None:
+            raise ValueError("with_levels needs the codec bound to a model (reduction_for_model(config))")
+        if len(levels) != len(self._levels) or any(
+            not 0 <= level < self._kv_heads for pair in levels for level in pair
+        ):
+            raise ValueError(f"levels must hold one (key, value) pair per layer ({len(self._levels)}), each between "
+                             f"0 and {self._kv_heads - 1} (one head of a layer and kind is kept), got {levels!r}")
+        bound = copy.copy(self)
+        object.__setattr__(bound, "_levels", tuple((int(k), int(v)) for k, v in levels))
         return bound
 
     def check_kv_heads(self, heads: int) -> None:

@@ -26,8 +26,9 @@ def add_parser(subparsers) -> None:
                         "itself when it ends in .safetensors; a cache uses them as kvzap:probe=OUT")
     parser.add_argument("--sharing", action="store_true",
                         help="measure which KV heads of each layer the others predict (least squares, keys pre-RoPE) "
-                        "and fit the maps instead (shared_heads:ratio): OUT/shared_heads.safetensors; a cache uses "
-                        "them as shared_heads:ratio=R,maps=OUT")
+                        "and fit the maps instead (shared_heads:ratio), then each level's copy cost (the rise of the "
+                        "loss on a second reading of 512 held-out tokens with only that level predicted, what a ratio "
+                        "spends by): OUT/shared_heads.safetensors; a cache uses them as shared_heads:ratio=R,maps=OUT")
     parser.add_argument("--key-scales", action="store_true",
                         help="write each layer's key channel scales instead (int codecs' key_scale, for keys grouped "
                         "per token under eviction): OUT/key_scales.safetensors; a cache uses them as "
@@ -182,11 +183,17 @@ def _per_head_report(report: list[dict]) -> None:
 
 def run_sharing(args) -> int:
     """`calibrate --sharing`: fit the head-sharing maps and report what predicting each level of heads costs."""
-    from ..calibration import calibrate_sharing, calibration_ids, save_sharing
+    from ..calibration import calibrate_sharing, calibration_ids, held_out_ids, load_sharing, save_sharing
     from ..models import load_model
+    from ..sharing_costs import COPY_TOKENS, add_copy_costs
 
     model, tokenizer = load_model(args.model)
     tensors, metadata, report = calibrate_sharing(model, calibration_ids(tokenizer, args.tokens))
+    path = save_sharing(tensors, metadata, args.out)
+    # Each level's copy cost, measured on the maps as saved (float16) and on text they were not fitted on.
+    tensors, metadata = load_sharing(path, model.config)
+    ids = held_out_ids(tokenizer, args.tokens, COPY_TOKENS)
+    copy_costs = add_copy_costs(model, ids, path, tensors, metadata, progress=lambda line: print(line, flush=True))
     path = save_sharing(tensors, metadata, args.out)
     print(f"Head-sharing maps for {metadata['model']} ({metadata['layers']} layers x {metadata['kv_heads']} KV heads "
           f"x head_dim {metadata['head_dim']}) from {metadata['tokens']} tokens of {metadata['text']}: {path}")
@@ -196,6 +203,12 @@ def run_sharing(args) -> int:
     for row in report:
         cells = ["/".join(f"{c:.3f}" for c in row[kind]) for kind in ("key", "value")]
         print(f"{row['layer']:5d}  {cells[0]:>20s}  {cells[1]:>20s}  {row['key_predicted']} | {row['value_predicted']}")
+    print(f"Copy cost of each level alone (the rise of the loss on a second reading of {COPY_TOKENS} held-out tokens; "
+          "what shared_heads:ratio spends by, allocate=copy):")
+    print(f"{'layer':>5s}  {'keys':>20s}  {'values':>20s}")
+    for layer, pair in enumerate(copy_costs):
+        cells = ["/".join(f"{c:+.4f}" for c in kind_costs) for kind_costs in pair]
+        print(f"{layer:5d}  {cells[0]:>20s}  {cells[1]:>20s}")
     return 0
 
 

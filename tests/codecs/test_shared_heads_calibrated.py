@@ -15,7 +15,7 @@ from hf_kvcompress.calibration import (
     save_sharing,
     sharing_levels,
 )
-from hf_kvcompress.codecs.shared_heads import SharedHeadsCodec, allocate_levels
+from hf_kvcompress.codecs.shared_heads import SharedHeadsCodec, allocate_levels, has_copy_costs
 from hf_kvcompress.generation import generate
 from hf_kvcompress.ops.rerotate import rerotate
 
@@ -167,6 +167,9 @@ def test_packaged_smollm2_maps_load_and_store_two_thirds_of_the_heads():
     assert kept == pytest.approx(121 * 64 * 2 / 3)
     levels = cache.layers[0].codec.levels()
     assert len(levels) == 30 and sum(sum(pair) for pair in levels) == 59
+    tensors, _ = load_sharing(None, config)
+    assert has_copy_costs(tensors)  # the shipped maps spend a ratio by copy costs (allocate=copy)
+    assert make_cache("shared_heads:ratio=0.67,allocate=copy", config).layers[0].codec.levels() == levels
 
 
 def test_maps_move_to_the_states_device_once(fitted):

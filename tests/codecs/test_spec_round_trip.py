@@ -32,7 +32,7 @@ SETTINGS = [
     "lowrank:ratio=0.25,allocate=copy,compute=bfloat16",
     "lowrank:ratio=0.5+int4:key_axis=token,residual_length=0",
     "shared_heads:heads_per_group=2,sink_tokens=2",
-    "shared_heads:ratio=0.5,maps=somewhere+int8:key_axis=token",
+    "shared_heads:ratio=0.5,maps=somewhere,allocate=residual+int8:key_axis=token",
     "shared_heads+int2:key_axis=channel,group_size=16",
 ]
 
