@@ -29,11 +29,13 @@ class ExpectedAttentionPolicy(Policy):
     runs; each eviction costs one D x D quadratic form per key and query head.
 
     By default (`decoding="append"`, as kvpress's ExpectedAttentionPress and SnapKV) a step of several tokens (the
-    prompt, a chunk of it, a question after it) is scored by the statistics of its own queries and evicted to the
-    budget or ratio; a decode step is neither scored nor evicted. The queries live only for their step, so the cache
-    holds the kept pairs and nothing else: `ratio=R` holds R of the uncompressed cache's bytes (the 64 queries held
-    between steps before made `ratio=0.5` hold 0.598 of SmolLM2's bf16 bytes, docs/results.md). A prompt read at
-    once is thus scored by every query of the document, as kvpress scores it.
+    prompt, a chunk of it) is scored by the statistics of its own queries and evicted to the budget or ratio; a
+    decode step is neither scored nor evicted, and neither is a question prefilled after the compressed document
+    (`appends_question`): kvpress's pipeline compresses the context alone and appends the question whole, so the
+    cache holds R of the document plus the question. The queries live only for their step, so the cache holds the
+    kept pairs and nothing else: `ratio=R` holds R of the uncompressed cache's bytes (the 64 queries held between
+    steps before made `ratio=0.5` hold 0.598 of SmolLM2's bf16 bytes, docs/results.md). A prompt read at once is
+    thus scored by every query of the document, as kvpress scores it.
 
     Args:
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
@@ -52,9 +54,10 @@ class ExpectedAttentionPolicy(Policy):
         recent: newest tokens always kept.
         sink_tokens: first tokens always kept; their queries are also left out of the statistics (outliers, as
             the attention sinks' queries are).
-        decoding: "append" (a decode step joins what is kept, unscored: the cache grows by one token per step
-            beyond what the prompt was compressed to) or "evict" (each decode step is scored by the held window and
-            evicted back to the budget or ratio of the tokens seen).
+        decoding: "append" (a decode step, and a question prefilled after the compressed document, join what is
+            kept, unscored: the cache grows by their tokens beyond what the document was compressed to) or "evict"
+            (every later step, the question's included, is scored, a decode step by the held window, and evicted
+            back to the budget or ratio of the tokens seen).
     """
 
     name: ClassVar[str] = "expected_attention"
@@ -98,6 +101,13 @@ class ExpectedAttentionPolicy(Policy):
     def evicts_while_decoding(self) -> bool:
         """Each decode step is scored, by the newest queries held between steps (caches/scorers.RecentQueries)."""
         return self.decoding == "evict"
+
+    @property
+    def appends_question(self) -> bool:
+        """With `decoding="append"` a question prefilled after the document is appended unscored, as kvpress's
+        pipeline appends it (scored as a step of its own, the statistics of its few queries would evict pairs of
+        the document and of the question itself down to the ratio of both)."""
+        return self.decoding == "append"
 
     @property
     def needs_values(self) -> bool:  # type: ignore[override]  # the base's class flag; here the `value_norm` field
