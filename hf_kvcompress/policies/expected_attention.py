@@ -24,7 +24,7 @@ class ExpectedAttentionPolicy(Policy):
     the rotation is averaged over the `future` next positions (it is linear, so rotating the queries first and then
     taking their statistics is the same as rotating the statistics). For a key k and q ~ N(mu, Sigma), in closed
     form, E[exp(q.k)] = exp(mu.k + k^T Sigma k / 2) (q scaled as attention scales it); these are normalised over the
-    row's keys (a softmax), averaged over the query heads of the KV group and, since what a pair adds to the output
+    row's keys past its sinks (a softmax), averaged over the query heads of the KV group and, since what a pair adds to the output
     also scales with its value, weighted as (p + epsilon) * ||v||. No attention is recomputed and no second pass
     runs; each eviction costs one D x D quadratic form per key and query head.
 
@@ -53,7 +53,7 @@ class ExpectedAttentionPolicy(Policy):
             ranks by expected attention alone, which on the needle documents keeps mostly the end (docs/results.md).
         recent: newest tokens always kept.
         sink_tokens: first tokens always kept; their queries are also left out of the statistics (outliers, as
-            the attention sinks' queries are).
+            the attention sinks' queries are), and their keys out of the normalisation.
         decoding: "append" (a decode step, and a question prefilled after the compressed document, join what is
             kept, unscored: the cache grows by their tokens beyond what the document was compressed to) or "evict"
             (every later step, the question's included, is scored, a decode step by the held window, and evicted
@@ -123,9 +123,12 @@ class ExpectedAttentionPolicy(Policy):
         if self.covariance:
             spread = torch.matmul(k[:, :, None], cov.view(batch, kv_heads, groups, dim, dim))  # [B, H_kv, g, T, D]
             logits = logits + (spread * k[:, :, None]).sum(-1) / 2
-        if pads is not None:  # padding keys take no share of the normalisation: a padded row ranks as it would alone
-            is_pad = torch.arange(slots, device=k.device)[None, :] < pads[:, None]
-            logits = logits.masked_fill(is_pad[:, None, None, :], float("-inf"))
+        # Padding and the row's sink tokens (kept whatever they score) take no share of the normalisation, as
+        # ExpectedAttentionPress scores the keys after its sinks: a padded row ranks as it would alone, and the mass
+        # a head puts on its sinks does not shrink its say in the KV group's mean (or its scores beside epsilon).
+        first = (pads if pads is not None else torch.zeros(batch, dtype=torch.long, device=k.device)) + self.sink_tokens
+        left_out = torch.arange(slots, device=k.device)[None, :] < first[:, None]  # [B, T]
+        logits = logits.masked_fill(left_out[:, None, None, :], float("-inf"))
         expected = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=2)  # [B, H_kv, T]
         if self.value_norm:
             expected = (expected + self.epsilon) * values.float().norm(dim=-1)
