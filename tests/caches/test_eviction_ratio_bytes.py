@@ -76,3 +76,18 @@ def test_the_question_is_scored_when_prefilled_as_part_of_the_prompt():
         prefill(model, ids[:, :TOKENS], None, cache)
         prefill(model, ids[:, TOKENS:], None, cache)
     assert all(layer.stored_tokens == -(-(TOKENS + QUESTION) // 4) for layer in cache.layers)
+
+
+def test_generate_appends_the_question_after_a_compressed_document():
+    """The eval's path: generate() on a cache that holds the compressed document prefills the question with
+    compress=False, so Expected Attention keeps R of the document, then every question and generated token."""
+    from hf_kvcompress.generation import generate
+
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = torch.randint(3, 128, (1, TOKENS + QUESTION), generator=torch.Generator().manual_seed(7))
+    cache = make_cache("expected_attention:ratio=0.25", model.config)
+    with torch.no_grad():
+        prefill(model, ids[:, :TOKENS], None, cache)
+    generate(model, ids, None, cache, max_new_tokens=3, min_new_tokens=3)
+    # The last generated token is returned, not fed: two of the three reach the cache.
+    assert all(layer.stored_tokens == TOKENS // 4 + QUESTION + 2 for layer in cache.layers)
