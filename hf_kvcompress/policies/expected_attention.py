@@ -24,9 +24,9 @@ class ExpectedAttentionPolicy(Policy):
     the rotation is averaged over the `future` next positions (it is linear, so rotating the queries first and then
     taking their statistics is the same as rotating the statistics). For a key k and q ~ N(mu, Sigma), in closed
     form, E[exp(q.k)] = exp(mu.k + k^T Sigma k / 2) (q scaled as attention scales it); these are normalised over the
-    row's keys past its sinks (a softmax), averaged over the query heads of the KV group and, since what a pair adds to the output
-    also scales with its value, weighted as (p + epsilon) * ||v||. No attention is recomputed and no second pass
-    runs; each eviction costs one D x D quadratic form per key and query head.
+    row's keys past its sinks (a softmax), averaged over the query heads of the KV group and, since what a pair adds
+    to the output also scales with its value, weighted as (p + epsilon) * ||v||. No attention is recomputed and no
+    second pass runs; each eviction costs one D x D quadratic form per key and query head.
 
     By default (`decoding="append"`, as kvpress's ExpectedAttentionPress and SnapKV) a step of several tokens (the
     prompt, a chunk of it) is scored by the statistics of its own queries and evicted to the budget or ratio; a
