@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .caches.eviction import APPENDED_PROMPT
 from .caches.layer import END_ALIGNED_CHUNKS
 from .hf.compat import assisted_decoding_continues_cache, cache_kwargs, text_config
 from .measure import measured_kv_bytes
@@ -96,7 +97,9 @@ def prefill(
     after the previous chunk's last `reconstruction_overlap` tokens) against the cache, which scores and evicts:
     about one more prefill of the context, whose tokens are not kept. `on_chunk()` runs after every forward pass
     (to measure memory). KVzap with head budgets ranks every layer's probe-scored pairs once the chunks are read
-    (`cache.rank_prompt`). Every other policy compresses while the tokens arrive.
+    (`cache.rank_prompt`). Every other policy compresses while the tokens arrive; with `compress=False` (tokens
+    after a compressed document: a question) a policy that `appends_question` (Expected Attention's
+    `decoding="append"`) appends them unscored, as kvpress's pipeline appends the question.
     """
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
@@ -133,6 +136,7 @@ def prefill(
     bounds = [0, *range(length % step or step, length + 1, step)]
     logits = None
     marker = END_ALIGNED_CHUNKS.set(True)
+    appended = APPENDED_PROMPT.set(not compress)
     try:
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             out = model(
@@ -149,6 +153,7 @@ def prefill(
             if on_chunk is not None:
                 on_chunk()
     finally:
+        APPENDED_PROMPT.reset(appended)
         END_ALIGNED_CHUNKS.reset(marker)
     if compress and getattr(policy, "ranks_prompt", False):
         cache.rank_prompt()  # KVzap's head budgets: the prompt is read, rank every layer's pairs once

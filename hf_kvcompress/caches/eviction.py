@@ -9,6 +9,8 @@ full-precision tail, for the first and only time.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import torch
 
 from ..codecs.base import agree_within_groups
@@ -23,6 +25,11 @@ UNKNOWN_PADDING = (
 )
 
 
+# Set by generation.prefill(compress=False): the step's tokens follow a prompt the cache has compressed (a question
+# after its document), and a policy that `appends_question` appends them unscored.
+APPENDED_PROMPT: ContextVar[bool] = ContextVar("APPENDED_PROMPT", default=False)
+
+
 class Eviction:
     """A layer's keep counts: the policy's budget per row, plus `budget_shift` [B] (tokens this layer keeps beyond
     the uniform budget, set by a reconstruction pass's allocation across layers, compressed.py), and the choice of
@@ -35,8 +42,11 @@ class Eviction:
 
     def appends(self, new: int) -> bool:
         """Whether a step of `new` tokens joins what is kept unscored and evicts nothing: a decode step of a policy
-        that does not evict while decoding (SnapKV's `decoding="append"`)."""
-        return new == 1 and not self.policy.evicts_while_decoding
+        that does not evict while decoding (SnapKV's `decoding="append"`), or, for a policy that `appends_question`,
+        any step prefilled after the compressed prompt (APPENDED_PROMPT)."""
+        if self.policy.evicts_while_decoding:
+            return False
+        return new == 1 or (self.policy.appends_question and APPENDED_PROMPT.get())
 
     def keep_per_row(self, padding: RowPadding, has_scores: bool, before_scoring: bool = False) -> torch.Tensor | None:
         """Real tokens each row keeps now, [B]; None when the policy keeps everything (or waits for its scores).

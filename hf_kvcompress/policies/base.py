@@ -79,6 +79,14 @@ class Policy:
         return True
 
     @property
+    def appends_question(self) -> bool:
+        """True (for a policy that does not evict while decoding): tokens prefilled after a prompt the cache has
+        compressed (generation.prefill with compress=False, as generate() feeds a question after its document) join
+        what is kept unscored, as decode steps do, instead of being scored and evicted as another chunk of the
+        prompt; the cache then holds the prompt's ratio or budget plus the question."""
+        return False
+
+    @property
     def ranks_prompt(self) -> bool:
         """True: the cache holds the prompt whole and ranks every layer's pairs once it is read
         (CompressedCache.rank_prompt; KVzap's head budgets)."""

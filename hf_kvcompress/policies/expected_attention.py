@@ -24,16 +24,18 @@ class ExpectedAttentionPolicy(Policy):
     the rotation is averaged over the `future` next positions (it is linear, so rotating the queries first and then
     taking their statistics is the same as rotating the statistics). For a key k and q ~ N(mu, Sigma), in closed
     form, E[exp(q.k)] = exp(mu.k + k^T Sigma k / 2) (q scaled as attention scales it); these are normalised over the
-    row's keys (a softmax), averaged over the query heads of the KV group and, since what a pair adds to the output
-    also scales with its value, weighted as (p + epsilon) * ||v||. No attention is recomputed and no second pass
-    runs; each eviction costs one D x D quadratic form per key and query head.
+    row's keys past its sinks (a softmax), averaged over the query heads of the KV group and, since what a pair adds
+    to the output also scales with its value, weighted as (p + epsilon) * ||v||. No attention is recomputed and no
+    second pass runs; each eviction costs one D x D quadratic form per key and query head.
 
     By default (`decoding="append"`, as kvpress's ExpectedAttentionPress and SnapKV) a step of several tokens (the
-    prompt, a chunk of it, a question after it) is scored by the statistics of its own queries and evicted to the
-    budget or ratio; a decode step is neither scored nor evicted. The queries live only for their step, so the cache
-    holds the kept pairs and nothing else: `ratio=R` holds R of the uncompressed cache's bytes (the 64 queries held
-    between steps before made `ratio=0.5` hold 0.598 of SmolLM2's bf16 bytes, docs/results.md). A prompt read at
-    once is thus scored by every query of the document, as kvpress scores it.
+    prompt, a chunk of it) is scored by the statistics of its own queries and evicted to the budget or ratio; a
+    decode step is neither scored nor evicted, and neither is a question prefilled after the compressed document
+    (`appends_question`): kvpress's pipeline compresses the context alone and appends the question whole, so the
+    cache holds R of the document plus the question. The queries live only for their step, so the cache holds the
+    kept pairs and nothing else: `ratio=R` holds R of the uncompressed cache's bytes (the 64 queries held between
+    steps before made `ratio=0.5` hold 0.598 of SmolLM2's bf16 bytes, docs/results.md). A prompt read at once is
+    thus scored by every query of the document, as kvpress scores it.
 
     Args:
         budget: tokens kept per KV head (512 when neither budget nor ratio is given).
@@ -51,10 +53,11 @@ class ExpectedAttentionPolicy(Policy):
             ranks by expected attention alone, which on the needle documents keeps mostly the end (docs/results.md).
         recent: newest tokens always kept.
         sink_tokens: first tokens always kept; their queries are also left out of the statistics (outliers, as
-            the attention sinks' queries are).
-        decoding: "append" (a decode step joins what is kept, unscored: the cache grows by one token per step
-            beyond what the prompt was compressed to) or "evict" (each decode step is scored by the held window and
-            evicted back to the budget or ratio of the tokens seen).
+            the attention sinks' queries are), and their keys out of the normalisation.
+        decoding: "append" (a decode step, and a question prefilled after the compressed document, join what is
+            kept, unscored: the cache grows by their tokens beyond what the document was compressed to) or "evict"
+            (every later step, the question's included, is scored, a decode step by the held window, and evicted
+            back to the budget or ratio of the tokens seen).
     """
 
     name: ClassVar[str] = "expected_attention"
@@ -100,6 +103,13 @@ class ExpectedAttentionPolicy(Policy):
         return self.decoding == "evict"
 
     @property
+    def appends_question(self) -> bool:
+        """With `decoding="append"` a question prefilled after the document is appended unscored, as kvpress's
+        pipeline appends it (scored as a step of its own, the statistics of its few queries would evict pairs of
+        the document and of the question itself down to the ratio of both)."""
+        return self.decoding == "append"
+
+    @property
     def needs_values(self) -> bool:  # type: ignore[override]  # the base's class flag; here the `value_norm` field
         return self.value_norm
 
@@ -113,9 +123,12 @@ class ExpectedAttentionPolicy(Policy):
         if self.covariance:
             spread = torch.matmul(k[:, :, None], cov.view(batch, kv_heads, groups, dim, dim))  # [B, H_kv, g, T, D]
             logits = logits + (spread * k[:, :, None]).sum(-1) / 2
-        if pads is not None:  # padding keys take no share of the normalisation: a padded row ranks as it would alone
-            is_pad = torch.arange(slots, device=k.device)[None, :] < pads[:, None]
-            logits = logits.masked_fill(is_pad[:, None, None, :], float("-inf"))
+        # Padding and the row's sink tokens (kept whatever they score) take no share of the normalisation, as
+        # ExpectedAttentionPress scores the keys after its sinks: a padded row ranks as it would alone, and the mass
+        # a head puts on its sinks does not shrink its say in the KV group's mean (or its scores beside epsilon).
+        first = (pads if pads is not None else torch.zeros(batch, dtype=torch.long, device=k.device)) + self.sink_tokens
+        left_out = torch.arange(slots, device=k.device)[None, :] < first[:, None]  # [B, T]
+        logits = logits.masked_fill(left_out[:, None, None, :], float("-inf"))
         expected = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=2)  # [B, H_kv, T]
         if self.value_norm:
             expected = (expected + self.epsilon) * values.float().norm(dim=-1)

@@ -33,3 +33,61 @@ def test_a_ratio_holds_its_share_of_the_bytes(spec, share, batch):
     held = served_kv_bytes(cache, torch.bfloat16)
     assert kept * pair + scores <= held <= kept * pair + scores + bookkeeping, (held, kept * pair)
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+QUESTION = 24
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_expected_attention_appends_the_question_to_the_documents_share(share, batch):
+    """`decoding="append"` holds R of the document, then the question whole (kvpress's pipeline); `decoding="evict"`
+    scores the question as a step of its own and holds R of document + question."""
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = torch.randint(3, 128, (batch, TOKENS + QUESTION), generator=torch.Generator().manual_seed(5))
+    document, question = ids[:, :TOKENS], ids[:, TOKENS:]
+    dynamic = DynamicCache(config=model.config)
+    with torch.no_grad():
+        prefill(model, document, None, dynamic)
+    pair = served_kv_bytes(dynamic, torch.bfloat16) // TOKENS
+    bookkeeping = 64 * len(dynamic.layers)
+    kept = -(-TOKENS * share // 1)
+    for decoding, after_question in (("append", kept + QUESTION), ("evict", -(-(TOKENS + QUESTION) * share // 1))):
+        cache = make_cache(f"expected_attention:ratio={share},decoding={decoding}", model.config)
+        with torch.no_grad():
+            prefill(model, document, None, cache)
+            after_document = served_kv_bytes(cache, torch.bfloat16)
+            prefill(model, question, None, cache, compress=False)
+        assert all(layer.stored_tokens == after_question for layer in cache.layers), decoding
+        if decoding == "append":
+            assert kept * pair <= after_document <= kept * pair + bookkeeping
+            held = served_kv_bytes(cache, torch.bfloat16)
+            assert after_question * pair <= held <= after_question * pair + bookkeeping
+            assert cache.get_seq_length() == TOKENS + QUESTION
+
+
+def test_the_question_is_scored_when_prefilled_as_part_of_the_prompt():
+    """Only a prefill that says so (compress=False, as generate() feeds a question) appends unscored: the same tokens
+    prefilled as the prompt's next chunk are scored and evicted to the ratio."""
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = torch.randint(3, 128, (1, TOKENS + QUESTION), generator=torch.Generator().manual_seed(6))
+    cache = make_cache("expected_attention:ratio=0.25", model.config)
+    with torch.no_grad():
+        prefill(model, ids[:, :TOKENS], None, cache)
+        prefill(model, ids[:, TOKENS:], None, cache)
+    assert all(layer.stored_tokens == -(-(TOKENS + QUESTION) // 4) for layer in cache.layers)
+
+
+def test_generate_appends_the_question_after_a_compressed_document():
+    """The eval's path: generate() on a cache that holds the compressed document prefills the question with
+    compress=False, so Expected Attention keeps R of the document, then every question and generated token."""
+    from hf_kvcompress.generation import generate
+
+    model = use_kvcompress_attention(tiny_model("llama"))
+    ids = torch.randint(3, 128, (1, TOKENS + QUESTION), generator=torch.Generator().manual_seed(7))
+    cache = make_cache("expected_attention:ratio=0.25", model.config)
+    with torch.no_grad():
+        prefill(model, ids[:, :TOKENS], None, cache)
+    generate(model, ids, None, cache, max_new_tokens=3, min_new_tokens=3)
+    # The last generated token is returned, not fed: two of the three reach the cache.
+    assert all(layer.stored_tokens == TOKENS // 4 + QUESTION + 2 for layer in cache.layers)

@@ -250,7 +250,8 @@ def test_expected_attention_models_the_pre_rope_queries_and_scores_by_them(name)
         counted[:, window - tokens + sinks :] = True  # the first token's query is a sink's: left out
         keys, values = dynamic.layers[i].keys, dynamic.layers[i].values
         reference = reference_scores(keys, values, layer.recent_queries.double(), counted, torch.tensor([tokens]),
-                                     inv_freq, torch.tensor([0]), future, epsilon=cache.policy.epsilon)
+                                     inv_freq, torch.tensor([0]), future, epsilon=cache.policy.epsilon,
+                                     sink_tokens=sinks)
         got = cache.policy.score(None, tokens, keys=keys, pads=torch.zeros(1, dtype=torch.long), values=values,
                                  queries=layer.scorer.window(layer))
         torch.testing.assert_close(got.double(), reference, rtol=1e-4, atol=1e-6)
@@ -282,7 +283,7 @@ def test_expected_attention_scores_a_prompt_by_all_its_queries_and_holds_none_af
         queries = _pre_rope_queries(model.model.layers[i].self_attn, hidden[i][0])
         keys, values = dynamic.layers[i].keys, dynamic.layers[i].values
         scores = reference_scores(keys, values, queries.double(), counted, torch.tensor([tokens]), inv_freq, pads,
-                                  future, epsilon=cache.policy.epsilon)
+                                  future, epsilon=cache.policy.epsilon, sink_tokens=sinks)
         kept = select_kept(cache.policy, scores, pads, layer.kv_heads, tokens,
                            keep=torch.tensor([tokens // 2]))  # [1, H_kv, 6]
         expected = keys.gather(2, kept[..., None].expand(-1, -1, -1, keys.shape[-1]))

@@ -17,9 +17,10 @@ def rotation_matrix(position: int, inv_freq: torch.Tensor, dim: int) -> torch.Te
 
 
 def reference_scores(keys, values, queries, counted, next_position, inv_freq, pads, future, covariance=True,
-                     value_norm=True, epsilon=0.0):
+                     value_norm=True, epsilon=0.0, sink_tokens=0):
     """[B, H_kv, T]: keys/values [B, H_kv, T, D], queries [B, H_q, N, D] (pre-RoPE, scaled), counted [B, N].
-    Padding slots (the first pads[b] of row b) take no share of the softmax; compare real slots only."""
+    Padding slots (the first pads[b] of row b) and the row's `sink_tokens` first real slots take no share of the
+    softmax (their expectation is 0); compare real slots only."""
     batch, kv_heads, slots, dim = keys.shape
     q_heads = queries.shape[1]
     groups = q_heads // kv_heads
@@ -27,7 +28,7 @@ def reference_scores(keys, values, queries, counted, next_position, inv_freq, pa
     for b in range(batch):
         start = int(next_position[b])
         mean_rotation = sum(rotation_matrix(start + i, inv_freq, dim) for i in range(future)) / future
-        real = range(int(pads[b]), slots)
+        real = range(int(pads[b]) + sink_tokens, slots)
         for h in range(q_heads):
             chosen = queries[b, h][counted[b]].double()  # [n, D]
             if chosen.shape[0]:

@@ -27,18 +27,18 @@ def _case(seed, batch=2, kv_heads=2, groups=2, slots=9, window=7, dim=8, rotary_
     return keys, values, RecentQueries(queries, counted, next_position, inv_freq), pads
 
 
-@pytest.mark.parametrize("covariance,value_norm,epsilon,rotary_half,future",
-                         [(True, True, 0.0, 4, 5), (False, True, 0.0, 4, 3), (True, False, 0.0, 4, 1),
-                          (True, True, 0.01, 2, 4), (True, True, 0.0, 0, 4)])
-def test_score_matches_the_plain_computation(covariance, value_norm, epsilon, rotary_half, future):
-    # Covers GQA (two query heads per KV head), padding keys and queries, partial rotary (rotary_half=2 of 4) and a
-    # model without RoPE (rotary_half=0).
+@pytest.mark.parametrize("covariance,value_norm,epsilon,rotary_half,future,sink_tokens",
+                         [(True, True, 0.0, 4, 5, 4), (False, True, 0.0, 4, 3, 4), (True, False, 0.0, 4, 1, 2),
+                          (True, True, 0.01, 2, 4, 4), (True, True, 0.0, 0, 4, 4), (True, True, 0.01, 4, 5, 0)])
+def test_score_matches_the_plain_computation(covariance, value_norm, epsilon, rotary_half, future, sink_tokens):
+    # Covers GQA (two query heads per KV head), padding keys and queries, sink keys left out of the normalisation
+    # (or none), partial rotary (rotary_half=2 of 4) and a model without RoPE (rotary_half=0).
     keys, values, queries, pads = _case(0, rotary_half=rotary_half)
     policy = ExpectedAttentionPolicy(ratio=0.5, future=future, covariance=covariance, value_norm=value_norm,
-                                     epsilon=epsilon)
+                                     epsilon=epsilon, sink_tokens=sink_tokens)
     got = policy.score(None, keys.shape[2], keys=keys, pads=pads, values=values, queries=queries)
     expected = reference_scores(keys, values, queries.queries, queries.counted, queries.next_position,
-                                queries.inv_freq, pads, future, covariance, value_norm, epsilon)
+                                queries.inv_freq, pads, future, covariance, value_norm, epsilon, policy.sink_tokens)
     for b in range(keys.shape[0]):
         real = slice(int(pads[b]), None)
         torch.testing.assert_close(got[b, :, real].double(), expected[b, :, real], rtol=1e-4, atol=1e-6)
@@ -54,7 +54,7 @@ def test_score_is_the_expected_attention_of_the_modelled_queries():
     keys = torch.randn(1, 1, slots, dim, generator=g)
     inv_freq = torch.tensor([1.0, 0.1])
     queries = RecentQueries(pre_rope, torch.ones(1, n, dtype=torch.bool), torch.tensor([7]), inv_freq)
-    policy = ExpectedAttentionPolicy(ratio=0.5, future=1, value_norm=False)
+    policy = ExpectedAttentionPolicy(ratio=0.5, future=1, value_norm=False, sink_tokens=0)
     got = policy.score(None, slots, keys=keys, pads=torch.tensor([0]), queries=queries)[0, 0]
     angle = 7 * inv_freq
     cos, sin = torch.cat([angle.cos(), angle.cos()]), torch.cat([angle.sin(), angle.sin()])
@@ -62,6 +62,21 @@ def test_score_is_the_expected_attention_of_the_modelled_queries():
     rotated = q * cos + torch.cat([-q[:, 2:], q[:, :2]], dim=-1) * sin
     empirical = torch.exp(rotated @ keys[0, 0].T).mean(0)
     torch.testing.assert_close(got, empirical / empirical.sum(), rtol=0.02, atol=0)
+
+
+def test_the_sinks_take_no_share_of_the_normalisation():
+    # As ExpectedAttentionPress scores the keys after its sinks: a row's expectations sum to 1 past its sinks,
+    # whatever its sink keys (here large enough to take the whole softmax if they counted), and equal the scores of
+    # the same keys without the sinks.
+    keys, values, queries, pads = _case(5, batch=1)
+    keys[:, :, :3] = 40.0
+    policy = ExpectedAttentionPolicy(ratio=0.5, value_norm=False, sink_tokens=3)
+    got = policy.score(None, keys.shape[2], keys=keys, pads=pads[:1] * 0, values=values, queries=queries)
+    torch.testing.assert_close(got[..., 3:].sum(-1), torch.ones(1, 2))
+    assert (got[..., :3] == 0).all()
+    alone = ExpectedAttentionPolicy(ratio=0.5, value_norm=False, sink_tokens=0).score(
+        None, keys.shape[2] - 3, keys=keys[:, :, 3:], pads=pads[:1] * 0, values=values[:, :, 3:], queries=queries)
+    torch.testing.assert_close(got[..., 3:], alone)
 
 
 def test_padding_is_never_kept_over_a_real_slot():
