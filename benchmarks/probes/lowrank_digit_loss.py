@@ -54,7 +54,7 @@ def reference_cache(model, doc: list[int]) -> DynamicCache:
 
 
 def rebuilt_cache(model, reference: DynamicCache, tensors: dict, ranks: Ranks, sinks: int = 4,
-                  exact: dict[str, list[int]] | None = None) -> DynamicCache:
+                  exact: dict[str, list[int]] | None = None, doc_mean: bool = False) -> DynamicCache:
     """A copy of the document's cache `reference` with each layer's states as the joint bases rebuild them at
     `ranks` (the first `sinks` tokens exact; `exact`: per kind, token positions kept exact as well)."""
     cache = copy.deepcopy(reference)
@@ -63,6 +63,8 @@ def rebuilt_cache(model, reference: DynamicCache, tensors: dict, ranks: Ranks, s
             continue
         capture = {"keys": layer.keys[0].float(), "values": layer.values[0].float()}
         keys, values = joint_reconstruction(model.config, tensors, i, capture, ranks[i], sinks=sinks)
+        if doc_mean and ranks[i][1] is not None:  # the document's own mean of what the value basis leaves out
+            values = values + (capture["values"] - values)[:, sinks:].mean(1, keepdim=True)
         for kind, rebuilt in (("key", keys), ("value", values)):
             at = (exact or {}).get(kind)
             if at:
@@ -137,6 +139,10 @@ def token_errors(model, tensors: dict, cache: DynamicCache, ranks: Ranks, groups
         for kind, exact, rebuilt in (("key", capture["keys"], keys), ("value", capture["values"], values)):
             rel = (rebuilt - exact).pow(2).sum((0, 2)) / exact.pow(2).sum((0, 2)).clamp(min=1e-30)  # [T]
             row[kind] = {name: float(rel[idx].mean()) if idx else float("nan") for name, idx in groups.items()}
+            if kind == "value":
+                fixed = rebuilt + (exact - rebuilt)[:, 4:].mean(1, keepdim=True)
+                rel_fixed = (fixed - exact).pow(2).sum((0, 2)) / exact.pow(2).sum((0, 2)).clamp(min=1e-30)
+                row[kind]["with doc mean"] = float(rel_fixed[groups["other tokens"]].mean())
             at = exact[:, digits]
             spread = (at - at.mean(1, keepdim=True)).pow(2).sum((0, 2)).mean()
             row[kind]["digit spread"] = float((rebuilt - exact)[:, digits].pow(2).sum((0, 2)).mean() / spread)
@@ -158,6 +164,10 @@ def main() -> None:
     parser.add_argument("--compare", nargs="*", default=[],
                         help="other lowrank specs whose ranks (and bases) are simulated on the lost prompts too")
     parser.add_argument("--no-variants", action="store_true", help="skip the exact-kind and exact-layer variants")
+    parser.add_argument("--variants", nargs="*", default=None,
+                        help="run only the variants whose names contain one of these words (default: all)")
+    parser.add_argument("--doc-mean", action="store_true",
+                        help="also: values rebuilt plus the document's own mean of what their basis leaves out")
     parser.add_argument("--token-variants", action="store_true",
                         help="also: more exact first tokens, and values exact at the needles' tokens only or "
                         "everywhere but there, or in the document's last 512 tokens")
@@ -188,6 +198,7 @@ def main() -> None:
         for i, err in enumerate(errors):
             cells = [" / ".join(f"{err[kind][g]:.3f}" for g in groups) + f"; {err[kind]['digit spread']:.3f}"
                      for kind in ("key", "value")]
+            cells[1] += f"; other tokens with the document's mean {err['value']['with doc mean']:.3f}"
             print(f"  layer {i:2d} {layer_types[i][:4]}: {cells[0]}  |  {cells[1]}")
         if args.errors_only:
             continue
@@ -198,18 +209,27 @@ def main() -> None:
         if not dyn:
             continue
         tables = {} if args.no_variants or right else variants(ranks, layer_types)
+        if args.variants:
+            tables = {name: table for name, table in tables.items() if any(v in name for v in args.variants)}
         for name, table in tables.items():
             text, ok = answer_from(model, tok, row, doc, question, rebuilt_cache(model, reference, tensors, table))
             print(f"  {name}: correct={ok} {text!r}", flush=True)
+        if args.doc_mean:
+            text, ok = answer_from(model, tok, row, doc, question,
+                                   rebuilt_cache(model, reference, tensors, ranks, doc_mean=True))
+            print(f"  values with the document's residual mean: correct={ok} {text!r}", flush=True)
         if args.token_variants:
             needles = needle_positions(tok, doc)
             rest = sorted(set(range(len(doc))) - set(needles))
             newest = list(range(max(0, len(doc) - 512), len(doc)))
-            for name, sinks, exact in (("first 64 tokens exact", 64, None),
-                                       ("values exact at the needle sentences", 4, {"value": needles}),
-                                       ("values exact but at the needle sentences", 4, {"value": rest}),
-                                       ("both kinds exact at the needle sentences", 4, {"key": needles, "value": needles}),
-                                       ("values exact in the last 512 tokens", 4, {"value": newest})):
+            token_tables: list[tuple[str, int, dict[str, list[int]] | None]] = [
+                ("first 64 tokens exact", 64, None),
+                ("values exact at the needle sentences", 4, {"value": needles}),
+                ("values exact but at the needle sentences", 4, {"value": rest}),
+                ("both kinds exact at the needle sentences", 4, {"key": needles, "value": needles}),
+                ("values exact in the last 512 tokens", 4, {"value": newest}),
+            ]
+            for name, sinks, exact in token_tables:
                 cache = rebuilt_cache(model, reference, tensors, ranks, sinks, exact)
                 text, ok = answer_from(model, tok, row, doc, question, cache)
                 print(f"  {name}: correct={ok} {text!r}", flush=True)
