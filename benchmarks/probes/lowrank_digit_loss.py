@@ -1,6 +1,6 @@
 """Which layers and which kind (keys or values) lose the digits that low rank misreads on multi_needle.
 
-Question (issue 30): on Gemma-3's multi_needle, `lowrank:ratio=0.5` answers other needles' numbers or numbers that
+Question: (issue 30) on Gemma-3's multi_needle, `lowrank:ratio=0.5` answers other needles' numbers or numbers that
 are not in the document (`4229999` for 4229929). On the prompts it loses (and `dynamic` answers), does the answer
 come back when the keys are exact and the values low rank, or the reverse; when the full-attention layers are
 exact, or the sliding ones? And how large is the bases' reconstruction error on the document's digit tokens
@@ -8,7 +8,9 @@ against its other tokens, per layer and kind?
 Command:
     python benchmarks/probes/lowrank_digit_loss.py --model gemma-3-270m --spec lowrank:ratio=0.5
         [--tasks multi_needle] [--split dev] [--depths 10 50 90] [--samples 4] [--only ID ...] [--bases DIR]
-Written up: docs/results.md, "Low rank on Gemma-3's multi_needle: what loses the digits".
+        [--variants WORD ...] [--no-variants] [--token-variants] [--doc-mean] [--tables NAME=K/V,...]
+        [--compare SPEC ...] [--errors-only]
+Written up: docs/results.md, "Low rank on Gemma-3's multi_needle: what loses the answers".
 
 The variants are simulated on an uncompressed cache: the document is prefilled, then each layer's keys (RoPE undone,
 projected, turned back) and values are replaced by what the joint bases rebuild at that layer's ranks (the spec's
@@ -34,10 +36,8 @@ from hf_kvcompress.eval.tasks import build_samples
 from hf_kvcompress.generation import generate, prefill
 from hf_kvcompress.hf.compat import text_config
 
-Ranks = list[tuple[int | None, int | None]]  # per layer (key rank, value rank); None: that kind exact
 
-
-def spec_ranks(model, spec: str) -> Ranks:
+def spec_ranks(model, spec: str) -> list:
     """Each layer's (key rank, value rank) as the spec's cache stores them (`LowRankCodec.layer_ranks`)."""
     cache = make_cache(spec, model.config)
     codec = cache.layers[0].codec
@@ -53,7 +53,7 @@ def reference_cache(model, doc: list[int]) -> DynamicCache:
     return cache
 
 
-def rebuilt_cache(model, reference: DynamicCache, tensors: dict, ranks: Ranks, sinks: int = 4,
+def rebuilt_cache(model, reference: DynamicCache, tensors: dict, ranks: list, sinks: int = 4,
                   exact: dict[str, list[int]] | None = None, doc_mean: bool = False) -> DynamicCache:
     """A copy of the document's cache `reference` with each layer's states as the joint bases rebuild them at
     `ranks` (the first `sinks` tokens exact; `exact`: per kind, token positions kept exact as well)."""
@@ -80,11 +80,11 @@ def answer_from(model, tok, row, doc, question, cache) -> tuple[str, bool]:
     return text, all(ref in text for ref in row["references"])
 
 
-def variants(ranks: Ranks, layer_types: list[str]) -> dict[str, Ranks]:
+def variants(ranks: list, layer_types: list[str]) -> dict[str, list]:
     """The rank tables tried on a lost prompt: one kind exact, one layer type exact, and their crossings."""
     full = [t != "sliding_attention" for t in layer_types]
 
-    def where(test: Callable[[int], bool], key: bool, value: bool) -> Ranks:
+    def where(test: Callable[[int], bool], key: bool, value: bool) -> list:
         return [(None if key and test(i) else k, None if value and test(i) else v) for i, (k, v) in enumerate(ranks)]
 
     every = lambda i: True  # noqa: E731
@@ -126,7 +126,7 @@ def needle_positions(tok, doc: list[int]) -> list[int]:
     return positions
 
 
-def token_errors(model, tensors: dict, cache: DynamicCache, ranks: Ranks, groups: dict[str, list[int]],
+def token_errors(model, tensors: dict, cache: DynamicCache, ranks: list, groups: dict[str, list[int]],
                  digits: list[int]) -> list[dict]:
     """Per layer and kind, the mean relative squared error ||x - x'||^2 / ||x||^2 of each group's tokens, and
     (`digit spread`) the digit tokens' mean squared error over their mean squared distance from the digits' mean
@@ -236,7 +236,7 @@ def main() -> None:
         for named in args.tables:
             name, cells = named.split("=", 1)
             table = [tuple(None if r == "x" else int(r) for r in cell.split("/")) for cell in cells.split(",")]
-            cache = rebuilt_cache(model, reference, tensors, table)  # type: ignore[arg-type]
+            cache = rebuilt_cache(model, reference, tensors, table)
             text, ok = answer_from(model, tok, row, doc, question, cache)
             print(f"  table {name} (simulated): correct={ok} {text!r}", flush=True)
         for other in args.compare:
