@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 from hf_kvcompress import load_model, make_cache
 from hf_kvcompress.calibration import joint_reconstruction, load_bases
+from hf_kvcompress.codecs.intn import IntNCodec
 from hf_kvcompress.eval.prompts import encode
 from hf_kvcompress.eval.tasks import build_samples
 from hf_kvcompress.generation import generate, prefill
@@ -54,15 +55,22 @@ def reference_cache(model, doc: list[int]) -> DynamicCache:
 
 
 def rebuilt_cache(model, reference: DynamicCache, tensors: dict, ranks: list, sinks: int = 4,
-                  exact: dict[str, list[int]] | None = None, doc_mean: bool = False) -> DynamicCache:
+                  exact: dict[str, list[int]] | None = None, doc_mean: bool = False,
+                  int_values: int | None = None) -> DynamicCache:
     """A copy of the document's cache `reference` with each layer's states as the joint bases rebuild them at
-    `ranks` (the first `sinks` tokens exact; `exact`: per kind, token positions kept exact as well)."""
+    `ranks` (the first `sinks` tokens exact; `exact`: per kind, token positions kept exact as well; `int_values`:
+    the values stored in that many bits by `IntNCodec` instead, the keys at their ranks)."""
     cache = copy.deepcopy(reference)
     for i, layer in enumerate(cache.layers):
         if ranks[i] == (None, None):
             continue
         capture = {"keys": layer.keys[0].float(), "values": layer.values[0].float()}
         keys, values = joint_reconstruction(model.config, tensors, i, capture, ranks[i], sinks=sinks)
+        if int_values:  # values stored by an int codec instead of the bases (per token, groups along the channels)
+            codec = IntNCodec(bits=int_values)
+            exact_values = capture["values"][None]
+            values = codec.decode(codec.encode(exact_values, "value"), "value", torch.float32)[0]
+            values = torch.cat([capture["values"][:, :sinks], values[:, sinks:]], 1)
         if doc_mean and ranks[i][1] is not None:  # the document's own mean of what the value basis leaves out
             values = values + (capture["values"] - values)[:, sinks:].mean(1, keepdim=True)
         for kind, rebuilt in (("key", keys), ("value", values)):
@@ -166,6 +174,9 @@ def main() -> None:
     parser.add_argument("--no-variants", action="store_true", help="skip the exact-kind and exact-layer variants")
     parser.add_argument("--variants", nargs="*", default=None,
                         help="run only the variants whose names contain one of these words (default: all)")
+    parser.add_argument("--skip-codec", action="store_true", help="do not answer through the spec's own cache")
+    parser.add_argument("--int-values", type=int, nargs="*", default=[],
+                        help="also: the values stored by int codecs of these bits (e.g. 4 8), keys at the spec's ranks")
     parser.add_argument("--doc-mean", action="store_true",
                         help="also: values rebuilt plus the document's own mean of what their basis leaves out")
     parser.add_argument("--token-variants", action="store_true",
@@ -202,8 +213,10 @@ def main() -> None:
             print(f"  layer {i:2d} {layer_types[i][:4]}: {cells[0]}  |  {cells[1]}")
         if args.errors_only:
             continue
-        text, right = answer_from(model, tok, row, doc, question, make_cache(spec, model.config))
-        print(f"  {spec}: correct={right} {text!r}", flush=True)
+        right = True  # with --skip-codec: the codec's answer is not read, and no lost-prompt variant runs
+        if not args.skip_codec:
+            text, right = answer_from(model, tok, row, doc, question, make_cache(spec, model.config))
+            print(f"  {spec}: correct={right} {text!r}", flush=True)
         said, dyn = answer_from(model, tok, row, doc, question, copy.deepcopy(reference))
         print(f"  dynamic: correct={dyn} {said!r}", flush=True)
         if not dyn:
@@ -214,6 +227,10 @@ def main() -> None:
         for name, table in tables.items():
             text, ok = answer_from(model, tok, row, doc, question, rebuilt_cache(model, reference, tensors, table))
             print(f"  {name}: correct={ok} {text!r}", flush=True)
+        for bits in args.int_values:
+            cache = rebuilt_cache(model, reference, tensors, ranks, int_values=bits)
+            text, ok = answer_from(model, tok, row, doc, question, cache)
+            print(f"  keys at the spec's ranks, values in int{bits}: correct={ok} {text!r}", flush=True)
         if args.doc_mean:
             text, ok = answer_from(model, tok, row, doc, question,
                                    rebuilt_cache(model, reference, tensors, ranks, doc_mean=True))
