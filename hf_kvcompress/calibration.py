@@ -11,6 +11,7 @@ receives them.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,18 +40,39 @@ def model_identity(config) -> str:
     return Path(name).name if os.path.isdir(name) or os.path.isabs(name) else name
 
 
-def calibration_text(words: int = 4000) -> str:
+# A paragraph that holds a number of at least this many digits counts as number-bearing (`calibration_text`).
+LONG_NUMBER = re.compile(r"\d{5,}")
+
+
+def calibration_text(words: int = 4000, numbers: float = 0.0) -> str:
     """HotpotQA paragraphs (Wikipedia), the last of the sorted distinct paragraphs: none of the eval suite's
-    haystacks (the needle tasks' essays, multi_question's novel); only doc_qa with source=hotpotqa reads them."""
+    haystacks (the needle tasks' essays, multi_question's novel); only doc_qa with source=hotpotqa reads them.
+
+    `numbers`: the share of the words taken from number-bearing paragraphs (those holding a number of 5 or more
+    digits, `LONG_NUMBER`; again the last ones first, none taken twice), placed among the others as they come
+    due. 0 (the default) gives the plain last paragraphs."""
     from .eval.data import hotpotqa_questions  # the lab's data: loading bases (the library's path) never reads it
 
+    if isinstance(numbers, bool) or not isinstance(numbers, (int, float)) or not 0 <= numbers <= 1:
+        raise ValueError(f"numbers must be a share in [0, 1] (of the words from number-bearing paragraphs), "
+                         f"got {numbers!r}")
     _, paragraphs = hotpotqa_questions()
-    picked, count = [], 0
-    for paragraph in reversed(paragraphs):
-        picked.append(paragraph)
-        count += len(paragraph.split())
-        if count >= words:
+    plain = iter(reversed(paragraphs))
+    numbered = (p for p in reversed(paragraphs) if LONG_NUMBER.search(p))
+    picked: list[str] = []
+    taken: set[str] = set()
+    count = from_numbered = 0
+    while count < words:
+        # The next paragraph is number-bearing while those hold less than their share of the words so far.
+        source = numbered if numbers > 0 and from_numbered <= numbers * count else plain
+        paragraph = next((p for p in source if p not in taken), None)
+        if paragraph is None:
             break
+        picked.append(paragraph)
+        taken.add(paragraph)
+        count += len(paragraph.split())
+        if source is numbered:
+            from_numbered += len(paragraph.split())
     return "\n\n".join(picked)
 
 
@@ -97,14 +119,32 @@ def unrotated(keys: torch.Tensor, config, layer_idx: int) -> torch.Tensor:
     return rerotate(keys[None], -positions[None], inv_freq)[0]
 
 
-def calibration_ids(tokenizer, tokens: int = 2048) -> torch.Tensor:
-    """[1, tokens] ids of the calibration text."""
-    return tokenizer(calibration_text(words=tokens), return_tensors="pt").input_ids[:, :tokens]
+# The share of lowrank's calibration words from number-bearing paragraphs (`calibration_text`'s `numbers`), what
+# `hf-kvcompress calibrate` fits the low-rank bases on unless told otherwise.
+LOWRANK_NUMBERS = 0.0
 
 
-def held_out_ids(tokenizer, fitted: int, tokens: int = 2048) -> torch.Tensor:
+def calibration_name(numbers: float) -> str:
+    """The calibration text's name in a file's metadata (`text`), its share of number-bearing paragraphs with it."""
+    if not numbers:
+        return CALIBRATION_TEXT
+    return f"{CALIBRATION_TEXT}, {numbers:g} of the words from paragraphs holding a number of 5+ digits"
+
+
+def bases_numbers(metadata: dict[str, str]) -> float:
+    """The share of number-bearing paragraphs in the text the bases were fitted on (0 for files written before the
+    share existed): their error curves and copy weights are measured on the same text's held-out part."""
+    return float(metadata.get("numbers", 0.0))
+
+
+def calibration_ids(tokenizer, tokens: int = 2048, numbers: float = 0.0) -> torch.Tensor:
+    """[1, tokens] ids of the calibration text (`numbers`: its share of number-bearing paragraphs)."""
+    return tokenizer(calibration_text(words=tokens, numbers=numbers), return_tensors="pt").input_ids[:, :tokens]
+
+
+def held_out_ids(tokenizer, fitted: int, tokens: int = 2048, numbers: float = 0.0) -> torch.Tensor:
     """[1, tokens] ids of the calibration text after its first `fitted` tokens (what the bases were fitted on)."""
-    ids = tokenizer(calibration_text(words=2 * (fitted + tokens)), return_tensors="pt").input_ids
+    ids = tokenizer(calibration_text(words=2 * (fitted + tokens), numbers=numbers), return_tensors="pt").input_ids
     if ids.shape[1] < fitted + tokens:
         raise ValueError(f"the calibration text holds {ids.shape[1]} tokens, fewer than {fitted} + {tokens}")
     return ids[:, fitted: fitted + tokens]

@@ -489,6 +489,12 @@ class LowRankCodec(ReducingCodec):
     def heads_per_store(self) -> int:  # type: ignore[override]
         return self._kv_heads if self._joint else 1
 
+    @property
+    def layer_ranks(self) -> tuple[tuple[int, int], ...] | None:
+        """Every layer's (key rank, value rank) as bound to the model (`reduction_for_model`; a joint rank counts
+        the layer's KV heads together); None before binding."""
+        return self._ranks
+
     def reduction_for_model(self, config) -> LowRankCodec:
         """Load and check the bases for this model; settle each layer's ranks."""
         tensors, meta = load_bases(self.bases, config)

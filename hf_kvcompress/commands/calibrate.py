@@ -69,6 +69,10 @@ def add_parser(subparsers) -> None:
                         "weighted by the attention they receive, orthogonal projections (attention), or the same "
                         "problem's exact solution with an encoder beside each basis (oblique); keys are PCA of the "
                         "pre-RoPE keys either way")
+    parser.add_argument("--numbers", type=float, default=None,
+                        help="low-rank bases: the share of the calibration words taken from HotpotQA paragraphs that "
+                        "hold a number of 5 or more digits (default: %(default)s, the package's choice: "
+                        "calibration.LOWRANK_NUMBERS); the error curves and copy weights read the same text")
     parser.add_argument("--max-rank", type=int, default=None,
                         help="components kept per basis (default: all of a joint basis, head_dim // 2 per head); "
                         "lowrank's ranks may not exceed it")
@@ -77,7 +81,15 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     # torch and the lab load here, not when the module is: `hf-kvcompress --help` reads none (tests/test_cli.py)
-    from ..calibration import calibrate, calibrate_joint, calibration_ids, held_out_ids, save_bases
+    from ..calibration import (
+        LOWRANK_NUMBERS,
+        calibrate,
+        calibrate_joint,
+        calibration_ids,
+        calibration_name,
+        held_out_ids,
+        save_bases,
+    )
     from ..models import load_model
 
     if args.tokens < 16:
@@ -94,13 +106,17 @@ def run(args) -> int:
         return run_attention_errors(args)
     if args.copy_weights:
         return run_copy_weights(args)
+    numbers = LOWRANK_NUMBERS if args.numbers is None else args.numbers
     model, tokenizer = load_model(args.model)
     if args.heads == "joint":
         tensors, metadata, report = calibrate_joint(
-            model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank,
-            error_ids=held_out_ids(tokenizer, args.tokens), value_fit=args.value_fit)
+            model, calibration_ids(tokenizer, args.tokens, numbers), max_rank=args.max_rank,
+            error_ids=held_out_ids(tokenizer, args.tokens, numbers=numbers), value_fit=args.value_fit,
+            text=calibration_name(numbers))
+        metadata["numbers"] = str(numbers)
     else:
-        tensors, metadata, report = calibrate(model, calibration_ids(tokenizer, args.tokens), max_rank=args.max_rank)
+        tensors, metadata, report = calibrate(model, calibration_ids(tokenizer, args.tokens, numbers),
+                                              max_rank=args.max_rank, text=calibration_name(numbers))
     path = save_bases(tensors, metadata, args.out)
     print(f"Bases for {metadata['model']} ({metadata['layers']} layers x {metadata['kv_heads']} KV heads x "
           f"head_dim {metadata['head_dim']}, {metadata['max_rank']} components kept per basis, "
@@ -114,12 +130,13 @@ def run(args) -> int:
 
 def run_attention_errors(args) -> int:
     """`calibrate --attention-errors`: add the attention-output error curves to existing joint bases."""
-    from ..calibration import add_error_curves, held_out_ids, load_bases, save_bases
+    from ..calibration import add_error_curves, bases_numbers, held_out_ids, load_bases, save_bases
     from ..models import load_model
 
     model, tokenizer = load_model(args.model)
     tensors, metadata = load_bases(args.bases, model.config)
-    add_error_curves(model, held_out_ids(tokenizer, int(metadata["tokens"])), tensors, metadata)
+    add_error_curves(model, held_out_ids(tokenizer, int(metadata["tokens"]), numbers=bases_numbers(metadata)),
+                     tensors, metadata)
     path = save_bases(tensors, metadata, args.out)
     print(f"Bases with attention-error curves for {metadata['model']}: {path}")
     print("Relative attention-output error per layer at a quarter / half of the dimensions (keys | values):")
@@ -137,13 +154,13 @@ def run_attention_errors(args) -> int:
 
 def run_copy_weights(args) -> int:
     """`calibrate --copy-weights`: add each layer's copy weight to existing joint bases (copy_weights.py)."""
-    from ..calibration import held_out_ids, load_bases, save_bases
+    from ..calibration import bases_numbers, held_out_ids, load_bases, save_bases
     from ..copy_weights import COPY_TOKENS, add_copy_weights, boost_weights
     from ..models import load_model
 
     model, tokenizer = load_model(args.model)
     tensors, metadata = load_bases(args.bases, model.config)
-    ids = held_out_ids(tokenizer, int(metadata["tokens"]), COPY_TOKENS)
+    ids = held_out_ids(tokenizer, int(metadata["tokens"]), COPY_TOKENS, numbers=bases_numbers(metadata))
     costs = add_copy_weights(model, ids, args.bases, tensors, metadata, progress=lambda line: print(line, flush=True))
     path = save_bases(tensors, metadata, args.out)
     print(f"Bases with copy weights for {metadata['model']}: {path}")

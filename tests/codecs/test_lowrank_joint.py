@@ -256,3 +256,18 @@ def test_bfloat16_latents_are_stored_at_the_states_width(fitted, spec):
         model.to(torch.float32)
     assert all(t.dtype == torch.bfloat16 for layer in cache.layers for t in layer.encoded_keys.values())
     assert measured_kv_bytes(cache) == cache.promised_kv_bytes()
+
+
+def test_layer_ranks_are_each_layers_bound_ranks(fitted):
+    model, bases = fitted["gemma3"]
+    codec = make_cache(f"lowrank:ratio=0.25,bases={bases}", model.config).codec
+    ranks = codec.layer_ranks
+    assert ranks is not None and len(ranks) == model.config.num_hidden_layers
+    assert ranks == codec._ranks  # the allocation's (key, value) ranks, one pair per layer
+    # every layer's bound copy reads the same table and rebuilds with its own pair's widths
+    cache = make_cache(f"lowrank:ratio=0.25,bases={bases}", model.config)
+    for i, layer in enumerate(cache.layers):
+        assert layer.codec.layer_ranks == ranks
+        assert layer.codec._layer.key_basis.shape[-1] == ranks[i][0]
+        assert layer.codec._layer.value_basis.shape[-1] == ranks[i][1]
+    assert LowRankCodec(ratio=0.25).layer_ranks is None  # not bound to a model
