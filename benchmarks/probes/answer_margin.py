@@ -63,14 +63,24 @@ def main() -> None:
     prompt_ids = repeat_prompt_ids(tokenizer)
     depths = [float(d) for d in args.depths.split(",")]
     rows = build_samples(tokenizer, [args.task], [args.length], depths, samples_per_cell=args.samples)
-    margins: dict[str, list[float]] = {"dynamic": [], **{s: [] for s in specs}}
-    sink = open(args.out, "w") if args.out else None
+    builders = {spec: (lambda spec=spec: make_cache(spec, model.config)) for spec in ["dynamic", *specs]}
+    margins_table(model, tokenizer, rows, builders, prompt_ids, args.max_answer_tokens, args.out,
+                  f"{args.model}, {args.task} at {args.length} tokens")
+
+
+def margins_table(model, tokenizer, rows, builders: dict, prompt_ids, max_answer_tokens: int, out: str | None,
+                  title: str) -> dict[str, list[float]]:
+    """Each cache's answer margin (`builders[name]()` makes a fresh one; "dynamic" the uncompressed baseline) on
+    every sample of `rows` the uncompressed cache answers; prints a JSON line per sample (and writes it to `out`)
+    and then each cache's flips, minimum, median and mean drop against "dynamic"."""
+    margins: dict[str, list[float]] = {name: [] for name in builders}
+    sink = open(out, "w") if out else None
     for sample in rows:
         document, question = encode(tokenizer, sample)
         ids = torch.tensor([document + question])
         generated = model.generate(ids, attention_mask=torch.ones_like(ids),
                                    past_key_values=make_cache("dynamic", model.config),
-                                   max_new_tokens=args.max_answer_tokens, do_sample=False)  # fmt: skip
+                                   max_new_tokens=max_answer_tokens, do_sample=False)  # fmt: skip
         answer = generated[0, ids.shape[1] :].tolist()
         reference = sample["references"][0]
         upto = next((i + 1 for i in range(len(answer)) if reference in tokenizer.decode(answer[: i + 1])), None)
@@ -78,10 +88,9 @@ def main() -> None:
             print(f"{sample['sample_id']}: uncompressed answer {tokenizer.decode(answer)!r} misses {reference}")
             continue
         row = {"sample": sample["sample_id"]}
-        for spec in ["dynamic", *specs]:
-            cache = make_cache(spec, model.config)
-            row[spec] = answer_margin(model, cache, document, question, answer[:upto], prompt_ids)
-            margins[spec].append(row[spec])
+        for name, build in builders.items():
+            row[name] = answer_margin(model, build(), document, question, answer[:upto], prompt_ids)
+            margins[name].append(row[name])
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if sink:
             sink.write(json.dumps(row) + "\n")
@@ -90,14 +99,14 @@ def main() -> None:
     base = margins["dynamic"]
     if not base:
         print("the uncompressed cache answered no sample: no margins to compare")
-        return
-    print(f"\n{args.model}, {args.task} at {args.length} tokens, {len(base)} samples answered uncompressed")
-    print(f"{'spec':45s} {'flips':>5s} {'min':>7s} {'median':>7s} {'mean drop vs uncompressed':>26s}")
-    for spec, values in margins.items():
-        drop = statistics.mean(b - v for b, v in zip(base, values, strict=False))
+        return margins
+    print(f"\n{title}, {len(base)} samples answered uncompressed")
+    print(f"{'cache':50s} {'flips':>5s} {'min':>7s} {'median':>7s} {'mean drop vs uncompressed':>26s}")
+    for name, values in margins.items():
+        drop = statistics.mean(b - v for b, v in zip(base, values, strict=True))
         flips = sum(v < 0 for v in values)
-        print(f"{spec:45s} {flips:5d} {min(values):7.2f} {statistics.median(values):7.2f} {drop:26.2f}")
-
+        print(f"{name:50s} {flips:5d} {min(values):7.2f} {statistics.median(values):7.2f} {drop:26.2f}")
+    return margins
 
 if __name__ == "__main__":
     main()

@@ -19,8 +19,6 @@ answer up to the reference. Negative: the answer flips. Only prompts the uncompr
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,13 +27,12 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from answer_margin import answer_margin  # noqa: E402
+from answer_margin import margins_table  # noqa: E402
 
 from hf_kvcompress import load_model, make_cache, use_kvcompress_attention  # noqa: E402
 from hf_kvcompress.caches.layer import CompressedLayer  # noqa: E402
 from hf_kvcompress.calibration import SHARING_FILE, load_sharing  # noqa: E402
 from hf_kvcompress.codecs.identity import IdentityCodec  # noqa: E402
-from hf_kvcompress.eval.prompts import encode  # noqa: E402
 from hf_kvcompress.eval.tasks import build_samples  # noqa: E402
 from hf_kvcompress.generation import repeat_prompt_ids  # noqa: E402
 
@@ -95,7 +92,7 @@ def main() -> None:
             only = f"shared_heads:ratio={args.ratio},maps={where}"
             caches[f"{kind}s only"] = lambda only=only: make_cache(only, model.config)
     layers = model.config.num_hidden_layers
-    for start in range(0, layers, args.groups or layers + 1):
+    for start in range(0, layers if args.groups else 0, args.groups or 1):  # --groups 0: no exact rows
         group = range(start, min(layers, start + args.groups))
         caches[f"exact {group.start}-{group.stop - 1}"] = lambda group=group: with_exact_layers(
             spec, model.config, group)
@@ -105,40 +102,8 @@ def main() -> None:
     depths = [float(d) for d in args.depths.split(",")]
     rows = build_samples(tokenizer, [args.task], [args.length], depths, samples_per_cell=args.samples,
                          split=args.split)
-    margins: dict[str, list[float]] = {name: [] for name in caches}
-    sink = open(args.out, "w") if args.out else None
-    for sample in rows:
-        document, question = encode(tokenizer, sample)
-        ids = torch.tensor([document + question])
-        generated = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                   past_key_values=make_cache("dynamic", model.config),
-                                   max_new_tokens=args.max_answer_tokens, do_sample=False)  # fmt: skip
-        answer = generated[0, ids.shape[1]:].tolist()
-        reference = sample["references"][0]
-        upto = next((i + 1 for i in range(len(answer)) if reference in tokenizer.decode(answer[: i + 1])), None)
-        if upto is None:
-            print(f"{sample['sample_id']}: uncompressed answer {tokenizer.decode(answer)!r} misses {reference}")
-            continue
-        row = {"sample": sample["sample_id"]}
-        for name, build in caches.items():
-            row[name] = answer_margin(model, build(), document, question, answer[:upto], prompt_ids)
-            margins[name].append(row[name])
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-        if sink:
-            sink.write(json.dumps(row) + "\n")
-    if sink:
-        sink.close()
-    if not margins["dynamic"]:
-        print("the uncompressed cache answered no sample: no margins to compare")
-        return
-    base = margins["dynamic"]
-    print(f"\n{args.model}, {args.task} at {args.length} tokens ({args.split}), {len(base)} answered uncompressed")
-    print(f"{'cache':50s} {'flips':>5s} {'min':>7s} {'median':>7s} {'mean drop':>10s}")
-    for name, values in margins.items():
-        drop = statistics.mean(b - v for b, v in zip(base, values, strict=True))
-        flips = sum(v < 0 for v in values)
-        print(f"{name:50s} {flips:5d} {min(values):7.2f} {statistics.median(values):7.2f} {drop:10.2f}")
-
+    margins_table(model, tokenizer, rows, caches, prompt_ids, args.max_answer_tokens, args.out,
+                  f"{args.model}, {args.task} at {args.length} tokens ({args.split})")
 
 if __name__ == "__main__":
     main()
