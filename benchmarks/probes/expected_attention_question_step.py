@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # kvzip_scores_vs_kvpress reaches the kvpress environment (peer_envs.py)
 
 from kvzip_scores_vs_kvpress import kvpress_scores  # noqa: E402
+from press_scores_vs_kvpress import add_prompt_arguments, one_prompt  # noqa: E402
 
 
 def kept_slots(cache, full: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,34 +58,20 @@ def kept_slots(cache, full: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--task", default="multi_question")
-    parser.add_argument("--length", type=int, default=2000)
-    parser.add_argument("--depth", type=float, default=90)
-    parser.add_argument("--index", type=int, default=0, help="the sample's index in its cell")
-    parser.add_argument("--split", default="dev", choices=("dev", "test"))
+    add_prompt_arguments(parser, task="multi_question")
     parser.add_argument("--specs", default="expected_attention:ratio=0.5;expected_attention:ratio=0.25;"
                         "expected_attention:ratio=0.125", help="our specs, separated by ';'")
     parser.add_argument("--out", default="results/ea-question-step")
     args = parser.parse_args()
     from transformers import DynamicCache
 
-    from hf_kvcompress import load_model, make_cache, prefill, use_kvcompress_attention
-    from hf_kvcompress.eval.prompts import encode
-    from hf_kvcompress.eval.tasks import build_samples, split_specs
+    from hf_kvcompress import make_cache, prefill
     from hf_kvcompress.hf.compat import cache_kwargs
     from hf_kvcompress.measure import served_kv_bytes
     from hf_kvcompress.models import ensure_converted
     from hf_kvcompress.registry import parse_spec
 
-    model, tokenizer = load_model(args.model)
-    use_kvcompress_attention(model)
-    rows = build_samples(tokenizer, split_specs(args.task), [args.length], [args.depth],
-                         samples_per_cell=args.index + 1, seed=0, split=args.split)
-    row = next(r for r in rows if r["index"] == args.index)
-    out = Path(args.out) / row["sample_id"].replace("/", "_")
-    out.mkdir(parents=True, exist_ok=True)
-    document_ids, question_ids = encode(tokenizer, row)
+    model, _, row, out, document_ids, question_ids = one_prompt(args)
     tokens, asked = len(document_ids), len(question_ids)
     print(f"{row['sample_id']}: document {tokens} tokens, question {asked} tokens", flush=True)
     theirs = kvpress_scores(str(ensure_converted(args.model)), document_ids, out, worker="press_scores_worker.py",

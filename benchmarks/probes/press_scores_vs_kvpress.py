@@ -89,21 +89,22 @@ def top(scores: torch.Tensor, count: int) -> torch.Tensor:
     return keep.scatter_(-1, scores.topk(count, dim=-1).indices, True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_prompt_arguments(parser: argparse.ArgumentParser, task: str) -> None:
+    """The options that pick one prompt of the suite (`one_prompt`)."""
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--task", default="needle")
+    parser.add_argument("--task", default=task)
     parser.add_argument("--length", type=int, default=2000)
     parser.add_argument("--depth", type=float, default=90)
     parser.add_argument("--index", type=int, default=0, help="the sample's index in its cell")
     parser.add_argument("--split", default="dev", choices=("dev", "test"))
-    parser.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.25, 0.125])
-    parser.add_argument("--out", default="results/press-scores")
-    args = parser.parse_args()
+
+
+def one_prompt(args):
+    """(model with our attention, tokenizer, the sample, its output folder under args.out (made), document ids,
+    question ids) for the prompt `add_prompt_arguments` picked."""
     from hf_kvcompress import load_model, use_kvcompress_attention
     from hf_kvcompress.eval.prompts import encode
     from hf_kvcompress.eval.tasks import build_samples, split_specs
-    from hf_kvcompress.models import ensure_converted
 
     model, tokenizer = load_model(args.model)
     use_kvcompress_attention(model)
@@ -112,7 +113,19 @@ def main() -> None:
     row = next(r for r in rows if r["index"] == args.index)
     out = Path(args.out) / row["sample_id"].replace("/", "_")
     out.mkdir(parents=True, exist_ok=True)
-    document_ids, _ = encode(tokenizer, row)
+    document_ids, question_ids = encode(tokenizer, row)
+    return model, tokenizer, row, out, document_ids, question_ids
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_prompt_arguments(parser, task="needle")
+    parser.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    parser.add_argument("--out", default="results/press-scores")
+    args = parser.parse_args()
+    from hf_kvcompress.models import ensure_converted
+
+    model, tokenizer, row, out, document_ids, _ = one_prompt(args)
     tokens = len(document_ids)
     answer = locate(document_ids, tokenizer, row["references"][0])
     print(f"{row['sample_id']}: {tokens} tokens, answer {row['references'][0]!r} at tokens {answer}", flush=True)
