@@ -25,11 +25,26 @@ from .calibration import load_sharing
 from .codecs.shared_heads import SharedHeadsCodec, kv_head_count
 from .copy_weights import copy_loss
 from .hf.compat import text_config
+from .policies.base import Policy
 from .registry import parse_spec
 
 KINDS = ("key", "value")
 # Tokens read twice per level: a SmolLM2 calibration measures 2 x 30 layers x 2 levels, each one prefill of twice this.
 COPY_TOKENS = 512
+
+
+def bound_maps(maps: str | os.PathLike, config) -> tuple[Policy, SharedHeadsCodec]:
+    """(keep-all policy, the head-sharing codec of the maps at `maps` bound to the model), for measuring levels."""
+    policy, codec = parse_spec(f"shared_heads:ratio=1.0,maps={maps}")
+    assert isinstance(codec, SharedHeadsCodec)  # the spec names it
+    return policy, codec.reduction_for_model(config)
+
+
+def single_level(layers: int, layer: int, kind: str, level: int) -> list[tuple[int, int]]:
+    """Per-layer (key, value) levels with only `layer`'s `kind` predicting `level` heads."""
+    levels = [(0, 0)] * layers
+    levels[layer] = (level, 0) if kind == "key" else (0, level)
+    return levels
 
 
 def level_copy_costs(model, input_ids: torch.Tensor, maps: str | os.PathLike,
@@ -40,17 +55,14 @@ def level_copy_costs(model, input_ids: torch.Tensor, maps: str | os.PathLike,
     config = model.config
     layers = text_config(config).num_hidden_layers
     heads = kv_head_count(config)
-    policy, codec = parse_spec(f"shared_heads:ratio=1.0,maps={maps}")
-    assert isinstance(codec, SharedHeadsCodec)  # the spec names it
-    bound = codec.reduction_for_model(config)
+    policy, bound = bound_maps(maps, config)
     exact = copy_loss(model, input_ids, DynamicCache())
     costs: list[tuple[list[float], list[float]]] = []
     for layer in range(layers):
         pair: tuple[list[float], list[float]] = ([], [])
         for k, kind in enumerate(KINDS):
             for level in range(1, heads):
-                levels = [(0, 0)] * layers
-                levels[layer] = (level, 0) if kind == "key" else (0, level)
+                levels = single_level(layers, layer, kind, level)
                 cache = CompressedCache(policy, bound.with_levels(levels), config=config)
                 pair[k].append(copy_loss(model, input_ids, cache) - exact)
             if progress is not None:

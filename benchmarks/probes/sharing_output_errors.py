@@ -30,12 +30,10 @@ from hf_kvcompress.calibration import (
     load_sharing,
     output_error,
 )
-from hf_kvcompress.codecs.shared_heads import CALIBRATED_SINKS, SharedHeadsCodec, kv_head_count
+from hf_kvcompress.codecs.shared_heads import CALIBRATED_SINKS, kv_head_count
 from hf_kvcompress.hf.compat import text_config
 from hf_kvcompress.models import load_model
-from hf_kvcompress.registry import parse_spec
-
-KINDS = ("key", "value")
+from hf_kvcompress.sharing_costs import KINDS, bound_maps, single_level
 
 
 def level_output_errors(model, input_ids: torch.Tensor, maps: str | os.PathLike,
@@ -47,9 +45,7 @@ def level_output_errors(model, input_ids: torch.Tensor, maps: str | os.PathLike,
     config = model.config
     layers = text_config(config).num_hidden_layers
     heads = kv_head_count(config)
-    _, codec = parse_spec(f"shared_heads:ratio=1.0,maps={maps}")
-    assert isinstance(codec, SharedHeadsCodec)  # the spec names it
-    bound = codec.reduction_for_model(config)
+    _, bound = bound_maps(maps, config)
     captures = attention_captures(model, input_ids, queries)
     errors: list[tuple[list[float], list[float]]] = []
     for layer, capture in enumerate(captures):
@@ -59,9 +55,7 @@ def level_output_errors(model, input_ids: torch.Tensor, maps: str | os.PathLike,
         pair: tuple[list[float], list[float]] = ([], [])
         for k, (kind, states) in enumerate(zip(KINDS, (keys, values), strict=True)):
             for level in range(1, heads):
-                levels = [(0, 0)] * layers
-                levels[layer] = (level, 0) if kind == "key" else (0, level)
-                at = bound.with_levels(levels).for_layer(layer)
+                at = bound.with_levels(single_level(layers, layer, kind, level)).for_layer(layer)
                 extra = {"positions": positions} if kind == "key" else {}
                 rebuilt = at.decode(at.encode(states, kind, **extra), kind, torch.float32, **extra)[0]
                 rebuilt[:, :CALIBRATED_SINKS] = states[0, :, :CALIBRATED_SINKS]
