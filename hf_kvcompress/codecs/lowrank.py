@@ -407,6 +407,14 @@ class LowRankCodec(ReducingCodec):
             in bf16 stores its key and value latents in bf16 (half the bytes, and half the memory a step reads;
             `latent_dtype`), one that computes in float32 stores float32; a bf16 or float16 model stores its own
             dtype either way, and `+int4` its codes.
+        kinds: what is projected: "both" (the default) keys and values; "keys" the keys only (ShadowKV's split:
+            pre-RoPE keys are low rank, values often are not), the values handed whole to the storage (exact
+            alone, as `+int4` / `+int8` store them in a stack: a token's value is the layer's KV heads concatenated,
+            [B, 1, T, H_kv * D], the latent of an identity basis, so every joint path reads it unchanged). `ratio` is
+            then the share of the key dimensions kept (at each layer's cost on a model with sliding-window layers),
+            allocated over the keys alone by `allocate` on the shipped key curves; `rank` is the keys'. The spec's
+            bytes follow from the values' storage and are measured, not implied by `ratio`. Joint bases only. The
+            windows (`residual_length`) and `+int4`'s default residual follow `ratio` as for "both".
     """
 
     name: ClassVar[str] = "lowrank"

@@ -6,12 +6,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvcompress import make_cache, measured_kv_bytes
+from hf_kvcompress import load_cache, make_cache, measured_kv_bytes, save_cache
 from hf_kvcompress.codecs.intn import IntNCodec
 from hf_kvcompress.codecs.lowrank import LowRankCodec, allocate_ranks, allocate_ranks_by_error
 from hf_kvcompress.generation import generate
 from hf_kvcompress.ops import cpu_decode
 from hf_kvcompress.registry import parse_spec
+from hf_kvcompress.study import promised_bytes
 
 from ..caches.tiny_models import fitted_joint_bases, left_padded_prompts
 
@@ -159,3 +160,21 @@ def test_spec_round_trips_and_bad_input_is_refused(fitted, tmp_path):
         LowRankCodec(ratio=0.5, kinds="values")
     with pytest.raises(ValueError, match="kinds must be one of both, keys"):
         parse_spec("lowrank:kinds=all")
+
+
+def test_the_study_counts_what_is_stored_and_a_saved_cache_loads(fitted, tmp_path):
+    model, bases = fitted["llama"]
+    spec = f"lowrank:ratio=0.5,kinds=keys,residual_length=0,bases={bases}+int4:group_size=16,residual_length=16"
+    cache = make_cache(spec, model.config)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    bookkeeping = model.config.num_hidden_layers * 2 * 8  # each layer's pads and real_seen
+    assert promised_bytes(spec, model.config, 40, 4) == pytest.approx(cache.promised_kv_bytes() - bookkeeping)
+    assert cache.layers[0].store.n_held > 0  # int4's residual holds the reduced states: keys' latents, whole values
+    save_cache(cache, tmp_path / "cache")
+    loaded = load_cache(tmp_path / "cache", model=model)
+    for a, b in zip(cache.layers, loaded.layers, strict=True):
+        for kind in ("key", "value"):
+            assert torch.equal(a._full(kind), b._full(kind))
+    assert measured_kv_bytes(loaded) == loaded.promised_kv_bytes()
