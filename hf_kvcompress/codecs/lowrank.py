@@ -76,10 +76,13 @@ class LayerBases:
     kernel_keys: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]]
 
     def __init__(self, tensors: dict[str, torch.Tensor], layer_idx: int, ranks: tuple[int, int], joint: bool,
-                 inv_freq: tuple[float, ...] = ()):
+                 inv_freq: tuple[float, ...] = (), whole_values: bool = False):
         self.inv_freq = torch.tensor(inv_freq, dtype=torch.float32)
         self.kernel_keys = {}
         for kind, rank in zip(("key", "value"), ranks, strict=True):
+            if kind == "value" and whole_values:
+                self._whole_values(tensors[f"layers.{layer_idx}.key_mean"].shape, rank)
+                continue
             mean = tensors[f"layers.{layer_idx}.{kind}_mean"].float()
             basis = tensors[f"layers.{layer_idx}.{kind}_basis"][..., :rank].float()
             encoder = None  # an orthonormal basis encodes too
@@ -102,6 +105,17 @@ class LayerBases:
             setattr(self, f"{kind}_mean", mean.contiguous())
             setattr(self, f"{kind}_basis", basis)
             setattr(self, f"{kind}_encoder", basis if encoder is None else encoder.contiguous())
+
+    def _whole_values(self, shape: torch.Size, rank: int) -> None:
+        """Values kept whole (lowrank's `kinds="keys"`): a zero mean and the identity as the joint basis [H, D, H * D]
+        (row h * D + d of the [H * D, H * D] matrix is [h, d]), so that a value's latent is its heads concatenated
+        and every path that reads joint value latents (the block reads, the C++ kernel) reads the values exactly."""
+        heads, dim = shape
+        if rank != heads * dim:
+            raise ValueError(f"whole values keep all {heads * dim} dimensions of a layer, got rank {rank}")
+        self.value_mean = torch.zeros(heads, dim)
+        self.value_basis = torch.eye(heads * dim).reshape(heads, dim, heads * dim)
+        self.value_encoder = self.value_basis
 
     def on(self, device: torch.device) -> LayerBases:
         """These bases on `device`, moved there once: a layer's bases belong to one cache (`for_layer`), so the
@@ -212,11 +226,13 @@ COMPUTE_DTYPES = ("auto", "bfloat16", "float32")  # lowrank's `compute`: the dty
 # The kinds whose latents a float32 model stores in bf16 where its decode step computes in bf16 (`latent_dtype`).
 BF16_LATENTS = ("key", "value")
 ALLOCATIONS = ("copy", "error", "variance")  # lowrank's `allocate`: what a ratio's dimensions are spread by
+# lowrank's `kinds`: what is projected on the bases. "keys": the keys only; the values go to the storage whole.
+PROJECTED_KINDS = ("both", "keys")
 
 
 def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: float, step: int,
                    max_rank: int, floored: tuple[bool, ...] | None = None,
-                   costs: tuple[float, ...] | None = None) -> list[tuple[int, int]]:
+                   costs: tuple[float, ...] | None = None, kinds: tuple[int, ...] = (0, 1)) -> list[tuple[int, int]]:
     """Per-layer (key rank, value rank) keeping `ratio` of all layers' dimensions, in steps of `step`.
 
     Each (layer, kind) ranks its components by the share of its own variance they hold; the kept dimensions go to
@@ -226,7 +242,8 @@ def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: fl
     (in whole steps, at most `max_rank`), paid for by the other layers' smallest steps. `costs`: what a dimension
     of each layer costs (`layer_costs`: the tokens it is stored for); then `ratio` is a share of the dimensions
     counted at their costs, and a step goes where its share of variance per cost is largest. None: every layer
-    alike."""
+    alike. `kinds`: the kinds allocated (0 keys, 1 values; `ratio` is then a share of those kinds' dimensions); a
+    kind left out keeps one step (its caller stores it otherwise)."""
     width = variances[0][0].numel()
     steps = width // step
     cost = costs if costs is not None else (1.0,) * len(variances)
@@ -235,11 +252,14 @@ def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: fl
     gains: list[tuple[float, int, int, int]] = []
     for layer, pair in enumerate(variances):
         for k, v in enumerate(pair):
+            if k not in kinds:
+                continue
             share = v.double().clamp(min=0) / v.double().clamp(min=0).sum().clamp(min=1e-30)
             chunks = share[: steps * step].reshape(steps, step).sum(-1) / cost[layer]
             gains.extend((float(chunks[c]), layer, k, c) for c in range(lowest[layer], min(steps, max_rank // step)))
     ranks = [[step * low, step * low] for low in lowest]
-    budget = _step_budget(ratio, steps, cost) - sum(2 * low * cost[layer] for layer, low in enumerate(lowest))
+    budget = _step_budget(ratio, steps, cost, len(kinds)) \
+        - sum(len(kinds) * low * cost[layer] for layer, low in enumerate(lowest))
     # Shares fall along each (layer, kind), and a layer's steps cost alike, so the largest gains anywhere are prefixes
     # of each; a step that no longer fits the budget is passed over for cheaper ones.
     for _, layer, k, _ in sorted(gains, key=lambda g: (-g[0], g[1], g[2], g[3])):
@@ -253,12 +273,12 @@ def allocate_ranks(variances: list[tuple[torch.Tensor, torch.Tensor]], ratio: fl
 _SLACK = 1e-9
 
 
-def _step_budget(ratio: float, steps: int, costs: tuple[float, ...]) -> float:
-    """`ratio` of all layers' key and value steps, counted at their layers' costs (unit costs: a whole number of
-    steps, rounded as before costs existed)."""
+def _step_budget(ratio: float, steps: int, costs: tuple[float, ...], kinds: int = 2) -> float:
+    """`ratio` of all layers' steps of `kinds` kinds (keys and values: 2), counted at their layers' costs (unit
+    costs: a whole number of steps, rounded as before costs existed)."""
     if all(c == 1.0 for c in costs):
-        return float(round(ratio * len(costs) * 2 * steps))
-    return ratio * 2 * steps * sum(costs)
+        return float(round(ratio * len(costs) * kinds * steps))
+    return ratio * kinds * steps * sum(costs)
 
 
 def layer_costs(layer_types: list[str], window: int, length: int, exact: int) -> tuple[float, ...] | None:
@@ -276,7 +296,8 @@ def layer_costs(layer_types: list[str], window: int, length: int, exact: int) ->
 
 def allocate_ranks_by_error(curves: list[tuple[list[float], list[float]]], ratio: float, step: int, max_rank: int,
                             width: int, floored: tuple[bool, ...] | None = None,
-                            curve_step: int = 8, costs: tuple[float, ...] | None = None) -> list[tuple[int, int]]:
+                            curve_step: int = 8, costs: tuple[float, ...] | None = None,
+                            kinds: tuple[int, ...] = (0, 1)) -> list[tuple[int, int]]:
     """Per-layer (key rank, value rank) keeping `ratio` of all layers' dimensions, in steps of `step`, chosen to
     lower the sum over layers of the calibrated attention-output errors (`calibration.error_curves`: per layer and
     kind, the error at ranks 0, curve_step, 2 curve_step, ... up to `max_rank`; `width`: KV heads x head_dim) the
@@ -286,7 +307,7 @@ def allocate_ranks_by_error(curves: list[tuple[list[float], list[float]]], ratio
     flattens and then falls again (a few large components late) is looked at over every later step, so a long run of
     small gains does not hide it. Bounds as `allocate_ranks` (at least one step, at most `max_rank`, `floored`
     layers at least `ratio` of each kind); with `costs`, `ratio` counts each layer's dimensions at its cost and the
-    error's fall is taken per cost."""
+    error's fall is taken per cost; `kinds` as `allocate_ranks`'."""
     if step % curve_step:
         raise ValueError(f"step must be a multiple of the error curves' step ({curve_step}), got {step}")
     steps = width // step
@@ -295,13 +316,16 @@ def allocate_ranks_by_error(curves: list[tuple[list[float], list[float]]], ratio
     top = min(steps, max_rank // step)
     lowest = [floor if floored is not None and floored[layer] else 1 for layer in range(len(curves))]
     ranks = [[low, low] for low in lowest]
-    budget = _step_budget(ratio, steps, cost) - sum(2 * low * cost[layer] for layer, low in enumerate(lowest))
+    budget = _step_budget(ratio, steps, cost, len(kinds)) \
+        - sum(len(kinds) * low * cost[layer] for layer, low in enumerate(lowest))
     every = step // curve_step
     while budget > _SLACK:
         best: tuple[float, int, int, int] | None = None
         for layer, pair in enumerate(curves):
             fits = int((budget + _SLACK) // cost[layer])  # the steps of this layer the budget still pays for
             for k, curve in enumerate(pair):
+                if k not in kinds:
+                    continue
                 at = ranks[layer][k]
                 for more in range(1, min(top - at, fits) + 1):  # the best rate over any run of later steps
                     rate = (curve[at * every] - curve[(at + more) * every]) / (more * cost[layer])
@@ -383,6 +407,14 @@ class LowRankCodec(ReducingCodec):
             in bf16 stores its key and value latents in bf16 (half the bytes, and half the memory a step reads;
             `latent_dtype`), one that computes in float32 stores float32; a bf16 or float16 model stores its own
             dtype either way, and `+int4` its codes.
+        kinds: what is projected: "both" (the default) keys and values; "keys" the keys only (ShadowKV's split:
+            pre-RoPE keys are low rank, values often are not), the values handed whole to the storage (exact
+            alone, as `+int4` / `+int8` store them in a stack: a token's value is the layer's KV heads concatenated,
+            [B, 1, T, H_kv * D], the latent of an identity basis, so every joint path reads it unchanged). `ratio` is
+            then the share of the key dimensions kept (at each layer's cost on a model with sliding-window layers),
+            allocated over the keys alone by `allocate` on the shipped key curves; `rank` is the keys'. The spec's
+            bytes follow from the values' storage and are measured, not implied by `ratio`. Joint bases only. The
+            windows (`residual_length`) and `+int4`'s default residual follow `ratio` as for "both".
     """
 
     name: ClassVar[str] = "lowrank"
@@ -399,6 +431,7 @@ class LowRankCodec(ReducingCodec):
     residual_length: int | None = None  # type: ignore[assignment,misc]  # as sink_tokens: lowrank's own (stack: the most)
     length: int = BYTES_AT_LENGTH
     compute: str = "auto"
+    kinds: str = "both"
     _tensors: dict | None = field(default=None, init=False, repr=False, compare=False)
     # Bound to the model: whether the bases are joint (keys pre-RoPE), each layer's (key, value) ranks, its RoPE
     # frequencies (joint only) and the model's KV-head count.
@@ -442,6 +475,8 @@ class LowRankCodec(ReducingCodec):
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}, got {self.floor!r}")
         if self.compute not in COMPUTE_DTYPES:
             raise ValueError(f"compute must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute!r}")
+        if self.kinds not in PROJECTED_KINDS:
+            raise ValueError(f"kinds must be one of {', '.join(PROJECTED_KINDS)}, got {self.kinds!r}")
         if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
             raise ValueError(f"length must be a positive integer (the prompt tokens a hybrid model's ratio counts "
                              f"bytes at), got {self.length!r}")
@@ -506,6 +541,10 @@ class LowRankCodec(ReducingCodec):
                 "calibrate` writes; these hold one basis per head: give rank="
             )
         layers = int(meta["layers"])
+        if not joint and self.kinds != "both":
+            raise ValueError(f"kinds={self.kinds} needs joint bases (keys projected before RoPE), which `hf-kvcompress "
+                             "calibrate` writes; these hold one basis per head: give kinds=both")
+        allocated = (0, 1) if self.kinds == "both" else (0,)  # the kinds a ratio's dimensions go to
         if joint:
             if self.rank is not None:
                 if self.rank >= head_dim:
@@ -530,20 +569,23 @@ class LowRankCodec(ReducingCodec):
                                [w * e for e in tensors[f"layers.{i}.value_error"].tolist()])
                               for i, w in enumerate(weights)]
                     ranks = allocate_ranks_by_error(curves, ratio, step, max_rank, heads * head_dim, floored,
-                                                    ERROR_STEP, costs)
+                                                    ERROR_STEP, costs, allocated)
                 else:
                     variances = [(tensors[f"layers.{i}.key_variance"], tensors[f"layers.{i}.value_variance"])
                                  for i in range(layers)]
-                    ranks = allocate_ranks(variances, ratio, step, max_rank, floored, costs)
+                    ranks = allocate_ranks(variances, ratio, step, max_rank, floored, costs, allocated)
+            if self.kinds == "keys":  # the values' latents are the layer's heads concatenated (`LayerBases`)
+                ranks = [(key, heads * head_dim) for key, _ in ranks]
         else:
             rank = self.rank if self.rank is not None else head_dim // 4
             ranks = [(rank, rank)] * layers
-        most = max(max(r) for r in ranks)
+        most = max(pair[k] for pair in ranks for k in allocated)
         if most > max_rank:
             unit = " x KV heads" if joint else ""
             raise ValueError(f"rank{unit} must be at most {max_rank} (the components these bases hold), got {most}")
         bound = replace(self, rank=None if joint and self.rank is None else (self.rank or ranks[0][0]))
-        encoders = tuple(kind for kind in ("key", "value") if joint and f"layers.0.{kind}_encoder" in tensors)
+        encoders = tuple(kind for k, kind in enumerate(("key", "value"))
+                         if joint and k in allocated and f"layers.0.{kind}_encoder" in tensors)
         for name, value in (("_tensors", tensors), ("_joint", joint), ("_ranks", tuple(ranks)), ("_kv_heads", heads),
                             ("_inv_freqs", rope_frequencies(config) if joint else None), ("_encoders", encoders),
                             ("_turns", TurnTables() if joint else None)):
@@ -609,7 +651,7 @@ class LowRankCodec(ReducingCodec):
         object.__setattr__(bound, "storage", self.storage.for_layer(layer_idx))
         inv_freq = self._inv_freqs[layer_idx] if self._inv_freqs is not None else ()
         object.__setattr__(bound, "_layer", LayerBases(self._tensors, layer_idx, self._ranks[layer_idx], self._joint,
-                                                       inv_freq))
+                                                       inv_freq, self.kinds == "keys"))
         object.__setattr__(bound, "_layer_idx", layer_idx)
         if self._turns is not None:
             self._turns.register(layer_idx)
@@ -629,7 +671,7 @@ class LowRankCodec(ReducingCodec):
         `+int4`, nor the latents a stack's residual holds for its storage, `residual_codec`), since those products
         round the latents to bf16 anyway; otherwise the model's own dtype."""
         if dtype != torch.float32 or not self._joint or not self.storage.lossless or kind not in BF16_LATENTS \
-                or self._holds_for_storage:
+                or self._holds_for_storage or self._whole(kind):
             return dtype
         if self.compute == "bfloat16" or (self.compute == "auto" and self._device is not None
                                           and fast_bfloat16_matmul(self._device)):
@@ -690,7 +732,14 @@ class LowRankCodec(ReducingCodec):
             return
         super().check_head_dim(head_dim)
 
+    def _whole(self, kind: Kind) -> bool:
+        """Whether `kind` is stored whole (`kinds="keys"`: the values), its latent the layer's heads concatenated."""
+        return kind == "value" and self.kinds == "keys"
+
     def reduce(self, states: torch.Tensor, kind: Kind) -> torch.Tensor:
+        if self._whole(kind):  # [B, H, T, D] -> [B, 1, T, H * D]: the identity basis's latent, without its product
+            batch, heads, tokens, dim = states.shape
+            return states.transpose(1, 2).reshape(batch, 1, tokens, heads * dim)
         mean, basis = self._bases(kind, states.shape[1], states.device, "encoder")
         centered = states.float() - mean[None, :, None, :]
         if self._joint:  # [B, 1, T, r]: one latent per token for all of the layer's KV heads
@@ -702,6 +751,9 @@ class LowRankCodec(ReducingCodec):
         return torch.einsum("bhtd,hdr->bhtr", centered, basis).to(states.dtype)
 
     def expand(self, reduced: torch.Tensor, kind: Kind, dtype: torch.dtype) -> torch.Tensor:
+        if self._whole(kind):  # `reduce`'s inverse
+            batch, _, tokens, width = reduced.shape
+            return reduced.reshape(batch, tokens, self._kv_heads, width // self._kv_heads).transpose(1, 2).to(dtype)
         heads = self._kv_heads if self._joint else reduced.shape[1]
         mean, basis = self._bases(kind, heads, reduced.device)
         if self._joint:
@@ -731,7 +783,7 @@ class LowRankCodec(ReducingCodec):
         the same turn table and the same float32 roundings of the turn and the mean, the projection's sums in another
         order. None otherwise (the PyTorch path, the reference)."""
         if not (self._joint and states.device.type == "cpu" and states.shape[2] <= ENCODE_KERNEL_TOKENS
-                and cpu_decode.available()):
+                and cpu_decode.available()) or self._whole(kind):
             return None
         mean, encoder = self._bases(kind, states.shape[1], states.device, "encoder")
         cos = sin = None

@@ -29,6 +29,7 @@ SETTINGS = [
     "int2:key_scale=auto,wide_layers=0,wide_bits=2",
     "lowrank:rank=8,floor=none,sink_tokens=0,residual_length=3,length=512,compute=float32,bases=somewhere",
     "lowrank:ratio=0.5,allocate=error",
+    "lowrank:ratio=0.75,kinds=keys+int8",
     "lowrank:ratio=0.25,allocate=copy,compute=bfloat16",
     "lowrank:ratio=0.5+int4:key_axis=token,residual_length=0",
     "shared_heads:heads_per_group=2,sink_tokens=2",
