@@ -357,7 +357,9 @@ class LowRankCodec(ReducingCodec):
             `allocate` (joint bases only). On a model with sliding-window layers each layer's dimensions count at
             the tokens they are stored for at `length` (a sliding layer's window, a full-attention layer's every
             token, less the exact window and sinks; `layer_costs`), so that the ratio is the share of the latents'
-            bytes there rather than of the dimensions. Neither: ratio 0.25 (joint bases) or rank head_dim // 4.
+            bytes there rather than of the dimensions. A ratio beyond what the bases hold (their components per
+            layer, in the ratio's whole steps) is refused, naming the most they hold. Neither: ratio 0.25 (joint
+            bases) or rank head_dim // 4.
         bases: a directory (or file) written by `hf-kvcompress calibrate`; None: the bases shipped for the model.
         allocate: with `ratio`, how the dimensions are spread over layers and kinds: "error" spends each next step
             where it lowers the calibrated attention-output error most (summed over layers; the curves
@@ -554,6 +556,7 @@ class LowRankCodec(ReducingCodec):
                 ratio = self.ratio if self.ratio is not None else DEFAULT_RATIO
                 step, floored = self._rank_step(heads * head_dim), self._floored(config)
                 costs = self._costs(config)
+                self._check_ratio_fits(ratio, heads * head_dim, step, max_rank, layers, costs, len(allocated))
                 allocate = self.allocate or self._default_allocation(ratio, tensors, costs is not None)
                 if allocate in ("error", "copy"):
                     if not has_error_curves(tensors):
@@ -591,6 +594,22 @@ class LowRankCodec(ReducingCodec):
                             ("_turns", TurnTables() if joint else None)):
             object.__setattr__(bound, name, value)
         return bound
+
+    def _check_ratio_fits(self, ratio: float, width: int, step: int, max_rank: int, layers: int,
+                          costs: tuple[float, ...] | None, kinds: int) -> None:
+        """Refuse a ratio the bases cannot hold: each layer keeps at most `max_rank` components (the bases'), in whole
+        steps of `step`, so a larger ratio would keep less than it names (no silent cap)."""
+        steps = width // step
+        cap = min(steps, max_rank // step)  # the steps per layer and kind the bases hold
+        unit = (1.0,) * layers if costs is None else costs
+        if _step_budget(ratio, steps, unit, kinds) > cap * kinds * sum(unit) + _SLACK:
+            most = cap / steps
+            what = "the key dimensions (kinds=keys)" if kinds == 1 else "the key and value dimensions"
+            raise ValueError(
+                f"ratio={ratio:g} asks for more of {what} than these bases hold: at most {most:.4g} ({cap * step} of "
+                f"{width} per layer: the bases keep {max_rank} components, and the ratio's ranks are whole steps of "
+                f"{step}); give ratio <= {math.floor(most * 1e4) / 1e4:g}, or bases calibrated with a larger "
+                "--max-rank (hf-kvcompress calibrate)")
 
     @staticmethod
     def _default_allocation(ratio: float, tensors: dict, hybrid: bool) -> str:

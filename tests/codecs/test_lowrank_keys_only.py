@@ -178,3 +178,38 @@ def test_the_study_counts_what_is_stored_and_a_saved_cache_loads(fitted, tmp_pat
         for kind in ("key", "value"):
             assert torch.equal(a._full(kind), b._full(kind))
     assert measured_kv_bytes(loaded) == loaded.promised_kv_bytes()
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory):
+    """(model, bases dir): joint bases holding 40 of the tiny Llama's 64 components per layer (2 KV heads x 32)."""
+    from hf_kvcompress.calibration import calibrate_joint, save_bases
+
+    from ..caches.tiny_models import calibration_model
+
+    model = calibration_model("llama")
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    tensors, metadata, _ = calibrate_joint(model, ids, max_rank=40, text="random ids")
+    return model, save_bases(tensors, metadata, tmp_path_factory.mktemp("capped")).parent
+
+
+@pytest.mark.parametrize(("spec", "most"), [("lowrank:ratio=0.7", "0.625"), ("lowrank:kinds=keys,ratio=0.7", "0.625"),
+                                            ("lowrank:ratio=0.625+int4:residual_length=0", "0.5"),
+                                            ("lowrank:kinds=keys,ratio=0.75+int4:residual_length=0", "0.5")])
+def test_a_ratio_beyond_what_the_bases_hold_is_refused(capped, spec, most):
+    """40 components per layer: in steps of 8 at most 0.625 of a kind's dimensions, in int4's groups of 32 at most
+    0.5; a larger ratio would keep less than it names, so it is refused, naming the most it can be."""
+    model, bases = capped
+    name, _, storage = spec.partition("+")
+    with pytest.raises(ValueError, match=rf"ratio=0\.\d+ asks for more .* at most {most} "):
+        make_cache(f"{name},bases={bases}" + (f"+{storage}" if storage else ""), model.config)
+
+
+@pytest.mark.parametrize(("spec", "ranks"), [("lowrank:ratio=0.625", (40, 40)),
+                                             ("lowrank:kinds=keys,ratio=0.625", (40, 64)),
+                                             ("lowrank:kinds=keys,ratio=0.5+int4:residual_length=0", (32, 64))])
+def test_the_most_the_bases_hold_is_accepted(capped, spec, ranks):
+    model, bases = capped
+    name, _, storage = spec.partition("+")
+    cache = make_cache(f"{name},bases={bases}" + (f"+{storage}" if storage else ""), model.config)
+    assert all(layer.codec.layer_ranks[i] == ranks for i, layer in enumerate(cache.layers))
