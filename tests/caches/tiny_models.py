@@ -1,5 +1,6 @@
 """Tiny random-weight models of several families, built from configs (no downloads)."""
 
+import pytest
 import torch
 import transformers
 
@@ -160,6 +161,34 @@ def fitted_joint_bases(mktemp) -> dict:
         assert metadata["heads"] == JOINT and metadata["keys"] == "pre_rope" and len(report) == len(model.model.layers)
         out[family] = model, save_bases(tensors, metadata, mktemp(family)).parent
     return out
+
+
+def prompt_then_steps(model, cache, prompt=30, steps=5, batch=2) -> torch.Tensor:
+    """Logits [B, prompt + steps, V] of a random prompt and then `steps` single-token steps, which read the encoded
+    store (positions given, so caches of every kind see the same ones)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (batch, prompt + steps), generator=g)
+    positions = torch.arange(prompt + steps)[None].expand(batch, -1)
+    with torch.no_grad():
+        outs = [model(input_ids=ids[:, :prompt], cache=cache, position_ids=positions[:, :prompt]).logits]
+        for j in range(prompt, prompt + steps):
+            outs.append(model(input_ids=ids[:, j:j + 1], cache=cache, position_ids=positions[:, j:j + 1]).logits)
+    return torch.cat(outs, 1)
+
+
+def filled_as_the_study_counts(model, spec: str, tokens: int = 40):
+    """A cache of `spec` after a random prompt of `tokens`, checked to hold what the study's byte estimate
+    (`study.promised_bytes`, at 4 new tokens) promises beside its per-layer bookkeeping."""
+    from hf_kvcompress import make_cache
+    from hf_kvcompress.study import promised_bytes
+
+    cache = make_cache(spec, model.config)
+    ids = torch.randint(3, 128, (1, tokens), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    bookkeeping = model.config.num_hidden_layers * 2 * 8  # each layer's pads and real_seen
+    assert promised_bytes(spec, model.config, tokens, 4) == pytest.approx(cache.promised_kv_bytes() - bookkeeping)
+    return cache
 
 
 def kvzip_forced_logits(model, ids, mask, cache, tokens, repeat_prompt_ids=(5, 6, 7)):

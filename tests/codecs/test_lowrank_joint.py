@@ -11,27 +11,21 @@ from hf_kvcompress.calibration import concatenated, load_bases, save_bases
 from hf_kvcompress.codecs.lowrank import LowRankCodec, allocate_ranks
 from hf_kvcompress.generation import generate
 from hf_kvcompress.ops.rerotate import rerotate
-from hf_kvcompress.study import promised_bytes
 
-from ..caches.tiny_models import calibration_model, fitted_joint_bases, left_padded_prompts, tiny_model
+from ..caches.tiny_models import (
+    calibration_model,
+    filled_as_the_study_counts,
+    fitted_joint_bases,
+    left_padded_prompts,
+    prompt_then_steps,
+    tiny_model,
+)
 
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
     """{family: (model, bases dir)}: every component kept, so ratio=1.0 is full rank."""
     return fitted_joint_bases(tmp_path_factory.mktemp)
-
-
-def _steps(model, cache, prompt=30, steps=5, batch=2):
-    """Logits of a prompt and then `steps` single-token steps, which read the encoded store."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 128, (batch, prompt + steps), generator=g)
-    positions = torch.arange(prompt + steps)[None].expand(batch, -1)
-    with torch.no_grad():
-        outs = [model(input_ids=ids[:, :prompt], cache=cache, position_ids=positions[:, :prompt]).logits]
-        for j in range(prompt, prompt + steps):
-            outs.append(model(input_ids=ids[:, j:j + 1], cache=cache, position_ids=positions[:, j:j + 1]).logits)
-    return torch.cat(outs, 1)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -41,7 +35,7 @@ def test_full_rank_equals_dynamic_cache(fitted, family, policy):
     # Keys rebuilt in float32: this checks the algebra to float32's rounding (a bf16 product, `compute`'s default on
     # a CPU that multiplies bf16 natively, rounds keys by ~2^-9: test_lowrank_attention.py bounds what that costs).
     cache = make_cache(f"{policy}lowrank:ratio=1.0,bases={bases},compute=float32", model.config)
-    delta = (_steps(model, cache) - _steps(model, DynamicCache())).abs().max()
+    delta = (prompt_then_steps(model, cache) - prompt_then_steps(model, DynamicCache())).abs().max()
     assert cache.layers[-1].n_encoded == 35  # every token was read back from its latent
     assert delta < 1e-4
 
@@ -141,13 +135,7 @@ def test_bytes_are_exact_and_padded_rows_match_rows_alone(fitted, spec):
 
 def test_the_study_counts_the_latents_and_positions(fitted):
     model, bases = fitted["llama"]
-    spec = f"lowrank:ratio=0.5,bases={bases}"
-    cache = make_cache(spec, model.config)
-    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        model(input_ids=ids, cache=cache)
-    bookkeeping = model.config.num_hidden_layers * 2 * 8  # each layer's pads and real_seen
-    assert promised_bytes(spec, model.config, 40, 4) == pytest.approx(cache.promised_kv_bytes() - bookkeeping)
+    filled_as_the_study_counts(model, f"lowrank:ratio=0.5,bases={bases}")
 
 
 def test_bases_count_once_per_model_not_per_cache(fitted):

@@ -12,27 +12,20 @@ from hf_kvcompress.codecs.lowrank import LowRankCodec, allocate_ranks, allocate_
 from hf_kvcompress.generation import generate
 from hf_kvcompress.ops import cpu_decode
 from hf_kvcompress.registry import parse_spec
-from hf_kvcompress.study import promised_bytes
 
-from ..caches.tiny_models import fitted_joint_bases, left_padded_prompts
+from ..caches.tiny_models import (
+    calibration_model,
+    filled_as_the_study_counts,
+    fitted_joint_bases,
+    left_padded_prompts,
+    prompt_then_steps,
+)
 
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
     """{family: (model, bases dir)}: every component kept (2 layers, 2 KV heads, head_dim 32)."""
     return fitted_joint_bases(tmp_path_factory.mktemp)
-
-
-def _steps(model, cache, prompt=30, steps=5, batch=2):
-    """Logits of a prompt and then `steps` single-token steps, which read the encoded store."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 128, (batch, prompt + steps), generator=g)
-    positions = torch.arange(prompt + steps)[None].expand(batch, -1)
-    with torch.no_grad():
-        outs = [model(input_ids=ids[:, :prompt], cache=cache, position_ids=positions[:, :prompt]).logits]
-        for j in range(prompt, prompt + steps):
-            outs.append(model(input_ids=ids[:, j:j + 1], cache=cache, position_ids=positions[:, j:j + 1]).logits)
-    return torch.cat(outs, 1).float()
 
 
 def _states(seed: int, heads: int = 2, tokens: int = 9, dim: int = 32):
@@ -67,7 +60,7 @@ def test_keys_equal_kinds_both_and_values_are_stored_whole(fitted, storage):
 def test_full_key_rank_equals_dynamic_cache(fitted):
     model, bases = fitted["llama"]
     cache = make_cache(f"lowrank:ratio=1.0,kinds=keys,bases={bases},compute=float32", model.config)
-    delta = (_steps(model, cache) - _steps(model, DynamicCache())).abs().max()
+    delta = (prompt_then_steps(model, cache).float() - prompt_then_steps(model, DynamicCache()).float()).abs().max()
     assert cache.layers[-1].n_encoded == 35  # every token was read back from the store
     assert delta < 1e-4
 
@@ -110,9 +103,9 @@ def test_the_kernel_and_the_block_reads_generate_alike(fitted, dtype, storage, m
     model = model.to(dtype)
     try:
         spec = f"lowrank:ratio=0.5,kinds=keys,bases={bases},compute=float32{storage}"
-        kernel = _steps(model, make_cache(spec, model.config))
+        kernel = prompt_then_steps(model, make_cache(spec, model.config)).float()
         monkeypatch.setattr(cpu_decode, "available", lambda: False)
-        blocks = _steps(model, make_cache(spec, model.config))
+        blocks = prompt_then_steps(model, make_cache(spec, model.config)).float()
     finally:
         model.to(torch.float32)
     bound = 1e-4 if dtype == torch.float32 else 0.1
@@ -165,12 +158,7 @@ def test_spec_round_trips_and_bad_input_is_refused(fitted, tmp_path):
 def test_the_study_counts_what_is_stored_and_a_saved_cache_loads(fitted, tmp_path):
     model, bases = fitted["llama"]
     spec = f"lowrank:ratio=0.5,kinds=keys,residual_length=0,bases={bases}+int4:group_size=16,residual_length=16"
-    cache = make_cache(spec, model.config)
-    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        model(input_ids=ids, cache=cache)
-    bookkeeping = model.config.num_hidden_layers * 2 * 8  # each layer's pads and real_seen
-    assert promised_bytes(spec, model.config, 40, 4) == pytest.approx(cache.promised_kv_bytes() - bookkeeping)
+    cache = filled_as_the_study_counts(model, spec)
     assert cache.layers[0].store.n_held > 0  # int4's residual holds the reduced states: keys' latents, whole values
     save_cache(cache, tmp_path / "cache")
     loaded = load_cache(tmp_path / "cache", model=model)
@@ -185,7 +173,6 @@ def capped(tmp_path_factory):
     """(model, bases dir): joint bases holding 40 of the tiny Llama's 64 components per layer (2 KV heads x 32)."""
     from hf_kvcompress.calibration import calibrate_joint, save_bases
 
-    from ..caches.tiny_models import calibration_model
 
     model = calibration_model("llama")
     ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(0))
